@@ -1,0 +1,32 @@
+# README's two commands: `make demo` and `make test`. Each sets up .venv on its own.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+# The CPU build of torch; a user's existing torch (in the venv or on the system) is left as it is.
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: demo test lint docs gpu-check clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install $(TORCH_PIN)
+	$(PY) -m pip install -e ".[dev,docs]"
+	touch $@
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/kitsune demo
+
+test: $(VENV)/.installed
+	$(PY) -m ruff check kitsune tests examples
+	$(PY) -m ruff format --check kitsune tests examples
+	$(PY) -m pytest -q
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+
+docs: $(VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve
+
+gpu-check:
+	bash scripts/gpu-check.sh
+
+clean:
+	rm -rf $(VENV) site build *.egg-info .pytest_cache

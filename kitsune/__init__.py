@@ -1,0 +1,29 @@
+"""kitsune: a fast optimizer phase for PyTorch training, with one line of code.
+
+optimizer = KitsuneOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-4), enable_fusion=True)
+"""
+
+from kitsune.config import (
+    AMPConfig,
+    FusionConfig,
+    GraphConfig,
+    KitsuneConfig,
+    MemoryConfig,
+    ProfilerConfig,
+    StreamConfig,
+)
+from kitsune.optimizer import KitsuneOptimizer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AMPConfig",
+    "FusionConfig",
+    "GraphConfig",
+    "KitsuneConfig",
+    "KitsuneOptimizer",
+    "MemoryConfig",
+    "ProfilerConfig",
+    "StreamConfig",
+    "__version__",
+]

@@ -1,0 +1,3 @@
+from kitsune.cli import main
+
+raise SystemExit(main())

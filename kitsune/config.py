@@ -1,0 +1,219 @@
+"""Configuration: one frozen pydantic model per subsystem, and :class:`KitsuneConfig` holding them all.
+
+Every field has a default and a docstring; invalid values raise :class:`pydantic.ValidationError` naming the
+field and the allowed range. The keyword arguments of :class:`kitsune.KitsuneOptimizer` are shorthand for
+these models (see :func:`resolve_config`).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, model_validator
+from pydantic.functional_validators import BeforeValidator
+
+MiB = 1024 * 1024
+
+_DTYPE_NAMES = {
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def _to_amp_dtype(value: Any) -> torch.dtype:
+    if isinstance(value, str):
+        key = value.removeprefix("torch.").lower()
+        if key not in _DTYPE_NAMES:
+            raise ValueError(f"dtype must be torch.float16 or torch.bfloat16 (or 'float16'/'bfloat16'), got {value!r}")
+        return _DTYPE_NAMES[key]
+    if value not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {value!r}")
+    return value
+
+
+AmpDtype = Annotated[
+    torch.dtype,
+    BeforeValidator(_to_amp_dtype),
+    PlainSerializer(lambda d: str(d).removeprefix("torch."), return_type=str),
+]
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", validate_default=True, arbitrary_types_allowed=True, use_attribute_docstrings=True
+    )
+
+
+class AMPConfig(_Config):
+    """Mixed precision: autocast dtype and the device-resident dynamic loss scaler (fp16 only)."""
+
+    enabled: bool = True
+    """Use mixed precision when the optimizer has AMP on (``enable_amp=True``)."""
+    dtype: AmpDtype = torch.float16
+    """Autocast dtype: torch.float16 (with dynamic loss scaling) or torch.bfloat16 (autocast only, no scaler)."""
+    init_scale: float = Field(2.0**16, gt=0)
+    """Loss scale at the first step (fp16)."""
+    growth_factor: float = Field(2.0, gt=1.0)
+    """Multiply the scale by this after ``growth_interval`` consecutive steps without inf/nan grads."""
+    backoff_factor: float = Field(0.5, gt=0.0, lt=1.0)
+    """Multiply the scale by this when a step finds inf/nan grads (the step is skipped)."""
+    growth_interval: int = Field(2000, ge=1)
+    """Clean steps needed before the scale grows."""
+
+
+class FusionConfig(_Config):
+    """The fusion planner: which fused Triton kernels it may use and when fusing is worth it."""
+
+    enabled: bool = True
+    """Use fused kernels when the optimizer has fusion on (``enable_fusion=True``)."""
+    enable_elementwise: bool = True
+    """Fused multi-tensor update kernels (AdamW/Adam, SGD, Adagrad, RMSprop, Lion, LAMB, LARS)."""
+    enable_reduction: bool = True
+    """Fused multi-tensor norm kernels (grad clipping, inf/nan checks, trust ratios)."""
+    enable_matmul: bool = True
+    """Fused Newton-Schulz matmul kernels (Muon)."""
+    max_fusion_size: int | None = Field(None, ge=1)
+    """Most tensors one launch covers; ``None`` means no limit (one launch per bucket)."""
+    min_fusion_benefit: float = Field(1.0, ge=0.0)
+    """Fuse a bucket only if the cost model predicts at least this speedup over the fallback (1.0 = any gain)."""
+
+
+class StreamConfig(_Config):
+    """CUDA streams the optimizer phase may spread work over."""
+
+    num_streams: int = Field(4, ge=1, le=64)
+    """Side streams available to the scheduler."""
+    priority_streams: list[int] = Field(default_factory=list)
+    """Indices (< num_streams) of streams created with high priority."""
+    compute_streams: list[int] = Field(default_factory=list)
+    """Indices of streams for compute-bound work (Newton-Schulz matmuls); empty means all streams."""
+    memory_streams: list[int] = Field(default_factory=list)
+    """Indices of streams for memory-bound work (elementwise updates); empty means all streams."""
+
+    @model_validator(mode="after")
+    def _indices_in_range(self) -> StreamConfig:
+        for name in ("priority_streams", "compute_streams", "memory_streams"):
+            indices = getattr(self, name)
+            bad = [i for i in indices if not 0 <= i < self.num_streams]
+            if bad:
+                raise ValueError(
+                    f"{name} holds {bad}, outside 0..{self.num_streams - 1}: stream indices must be below "
+                    f"num_streams={self.num_streams}; raise num_streams or drop those indices"
+                )
+            if len(set(indices)) != len(indices):
+                raise ValueError(f"{name} lists a stream twice: {indices}")
+        return self
+
+
+class GraphConfig(_Config):
+    """CUDA graph capture of the optimizer phase."""
+
+    enabled: bool = True
+    """Capture the phase into a CUDA graph and replay it (CUDA only)."""
+    warmup_steps: int = Field(3, ge=1, le=1000)
+    """Eager steps (on a side stream) before the first capture."""
+
+
+class MemoryConfig(_Config):
+    """The memory pool of flat buffers for optimizer state."""
+
+    pool_size: int = Field(512 * MiB, ge=0)
+    """Bytes of flat arena kitsune may allocate for optimizer state per device; 0 turns the pool off."""
+    flat_grads: bool = False
+    """Also keep grads in a flat arena, zeroed in place."""
+
+
+class ProfilerConfig(_Config):
+    """What the profiler records."""
+
+    enabled: bool = False
+    """Record per-step timings (CUDA events on GPU, a monotonic clock on CPU)."""
+    max_step_records: int = Field(100_000, ge=1)
+    """Per-step timings kept for the profile; older ones are dropped (summary counts still cover all steps)."""
+
+
+class KitsuneConfig(_Config):
+    """All of kitsune's settings in one object: ``KitsuneOptimizer(opt, config=KitsuneConfig(...))``."""
+
+    amp: AMPConfig = AMPConfig(enabled=False)
+    """Mixed precision (off unless enabled)."""
+    fusion: FusionConfig = FusionConfig(enabled=False)
+    """Fused kernels (off unless enabled)."""
+    streams: StreamConfig = StreamConfig()
+    """Stream scheduler."""
+    graphs: GraphConfig = GraphConfig()
+    """CUDA graph capture."""
+    memory: MemoryConfig = MemoryConfig()
+    """Memory pool."""
+    profiler: ProfilerConfig = ProfilerConfig()
+    """Profiler."""
+
+
+# keyword argument -> (section, field, seed default)
+_KWARGS: dict[str, tuple[str, str, Any]] = {
+    "enable_amp": ("amp", "enabled", False),
+    "enable_fusion": ("fusion", "enabled", False),
+    "num_streams": ("streams", "num_streams", 4),
+    "profile": ("profiler", "enabled", False),
+    "memory_pool_size": ("memory", "pool_size", 512 * MiB),
+    "capture_graph": ("graphs", "enabled", True),
+}
+
+_SECTION_ARGS = {"amp_config": "amp", "fusion_config": "fusion", "stream_config": "streams"}
+
+
+def resolve_config(config: KitsuneConfig | None, sections: dict[str, Any], kwargs: dict[str, Any]) -> KitsuneConfig:
+    """Merge ``config=``, the ``*_config`` objects and the keyword shorthands into one :class:`KitsuneConfig`.
+
+    Raises ``ValueError`` when two of them disagree, naming both and the fix.
+    """
+    changed = {k: v for k, v in kwargs.items() if v != _KWARGS[k][2]}
+    given_sections = {k: v for k, v in sections.items() if v is not None}
+    if config is not None:
+        if not isinstance(config, KitsuneConfig):
+            raise TypeError(f"config must be a KitsuneConfig, got {type(config).__name__}")
+        extra = sorted(changed) + sorted(given_sections)
+        if extra:
+            raise ValueError(
+                f"config= was given together with {', '.join(extra)}: put those settings inside the KitsuneConfig "
+                "(e.g. KitsuneConfig(amp=AMPConfig(...))) or drop config="
+            )
+        return config
+
+    expected = {"amp_config": AMPConfig, "fusion_config": FusionConfig, "stream_config": StreamConfig}
+    parts: dict[str, Any] = {}
+    for arg, value in given_sections.items():
+        if not isinstance(value, expected[arg]):
+            raise TypeError(f"{arg} must be an instance of {expected[arg].__name__}, got {type(value).__name__}")
+        parts[_SECTION_ARGS[arg]] = value
+
+    # the on/off switches: a section object that says enabled=True needs its switch on
+    for kwarg, arg in (("enable_amp", "amp_config"), ("enable_fusion", "fusion_config")):
+        section = parts.get(_SECTION_ARGS[arg])
+        switch = kwargs[kwarg]
+        if section is not None and section.enabled and not switch:
+            raise ValueError(
+                f"{arg} was given (enabled=True) but {kwarg}=False: pass {kwarg}=True to use it, or leave {arg} out"
+            )
+        if section is not None and not section.enabled and switch:
+            raise ValueError(f"{kwarg}=True contradicts {arg}.enabled=False: drop one of them")
+        if section is None:
+            parts[_SECTION_ARGS[arg]] = (AMPConfig if kwarg == "enable_amp" else FusionConfig)(enabled=switch)
+
+    streams = parts.get("streams")
+    if streams is not None and "num_streams" in changed and streams.num_streams != kwargs["num_streams"]:
+        raise ValueError(
+            f"num_streams={kwargs['num_streams']} contradicts stream_config.num_streams={streams.num_streams}: "
+            "set it in one place"
+        )
+    if streams is None:
+        parts["streams"] = StreamConfig(num_streams=kwargs["num_streams"])
+
+    parts["profiler"] = ProfilerConfig(enabled=kwargs["profile"])
+    parts["memory"] = MemoryConfig(pool_size=kwargs["memory_pool_size"])
+    parts["graphs"] = GraphConfig(enabled=kwargs["capture_graph"])
+    return KitsuneConfig(**parts)

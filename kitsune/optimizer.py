@@ -1,0 +1,369 @@
+"""KitsuneOptimizer: a ``torch.optim.Optimizer`` that wraps another one and owns no math.
+
+It shares the wrapped optimizer's ``param_groups``, ``state`` and ``defaults`` objects (they are properties that
+read and write the wrapped optimizer's attributes), so an LR scheduler built on either drives both, checkpoints
+have torch's layout, and ``isinstance(opt, torch.optim.Optimizer)`` holds for Lightning, Accelerate and torch's
+schedulers. Each step walks the subsystems through the lifecycle in :mod:`kitsune.subsystem`; every param that
+no subsystem updated goes through the wrapped optimizer's own ``step``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kitsune.config import (
+    AMPConfig,
+    FusionConfig,
+    KitsuneConfig,
+    StreamConfig,
+    resolve_config,
+)
+from kitsune.profiler import Profiler
+from kitsune.subsystem import PlaceholderSubsystem, StepContext, Subsystem
+
+KITSUNE_STATE_KEY = "kitsune"
+"""The one extra key kitsune adds to ``state_dict()``; torch's ``load_state_dict`` ignores it."""
+STATE_VERSION = 1
+
+_Closure = Callable[[], Any]
+
+
+class KitsuneOptimizer(torch.optim.Optimizer):
+    """Wrap ``optimizer`` and run its step through kitsune's subsystems.
+
+    Args:
+        optimizer: the torch optimizer to wrap (any ``torch.optim.Optimizer``).
+        enable_amp: mixed precision with a device-resident loss scaler (see :class:`AMPConfig`).
+        enable_fusion: fused Triton multi-tensor kernels where the planner can use them.
+        num_streams: CUDA side streams the scheduler may use.
+        profile: record per-step timings for :meth:`print_summary` and :meth:`save_profile`.
+        amp_config: AMP settings; needs ``enable_amp=True``.
+        fusion_config: fusion settings; needs ``enable_fusion=True``.
+        stream_config: stream settings; its ``num_streams`` must agree with ``num_streams`` if both are set.
+        memory_pool_size: bytes of flat arena kitsune may allocate for optimizer state per device.
+        capture_graph: capture the optimizer phase in a CUDA graph (CUDA only).
+        config: all of the above in one :class:`KitsuneConfig`; exclusive with the other settings.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        enable_amp: bool = False,
+        enable_fusion: bool = False,
+        num_streams: int = 4,
+        profile: bool = False,
+        amp_config: AMPConfig | None = None,
+        fusion_config: FusionConfig | None = None,
+        stream_config: StreamConfig | None = None,
+        memory_pool_size: int = 512 * 1024 * 1024,
+        capture_graph: bool = True,
+        *,
+        config: KitsuneConfig | None = None,
+    ) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"KitsuneOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(optimizer, KitsuneOptimizer):
+            raise ValueError("this optimizer is already a KitsuneOptimizer: wrap the torch optimizer only once")
+        self.config: KitsuneConfig = resolve_config(
+            config,
+            {"amp_config": amp_config, "fusion_config": fusion_config, "stream_config": stream_config},
+            {
+                "enable_amp": enable_amp,
+                "enable_fusion": enable_fusion,
+                "num_streams": num_streams,
+                "profile": profile,
+                "memory_pool_size": memory_pool_size,
+                "capture_graph": capture_graph,
+            },
+        )
+        self._optimizer = optimizer
+        # torch.optim.Optimizer.__init__ would rebuild param_groups; set up only its hook bookkeeping.
+        self._optimizer_step_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._optimizer_state_dict_post_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._patch_step_function()
+        self._warned_capturable_if_run_uncaptured = True
+
+        self._step_count = 0
+        self._base_steps = 0
+        self._structure: tuple | None = None
+        self._leftover = True
+        self._subsystems: list[Subsystem] = self._build_subsystems()
+        self._replan()
+        self._warn_requested_but_inactive()
+
+    # -- the shared objects -------------------------------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self._optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self._optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self._optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self._optimizer.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self._optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self._optimizer.defaults = value
+
+    # -- public properties --------------------------------------------------------------------------------------
+    @property
+    def base_optimizer(self) -> torch.optim.Optimizer:
+        """The wrapped torch optimizer."""
+        return self._optimizer
+
+    @property
+    def profiler(self) -> Profiler | None:
+        """The profiler when ``profile=True``, else ``None``."""
+        return self._profiler if self._profiler.active else None
+
+    @property
+    def scheduler(self) -> Subsystem:
+        """The stream scheduler (``scheduler.num_streams``)."""
+        return self._subsystem("streams")
+
+    @property
+    def plan(self) -> Any:
+        """Which params go to which kernel and which fall back, with reasons (a rich-printable object)."""
+        fusion = self._subsystem("fusion")
+        plan = getattr(fusion, "current_plan", None)
+        return None if callable(plan) else plan
+
+    @property
+    def subsystems(self) -> list[Subsystem]:
+        """Every subsystem, active or not, in lifecycle order."""
+        return list(self._subsystems)
+
+    @property
+    def step_count(self) -> int:
+        """Calls of :meth:`step` so far (restored from checkpoints)."""
+        return self._step_count
+
+    # -- subsystems ---------------------------------------------------------------------------------------------
+    def _build_subsystems(self) -> list[Subsystem]:
+        cfg = self.config
+        cuda = torch.cuda.is_available() and any(p.is_cuda for g in self.param_groups for p in g["params"])
+        self._profiler = Profiler(cfg.profiler)
+        subsystems: list[Subsystem] = [self._profiler]
+        subsystems.append(
+            PlaceholderSubsystem(
+                "amp",
+                requested=cfg.amp.enabled,
+                reason="not built yet: the device-resident loss scaler is a planned subsystem"
+                if cfg.amp.enabled
+                else "enable_amp=False",
+            )
+        )
+        subsystems.append(
+            PlaceholderSubsystem(
+                "memory", requested=False, reason="not built yet: optimizer state stays in the wrapped optimizer"
+            )
+        )
+        subsystems.append(_make_fusion(cfg.fusion))
+        from kitsune.streams import StreamScheduler
+
+        subsystems.append(StreamScheduler(cfg.streams))
+        subsystems.append(
+            PlaceholderSubsystem(
+                "graphs",
+                requested=cfg.graphs.enabled and cuda,
+                reason="capture_graph=False"
+                if not cfg.graphs.enabled
+                else ("not built yet: the phase runs eagerly" if cuda else "needs CUDA params"),
+            )
+        )
+        return subsystems
+
+    def _subsystem(self, name: str) -> Subsystem:
+        for s in self._subsystems:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+    def _warn_requested_but_inactive(self) -> None:
+        asked = {"amp": self.config.amp.enabled, "fusion": self.config.fusion.enabled}
+        for s in self._subsystems:
+            if asked.get(s.name) and not s.active:
+                warnings.warn(f"kitsune: {s.name} was asked for but is inactive: {s.reason}", UserWarning, stacklevel=3)
+
+    def _structure_key(self) -> tuple:
+        groups = self.param_groups
+        return (id(groups), *((id(g["params"]), len(g["params"])) for g in groups))
+
+    def _replan(self) -> None:
+        for s in self._subsystems:
+            s.plan(self)
+        self._structure = self._structure_key()
+        owned: set[int] = set()
+        for s in self._subsystems:
+            if s.active:
+                owned.update(id(p) for p in getattr(s, "owned_params", lambda: ())())
+        self._leftover = any(id(p) not in owned for g in self.param_groups for p in g["params"])
+        self._active = [s for s in self._subsystems if s.active]
+        self._executes = any(getattr(s, "executes", False) for s in self._active)
+
+    # -- torch.optim.Optimizer API ------------------------------------------------------------------------------
+    def step(self, closure: _Closure | None = None) -> Any:  # type: ignore[override]
+        """One optimizer step: subsystems first, then the wrapped optimizer's step for every param left over."""
+        if self._structure_key() != self._structure:
+            self._replan()
+        loss = None
+        if closure is not None and self._executes:
+            # fused updates need the grads before they run; the wrapped step then gets no closure
+            with torch.enable_grad():
+                loss = closure()
+            closure = None
+        self._step_count += 1
+        ctx = StepContext(step=self._step_count)
+        for s in self._active:
+            s.before_step(ctx)
+        for s in self._active:
+            s.step(ctx)
+        if not ctx.skip_base_step and (self._leftover or closure is not None):
+            out = self._base_step(ctx.handled, closure)
+            loss = out if closure is not None else loss
+        else:
+            self._optimizer._opt_called = True  # LR schedulers built on the wrapped optimizer look for this
+            self._run_base_hooks(pre=True)
+            self._run_base_hooks(pre=False)
+        for s in reversed(self._active):
+            s.after_step(ctx)
+        return loss
+
+    def _base_step(self, handled: set[torch.Tensor], closure: _Closure | None) -> Any:
+        base = self._optimizer
+        fn = type(base).step
+        # torch wraps every Optimizer.step with its hook runner; call beneath it so hooks run once per step:
+        # global hooks from this wrapper's own step, the wrapped optimizer's instance hooks from here.
+        raw = fn.__wrapped__ if getattr(fn, "hooked", False) and hasattr(fn, "__wrapped__") else fn
+        hidden = [(p, p.grad) for g in self.param_groups for p in g["params"] if p in handled] if handled else []
+        for p, _ in hidden:
+            p.grad = None
+        try:
+            self._run_base_hooks(pre=True)
+            out = raw(base, closure) if closure is not None else raw(base)
+            self._run_base_hooks(pre=False)
+        finally:
+            for p, grad in hidden:
+                p.grad = grad
+        base._opt_called = True
+        self._base_steps += 1
+        return out
+
+    def _run_base_hooks(self, pre: bool) -> None:
+        base = self._optimizer
+        hooks = base._optimizer_step_pre_hooks if pre else base._optimizer_step_post_hooks
+        for hook in list(hooks.values()):
+            hook(base, (base,), {})
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the grads of every param, as ``torch.optim.Optimizer.zero_grad`` does."""
+        self._optimizer.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group to the wrapped optimizer (its defaults fill the gaps) and re-plan."""
+        if not hasattr(self, "_optimizer"):  # called by torch internals before __init__ finished
+            raise RuntimeError("KitsuneOptimizer is not initialised yet")
+        self._optimizer.add_param_group(param_group)
+        self._replan()
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """The wrapped optimizer's state dict (torch's keys and layout) plus kitsune's own under ``"kitsune"``."""
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        sd = self._optimizer.state_dict()
+        sd[KITSUNE_STATE_KEY] = {
+            "version": STATE_VERSION,
+            "step_count": self._step_count,
+            "subsystems": {s.name: s.state_dict() for s in self._subsystems if s.state_dict()},
+        }
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            out = hook(self, sd)
+            if out is not None:
+                sd = out
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Load a state dict saved by kitsune or by the plain torch optimizer."""
+        sd = dict(state_dict)
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            out = hook(self, sd)
+            if out is not None:
+                sd = out
+        ours = sd.pop(KITSUNE_STATE_KEY, None)
+        if ours is not None and ours.get("version", 0) > STATE_VERSION:
+            raise ValueError(
+                f"this checkpoint's kitsune state has version {ours['version']}, newer than this kitsune "
+                f"understands ({STATE_VERSION}): upgrade kitsune-optim"
+            )
+        self._optimizer.load_state_dict(sd)
+        if ours is not None:
+            self._step_count = int(ours.get("step_count", 0))
+            saved = ours.get("subsystems", {})
+            for s in self._subsystems:
+                if s.name in saved:
+                    s.load_state_dict(saved[s.name])
+        self._replan()
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"optimizer": self._optimizer, "config": self.config, "kitsune": self.state_dict()[KITSUNE_STATE_KEY]}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["optimizer"], config=state["config"])  # type: ignore[misc]
+        self._step_count = state["kitsune"]["step_count"]
+
+    def __repr__(self) -> str:
+        active = ", ".join(s.name for s in self._subsystems if s.active) or "none"
+        return f"KitsuneOptimizer(active=[{active}]) wrapping {self._optimizer!r}"
+
+    # -- reports ------------------------------------------------------------------------------------------------
+    def subsystem_status(self) -> list[dict[str, Any]]:
+        """For each subsystem: name, active, the reason when inactive, and what it reports."""
+        return [s.status() for s in self._subsystems]
+
+    def print_summary(self, console: Any = None) -> None:
+        """Print the plan, the subsystems and the profiler's numbers as rich tables."""
+        from kitsune.profiler.summary import print_summary
+
+        print_summary(self, console=console)
+
+    def save_profile(self, filepath: str | Path = "profile.json") -> Path:
+        """Write the profile (environment, config, subsystems, per-step timings, statistics) as JSON."""
+        from kitsune.profiler.schema import build_profile
+
+        path = Path(filepath)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(build_profile(self).model_dump_json(indent=2))
+        return path
+
+
+def _make_fusion(cfg: FusionConfig) -> Subsystem:
+    if not cfg.enabled:
+        return PlaceholderSubsystem("fusion", requested=False, reason="enable_fusion=False")
+    try:
+        from kitsune.fusion import FusionSubsystem
+    except ImportError as exc:  # triton missing, or a platform without it
+        return PlaceholderSubsystem("fusion", requested=True, reason=f"cannot import the fusion engine: {exc}")
+    return FusionSubsystem(cfg)

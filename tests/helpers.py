@@ -1,0 +1,59 @@
+"""Shared test fixtures: a small model, fresh random data, trajectory comparison."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+
+def small_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(7, 16), nn.Tanh(), nn.Linear(16, 5))
+
+
+def batches(n: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(9, 7, generator=gen), torch.randn(9, 5, generator=gen)) for _ in range(n)]
+
+
+def train(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    data: list[tuple[torch.Tensor, torch.Tensor]],
+    sched: torch.optim.lr_scheduler.LRScheduler | None = None,
+    set_to_none: bool = True,
+) -> list[list[torch.Tensor]]:
+    """Run the steps; return a snapshot of every param after each step."""
+    snaps = []
+    for x, y in data:
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+        if sched is not None:
+            sched.step()
+        snaps.append([p.detach().clone() for p in model.parameters()])
+    return snaps
+
+
+def assert_identical(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]]) -> None:
+    assert len(a) == len(b)
+    for step, (sa, sb) in enumerate(zip(a, b, strict=True)):
+        for i, (x, y) in enumerate(zip(sa, sb, strict=True)):
+            assert torch.equal(x, y), f"param {i} differs at step {step}: max diff {(x - y).abs().max().item()}"
+
+
+def twin_runs(
+    make_opt: Callable[[nn.Module], torch.optim.Optimizer], steps: int = 50, **kitsune_kwargs
+) -> tuple[list, list]:
+    """The same training run with the plain optimizer and with it wrapped by KitsuneOptimizer."""
+    from kitsune import KitsuneOptimizer
+
+    data = batches(steps)
+    m1 = small_model()
+    ref = train(m1, make_opt(m1), data)
+    m2 = small_model()
+    ours = train(m2, KitsuneOptimizer(make_opt(m2), **kitsune_kwargs), data)
+    return ref, ours

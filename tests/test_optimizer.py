@@ -1,0 +1,300 @@
+"""KitsuneOptimizer on CPU: a real torch Optimizer whose results are bit-identical to the one it wraps."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+from helpers import assert_identical, batches, small_model, train, twin_runs
+from torch import nn
+
+from kitsune import KitsuneOptimizer
+
+OPTIMIZERS = {
+    "sgd": lambda m: torch.optim.SGD(m.parameters(), lr=0.05),
+    "sgd_momentum": lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, dampening=0.1, weight_decay=1e-3),
+    "sgd_nesterov": lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, nesterov=True),
+    "adam": lambda m: torch.optim.Adam(m.parameters(), lr=1e-2, weight_decay=1e-3),
+    "adam_amsgrad": lambda m: torch.optim.Adam(m.parameters(), lr=1e-2, amsgrad=True, maximize=False),
+    "adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1),
+    "rmsprop": lambda m: torch.optim.RMSprop(m.parameters(), lr=1e-2, momentum=0.5, centered=True),
+    "adagrad": lambda m: torch.optim.Adagrad(m.parameters(), lr=0.1, lr_decay=1e-3),
+}
+
+
+class SignSGD(torch.optim.Optimizer):
+    """A user-defined optimizer kitsune knows nothing about."""
+
+    def __init__(self, params, lr=0.01):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                state["n"] = state.get("n", 0) + 1
+                p.add_(p.grad.sign(), alpha=-group["lr"])
+        return loss
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_trajectory_identical_to_unwrapped(name):
+    ref, ours = twin_runs(OPTIMIZERS[name], steps=50)
+    assert_identical(ref, ours)
+
+
+def test_custom_optimizer_subclass_identical():
+    ref, ours = twin_runs(lambda m: SignSGD(m.parameters(), lr=0.01), steps=50)
+    assert_identical(ref, ours)
+
+
+def test_is_a_torch_optimizer_sharing_the_wrapped_objects():
+    m = small_model()
+    base = torch.optim.AdamW(m.parameters())
+    opt = KitsuneOptimizer(base)
+    assert isinstance(opt, torch.optim.Optimizer)
+    assert opt.base_optimizer is base
+    assert opt.param_groups is base.param_groups
+    assert opt.state is base.state
+    assert opt.defaults is base.defaults
+    opt.param_groups[0]["lr"] = 0.123
+    assert base.param_groups[0]["lr"] == 0.123
+
+
+def test_rejects_non_optimizers_and_double_wrapping():
+    with pytest.raises(TypeError, match="wraps a torch.optim.Optimizer"):
+        KitsuneOptimizer([torch.zeros(1)])
+    opt = KitsuneOptimizer(torch.optim.SGD(small_model().parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="already a KitsuneOptimizer"):
+        KitsuneOptimizer(opt)
+
+
+SCHEDULERS = {
+    "steplr": lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=7, gamma=0.5),
+    "onecycle": lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=40),
+    "lambdalr": lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)),
+}
+
+
+@pytest.mark.parametrize("sched", list(SCHEDULERS))
+@pytest.mark.parametrize("built_on", ["wrapper", "base"])
+def test_lr_schedulers_drive_the_wrapper(sched, built_on, recwarn):
+    data = batches(40)
+    m1 = small_model()
+    o1 = torch.optim.AdamW(m1.parameters(), lr=0.01)
+    ref = train(m1, o1, data, SCHEDULERS[sched](o1))
+    ref_lrs = [g["lr"] for g in o1.param_groups]
+
+    m2 = small_model()
+    base = torch.optim.AdamW(m2.parameters(), lr=0.01)
+    opt = KitsuneOptimizer(base)
+    s2 = SCHEDULERS[sched](opt if built_on == "wrapper" else base)
+    ours = train(m2, opt, data, s2)
+    assert_identical(ref, ours)
+    assert [g["lr"] for g in opt.param_groups] == ref_lrs
+    if sched == "onecycle":  # OneCycleLR also cycles beta1; the shared groups must carry it
+        assert opt.param_groups[0]["betas"] == o1.param_groups[0]["betas"]
+    # torch warns when it thinks scheduler.step() ran before optimizer.step(); it must not here
+    assert not [w for w in recwarn if "lr_scheduler.step()" in str(w.message)]
+
+
+@pytest.mark.parametrize("direction", ["kitsune_to_torch", "torch_to_kitsune"])
+def test_state_dict_round_trip_mid_run(direction, tmp_path):
+    data = batches(40)
+    make = OPTIMIZERS["adamw"]
+    m_ref = small_model()
+    ref = train(m_ref, make(m_ref), data)
+
+    m = small_model()
+    first = KitsuneOptimizer(make(m)) if direction == "kitsune_to_torch" else make(m)
+    head = train(m, first, data[:20])
+    path = tmp_path / "ckpt.pt"
+    torch.save({"model": m.state_dict(), "opt": first.state_dict()}, path)
+    ckpt = torch.load(path, weights_only=True)
+
+    m2 = small_model(seed=99)
+    m2.load_state_dict(ckpt["model"])
+    second = make(m2) if direction == "kitsune_to_torch" else KitsuneOptimizer(make(m2))
+    second.load_state_dict(ckpt["opt"])
+    tail = train(m2, second, data[20:])
+    assert_identical(ref, head + tail)
+
+
+def test_state_dict_has_torch_layout_plus_one_key():
+    m = small_model()
+    opt = KitsuneOptimizer(torch.optim.Adam(m.parameters()))
+    train(m, opt, batches(3))
+    sd = opt.state_dict()
+    plain = opt.base_optimizer.state_dict()
+    assert set(sd) == set(plain) | {"kitsune"}
+    assert sd["param_groups"] == plain["param_groups"]
+    assert set(sd["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert sd["kitsune"]["step_count"] == 3
+
+
+def test_kitsune_counters_survive_checkpoint():
+    m = small_model()
+    opt = KitsuneOptimizer(torch.optim.SGD(m.parameters(), lr=0.1))
+    train(m, opt, batches(5))
+    other = KitsuneOptimizer(torch.optim.SGD(small_model().parameters(), lr=0.1))
+    other.load_state_dict(opt.state_dict())
+    assert other.step_count == 5
+
+
+def test_newer_kitsune_state_is_refused_without_touching_state():
+    m = small_model()
+    opt = KitsuneOptimizer(torch.optim.Adam(m.parameters()))
+    train(m, opt, batches(2))
+    before = copy.deepcopy(opt.base_optimizer.state_dict())
+    sd = opt.state_dict()
+    sd["kitsune"]["version"] = 99
+    with pytest.raises(ValueError, match="upgrade kitsune-optim"):
+        opt.load_state_dict(sd)
+    after = opt.base_optimizer.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    for k in before["state"]:
+        for key, value in before["state"][k].items():
+            assert torch.equal(after["state"][k][key], value)
+
+
+def test_closure_is_called_and_loss_returned():
+    m = small_model()
+    x, y = batches(1)[0]
+    calls = []
+
+    def closure():
+        calls.append(1)
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(m(x), y)
+        loss.backward()
+        return loss
+
+    opt = KitsuneOptimizer(torch.optim.SGD(m.parameters(), lr=0.1))
+    loss = opt.step(closure)
+    assert calls == [1] and isinstance(loss, torch.Tensor)
+
+
+def test_lbfgs_closure_passes_through():
+    """LBFGS calls its closure several times per step; the wrapper must hand it over, not call it once."""
+    data = batches(1)
+    results = []
+    for wrap in (False, True):
+        m = small_model()
+        base = torch.optim.LBFGS(m.parameters(), lr=0.5, max_iter=5)
+        opt = KitsuneOptimizer(base) if wrap else base
+        x, y = data[0]
+
+        def closure(m=m, opt=opt, x=x, y=y):
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(m(x), y)
+            loss.backward()
+            return loss
+
+        for _ in range(3):
+            opt.step(closure)
+        results.append([p.detach().clone() for p in m.parameters()])
+    assert_identical([results[0]], [results[1]])
+
+
+def test_add_param_group():
+    m = small_model()
+    extra = nn.Linear(3, 3)
+    ref_m, ref_extra = copy.deepcopy(m), copy.deepcopy(extra)
+    opt = KitsuneOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9))
+    ref = torch.optim.SGD(ref_m.parameters(), lr=0.1, momentum=0.9)
+    opt.add_param_group({"params": extra.parameters(), "lr": 0.01})
+    ref.add_param_group({"params": ref_extra.parameters(), "lr": 0.01})
+    assert len(opt.param_groups) == 2 and opt.param_groups[1]["momentum"] == 0.9
+    x = torch.randn(4, 3)
+    for model, layer, o in ((m, extra, opt), (ref_m, ref_extra, ref)):
+        for _ in range(5):
+            (
+                model(torch.randn(2, 7, generator=torch.Generator().manual_seed(0))).sum() + layer(x).pow(2).sum()
+            ).backward()
+            o.step()
+            o.zero_grad()
+    assert torch.equal(extra.weight, ref_extra.weight)
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), ref_m.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_modes(set_to_none):
+    m = small_model()
+    opt = KitsuneOptimizer(torch.optim.SGD(m.parameters(), lr=0.1))
+    m(torch.randn(2, 7)).sum().backward()
+    opt.zero_grad(set_to_none=set_to_none)
+    for p in m.parameters():
+        if set_to_none:
+            assert p.grad is None
+        else:
+            assert p.grad is not None and torch.count_nonzero(p.grad) == 0
+    ref, ours = twin_runs(OPTIMIZERS["sgd_momentum"], steps=10)
+    assert_identical(ref, ours)
+
+
+def test_params_without_grad_are_skipped():
+    m = small_model()
+    frozen = m[2].weight
+    before = frozen.detach().clone()
+    opt = KitsuneOptimizer(torch.optim.AdamW(m.parameters(), lr=0.1))
+    for _ in range(3):
+        m(torch.randn(2, 7)).sum().backward()
+        frozen.grad = None
+        opt.step()
+        opt.zero_grad()
+    assert torch.equal(frozen, before)
+    assert frozen not in opt.state
+
+
+def test_step_hooks_on_wrapper_and_base_each_run_once():
+    m = small_model()
+    base = torch.optim.SGD(m.parameters(), lr=0.1)
+    opt = KitsuneOptimizer(base)
+    seen = []
+    opt.register_step_pre_hook(lambda o, a, k: seen.append(("wrapper-pre", o is opt)))
+    opt.register_step_post_hook(lambda o, a, k: seen.append(("wrapper-post", o is opt)))
+    base.register_step_pre_hook(lambda o, a, k: seen.append(("base-pre", o is base)))
+    base.register_step_post_hook(lambda o, a, k: seen.append(("base-post", o is base)))
+    m(torch.randn(2, 7)).sum().backward()
+    opt.step()
+    assert seen == [("wrapper-pre", True), ("base-pre", True), ("base-post", True), ("wrapper-post", True)]
+
+
+def test_state_dict_hooks_on_wrapper():
+    m = small_model()
+    opt = KitsuneOptimizer(torch.optim.SGD(m.parameters(), lr=0.1))
+    opt.register_state_dict_post_hook(lambda o, sd: {**sd, "tag": 1})
+    loaded = []
+    opt.register_load_state_dict_post_hook(lambda o: loaded.append(o is opt))
+    sd = opt.state_dict()
+    assert sd["tag"] == 1
+    opt.load_state_dict(sd)
+    assert loaded == [True]
+
+
+def test_pickle_and_deepcopy():
+    m = small_model()
+    opt = KitsuneOptimizer(torch.optim.Adam(m.parameters()), profile=True)
+    train(m, opt, batches(2))
+    for clone in (pickle.loads(pickle.dumps(opt)), copy.deepcopy(opt)):
+        assert isinstance(clone, KitsuneOptimizer)
+        assert clone.step_count == 2
+        assert clone.config == opt.config
+
+
+def test_load_state_dict_replans_and_keeps_sharing():
+    m = small_model()
+    base = torch.optim.Adam(m.parameters())
+    opt = KitsuneOptimizer(base)
+    train(m, opt, batches(2))
+    opt.load_state_dict(opt.state_dict())
+    assert opt.param_groups is base.param_groups and opt.state is base.state

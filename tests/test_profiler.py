@@ -1,0 +1,134 @@
+"""Profiler, summary and profile JSON on CPU."""
+
+from __future__ import annotations
+
+import io
+import json
+import warnings
+
+import pytest
+import torch
+from helpers import batches, small_model, train
+from rich.console import Console
+
+from kitsune import KitsuneConfig, KitsuneOptimizer, ProfilerConfig
+from kitsune.profiler import TimeStats
+from kitsune.profiler.schema import SCHEMA_VERSION, Profile, load_profile
+
+
+def _trained(steps=12, **kwargs):
+    m = small_model()
+    opt = KitsuneOptimizer(torch.optim.AdamW(m.parameters()), **kwargs)
+    train(m, opt, batches(steps))
+    return opt
+
+
+def _summary_text(opt) -> str:
+    buf = io.StringIO()
+    opt.print_summary(console=Console(file=buf, width=140, color_system=None))
+    return buf.getvalue()
+
+
+def test_metrics_are_typed_and_count_steps():
+    opt = _trained(12, profile=True)
+    metrics = opt.profiler.get_metrics()
+    assert metrics.steps_timed == 12 and metrics.timing == "host_clock"
+    assert metrics.step_time.count == 12
+    assert 0 < metrics.step_time.min_ms <= metrics.step_time.p50_ms <= metrics.step_time.p90_ms
+    assert metrics.step_time.p90_ms <= metrics.step_time.max_ms
+
+
+def test_profiler_is_none_when_off():
+    assert _trained(2).profiler is None
+
+
+def test_time_stats_quantiles():
+    stats = TimeStats.of([float(v) for v in range(1, 11)])
+    assert stats.p50_ms == pytest.approx(5.5) and stats.p90_ms == pytest.approx(9.1)
+    assert stats.mean_ms == pytest.approx(5.5) and stats.min_ms == 1 and stats.max_ms == 10
+    assert TimeStats.of([]) is None
+
+
+def test_max_step_records_keeps_the_latest():
+    m = small_model()
+    config = KitsuneConfig(profiler=ProfilerConfig(enabled=True, max_step_records=5))
+    opt = KitsuneOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), config=config)
+    train(m, opt, batches(9))
+    assert [r.step for r in opt.profiler.records] == [5, 6, 7, 8, 9]
+    assert opt.profiler.get_metrics().steps_timed == 9
+
+
+def test_reset_forgets_records():
+    opt = _trained(4, profile=True)
+    opt.profiler.reset()
+    assert opt.profiler.get_metrics().step_time is None
+
+
+def test_summary_lists_subsystems_reasons_and_timings():
+    text = _summary_text(_trained(5, profile=True))
+    assert "AdamW" in text and "5 steps" in text
+    for name in ("profiler", "amp", "fusion", "streams", "graphs", "memory"):
+        assert name in text
+    assert "enable_fusion=False" in text and "enable_amp=False" in text
+    assert "step time (5 steps timed, host clock)" in text and "p50" in text
+
+
+def test_summary_without_profiling_says_how_to_turn_it_on():
+    text = _summary_text(_trained(2))
+    assert "pass profile=True" in text
+
+
+def test_save_profile_json_contents(tmp_path):
+    opt = _trained(7, profile=True)
+    path = opt.save_profile(tmp_path / "sub" / "profile.json")
+    data = json.loads(path.read_text())
+    assert data["schema_version"] == SCHEMA_VERSION
+    assert data["optimizer"] == "AdamW" and data["step_count"] == 7
+    env = data["environment"]
+    assert env["torch"] == torch.__version__ and env["device"] == "cpu" and env["python"]
+    assert data["config"]["profiler"]["enabled"] is True
+    assert {s["name"] for s in data["subsystems"]} == {"profiler", "amp", "memory", "fusion", "streams", "graphs"}
+    inactive = {s["name"]: s["reason"] for s in data["subsystems"] if not s["active"]}
+    assert inactive["fusion"] == "enable_fusion=False"
+    assert [s["step"] for s in data["steps"]] == list(range(1, 8))
+    assert data["metrics"]["step_time"]["count"] == 7
+    again = load_profile(path)
+    assert isinstance(again, Profile) and again.step_count == 7
+
+
+def test_profile_without_profiling_has_no_timings(tmp_path):
+    data = json.loads(_trained(3).save_profile(tmp_path / "p.json").read_text())
+    assert data["metrics"] is None and data["steps"] == []
+    prof = next(s for s in data["subsystems"] if s["name"] == "profiler")
+    assert prof["active"] is False and prof["reason"] == "profile=False"
+
+
+def test_profile_json_schema_is_published():
+    schema = Profile.model_json_schema()
+    assert {"schema_version", "environment", "config", "subsystems", "steps"} <= set(schema["properties"])
+
+
+def test_gpu_only_request_on_cpu_warns_once_and_shows_inactive():
+    m = small_model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = KitsuneOptimizer(torch.optim.AdamW(m.parameters()), enable_fusion=True)
+        train(m, opt, batches(3))
+    fusion_warnings = [w for w in caught if "fusion was asked for" in str(w.message)]
+    assert len(fusion_warnings) == 1
+    fusion = next(s for s in opt.subsystem_status() if s["name"] == "fusion")
+    assert fusion["active"] is False and fusion["reason"]
+
+
+@pytest.mark.cuda
+def test_cuda_events_time_steps():
+    m = small_model().cuda()
+    opt = KitsuneOptimizer(torch.optim.AdamW(m.parameters()), profile=True)
+    for _ in range(5):
+        m(torch.randn(4, 7, device="cuda")).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    metrics = opt.profiler.get_metrics()
+    assert metrics.timing == "cuda_events" and metrics.step_time.count == 5 and metrics.step_time.min_ms > 0
+    text = _summary_text(opt)
+    assert "CUDA events" in text
