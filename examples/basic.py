@@ -1,6 +1,6 @@
 """The one-line wrap on a small regression model, with a scheduler, a summary and a saved profile.
 
-    python examples/basic.py --steps 50
+python examples/basic.py --steps 50
 """
 
 from __future__ import annotations
