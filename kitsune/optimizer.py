@@ -51,6 +51,9 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         config: all of the above in one :class:`KitsuneConfig`; exclusive with the other settings.
     """
 
+    _step_supports_amp_scaling = True
+    """``torch.amp.GradScaler.step`` hands us ``grad_scale``/``found_inf`` instead of syncing itself."""
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -95,6 +98,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
 
         self._step_count = 0
         self._base_steps = 0
+        self._host_syncs = 0
         self._structure: tuple | None = None
         self._leftover = True
         self._subsystems: list[Subsystem] = self._build_subsystems()
@@ -165,15 +169,12 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         cuda = torch.cuda.is_available() and any(p.is_cuda for g in self.param_groups for p in g["params"])
         self._profiler = Profiler(cfg.profiler)
         subsystems: list[Subsystem] = [self._profiler]
-        subsystems.append(
-            PlaceholderSubsystem(
-                "amp",
-                requested=cfg.amp.enabled,
-                reason="not built yet: the device-resident loss scaler is a planned subsystem"
-                if cfg.amp.enabled
-                else "enable_amp=False",
-            )
-        )
+        if cfg.amp.enabled:
+            from kitsune.amp import AMPSubsystem
+
+            subsystems.append(AMPSubsystem(cfg.amp))
+        else:
+            subsystems.append(PlaceholderSubsystem("amp", requested=False, reason="enable_amp=False"))
         subsystems.append(
             PlaceholderSubsystem(
                 "memory", requested=False, reason="not built yet: optimizer state stays in the wrapped optimizer"
@@ -221,6 +222,38 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         self._leftover = any(id(p) not in owned for g in self.param_groups for p in g["params"])
         self._active = [s for s in self._subsystems if s.active]
         self._executes = any(getattr(s, "executes", False) for s in self._active)
+        self._needs_grads = any(s.name == "amp" and getattr(s, "scaling", False) for s in self._active)
+
+    # -- mixed precision ----------------------------------------------------------------------------------------
+    def autocast(self) -> Any:
+        """Autocast context for the forward pass in the AMP dtype (a disabled autocast when AMP is off)."""
+        amp = self._subsystem("amp")
+        if amp.active:
+            return amp.autocast()
+        params = [p for g in self.param_groups for p in g["params"]]
+        return torch.autocast(device_type=params[0].device.type if params else "cpu", enabled=False)
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward()``, with the loss scaled first when AMP runs in float16."""
+        amp = self._subsystem("amp")
+        (amp.scale_loss(loss) if amp.active else loss).backward(**kwargs)
+
+    @property
+    def loss_scale(self) -> float:
+        """The current dynamic loss scale (1.0 without float16 AMP). Reading it syncs once."""
+        amp = self._subsystem("amp")
+        return amp.loss_scale if amp.active else 1.0
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps whose update was skipped for inf/nan grads. Reading it syncs once."""
+        amp = self._subsystem("amp")
+        return amp.skipped_steps if amp.active else 0
+
+    @property
+    def host_syncs(self) -> int:
+        """Host syncs kitsune itself made inside ``step()`` so far (reading found_inf for a fallback step)."""
+        return self._host_syncs
 
     # -- torch.optim.Optimizer API ------------------------------------------------------------------------------
     def step(self, closure: _Closure | None = None) -> Any:  # type: ignore[override]
@@ -235,10 +268,16 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             closure = None
         self._step_count += 1
         ctx = StepContext(step=self._step_count)
+        if self._needs_grads:
+            ctx.extra["grads"] = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        self._take_grad_scaler_protocol(ctx)
         for s in self._active:
             s.before_step(ctx)
-        for s in self._active:
-            s.step(ctx)
+        if self._overflow_on_host(ctx):
+            ctx.skip_base_step = True  # inf/nan grads: nothing is updated this step
+        else:
+            for s in self._active:
+                s.step(ctx)
         if not ctx.skip_base_step and (self._leftover or closure is not None):
             out = self._base_step(ctx.handled, closure)
             loss = out if closure is not None else loss
@@ -249,6 +288,43 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         for s in reversed(self._active):
             s.after_step(ctx)
         return loss
+
+    def _take_grad_scaler_protocol(self, ctx: StepContext) -> None:
+        """Honour a user's ``torch.amp.GradScaler``: it sets ``grad_scale``/``found_inf`` on us before ``step``.
+
+        ``grad_scale`` is None when the user already called ``scaler.unscale_(optimizer)``.
+        """
+        found_inf = self.__dict__.get("found_inf")
+        if found_inf is None:
+            return
+        grad_scale = self.__dict__.get("grad_scale")
+        if grad_scale is not None:
+            from kitsune.amp import unscale_and_check
+
+            unscale_and_check(
+                ctx.extra.get("grads") or self._grads(), grad_scale.double().reciprocal().float(), found_inf.clone()
+            )
+        ctx.extra["found_inf"] = found_inf
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+
+    def _overflow_on_host(self, ctx: StepContext) -> bool:
+        """Whether this step found inf/nan grads, read on the host only where a device-side skip is impossible.
+
+        Executors that read ``found_inf`` on the device skip on their own; the wrapped optimizer's own step
+        cannot, so when it has params to update this costs one sync (as ``GradScaler.step`` does).
+        """
+        found_inf = ctx.extra.get("found_inf")
+        if found_inf is None:
+            return False
+        device_side = all(
+            getattr(s, "consumes_found_inf", False) for s in self._active if getattr(s, "executes", False)
+        )
+        if device_side and not self._leftover:
+            return False
+        self._host_syncs += 1
+        return bool(found_inf.item())
 
     def _base_step(self, handled: set[torch.Tensor], closure: _Closure | None) -> Any:
         base = self._optimizer

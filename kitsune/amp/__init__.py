@@ -1,0 +1,155 @@
+"""Mixed precision: autocast and a dynamic loss scaler whose state lives on the device.
+
+The training loop has one obvious shape::
+
+    with optimizer.autocast():
+        loss = loss_fn(model(x), y)
+    optimizer.backward(loss)   # scales the loss when the AMP dtype is float16
+    optimizer.step()           # unscales, checks inf/nan, skips the update on overflow, updates the scale
+    optimizer.zero_grad()
+
+The scale, the growth tracker, ``found_inf`` and the skipped-step counter are device tensors updated by
+device ops (``torch._amp_foreach_non_finite_check_and_unscale_`` and ``torch._amp_update_scale_``, the ops
+``torch.amp.GradScaler`` uses), so nothing here reads a value back to the host during a step. Reading
+``loss_scale`` or ``skipped_steps`` syncs once, when you read it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kitsune.config import AMPConfig
+from kitsune.subsystem import StepContext, Subsystem
+
+if TYPE_CHECKING:
+    from kitsune.optimizer import KitsuneOptimizer
+
+
+def unscale_and_check(grads: list[torch.Tensor], inv_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
+    """Multiply ``grads`` by ``inv_scale`` in place and set ``found_inf`` to 1 if any is inf/nan (on device).
+
+    ``torch._amp_foreach_non_finite_check_and_unscale_`` needs one dtype per call and the scalars on the
+    grads' device, so grads are grouped by (device, dtype) first.
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+    for g in grads:
+        groups[(g.device, g.dtype)].append(g)
+    for (device, _), group in groups.items():
+        if device == found_inf.device:
+            torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv_scale)
+        else:
+            local = torch.zeros_like(found_inf, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(group, local, inv_scale.to(device))
+            found_inf.add_(local.to(found_inf.device)).clamp_(max=1.0)
+
+
+class AMPSubsystem(Subsystem):
+    """Autocast for both AMP dtypes; dynamic loss scaling (on the device) for float16."""
+
+    name = "amp"
+
+    def __init__(self, config: AMPConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.scaling = config.dtype == torch.float16
+        self.device = torch.device("cpu")
+        self._scale: torch.Tensor | None = None
+        self._growth_tracker: torch.Tensor | None = None
+        self._found_inf: torch.Tensor | None = None
+        self._skipped: torch.Tensor | None = None
+        self._loss_scaled = False
+        self.deactivate("not planned yet")
+
+    # -- lifecycle ----------------------------------------------------------------------------------------------
+    def plan(self, opt: KitsuneOptimizer) -> None:
+        params = [p for g in opt.param_groups for p in g["params"]]
+        device = params[0].device if params else torch.device("cpu")
+        if self._scale is None:
+            self._scale = torch.full((1,), self.config.init_scale, dtype=torch.float32, device=device)
+            self._growth_tracker = torch.zeros(1, dtype=torch.int32, device=device)
+            self._found_inf = torch.zeros(1, dtype=torch.float32, device=device)
+            self._skipped = torch.zeros(1, dtype=torch.int64, device=device)
+        elif device != self.device:
+            self._move(device)
+        self.device = device
+        self.activate()
+
+    def _move(self, device: torch.device) -> None:
+        for name in ("_scale", "_growth_tracker", "_found_inf", "_skipped"):
+            setattr(self, name, getattr(self, name).to(device))
+
+    def before_step(self, ctx: StepContext) -> None:
+        if not self.scaling:
+            return
+        if not self._loss_scaled:
+            raise RuntimeError(
+                "kitsune AMP with float16 scales the loss: call optimizer.backward(loss) instead of loss.backward() "
+                "(or use AMPConfig(dtype=torch.bfloat16), which needs no scaling)"
+            )
+        grads = ctx.extra["grads"]
+        self._found_inf.zero_()
+        unscale_and_check(grads, self._scale.reciprocal(), self._found_inf)
+        ctx.extra["found_inf"] = self._found_inf
+
+    def after_step(self, ctx: StepContext) -> None:
+        if not self.scaling:
+            return
+        self._skipped.add_(self._found_inf.to(torch.int64))
+        torch._amp_update_scale_(
+            self._scale,
+            self._growth_tracker,
+            self._found_inf,
+            self.config.growth_factor,
+            self.config.backoff_factor,
+            self.config.growth_interval,
+        )
+        self._loss_scaled = False
+
+    # -- the user's side ----------------------------------------------------------------------------------------
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        return torch.autocast(device_type=self.device.type, dtype=self.config.dtype)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        if not self.scaling:
+            return loss
+        self._loss_scaled = True
+        return loss * self._scale.to(loss.device).squeeze()
+
+    @property
+    def loss_scale(self) -> float:
+        """Current loss scale (reads the device value: one sync). 1.0 when not scaling."""
+        return float(self._scale.item()) if self.scaling and self._scale is not None else 1.0
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped because of inf/nan grads (reads the device counter: one sync)."""
+        return int(self._skipped.item()) if self._skipped is not None else 0
+
+    # -- checkpoints and reports --------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        if not self.scaling or self._scale is None:
+            return {}
+        return {
+            "scale": self.loss_scale,
+            "growth_tracker": int(self._growth_tracker.item()),
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not self.scaling or not state:
+            return
+        device = self.device
+        self._scale = torch.full((1,), float(state["scale"]), dtype=torch.float32, device=device)
+        self._growth_tracker = torch.full((1,), int(state["growth_tracker"]), dtype=torch.int32, device=device)
+        self._found_inf = torch.zeros(1, dtype=torch.float32, device=device)
+        self._skipped = torch.full((1,), int(state.get("skipped_steps", 0)), dtype=torch.int64, device=device)
+
+    def report(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"dtype": str(self.config.dtype).removeprefix("torch.")}
+        if self.scaling and self._scale is not None:
+            out.update(loss_scale=self.loss_scale, skipped_steps=self.skipped_steps)
+        return out

@@ -1,0 +1,147 @@
+"""AMP on CPU: the device-resident loss scaler against torch.amp.GradScaler, step for step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import batches, small_model
+from torch import nn
+
+from kitsune import AMPConfig, KitsuneOptimizer
+
+INF_STEPS = {3, 4, 11, 25, 26, 27}
+
+
+def _poison(model: nn.Module, step: int) -> None:
+    if step in INF_STEPS:
+        p = next(model.parameters())
+        p.grad[0, 0] = float("nan") if step % 2 else float("inf")
+
+
+def _torch_loop(steps: int, growth_interval: int) -> tuple[list, list[float]]:
+    model = small_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=growth_interval)
+    params, scales = [], []
+    for step, (x, y) in enumerate(batches(steps)):
+        scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+        _poison(model, step)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        params.append([p.detach().clone() for p in model.parameters()])
+        scales.append(scaler.get_scale())
+    return params, scales
+
+
+def _kitsune_loop(steps: int, growth_interval: int) -> tuple[list, list[float], KitsuneOptimizer]:
+    model = small_model()
+    cfg = AMPConfig(dtype=torch.float16, init_scale=2.0**10, growth_interval=growth_interval)
+    opt = KitsuneOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), enable_amp=True, amp_config=cfg)
+    params, scales = [], []
+    for step, (x, y) in enumerate(batches(steps)):
+        opt.backward(nn.functional.mse_loss(model(x), y))
+        _poison(model, step)
+        opt.step()
+        opt.zero_grad()
+        params.append([p.detach().clone() for p in model.parameters()])
+        scales.append(opt.loss_scale)
+    return params, scales, opt
+
+
+def test_fp16_scaling_matches_grad_scaler_with_overflows():
+    ref_params, ref_scales = _torch_loop(60, growth_interval=5)
+    params, scales, opt = _kitsune_loop(60, growth_interval=5)
+    assert scales == ref_scales
+    assert max(scales) > 2.0**10 and min(scales) < 2.0**10  # it grew and backed off
+    for a, b in zip(ref_params, params, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    assert opt.skipped_steps == len(INF_STEPS)
+    assert all(torch.isfinite(p).all() for p in params[-1])
+    for state in opt.state.values():
+        assert all(torch.isfinite(v).all() for v in state.values())
+
+
+def test_skipped_step_leaves_params_and_state_untouched():
+    model = small_model()
+    opt = KitsuneOptimizer(torch.optim.Adam(model.parameters()), enable_amp=True)
+    x, y = batches(1)[0]
+    opt.backward(nn.functional.mse_loss(model(x), y))
+    opt.step()
+    opt.zero_grad()
+    before = [p.detach().clone() for p in model.parameters()]
+    state_before = {k: {n: v.clone() for n, v in s.items()} for k, s in opt.state.items()}
+    opt.backward(nn.functional.mse_loss(model(x), y))
+    next(model.parameters()).grad.view(-1)[0] = float("inf")
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    for p, s in opt.state.items():
+        assert all(torch.equal(s[n], state_before[p][n]) for n in s)
+    assert opt.skipped_steps == 1 and opt.loss_scale == 2.0**15
+
+
+def test_plain_backward_with_fp16_scaling_is_refused_and_loses_nothing():
+    model = small_model()
+    opt = KitsuneOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), enable_amp=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = batches(1)[0]
+    nn.functional.mse_loss(model(x), y).backward()
+    with pytest.raises(RuntimeError, match=r"call optimizer.backward\(loss\)"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_bf16_autocast_without_scaler():
+    model = small_model()
+    opt = KitsuneOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), enable_amp=True, amp_config=AMPConfig(dtype="bf16")
+    )
+    x, y = batches(1)[0]
+    with opt.autocast():
+        out = model(x)
+    assert out.dtype == torch.bfloat16
+    nn.functional.mse_loss(out.float(), y).backward()  # no scaling needed: plain backward is fine
+    opt.step()
+    assert opt.loss_scale == 1.0 and opt.skipped_steps == 0
+
+
+def test_autocast_is_disabled_without_amp():
+    model = small_model()
+    opt = KitsuneOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    with opt.autocast():
+        assert model(torch.randn(2, 7)).dtype == torch.float32
+
+
+def test_scaler_state_in_checkpoint():
+    _, _, opt = _kitsune_loop(30, growth_interval=5)
+    sd = opt.state_dict()
+    amp_state = sd["kitsune"]["subsystems"]["amp"]
+    assert amp_state["scale"] == opt.loss_scale and amp_state["skipped_steps"] == opt.skipped_steps
+    other = KitsuneOptimizer(torch.optim.AdamW(small_model().parameters(), lr=1e-2), enable_amp=True)
+    other.load_state_dict(sd)
+    assert other.loss_scale == opt.loss_scale and other.skipped_steps == opt.skipped_steps
+    plain = torch.optim.AdamW(small_model().parameters(), lr=1e-2)
+    plain.load_state_dict(sd)  # torch ignores the kitsune key
+
+
+@pytest.mark.parametrize("unscale_first", [False, True])
+def test_users_grad_scaler_drives_the_wrapper(unscale_first):
+    results = []
+    for wrap in (False, True):
+        model = small_model()
+        base = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        opt = KitsuneOptimizer(base) if wrap else base
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=3)
+        for step, (x, y) in enumerate(batches(20)):
+            scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+            _poison(model, step)
+            if unscale_first:
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        results.append(([p.detach().clone() for p in model.parameters()], scaler.get_scale()))
+    (ref, ref_scale), (ours, our_scale) = results
+    assert ref_scale == our_scale
+    assert all(torch.equal(a, b) for a, b in zip(ref, ours, strict=True))
