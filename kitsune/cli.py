@@ -33,6 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     doctor = sub.add_parser("doctor", help="report what this machine supports")
     doctor.set_defaults(func=_doctor)
+
+    from kitsune.bench import register as register_bench
+
+    register_bench(sub)
     return parser
 
 

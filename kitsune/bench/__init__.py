@@ -1,0 +1,51 @@
+"""``kitsune bench``: torch's AdamW variants against kitsune's on the same params, in one process.
+
+>>> from kitsune.bench import run_bench
+>>> result = run_bench(sets=["gpt2"], device="cpu", steps=3)  # doctest: +SKIP
+"""
+
+from kitsune.bench.cli import add_arguments, main, register, run_from_args
+from kitsune.bench.params import PARAM_SETS, ParamSet, get_param_set, make_params
+from kitsune.bench.runner import (
+    ADAMW,
+    ADAMW_BYTES_PER_PARAM,
+    PHASE_BYTES_PER_PARAM,
+    VARIANTS,
+    BenchResult,
+    KitsuneInfo,
+    SetResult,
+    VariantResult,
+    make_variant,
+    print_results,
+    run_bench,
+    run_phase,
+    run_variant,
+)
+from kitsune.bench.timing import Stats, copy_bandwidth, time_steps
+
+__all__ = [
+    "ADAMW",
+    "ADAMW_BYTES_PER_PARAM",
+    "PARAM_SETS",
+    "PHASE_BYTES_PER_PARAM",
+    "VARIANTS",
+    "BenchResult",
+    "KitsuneInfo",
+    "ParamSet",
+    "SetResult",
+    "Stats",
+    "VariantResult",
+    "add_arguments",
+    "copy_bandwidth",
+    "get_param_set",
+    "main",
+    "make_params",
+    "make_variant",
+    "print_results",
+    "register",
+    "run_bench",
+    "run_from_args",
+    "run_phase",
+    "run_variant",
+    "time_steps",
+]

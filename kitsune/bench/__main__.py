@@ -1,0 +1,3 @@
+from kitsune.bench.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,103 @@
+"""The ``bench`` command: ``kitsune bench`` (through :func:`register`) and ``python -m kitsune.bench``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from kitsune.bench.params import PARAM_SETS
+from kitsune.bench.runner import VARIANTS, run_bench
+
+
+def _names(choices: dict[str, Any]):
+    def parse(text: str) -> list[str]:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        bad = [n for n in names if n not in choices]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(bad)}: choose from {', '.join(choices)}")
+        return names
+
+    return parse
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _scale(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``bench`` options, shared by ``kitsune bench`` and ``python -m kitsune.bench``."""
+    parser.add_argument(
+        "--sets", type=_names(PARAM_SETS), default=list(PARAM_SETS), help="comma-separated: gpt2,many,llama1b"
+    )
+    parser.add_argument(
+        "--variants",
+        type=_names(VARIANTS),
+        default=list(VARIANTS),
+        help="comma-separated: foreach,fused,graph,kitsune (graph is CUDA only)",
+    )
+    # dest is not "steps": the top-level CLI reads args.steps as an int, and this one may be None
+    parser.add_argument(
+        "--steps", dest="timed_steps", type=_positive_int, default=None, help="timed steps (default 50/50/20; CPU 3)"
+    )
+    parser.add_argument("--warmup", type=_positive_int, default=None, help="untimed steps first (default 10; CPU 1)")
+    parser.add_argument(
+        "--scale", type=_scale, default=None, help="fraction of each tensor's elements (default 1; CPU 0.001)"
+    )
+    parser.add_argument("--device", default="auto", help="auto (GPU when there is one), cuda or cpu")
+    parser.add_argument("--phase", action="store_true", help="also time the AMP + clipping phase (gpt2 set)")
+    parser.add_argument("--json", dest="json_path", default=None, help="write every number to this JSON file")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the params and grads")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """``func`` of the ``bench`` subcommand: run it, return the exit code."""
+    try:
+        result = run_bench(
+            sets=args.sets,
+            variants=args.variants,
+            device=args.device,
+            steps=args.timed_steps,
+            warmup=args.warmup,
+            scale=args.scale,
+            phase=args.phase,
+            json_path=args.json_path,
+            seed=args.seed,
+        )
+    except ValueError as exc:
+        print(f"kitsune bench: {exc}", file=sys.stderr)
+        return 2
+    entries = [*result.sets, *([result.phase] if result.phase is not None else [])]
+    return 1 if any(v.status == "failed" for e in entries for v in e.variants) else 0
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``bench`` subcommand to the ``kitsune`` command's subparsers."""
+    parser = subparsers.add_parser(
+        "bench",
+        help="time torch's AdamW variants against kitsune's",
+        description="Time an AdamW step with torch foreach, torch fused, torch fused + CUDA graph and kitsune.",
+    )
+    add_arguments(parser)
+    parser.set_defaults(func=run_from_args)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kitsune.bench``: the same options as ``kitsune bench``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m kitsune.bench",
+        description="Time an AdamW step with torch foreach, torch fused, torch fused + CUDA graph and kitsune.",
+    )
+    add_arguments(parser)
+    return run_from_args(parser.parse_args(argv))

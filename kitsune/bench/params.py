@@ -1,0 +1,125 @@
+"""The benchmark's parameter sets: shapes only, so sizes are known without allocating anything."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ParamSet:
+    """A named list of parameter shapes and how many timed steps it gets by default on a GPU."""
+
+    name: str
+    description: str
+    shapes: tuple[tuple[str, Shape], ...]
+    """(name, shape) per tensor, in model order."""
+    default_steps: int
+
+    @property
+    def n_tensors(self) -> int:
+        return len(self.shapes)
+
+    @property
+    def n_elements(self) -> int:
+        return sum(math.prod(shape) for _, shape in self.shapes)
+
+    def scaled(self, scale: float) -> ParamSet:
+        """The same tensors with about ``scale`` times the elements each (each dim times scale**(1/ndim)).
+
+        The tensor count is kept: it is what the host-bound sets are about.
+        """
+        if not 0 < scale <= 1:
+            raise ValueError(f"scale must be in (0, 1], got {scale}")
+        if scale == 1:
+            return self
+        shapes = tuple(
+            (name, tuple(max(1, round(d * scale ** (1 / len(shape)))) for d in shape)) for name, shape in self.shapes
+        )
+        return ParamSet(self.name, f"{self.description} (scale {scale:g})", shapes, self.default_steps)
+
+
+def _gpt2() -> tuple[tuple[str, Shape], ...]:
+    # GPT-2 124M as in Hugging Face's layout (Conv1D weights are (in, out)); the lm head is tied to wte.
+    d, vocab, ctx, layers = 768, 50257, 1024, 12
+    shapes: list[tuple[str, Shape]] = [("wte", (vocab, d)), ("wpe", (ctx, d))]
+    for i in range(layers):
+        h = f"h.{i}"
+        shapes += [
+            (f"{h}.ln_1.weight", (d,)),
+            (f"{h}.ln_1.bias", (d,)),
+            (f"{h}.attn.c_attn.weight", (d, 3 * d)),
+            (f"{h}.attn.c_attn.bias", (3 * d,)),
+            (f"{h}.attn.c_proj.weight", (d, d)),
+            (f"{h}.attn.c_proj.bias", (d,)),
+            (f"{h}.ln_2.weight", (d,)),
+            (f"{h}.ln_2.bias", (d,)),
+            (f"{h}.mlp.c_fc.weight", (d, 4 * d)),
+            (f"{h}.mlp.c_fc.bias", (4 * d,)),
+            (f"{h}.mlp.c_proj.weight", (4 * d, d)),
+            (f"{h}.mlp.c_proj.bias", (d,)),
+        ]
+    return (*shapes, ("ln_f.weight", (d,)), ("ln_f.bias", (d,)))
+
+
+def _many() -> tuple[tuple[str, Shape], ...]:
+    return tuple((f"p.{i}", (4096,)) for i in range(2000))
+
+
+def _llama1b() -> tuple[tuple[str, Shape], ...]:
+    # Llama-style decoder: no biases, RMSNorm weights only, untied embedding and lm head.
+    d, ffn, vocab, layers = 2048, 8192, 32000, 16
+    shapes: list[tuple[str, Shape]] = [("embed_tokens", (vocab, d))]
+    for i in range(layers):
+        L = f"layers.{i}"
+        shapes += [
+            (f"{L}.input_layernorm.weight", (d,)),
+            *((f"{L}.self_attn.{p}_proj.weight", (d, d)) for p in "qkvo"),
+            (f"{L}.post_attention_layernorm.weight", (d,)),
+            (f"{L}.mlp.gate_proj.weight", (ffn, d)),
+            (f"{L}.mlp.up_proj.weight", (ffn, d)),
+            (f"{L}.mlp.down_proj.weight", (d, ffn)),
+        ]
+    return (*shapes, ("norm.weight", (d,)), ("lm_head.weight", (vocab, d)))
+
+
+PARAM_SETS: dict[str, ParamSet] = {
+    "gpt2": ParamSet("gpt2", "GPT-2 124M shapes", _gpt2(), default_steps=50),
+    "many": ParamSet("many", "2000 tensors of 4096 elements", _many(), default_steps=50),
+    "llama1b": ParamSet("llama1b", "1.2B Llama-style (16 layers, hidden 2048, FFN 8192)", _llama1b(), 20),
+}
+"""Every set, by the name ``--sets`` takes."""
+
+
+def get_param_set(name: str, scale: float = 1.0) -> ParamSet:
+    if name not in PARAM_SETS:
+        raise ValueError(f"unknown parameter set {name!r}: choose from {', '.join(PARAM_SETS)}")
+    return PARAM_SETS[name].scaled(scale)
+
+
+def make_params(
+    pset: ParamSet, device: torch.device | str, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> list[torch.nn.Parameter]:
+    """Fresh params (normal, std 0.02) with ``.grad`` already filled with standard-normal values.
+
+    The same (set, seed) gives the same values on a device, so every variant starts from the same state.
+    """
+    gen = torch.Generator(device=device).manual_seed(seed)
+    params = []
+    for _, shape in pset.shapes:
+        p = torch.nn.Parameter(torch.empty(shape, device=device, dtype=dtype).normal_(0.0, 0.02, generator=gen))
+        # random, never zeros: no kernel may take a shortcut on an all-zero grad
+        p.grad = torch.empty_like(p).normal_(generator=gen)
+        params.append(p)
+    return params
+
+
+def refill_grads(params: list[torch.nn.Parameter], gen: torch.Generator) -> None:
+    """Give every param a fresh random grad in place (addresses unchanged, so captured graphs stay valid)."""
+    with torch.no_grad():
+        for p in params:
+            p.grad.normal_(generator=gen)

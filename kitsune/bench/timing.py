@@ -1,0 +1,118 @@
+"""Step timing (CUDA events for the device, ``perf_counter`` for the host) and the copy-bandwidth probe."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from pydantic import BaseModel
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0..100) with linear interpolation between the closest ranks."""
+    if not values:
+        raise ValueError("percentile of no values")
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+class Stats(BaseModel):
+    """Milliseconds over the timed steps."""
+
+    median: float
+    p10: float
+    p90: float
+    mean: float
+
+    @classmethod
+    def of(cls, values: list[float]) -> Stats:
+        return cls(
+            median=percentile(values, 50),
+            p10=percentile(values, 10),
+            p90=percentile(values, 90),
+            mean=sum(values) / len(values),
+        )
+
+
+@dataclass
+class StepTimes:
+    device_ms: list[float]
+    """Per step, steps back to back: CUDA-event time on a GPU; wall time of the call on a CPU."""
+    host_ms: list[float]
+    """Per step: wall time of the ``step()`` call alone, started with the device idle, no synchronize inside."""
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_steps(
+    step: Callable[[], object], steps: int, device: torch.device, between: Callable[[], object] | None = None
+) -> StepTimes:
+    """Run ``step`` ``2 * steps`` times: ``steps`` for the device timer, then ``steps`` for the host timer.
+
+    Device pass: steps run back to back, as in training, each between two CUDA events on the current stream; a
+    step whose kernels wait for the host shows those gaps too. Host pass: a synchronize before each step (outside
+    the timer) so a full launch queue never makes ``step()`` wait for the GPU; what remains is the CPU's cost of
+    issuing the step. ``between`` runs before each step, outside both timers (e.g. refilling zeroed grads).
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be at least 1, got {steps}")
+    cuda = device.type == "cuda"
+    if cuda:  # created up front: nothing but the step runs between an event pair
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(steps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(steps)]
+    wall_ms: list[float] = []
+    synchronize(device)
+    for i in range(steps):
+        if between is not None:
+            between()
+        if cuda:
+            starts[i].record()
+        t0 = time.perf_counter()
+        step()
+        wall_ms.append((time.perf_counter() - t0) * 1e3)
+        if cuda:
+            ends[i].record()
+    synchronize(device)
+    device_ms = [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)] if cuda else wall_ms
+
+    host_ms: list[float] = []
+    for _ in range(steps):
+        if between is not None:
+            between()
+        synchronize(device)
+        t0 = time.perf_counter()
+        step()
+        host_ms.append((time.perf_counter() - t0) * 1e3)
+    synchronize(device)
+    return StepTimes(device_ms=device_ms, host_ms=host_ms)
+
+
+def _copy_ms(nbytes: int, reps: int, device: torch.device) -> float:
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    return percentile(time_steps(lambda: dst.copy_(src), reps, device).device_ms, 50)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int | None = None, reps: int = 20) -> tuple[float, int]:
+    """Device-to-device copy bandwidth in bytes/s, counting read + write, and the buffer size used.
+
+    The median of ``reps`` copies of one buffer (512 MiB on a GPU, 64 MiB on a CPU: far larger than any cache)
+    into another: the memory's sustained rate, the most a memory-bound optimizer step can hope for.
+    """
+    if nbytes is None:
+        nbytes = (512 if device.type == "cuda" else 64) * 2**20
+    nbytes -= nbytes % 4
+    ms = _copy_ms(nbytes, reps, device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return 2 * nbytes / (ms / 1e3), nbytes  # read src + write dst

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The one script to run on a lent GPU: environment, the CUDA tests, then `kitsune bench` on all sets.
+# Writes into $OUT (default ./gpu-out): env.log, cuda-tests.log, bench.log, bench.json, exit-codes.txt.
+# Takes about 8 minutes at most on an H100: each stage has its own time limit so the benchmark always runs.
+# BENCH_DEVICE=cpu runs the same stages on a CPU with tiny sets (a dry run of this script, not a measurement).
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/gpu-out}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+export COLUMNS="${COLUMNS:-160}"  # rich tables in the logs: wide enough for every column
+BENCH_DEVICE="${BENCH_DEVICE:-cuda}"
+
+if [ -d .whl ] && compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH="/tmp/site:$PWD"
+else
+    export PYTHONPATH="$PWD"
+fi
+
+{
+    echo "== $(date -u +%Y-%m-%dT%H:%M:%SZ) on ${HOSTNAME:-?}, git $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+    nvidia-smi || echo "nvidia-smi failed (exit $?)"
+    python3 - <<'PY' || echo "environment probe failed (exit $?)"
+import importlib
+import sys
+
+print("python", sys.version.split()[0])
+for name in ("torch", "triton", "pydantic", "rich", "pytest", "pynvml"):
+    try:
+        print(name, getattr(importlib.import_module(name), "__version__", "(no __version__)"))
+    except Exception as exc:  # report every missing package, not just the first
+        print(name, f"MISSING: {exc}")
+import torch
+
+print("torch cuda", torch.version.cuda, "available", torch.cuda.is_available())
+if torch.cuda.is_available():
+    print("device", torch.cuda.get_device_name(0), f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB")
+PY
+} 2>&1 | tee "$OUT/env.log"
+
+tests_rc=0
+if python3 -c "import pytest" 2>/dev/null; then
+    # collection errors in other modules (a missing test-only package) must not stop the CUDA tests that can run
+    timeout 210 python3 -m pytest -q -m cuda --continue-on-collection-errors tests/ 2>&1 \
+        | tee "$OUT/cuda-tests.log" || tests_rc=$?
+else
+    echo "pytest is not installed here: carry its wheel in .whl/" | tee "$OUT/cuda-tests.log"
+    tests_rc=127
+fi
+echo "cuda tests exit code: $tests_rc"
+
+bench_rc=0
+# timed steps: 50 for gpt2 and many, 20 for llama1b (each set's default); bench.json is rewritten after each set
+timeout 270 python3 -m kitsune.bench --device "$BENCH_DEVICE" --sets gpt2,many,llama1b --warmup 10 --phase \
+    --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || bench_rc=$?
+
+echo "cuda tests exit code: $tests_rc (124: timed out); bench exit code: $bench_rc (1: a variant failed)" \
+    | tee "$OUT/exit-codes.txt"
+if [ "$tests_rc" -ne 0 ]; then
+    exit "$tests_rc"
+fi
+exit "$bench_rc"
