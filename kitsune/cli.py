@@ -37,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     from kitsune.bench import register as register_bench
 
     register_bench(sub)
+
+    from kitsune.profiler.report import register as register_report
+
+    register_report(sub)
     return parser
 
 

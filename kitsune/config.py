@@ -134,6 +134,8 @@ class ProfilerConfig(_Config):
     """Record per-step timings (CUDA events on GPU, a monotonic clock on CPU)."""
     max_step_records: int = Field(100_000, ge=1)
     """Per-step timings kept for the profile; older ones are dropped (summary counts still cover all steps)."""
+    nvml_interval_s: float = Field(0.5, ge=0.0)
+    """Seconds between NVML samples of the GPU while profiling CUDA params; 0 turns the sampler off."""
 
 
 class KitsuneConfig(_Config):

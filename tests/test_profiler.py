@@ -38,6 +38,15 @@ def test_metrics_are_typed_and_count_steps():
     assert metrics.step_time.p90_ms <= metrics.step_time.max_ms
 
 
+def test_records_carry_increasing_host_start_times():
+    records = _trained(6, profile=True).profiler.records
+    starts = [r.host_start_us for r in records]
+    assert all(s is not None and s >= 0 for s in starts)
+    for a, b in zip(records, records[1:], strict=False):  # each step starts after the previous one ended
+        assert b.host_start_us >= a.host_start_us + a.host_ms * 1e3
+    assert all(r.device_start_us is None for r in records)  # CPU: no device clock
+
+
 def test_profiler_is_none_when_off():
     assert _trained(2).profiler is None
 
@@ -128,7 +137,14 @@ def test_cuda_events_time_steps():
         m(torch.randn(4, 7, device="cuda")).sum().backward()
         opt.step()
         opt.zero_grad()
+    opt.profiler.close()  # the NVML sampler's thread
     metrics = opt.profiler.get_metrics()
     assert metrics.timing == "cuda_events" and metrics.step_time.count == 5 and metrics.step_time.min_ms > 0
     text = _summary_text(opt)
     assert "CUDA events" in text
+    records = opt.profiler.records
+    # the device runs the steps in order, each about when the host began it or later (the start event is
+    # recorded just before the host clock is read, so an idle GPU may run it a few us earlier)
+    for a, b in zip(records, records[1:], strict=False):
+        assert b.device_start_us >= a.device_start_us + a.step_ms * 1e3 - 1.0
+    assert all(r.device_start_us >= r.host_start_us - 20.0 for r in records), records

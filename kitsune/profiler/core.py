@@ -1,4 +1,7 @@
-"""Step timing. Nothing here synchronises the device during training: CUDA events are read lazily."""
+"""Step timing. Nothing here synchronises the device during training: CUDA events are read lazily.
+
+On CUDA the profiler also runs the NVML sampler (:mod:`kitsune.profiler.nvml`) for GPU telemetry.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import torch
 from pydantic import BaseModel
 
 from kitsune.config import ProfilerConfig
+from kitsune.profiler.nvml import NvmlReport, NvmlSampler
 from kitsune.subsystem import StepContext, Subsystem
 
 if TYPE_CHECKING:
@@ -25,6 +29,10 @@ class StepRecord(BaseModel):
     """Time of the whole step: device time between CUDA events on GPU, wall time on CPU."""
     host_ms: float
     """Host (Python + launch) time spent inside ``step()``."""
+    host_start_us: float | None = None
+    """When ``step()`` began on the host, in microseconds since the profiler started (None in old profiles)."""
+    device_start_us: float | None = None
+    """When the step's work began on the GPU, on the same clock as ``host_start_us`` (CUDA only)."""
 
 
 class TimeStats(BaseModel):
@@ -45,14 +53,14 @@ class TimeStats(BaseModel):
         return cls(
             count=len(ordered),
             mean_ms=sum(ordered) / len(ordered),
-            p50_ms=_quantile(ordered, 0.5),
-            p90_ms=_quantile(ordered, 0.9),
+            p50_ms=quantile(ordered, 0.5),
+            p90_ms=quantile(ordered, 0.9),
             min_ms=ordered[0],
             max_ms=ordered[-1],
         )
 
 
-def _quantile(ordered: list[float], q: float) -> float:
+def quantile(ordered: list[float], q: float) -> float:
     """Linear interpolation between closest ranks (numpy's default)."""
     pos = q * (len(ordered) - 1)
     lo = int(pos)
@@ -82,11 +90,17 @@ class Profiler(Subsystem):
         super().__init__()
         self.config = config
         self._records: deque[StepRecord] = deque(maxlen=config.max_step_records)
-        self._pending: deque[tuple[int, torch.cuda.Event, torch.cuda.Event, float]] = deque()
+        # (step, start event, end event, host_ms, host_start_us) of steps whose events have not been read
+        self._pending: deque[tuple[int, torch.cuda.Event, torch.cuda.Event, float, float]] = deque()
         self._timed = 0
         self._cuda = False
         self._t0 = 0
         self._start_event: torch.cuda.Event | None = None
+        self._origin_ns = time.perf_counter_ns()
+        # a CUDA event recorded on an idle GPU at a known host time: maps device event times onto the host clock
+        self._anchor: tuple[torch.cuda.Event, float] | None = None
+        self._sampler: NvmlSampler | None = None
+        self._nvml_reason = "params are not on a CUDA device"
         if config.enabled:
             self.activate()
         else:
@@ -95,6 +109,44 @@ class Profiler(Subsystem):
     def plan(self, opt: KitsuneOptimizer) -> None:
         params = [p for g in opt.param_groups for p in g["params"]]
         self._cuda = bool(params) and params[0].is_cuda and torch.cuda.is_available()
+        if not self.active:
+            return
+        if self._cuda and self._anchor is None and not torch.cuda.is_current_stream_capturing():
+            # once, at construction (not during training): the GPU ran the anchor between record() and the end
+            # of the sync; taking the later bound never shows a step on the device before the host launched it
+            for _ in range(2):  # the first round pays for lazy event/stream set-up
+                anchor = torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize()
+                anchor.record()
+                torch.cuda.synchronize()
+                anchor_us = (time.perf_counter_ns() - self._origin_ns) / 1e3
+            self._anchor = (anchor, anchor_us)
+        self._plan_nvml(params[0].device.index if self._cuda else None)
+
+    def _plan_nvml(self, device_index: int | None) -> None:
+        interval = self.config.nvml_interval_s
+        if device_index is None or interval <= 0:
+            self.close()
+            self._sampler = None
+            self._nvml_reason = "params are not on a CUDA device" if device_index is None else "nvml_interval_s=0"
+            return
+        if self._sampler is not None and self._sampler.device_index == device_index:
+            return
+        self.close()
+        self._sampler = NvmlSampler(device_index, interval_s=interval, origin_ns=self._origin_ns)
+        self._sampler.start()  # when NVML is unavailable this only records why
+
+    def close(self) -> None:
+        """Stop the NVML sampler's thread (it also stops when the profiler is garbage-collected)."""
+        if self._sampler is not None:
+            self._sampler.stop()
+
+    @property
+    def nvml(self) -> NvmlReport:
+        """GPU telemetry sampled so far, or why there is none."""
+        if self._sampler is None:
+            return NvmlReport.unavailable(self._nvml_reason)
+        return self._sampler.report()
 
     def before_step(self, ctx: StepContext) -> None:
         if self._cuda:
@@ -104,24 +156,36 @@ class Profiler(Subsystem):
 
     def after_step(self, ctx: StepContext) -> None:
         host_ms = (time.perf_counter_ns() - self._t0) / 1e6
+        start_us = (self._t0 - self._origin_ns) / 1e3
         self._timed += 1
         if self._cuda and self._start_event is not None:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            self._pending.append((ctx.step, self._start_event, end, host_ms))
+            self._pending.append((ctx.step, self._start_event, end, host_ms, start_us))
             if len(self._pending) > 64:
                 self._collect(block=False)
         else:
-            self._records.append(StepRecord(step=ctx.step, step_ms=host_ms, host_ms=host_ms))
+            self._records.append(StepRecord(step=ctx.step, step_ms=host_ms, host_ms=host_ms, host_start_us=start_us))
 
     def _collect(self, block: bool) -> None:
         """Turn finished CUDA event pairs into records; with block=True wait for all of them."""
         while self._pending:
-            step, start, end, host_ms = self._pending[0]
+            step, start, end, host_ms, start_us = self._pending[0]
             if not block and not end.query():
                 break
             end.synchronize()
-            self._records.append(StepRecord(step=step, step_ms=start.elapsed_time(end), host_ms=host_ms))
+            device_us = None
+            if self._anchor is not None:
+                anchor, anchor_us = self._anchor
+                device_us = anchor_us + anchor.elapsed_time(start) * 1e3
+            record = StepRecord(
+                step=step,
+                step_ms=start.elapsed_time(end),
+                host_ms=host_ms,
+                host_start_us=start_us,
+                device_start_us=device_us,
+            )
+            self._records.append(record)
             self._pending.popleft()
 
     @property
@@ -141,10 +205,12 @@ class Profiler(Subsystem):
         )
 
     def reset(self) -> None:
-        """Forget every record (e.g. after warm-up)."""
+        """Forget every record and NVML sample (e.g. after warm-up)."""
         self._collect(block=True)
         self._records.clear()
         self._timed = 0
+        if self._sampler is not None:
+            self._sampler.clear()
 
     def report(self) -> dict[str, object]:
         return {"steps_timed": self._timed, "timing": "cuda_events" if self._cuda else "host_clock"}

@@ -1,4 +1,9 @@
-"""The profile JSON: a versioned pydantic model (its JSON Schema is ``Profile.model_json_schema()``)."""
+"""The profile JSON: a versioned pydantic model (its JSON Schema is ``Profile.model_json_schema()``).
+
+Version "1.0". Fields added since (``nvml``, ``memory``, ``param_groups``, ``num_params``, and the step records'
+``host_start_us``/``device_start_us``) are optional, so files written before them still load and readers of
+1.0 ignore them; the version changes only when a required field does.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import torch
 from pydantic import BaseModel, Field
 
 from kitsune.profiler.core import ProfilerMetrics, StepRecord
+from kitsune.profiler.nvml import NvmlReport
 
 if TYPE_CHECKING:
     from kitsune.optimizer import KitsuneOptimizer
@@ -44,6 +50,17 @@ class SubsystemStatus(BaseModel):
     report: dict[str, Any] = Field(default_factory=dict)
 
 
+class MemoryInfo(BaseModel):
+    """torch's CUDA caching allocator on the optimizer's device when the profile was saved."""
+
+    allocated_bytes: int
+    peak_allocated_bytes: int
+    reserved_bytes: int
+    peak_reserved_bytes: int
+    total_bytes: int
+    """The device's memory."""
+
+
 class Profile(BaseModel):
     """Everything ``KitsuneOptimizer.save_profile`` writes."""
 
@@ -61,6 +78,13 @@ class Profile(BaseModel):
     """Step-time statistics; None when profile=False."""
     steps: list[StepRecord]
     """Per-step timings (the most recent ``max_step_records``)."""
+    param_groups: int | None = None
+    num_params: int | None = None
+    """Parameter tensors across all groups."""
+    nvml: NvmlReport | None = None
+    """GPU telemetry, or ``{"available": false, "reason": ...}``; None when profile=False."""
+    memory: MemoryInfo | None = None
+    """CUDA allocator figures; None on CPU."""
 
 
 def collect_environment(device: torch.device | str | None = None) -> Environment:
@@ -93,12 +117,26 @@ def _device_of(opt: KitsuneOptimizer) -> torch.device:
     return torch.device("cpu")
 
 
+def collect_memory(device: torch.device) -> MemoryInfo | None:
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return MemoryInfo(
+        allocated_bytes=torch.cuda.memory_allocated(device),
+        peak_allocated_bytes=torch.cuda.max_memory_allocated(device),
+        reserved_bytes=torch.cuda.memory_reserved(device),
+        peak_reserved_bytes=torch.cuda.max_memory_reserved(device),
+        total_bytes=torch.cuda.get_device_properties(device).total_memory,
+    )
+
+
 def build_profile(opt: KitsuneOptimizer) -> Profile:
+    """A snapshot of ``opt``: what ``save_profile`` writes and what ``print_summary`` renders."""
     prof = opt.profiler
     plan = opt.plan
+    device = _device_of(opt)
     return Profile(
         created=datetime.now(timezone.utc),
-        environment=collect_environment(_device_of(opt)),
+        environment=collect_environment(device),
         optimizer=type(opt.base_optimizer).__name__,
         step_count=opt.step_count,
         config=opt.config.model_dump(mode="json"),
@@ -106,6 +144,10 @@ def build_profile(opt: KitsuneOptimizer) -> Profile:
         plan=plan.to_dict() if plan is not None and hasattr(plan, "to_dict") else None,
         metrics=prof.get_metrics() if prof is not None else None,
         steps=prof.records if prof is not None else [],
+        param_groups=len(opt.param_groups),
+        num_params=sum(len(g["params"]) for g in opt.param_groups),
+        nvml=prof.nvml if prof is not None else None,
+        memory=collect_memory(device),
     )
 
 

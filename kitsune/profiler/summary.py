@@ -1,30 +1,84 @@
-"""``print_summary()``: rich tables of the subsystems, the plan and the step timings."""
+"""The summary: rich tables of the subsystems, the plan, the step timings, GPU telemetry and memory.
+
+A live optimizer and a saved profile render through the same code: ``print_summary(opt)`` builds the
+:class:`~kitsune.profiler.schema.Profile` that ``save_profile`` would write and renders that.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
+from rich.console import Console, Group, RenderableType
 from rich.table import Table
+from rich.text import Text
 
 from kitsune.profiler.core import ProfilerMetrics
+from kitsune.profiler.nvml import FIELDS, NvmlReport
+from kitsune.profiler.schema import MemoryInfo, Profile, SubsystemStatus, build_profile
 
 if TYPE_CHECKING:
     from kitsune.optimizer import KitsuneOptimizer
 
 
-def subsystem_table(statuses: list[dict[str, Any]]) -> Table:
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def subsystem_detail(status: SubsystemStatus) -> str:
+    """The reason when inactive, else what the subsystem reported (the plan has its own table)."""
+    if not status.active:
+        return status.reason or ""
+    return ", ".join(f"{k}={v}" for k, v in status.report.items() if k != "plan")
+
+
+def subsystem_table(statuses: Sequence[SubsystemStatus | dict[str, Any]]) -> Table:
     table = Table(title="subsystems", title_justify="left")
     table.add_column("subsystem")
     table.add_column("state")
     table.add_column("detail", overflow="fold")
     for s in statuses:
-        state = "[green]active[/]" if s["active"] else "[yellow]inactive[/]"
-        detail = (
-            s["reason"] if not s["active"] else ", ".join(f"{k}={v}" for k, v in s["report"].items() if k != "plan")
-        )
-        table.add_row(s["name"], state, detail or "")
+        status = s if isinstance(s, SubsystemStatus) else SubsystemStatus(**s)
+        state = "[green]active[/]" if status.active else "[yellow]inactive[/]"
+        table.add_row(status.name, state, subsystem_detail(status))
     return table
+
+
+def plan_rows(plan: dict[str, Any]) -> tuple[list[tuple[str, str]], dict[str, list[dict[str, Any]]]]:
+    """Split a plan dict into (scalar facts, tables): every list of dicts is a table, the rest are facts."""
+    facts: list[tuple[str, str]] = []
+    tables: dict[str, list[dict[str, Any]]] = {}
+    for key, value in plan.items():
+        if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            tables[key] = value
+        else:
+            facts.append((key, str(value)))
+    return facts, tables
+
+
+def plan_tables(plan: dict[str, Any]) -> list[Table]:
+    facts, tables = plan_rows(plan)
+    out = []
+    if facts:
+        table = Table(title="plan", title_justify="left", show_header=False)
+        table.add_column("key")
+        table.add_column("value", overflow="fold")
+        for key, value in facts:
+            table.add_row(key, value)
+        out.append(table)
+    for name, rows in tables.items():
+        columns = list(dict.fromkeys(k for row in rows for k in row))
+        table = Table(title=f"plan: {name}", title_justify="left")
+        for col in columns:
+            table.add_column(col, overflow="fold")
+        for row in rows:
+            table.add_row(*(str(row.get(col, "")) for col in columns))
+        out.append(table)
+    return out
 
 
 def timing_table(metrics: ProfilerMetrics) -> Table:
@@ -41,23 +95,73 @@ def timing_table(metrics: ProfilerMetrics) -> Table:
     return table
 
 
-def print_summary(opt: KitsuneOptimizer, console: Console | None = None) -> None:
-    console = console or Console()
-    base = type(opt.base_optimizer).__name__
-    n_params = sum(len(g["params"]) for g in opt.param_groups)
-    console.print(
-        f"[bold]kitsune[/] summary: {base}, {len(opt.param_groups)} param group(s), {n_params} params, "
-        f"{opt.step_count} steps"
-    )
-    console.print(subsystem_table(opt.subsystem_status()))
-    if opt.plan is not None:
-        console.print(opt.plan)
-    prof = opt.profiler
-    if prof is None:
-        console.print("step timings: profiling is off (pass profile=True to record them)")
-        return
-    metrics = prof.get_metrics()
-    if metrics.step_time is None:
-        console.print("step timings: no step has run yet")
+def nvml_table(report: NvmlReport) -> Group:
+    title = f"GPU telemetry (NVML): {report.device}, {len(report.samples)} samples every {report.interval_s} s"
+    if report.dropped:
+        title += f" ({report.dropped} older ones dropped)"
+    table = Table()
+    for col, justify in (("field", "left"), ("unit", "left"), ("mean", "right"), ("max", "right")):
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for name, (label, unit) in FIELDS.items():
+        stats = report.stats.get(name)
+        if stats is not None:
+            table.add_row(label, unit, f"{stats.mean:.1f}", f"{stats.max:.1f}")
+    return Group(Text(title, style="italic"), table)
+
+
+def memory_table(memory: MemoryInfo) -> Table:
+    table = Table(title="CUDA memory (torch allocator)", title_justify="left")
+    table.add_column("")
+    table.add_column("now", justify="right")
+    table.add_column("peak", justify="right")
+    table.add_row("allocated", format_bytes(memory.allocated_bytes), format_bytes(memory.peak_allocated_bytes))
+    table.add_row("reserved", format_bytes(memory.reserved_bytes), format_bytes(memory.peak_reserved_bytes))
+    table.add_row("device total", format_bytes(memory.total_bytes), "")
+    return table
+
+
+def headline(profile: Profile) -> str:
+    parts = [profile.optimizer]
+    if profile.param_groups is not None:
+        parts.append(f"{profile.param_groups} param group(s)")
+    if profile.num_params is not None:
+        parts.append(f"{profile.num_params} params")
+    parts.append(f"{profile.step_count} steps")
+    return ", ".join(parts)
+
+
+def summary_renderables(profile: Profile) -> list[RenderableType]:
+    env = profile.environment
+    out: list[RenderableType] = [
+        f"[bold]kitsune[/] summary: {headline(profile)}",
+        f"[dim]{env.device} ({env.device_name}), torch {env.torch}, kitsune {env.kitsune}[/]",
+        subsystem_table(profile.subsystems),
+    ]
+    if profile.plan:
+        out.extend(plan_tables(profile.plan))
+    metrics = profile.metrics
+    if metrics is None:
+        out.append("step timings: profiling is off (pass profile=True to record them)")
+    elif metrics.step_time is None:
+        out.append("step timings: no step has run yet")
     else:
-        console.print(timing_table(metrics))
+        out.append(timing_table(metrics))
+    if profile.nvml is not None:
+        if profile.nvml.available:
+            out.append(nvml_table(profile.nvml))
+        else:
+            out.append(f"GPU telemetry (NVML): unavailable: {profile.nvml.reason}")
+    if profile.memory is not None:
+        out.append(memory_table(profile.memory))
+    return out
+
+
+def render_summary(profile: Profile, console: Console | None = None) -> None:
+    """Print the summary of a profile (live or loaded with ``load_profile``)."""
+    console = console or Console()
+    for item in summary_renderables(profile):
+        console.print(item)
+
+
+def print_summary(opt: KitsuneOptimizer, console: Console | None = None) -> None:
+    render_summary(build_profile(opt), console)

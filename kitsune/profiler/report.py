@@ -1,0 +1,43 @@
+"""``kitsune report profile.json [--html report.html] [--trace trace.json]``: a saved profile, read back."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from pydantic import ValidationError
+from rich.console import Console
+
+from kitsune.profiler.html import write_html
+from kitsune.profiler.schema import load_profile
+from kitsune.profiler.summary import render_summary
+from kitsune.profiler.trace import export_chrome_trace
+
+
+def run_report(args: argparse.Namespace, console: Console | None = None) -> int:
+    console = console or Console()
+    try:
+        profile = load_profile(args.profile)
+    except FileNotFoundError:
+        print(f"kitsune report: {args.profile}: no such file", file=sys.stderr)
+        return 2
+    except ValidationError as exc:
+        print(f"kitsune report: {args.profile} is not a kitsune profile:\n{exc}", file=sys.stderr)
+        return 2
+    render_summary(profile, console)
+    if args.html is not None:
+        console.print(f"wrote {write_html(profile, args.html)}")
+    if args.trace is not None:
+        console.print(f"wrote {export_chrome_trace(profile, args.trace)} (open it in chrome://tracing or Perfetto)")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the ``report`` command to the ``kitsune`` CLI's subparsers."""
+    parser = subparsers.add_parser("report", help="print the summary of a saved profile; write an HTML report")
+    parser.add_argument("profile", type=Path, help="a profile JSON written by save_profile()")
+    parser.add_argument("--html", type=Path, metavar="REPORT.html", help="also write a self-contained HTML report")
+    parser.add_argument("--trace", type=Path, metavar="TRACE.json", help="also write a Chrome trace of the steps")
+    parser.set_defaults(func=run_report)
+    return parser

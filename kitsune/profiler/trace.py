@@ -1,0 +1,96 @@
+"""Chrome Trace Event Format export: open the file in chrome://tracing or https://ui.perfetto.dev.
+
+Each step is an "X" (complete) event on two tracks of process "kitsune": "step (device)" (its device time,
+placed where the GPU ran it when known) and "host" (the time ``step()`` spent on the host). NVML samples are
+"C" (counter) events of a second process. Timestamps are microseconds since the profiler started.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kitsune.profiler.core import Profiler, StepRecord
+from kitsune.profiler.nvml import FIELDS, NvmlReport
+from kitsune.profiler.schema import Profile
+
+if TYPE_CHECKING:
+    from kitsune.optimizer import KitsuneOptimizer
+
+PID_STEPS, PID_GPU = 1, 2
+TID_DEVICE, TID_HOST = 1, 2
+
+
+def _meta(kind: str, pid: int, name: str, tid: int | None = None) -> dict[str, Any]:
+    event: dict[str, Any] = {"name": kind, "ph": "M", "pid": pid, "args": {"name": name}}
+    if tid is not None:
+        event["tid"] = tid
+    return event
+
+
+def _starts(steps: list[StepRecord]) -> list[float]:
+    """Host start of each step; profiles from before ``host_start_us`` existed get steps laid end to end."""
+    if all(r.host_start_us is not None for r in steps):
+        return [r.host_start_us for r in steps]  # type: ignore[misc]
+    starts, t = [], 0.0
+    for r in steps:
+        starts.append(t)
+        t += r.host_ms * 1e3
+    return starts
+
+
+def trace_events(steps: list[StepRecord], timing: str, nvml: NvmlReport | None) -> list[dict[str, Any]]:
+    events = [
+        _meta("process_name", PID_STEPS, "kitsune"),
+        _meta("thread_name", PID_STEPS, "step (device)", TID_DEVICE),
+        _meta("thread_name", PID_STEPS, "host", TID_HOST),
+        {"name": "thread_sort_index", "ph": "M", "pid": PID_STEPS, "tid": TID_DEVICE, "args": {"sort_index": 0}},
+        {"name": "thread_sort_index", "ph": "M", "pid": PID_STEPS, "tid": TID_HOST, "args": {"sort_index": 1}},
+    ]
+    for r, host_start in zip(steps, _starts(steps), strict=True):
+        device_start = r.device_start_us if r.device_start_us is not None else host_start
+        name, args = f"step {r.step}", {"step": r.step, "timing": timing}
+        for tid, ts, dur_ms in ((TID_DEVICE, device_start, r.step_ms), (TID_HOST, host_start, r.host_ms)):
+            events.append(
+                {
+                    "name": name,
+                    "cat": "step",
+                    "ph": "X",
+                    "ts": ts,
+                    "dur": dur_ms * 1e3,
+                    "pid": PID_STEPS,
+                    "tid": tid,
+                    "args": args,
+                }
+            )
+    if nvml is not None and nvml.available and nvml.samples:
+        events.append(_meta("process_name", PID_GPU, f"GPU (NVML): {nvml.device}"))
+        for s in nvml.samples:
+            for name, (label, unit) in FIELDS.items():
+                value = getattr(s, name)
+                if value is not None:
+                    events.append(
+                        {"name": f"{label} ({unit})", "ph": "C", "ts": s.t_us, "pid": PID_GPU, "args": {unit: value}}
+                    )
+    return events
+
+
+def export_chrome_trace(source: Profile | Profiler | KitsuneOptimizer, path: str | Path) -> Path:
+    """Write ``source``'s steps (and NVML samples) as a Chrome trace JSON file; returns the path."""
+    if isinstance(source, Profile):
+        steps, timing, nvml = source.steps, source.metrics.timing if source.metrics else "host_clock", source.nvml
+    elif isinstance(source, Profiler):
+        steps, timing, nvml = source.records, source.get_metrics().timing, source.nvml
+    elif getattr(source, "profiler", None) is not None:
+        return export_chrome_trace(source.profiler, path)  # type: ignore[union-attr]
+    else:
+        raise TypeError(
+            f"export_chrome_trace needs a Profile, a Profiler or a KitsuneOptimizer with profile=True, "
+            f"got {type(source).__name__}"
+        )
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    data = {"traceEvents": trace_events(steps, timing, nvml), "displayTimeUnit": "ms"}
+    out.write_text(json.dumps(data))
+    return out

@@ -1,0 +1,299 @@
+"""Profile round trip, Chrome trace, ``kitsune report`` and the HTML report (rendered in headless Chromium)."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import math
+import shutil
+import struct
+import subprocess
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import batches, small_model, train
+from rich.console import Console
+
+from kitsune import KitsuneOptimizer
+from kitsune.profiler.html import STEP_COLOR, render_html, write_html
+from kitsune.profiler.nvml import NvmlReport, NvmlSample, field_stats
+from kitsune.profiler.report import register
+from kitsune.profiler.schema import MemoryInfo, Profile, build_profile, load_profile
+from kitsune.profiler.summary import render_summary
+from kitsune.profiler.trace import export_chrome_trace
+
+NVML_PLOTS = ("plot-nvml-util", "plot-nvml-memory", "plot-nvml-power")
+
+
+@pytest.fixture(scope="module")
+def opt():
+    m = small_model()
+    opt = KitsuneOptimizer(torch.optim.AdamW(m.parameters()), profile=True)
+    train(m, opt, batches(30))
+    return opt
+
+
+def _fake_gpu_data(profile: Profile) -> Profile:
+    """The profile as if it had run on a GPU: NVML samples every 0.5 s and allocator figures."""
+    samples = [
+        NvmlSample(
+            t_us=i * 5e5,
+            util_pct=50 + 45 * math.sin(i / 3),
+            mem_used_mib=2000 + 40 * i,
+            power_w=120 + 2 * i,
+            temp_c=50 + i / 10,
+            sm_clock_mhz=1980,
+        )
+        for i in range(40)
+    ]
+    nvml = NvmlReport(
+        available=True, device="Fake H100", uuid="abc", interval_s=0.5, samples=samples, stats=field_stats(samples)
+    )
+    memory = MemoryInfo(
+        allocated_bytes=2**30, peak_allocated_bytes=3 * 2**30, reserved_bytes=4 * 2**30,
+        peak_reserved_bytes=4 * 2**30, total_bytes=80 * 2**30,
+    )  # fmt: skip
+    return profile.model_copy(update={"nvml": nvml, "memory": memory})
+
+
+@pytest.fixture(scope="module")
+def gpu_profile(opt) -> Profile:
+    return _fake_gpu_data(build_profile(opt))
+
+
+def _text(render) -> str:
+    buf = io.StringIO()
+    render(Console(file=buf, width=140, color_system=None))
+    return buf.getvalue()
+
+
+# -- the profile JSON ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("with_gpu_data", [False, True])
+def test_profile_round_trip(opt, tmp_path, with_gpu_data):
+    profile = build_profile(opt)
+    if with_gpu_data:
+        profile = _fake_gpu_data(profile)
+    path = tmp_path / "p.json"
+    path.write_text(profile.model_dump_json(indent=2))
+    again = load_profile(path)
+    assert again == profile
+    assert again.steps[0].host_start_us is not None
+
+
+def test_unavailable_nvml_section_is_short_in_json(opt, tmp_path):
+    data = json.loads(opt.save_profile(tmp_path / "p.json").read_text())
+    assert data["nvml"] == {"available": False, "reason": "params are not on a CUDA device"}
+    assert data["memory"] is None and data["param_groups"] == 1 and data["num_params"] == 4
+
+
+def test_profile_from_before_the_optional_fields_still_loads(opt, tmp_path):
+    data = json.loads(build_profile(opt).model_dump_json())
+    for key in ("nvml", "memory", "param_groups", "num_params"):
+        del data[key]
+    for step in data["steps"]:
+        del step["host_start_us"], step["device_start_us"]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data))
+    old = load_profile(path)
+    assert old.schema_version == "1.0" and old.nvml is None and old.steps[0].host_start_us is None
+    text = _text(lambda c: render_summary(old, c))
+    assert "AdamW, 30 steps" in text and "step time (30 steps timed, host clock)" in text
+    events = json.loads(export_chrome_trace(old, tmp_path / "t.json").read_text())["traceEvents"]
+    host = [e for e in events if e["ph"] == "X" and e["tid"] == 2]
+    for a, b in zip(host, host[1:], strict=False):  # laid end to end
+        assert b["ts"] == pytest.approx(a["ts"] + a["dur"])
+
+
+# -- the Chrome trace ---------------------------------------------------------------------------------------------
+def _check_trace(path: Path, steps: int) -> list[dict]:
+    data = json.loads(path.read_text())
+    events = data["traceEvents"]
+    assert isinstance(events, list)
+    for e in events:
+        assert {"name", "ph", "pid"} <= set(e) and e["ph"] in ("X", "M", "C")
+    names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert names == {"step (device)", "host"}
+    for tid in (1, 2):
+        track = [e for e in events if e["ph"] == "X" and e["tid"] == tid]
+        assert len(track) == steps
+        for e in track:
+            assert all(isinstance(e[k], (int, float)) for k in ("ts", "dur", "pid", "tid")) and e["dur"] > 0
+        assert [e["args"]["step"] for e in track] == list(range(1, steps + 1))
+        ts = [e["ts"] for e in track]
+        assert all(b > a for a, b in zip(ts, ts[1:], strict=False)), "step timestamps must increase"
+        assert all(a["ts"] + a["dur"] <= b["ts"] for a, b in zip(track, track[1:], strict=False)), "overlap"
+    return events
+
+
+def test_chrome_trace_from_profiler_optimizer_and_profile(opt, gpu_profile, tmp_path):
+    for source in (opt.profiler, opt, build_profile(opt)):
+        events = _check_trace(export_chrome_trace(source, tmp_path / "t.json"), 30)
+        assert not any(e["ph"] == "C" for e in events)
+    events = _check_trace(export_chrome_trace(gpu_profile, tmp_path / "gpu.json"), 30)
+    counters = [e for e in events if e["ph"] == "C"]
+    assert len(counters) == 40 * 5 and {e["name"] for e in counters} >= {"GPU utilisation (%)", "power (W)"}
+    with pytest.raises(TypeError, match="needs a Profile"):
+        export_chrome_trace(object(), tmp_path / "x.json")
+
+
+# -- the summary and `kitsune report` -----------------------------------------------------------------------------
+def test_live_and_loaded_summaries_are_the_same(opt, tmp_path):
+    live = _text(opt.print_summary)
+    loaded = load_profile(opt.save_profile(tmp_path / "p.json"))
+    assert _text(lambda c: render_summary(loaded, c)) == live
+    assert "AdamW, 1 param group(s), 4 params, 30 steps" in live
+    assert "GPU telemetry (NVML): unavailable: params are not on a CUDA device" in live
+
+
+def test_summary_shows_nvml_and_memory(gpu_profile):
+    text = _text(lambda c: render_summary(gpu_profile, c))
+    assert "GPU telemetry (NVML): Fake H100, 40 samples every 0.5 s" in text
+    assert "GPU utilisation" in text and "power" in text and "SM clock" in text
+    assert "CUDA memory (torch allocator)" in text and "3.0 GiB" in text and "80.0 GiB" in text
+
+
+def test_summary_shows_the_plan(gpu_profile):
+    plan = {"kernels": 2, "fallbacks": [{"param": "emb.weight", "reason": "sparse grad"}]}
+    text = _text(lambda c: render_summary(gpu_profile.model_copy(update={"plan": plan}), c))
+    assert "plan" in text and "kernels" in text and "emb.weight" in text and "sparse grad" in text
+
+
+def _cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="kitsune")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def test_kitsune_report_command(gpu_profile, tmp_path, capsys):
+    path = tmp_path / "p.json"
+    path.write_text(gpu_profile.model_dump_json())
+    html, trace = tmp_path / "out" / "r.html", tmp_path / "t.json"
+    assert _cli(["report", str(path), "--html", str(html), "--trace", str(trace)]) == 0
+    out = capsys.readouterr().out
+    assert "kitsune summary: AdamW" in out and "step time (30 steps timed" in out and "Fake H100" in out
+    assert f"wrote {html}" in out and html.read_text().startswith("<!DOCTYPE html>")
+    _check_trace(trace, 30)
+
+    assert _cli(["report", str(tmp_path / "missing.json")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    (tmp_path / "bad.json").write_text('{"schema_version": "1.0"}')
+    assert _cli(["report", str(tmp_path / "bad.json")]) == 2
+    assert "is not a kitsune profile" in capsys.readouterr().err
+
+
+# -- the HTML report ----------------------------------------------------------------------------------------------
+def test_html_is_self_contained_and_has_every_section(gpu_profile):
+    page = render_html(gpu_profile.model_copy(update={"plan": {"kernels": 2}}))
+    assert "<title>kitsune profile: AdamW, 1 param group(s), 4 params, 30 steps</title>" in page
+    for svg_id in ("plot-step-time", "plot-host-time", *NVML_PLOTS):
+        assert f'<svg class="plot" id="{svg_id}"' in page
+    for text in ("Environment", "Config", "Subsystems", "enable_fusion=False", 'id="plan"', 'id="memory"', "p50 "):
+        assert text in page
+    assert "http" not in page and "<script" not in page and "src=" not in page and "href=" not in page
+
+
+def test_a_slow_warm_up_step_does_not_flatten_the_plot(opt):
+    profile = build_profile(opt)
+    steps = [s.model_copy(update={"step_ms": 500.0}) if s.step == 1 else s for s in profile.steps]
+    page = render_html(profile.model_copy(update={"steps": steps}))
+    assert "1 point(s) above the axis, up to 500" in page
+
+
+def test_html_without_gpu_data_or_timings(opt):
+    profile = build_profile(opt)
+    page = render_html(profile)
+    assert "plot-step-time" in page and "Unavailable: params are not on a CUDA device" in page
+    assert not any(i in page for i in NVML_PLOTS) and 'id="memory"' not in page
+    page = render_html(profile.model_copy(update={"metrics": None, "steps": [], "nvml": None}))
+    assert "Profiling was off" in page and "<svg" not in page
+
+
+def _png_rgb(path: Path) -> np.ndarray:
+    """Decode an 8-bit RGB(A) non-interlaced PNG: zlib over the IDAT chunks, then undo each row's filter."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    pos, idat = 8, []
+    while pos < len(data):
+        (n,) = struct.unpack(">I", data[pos : pos + 4])
+        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + n]
+        pos += 12 + n
+        if kind == b"IHDR":
+            w, h, depth, color, _, _, interlace = struct.unpack(">IIBBBBB", body)
+        elif kind == b"IDAT":
+            idat.append(body)
+    assert depth == 8 and color in (2, 6) and interlace == 0, (depth, color, interlace)
+    bpp = 3 if color == 2 else 4
+    rows = np.frombuffer(zlib.decompress(b"".join(idat)), np.uint8).reshape(h, 1 + w * bpp)
+    out = np.zeros((h, w * bpp), np.uint8)
+    prev = out[0].copy()
+    for y in range(h):
+        f, line = rows[y, 0], rows[y, 1:]
+        if f == 0:
+            cur = line.copy()
+        elif f == 1:  # Sub: a running sum along the row, per channel (uint8 wraps like the filter)
+            cur = np.cumsum(line.reshape(w, bpp), axis=0, dtype=np.uint8).reshape(-1)
+        elif f == 2:  # Up
+            cur = line + prev
+        else:  # Average, Paeth: sequential along the row
+            cur_b, line_l, prev_l = bytearray(len(line)), line.tolist(), prev.tolist()
+            for i, x in enumerate(line_l):
+                a = cur_b[i - bpp] if i >= bpp else 0
+                b = prev_l[i]
+                if f == 3:
+                    cur_b[i] = (x + (a + b) // 2) & 255
+                    continue
+                c = prev_l[i - bpp] if i >= bpp else 0
+                p = a + b - c
+                pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
+                cur_b[i] = (x + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 255
+            cur = np.frombuffer(bytes(cur_b), np.uint8)
+        out[y] = cur
+        prev = cur
+    return out.reshape(h, w, bpp)[..., :3]
+
+
+def _chromium() -> str:
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    if path is None:
+        pytest.skip("chromium is not on PATH (apt-get install chromium); .ci/run installs it")
+    return path
+
+
+def test_html_renders_in_headless_chromium(gpu_profile, tmp_path):
+    chromium = _chromium()
+    page = write_html(gpu_profile, tmp_path / "report.html")
+    png = tmp_path / "shot.png"
+
+    def launch(*args: str) -> subprocess.Popen:
+        profile_dir = Path(tmp_path / f"chromium-{len(args)}")  # a fresh user-data-dir per process
+        flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 f"--user-data-dir={profile_dir}"]  # fmt: skip
+        return subprocess.Popen(
+            [chromium, *flags, *args, page.as_uri()], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        )
+
+    shot = launch(f"--screenshot={png}", "--window-size=1200,1600", "--hide-scrollbars")
+    dom = launch("--dump-dom")
+    dom_html, _ = dom.communicate(timeout=60)
+    shot.communicate(timeout=60)
+    assert dom.returncode == 0 and shot.returncode == 0
+
+    assert "<title>kitsune profile: AdamW, 1 param group(s), 4 params, 30 steps</title>" in dom_html
+    for svg_id in ("plot-step-time", "plot-host-time", *NVML_PLOTS):
+        assert f'id="{svg_id}"' in dom_html, svg_id
+    assert dom_html.count("<polyline") == 5
+
+    rgb = _png_rgb(png)
+    assert rgb.shape == (1600, 1200, 3)
+    non_white = (rgb < 235).any(axis=-1).mean()
+    colours = len(np.unique(rgb.reshape(-1, 3).astype(np.uint32) @ np.array([1 << 16, 1 << 8, 1], np.uint32)))
+    assert non_white > 0.03, f"screenshot is almost blank ({non_white:.3%} non-white pixels)"
+    assert colours > 100, f"only {colours} distinct colours"
+    step_rgb = np.array([int(STEP_COLOR[i : i + 2], 16) for i in (1, 3, 5)])
+    assert (np.abs(rgb.astype(int) - step_rgb).max(axis=-1) < 40).sum() > 100, "the step-time line is not drawn"
