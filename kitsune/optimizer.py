@@ -278,7 +278,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         else:
             for s in self._active:
                 s.step(ctx)
-        if not ctx.skip_base_step and (self._leftover or closure is not None):
+        if not ctx.skip_base_step and (self._leftover or closure is not None or ctx.unhandled):
             out = self._base_step(ctx.handled, closure)
             loss = out if closure is not None else loss
         else:

@@ -36,6 +36,9 @@ class StepContext:
     """1-based index of this step call on the wrapper."""
     handled: set[torch.Tensor] = field(default_factory=set)
     """Params already updated this step by a subsystem; the wrapped optimizer's step skips them."""
+    unhandled: list[torch.Tensor] = field(default_factory=list)
+    """Params an executor planned to own but could not update this step (e.g. a grad that turned sparse); the
+    wrapped optimizer's step runs for them even when the plan had no leftover params."""
     skip_base_step: bool = False
     """Set by a subsystem that has taken over the whole update (e.g. a replayed CUDA graph)."""
     extra: dict[str, Any] = field(default_factory=dict)

@@ -1,5 +1,33 @@
+"""Shared test set-up.
+
+Without a GPU, the Triton kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1), as in CI. Triton picks
+interpreter or compiler when a kernel is decorated, so the kernels are imported here with the switch on and the
+environment is then restored: tests outside tests/kernels and tests/fusion (the CPU bit-identical promise) see the
+environment they expect, and the planner sends CPU params to the fused kernels only inside those folders.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
 import pytest
 import torch
+
+CPU_ONLY = not torch.cuda.is_available()
+INTERPRETED_DIRS = {"kernels", "fusion"}
+
+if CPU_ONLY:
+    _saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    import kitsune.kernels.update as _update
+
+    if type(_update._update_kernel).__name__ != "InterpretedFunction":  # imported earlier without the switch
+        importlib.reload(_update)
+    if _saved is None:
+        del os.environ["TRITON_INTERPRET"]
+    else:
+        os.environ["TRITON_INTERPRET"] = _saved
 
 
 def pytest_collection_modifyitems(config, items):
@@ -9,3 +37,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _interpret(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planner sends CPU params to the fused kernel only under TRITON_INTERPRET=1."""
+    if CPU_ONLY and request.node.path.parent.name in INTERPRETED_DIRS:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def device() -> torch.device:
+    return torch.device("cpu") if CPU_ONLY else torch.device("cuda")

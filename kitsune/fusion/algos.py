@@ -1,0 +1,144 @@
+"""What the planner knows about each supported optimizer class: switches, hyperparameters, state, fallbacks.
+
+Only these exact classes are fused; a subclass may change the math, so it keeps its own step. Each entry maps a
+param group to the kernel's compile-time :class:`UpdateSpec`, to its row of the hyperparameter buffer
+(columns in :mod:`kitsune.kernels.update`), and to torch's state keys in the kernel's slots ``state1..3``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kitsune.kernels.spec import Algo, UpdateSpec
+from kitsune.optim.lion import Lion
+
+Row = tuple[Any, ...]  # (lr, b1, b2, eps, wd, extra); an entry may be a tensor (e.g. a tensor lr)
+
+
+@dataclass(frozen=True)
+class AlgoInfo:
+    name: str
+    spec: Callable[[dict[str, Any]], UpdateSpec]
+    row: Callable[[dict[str, Any]], Row]
+    state_keys: Callable[[UpdateSpec], tuple[str | None, ...]]
+    """torch's state keys, in kernel slot order (state1, state2, ...); None for a slot this variant leaves unused."""
+    step_in_state: bool
+    """torch keeps ``state['step']`` (SGD does not: kitsune counts privately to spot the first step)."""
+    bytes_per_element: Callable[[UpdateSpec], int]
+    """Reads + writes per element, in units of the param dtype size (for the cost model)."""
+    foreach_launches: int
+    """Roughly how many foreach kernels torch's foreach path runs per step (for the cost model)."""
+    torch_fused_devices: tuple[str, ...] = ()
+    """Device types with a ``fused=True`` implementation in torch; empty when there is none."""
+    torch_foreach: bool = True
+
+
+def _adam_spec(decoupled: bool) -> Callable[[dict[str, Any]], UpdateSpec]:
+    def spec(g: dict[str, Any]) -> UpdateSpec:
+        return UpdateSpec(
+            Algo.ADAM,
+            maximize=bool(g.get("maximize", False)),
+            decoupled_wd=decoupled or bool(g.get("decoupled_weight_decay", False)),
+            amsgrad=bool(g.get("amsgrad", False)),
+        )
+
+    return spec
+
+
+def _adam_keys(s: UpdateSpec) -> tuple[str, ...]:
+    return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if s.amsgrad else ("exp_avg", "exp_avg_sq")
+
+
+def _adam_row(g: dict[str, Any]) -> Row:
+    return (g["lr"], g["betas"][0], g["betas"][1], g["eps"], g["weight_decay"], 0.0)
+
+
+def _rmsprop_keys(s: UpdateSpec) -> tuple[str | None, ...]:
+    keys = ("square_avg", "momentum_buffer" if s.momentum else None, "grad_avg" if s.centered else None)
+    return keys[: s.state_slots]
+
+
+_FUSED_DEVICES = ("cuda", "cpu", "xpu", "mps")
+
+ALGOS: dict[type, AlgoInfo] = {
+    torch.optim.Adam: AlgoInfo(
+        "Adam", _adam_spec(False), _adam_row, _adam_keys, True, lambda s: 9 if s.amsgrad else 7, 12, _FUSED_DEVICES
+    ),
+    torch.optim.AdamW: AlgoInfo(
+        "AdamW", _adam_spec(True), _adam_row, _adam_keys, True, lambda s: 9 if s.amsgrad else 7, 12, _FUSED_DEVICES
+    ),
+    torch.optim.SGD: AlgoInfo(
+        "SGD",
+        lambda g: UpdateSpec(
+            Algo.SGD,
+            maximize=bool(g.get("maximize", False)),
+            momentum=g["momentum"] != 0,
+            nesterov=bool(g.get("nesterov", False)),
+        ),
+        lambda g: (g["lr"], g["momentum"], 0.0, 0.0, g["weight_decay"], g["dampening"]),
+        lambda s: ("momentum_buffer",) if s.momentum else (),
+        False,
+        lambda s: 5 if s.momentum else 3,
+        4,
+        _FUSED_DEVICES,
+    ),
+    torch.optim.Adagrad: AlgoInfo(
+        "Adagrad",
+        lambda g: UpdateSpec(Algo.ADAGRAD, maximize=bool(g.get("maximize", False))),
+        lambda g: (g["lr"], 0.0, 0.0, g["eps"], g["weight_decay"], g["lr_decay"]),
+        lambda s: ("sum",),
+        True,
+        lambda s: 5,
+        6,
+        ("cpu",),
+    ),
+    torch.optim.RMSprop: AlgoInfo(
+        "RMSprop",
+        lambda g: UpdateSpec(
+            Algo.RMSPROP,
+            maximize=bool(g.get("maximize", False)),
+            momentum=g["momentum"] > 0,
+            centered=bool(g.get("centered", False)),
+        ),
+        lambda g: (g["lr"], g["momentum"], g["alpha"], g["eps"], g["weight_decay"], 0.0),
+        _rmsprop_keys,
+        True,
+        lambda s: 3 + 2 * s.state_slots,
+        9,
+    ),
+    Lion: AlgoInfo(
+        "Lion",
+        lambda g: UpdateSpec(Algo.LION, maximize=bool(g.get("maximize", False))),
+        lambda g: (g["lr"], g["betas"][0], g["betas"][1], 0.0, g["weight_decay"], 0.0),
+        lambda s: ("exp_avg",),
+        False,
+        lambda s: 5,
+        0,
+        torch_foreach=False,
+    ),
+}
+
+
+def scalar_dtype() -> torch.dtype:
+    """The dtype torch gives ``state['step']`` (float64 only under ``torch.set_default_dtype(torch.float64)``)."""
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def init_state(info: AlgoInfo, spec: UpdateSpec, group: dict[str, Any], p: torch.Tensor, state: dict) -> None:
+    """Create missing state for ``p`` as torch's lazy init would, with ``step`` on the param's device (as torch's
+    fused and capturable paths keep it: the kernel reads it there)."""
+    if info.step_in_state and "step" not in state:
+        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+    for key in info.state_keys(spec):
+        if key is None or key in state:
+            continue
+        if key == "sum":  # Adagrad builds it in __init__; a param group added later gets it here
+            state[key] = torch.full_like(p, group["initial_accumulator_value"], memory_format=torch.preserve_format)
+        elif info.name == "SGD":  # written from the grad on the first step, as torch's clone(grad)
+            state[key] = torch.empty_like(p, memory_format=torch.preserve_format)
+        else:
+            state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)

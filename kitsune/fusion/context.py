@@ -1,0 +1,81 @@
+"""The device-resident step context: every param group's hyperparameters in one small float64 buffer.
+
+Kernels read lr, betas, eps, ... from here through each tensor's group index, so an LR scheduler (which writes
+``param_groups[i]['lr']``; OneCycleLR also writes betas/momentum) changes numbers, never compiled code. A step
+refreshes the buffer with at most one host-to-device copy, and only when a host value changed: the group values
+are compared with a cached tuple first (a few dict reads per group). Hyperparameters given as device tensors
+(``lr=torch.tensor(1e-3, device='cuda')``) are copied device-to-device every step instead, as the host cannot
+see their value without a sync.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from kitsune.kernels.spec import NUM_FIELDS
+
+
+class DeviceContext:
+    """The ``(n_groups, NUM_FIELDS)`` float64 hyperparameter buffer on one device."""
+
+    def __init__(self, device: torch.device, row: Callable[[dict[str, Any]], tuple[Any, ...]]) -> None:
+        self.device = device
+        self._row = row
+        self.buffer: torch.Tensor | None = None
+        self._cached: tuple | None = None
+        self._device_values: list[tuple[int, int, torch.Tensor]] = []
+        self.uploads = 0
+        """Host-to-device refreshes so far."""
+
+    def refresh(self, groups: Sequence[dict[str, Any]]) -> bool:
+        """Bring the buffer up to date with ``groups``; return whether the host values changed."""
+        rows = tuple(self._row(g) for g in groups)
+        if any(isinstance(v, torch.Tensor) for row in rows for v in row):
+            rows = tuple(tuple(_key(v) for v in row) for row in rows)
+        changed = rows != self._cached
+        if changed:
+            self._upload(rows)
+        for i, j, value in self._device_values:
+            self.buffer[i, j].copy_(value, non_blocking=True)  # type: ignore[index]
+        return changed
+
+    def _upload(self, rows: tuple[tuple[Any, ...], ...]) -> None:
+        host = torch.zeros((len(rows), NUM_FIELDS), dtype=torch.float64)
+        self._device_values = []
+        for i, row in enumerate(rows):
+            for j, value in enumerate(row):
+                if isinstance(value, _DeviceValue):
+                    self._device_values.append((i, j, value.tensor))
+                else:
+                    host[i, j] = float(value)
+        if self.buffer is None or self.buffer.shape[0] != len(rows):
+            self.buffer = host.to(self.device)
+        else:  # keep the buffer's address: kernels (and captured graphs) hold it
+            self.buffer.copy_(host, non_blocking=True)  # pageable source: staged before this returns
+        self._cached = rows
+        self.uploads += 1
+
+
+class _DeviceValue:
+    """A hyperparameter held in a device tensor: equal while it is the same tensor (its value is copied each step)."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _DeviceValue) and other.tensor is self.tensor
+
+    def __hash__(self) -> int:
+        return id(self.tensor)
+
+
+def _key(value: Any) -> Any:
+    # a CPU tensor may be updated in place (LRScheduler does lr.fill_()), so compare its value, read without a sync
+    if isinstance(value, torch.Tensor):
+        return float(value) if value.device.type == "cpu" else _DeviceValue(value)
+    return value

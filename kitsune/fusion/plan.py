@@ -1,0 +1,140 @@
+"""The fusion plan (what runs where, and why) and the cost model behind ``min_fusion_benefit``."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class Route(str, Enum):
+    """How a bucket's params are updated, best first."""
+
+    TRITON = "triton"
+    """kitsune's fused multi-tensor kernel."""
+    TORCH_FUSED = "torch_fused"
+    """torch's own ``fused=True`` implementation of the same optimizer."""
+    TORCH_FOREACH = "torch_foreach"
+    """torch's ``foreach=True`` implementation."""
+    BASE_STEP = "base_step"
+    """The wrapped optimizer's own step (the params are left out of ``ctx.handled``)."""
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Predicted time of one step of a bucket, per route: launches, host work per tensor, and bytes moved.
+
+    ``time = launches * launch_s + tensors * host_s_per_tensor + bytes / bandwidth``. The constants are rough
+    H100-class figures; only their ratios matter for ``min_fusion_benefit``. torch's multi-tensor apply puts at
+    most ``torch_tensors_per_launch`` tensors in one launch (its 4 KB kernel-argument limit) and its foreach path
+    runs ``AlgoInfo.foreach_launches`` kernels per chunk, each of which streams the data it touches again.
+    """
+
+    launch_s: float = 5e-6
+    """Host + device cost of one kernel launch."""
+    kitsune_host_s_per_tensor: float = 0.1e-6
+    """kitsune's per-step Python work per tensor (the grad check)."""
+    torch_host_s_per_tensor: float = 1.5e-6
+    """torch's per-tensor host work in ``step`` (state lookup, list building, grouping)."""
+    bandwidth: float = 2.0e12
+    """Bytes per second the update streams at."""
+    torch_tensors_per_launch: int = 48
+
+    def triton(self, tensors: int, nbytes: int, launches: int) -> float:
+        return launches * self.launch_s + tensors * self.kitsune_host_s_per_tensor + nbytes / self.bandwidth
+
+    def torch_fused(self, tensors: int, nbytes: int) -> float:
+        chunks = max(1, math.ceil(tensors / self.torch_tensors_per_launch))
+        # + one foreach launch per chunk to bump the step counts
+        return 2 * chunks * self.launch_s + tensors * self.torch_host_s_per_tensor + nbytes / self.bandwidth
+
+    def torch_foreach(self, tensors: int, nbytes: int, ops: int) -> float:
+        chunks = max(1, math.ceil(tensors / self.torch_tensors_per_launch))
+        # each foreach op reads its inputs and writes its output again: about 2/3 of the bytes per op
+        return (
+            ops * chunks * self.launch_s + tensors * self.torch_host_s_per_tensor + ops * nbytes / 1.5 / self.bandwidth
+        )
+
+
+@dataclass
+class BucketPlan:
+    """One bucket: params of one device, dtype and optimizer variant that share a route."""
+
+    device: str
+    dtype: str
+    optimizer: str
+    options: str
+    """The compile-time switches of the fused kernel, e.g. ``"decoupled_wd, amsgrad"``."""
+    route: Route
+    reason: str
+    """Why this route (for a fallback: why the better routes were not taken)."""
+    tensors: int
+    elements: int
+    launches: int
+    """Kernel launches per step on this route (kitsune's own; 0 for the wrapped optimizer's step)."""
+    predicted_speedup: float | None = None
+    """Cost-model speedup of the fused kernel over the best torch fallback (``None`` when not fusable at all)."""
+    groups: list[int] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    """Options that were looked at and are fine, e.g. ``foreach=True ignored``."""
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["route"] = self.route.value
+        return d
+
+
+@dataclass
+class Plan:
+    """Which params go to which kernel, which fall back, and why. ``rich.print(plan)`` shows it as a table."""
+
+    buckets: list[BucketPlan] = field(default_factory=list)
+
+    def count(self, *routes: Route) -> int:
+        """Tensors planned on any of ``routes``."""
+        return sum(b.tensors for b in self.buckets if b.route in routes)
+
+    @property
+    def fused_tensors(self) -> int:
+        return self.count(Route.TRITON)
+
+    @property
+    def fallback_tensors(self) -> int:
+        return self.count(Route.TORCH_FUSED, Route.TORCH_FOREACH, Route.BASE_STEP)
+
+    @property
+    def launches(self) -> int:
+        """Fused Triton launches per step when every grad is present."""
+        return sum(b.launches for b in self.buckets if b.route is Route.TRITON)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "buckets": [b.to_dict() for b in self.buckets],
+            "fused_tensors": self.fused_tensors,
+            "fallback_tensors": self.fallback_tensors,
+            "launches_per_step": self.launches,
+        }
+
+    def __rich__(self) -> Any:
+        from rich.table import Table
+
+        table = Table(title="kitsune fusion plan")
+        table.add_column("bucket")
+        table.add_column("route")
+        for col in ("tensors", "elements", "launches", "speedup"):
+            table.add_column(col, justify="right")
+        table.add_column("reason")
+        for b in self.buckets:
+            style = "green" if b.route is Route.TRITON else "yellow"
+            options = "" if b.options == "-" else f" ({b.options})"
+            table.add_row(
+                f"{b.optimizer}{options} {b.dtype} {b.device}",
+                f"[{style}]{b.route.value}[/{style}]",
+                str(b.tensors),
+                f"{b.elements:,}",
+                str(b.launches),
+                "-" if b.predicted_speedup is None else f"{b.predicted_speedup:.1f}x",
+                "; ".join([b.reason, *b.notes]),
+            )
+        return table

@@ -1,0 +1,208 @@
+"""The per-step executors of a plan: a fused Triton launch unit, and torch's fused/foreach path as a fallback."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from operator import attrgetter
+from typing import Any
+
+import torch
+
+from kitsune.fusion.algos import AlgoInfo, init_state
+from kitsune.fusion.plan import Route
+from kitsune.kernels.multi_tensor import DEAD, DEFAULT_BLOCK, TensorTables
+from kitsune.kernels.spec import UpdateSpec
+
+_GRAD = attrgetter("grad")
+_DATA_PTR = torch.Tensor.data_ptr
+_IS_CONTIGUOUS = torch.Tensor.is_contiguous
+
+
+class FusedUnit:
+    """Up to ``max_fusion_size`` tensors of one bucket, updated by one launch of the generic kernel.
+
+    Per step, the only per-tensor Python work is reading each ``p.grad`` and its address (two C-level ``map``
+    calls); everything else happens only when something changed: the grad addresses (one table upload; params
+    and grad layouts are re-checked then), or a param's grad appearing for the first time (lazy state creation
+    and one upload per state table).
+    """
+
+    def __init__(
+        self,
+        params: list[torch.Tensor],
+        group_index: list[int],
+        info: AlgoInfo,
+        spec: UpdateSpec,
+        state: Any,
+        block: int = DEFAULT_BLOCK,
+    ) -> None:
+        self.params = params
+        self.param_set = set(params)  # ctx.handled.update(a set) reuses stored hashes: 20x faster than a list
+        self.group_index = group_index
+        self.info = info
+        self.spec = spec
+        self.dtype = params[0].dtype
+        self.device = params[0].device
+        self.tables = TensorTables(self.device, [p.numel() for p in params], group_index, block)
+        self._param_ptrs = list(map(_DATA_PTR, params))
+        self.tables.set_role("param", self._param_ptrs)
+        self._grad_ptrs: list[int] | None = None
+        self.unhandled: list[torch.Tensor] = []
+        """Params skipped this step because their grad is one the kernel cannot take (sparse)."""
+        self.stale = False
+        """Set when a param's storage moved (``p.data = ...``): the subsystem re-plans before launching."""
+        # SGD keeps no step in torch's state: count privately, only to spot each buffer's first step
+        self._private_steps: torch.Tensor | None = None
+        if spec.has_step and not info.step_in_state:
+            done = [float(_has_state(state, p, info, spec)) for p in params]
+            self._private_steps = torch.tensor(done, dtype=torch.float32).to(self.device)
+        self.uninit = [i for i, p in enumerate(params) if not _has_state(state, p, info, spec)]
+        self._bind(state)
+
+    # -- per step ----------------------------------------------------------------------------------------------
+    def prepare(self, state: Any, groups: Sequence[dict[str, Any]]) -> bool:
+        """Point the tables at this step's grads and create missing state; False if no grad is live."""
+        self.unhandled = []
+        grads = list(map(_GRAD, self.params))
+        dead = 0
+        try:
+            ptrs = list(map(_DATA_PTR, grads))  # fast path: every grad present and dense
+        except (TypeError, RuntimeError):  # a None grad (TypeError) or one without storage, e.g. sparse
+            ptrs = self._slow_ptrs(grads)
+            dead = ptrs.count(DEAD)
+        if ptrs != self._grad_ptrs:
+            # new grad memory (e.g. zero_grad(set_to_none=True)): re-check what the cached tables assume
+            if list(map(_DATA_PTR, self.params)) != self._param_ptrs:
+                self.stale = True  # p.data was replaced (a dtype or device move): re-plan
+                return False
+            self._grad_ptrs = upload = ptrs
+            live = [g for g in grads if g is not None and g.layout == torch.strided] if dead else grads
+            if not all(map(_IS_CONTIGUOUS, live)):
+                # the kernel addresses flat memory: give it contiguous copies (freeing them after the launch is
+                # queued is stream-ordered, so safe) and do not cache, as the copies are new every step
+                self._copies = [
+                    g if a == DEAD or _IS_CONTIGUOUS(g) else g.contiguous() for g, a in zip(grads, ptrs, strict=True)
+                ]
+                upload = [a if a == DEAD else c.data_ptr() for c, a in zip(self._copies, ptrs, strict=True)]
+                self._grad_ptrs = None
+            self.tables.set_role("grad", upload)
+        if self.uninit:
+            self._init_new(ptrs, state, groups)
+        return dead < len(ptrs)
+
+    def _slow_ptrs(self, grads: list[torch.Tensor | None]) -> list[int]:
+        try:  # grads that are None on this step (frozen for a while, or unused this step)
+            return [DEAD if g is None else g.data_ptr() for g in grads]
+        except RuntimeError:  # and some without storage
+            pass
+        ptrs = []
+        for p, g in zip(self.params, grads, strict=True):
+            if g is None:
+                ptrs.append(DEAD)
+            elif g.layout != torch.strided:  # sparse: the wrapped optimizer's own step must take it
+                ptrs.append(DEAD)
+                self.unhandled.append(p)
+            else:
+                ptrs.append(g.data_ptr())
+        return ptrs
+
+    def _init_new(self, ptrs: list[int], state: Any, groups: Sequence[dict[str, Any]]) -> None:
+        fresh = [i for i in self.uninit if ptrs[i] != DEAD]
+        if not fresh:
+            return
+        for i in fresh:
+            p = self.params[i]
+            init_state(self.info, self.spec, groups[self.group_index[i]], p, state.setdefault(p, {}))
+        self.uninit = [i for i in self.uninit if ptrs[i] == DEAD]
+        self._bind(state)
+
+    # -- binding to torch's state tensors ------------------------------------------------------------------------
+    def _bind(self, state: Any) -> None:
+        """(Re)build the state and step tables from ``state`` (after a plan, a load_state_dict, or lazy init)."""
+        keys = self.info.state_keys(self.spec)
+        tables: list[list[int]] = [[] for _ in keys]
+        steps: list[int] = []
+        for p in self.params:
+            s = state.get(p)
+            ready = s is not None and _has_state(state, p, self.info, self.spec)
+            for slot, key in enumerate(keys):
+                tables[slot].append(_conform(s, key, p).data_ptr() if ready and key else 0)
+            if self.info.step_in_state:
+                steps.append(_conform_step(s, p).data_ptr() if ready else 0)
+        for slot, addrs in enumerate(tables, 1):
+            self.tables.set_role(f"state{slot}", addrs)
+        if self.spec.has_step:
+            if self._private_steps is not None:
+                base = self._private_steps.data_ptr()
+                steps = [base + 4 * i for i in range(len(self.params))]
+            self.tables.set_role("step", steps)
+
+
+def _has_state(state: Any, p: torch.Tensor, info: AlgoInfo, spec: UpdateSpec) -> bool:
+    s = state.get(p)
+    if not s:
+        return False
+    if info.step_in_state and "step" not in s:
+        return False
+    return all(s.get(k) is not None for k in info.state_keys(spec) if k)
+
+
+def _conform(s: dict, key: str, p: torch.Tensor) -> torch.Tensor:
+    """The state tensor the kernel can address: the param's dtype, device, shape and a dense layout.
+
+    torch's own load_state_dict already casts to the param's dtype and device; a state tensor that still differs
+    (set by hand, or a non-contiguous one) is replaced by a conforming copy.
+    """
+    t = s[key]
+    if t.shape != p.shape:
+        raise ValueError(f"optimizer state {key!r} has shape {tuple(t.shape)}, its param {tuple(p.shape)}")
+    if t.dtype != p.dtype or t.device != p.device or not t.is_contiguous():
+        t = s[key] = t.to(device=p.device, dtype=p.dtype, memory_format=torch.contiguous_format)
+    return t
+
+
+def _conform_step(s: dict, p: torch.Tensor) -> torch.Tensor:
+    """``step`` as a float32 scalar on the param's device, as torch's fused and capturable paths keep it."""
+    t = s["step"]
+    if not isinstance(t, torch.Tensor):  # checkpoints from torch < 1.12 stored a number
+        t = torch.tensor(float(t))
+    if t.dtype != torch.float32 or t.device != p.device:
+        t = s["step"] = t.to(device=p.device, dtype=torch.float32)
+    return t
+
+
+class TorchShadow:
+    """Runs torch's own ``fused=True`` (or ``foreach=True``) implementation on a bucket's params.
+
+    A second instance of the wrapped optimizer's class holds only those params and shares the wrapped
+    optimizer's ``state`` dict, so state is created and updated by torch's own code; each step copies the
+    groups' hyperparameters over (an LR scheduler writes only the wrapped optimizer's groups).
+    """
+
+    _SKIP = frozenset({"params", "fused", "foreach"})
+
+    def __init__(
+        self, base: torch.optim.Optimizer, route: Route, params_by_group: dict[int, list[torch.Tensor]]
+    ) -> None:
+        flags = {"fused": True, "foreach": False} if route is Route.TORCH_FUSED else {"fused": None, "foreach": True}
+        groups = []
+        for gi, params in params_by_group.items():
+            g = {k: v for k, v in base.param_groups[gi].items() if k != "params"}
+            g.update({k: v for k, v in flags.items() if k in g or k == "foreach"})
+            groups.append({**g, "params": params})
+        self.group_index = list(params_by_group)
+        self.params = [p for ps in params_by_group.values() for p in ps]
+        self.param_set = set(self.params)
+        self.route = route
+        self.opt = type(base)(groups)
+        self.opt.state = base.state
+        fn = type(self.opt).step
+        # beneath torch's hook runner: global step hooks belong to the user's step, not to this inner one
+        self._step = fn.__wrapped__ if getattr(fn, "hooked", False) and hasattr(fn, "__wrapped__") else fn
+
+    def step(self, groups: Sequence[dict[str, Any]]) -> None:
+        for shadow, gi in zip(self.opt.param_groups, self.group_index, strict=True):
+            for k, v in groups[gi].items():
+                if k not in self._SKIP:
+                    shadow[k] = v
+        self._step(self.opt)

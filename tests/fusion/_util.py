@@ -1,0 +1,116 @@
+"""Twin trajectories: the same fresh random grads through the plain torch optimizer and through kitsune."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from kitsune import KitsuneOptimizer
+
+TOL = {  # per-dtype (atol, rtol) after 50 steps; bf16/fp16 against the rounded fp32 reference (see trajectory)
+    torch.float32: (1e-5, 1e-5),
+    torch.bfloat16: (1e-2, 8e-3),  # ~one bf16 ulp at 1.0
+    torch.float16: (1e-3, 1e-3),
+}
+
+Groups = Callable[[list[torch.nn.Parameter]], list[dict[str, Any]]]
+
+
+def make_params(
+    sizes: Sequence[int | tuple[int, ...]], dtype: torch.dtype, device: torch.device, seed: int = 0
+) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(device=device, dtype=dtype)) for s in sizes]
+
+
+def random_grads(params: Sequence[torch.Tensor], step: int, seed: int = 1) -> list[torch.Tensor]:
+    """Fresh non-zero grads for ``step`` (same for both twins), as fp32 draws cast to the param dtype."""
+    gen = torch.Generator().manual_seed(seed * 100_003 + step)
+    return [(torch.randn(p.shape, generator=gen) * 0.5 + 0.1).to(device=p.device, dtype=p.dtype) for p in params]
+
+
+def trajectory(
+    make_opt: Callable[[Any], torch.optim.Optimizer],
+    sizes: Sequence[int | tuple[int, ...]],
+    dtype: torch.dtype,
+    device: torch.device,
+    steps: int = 50,
+    fused: bool = False,
+    groups: Groups | None = None,
+    has_grad: Callable[[int, int], bool] | None = None,
+    schedule: Callable[[torch.optim.Optimizer], Any] | None = None,
+    set_to_none: bool = True,
+    rounded: bool = False,
+    **kitsune_kwargs: Any,
+) -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer]:
+    """Run ``steps`` steps; ``has_grad(step, i)`` False leaves param i's grad None that step.
+
+    ``rounded=True`` is the low-precision reference: torch's optimizer on fp32 copies, with params and state
+    rounded to ``dtype`` after every step. That is math in fp32 and storage in ``dtype``, the semantics of the
+    fused kernel (and of torch's own fused kernels); torch's eager path instead rounds after every op.
+    """
+    params = make_params(sizes, dtype, device)
+    if rounded:
+        low, params = dtype, [torch.nn.Parameter(p.detach().float()) for p in params]
+    opt = make_opt(groups(params) if groups else params)
+    if fused:
+        opt = KitsuneOptimizer(opt, enable_fusion=True, **kitsune_kwargs)
+    sched = schedule(opt) if schedule else None
+    for step in range(steps):
+        grads = random_grads([p.to(low) for p in params] if rounded else params, step)
+        for i, (p, g) in enumerate(zip(params, grads, strict=True)):
+            if has_grad is None or has_grad(step, i):
+                g = g.to(p.dtype)
+                p.grad = g if set_to_none or p.grad is None else p.grad.copy_(g)
+        opt.step()
+        if rounded:
+            with torch.no_grad():
+                for p in params:
+                    p.copy_(p.to(low))
+                    for key, t in opt.state.get(p, {}).items():
+                        if key != "step" and isinstance(t, torch.Tensor):
+                            t.copy_(t.to(low))
+        opt.zero_grad(set_to_none=set_to_none)
+        if sched is not None:
+            sched.step()
+    return params, opt
+
+
+def assert_close_params(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], dtype: torch.dtype) -> None:
+    atol, rtol = TOL[dtype]
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        torch.testing.assert_close(
+            x.detach().to(dtype), y.detach().to(dtype), atol=atol, rtol=rtol, msg=lambda m, i=i: f"param {i}: {m}"
+        )
+
+
+def assert_same_state(
+    ref: torch.optim.Optimizer, ours: torch.optim.Optimizer, dtype: torch.dtype, values: bool = True
+) -> None:
+    """Same params with state, same keys, dtypes, shapes, step counts; values within the dtype's tolerance."""
+    atol, rtol = TOL[dtype]
+    ref_params = [p for g in ref.param_groups for p in g["params"]]
+    our_params = [p for g in ours.param_groups for p in g["params"]]
+    for i, (pr, po) in enumerate(zip(ref_params, our_params, strict=True)):
+        sr, so = ref.state.get(pr, {}), ours.state.get(po, {})
+        assert sorted(sr) == sorted(so), f"param {i}: state keys {sorted(sr)} vs {sorted(so)}"
+        for key, vr in sr.items():
+            vo = so[key]
+            if not isinstance(vr, torch.Tensor):
+                assert vr == vo
+                continue
+            if key == "step":
+                assert vr.dtype == vo.dtype and (not values or vr.item() == vo.item()), f"param {i}: {vr!r} vs {vo!r}"
+            elif not values:
+                assert (vr.dtype, vr.shape) == (vo.dtype, vo.shape), f"param {i} {key}: {vr.dtype} vs {vo.dtype}"
+            else:
+                assert vr.shape == vo.shape
+                torch.testing.assert_close(
+                    vo.cpu().to(dtype),
+                    vr.cpu().to(dtype),
+                    atol=atol,
+                    rtol=rtol,
+                    msg=lambda m, i=i, k=key: f"param {i} {k}: {m}",
+                )

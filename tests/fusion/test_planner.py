@@ -1,0 +1,279 @@
+"""The planner: every fallback reason, the cost model knobs, the plan object and the counters."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from rich.console import Console
+
+import kitsune.fusion.subsystem as fusion_subsystem
+from kitsune import FusionConfig, KitsuneOptimizer
+from kitsune.fusion import Route
+from kitsune.optim import Lion
+from kitsune.subsystem import StepContext
+
+from ._util import assert_close_params, make_params, random_grads, trajectory
+
+SIZES = [(4, 3), 5, 1]
+
+
+def _adamw(ps):
+    return torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)
+
+
+def _fusion(opt: KitsuneOptimizer):
+    return next(s for s in opt.subsystems if s.name == "fusion")
+
+
+def _only_bucket(opt: KitsuneOptimizer):
+    (bucket,) = opt.plan.buckets
+    return bucket
+
+
+@pytest.fixture(autouse=True)
+def _no_inactive_warning(recwarn):
+    """Fallback-only plans make the orchestrator warn that fusion is inactive: expected here."""
+
+
+def _assert_identical(make, device, **kwargs) -> KitsuneOptimizer:
+    """A fallback to the wrapped optimizer's own step: bit-identical trajectory."""
+    ref_params, _ = trajectory(make, SIZES, torch.float32, device, steps=5)
+    params, opt = trajectory(make, SIZES, torch.float32, device, steps=5, fused=True, **kwargs)
+    for a, b in zip(params, ref_params, strict=True):
+        assert torch.equal(a, b)
+    return opt
+
+
+def test_fused_by_default_under_the_interpreter(device):
+    params, opt = trajectory(_adamw, SIZES, torch.float32, device, steps=1, fused=True)
+    bucket = _only_bucket(opt)
+    assert (bucket.route, bucket.tensors, bucket.elements, bucket.launches) == (Route.TRITON, 3, 18, 1)
+    assert bucket.predicted_speedup > 1
+    assert _fusion(opt).active and _fusion(opt).owned_params() == params
+
+
+def test_enable_elementwise_false(device):
+    opt = _assert_identical(_adamw, device, fusion_config=FusionConfig(enable_elementwise=False))
+    assert _only_bucket(opt).route is Route.BASE_STEP
+    assert "enable_elementwise=False" in _only_bucket(opt).reason
+    assert not _fusion(opt).active
+
+
+def test_cpu_without_interpreter_is_bit_identical(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for make in (_adamw, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), lambda ps: Lion(ps)):
+        opt = _assert_identical(make, torch.device("cpu"))
+        assert _only_bucket(opt).route is Route.BASE_STEP
+        assert "need CUDA" in _only_bucket(opt).reason
+        assert "need CUDA" in _fusion(opt).reason
+
+
+def test_unknown_optimizer_class_keeps_its_own_step(device):
+    class MyAdamW(torch.optim.AdamW):
+        pass
+
+    opt = _assert_identical(lambda ps: MyAdamW(ps, lr=1e-2), device)
+    assert _only_bucket(opt).route is Route.BASE_STEP
+    assert "unknown optimizer class" in _only_bucket(opt).reason and "MyAdamW" in _only_bucket(opt).reason
+
+
+def test_differentiable_keeps_its_own_step(device):
+    params = [p.requires_grad_(False) for p in make_params(SIZES, torch.float32, device)]
+    twins = [p.detach().clone() for p in params]
+    opt = KitsuneOptimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9, differentiable=True), enable_fusion=True)
+    ref = torch.optim.SGD(twins, lr=0.1, momentum=0.9, differentiable=True)
+    assert _only_bucket(opt).route is Route.BASE_STEP
+    assert "differentiable=True" in _only_bucket(opt).reason
+    for step in range(3):
+        for ps in (params, twins):
+            for p, g in zip(ps, random_grads(ps, step), strict=True):
+                p.grad = g
+        opt.step()
+        ref.step()
+    assert all(torch.equal(a, b) for a, b in zip(params, twins, strict=True))
+
+
+def test_complex_params_keep_their_own_step(device):
+    real = make_params([3], torch.float32, device)
+    cplx = torch.nn.Parameter(torch.randn(3, dtype=torch.complex64, device=device))
+    opt = KitsuneOptimizer(torch.optim.Adam([*real, cplx], lr=1e-2), enable_fusion=True)
+    routes = {b.dtype: b.route for b in opt.plan.buckets}
+    assert routes == {"float32": Route.TRITON, "complex64": Route.BASE_STEP}
+    assert "complex" in next(b.reason for b in opt.plan.buckets if b.dtype == "complex64")
+    ref = torch.optim.Adam([torch.nn.Parameter(cplx.detach().clone())], lr=1e-2)
+    for _ in range(3):
+        for p in real:
+            p.grad = torch.randn_like(p)
+        g = torch.randn(3, dtype=torch.complex64, device=device)
+        cplx.grad, ref.param_groups[0]["params"][0].grad = g, g.clone()
+        opt.step()
+        ref.step()
+    assert torch.equal(cplx, ref.param_groups[0]["params"][0])  # the complex param went through torch's step
+
+
+@pytest.mark.parametrize(
+    ("make", "route"),
+    [
+        (_adamw, Route.TORCH_FUSED),
+        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), Route.TORCH_FUSED),
+        (lambda ps: torch.optim.RMSprop(ps, lr=1e-2), Route.TORCH_FOREACH),
+        (lambda ps: Lion(ps, lr=1e-3), Route.BASE_STEP),
+    ],
+    ids=["adamw", "sgd", "rmsprop", "lion"],
+)
+def test_float64_goes_to_torch(make, route, device):
+    ref_params, ref = trajectory(make, SIZES, torch.float64, device, steps=5)
+    params, opt = trajectory(make, SIZES, torch.float64, device, steps=5, fused=True)
+    bucket = _only_bucket(opt)
+    assert bucket.route is route and "float64" in bucket.reason
+    for a, b in zip(params, ref_params, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+
+
+def test_triton_not_importable(monkeypatch, device):
+    monkeypatch.setattr(fusion_subsystem, "triton_error", lambda: "Triton is not importable (test)")
+    for make, route in ((_adamw, Route.TORCH_FUSED), (lambda ps: Lion(ps), Route.BASE_STEP)):
+        params, opt = trajectory(make, SIZES, torch.float32, device, steps=3, fused=True)
+        assert _only_bucket(opt).route is route
+        assert "Triton is not importable" in _only_bucket(opt).reason
+
+
+def test_non_contiguous_param_goes_to_torch(device):
+    base = torch.randn(3, 4, device=device)
+    p = torch.nn.Parameter(base.t())  # (4, 3) with transposed strides
+    q = make_params([5], torch.float32, device)[0]
+    opt = KitsuneOptimizer(_adamw([p, q]), enable_fusion=True)
+    routes = sorted((b.route.value, b.tensors) for b in opt.plan.buckets)
+    assert routes == [("torch_fused", 1), ("triton", 1)]
+    assert any("non-contiguous" in b.reason for b in opt.plan.buckets)
+
+
+def test_sparse_grads_at_plan_time(device):
+    emb = torch.nn.Embedding(6, 3, sparse=True).to(device)
+    emb(torch.tensor([1, 2], device=device)).sum().backward()
+    opt = KitsuneOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1), enable_fusion=True)
+    assert _only_bucket(opt).route is Route.BASE_STEP and "sparse" in _only_bucket(opt).reason
+    before = emb.weight.detach().clone()
+    opt.step()
+    assert not torch.equal(before, emb.weight)
+
+
+def test_sparse_grad_at_step_time_is_left_to_torch(device):
+    emb = torch.nn.Embedding(6, 3, sparse=True).to(device)
+    dense = make_params([4], torch.float32, device)[0]
+    opt = KitsuneOptimizer(torch.optim.SGD([emb.weight, dense], lr=0.1), enable_fusion=True)
+    assert opt.plan.fused_tensors == 2  # no grads yet: nothing says sparse
+    emb(torch.tensor([1, 2], device=device)).sum().backward()
+    dense.grad = torch.ones_like(dense)
+    ctx = StepContext(step=1)
+    _fusion(opt).step(ctx)
+    assert ctx.unhandled == [emb.weight]
+    assert dense in ctx.handled and emb.weight not in ctx.handled
+
+
+def test_sparse_grad_at_step_time_end_to_end(device):
+    emb = torch.nn.Embedding(6, 3, sparse=True).to(device)
+    dense = make_params([4], torch.float32, device)[0]
+    opt = KitsuneOptimizer(torch.optim.SGD([emb.weight, dense], lr=0.1), enable_fusion=True)
+    emb(torch.tensor([1, 2], device=device)).sum().backward()
+    dense.grad = torch.ones_like(dense)
+    before = emb.weight.detach().clone()
+    opt.step()
+    assert not torch.equal(before, emb.weight)
+
+
+def test_flags_are_noted_not_refused(device):
+    make = (
+        lambda ps: torch.optim.Adam(  # noqa: E731
+            [{"params": ps[:1], "foreach": True}, {"params": ps[1:], "capturable": True}], lr=1e-2
+        )
+    )
+    opt = KitsuneOptimizer(make(make_params(SIZES, torch.float32, device)), enable_fusion=True)
+    bucket = _only_bucket(opt)
+    assert bucket.route is Route.TRITON
+    assert any("foreach=True" in n for n in bucket.notes) and any("capturable=True" in n for n in bucket.notes)
+    fused = KitsuneOptimizer(
+        torch.optim.SGD(make_params([3], torch.float32, device), lr=0.1, fused=True), enable_fusion=True
+    )
+    assert any("fused=True" in n for n in _only_bucket(fused).notes)
+
+
+def test_min_fusion_benefit_changes_the_plan(device):
+    params, opt = trajectory(_adamw, SIZES, torch.float32, device, steps=1, fused=True)
+    speedup = _only_bucket(opt).predicted_speedup
+    ref_params, _ = trajectory(_adamw, SIZES, torch.float32, device, steps=5)
+    for threshold, route in ((speedup * 0.9, Route.TRITON), (speedup * 1.1, Route.TORCH_FUSED)):
+        config = FusionConfig(min_fusion_benefit=threshold)
+        params, opt = trajectory(_adamw, SIZES, torch.float32, device, steps=5, fused=True, fusion_config=config)
+        bucket = _only_bucket(opt)
+        assert bucket.route is route and bucket.predicted_speedup == speedup
+        if route is Route.TORCH_FUSED:
+            assert "below min_fusion_benefit" in bucket.reason
+        assert_close_params(params, ref_params, torch.float32)
+
+
+def test_min_fusion_benefit_favours_many_tensors(device):
+    """More tensors per launch pay more: a threshold can fuse the big bucket and not the small one."""
+    small = make_params([5], torch.float32, device)
+    many = make_params([5] * 40, torch.bfloat16, device)
+    opt = KitsuneOptimizer(_adamw(small + many), enable_fusion=True)
+    speed = {b.tensors: b.predicted_speedup for b in opt.plan.buckets}
+    assert speed[40] > speed[1]
+    config = FusionConfig(min_fusion_benefit=(speed[40] + speed[1]) / 2)
+    opt = KitsuneOptimizer(_adamw(small + many), fusion_config=config, enable_fusion=True)
+    assert {b.tensors: b.route for b in opt.plan.buckets} == {1: Route.TORCH_FUSED, 40: Route.TRITON}
+
+
+@pytest.mark.parametrize(("size", "launches"), [(None, 1), (2, 2), (1, 3)])
+def test_max_fusion_size_changes_launches_not_results(size, launches, device):
+    config = FusionConfig(max_fusion_size=size, min_fusion_benefit=0.0)  # tiny launches would not pay
+    ref_params, _ = trajectory(_adamw, SIZES, torch.float32, device, steps=5, fused=True)
+    params, opt = trajectory(_adamw, SIZES, torch.float32, device, steps=5, fused=True, fusion_config=config)
+    assert opt.plan.launches == launches == _fusion(opt).report()["fused_launches_per_step"]
+    for a, b in zip(params, ref_params, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_plan_renders_and_serialises(device):
+    cplx = torch.nn.Parameter(torch.randn(3, dtype=torch.complex64, device=device))
+    opt = KitsuneOptimizer(_adamw([*make_params(SIZES, torch.float32, device), cplx]), enable_fusion=True)
+    data = json.loads(json.dumps(opt.plan.to_dict()))
+    assert data["fused_tensors"] == 3 and data["fallback_tensors"] == 1
+    assert {b["route"] for b in data["buckets"]} == {"triton", "base_step"}
+    console = Console(record=True, width=200)
+    console.print(opt.plan)
+    text = console.export_text()
+    assert "triton" in text and "complex params" in text
+
+
+def test_report_counts(device):
+    params, opt = trajectory(_adamw, SIZES, torch.float32, device, steps=4, fused=True)
+    report = _fusion(opt).report()
+    assert report["params_fused"] == 3 and report["params_fallen_back"] == 0
+    assert report["fused_launches_per_step"] == 1 and report["fused_launches_total"] == 4
+    assert report["steps"] == 4
+    assert report["context_uploads"] == 1  # constant lr: the hyperparameter buffer is uploaded once
+    json.dumps(report)
+
+
+def test_context_refreshes_only_when_a_value_changes(device):
+    params = make_params(SIZES, torch.float32, device)
+    opt = KitsuneOptimizer(_adamw(params), enable_fusion=True)
+    for step in range(4):
+        for p, g in zip(params, random_grads(params, step), strict=True):
+            p.grad = g
+        if step == 2:
+            opt.param_groups[0]["lr"] = 5e-3
+        opt.step()
+    assert _fusion(opt).report()["context_uploads"] == 2
+
+
+def test_each_fallback_reason_is_logged_once(caplog, device):
+    cplx = torch.nn.Parameter(torch.randn(3, dtype=torch.complex64, device=device))
+    with caplog.at_level(logging.INFO, logger="kitsune.fusion"):
+        opt = KitsuneOptimizer(_adamw([cplx]), enable_fusion=True)
+        opt.add_param_group({"params": make_params([2], torch.float32, device)})  # re-plans
+    assert sum("complex params" in r.getMessage() for r in caplog.records) == 1

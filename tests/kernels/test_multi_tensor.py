@@ -1,0 +1,93 @@
+"""The multi-tensor engine: block maps, cached device tables, and the update kernel's per-tensor bookkeeping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kitsune.kernels import DEAD, NUM_FIELDS, Algo, TensorTables, UpdateSpec, block_map, multi_tensor_update
+
+
+def test_block_map_odd_sizes():
+    tensor, start = block_map([0, 1, 7, 4097, 1024], block=1024)
+    assert tensor.dtype == torch.int32 and start.dtype == torch.int64
+    assert tensor.tolist() == [0, 1, 2, 3, 3, 3, 3, 3, 4]  # an empty tensor still gets one block
+    assert start.tolist() == [0, 0, 0, 0, 1024, 2048, 3072, 4096, 0]
+
+
+def test_block_map_offsets_past_2_31():
+    n = 2**31 + 5  # sizes only: no memory is allocated
+    tensor, start = block_map([3, n], block=2**20)
+    assert start[-1].item() == 2**31 and start.dtype == torch.int64
+    assert tensor[-1].item() == 1 and (tensor == 1).sum().item() == 2**11 + 1
+
+
+def test_tables_upload_only_on_change():
+    tables = TensorTables(torch.device("cpu"), [3, 4], [0, 0])
+    assert tables.set_role("grad", [16, 32]) and tables.uploads == 1
+    buffer = tables.role("grad").data_ptr()
+    assert not tables.set_role("grad", [16, 32]) and tables.uploads == 1
+    assert tables.set_role("grad", [16, 48]) and tables.uploads == 2
+    assert tables.role("grad").data_ptr() == buffer  # rewritten in place: a captured graph would stay valid
+    assert tables.role("grad").tolist() == [16, 48]
+    with pytest.raises(ValueError, match="2 tensors"):
+        tables.set_role("param", [1, 2, 3])
+
+
+def _sgd_launch(params, grads, bufs, steps, device, lr=0.5, momentum=0.9, block=8):
+    tables = TensorTables(device, [p.numel() for p in params], [0] * len(params), block=block)
+    tables.set_role("param", [p.data_ptr() for p in params])
+    tables.set_role("grad", [DEAD if g is None else g.data_ptr() for g in grads])
+    tables.set_role("state1", [b.data_ptr() for b in bufs])
+    tables.set_role("step", [s.data_ptr() for s in steps])
+    hyper = torch.zeros(1, NUM_FIELDS, dtype=torch.float64, device=device)
+    hyper[0, 0], hyper[0, 1] = lr, momentum
+    multi_tensor_update(tables, hyper, UpdateSpec(Algo.SGD, momentum=True), params[0].dtype)
+    return tables
+
+
+def test_dead_and_empty_tensors_and_step_counts(device):
+    """grad None: untouched, step kept; empty: step advances; multi-block: counted once; counters reset."""
+    sizes = [5, 0, 21, 3]  # 21 elements = 3 blocks of 8
+    params = [torch.randn(n, device=device) for n in sizes]
+    before = [p.clone() for p in params]
+    grads = [torch.randn(n, device=device) for n in sizes]
+    grads[3] = None
+    bufs = [torch.full((n,), 7.0, device=device) for n in sizes]
+    steps = [torch.zeros((), device=device) for _ in sizes]
+    tables = _sgd_launch(params, grads, bufs, steps, device)
+    assert [s.item() for s in steps] == [1.0, 1.0, 1.0, 0.0]
+    assert tables.counter.tolist() == [0, 0, 0, 0]
+    for i in (0, 2):  # first step: the buffer is the grad, p -= lr * grad
+        torch.testing.assert_close(bufs[i], grads[i])
+        torch.testing.assert_close(params[i], before[i] - 0.5 * grads[i])
+    assert torch.equal(params[3], before[3]) and torch.equal(bufs[3], torch.full((3,), 7.0, device=device))
+    _sgd_launch(params, grads, bufs, steps, device)  # second step: momentum applies
+    assert [s.item() for s in steps] == [2.0, 2.0, 2.0, 0.0]
+    torch.testing.assert_close(bufs[2], grads[2] * 1.9)
+
+
+def test_launch_checks_its_inputs():
+    tables = TensorTables(torch.device("cpu"), [3], [0])
+    with pytest.raises(ValueError, match="float64"):
+        multi_tensor_update(tables, torch.zeros(1, NUM_FIELDS), UpdateSpec(Algo.SGD), torch.float32)
+    with pytest.raises(ValueError, match="supports"):
+        hyper = torch.zeros(1, NUM_FIELDS, dtype=torch.float64)
+        multi_tensor_update(tables, hyper, UpdateSpec(Algo.SGD), torch.float64)
+
+
+@pytest.mark.cuda
+def test_one_tensor_over_2_31_elements():
+    """int64 offsets end to end: SGD with momentum on 2**31 + 3 fp32 elements (3 roles, ~26 GB)."""
+    n = 2**31 + 3
+    device = torch.device("cuda")
+    p = torch.ones(n, device=device)
+    g = torch.ones(n, device=device)
+    g[-3:] = torch.tensor([2.0, 3.0, 4.0], device=device)
+    buf = torch.empty(n, device=device)
+    step = torch.zeros((), device=device)
+    _sgd_launch([p], [g], [buf], [step], device, lr=0.5, block=1024)
+    assert step.item() == 1.0
+    torch.testing.assert_close(p[-4:].cpu(), torch.tensor([0.5, 0.0, -0.5, -1.0]))
+    torch.testing.assert_close(p[:4].cpu(), torch.full((4,), 0.5))
+    assert (p[2**31 - 8 : 2**31] == 0.5).all()  # the last 3 elements had other grads
