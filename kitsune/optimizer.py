@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.optim.optimizer import _global_optimizer_post_hooks as _global_post
+from torch.optim.optimizer import _global_optimizer_pre_hooks as _global_pre
 
 from kitsune.config import (
     AMPConfig,
@@ -93,7 +95,9 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         self._optimizer_state_dict_post_hooks: OrderedDict[int, Callable] = OrderedDict()
         self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
         self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Callable] = OrderedDict()
-        self._patch_step_function()
+        # torch wraps Optimizer.step in a hook runner with a record_function (~50 us a step); our step runs the
+        # hooks itself (see _run_step_hooks), so mark it hooked and torch leaves it alone
+        self._zero_grad_profile_name = f"Optimizer.zero_grad#{type(self).__name__}.zero_grad"
         self._warned_capturable_if_run_uncaptured = True
 
         self._step_count = 0
@@ -258,6 +262,24 @@ class KitsuneOptimizer(torch.optim.Optimizer):
     # -- torch.optim.Optimizer API ------------------------------------------------------------------------------
     def step(self, closure: _Closure | None = None) -> Any:  # type: ignore[override]
         """One optimizer step: subsystems first, then the wrapped optimizer's step for every param left over."""
+        if not (self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks or _global_pre or _global_post):
+            return self._step(closure)
+        args, kwargs = (self,) if closure is None else (self, closure), {}
+        for hook in (*_global_pre.values(), *self._optimizer_step_pre_hooks.values()):
+            result = hook(self, args, kwargs)
+            if result is not None:
+                if not (isinstance(result, tuple) and len(result) == 2):
+                    raise RuntimeError(f"a step pre-hook must return None or (args, kwargs), got {result!r}")
+                args, kwargs = result
+        with torch.autograd.profiler.record_function(f"Optimizer.step#{type(self).__name__}.step"):
+            out = self._step(*args[1:], **kwargs)
+        for hook in (*self._optimizer_step_post_hooks.values(), *_global_post.values()):
+            hook(self, args, kwargs)
+        return out
+
+    step.hooked = True  # type: ignore[attr-defined]
+
+    def _step(self, closure: _Closure | None = None) -> Any:
         if self._structure_key() != self._structure:
             self._replan()
         loss = None

@@ -298,3 +298,32 @@ def test_load_state_dict_replans_and_keeps_sharing():
     train(m, opt, batches(2))
     opt.load_state_dict(opt.state_dict())
     assert opt.param_groups is base.param_groups and opt.state is base.state
+
+
+def test_global_step_hooks_run_once_and_pre_hook_may_replace_args():
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    m = small_model()
+    x, y = batches(1)[0]
+    opt = KitsuneOptimizer(torch.optim.SGD(m.parameters(), lr=0.1))
+    seen = []
+
+    def closure():
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(m(x), y)
+        loss.backward()
+        return loss
+
+    handles = [
+        register_optimizer_step_pre_hook(lambda o, a, k: seen.append(("global-pre", type(o).__name__))),
+        register_optimizer_step_post_hook(lambda o, a, k: seen.append(("global-post", type(o).__name__))),
+    ]
+    # a pre-hook that supplies the closure: step() gets it through the returned (args, kwargs)
+    opt.register_step_pre_hook(lambda o, a, k: ((o, closure), {}))
+    try:
+        loss = opt.step()
+    finally:
+        for h in handles:
+            h.remove()
+    assert isinstance(loss, torch.Tensor)
+    assert seen == [("global-pre", "KitsuneOptimizer"), ("global-post", "KitsuneOptimizer")]

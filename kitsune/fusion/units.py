@@ -63,14 +63,17 @@ class FusedUnit:
     def prepare(self, state: Any, groups: Sequence[dict[str, Any]]) -> bool:
         """Point the tables at this step's grads and create missing state; False if no grad is live."""
         self.unhandled = []
-        grads = list(map(_GRAD, self.params))
+        grads: list[torch.Tensor | None] | None = None
         dead = 0
-        try:
-            ptrs = list(map(_DATA_PTR, grads))  # fast path: every grad present and dense
+        try:  # fast path, one C-level pass with no list of grads: every grad present and dense
+            ptrs = list(map(_DATA_PTR, map(_GRAD, self.params)))
         except (TypeError, RuntimeError):  # a None grad (TypeError) or one without storage, e.g. sparse
+            grads = list(map(_GRAD, self.params))
             ptrs = self._slow_ptrs(grads)
             dead = ptrs.count(DEAD)
         if ptrs != self._grad_ptrs:
+            if grads is None:
+                grads = list(map(_GRAD, self.params))
             # new grad memory (e.g. zero_grad(set_to_none=True)): re-check what the cached tables assume
             if list(map(_DATA_PTR, self.params)) != self._param_ptrs:
                 self.stale = True  # p.data was replaced (a dtype or device move): re-plan
