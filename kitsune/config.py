@@ -136,6 +136,15 @@ class ProfilerConfig(_Config):
     """Per-step timings kept for the profile; older ones are dropped (summary counts still cover all steps)."""
     nvml_interval_s: float = Field(0.5, ge=0.0)
     """Seconds between NVML samples of the GPU while profiling CUDA params; 0 turns the sampler off."""
+    sample_after: int = Field(10, ge=0)
+    """Steps before the sampled windows (probe, then comparison) begin: Triton compiles, state is created and
+    clocks settle in them."""
+    probe_steps: int = Field(3, ge=0)
+    """Steps run under ``torch.profiler`` and torch.cuda's sync debug mode to count kitsune's kernel launches and
+    host syncs (CUDA only; 0 turns the probe off). Their times are left out of the statistics."""
+    compare_steps: int = Field(10, ge=0)
+    """Length of the live comparison: this many steps of kitsune, then this many of the wrapped optimizer's own
+    step on the same params, timed alike; the summary reports the speedup measured. 0 turns it off."""
 
 
 class KitsuneConfig(_Config):

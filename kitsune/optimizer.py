@@ -103,6 +103,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         self._step_count = 0
         self._base_steps = 0
         self._host_syncs = 0
+        self._handed_over = False
         self._structure: tuple | None = None
         self._leftover = True
         self._subsystems: list[Subsystem] = self._build_subsystems()
@@ -255,6 +256,12 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         return amp.skipped_steps if amp.active else 0
 
     @property
+    def base_steps(self) -> int:
+        """Steps in which the wrapped optimizer's own step ran (for params kitsune left to it, or as the
+        profiler's live-comparison baseline)."""
+        return self._base_steps
+
+    @property
     def host_syncs(self) -> int:
         """Host syncs kitsune itself made inside ``step()`` so far (reading found_inf for a fallback step)."""
         return self._host_syncs
@@ -289,27 +296,47 @@ class KitsuneOptimizer(torch.optim.Optimizer):
                 loss = closure()
             closure = None
         self._step_count += 1
-        ctx = StepContext(step=self._step_count)
+        ctx = StepContext(step=self._step_count, baseline=self._baseline_now())
         if self._needs_grads:
             ctx.extra["grads"] = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         self._take_grad_scaler_protocol(ctx)
-        for s in self._active:
-            s.before_step(ctx)
-        if self._overflow_on_host(ctx):
-            ctx.skip_base_step = True  # inf/nan grads: nothing is updated this step
-        else:
+        try:
             for s in self._active:
-                s.step(ctx)
-        if not ctx.skip_base_step and (self._leftover or closure is not None or ctx.unhandled):
-            out = self._base_step(ctx.handled, closure)
-            loss = out if closure is not None else loss
-        else:
-            self._optimizer._opt_called = True  # LR schedulers built on the wrapped optimizer look for this
-            self._run_base_hooks(pre=True)
-            self._run_base_hooks(pre=False)
+                s.before_step(ctx)
+            if self._overflow_on_host(ctx):
+                ctx.skip_base_step = True  # inf/nan grads: nothing is updated this step
+            else:
+                for s in self._active:
+                    if not (ctx.baseline and getattr(s, "executes", False)):
+                        s.step(ctx)
+            if not ctx.skip_base_step and (self._leftover or closure is not None or ctx.unhandled or ctx.baseline):
+                out = self._base_step(ctx.handled, closure)
+                loss = out if closure is not None else loss
+            else:
+                self._optimizer._opt_called = True  # LR schedulers built on the wrapped optimizer look for this
+                self._run_base_hooks(pre=True)
+                self._run_base_hooks(pre=False)
+        except BaseException:
+            if self._profiler.active:
+                self._profiler.abandon_step()
+            raise
         for s in reversed(self._active):
             s.after_step(ctx)
         return loss
+
+    def _baseline_now(self) -> bool:
+        """Whether the profiler's live comparison wants the wrapped optimizer's own step for this one; moves
+        state to where that step keeps it when a baseline stretch begins or ends (outside the timed steps)."""
+        if not self._profiler.active:
+            return False
+        baseline = self._profiler.wants_baseline(self._executes)
+        if baseline != self._handed_over:
+            for s in self._active:
+                move = getattr(s, "hand_over" if baseline else "take_back", None)
+                if move is not None:
+                    move()
+            self._handed_over = baseline
+        return baseline
 
     def _take_grad_scaler_protocol(self, ctx: StepContext) -> None:
         """Honour a user's ``torch.amp.GradScaler``: it sets ``grad_scale``/``found_inf`` on us before ``step``.
@@ -343,7 +370,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         device_side = all(
             getattr(s, "consumes_found_inf", False) for s in self._active if getattr(s, "executes", False)
         )
-        if device_side and not self._leftover:
+        if device_side and not self._leftover and not ctx.baseline:
             return False
         self._host_syncs += 1
         return bool(found_inf.item())

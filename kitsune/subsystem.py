@@ -39,6 +39,9 @@ class StepContext:
     unhandled: list[torch.Tensor] = field(default_factory=list)
     """Params an executor planned to own but could not update this step (e.g. a grad that turned sparse); the
     wrapped optimizer's step runs for them even when the plan had no leftover params."""
+    baseline: bool = False
+    """The profiler's live comparison: the wrapped optimizer's own step updates every param this step, and
+    subsystems that execute updates stand aside."""
     skip_base_step: bool = False
     """Set by a subsystem that has taken over the whole update (e.g. a replayed CUDA graph)."""
     extra: dict[str, Any] = field(default_factory=dict)

@@ -103,14 +103,16 @@ def test_run_bench_on_cpu_and_json_round_trip(tmp_path):
     for entry in result.sets:
         assert entry.floor_ms > 0 and entry.bytes_per_step == ADAMW_BYTES_PER_PARAM * entry.n_elements
         by_name = {v.variant: v for v in entry.variants}
-        assert list(by_name) == ["foreach", "fused", "graph", "kitsune"]
-        for name in ("foreach", "fused", "kitsune"):
+        assert list(by_name) == ["foreach", "fused", "graph", "kitsune", "profiled"]
+        for name in ("foreach", "fused", "kitsune", "profiled"):
             v = by_name[name]
             assert v.status == "ok", v.reason
             assert v.device_ms.median > 0 and v.host_ms.median > 0 and len(v.device_ms_steps) == 2
             assert v.device_ms.p10 <= v.device_ms.median <= v.device_ms.p90
         assert by_name["graph"].status == "skipped" and "CUDA" in by_name["graph"].reason
-        assert set(entry.ratio_to_kitsune) == {"foreach", "fused"}
+        assert set(entry.ratio_to_kitsune) == {"foreach", "fused", "profiled"}
+        assert "profiler" in by_name["profiled"].kitsune.active_subsystems
+        assert "profiler" not in by_name["kitsune"].kitsune.active_subsystems
         info = by_name["kitsune"].kitsune
         assert info is not None and info.total_params == entry.n_tensors
         assert {s["name"] for s in info.subsystems} >= {"fusion", "profiler"}

@@ -148,3 +148,63 @@ def test_cuda_events_time_steps():
     for a, b in zip(records, records[1:], strict=False):
         assert b.device_start_us >= a.device_start_us + a.step_ms * 1e3 - 1.0
     assert all(r.device_start_us >= r.host_start_us - 20.0 for r in records), records
+
+
+def _sampled_config(**profiler) -> KitsuneConfig:
+    from kitsune import FusionConfig
+
+    return KitsuneConfig(
+        fusion=FusionConfig(enabled=True), profiler=ProfilerConfig(enabled=True, nvml_interval_s=0, **profiler)
+    )
+
+
+@pytest.mark.filterwarnings("ignore:kitsune. fusion was asked for")
+def test_cpu_comparison_is_not_applicable_when_kitsune_runs_the_wrapped_step():
+    # on a CPU without the Triton interpreter every param goes to the wrapped optimizer's own step
+    opt = _trained(30, config=_sampled_config(sample_after=2, compare_steps=3))
+    metrics = opt.profiler.get_metrics()
+    assert metrics.comparison.status == "not_applicable" and metrics.comparison.speedup is None
+    assert metrics.probe.status == "unavailable" and metrics.probe.launches_per_step is None
+    assert metrics.step_time.count == 30  # nothing was replaced by a baseline step
+    assert "nothing to compare" in " ".join(_summary_text(opt).split())
+
+
+@pytest.mark.cuda
+def test_probe_and_live_comparison_on_gpu():
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n, device="cuda")) for n in (4096, 1000, 7, 65536)]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    ref = torch.optim.AdamW(twins, lr=1e-2, weight_decay=0.1)  # torch's default (foreach) implementation
+    opt = KitsuneOptimizer(
+        torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
+        config=_sampled_config(sample_after=3, probe_steps=2, compare_steps=6),
+    )
+    syncs = torch.ones((), device="cuda")
+    for step in range(30):
+        for p, t in zip(params, twins, strict=True):
+            p.grad = torch.randn_like(p)
+            t.grad = p.grad.clone()
+        if step == 12:  # inside the baseline stretch: steps moved to the host for torch's foreach path
+            assert all(opt.state[p]["step"].device.type == "cpu" for p in params)
+        if step == 4:  # a probe step: a sync inside step() is caught and located
+            handle = opt.base_optimizer.register_step_pre_hook(lambda *_: syncs.item())
+        opt.step()
+        ref.step()
+        if step == 4:
+            handle.remove()
+    for p, t in zip(params, twins, strict=True):
+        torch.testing.assert_close(p, t, atol=1e-5, rtol=1e-5)
+        assert opt.state[p]["step"].device.type == "cuda" and opt.state[p]["step"].item() == 30
+    metrics = opt.profiler.get_metrics()
+    probe = metrics.probe
+    assert probe.status == "measured" and probe.steps == 2
+    assert probe.syncs_per_step == 0.5 and any("test_profiler.py" in s for s in probe.sync_sites), probe
+    assert 1 <= probe.launches_per_step <= 4, probe  # the fused launch, plus at most a few small uploads
+    assert probe.copy_bandwidth_gbs > 100 and metrics.floor_ms > 0 and 0 < metrics.pct_of_floor
+    assert metrics.bytes_per_step == 28 * sum(p.numel() for p in params)
+    cmp = metrics.comparison
+    assert cmp.status == "measured" and cmp.kitsune.count == 5 and cmp.baseline_time.count == 5
+    assert cmp.speedup > 0 and "foreach=None" in cmp.baseline
+    assert metrics.step_time.count == 30 - 2 - 6
+    text = _summary_text(opt)
+    assert "live comparison" in text and "kernel launch" in text and "bandwidth floor" in text

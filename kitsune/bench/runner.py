@@ -30,9 +30,11 @@ VARIANTS: dict[str, str] = {
     "fused": "torch fused",
     "graph": "torch graph",
     "kitsune": "kitsune",
+    "profiled": "kitsune, profile=True",
 }
 """Variant name (what ``--variants`` takes) -> label in the table. ``graph`` is fused + capturable AdamW replayed
-from a CUDA graph."""
+from a CUDA graph; ``profiled`` is kitsune with the profiler on outside its sampled windows (probe and live
+comparison off), which measures the profiler's own cost per step."""
 
 FP32_BYTES = 4
 # An fp32 AdamW step touches each parameter's four tensors once: it reads param, grad, exp_avg and exp_avg_sq,
@@ -184,14 +186,18 @@ class _GraphVariant(_TorchVariant):
 
 
 class _KitsuneVariant(_TorchVariant):
-    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+    def __init__(self, params: list[torch.nn.Parameter], profile: bool = False) -> None:
+        from kitsune.config import FusionConfig, KitsuneConfig, ProfilerConfig
         from kitsune.optimizer import KitsuneOptimizer
 
         self.params = params
         self.warnings: list[str] = []
+        # profiled: the profiler's per-step cost only; its sampled windows would replace steps with other work
+        profiler = ProfilerConfig(enabled=profile, probe_steps=0, compare_steps=0)
+        config = KitsuneConfig(fusion=FusionConfig(enabled=True), profiler=profiler)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            self.opt = KitsuneOptimizer(torch.optim.AdamW(params, **ADAMW), enable_fusion=True)
+            self.opt = KitsuneOptimizer(torch.optim.AdamW(params, **ADAMW), config=config)
         self._keep(caught)
         self.step = self.opt.step
 
@@ -245,6 +251,8 @@ def make_variant(name: str, params: list[torch.nn.Parameter]) -> _TorchVariant:
         return _GraphVariant(params)
     if name == "kitsune":
         return _KitsuneVariant(params)
+    if name == "profiled":
+        return _KitsuneVariant(params, profile=True)
     raise ValueError(f"unknown variant {name!r}: choose from {', '.join(VARIANTS)}")
 
 

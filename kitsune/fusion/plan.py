@@ -73,6 +73,9 @@ class BucketPlan:
     elements: int
     launches: int
     """Kernel launches per step on this route (kitsune's own; 0 for the wrapped optimizer's step)."""
+    bytes_per_step: int | None = None
+    """Bytes the update must read and write per step (params, grads, state) whatever the route; None for an
+    optimizer kitsune does not know."""
     predicted_speedup: float | None = None
     """Cost-model speedup of the fused kernel over the best torch fallback (``None`` when not fusable at all)."""
     groups: list[int] = field(default_factory=list)
@@ -108,9 +111,16 @@ class Plan:
         """Fused Triton launches per step when every grad is present."""
         return sum(b.launches for b in self.buckets if b.route is Route.TRITON)
 
+    @property
+    def bytes_per_step(self) -> int | None:
+        """Bytes every update of a step must move together (the bandwidth floor's numerator); None if unknown."""
+        sizes = [b.bytes_per_step for b in self.buckets]
+        return None if not sizes or None in sizes else sum(sizes)  # type: ignore[arg-type]
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "buckets": [b.to_dict() for b in self.buckets],
+            "bytes_per_step": self.bytes_per_step,
             "fused_tensors": self.fused_tensors,
             "fallback_tensors": self.fallback_tensors,
             "launches_per_step": self.launches,

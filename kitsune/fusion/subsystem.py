@@ -82,6 +82,7 @@ class FusionSubsystem(Subsystem):
         self._steps = 0
         self._launches_last_step = 0
         self._launches_total = 0
+        self._handed_over: list[tuple[dict[str, Any], torch.device]] = []
 
     # -- planning ------------------------------------------------------------------------------------------------
     def plan(self, opt: KitsuneOptimizer) -> None:
@@ -196,6 +197,10 @@ class FusionSubsystem(Subsystem):
             launches=0,
             groups=sorted({gi for gi, _ in members}),
         )
+        if info is not None and self._specs:  # a known algorithm moves known bytes, whichever route runs it
+            bp.bytes_per_step = sum(
+                p.numel() * p.element_size() * info.bytes_per_element(self._specs[gi]) for gi, p in members
+            )
         if route is Route.BASE_STEP:
             return bp
         assert info is not None and spec is not None
@@ -287,6 +292,40 @@ class FusionSubsystem(Subsystem):
         if reason not in self._logged:
             self._logged.add(reason)
             logger.info("kitsune fusion: %s", reason)
+
+    # -- the profiler's live comparison ---------------------------------------------------------------------------
+    def hand_over(self) -> None:
+        """Prepare for steps in which the wrapped optimizer's own step updates every param (the profiler's live
+        comparison): put each ``state["step"]`` where that step keeps it.
+
+        The fused path keeps step counts on the device, as torch's fused and capturable paths do; torch's other
+        paths read them on the host, which on device tensors costs one sync per param and would time a step the
+        user never runs. Moving them costs one sync here, before the timed steps begin.
+        """
+        state = self._opt.state
+        moved = []
+        for g in self._opt.param_groups:
+            if g.get("capturable") or g.get("fused"):
+                continue  # torch keeps these on the device too
+            for p in g["params"]:
+                t = state[p].get("step") if p in state else None
+                if isinstance(t, torch.Tensor) and t.device.type != "cpu":
+                    moved.append((state[p], t.device, t))
+        if moved:
+            host = torch.stack([t for _, _, t in moved]).cpu()
+            for (s, _, _), value in zip(moved, host, strict=True):
+                s["step"] = value.clone()
+        self._handed_over = [(s, device) for s, device, _ in moved]
+
+    def take_back(self) -> None:
+        """Undo :meth:`hand_over`: step counts back on the device and the kernels' tables rebound to them."""
+        for s, device in self._handed_over:
+            t = s.get("step")
+            if isinstance(t, torch.Tensor):
+                s["step"] = t.to(device)
+        self._handed_over = []
+        for unit in self._units:
+            unit.bind(self._opt.state)
 
     # -- what the orchestrator and the summary read ----------------------------------------------------------------
     def owned_params(self) -> list[torch.Tensor]:

@@ -57,7 +57,7 @@ class FusedUnit:
             done = [float(_has_state(state, p, info, spec)) for p in params]
             self._private_steps = torch.tensor(done, dtype=torch.float32).to(self.device)
         self.uninit = [i for i, p in enumerate(params) if not _has_state(state, p, info, spec)]
-        self._bind(state)
+        self.bind(state)
 
     # -- per step ----------------------------------------------------------------------------------------------
     def prepare(self, state: Any, groups: Sequence[dict[str, Any]]) -> bool:
@@ -117,10 +117,10 @@ class FusedUnit:
             p = self.params[i]
             init_state(self.info, self.spec, groups[self.group_index[i]], p, state.setdefault(p, {}))
         self.uninit = [i for i in self.uninit if ptrs[i] == DEAD]
-        self._bind(state)
+        self.bind(state)
 
     # -- binding to torch's state tensors ------------------------------------------------------------------------
-    def _bind(self, state: Any) -> None:
+    def bind(self, state: Any) -> None:
         """(Re)build the state and step tables from ``state`` (after a plan, a load_state_dict, or lazy init)."""
         keys = self.info.state_keys(self.spec)
         tables: list[list[int]] = [[] for _ in keys]

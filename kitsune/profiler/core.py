@@ -1,11 +1,22 @@
 """Step timing. Nothing here synchronises the device during training: CUDA events are read lazily.
 
 On CUDA the profiler also runs the NVML sampler (:mod:`kitsune.profiler.nvml`) for GPU telemetry.
+
+After ``sample_after`` steps come two sampled windows, and their steps stay out of the step-time statistics:
+
+1. the probe (CUDA only, ``probe_steps``): launches, copies and host syncs inside ``step()`` are counted and the
+   copy bandwidth is measured (:mod:`kitsune.profiler.probe`);
+2. the live comparison (``compare_steps`` = N): N steps of kitsune (the reference), then N steps in which the
+   wrapped optimizer's own step updates every param (the baseline; training stays exact, the same optimizer
+   math runs on the same params and state). The first step of each half settles (the GPU may be idle after the
+   window's set-up) and is not counted. The speedup shown is baseline median / reference median, with the
+   spread from their 10th and 90th percentiles.
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 from collections import deque
 from typing import TYPE_CHECKING, Literal
 
@@ -14,6 +25,7 @@ from pydantic import BaseModel
 
 from kitsune.config import ProfilerConfig
 from kitsune.profiler.nvml import NvmlReport, NvmlSampler
+from kitsune.profiler.probe import Probe, ProbeReport
 from kitsune.subsystem import StepContext, Subsystem
 
 if TYPE_CHECKING:
@@ -33,6 +45,9 @@ class StepRecord(BaseModel):
     """When ``step()`` began on the host, in microseconds since the profiler started (None in old profiles)."""
     device_start_us: float | None = None
     """When the step's work began on the GPU, on the same clock as ``host_start_us`` (CUDA only)."""
+    mode: Literal["kitsune", "probe", "baseline"] = "kitsune"
+    """``probe``: a probe step (slowed by counting); ``baseline``: the wrapped optimizer's own step ran (the live
+    comparison). Only ``kitsune`` steps enter the step-time statistics."""
 
 
 class TimeStats(BaseModel):
@@ -40,6 +55,7 @@ class TimeStats(BaseModel):
 
     count: int
     mean_ms: float
+    p10_ms: float | None = None
     p50_ms: float
     p90_ms: float
     min_ms: float
@@ -53,6 +69,7 @@ class TimeStats(BaseModel):
         return cls(
             count=len(ordered),
             mean_ms=sum(ordered) / len(ordered),
+            p10_ms=quantile(ordered, 0.1),
             p50_ms=quantile(ordered, 0.5),
             p90_ms=quantile(ordered, 0.9),
             min_ms=ordered[0],
@@ -68,6 +85,30 @@ def quantile(ordered: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
+class Comparison(BaseModel):
+    """The live comparison: kitsune's step against the wrapped optimizer's own step, on the user's run."""
+
+    status: Literal["measured", "pending", "off", "not_applicable"]
+    reason: str | None = None
+    """Why there is no figure (status other than "measured")."""
+    baseline: str | None = None
+    """What ran in the baseline steps, e.g. ``torch.optim.adamw.AdamW.step (foreach=None, fused=None)``."""
+    kitsune: TimeStats | None = None
+    """Step times of the reference steps (kitsune), settling step excluded."""
+    baseline_time: TimeStats | None = None
+    """Step times of the baseline steps, settling step excluded."""
+    kitsune_host: TimeStats | None = None
+    baseline_host: TimeStats | None = None
+    speedup: float | None = None
+    """Baseline median / kitsune median: above 1, kitsune's step is faster."""
+    speedup_low: float | None = None
+    """Baseline 10th percentile / kitsune 90th percentile: the pessimistic end of the spread."""
+    speedup_high: float | None = None
+    """Baseline 90th percentile / kitsune 10th percentile: the optimistic end."""
+    host_speedup: float | None = None
+    """The same ratio of the medians of host time inside ``step()``."""
+
+
 class ProfilerMetrics(BaseModel):
     """What :meth:`Profiler.get_metrics` returns."""
 
@@ -79,6 +120,16 @@ class ProfilerMetrics(BaseModel):
     """Statistics of the kept per-step times."""
     host_time: TimeStats | None
     """Statistics of the kept per-step host times."""
+    probe: ProbeReport | None = None
+    """Launches, copies and syncs per step and the copy bandwidth, from the probe steps (None in old profiles)."""
+    comparison: Comparison | None = None
+    """The live-measured speedup over the wrapped optimizer's own step (None in old profiles)."""
+    bytes_per_step: int | None = None
+    """Bytes the optimizer update must move per step (params, grads and state), from the plan."""
+    floor_ms: float | None = None
+    """``bytes_per_step`` / the measured copy bandwidth: the time of a step at the memory's copy rate."""
+    pct_of_floor: float | None = None
+    """100 x ``floor_ms`` / the median step time (an AMP unscale or a clip moves more bytes than counted)."""
 
 
 class Profiler(Subsystem):
@@ -90,10 +141,11 @@ class Profiler(Subsystem):
         super().__init__()
         self.config = config
         self._records: deque[StepRecord] = deque(maxlen=config.max_step_records)
-        # (step, start event, end event, host_ms, host_start_us) of steps whose events have not been read
-        self._pending: deque[tuple[int, torch.cuda.Event, torch.cuda.Event, float, float]] = deque()
+        # (step, start event, end event, host_ms, host_start_us, mode, window) of steps whose events were not read
+        self._pending: deque[tuple[int, torch.cuda.Event, torch.cuda.Event, float, float, str, str | None]] = deque()
         self._timed = 0
         self._cuda = False
+        self._device = torch.device("cpu")
         self._t0 = 0
         self._start_event: torch.cuda.Event | None = None
         self._origin_ns = time.perf_counter_ns()
@@ -101,14 +153,27 @@ class Profiler(Subsystem):
         self._anchor: tuple[torch.cuda.Event, float] | None = None
         self._sampler: NvmlSampler | None = None
         self._nvml_reason = "params are not on a CUDA device"
+        self._opt: weakref.ref[KitsuneOptimizer] | None = None
+        self._reset_windows()
         if config.enabled:
             self.activate()
         else:
             self.deactivate("profile=False")
 
+    def _reset_windows(self) -> None:
+        self._index = 0  # steps begun since the profiler started (or was reset): the windows' clock
+        self._mode = "kitsune"
+        self._window: str | None = None  # "reference" or "baseline" inside the comparison
+        self._probe = Probe(self.config.probe_steps)
+        self._compared: dict[str, list[StepRecord]] = {"reference": [], "baseline": []}
+        self._comparable: bool | None = None
+        self._baseline_name: str | None = None
+
     def plan(self, opt: KitsuneOptimizer) -> None:
+        self._opt = weakref.ref(opt)
         params = [p for g in opt.param_groups for p in g["params"]]
         self._cuda = bool(params) and params[0].is_cuda and torch.cuda.is_available()
+        self._device = params[0].device if params else torch.device("cpu")
         if not self.active:
             return
         if self._cuda and self._anchor is None and not torch.cuda.is_current_stream_capturing():
@@ -148,7 +213,45 @@ class Profiler(Subsystem):
             return NvmlReport.unavailable(self._nvml_reason)
         return self._sampler.report()
 
+    # -- the sampled windows -------------------------------------------------------------------------------------
+    def _windows(self) -> tuple[int, int, int]:
+        """(last warm-up step, last probe step, last reference step) on the profiler's own step clock."""
+        warm = self.config.sample_after
+        probe = warm + (self.config.probe_steps if self._cuda else 0)
+        return warm, probe, probe + self.config.compare_steps
+
+    def _phase(self, index: int) -> str:
+        warm, probe, reference = self._windows()
+        if index <= warm:
+            return "kitsune"
+        if index <= probe:
+            return "probe"
+        if index <= reference:
+            return "reference"
+        if index <= reference + self.config.compare_steps:
+            return "baseline"
+        return "kitsune"
+
+    def wants_baseline(self, comparable: bool) -> bool:
+        """Asked by the orchestrator before each step: should the wrapped optimizer's own step run this one?
+
+        ``comparable``: whether kitsune executes any update itself (otherwise both sides would be the same step).
+        """
+        phase = self._phase(self._index + 1)
+        if phase in ("reference", "baseline"):
+            self._comparable = comparable if self._comparable is None else self._comparable and comparable
+            opt = self._opt() if self._opt is not None else None
+            if opt is not None and self._baseline_name is None:
+                self._baseline_name = describe_step(opt.base_optimizer)
+        return phase == "baseline" and bool(self._comparable)
+
     def before_step(self, ctx: StepContext) -> None:
+        self._index += 1
+        phase = self._phase(self._index)
+        self._mode = "baseline" if ctx.baseline else ("probe" if phase == "probe" else "kitsune")
+        self._window = phase if phase in ("reference", "baseline") and self._comparable else None
+        if self._mode == "probe":
+            self._probe.begin(self._device)
         if self._cuda:
             self._start_event = torch.cuda.Event(enable_timing=True)
             self._start_event.record()
@@ -161,16 +264,31 @@ class Profiler(Subsystem):
         if self._cuda and self._start_event is not None:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            self._pending.append((ctx.step, self._start_event, end, host_ms, start_us))
+            self._pending.append((ctx.step, self._start_event, end, host_ms, start_us, self._mode, self._window))
             if len(self._pending) > 64:
                 self._collect(block=False)
         else:
-            self._records.append(StepRecord(step=ctx.step, step_ms=host_ms, host_ms=host_ms, host_start_us=start_us))
+            record = StepRecord(
+                step=ctx.step, step_ms=host_ms, host_ms=host_ms, host_start_us=start_us, mode=self._mode
+            )
+            self._keep(record, self._window)
+        if self._mode == "probe":
+            self._probe.complete()
+
+    def abandon_step(self) -> None:
+        """The step raised between ``before_step`` and ``after_step``: undo what the probe changed."""
+        if self._mode == "probe":
+            self._probe.abandon()
+
+    def _keep(self, record: StepRecord, window: str | None) -> None:
+        self._records.append(record)
+        if window is not None:
+            self._compared[window].append(record)
 
     def _collect(self, block: bool) -> None:
         """Turn finished CUDA event pairs into records; with block=True wait for all of them."""
         while self._pending:
-            step, start, end, host_ms, start_us = self._pending[0]
+            step, start, end, host_ms, start_us, mode, window = self._pending[0]
             if not block and not end.query():
                 break
             end.synchronize()
@@ -184,8 +302,9 @@ class Profiler(Subsystem):
                 host_ms=host_ms,
                 host_start_us=start_us,
                 device_start_us=device_us,
+                mode=mode,  # type: ignore[arg-type]
             )
-            self._records.append(record)
+            self._keep(record, window)
             self._pending.popleft()
 
     @property
@@ -194,23 +313,93 @@ class Profiler(Subsystem):
         self._collect(block=True)
         return list(self._records)
 
+    def comparison(self) -> Comparison:
+        """The live comparison as far as it has run (waits for outstanding CUDA events)."""
+        n = self.config.compare_steps
+        if n == 0:
+            return Comparison(status="off", reason="compare_steps=0")
+        _, probe, reference = self._windows()
+        if self._comparable is False:
+            return Comparison(
+                status="not_applicable",
+                reason="kitsune ran the wrapped optimizer's own step on every param: there is nothing to compare",
+            )
+        self._collect(block=True)
+        ref, base = (self._compared[w][1:] for w in ("reference", "baseline"))  # the first step of each settles
+        if self._index < reference + n or not ref or not base:
+            return Comparison(
+                status="pending",
+                reason=f"the comparison runs at steps {probe + 1}-{reference + n} after the profiler starts "
+                f"(sample_after={self.config.sample_after}); {self._index} step(s) so far",
+                baseline=self._baseline_name,
+            )
+        k, b = TimeStats.of([r.step_ms for r in ref]), TimeStats.of([r.step_ms for r in base])
+        kh, bh = TimeStats.of([r.host_ms for r in ref]), TimeStats.of([r.host_ms for r in base])
+        assert k is not None and b is not None and kh is not None and bh is not None
+        return Comparison(
+            status="measured",
+            baseline=self._baseline_name,
+            kitsune=k,
+            baseline_time=b,
+            kitsune_host=kh,
+            baseline_host=bh,
+            speedup=_ratio(b.p50_ms, k.p50_ms),
+            speedup_low=_ratio(b.p10_ms, k.p90_ms),
+            speedup_high=_ratio(b.p90_ms, k.p10_ms),
+            host_speedup=_ratio(bh.p50_ms, kh.p50_ms),
+        )
+
+    def probe_report(self) -> ProbeReport:
+        if self.config.probe_steps == 0:
+            return ProbeReport(status="off", reason="probe_steps=0")
+        if not self._cuda:
+            return ProbeReport(status="unavailable", reason="the probe counts CUDA launches and syncs: no CUDA params")
+        return self._probe.report()
+
     def get_metrics(self) -> ProfilerMetrics:
-        """Statistics of the steps timed so far."""
-        records = self.records
+        """Statistics of the steps timed so far (probe and baseline steps excluded), the probe and the comparison."""
+        records = [r for r in self.records if r.mode == "kitsune"]
+        step_time = TimeStats.of([r.step_ms for r in records])
+        probe = self.probe_report()
+        opt = self._opt() if self._opt is not None else None
+        plan = opt.plan if opt is not None else None
+        nbytes = getattr(plan, "bytes_per_step", None)
+        floor_ms = pct = None
+        if nbytes and probe.copy_bandwidth_gbs:
+            floor_ms = nbytes / (probe.copy_bandwidth_gbs * 1e9) * 1e3
+            if step_time is not None and step_time.p50_ms > 0:
+                pct = 100 * floor_ms / step_time.p50_ms
         return ProfilerMetrics(
             steps_timed=self._timed,
             timing="cuda_events" if self._cuda else "host_clock",
-            step_time=TimeStats.of([r.step_ms for r in records]),
+            step_time=step_time,
             host_time=TimeStats.of([r.host_ms for r in records]),
+            probe=probe,
+            comparison=self.comparison(),
+            bytes_per_step=nbytes,
+            floor_ms=floor_ms,
+            pct_of_floor=pct,
         )
 
     def reset(self) -> None:
-        """Forget every record and NVML sample (e.g. after warm-up)."""
+        """Forget every record and NVML sample (e.g. after warm-up); the sampled windows run again."""
         self._collect(block=True)
         self._records.clear()
         self._timed = 0
+        self._reset_windows()
         if self._sampler is not None:
             self._sampler.clear()
 
     def report(self) -> dict[str, object]:
         return {"steps_timed": self._timed, "timing": "cuda_events" if self._cuda else "host_clock"}
+
+
+def describe_step(opt: torch.optim.Optimizer) -> str:
+    """``torch.optim.adamw.AdamW.step (foreach=None, fused=None)``: the step the comparison's baseline runs."""
+    cls = type(opt)
+    flags = ", ".join(f"{k}={opt.defaults[k]}" for k in ("foreach", "fused", "capturable") if k in opt.defaults)
+    return f"{cls.__module__}.{cls.__qualname__}.step" + (f" ({flags})" if flags else "")
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None

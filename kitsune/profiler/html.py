@@ -10,7 +10,7 @@ from typing import Any
 from kitsune.profiler.core import TimeStats, quantile
 from kitsune.profiler.nvml import FIELDS
 from kitsune.profiler.schema import Profile
-from kitsune.profiler.summary import format_bytes, headline, plan_rows, subsystem_detail
+from kitsune.profiler.summary import format_bytes, headline, plan_rows, probe_lines, subsystem_detail
 
 STEP_COLOR, HOST_COLOR, P50_COLOR, P90_COLOR, GPU_COLOR = "#d9480f", "#1971c2", "#2b8a3e", "#e67700", "#6741d9"
 
@@ -186,16 +186,11 @@ def _timing_section(profile: Profile) -> list[str]:
     header = ["ms/step", "p50", "p90", "mean", "min", "max"]
     rows = _stats_rows("step", metrics.step_time) + _stats_rows("host", metrics.host_time)
     out.append(_table(header, rows, numeric={1, 2, 3, 4, 5}))
-    steps = [float(r.step) for r in profile.steps]
+    kept = [r for r in profile.steps if r.mode == "kitsune"]  # probe and baseline steps are not kitsune's times
+    steps = [float(r.step) for r in kept]
     for svg_id, title, values, stats, color in (
-        (
-            "plot-step-time",
-            f"step time per step ({source})",
-            [r.step_ms for r in profile.steps],
-            metrics.step_time,
-            STEP_COLOR,
-        ),
-        ("plot-host-time", "host time per step", [r.host_ms for r in profile.steps], metrics.host_time, HOST_COLOR),
+        ("plot-step-time", f"step time per step ({source})", [r.step_ms for r in kept], metrics.step_time, STEP_COLOR),
+        ("plot-host-time", "host time per step", [r.host_ms for r in kept], metrics.host_time, HOST_COLOR),
     ):
         hlines = ()
         if stats is not None:
@@ -209,6 +204,33 @@ def _timing_section(profile: Profile) -> list[str]:
             y_cap=cap,
         )  # fmt: skip
         out.append(plot)
+    return out
+
+
+def _comparison_section(profile: Profile) -> list[str]:
+    metrics = profile.metrics
+    if metrics is None:
+        return []
+    out = ['<h2 id="comparison">Live comparison and probe</h2>']
+    cmp = metrics.comparison
+    if cmp is not None and cmp.status == "measured":
+        assert cmp.kitsune and cmp.baseline_time and cmp.kitsune_host and cmp.baseline_host
+        out.append(
+            f'<p class="sub">Against {escape(cmp.baseline or "?")}: kitsune\'s step {cmp.speedup:.2f}x as fast '
+            f"(spread {cmp.speedup_low:.2f}x-{cmp.speedup_high:.2f}x; host time {cmp.host_speedup:.2f}x), "
+            "measured on this run.</p>"
+        )
+        rows = [
+            [label, dev.count, f"{dev.p50_ms:.4f}", f"{dev.p10_ms or 0:.4f}-{dev.p90_ms:.4f}", f"{host.p50_ms:.4f}"]
+            for label, dev, host in (
+                ("kitsune", cmp.kitsune, cmp.kitsune_host),
+                ("baseline", cmp.baseline_time, cmp.baseline_host),
+            )
+        ]
+        out.append(_table(["step", "steps", "p50 ms", "p10-p90 ms", "host p50 ms"], rows, numeric={1, 2, 3, 4}))
+    elif cmp is not None:
+        out.append(f'<p class="note">Speedup: {escape(cmp.status)}: {escape(cmp.reason or "")}</p>')
+    out.extend(f'<p class="note">{escape(line.strip())}</p>' for line in probe_lines(metrics))
     return out
 
 
@@ -306,7 +328,7 @@ def render_html(profile: Profile) -> str:
             columns = list(dict.fromkeys(k for row in rows for k in row))
             body.append(f"<h3>{escape(name)}</h3>")
             body.append(_table(columns, [[row.get(c, "") for c in columns] for row in rows]))
-    body += _timing_section(profile) + _nvml_section(profile) + _memory_section(profile)
+    body += _timing_section(profile) + _comparison_section(profile) + _nvml_section(profile) + _memory_section(profile)
     return "\n".join(
         [
             "<!DOCTYPE html>",

@@ -13,7 +13,7 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from kitsune.profiler.core import ProfilerMetrics
+from kitsune.profiler.core import Comparison, ProfilerMetrics, TimeStats
 from kitsune.profiler.nvml import FIELDS, NvmlReport
 from kitsune.profiler.schema import MemoryInfo, Profile, SubsystemStatus, build_profile
 
@@ -60,6 +60,29 @@ def plan_rows(plan: dict[str, Any]) -> tuple[list[tuple[str, str]], dict[str, li
     return facts, tables
 
 
+def bucket_table(rows: list[dict[str, Any]]) -> Table:
+    """The plan's buckets, one row each: what runs where and why (the columns of ``rich.print(opt.plan)``)."""
+    table = Table(title="plan: buckets", title_justify="left")
+    table.add_column("bucket", overflow="fold")
+    table.add_column("route")
+    for col in ("tensors", "elements", "launches", "speedup"):
+        table.add_column(col, justify="right")
+    table.add_column("reason", overflow="fold")
+    for b in rows:
+        options = "" if b.get("options") in (None, "-") else f" ({b['options']})"
+        speedup = b.get("predicted_speedup")
+        table.add_row(
+            f"{b.get('optimizer', '?')}{options} {b.get('dtype', '')} {b.get('device', '')}",
+            str(b.get("route", "")),
+            str(b.get("tensors", "")),
+            f"{b['elements']:,}" if isinstance(b.get("elements"), int) else "",
+            str(b.get("launches", "")),
+            "-" if speedup is None else f"{speedup:.1f}x (model)",
+            "; ".join([str(b.get("reason", "")), *b.get("notes", [])]),
+        )
+    return table
+
+
 def plan_tables(plan: dict[str, Any]) -> list[Table]:
     facts, tables = plan_rows(plan)
     out = []
@@ -71,6 +94,9 @@ def plan_tables(plan: dict[str, Any]) -> list[Table]:
             table.add_row(key, value)
         out.append(table)
     for name, rows in tables.items():
+        if name == "buckets":
+            out.append(bucket_table(rows))
+            continue
         columns = list(dict.fromkeys(k for row in rows for k in row))
         table = Table(title=f"plan: {name}", title_justify="left")
         for col in columns:
@@ -83,7 +109,12 @@ def plan_tables(plan: dict[str, Any]) -> list[Table]:
 
 def timing_table(metrics: ProfilerMetrics) -> Table:
     source = "CUDA events" if metrics.timing == "cuda_events" else "host clock"
-    table = Table(title=f"step time ({metrics.steps_timed} steps timed, {source})", title_justify="left")
+    kept = metrics.step_time.count if metrics.step_time else 0
+    title = f"step time ({metrics.steps_timed} steps timed, {source})"
+    if metrics.step_time is not None and kept < metrics.steps_timed:
+        left_out = "probe, baseline and dropped steps left out"
+        title = f"step time ({kept} of {metrics.steps_timed} steps: {left_out}; {source})"
+    table = Table(title=title, title_justify="left")
     table.add_column("ms/step")
     for col in ("p50", "p90", "mean", "min", "max"):
         table.add_column(col, justify="right")
@@ -93,6 +124,53 @@ def timing_table(metrics: ProfilerMetrics) -> Table:
                 label, *(f"{v:.4f}" for v in (stats.p50_ms, stats.p90_ms, stats.mean_ms, stats.min_ms, stats.max_ms))
             )
     return table
+
+
+def _spread(stats: TimeStats) -> str:
+    return f"{stats.p10_ms:.4f}-{stats.p90_ms:.4f}" if stats.p10_ms is not None else f"-{stats.p90_ms:.4f}"
+
+
+def comparison_renderable(cmp: Comparison) -> RenderableType:
+    """The live-measured speedup, or why there is none (a figure appears only when it was measured)."""
+    if cmp.status != "measured":
+        return f"speedup over the wrapped optimizer's own step: {cmp.status}: {cmp.reason}"
+    assert cmp.kitsune and cmp.baseline_time and cmp.kitsune_host and cmp.baseline_host
+    title = (
+        f"live comparison with {cmp.baseline}: kitsune's step {cmp.speedup:.2f}x as fast "
+        f"(spread {cmp.speedup_low:.2f}x-{cmp.speedup_high:.2f}x; host time {cmp.host_speedup:.2f}x)"
+    )
+    table = Table(title=title, title_justify="left")
+    table.add_column("step")
+    for col in ("steps", "p50 ms", "p10-p90 ms", "host p50 ms"):
+        table.add_column(col, justify="right")
+    rows = (("kitsune", cmp.kitsune, cmp.kitsune_host), ("baseline", cmp.baseline_time, cmp.baseline_host))
+    for label, dev, host in rows:
+        table.add_row(label, str(dev.count), f"{dev.p50_ms:.4f}", _spread(dev), f"{host.p50_ms:.4f}")
+    return table
+
+
+def probe_lines(metrics: ProfilerMetrics) -> list[str]:
+    """Launches, copies and syncs per step from the probe, and the bandwidth floor."""
+    probe = metrics.probe
+    if probe is None:
+        return []
+    if probe.status != "measured":
+        return [f"probe (launches, syncs, bandwidth): {probe.status}: {probe.reason}"]
+    counts = [f"{probe.syncs_per_step:g} host sync(s)"]
+    if probe.launches_per_step is not None:
+        counts = [f"{probe.launches_per_step:g} kernel launch(es)", f"{probe.copies_per_step:g} copy(ies)", *counts]
+    lines = [f"per step, inside step() (probe of {probe.steps} step(s)): " + ", ".join(counts)]
+    if probe.sync_sites:
+        lines.append("  syncs called from: " + ", ".join(probe.sync_sites))
+    if probe.reason:
+        lines.append(f"  note: {probe.reason}")
+    if metrics.floor_ms is not None and metrics.bytes_per_step is not None:
+        pct = f", the median step is at {metrics.pct_of_floor:.0f}% of it" if metrics.pct_of_floor is not None else ""
+        lines.append(
+            f"bandwidth floor: the update moves {format_bytes(metrics.bytes_per_step)} per step; at the measured "
+            f"{probe.copy_bandwidth_gbs:,.0f} GB/s that takes {metrics.floor_ms:.4f} ms{pct}"
+        )
+    return lines
 
 
 def nvml_table(report: NvmlReport) -> Group:
@@ -146,6 +224,10 @@ def summary_renderables(profile: Profile) -> list[RenderableType]:
         out.append("step timings: no step has run yet")
     else:
         out.append(timing_table(metrics))
+    if metrics is not None:
+        if metrics.comparison is not None:
+            out.append(comparison_renderable(metrics.comparison))
+        out.extend(probe_lines(metrics))
     if profile.nvml is not None:
         if profile.nvml.available:
             out.append(nvml_table(profile.nvml))

@@ -1,0 +1,159 @@
+"""The probe: a few sampled steps that count what a step does on a CUDA device, measured rather than predicted.
+
+During each probe step (``ProfilerConfig.probe_steps``, after ``sample_after`` warm-up steps):
+
+* ``torch.profiler`` records the CUDA API calls made inside ``step()``: kernel launches (torch's, Triton's and
+  kitsune's own) and memory copies and sets;
+* torch.cuda's sync debug mode is set to ``"warn"``, and every synchronizing operation inside ``step()`` is
+  counted with its message;
+* once, the device's copy bandwidth is measured, the denominator of the bandwidth floor.
+
+Profiling, the debug mode and the copies slow those steps down, so their times stay out of the statistics.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, Field
+
+SYNC_MESSAGE = "synchronizing CUDA operation"
+"""What torch's sync debug mode says about every synchronizing operation it catches."""
+
+
+class ProbeReport(BaseModel):
+    """What the probe steps measured (absent fields: not measured, see ``reason``)."""
+
+    status: Literal["measured", "pending", "off", "unavailable"]
+    reason: str | None = None
+    """Why nothing was measured (status other than "measured"), or a partial failure."""
+    steps: int = 0
+    """Probe steps measured."""
+    launches_per_step: float | None = None
+    """Kernel launches issued inside ``step()`` (CUDA runtime and driver launch calls, Triton's included)."""
+    copies_per_step: float | None = None
+    """Memory copies and sets issued inside ``step()`` (e.g. a host-to-device upload of changed hyperparameters)."""
+    syncs_per_step: float | None = None
+    """Synchronizing operations inside ``step()`` caught by torch.cuda's sync debug mode."""
+    sync_sites: list[str] = Field(default_factory=list)
+    """Where those syncs were called from, ``file:line`` (at most 5 distinct)."""
+    copy_bandwidth_gbs: float | None = None
+    """Measured device-to-device copy rate in GB/s, bytes read plus bytes written."""
+
+
+def _is_launch(name: str) -> bool:
+    return "LaunchKernel" in name or name.startswith("cuLaunch") or name == "cudaLaunchCooperativeKernel"
+
+
+def _is_copy(name: str) -> bool:
+    return name.startswith(("cudaMemcpy", "cudaMemset", "cuMemcpy", "cuMemset"))
+
+
+def measure_copy_bandwidth(device: torch.device, nbytes: int = 128 * 1024 * 1024, repeats: int = 5) -> float:
+    """Device copy rate in GB/s: the median of ``repeats`` copies of ``nbytes``, counting reads and writes."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return 2 * nbytes / (times[len(times) // 2] * 1e-3) / 1e9
+
+
+class Probe:
+    """Runs the probe over the steps the profiler schedules; ``begin``/``end`` bracket one step."""
+
+    def __init__(self, steps: int) -> None:
+        self.planned = steps
+        self._done = 0
+        self._launches = 0
+        self._copies = 0
+        self._syncs = 0
+        self._sites: list[str] = []
+        self._bandwidth: float | None = None
+        self._errors: list[str] = []
+        self._torch_profiler: Any = None
+        self._warnings: Any = None
+        self._caught: list[warnings.WarningMessage] = []
+        self._previous_mode = 0
+
+    def begin(self, device: torch.device) -> None:
+        if self._bandwidth is None and not any("bandwidth" in e for e in self._errors):
+            try:
+                self._bandwidth = measure_copy_bandwidth(device)
+            except torch.OutOfMemoryError:
+                self._errors.append("copy bandwidth not measured: no free GPU memory for a 256 MiB copy test")
+        try:
+            from torch.profiler import ProfilerActivity, profile
+
+            self._torch_profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            self._torch_profiler.start()
+        except Exception as exc:  # a build without kineto, or CUPTI missing: syncs are still counted
+            self._torch_profiler = None
+            if not any("torch.profiler" in e for e in self._errors):
+                self._errors.append(f"launches not counted: torch.profiler failed ({exc})")
+        self._warnings = warnings.catch_warnings(record=True)
+        self._caught = self._warnings.__enter__()
+        warnings.simplefilter("always")
+        self._previous_mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("warn")
+
+    def _stop(self) -> tuple[list[warnings.WarningMessage], Any]:
+        torch.cuda.set_sync_debug_mode(self._previous_mode)
+        if self._warnings is not None:
+            self._warnings.__exit__(None, None, None)
+            self._warnings = None
+        caught, self._caught = self._caught, []
+        tp, self._torch_profiler = self._torch_profiler, None
+        if tp is not None:
+            tp.stop()
+        return caught, tp
+
+    def abandon(self) -> None:
+        """The step raised: restore the debug mode and the warning filters, count nothing."""
+        self._stop()
+
+    def complete(self) -> None:
+        """The step finished: count what it did."""
+        caught, tp = self._stop()
+        syncs = [w for w in caught if SYNC_MESSAGE in str(w.message)]
+        others = [w for w in caught if SYNC_MESSAGE not in str(w.message)]
+        for w in others:  # the step's own warnings still reach the user
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+        self._syncs += len(syncs)
+        for w in syncs:
+            where = f"{w.filename}:{w.lineno}"
+            if len(self._sites) < 5 and where not in self._sites:
+                self._sites.append(where)
+        if tp is not None:
+            names = [e.name for e in tp.events() if e.device_type == torch.autograd.DeviceType.CPU]
+            self._launches += sum(map(_is_launch, names))
+            self._copies += sum(map(_is_copy, names))
+        self._done += 1
+
+    @property
+    def finished(self) -> bool:
+        return self._done >= self.planned
+
+    def report(self) -> ProbeReport:
+        if self._done == 0:
+            return ProbeReport(status="pending", reason="the probe steps have not run yet")
+        counted = not any("launches not counted" in e for e in self._errors)
+        return ProbeReport(
+            status="measured",
+            reason="; ".join(self._errors) or None,
+            steps=self._done,
+            launches_per_step=self._launches / self._done if counted else None,
+            copies_per_step=self._copies / self._done if counted else None,
+            syncs_per_step=self._syncs / self._done,
+            sync_sites=self._sites,
+            copy_bandwidth_gbs=self._bandwidth,
+        )

@@ -1,0 +1,101 @@
+"""The profiler's live comparison: baseline steps run the wrapped optimizer's own step and training stays exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kitsune import FusionConfig, KitsuneConfig, ProfilerConfig
+
+from ._util import assert_close_params, assert_same_state, trajectory
+
+SIZES = [(7, 3), 16, 5]
+
+
+def _config(sample_after: int = 2, compare_steps: int = 4, **profiler) -> dict:
+    return {
+        "config": KitsuneConfig(
+            fusion=FusionConfig(enabled=True),
+            profiler=ProfilerConfig(enabled=True, sample_after=sample_after, compare_steps=compare_steps, **profiler),
+        )
+    }
+
+
+def _kitsune_trajectory(make_opt, steps: int, device: torch.device, **kwargs):
+    # trajectory() wraps with enable_fusion=True itself when fused=True; pass the whole config instead
+    from kitsune import KitsuneOptimizer
+
+    return trajectory(lambda ps: KitsuneOptimizer(make_opt(ps), **kwargs), SIZES, torch.float32, device, steps)
+
+
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+        lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True),
+        lambda ps: torch.optim.RMSprop(ps, lr=1e-2, centered=True, momentum=0.5),
+    ],
+    ids=["adamw", "sgd_nesterov", "rmsprop_centered"],
+)
+def test_trajectory_through_the_comparison_window_equals_torch(make_opt, device):
+    steps = 16  # warm-up 2, reference 3-6, baseline 7-10, then kitsune again
+    ref_params, ref_opt = trajectory(make_opt, SIZES, torch.float32, device, steps)
+    params, opt = _kitsune_trajectory(make_opt, steps, device, **_config())
+    assert_close_params(params, ref_params, torch.float32)
+    assert_same_state(ref_opt, opt, torch.float32)
+
+    modes = [r.mode for r in opt.profiler.records]
+    assert modes == ["kitsune"] * 6 + ["baseline"] * 4 + ["kitsune"] * 6
+    assert opt.base_steps == 4  # only the baseline steps ran the wrapped optimizer's own step
+    fusion = opt.subsystem_status()[3]
+    assert fusion["name"] == "fusion" and fusion["report"]["fused_launches_total"] == steps - 4
+
+
+def test_comparison_reports_measured_speedup_with_counts_and_spread(device):
+    make_opt = lambda ps: torch.optim.AdamW(ps, lr=1e-2)  # noqa: E731
+    _, opt = _kitsune_trajectory(make_opt, 12, device, **_config())
+    metrics = opt.profiler.get_metrics()
+    cmp = metrics.comparison
+    assert cmp.status == "measured", cmp.reason
+    assert cmp.kitsune.count == 3 and cmp.baseline_time.count == 3  # the first step of each half settles
+    assert cmp.baseline.startswith("torch.optim.adamw.AdamW.step")
+    assert cmp.speedup == pytest.approx(cmp.baseline_time.p50_ms / cmp.kitsune.p50_ms)
+    assert cmp.speedup_low <= cmp.speedup <= cmp.speedup_high
+    assert metrics.step_time.count == 12 - 4  # baseline steps are not kitsune's step times
+
+
+def test_comparison_is_pending_until_its_window_has_run(device):
+    make_opt = lambda ps: torch.optim.AdamW(ps, lr=1e-2)  # noqa: E731
+    _, opt = _kitsune_trajectory(make_opt, 7, device, **_config())
+    cmp = opt.profiler.get_metrics().comparison
+    assert cmp.status == "pending" and "steps 3-10" in cmp.reason and cmp.speedup is None
+
+
+def test_comparison_off(device):
+    make_opt = lambda ps: torch.optim.AdamW(ps, lr=1e-2)  # noqa: E731
+    _, opt = _kitsune_trajectory(make_opt, 12, device, **_config(compare_steps=0))
+    assert {r.mode for r in opt.profiler.records} == {"kitsune"}
+    cmp = opt.profiler.get_metrics().comparison
+    assert cmp.status == "off" and cmp.speedup is None and opt.base_steps == 0
+
+
+def test_a_step_that_raises_inside_the_window_leaves_training_usable(device):
+    make_opt = lambda ps: torch.optim.AdamW(ps, lr=1e-2)  # noqa: E731
+    from kitsune import KitsuneOptimizer
+
+    params = [torch.nn.Parameter(torch.randn(5, device=device)) for _ in range(2)]
+    opt = KitsuneOptimizer(make_opt(params), **_config(sample_after=1, compare_steps=2))
+
+    def boom(*_):
+        raise RuntimeError("boom")
+
+    for step in range(8):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        if step == 4:  # a baseline step
+            handle = opt.register_step_pre_hook(boom)
+            with pytest.raises(RuntimeError, match="boom"):
+                opt.step()
+            handle.remove()
+        opt.step()
+    assert all(torch.isfinite(p).all() for p in params)
