@@ -21,10 +21,10 @@ _IS_CONTIGUOUS = torch.Tensor.is_contiguous
 class FusedUnit:
     """Up to ``max_fusion_size`` tensors of one bucket, updated by one launch of the generic kernel.
 
-    Per step, the only per-tensor Python work is reading each ``p.grad`` and its address (two C-level ``map``
-    calls); everything else happens only when something changed: the grad addresses (one table upload; params
-    and grad layouts are re-checked then), or a param's grad appearing for the first time (lazy state creation
-    and one upload per state table).
+    Per step, the only per-tensor Python work is reading each ``p.grad``, its address and the param's address
+    (C-level ``map`` calls); everything else happens only when something changed: the grad addresses (one table
+    upload; grad layouts are re-checked then), a param's storage (a re-plan), or a param's grad appearing for the
+    first time (lazy state creation and one upload per state table).
     """
 
     def __init__(
@@ -71,13 +71,14 @@ class FusedUnit:
             grads = list(map(_GRAD, self.params))
             ptrs = self._slow_ptrs(grads)
             dead = ptrs.count(DEAD)
+        if list(map(_DATA_PTR, self.params)) != self._param_ptrs:
+            # p.data was replaced (model.half(), an EMA swap, a device move): the param table would point at
+            # freed memory, and the grads may well sit at their old addresses, so this is checked every step
+            self.stale = True
+            return False
         if ptrs != self._grad_ptrs:
             if grads is None:
                 grads = list(map(_GRAD, self.params))
-            # new grad memory (e.g. zero_grad(set_to_none=True)): re-check what the cached tables assume
-            if list(map(_DATA_PTR, self.params)) != self._param_ptrs:
-                self.stale = True  # p.data was replaced (a dtype or device move): re-plan
-                return False
             self._grad_ptrs = upload = ptrs
             live = [g for g in grads if g is not None and g.layout == torch.strided] if dead else grads
             if not all(map(_IS_CONTIGUOUS, live)):

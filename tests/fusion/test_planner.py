@@ -277,3 +277,24 @@ def test_each_fallback_reason_is_logged_once(caplog, device):
         opt = KitsuneOptimizer(_adamw([cplx]), enable_fusion=True)
         opt.add_param_group({"params": make_params([2], torch.float32, device)})  # re-plans
     assert sum("complex params" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("set_to_none", [False, True])
+def test_param_storage_replaced_mid_run_is_updated_where_it_now_lives(set_to_none, device):
+    # an EMA swap or model.half() replaces p.data; the grads may stay at their old addresses (set_to_none=False,
+    # or the caching allocator handing back the same blocks), so the fused path must notice the param itself
+    params = make_params([(7, 3), 16], torch.float32, device)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = KitsuneOptimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9), enable_fusion=True)
+    ref = torch.optim.SGD(twins, lr=0.1, momentum=0.9)
+    for step in range(6):
+        for p, t, g in zip(params, twins, random_grads(params, step), strict=True):
+            for x in (p, t):
+                x.grad = g.clone() if set_to_none or x.grad is None else x.grad.copy_(g)
+        if step == 3:
+            for p, t in zip(params, twins, strict=True):
+                fresh = torch.randn_like(p)
+                p.data, t.data = fresh, fresh.clone()
+        opt.step()
+        ref.step()
+    assert_close_params(params, twins, torch.float32)
