@@ -96,7 +96,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
         self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Callable] = OrderedDict()
         # torch wraps Optimizer.step in a hook runner with a record_function (~50 us a step); our step runs the
-        # hooks itself (see _run_step_hooks), so mark it hooked and torch leaves it alone
+        # hooks itself (in step() below), so mark it hooked and torch leaves it alone
         self._zero_grad_profile_name = f"Optimizer.zero_grad#{type(self).__name__}.zero_grad"
         self._warned_capturable_if_run_uncaptured = True
 
@@ -482,6 +482,12 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(build_profile(self).model_dump_json(indent=2))
         return path
+
+    def export_chrome_trace(self, filepath: str | Path = "trace.json") -> Path:
+        """Write the timed steps (and NVML samples) as a Chrome trace that Perfetto and chrome://tracing open."""
+        from kitsune.profiler.trace import export_chrome_trace
+
+        return export_chrome_trace(self, filepath)
 
 
 def _make_fusion(cfg: FusionConfig) -> Subsystem:

@@ -133,6 +133,7 @@ def test_chrome_trace_from_profiler_optimizer_and_profile(opt, gpu_profile, tmp_
     for source in (opt.profiler, opt, build_profile(opt)):
         events = _check_trace(export_chrome_trace(source, tmp_path / "t.json"), 30)
         assert not any(e["ph"] == "C" for e in events)
+    _check_trace(opt.export_chrome_trace(tmp_path / "method.json"), 30)
     events = _check_trace(export_chrome_trace(gpu_profile, tmp_path / "gpu.json"), 30)
     counters = [e for e in events if e["ph"] == "C"]
     assert len(counters) == 40 * 5 and {e["name"] for e in counters} >= {"GPU utilisation (%)", "power (W)"}

@@ -43,6 +43,12 @@ class ProbeReport(BaseModel):
     """Measured device-to-device copy rate in GB/s, bytes read plus bytes written."""
 
 
+def _from_probe(w: warnings.WarningMessage) -> bool:
+    """Warnings the probe's own tools raise about themselves (the debug mode is a prototype, and so on)."""
+    text = str(w.message)
+    return "debug mode" in text or "Profiler" in text or "profiler" in w.filename
+
+
 def _is_launch(name: str) -> bool:
     return "LaunchKernel" in name or name.startswith("cuLaunch") or name == "cudaLaunchCooperativeKernel"
 
@@ -86,6 +92,10 @@ class Probe:
         self._previous_mode = 0
 
     def begin(self, device: torch.device) -> None:
+        # catch first: starting torch.profiler and the debug mode warn about themselves, and those are ours
+        self._warnings = warnings.catch_warnings(record=True)
+        self._caught = self._warnings.__enter__()
+        warnings.simplefilter("always")
         if self._bandwidth is None and not any("bandwidth" in e for e in self._errors):
             try:
                 self._bandwidth = measure_copy_bandwidth(device)
@@ -100,21 +110,18 @@ class Probe:
             self._torch_profiler = None
             if not any("torch.profiler" in e for e in self._errors):
                 self._errors.append(f"launches not counted: torch.profiler failed ({exc})")
-        self._warnings = warnings.catch_warnings(record=True)
-        self._caught = self._warnings.__enter__()
-        warnings.simplefilter("always")
         self._previous_mode = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode("warn")
 
     def _stop(self) -> tuple[list[warnings.WarningMessage], Any]:
         torch.cuda.set_sync_debug_mode(self._previous_mode)
+        tp, self._torch_profiler = self._torch_profiler, None
+        if tp is not None:
+            tp.stop()
         if self._warnings is not None:
             self._warnings.__exit__(None, None, None)
             self._warnings = None
         caught, self._caught = self._caught, []
-        tp, self._torch_profiler = self._torch_profiler, None
-        if tp is not None:
-            tp.stop()
         return caught, tp
 
     def abandon(self) -> None:
@@ -125,7 +132,7 @@ class Probe:
         """The step finished: count what it did."""
         caught, tp = self._stop()
         syncs = [w for w in caught if SYNC_MESSAGE in str(w.message)]
-        others = [w for w in caught if SYNC_MESSAGE not in str(w.message)]
+        others = [w for w in caught if SYNC_MESSAGE not in str(w.message) and not _from_probe(w)]
         for w in others:  # the step's own warnings still reach the user
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
         self._syncs += len(syncs)

@@ -50,7 +50,9 @@ def trace_events(steps: list[StepRecord], timing: str, nvml: NvmlReport | None) 
     ]
     for r, host_start in zip(steps, _starts(steps), strict=True):
         device_start = r.device_start_us if r.device_start_us is not None else host_start
-        name, args = f"step {r.step}", {"step": r.step, "timing": timing}
+        name, args = f"step {r.step}", {"step": r.step, "timing": timing, "mode": r.mode}
+        if r.mode != "kitsune":  # a probe step, or the wrapped optimizer's own step in the live comparison
+            name += f" ({r.mode})"
         for tid, ts, dur_ms in ((TID_DEVICE, device_start, r.step_ms), (TID_HOST, host_start, r.host_ms)):
             events.append(
                 {
