@@ -270,15 +270,17 @@ class FusionSubsystem(Subsystem):
 
             for context in self._contexts.values():
                 context.refresh(groups)
+            found_inf = ctx.extra.get("found_inf")  # AMP's overflow flag: the kernel skips on the device
             for unit in live:
-                multi_tensor_update(unit.tables, self._contexts[unit.device].buffer, unit.spec, unit.dtype)
+                finf = found_inf if found_inf is None or found_inf.device == unit.device else found_inf.to(unit.device)
+                multi_tensor_update(unit.tables, self._contexts[unit.device].buffer, unit.spec, unit.dtype, finf)
         handled = ctx.handled
         unhandled: list[torch.Tensor] = []
         for unit in self._units:
             handled.update(unit.param_set)  # a param whose grad is None is skipped by every route anyway
             unhandled += unit.unhandled
         for shadow in self._shadows:
-            shadow.step(groups)
+            shadow.step(groups, ctx.extra.get("found_inf"))
             handled.update(shadow.param_set)
         if unhandled:  # sparse grads met at step time: the wrapped optimizer's own step must take them
             handled.difference_update(unhandled)
@@ -331,6 +333,12 @@ class FusionSubsystem(Subsystem):
     def owned_params(self) -> list[torch.Tensor]:
         """Params this subsystem updates (the orchestrator skips the wrapped step when it owns them all)."""
         return [p for u in self._units for p in u.params] + [p for s in self._shadows for p in s.params]
+
+    @property
+    def consumes_found_inf(self) -> bool:
+        """Whether every update this subsystem runs skips an AMP overflow on the device (no host sync): the fused
+        kernel and torch's fused path do; torch's foreach path cannot."""
+        return all(s.route is Route.TORCH_FUSED for s in self._shadows)
 
     @property
     def launches_last_step(self) -> int:

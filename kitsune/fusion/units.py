@@ -204,9 +204,18 @@ class TorchShadow:
         # beneath torch's hook runner: global step hooks belong to the user's step, not to this inner one
         self._step = fn.__wrapped__ if getattr(fn, "hooked", False) and hasattr(fn, "__wrapped__") else fn
 
-    def step(self, groups: Sequence[dict[str, Any]]) -> None:
+    def step(self, groups: Sequence[dict[str, Any]], found_inf: torch.Tensor | None = None) -> None:
+        """One step of torch's implementation; ``found_inf`` (fused route only) skips it on the device, through
+        the ``grad_scale``/``found_inf`` attributes torch's fused optimizers read for ``GradScaler``."""
         for shadow, gi in zip(self.opt.param_groups, self.group_index, strict=True):
             for k, v in groups[gi].items():
                 if k not in self._SKIP:
                     shadow[k] = v
+        if found_inf is not None and self.route is Route.TORCH_FUSED:
+            self.opt.grad_scale, self.opt.found_inf = None, found_inf  # type: ignore[attr-defined]
+            try:
+                self._step(self.opt)
+            finally:
+                del self.opt.grad_scale, self.opt.found_inf  # type: ignore[attr-defined]
+            return
         self._step(self.opt)

@@ -59,6 +59,7 @@ def _update_kernel(
     s3_tab,
     step_tab,
     hyper,  # (n_groups, NUM_FIELDS) float64
+    found_inf,  # float32 scalar: nonzero skips the whole update (AMP overflow), read only with HAS_FOUND_INF
     ALGO: tl.constexpr,
     DTYPE: tl.constexpr,
     MAXIMIZE: tl.constexpr,
@@ -68,6 +69,7 @@ def _update_kernel(
     NESTEROV: tl.constexpr,
     CENTERED: tl.constexpr,
     HAS_STEP: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr,
     RNE_BF16: tl.constexpr,
     NUM_FIELDS: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -78,6 +80,8 @@ def _update_kernel(
     g_addr = tl.load(grad_tab + t)
     numel = tl.load(numel_tab + t)
     live = g_addr != -1  # -1: grad is None this step, skip like torch (no state change, no step)
+    if HAS_FOUND_INF:  # inf/nan grads this step: nothing changes, not even the step count (GradScaler's skip)
+        live = live & (tl.load(found_inf) == 0.0)
     offs = start + tl.arange(0, BLOCK).to(tl.int64)
     mask = offs < tl.where(live, numel, 0)
 
@@ -181,13 +185,20 @@ _INTERPRETED = type(_update_kernel).__name__ == "InterpretedFunction"
 
 
 def multi_tensor_update(
-    tables: TensorTables, hyper: torch.Tensor, spec: UpdateSpec, dtype: torch.dtype, num_warps: int = 4
+    tables: TensorTables,
+    hyper: torch.Tensor,
+    spec: UpdateSpec,
+    dtype: torch.dtype,
+    found_inf: torch.Tensor | None = None,
+    num_warps: int = 4,
 ) -> None:
     """Launch one update over every tensor of ``tables``.
 
     ``tables`` needs the roles ``param`` and ``grad`` (``-1`` marks a tensor to skip this step), ``state1`` ..
     ``state{spec.state_slots}`` and, when ``spec.has_step``, ``step`` (addresses of float32 scalars). ``hyper`` is
     the float64 ``(n_groups, NUM_FIELDS)`` buffer on the tables' device; ``dtype`` that of params, grads and state.
+    ``found_inf``, a float32 scalar on the device (AMP's overflow flag), skips the whole update when nonzero,
+    decided on the device: no host sync.
     """
     if dtype not in _TL_DTYPES:
         raise ValueError(f"multi_tensor_update supports {SUPPORTED_DTYPES}, got {dtype}")
@@ -197,6 +208,8 @@ def multi_tensor_update(
         )
     if tables.num_blocks == 0:
         return
+    if found_inf is not None and (found_inf.dtype != torch.float32 or found_inf.numel() != 1):
+        raise ValueError(f"found_inf must be a float32 scalar, got {found_inf.dtype} of {found_inf.numel()} elements")
     param = tables.role("param")
     roles = [tables.role(f"state{i}") if i <= spec.state_slots else param for i in (1, 2, 3)]
     step = tables.role("step") if spec.has_step else param
@@ -211,6 +224,7 @@ def multi_tensor_update(
         *roles,
         step,
         hyper,
+        found_inf if found_inf is not None else hyper,
         ALGO=int(spec.algo),
         DTYPE=_TL_DTYPES[dtype],
         MAXIMIZE=spec.maximize,
@@ -220,6 +234,7 @@ def multi_tensor_update(
         NESTEROV=spec.nesterov,
         CENTERED=spec.centered,
         HAS_STEP=spec.has_step,
+        HAS_FOUND_INF=found_inf is not None,
         RNE_BF16=_INTERPRETED,
         NUM_FIELDS=NUM_FIELDS,
         BLOCK=tables.block,

@@ -1,0 +1,104 @@
+"""float16 loss scaling with the fused kernel: overflows are skipped on the device, with no host sync."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import batches, small_model
+from torch import nn
+
+from kitsune import AMPConfig, KitsuneOptimizer
+
+INF_STEPS = {3, 4, 11, 17, 18}
+
+
+def _poison(model: nn.Module, step: int) -> None:
+    if step in INF_STEPS:
+        p = next(model.parameters())
+        p.grad[0, 0] = float("nan") if step % 2 else float("inf")
+
+
+def _torch_loop(make_opt, steps: int) -> tuple[list[torch.Tensor], list[float]]:
+    model = small_model()
+    opt = make_opt(model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=4)
+    scales = []
+    for step, (x, y) in enumerate(batches(steps)):
+        scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+        _poison(model, step)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        scales.append(scaler.get_scale())
+    return [p.detach() for p in model.parameters()], scales
+
+
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+        lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),  # its first-step detection counts privately
+        lambda ps: torch.optim.Adagrad(ps, lr=0.05),
+    ],
+    ids=["adamw", "sgd_momentum", "adagrad"],
+)
+def test_fused_fp16_loop_equals_grad_scaler_without_host_syncs(make_opt):
+    steps = 24
+    ref_params, ref_scales = _torch_loop(make_opt, steps)
+
+    model = small_model()
+    cfg = AMPConfig(dtype=torch.float16, init_scale=2.0**10, growth_interval=4)
+    opt = KitsuneOptimizer(make_opt(model.parameters()), enable_fusion=True, enable_amp=True, amp_config=cfg)
+    scales = []
+    for step, (x, y) in enumerate(batches(steps)):
+        opt.backward(nn.functional.mse_loss(model(x), y))
+        _poison(model, step)
+        opt.step()
+        opt.zero_grad()
+        scales.append(opt.loss_scale)
+
+    assert opt.plan.fused_tensors == len(ref_params)
+    assert opt.host_syncs == 0 and opt.base_steps == 0  # every skip was decided on the device
+    assert scales == ref_scales and opt.skipped_steps == len(INF_STEPS)
+    for ours, ref in zip(model.parameters(), ref_params, strict=True):
+        torch.testing.assert_close(ours.detach(), ref, atol=1e-5, rtol=1e-5)
+    for state in opt.state.values():
+        assert all(torch.isfinite(v).all() for v in state.values())
+
+
+def test_skip_leaves_params_state_and_step_counts_untouched():
+    model = small_model()
+    opt = KitsuneOptimizer(torch.optim.Adam(model.parameters()), enable_fusion=True, enable_amp=True)
+    x, y = batches(1)[0]
+    opt.backward(nn.functional.mse_loss(model(x), y))
+    opt.step()
+    opt.zero_grad()
+    before = [p.detach().clone() for p in model.parameters()]
+    state_before = {p: {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
+    opt.backward(nn.functional.mse_loss(model(x), y))
+    next(model.parameters()).grad.view(-1)[0] = float("inf")
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    for p, s in opt.state.items():
+        assert all(torch.equal(v, state_before[p][k]) for k, v in s.items()), "state or step changed"
+    assert opt.skipped_steps == 1 and opt.host_syncs == 0
+
+
+def test_users_grad_scaler_with_fused_kernel_needs_no_sync_in_step():
+    results = []
+    for wrap in (False, True):
+        model = small_model()
+        base = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        opt = KitsuneOptimizer(base, enable_fusion=True) if wrap else base
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=3)
+        for step, (x, y) in enumerate(batches(16)):
+            scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+            _poison(model, step)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        results.append(([p.detach().clone() for p in model.parameters()], scaler.get_scale(), opt))
+    (ref, ref_scale, _), (ours, our_scale, opt) = results
+    assert ref_scale == our_scale and opt.host_syncs == 0
+    for a, b in zip(ref, ours, strict=True):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
