@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The one script to run on a lent GPU: environment, the CUDA tests, then `kitsune bench` on all sets.
-# Writes into $OUT (default ./gpu-out): env.log, cuda-tests.log, bench.log, bench.json, exit-codes.txt.
-# Takes about 8 minutes at most on an H100: each stage has its own time limit so the benchmark always runs.
+# The one script to run on a lent GPU: environment, the CUDA tests, `kitsune bench` on all sets, then the demo.
+# Writes into $OUT (default ./gpu-out): env.log, cuda-tests.log, bench.log, bench.json, demo.log,
+# demo-profile.json, exit-codes.txt.
+# Takes about 9 minutes at most on an H100: each stage has its own time limit so the benchmark always runs.
 # BENCH_DEVICE=cpu runs the same stages on a CPU with tiny sets (a dry run of this script, not a measurement).
 set -euo pipefail
 
@@ -43,7 +44,7 @@ PY
 tests_rc=0
 if python3 -c "import pytest" 2>/dev/null; then
     # collection errors in other modules (a missing test-only package) must not stop the CUDA tests that can run
-    timeout 210 python3 -m pytest -q -m cuda --continue-on-collection-errors tests/ 2>&1 \
+    timeout 180 python3 -m pytest -q -m cuda --continue-on-collection-errors tests/ 2>&1 \
         | tee "$OUT/cuda-tests.log" || tests_rc=$?
 else
     echo "pytest is not installed here: carry its wheel in .whl/" | tee "$OUT/cuda-tests.log"
@@ -53,11 +54,15 @@ echo "cuda tests exit code: $tests_rc"
 
 bench_rc=0
 # timed steps: 50 for gpt2 and many, 20 for llama1b (each set's default); bench.json is rewritten after each set
-timeout 270 python3 -m kitsune.bench --device "$BENCH_DEVICE" --sets gpt2,many,llama1b --warmup 10 --phase \
+timeout 300 python3 -m kitsune.bench --device "$BENCH_DEVICE" --sets gpt2,many,llama1b --warmup 10 --phase \
     --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || bench_rc=$?
 
-echo "cuda tests exit code: $tests_rc (124: timed out); bench exit code: $bench_rc (1: a variant failed)" \
-    | tee "$OUT/exit-codes.txt"
+demo_rc=0
+timeout 90 python3 -m kitsune demo --device "$BENCH_DEVICE" --profile-out "$OUT/demo-profile.json" 2>&1 \
+    | tee "$OUT/demo.log" || demo_rc=$?
+
+echo "cuda tests exit code: $tests_rc (124: timed out); bench exit code: $bench_rc (1: a variant failed);" \
+    "demo exit code: $demo_rc" | tee "$OUT/exit-codes.txt"
 if [ "$tests_rc" -ne 0 ]; then
     exit "$tests_rc"
 fi
