@@ -3,6 +3,7 @@
 optimizer = KitsuneOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-4), enable_fusion=True)
 """
 
+from kitsune.clip import clip_grad_norm_
 from kitsune.config import (
     AMPConfig,
     FusionConfig,
@@ -26,4 +27,5 @@ __all__ = [
     "ProfilerConfig",
     "StreamConfig",
     "__version__",
+    "clip_grad_norm_",
 ]
