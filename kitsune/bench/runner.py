@@ -44,8 +44,6 @@ ADAMW_BYTES_PER_PARAM = FP32_BYTES * (4 + 3)  # 28
 # the AdamW update above plus writing the grad back as zero (zero_grad(set_to_none=False)).
 PHASE_BYTES_PER_PARAM = FP32_BYTES * (1 + 4 + 3 + 1)  # 36
 
-_NOT_YET = "not available yet: kitsune's AMP/clipping subsystem is not built, so there is no kitsune side to time"
-
 
 class KitsuneInfo(BaseModel):
     """What the kitsune variant ran with, from ``opt.subsystem_status()`` after the timed steps."""
@@ -327,36 +325,59 @@ def run_variant(
 def run_phase(
     pset: ParamSet, device: torch.device, steps: int, warmup: int, floor_ms: float, seed: int = 0
 ) -> list[VariantResult]:
-    """The careful torch AMP loop (unscale, clip, fused AdamW through the scaler, update, zero_grad)."""
-    torch_side = VariantResult(variant="fused", label="torch fused loop", status="ok")
-    kitsune_side = VariantResult(variant="kitsune", label="kitsune", status="not_available", reason=_NOT_YET)
+    """The careful AMP loop (unscale, clip, AdamW through the scaler, update, zero_grad), torch's and kitsune's.
+
+    torch: fused AdamW and ``torch.nn.utils.clip_grad_norm_``. kitsune: the same ``GradScaler`` calls driving a
+    ``KitsuneOptimizer`` with fusion (the overflow skip happens in its kernel) and ``kitsune.clip_grad_norm_``.
+    """
+    from kitsune.clip import clip_grad_norm_ as kitsune_clip
+    from kitsune.optimizer import KitsuneOptimizer
+
+    def torch_opt(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, **ADAMW, fused=True)
+
+    def kitsune_opt(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        return KitsuneOptimizer(torch.optim.AdamW(params, **ADAMW), enable_fusion=True)
+
+    sides = [
+        (VariantResult(variant="fused", label="torch fused loop", status="ok"), torch_opt, _torch_clip),
+        (VariantResult(variant="kitsune", label="kitsune loop", status="ok"), kitsune_opt, kitsune_clip),
+    ]
     shortfall = _memory_shortfall(pset, device)
     if shortfall is not None:
-        torch_side.status, torch_side.reason = "skipped", shortfall
-        return [torch_side, kitsune_side]
+        for result, _, _ in sides:
+            result.status, result.reason = "skipped", shortfall
+        return [result for result, _, _ in sides]
 
-    def body() -> tuple[StepTimes, None]:
-        params = make_params(pset, device, seed)
-        opt = torch.optim.AdamW(params, **ADAMW, fused=True)
-        scaler = torch.amp.GradScaler(device.type)
-        scaler.scale(torch.ones((), device=device))  # creates the scale, as scaler.scale(loss) does each step
-        gen = torch.Generator(device=device).manual_seed(seed + 1)
+    def timed(make_opt: Any, clip: Any) -> Callable[[], tuple[StepTimes, None]]:
+        def body() -> tuple[StepTimes, None]:
+            params = make_params(pset, device, seed)
+            opt = make_opt(params)
+            scaler = torch.amp.GradScaler(device.type)
+            scaler.scale(torch.ones((), device=device))  # creates the scale, as scaler.scale(loss) does each step
+            gen = torch.Generator(device=device).manual_seed(seed + 1)
 
-        def phase() -> None:
-            scaler.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad(set_to_none=False)
+            def phase() -> None:
+                scaler.unscale_(opt)
+                clip(params, 1.0)
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad(set_to_none=False)
 
-        # zero_grad leaves zeros behind: every step gets fresh random grads, outside the timers
-        refill = lambda: refill_grads(params, gen)
-        for _ in range(warmup):
-            refill()
-            phase()
-        return time_steps(phase, steps, device, between=refill), None
+            # zero_grad leaves zeros behind: every step gets fresh random grads, outside the timers
+            refill = lambda: refill_grads(params, gen)
+            for _ in range(warmup):
+                refill()
+                phase()
+            return time_steps(phase, steps, device, between=refill), None
 
-    return [_measure(torch_side, body, device, floor_ms), kitsune_side]
+        return body
+
+    return [_measure(result, timed(make_opt, clip), device, floor_ms) for result, make_opt, clip in sides]
+
+
+def _torch_clip(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
 
 def _ratios(variants: list[VariantResult]) -> dict[str, float]:
@@ -512,6 +533,7 @@ def run_bench(
             progress.refresh()
             result.phase = new_set(pset, "amp_clip_phase", PHASE_BYTES_PER_PARAM)
             result.phase.variants = run_phase(pset, dev, result.phase.steps, warmup, result.phase.floor_ms, seed)
+            result.phase.ratio_to_kitsune = _ratios(result.phase.variants)
             for v in result.phase.variants:
                 report("phase", v)
             progress.advance(task)
