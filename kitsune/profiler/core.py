@@ -148,6 +148,7 @@ class Profiler(Subsystem):
         self._device = torch.device("cpu")
         self._t0 = 0
         self._start_event: torch.cuda.Event | None = None
+        self._free_events: list[torch.cuda.Event] = []
         self._origin_ns = time.perf_counter_ns()
         # a CUDA event recorded on an idle GPU at a known host time: maps device event times onto the host clock
         self._anchor: tuple[torch.cuda.Event, float] | None = None
@@ -253,22 +254,27 @@ class Profiler(Subsystem):
         if self._mode == "probe":
             self._probe.begin(self._device)
         if self._cuda:
-            self._start_event = torch.cuda.Event(enable_timing=True)
+            self._start_event = self._event()
             self._start_event.record()
         self._t0 = time.perf_counter_ns()
+
+    def _event(self) -> torch.cuda.Event:
+        # events are reused once read: creating two per step costs more host time than recording them
+        return self._free_events.pop() if self._free_events else torch.cuda.Event(enable_timing=True)
 
     def after_step(self, ctx: StepContext) -> None:
         host_ms = (time.perf_counter_ns() - self._t0) / 1e6
         start_us = (self._t0 - self._origin_ns) / 1e3
         self._timed += 1
         if self._cuda and self._start_event is not None:
-            end = torch.cuda.Event(enable_timing=True)
+            end = self._event()
             end.record()
             self._pending.append((ctx.step, self._start_event, end, host_ms, start_us, self._mode, self._window))
             if len(self._pending) > 64:
                 self._collect(block=False)
         else:
-            record = StepRecord(
+            # model_construct: the values are ours and typed, so skip validation on the training path
+            record = StepRecord.model_construct(
                 step=ctx.step, step_ms=host_ms, host_ms=host_ms, host_start_us=start_us, mode=self._mode
             )
             self._keep(record, self._window)
@@ -296,7 +302,7 @@ class Profiler(Subsystem):
             if self._anchor is not None:
                 anchor, anchor_us = self._anchor
                 device_us = anchor_us + anchor.elapsed_time(start) * 1e3
-            record = StepRecord(
+            record = StepRecord.model_construct(
                 step=step,
                 step_ms=start.elapsed_time(end),
                 host_ms=host_ms,
@@ -306,6 +312,7 @@ class Profiler(Subsystem):
             )
             self._keep(record, window)
             self._pending.popleft()
+            self._free_events += (start, end)
 
     @property
     def records(self) -> list[StepRecord]:
