@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -115,6 +116,9 @@ def test_profile_without_profiling_has_no_timings(tmp_path):
 def test_profile_json_schema_is_published():
     schema = Profile.model_json_schema()
     assert {"schema_version", "environment", "config", "subsystems", "steps"} <= set(schema["properties"])
+    published = Path(__file__).resolve().parent.parent / "docs" / "profile-schema.json"
+    expected = json.dumps(schema, indent=2, sort_keys=True) + "\n"
+    assert published.read_text() == expected, "docs/profile-schema.json is stale: regenerate it (see docs/profiler.md)"
 
 
 def test_gpu_only_request_on_cpu_warns_once_and_shows_inactive():
