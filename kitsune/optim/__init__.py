@@ -1,5 +1,7 @@
 """torch.optim-style optimizers kitsune adds, with eager reference math."""
 
+from kitsune.optim.lamb import LAMB
+from kitsune.optim.lars import LARS
 from kitsune.optim.lion import Lion
 
-__all__ = ["Lion"]
+__all__ = ["LAMB", "LARS", "Lion"]
