@@ -7,6 +7,7 @@ from kitsune.clip import clip_grad_norm_
 from kitsune.config import (
     AMPConfig,
     FusionConfig,
+    GradConfig,
     GraphConfig,
     KitsuneConfig,
     MemoryConfig,
@@ -20,6 +21,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AMPConfig",
     "FusionConfig",
+    "GradConfig",
     "GraphConfig",
     "KitsuneConfig",
     "KitsuneOptimizer",

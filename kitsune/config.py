@@ -7,10 +7,11 @@ these models (see :func:`resolve_config`).
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, field_validator, model_validator
 from pydantic.functional_validators import BeforeValidator
 
 MiB = 1024 * 1024
@@ -80,6 +81,27 @@ class FusionConfig(_Config):
     """Most tensors one launch covers; ``None`` means no limit (one launch per bucket)."""
     min_fusion_benefit: float = Field(1.0, ge=0.0)
     """Fuse a bucket only if the cost model predicts at least this speedup over the fallback (1.0 = any gain)."""
+
+
+class GradConfig(_Config):
+    """What the step does to the grads besides using them: clipping by global norm, and zeroing them."""
+
+    max_norm: float | None = Field(None, gt=0)
+    """Clip the grads to this global norm inside the step (``None``: no clipping). The norm of the last step stays
+    on the device as ``optimizer.last_grad_norm``; with fusion the clip is applied inside the update kernel."""
+    norm_type: float = 2.0
+    """Norm for ``max_norm``: 2 or ``inf`` (``float("inf")`` or ``"inf"``), as in torch.nn.utils.clip_grad_norm_."""
+    zero_in_step: bool = False
+    """The fused update writes zeros into each grad it used, so no separate zeroing pass is needed; the grads of
+    fused params stay allocated (``zero_grad()`` then leaves them alone, ``set_to_none`` included)."""
+
+    @field_validator("norm_type", mode="before")
+    @classmethod
+    def _norm_type(cls, value: Any) -> float:
+        norm = float(value)
+        if norm not in (2.0, math.inf):
+            raise ValueError(f"norm_type must be 2 or inf, got {value!r}: other norms are not supported in the step")
+        return norm
 
 
 class StreamConfig(_Config):
@@ -154,6 +176,8 @@ class KitsuneConfig(_Config):
     """Mixed precision (off unless enabled)."""
     fusion: FusionConfig = FusionConfig(enabled=False)
     """Fused kernels (off unless enabled)."""
+    grads: GradConfig = GradConfig()
+    """Clipping and zeroing of the grads in the step."""
     streams: StreamConfig = StreamConfig()
     """Stream scheduler."""
     graphs: GraphConfig = GraphConfig()
@@ -172,9 +196,10 @@ _KWARGS: dict[str, tuple[str, str, Any]] = {
     "profile": ("profiler", "enabled", False),
     "memory_pool_size": ("memory", "pool_size", 512 * MiB),
     "capture_graph": ("graphs", "enabled", True),
+    "max_grad_norm": ("grads", "max_norm", None),
 }
 
-_SECTION_ARGS = {"amp_config": "amp", "fusion_config": "fusion", "stream_config": "streams"}
+_SECTION_ARGS = {"amp_config": "amp", "fusion_config": "fusion", "stream_config": "streams", "grad_config": "grads"}
 
 
 def resolve_config(config: KitsuneConfig | None, sections: dict[str, Any], kwargs: dict[str, Any]) -> KitsuneConfig:
@@ -195,7 +220,12 @@ def resolve_config(config: KitsuneConfig | None, sections: dict[str, Any], kwarg
             )
         return config
 
-    expected = {"amp_config": AMPConfig, "fusion_config": FusionConfig, "stream_config": StreamConfig}
+    expected = {
+        "amp_config": AMPConfig,
+        "fusion_config": FusionConfig,
+        "stream_config": StreamConfig,
+        "grad_config": GradConfig,
+    }
     parts: dict[str, Any] = {}
     for arg, value in given_sections.items():
         if not isinstance(value, expected[arg]):
@@ -223,6 +253,15 @@ def resolve_config(config: KitsuneConfig | None, sections: dict[str, Any], kwarg
         )
     if streams is None:
         parts["streams"] = StreamConfig(num_streams=kwargs["num_streams"])
+
+    grads = parts.get("grads")
+    if grads is not None and "max_grad_norm" in changed and grads.max_norm != kwargs["max_grad_norm"]:
+        raise ValueError(
+            f"max_grad_norm={kwargs['max_grad_norm']} contradicts grad_config.max_norm={grads.max_norm}: "
+            "set it in one place"
+        )
+    if grads is None:
+        parts["grads"] = GradConfig(max_norm=kwargs["max_grad_norm"])
 
     parts["profiler"] = ProfilerConfig(enabled=kwargs["profile"])
     parts["memory"] = MemoryConfig(pool_size=kwargs["memory_pool_size"])

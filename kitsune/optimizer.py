@@ -12,6 +12,7 @@ from __future__ import annotations
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from torch.optim.optimizer import _global_optimizer_pre_hooks as _global_pre
 from kitsune.config import (
     AMPConfig,
     FusionConfig,
+    GradConfig,
     KitsuneConfig,
     StreamConfig,
     resolve_config,
@@ -34,6 +36,7 @@ KITSUNE_STATE_KEY = "kitsune"
 STATE_VERSION = 1
 
 _Closure = Callable[[], Any]
+_GRAD = attrgetter("grad")
 
 
 class KitsuneOptimizer(torch.optim.Optimizer):
@@ -50,6 +53,8 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         stream_config: stream settings; its ``num_streams`` must agree with ``num_streams`` if both are set.
         memory_pool_size: bytes of flat arena kitsune may allocate for optimizer state per device.
         capture_graph: capture the optimizer phase in a CUDA graph (CUDA only).
+        max_grad_norm: clip the grads to this global 2-norm inside the step (see :class:`GradConfig`).
+        grad_config: clipping (norm type) and zeroing of the grads in the step.
         config: all of the above in one :class:`KitsuneConfig`; exclusive with the other settings.
     """
 
@@ -69,6 +74,8 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         memory_pool_size: int = 512 * 1024 * 1024,
         capture_graph: bool = True,
         *,
+        max_grad_norm: float | None = None,
+        grad_config: GradConfig | None = None,
         config: KitsuneConfig | None = None,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -77,7 +84,12 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             raise ValueError("this optimizer is already a KitsuneOptimizer: wrap the torch optimizer only once")
         self.config: KitsuneConfig = resolve_config(
             config,
-            {"amp_config": amp_config, "fusion_config": fusion_config, "stream_config": stream_config},
+            {
+                "amp_config": amp_config,
+                "fusion_config": fusion_config,
+                "stream_config": stream_config,
+                "grad_config": grad_config,
+            },
             {
                 "enable_amp": enable_amp,
                 "enable_fusion": enable_fusion,
@@ -85,6 +97,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
                 "profile": profile,
                 "memory_pool_size": memory_pool_size,
                 "capture_graph": capture_graph,
+                "max_grad_norm": max_grad_norm,
             },
         )
         self._optimizer = optimizer
@@ -101,6 +114,8 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         self._warned_capturable_if_run_uncaptured = True
 
         self._step_count = 0
+        self._last_grad_norm: torch.Tensor | None = None
+        self._zeroed: tuple[list[torch.Tensor], list[int], list[int]] | None = None
         self._base_steps = 0
         self._host_syncs = 0
         self._handed_over = False
@@ -228,6 +243,8 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         self._active = [s for s in self._subsystems if s.active]
         self._executes = any(getattr(s, "executes", False) for s in self._active)
         self._needs_grads = any(s.name == "amp" and getattr(s, "scaling", False) for s in self._active)
+        fusion = self._subsystem("fusion")
+        self._fused_grads = fusion.active and getattr(fusion, "grad_pass", "") is None and not self._leftover
 
     # -- mixed precision ----------------------------------------------------------------------------------------
     def autocast(self) -> Any:
@@ -240,8 +257,13 @@ class KitsuneOptimizer(torch.optim.Optimizer):
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()``, with the loss scaled first when AMP runs in float16."""
+        self.scale_loss(loss).backward(**kwargs)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the current loss scale (float16 AMP; otherwise ``loss`` itself), for a loop that runs its
+        own backward (``accelerator.backward(optimizer.scale_loss(loss))``); :meth:`backward` calls it."""
         amp = self._subsystem("amp")
-        (amp.scale_loss(loss) if amp.active else loss).backward(**kwargs)
+        return amp.scale_loss(loss) if amp.active else loss
 
     @property
     def loss_scale(self) -> float:
@@ -296,13 +318,17 @@ class KitsuneOptimizer(torch.optim.Optimizer):
                 loss = closure()
             closure = None
         self._step_count += 1
+        self._zeroed = None
         ctx = StepContext(step=self._step_count, baseline=self._baseline_now())
-        if self._needs_grads:
+        fused = ctx.extra["fused_grads"] = self._fused_grads and not ctx.baseline
+        if self._needs_grads and not fused:
             ctx.extra["grads"] = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        self._take_grad_scaler_protocol(ctx)
+        self._take_grad_scaler_protocol(ctx, fused)
         try:
             for s in self._active:
                 s.before_step(ctx)
+            if self.config.grads.max_norm is not None and not fused:
+                ctx.extra["grad_norm"] = self._clip_grads()
             if self._overflow_on_host(ctx):
                 ctx.skip_base_step = True  # inf/nan grads: nothing is updated this step
             else:
@@ -322,7 +348,30 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             raise
         for s in reversed(self._active):
             s.after_step(ctx)
+        self._last_grad_norm = ctx.extra.get("grad_norm")
+        zeroed = ctx.extra.get("zeroed")
+        if zeroed:  # remember which grads the kernel zeroed, and their version counters (see zero_grad)
+            grads = list(map(_GRAD, zeroed))
+            self._zeroed = (zeroed, list(map(id, grads)), [g._version if g is not None else -1 for g in grads])
         return loss
+
+    def _clip_grads(self) -> torch.Tensor:
+        """Clipping as a pass of its own (the grads are not all fused): kitsune's two-launch clip_grad_norm_ when
+        reductions are enabled, else torch's."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        cfg = self.config
+        if cfg.fusion.enabled and cfg.fusion.enable_reduction:
+            from kitsune.clip import clip_grad_norm_
+        else:
+            clip_grad_norm_ = torch.nn.utils.clip_grad_norm_
+        return clip_grad_norm_(params, cfg.grads.max_norm, cfg.grads.norm_type)
+
+    @property
+    def last_grad_norm(self) -> torch.Tensor | None:
+        """The global norm of the (unscaled) grads that the last step clipped, a float32 device tensor (reading
+        its value syncs); ``None`` without ``max_grad_norm`` or before the first step. Inf or nan on a step that
+        AMP skipped for inf/nan grads."""
+        return self._last_grad_norm
 
     def _baseline_now(self) -> bool:
         """Whether the profiler's live comparison wants the wrapped optimizer's own step for this one; moves
@@ -338,16 +387,19 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             self._handed_over = baseline
         return baseline
 
-    def _take_grad_scaler_protocol(self, ctx: StepContext) -> None:
+    def _take_grad_scaler_protocol(self, ctx: StepContext, fused: bool) -> None:
         """Honour a user's ``torch.amp.GradScaler``: it sets ``grad_scale``/``found_inf`` on us before ``step``.
 
-        ``grad_scale`` is None when the user already called ``scaler.unscale_(optimizer)``.
+        ``grad_scale`` is None when the user already called ``scaler.unscale_(optimizer)``. With ``fused`` the
+        update kernel divides the grads by it; otherwise they are unscaled here first.
         """
         found_inf = self.__dict__.get("found_inf")
         if found_inf is None:
             return
         grad_scale = self.__dict__.get("grad_scale")
-        if grad_scale is not None:
+        if fused:
+            ctx.extra["grad_scale"] = grad_scale
+        elif grad_scale is not None:
             from kitsune.amp import unscale_and_check
 
             unscale_and_check(
@@ -402,8 +454,34 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             hook(base, (base,), {})
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Reset the grads of every param, as ``torch.optim.Optimizer.zero_grad`` does."""
-        self._optimizer.zero_grad(set_to_none=set_to_none)
+        """Reset the grads of every param, as ``torch.optim.Optimizer.zero_grad`` does.
+
+        With ``GradConfig(zero_in_step=True)`` the fused update has already written zeros into the grads it used:
+        those are left as they are (allocated, ``set_to_none`` notwithstanding) unless something changed them
+        since (a backward pass bumps a grad's version counter), so the step's zeroing is the only pass over them.
+        """
+        zeroed, self._zeroed = self._zeroed, None
+        if zeroed is None:
+            self._optimizer.zero_grad(set_to_none=set_to_none)
+            return
+        params, ids, versions = zeroed
+        skip = {
+            p
+            for p, i, v in zip(params, ids, versions, strict=True)
+            if p.grad is not None and id(p.grad) == i and p.grad._version == v
+        }
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is None or p in skip:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                else:
+                    if p.grad.grad_fn is not None:
+                        p.grad.detach_()
+                    else:
+                        p.grad.requires_grad_(False)
+                    p.grad.zero_()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group to the wrapped optimizer (its defaults fill the gaps) and re-plan."""

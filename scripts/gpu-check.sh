@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one script to run on a lent GPU: environment, the CUDA tests, `kitsune bench` on all sets, then the demo.
-# Writes into $OUT (default ./gpu-out): env.log, cuda-tests.log, bench.log, bench.json, demo.log,
+# Writes into $OUT (default ./gpu-out): env.log, cuda-tests.log, gpu-suites.log, bench.log, bench.json, demo.log,
 # demo-profile.json, exit-codes.txt.
 # Takes about 9 minutes at most on an H100: each stage has its own time limit so the benchmark always runs.
 # BENCH_DEVICE=cpu runs the same stages on a CPU with tiny sets (a dry run of this script, not a measurement).
@@ -12,6 +12,9 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 export COLUMNS="${COLUMNS:-160}"  # rich tables in the logs: wide enough for every column
 BENCH_DEVICE="${BENCH_DEVICE:-cuda}"
+# STAGES picks what runs (a lent GPU allows 10 minutes a call: run "tests,suites" and "bench,demo" as two calls)
+STAGES=",${STAGES:-tests,suites,bench,demo},"
+stage() { [[ "$STAGES" == *",$1,"* ]]; }
 
 if [ -d .whl ] && compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -42,7 +45,9 @@ PY
 } 2>&1 | tee "$OUT/env.log"
 
 tests_rc=0
-if python3 -c "import pytest" 2>/dev/null; then
+if ! stage tests; then
+    echo "cuda tests: not in STAGES"
+elif python3 -c "import pytest" 2>/dev/null; then
     # collection errors in other modules (a missing test-only package) must not stop the CUDA tests that can run
     timeout 180 python3 -m pytest -q -m cuda --continue-on-collection-errors tests/ 2>&1 \
         | tee "$OUT/cuda-tests.log" || tests_rc=$?
@@ -52,18 +57,34 @@ else
 fi
 echo "cuda tests exit code: $tests_rc"
 
+# the CPU-interpreter suites of the kernels and the fusion subsystem, on the GPU (their `device` fixture is CUDA
+# here): the same trajectories through the compiled kernels (test_live_compare checks the CPU profiler's windows)
+gpu_suites_rc=0
+if stage suites && python3 -c "import pytest" 2>/dev/null; then
+    timeout 150 python3 -m pytest -q tests/kernels tests/fusion tests/optim --ignore tests/fusion/test_live_compare.py 2>&1 | tee "$OUT/gpu-suites.log" \
+        || gpu_suites_rc=$?
+fi
+
 bench_rc=0
+stage bench && {
 # timed steps: 50 for gpt2 and many, 20 for llama1b (each set's default); bench.json is rewritten after each set
 timeout 300 python3 -m kitsune.bench --device "$BENCH_DEVICE" --sets gpt2,many,llama1b --warmup 10 --phase \
     --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || bench_rc=$?
+}
 
 demo_rc=0
+stage demo && {
 timeout 90 python3 -m kitsune demo --device "$BENCH_DEVICE" --profile-out "$OUT/demo-profile.json" 2>&1 \
     | tee "$OUT/demo.log" || demo_rc=$?
+}
 
-echo "cuda tests exit code: $tests_rc (124: timed out); bench exit code: $bench_rc (1: a variant failed);" \
+echo "cuda tests exit code: $tests_rc (124: timed out); kernel/fusion suites on the GPU: $gpu_suites_rc;" \
+    "bench exit code: $bench_rc (1: a variant failed);" \
     "demo exit code: $demo_rc" | tee "$OUT/exit-codes.txt"
 if [ "$tests_rc" -ne 0 ]; then
     exit "$tests_rc"
+fi
+if [ "$gpu_suites_rc" -ne 0 ]; then
+    exit "$gpu_suites_rc"
 fi
 exit "$bench_rc"

@@ -20,12 +20,14 @@ INTERPRETED_DIRS = {"kernels", "fusion"}
 if CPU_ONLY:
     _saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
+    import kitsune.kernels.common as _common
     import kitsune.kernels.norms as _norms
     import kitsune.kernels.update as _update
 
     if type(_update._update_kernel).__name__ != "InterpretedFunction":  # imported earlier without the switch
+        importlib.reload(_common)  # first: the kernels call its helpers
         importlib.reload(_update)
-        importlib.reload(_norms)  # after update: it calls update's _cast
+        importlib.reload(_norms)
     if _saved is None:
         del os.environ["TRITON_INTERPRET"]
     else:

@@ -8,14 +8,15 @@ import torch
 from torch import nn
 
 
-def small_model(seed: int = 0) -> nn.Module:
+def small_model(seed: int = 0, device: torch.device | str = "cpu") -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(7, 16), nn.Tanh(), nn.Linear(16, 5))
+    return nn.Sequential(nn.Linear(7, 16), nn.Tanh(), nn.Linear(16, 5)).to(device)
 
 
-def batches(n: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches(n: int, seed: int = 1, device: torch.device | str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
-    return [(torch.randn(9, 7, generator=gen), torch.randn(9, 5, generator=gen)) for _ in range(n)]
+    data = [(torch.randn(9, 7, generator=gen), torch.randn(9, 5, generator=gen)) for _ in range(n)]
+    return [(x.to(device), y.to(device)) for x, y in data]
 
 
 def train(

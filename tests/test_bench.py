@@ -117,10 +117,11 @@ def test_run_bench_on_cpu_and_json_round_trip(tmp_path):
         assert info is not None and info.total_params == entry.n_tensors
         assert {s["name"] for s in info.subsystems} >= {"fusion", "profiler"}
         assert info.fused_all is False or info.fusion_active  # inactive fusion never claims to have fused all
-    torch_side, kitsune_side = result.phase.variants
+    torch_side, kitsune_side, scaler_side = result.phase.variants
     assert result.phase.workload == "amp_clip_phase" and torch_side.status == "ok" and torch_side.device_ms.median > 0
     assert kitsune_side.status == "ok" and kitsune_side.device_ms.median > 0
-    assert result.phase.ratio_to_kitsune.keys() == {"fused"}
+    assert scaler_side.status == "ok" and scaler_side.variant == "kitsune_scaler"
+    assert result.phase.ratio_to_kitsune.keys() == {"fused", "kitsune_scaler"}
 
     loaded = BenchResult.load(path)
     assert loaded == result

@@ -9,8 +9,11 @@ The training loop has one obvious shape::
     optimizer.zero_grad()
 
 The scale, the growth tracker, ``found_inf`` and the skipped-step counter are device tensors updated by
-device ops (``torch._amp_foreach_non_finite_check_and_unscale_`` and ``torch._amp_update_scale_``, the ops
-``torch.amp.GradScaler`` uses), so nothing here reads a value back to the host during a step. Reading
+device ops, so nothing here reads a value back to the host during a step. When every param takes the fused
+kernel, unscaling and the inf/nan check happen inside the fusion subsystem's two passes (the norm pass finds
+inf/nan in the unscaled grads; the update kernel divides by the scale and skips on ``found_inf``); otherwise
+``torch._amp_foreach_non_finite_check_and_unscale_`` unscales first, as ``torch.amp.GradScaler`` does. The
+scale is updated by ``torch._amp_update_scale_``, GradScaler's own op. Reading
 ``loss_scale`` or ``skipped_steps`` syncs once, when you read it.
 """
 
@@ -90,19 +93,28 @@ class AMPSubsystem(Subsystem):
                 "kitsune AMP with float16 scales the loss: call optimizer.backward(loss) instead of loss.backward() "
                 "(or use AMPConfig(dtype=torch.bfloat16), which needs no scaling)"
             )
+        if ctx.extra.get("fused_grads"):
+            # the fusion subsystem's norm pass finds inf/nan (into ctx.extra["found_inf"]) and its update kernel
+            # divides by the scale: the grads are read twice in all, never unscaled in a pass of their own
+            ctx.extra["grad_scale"] = self._scale
+            ctx.extra["check_inf"] = True
+            return
         grads = ctx.extra["grads"]
         self._found_inf.zero_()
-        unscale_and_check(grads, self._scale.reciprocal(), self._found_inf)
+        unscale_and_check(grads, self._scale.double().reciprocal().float(), self._found_inf)
         ctx.extra["found_inf"] = self._found_inf
 
     def after_step(self, ctx: StepContext) -> None:
         if not self.scaling:
             return
-        self._skipped.add_(self._found_inf.to(torch.int64))
+        found_inf = ctx.extra.get("found_inf")
+        if found_inf is None:  # no grad at all this step (the fused path launched nothing): a clean step
+            found_inf = self._found_inf.zero_()
+        self._skipped.add_(found_inf.to(torch.int64))
         torch._amp_update_scale_(
             self._scale,
             self._growth_tracker,
-            self._found_inf,
+            found_inf,
             self.config.growth_factor,
             self.config.backoff_factor,
             self.config.growth_interval,

@@ -325,12 +325,15 @@ def run_variant(
 def run_phase(
     pset: ParamSet, device: torch.device, steps: int, warmup: int, floor_ms: float, seed: int = 0
 ) -> list[VariantResult]:
-    """The careful AMP loop (unscale, clip, AdamW through the scaler, update, zero_grad), torch's and kitsune's.
+    """The careful AMP loop (unscale, clip 1.0, AdamW, scale update, zero the grads), torch's and kitsune's.
 
-    torch: fused AdamW and ``torch.nn.utils.clip_grad_norm_``. kitsune: the same ``GradScaler`` calls driving a
-    ``KitsuneOptimizer`` with fusion (the overflow skip happens in its kernel) and ``kitsune.clip_grad_norm_``.
+    ``fused``: GradScaler, ``torch.nn.utils.clip_grad_norm_`` and torch's fused AdamW. ``kitsune``: kitsune's own
+    loss scaler with ``max_grad_norm=1.0`` and ``zero_in_step``: one norm launch (unscale, inf check, global norm)
+    and one update launch (unscale, clip, skip, AdamW, zero). ``kitsune_scaler``: torch's GradScaler calls driving
+    a fused ``KitsuneOptimizer`` with ``kitsune.clip_grad_norm_``, for a user who keeps their GradScaler loop.
     """
     from kitsune.clip import clip_grad_norm_ as kitsune_clip
+    from kitsune.config import AMPConfig, GradConfig
     from kitsune.optimizer import KitsuneOptimizer
 
     def torch_opt(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -339,9 +342,23 @@ def run_phase(
     def kitsune_opt(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         return KitsuneOptimizer(torch.optim.AdamW(params, **ADAMW), enable_fusion=True)
 
+    def kitsune_in_step(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        return KitsuneOptimizer(
+            torch.optim.AdamW(params, **ADAMW),
+            enable_fusion=True,
+            enable_amp=True,
+            amp_config=AMPConfig(dtype=torch.float16),
+            grad_config=GradConfig(max_norm=1.0, zero_in_step=True),
+        )
+
     sides = [
         (VariantResult(variant="fused", label="torch fused loop", status="ok"), torch_opt, _torch_clip),
-        (VariantResult(variant="kitsune", label="kitsune loop", status="ok"), kitsune_opt, kitsune_clip),
+        (VariantResult(variant="kitsune", label="kitsune, all in the step", status="ok"), kitsune_in_step, None),
+        (
+            VariantResult(variant="kitsune_scaler", label="kitsune under GradScaler", status="ok"),
+            kitsune_opt,
+            kitsune_clip,
+        ),
     ]
     shortfall = _memory_shortfall(pset, device)
     if shortfall is not None:
@@ -364,8 +381,19 @@ def run_phase(
                 scaler.update()
                 opt.zero_grad(set_to_none=False)
 
-            # zero_grad leaves zeros behind: every step gets fresh random grads, outside the timers
-            refill = lambda: refill_grads(params, gen)
+            def in_step() -> None:
+                opt.step()  # unscale, inf check, clip, update, skip, zero: two launches, then the scale update
+                opt.zero_grad(set_to_none=False)  # nothing left to do: the step zeroed the grads
+
+            def refill() -> None:
+                refill_grads(params, gen)
+                if clip is None:
+                    opt.scale_loss(one)  # what optimizer.backward(loss) does before the backward pass
+
+            one = torch.ones((), device=device)
+            if clip is None:
+                phase = in_step
+            # the grads are zeroed each step: every step gets fresh random grads, outside the timers
             for _ in range(warmup):
                 refill()
                 phase()

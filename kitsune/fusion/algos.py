@@ -7,16 +7,19 @@ param group to the kernel's compile-time :class:`UpdateSpec`, to its row of the 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from kitsune.kernels.spec import Algo, UpdateSpec
+from kitsune.kernels.spec import Algo, Trust, UpdateSpec
+from kitsune.optim.lamb import LAMB
+from kitsune.optim.lars import LARS
 from kitsune.optim.lion import Lion
 
-Row = tuple[Any, ...]  # (lr, b1, b2, eps, wd, extra); an entry may be a tensor (e.g. a tensor lr)
+Row = tuple[Any, ...]  # (lr, b1, b2, eps, wd, extra, trust_a, adapt); an entry may be a tensor (e.g. a tensor lr)
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,50 @@ ALGOS: dict[type, AlgoInfo] = {
         0,
         torch_foreach=False,
     ),
+    LARS: AlgoInfo(
+        "LARS",
+        lambda g: UpdateSpec(
+            Algo.SGD,
+            maximize=bool(g.get("maximize", False)),
+            momentum=g["momentum"] != 0,
+            nesterov=bool(g.get("nesterov", False)),
+            trust=Trust.LARS,
+        ),
+        lambda g: (
+            g["lr"],
+            g["momentum"],
+            0.0,
+            g["eps"],
+            g["weight_decay"],
+            g["dampening"],
+            g["trust_coefficient"],
+            float(bool(g.get("layer_adaptation", True))),
+        ),
+        lambda s: ("momentum_buffer",) if s.momentum else (),
+        False,
+        lambda s: (5 if s.momentum else 3) + 2,  # + the norm pass over param and grad
+        0,
+        torch_foreach=False,
+    ),
+    LAMB: AlgoInfo(
+        "LAMB",
+        lambda g: UpdateSpec(Algo.ADAM, maximize=bool(g.get("maximize", False)), trust=Trust.LAMB),
+        lambda g: (
+            g["lr"],
+            g["betas"][0],
+            g["betas"][1],
+            g["eps"],
+            g["weight_decay"],
+            float(bool(g.get("bias_correction", True))),
+            math.inf if g.get("max_trust_ratio") is None else g["max_trust_ratio"],
+            float(bool(g.get("layer_adaptation", True))),
+        ),
+        lambda s: ("exp_avg", "exp_avg_sq"),
+        True,
+        lambda s: 6 + 4 + 1,  # stage 1 (p, g, m, v in; m, v out), stage 2 (p, m, v in; p out), the norm of p
+        0,
+        torch_foreach=False,
+    ),
 }
 
 
@@ -138,7 +185,7 @@ def init_state(info: AlgoInfo, spec: UpdateSpec, group: dict[str, Any], p: torch
             continue
         if key == "sum":  # Adagrad builds it in __init__; a param group added later gets it here
             state[key] = torch.full_like(p, group["initial_accumulator_value"], memory_format=torch.preserve_format)
-        elif info.name == "SGD":  # written from the grad on the first step, as torch's clone(grad)
+        elif info.name in ("SGD", "LARS"):  # written from the grad on the first step, as torch's clone(grad)
             state[key] = torch.empty_like(p, memory_format=torch.preserve_format)
         else:
             state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)

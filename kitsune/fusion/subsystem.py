@@ -82,7 +82,14 @@ class FusionSubsystem(Subsystem):
         self._steps = 0
         self._launches_last_step = 0
         self._launches_total = 0
+        self._launches_last_norm = 0
         self._handed_over: list[tuple[dict[str, Any], torch.device]] = []
+        self.grad_pass: str | None = None
+        """Why the grads' own passes (unscale, inf check, clip) cannot fuse into the norm and update kernels, or
+        None when they can: every param on one device, updated by the fused kernel."""
+        self._grads_cfg: Any = None
+        self._norm: Any = None
+        self._norm_dtypes: list[torch.dtype] = []
 
     # -- planning ------------------------------------------------------------------------------------------------
     def plan(self, opt: KitsuneOptimizer) -> None:
@@ -120,6 +127,25 @@ class FusionSubsystem(Subsystem):
             for unit in self._units:
                 self._contexts.setdefault(unit.device, DeviceContext(unit.device, info.row))  # type: ignore[union-attr]
         self.executes = bool(self._units or self._shadows)
+        self._grads_cfg = opt.config.grads
+        self._norm = None
+        self._trust = any(u.spec.trust for u in self._units)
+        self._offsets = [sum(len(u.params) for u in self._units[:i]) for i in range(len(self._units))]
+        self._norm_dtypes = [u.dtype for u in self._units for _ in u.params]
+        if self._trust:  # trust ratios need each param's norm too: the norm pass reads grads, then params
+            self._norm_dtypes += self._norm_dtypes
+        if not self._units:
+            self.grad_pass = "no param takes the fused kernel"
+        elif self._shadows or any(b.route is not Route.TRITON for b in plan.buckets):
+            self.grad_pass = "some params fall back (see the plan), so the grads are unscaled and clipped by torch ops"
+        elif len({u.device for u in self._units}) > 1:
+            self.grad_pass = "params on several devices: the global norm is computed per device by torch ops"
+        elif not self.config.enable_reduction:
+            self.grad_pass = "enable_reduction=False: the grads are unscaled and clipped by torch ops"
+        elif self._trust and self._grads_cfg.max_norm is not None and self._grads_cfg.norm_type != 2.0:
+            self.grad_pass = "inf-norm clipping with trust ratios (2-norms): the clip runs as its own pass"
+        else:
+            self.grad_pass = None
         for b in plan.buckets:
             if b.route is not Route.TRITON and b.reason not in self._logged:
                 self._logged.add(b.reason)
@@ -265,15 +291,45 @@ class FusionSubsystem(Subsystem):
         if any(unit.stale for unit in self._units):
             self.plan(opt)  # a param's storage moved; rebind everything and scan again
             live = [unit for unit in self._units if unit.prepare(state, groups)]
+        zeroed: list[torch.Tensor] = []
         if live:
             from kitsune.kernels.update import multi_tensor_update
 
             for context in self._contexts.values():
                 context.refresh(groups)
+            fused = ctx.extra.get("fused_grads", False)
+            grad_scale = ctx.extra.get("grad_scale") if fused else None
+            max_norm = self._grads_cfg.max_norm if fused else None
+            total = norms = None
+            if self._trust or (fused and (max_norm is not None or ctx.extra.get("check_inf"))):
+                total, norms = self._norm_pass(ctx, grad_scale, fused)
+            zero = self._grads_cfg.zero_in_step
+            grad_write = 2 if zero else (1 if grad_scale is not None or max_norm is not None else 0)
             found_inf = ctx.extra.get("found_inf")  # AMP's overflow flag: the kernel skips on the device
-            for unit in live:
+            n_norm = len(self._norm_dtypes) // 2 if self._trust else None
+            for unit, offset in zip(self._units, self._offsets, strict=True):
+                if unit not in live:
+                    continue
                 finf = found_inf if found_inf is None or found_inf.device == unit.device else found_inf.to(unit.device)
-                multi_tensor_update(unit.tables, self._contexts[unit.device].buffer, unit.spec, unit.dtype, finf)
+                multi_tensor_update(
+                    unit.tables,
+                    self._contexts[unit.device].buffer,
+                    unit.spec,
+                    unit.dtype,
+                    finf,
+                    grad_scale=grad_scale,
+                    total_norm=total if max_norm is not None else None,
+                    max_norm=max_norm,
+                    grad_write=grad_write,
+                    tensor_norms=norms if unit.spec.trust else None,
+                    norm_offset=offset,
+                    n_norm=n_norm,
+                )
+                if grad_write:
+                    unit.copy_back()
+                if zero:
+                    zeroed += unit.params
+        ctx.extra["zeroed"] = zeroed
         handled = ctx.handled
         unhandled: list[torch.Tensor] = []
         for unit in self._units:
@@ -286,9 +342,40 @@ class FusionSubsystem(Subsystem):
             handled.difference_update(unhandled)
             ctx.unhandled += unhandled
             self._note_once(f"{len(unhandled)} param(s) got sparse grads: left to the optimizer's own step")
+        launches = len(live) + self._launches_last_norm
+        self._launches_last_norm = 0
         self._steps += 1
-        self._launches_last_step = len(live)
-        self._launches_total += len(live)
+        self._launches_last_step = launches
+        self._launches_total += launches
+
+    def _norm_pass(
+        self, ctx: StepContext, grad_scale: torch.Tensor | None, fused: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pass one: every fused grad's norm (divided by ``grad_scale``) in one launch, then each param's when trust
+        ratios need them; returns the global grad norm, in a fresh device scalar, and the per-tensor norms.
+
+        ``fused`` (the grads' passes are fused into this step): the global norm is kept as ``ctx.extra["grad_norm"]``
+        when clipping, and the inf/nan flag becomes ``found_inf`` for AMP."""
+        if self._norm is None:
+            from kitsune.kernels.norms import MultiTensorNorm
+
+            numels = [p.numel() for u in self._units for p in u.params]
+            norm_type = 2.0 if self._trust else self._grads_cfg.norm_type
+            self._norm = MultiTensorNorm(numels * (2 if self._trust else 1), self._units[0].device, norm_type)
+        norm = self._norm
+        addresses = [a for u in self._units for a in u.grad_addresses]
+        n_grads = len(addresses)
+        if self._trust:
+            addresses += [a for u in self._units for a in u.param_addresses]
+        norm.bind_addresses(addresses, self._norm_dtypes)
+        out = torch.empty((), dtype=torch.float32, device=norm.device)
+        result = norm.launch(grad_scale if fused else None, invert_scale=True, num_global=n_grads, out=out)
+        if fused and ctx.extra.get("check_inf") and ctx.extra.get("found_inf") is None:
+            ctx.extra["found_inf"] = result.found_inf
+        if fused and self._grads_cfg.max_norm is not None:
+            ctx.extra["grad_norm"] = out
+        self._launches_last_norm = 1
+        return out, result.per_tensor
 
     def _note_once(self, reason: str) -> None:
         if reason not in self._logged:
@@ -355,6 +442,7 @@ class FusionSubsystem(Subsystem):
             "fused_launches_total": self._launches_total,
             "params_fused": plan.fused_tensors if plan else 0,
             "params_fallen_back": plan.fallback_tensors if plan else 0,
+            "grad_pass": "fused into the norm and update kernels" if self.grad_pass is None else self.grad_pass,
             "table_uploads": tables,
             "context_uploads": contexts,
             "steps": self._steps,

@@ -44,9 +44,12 @@ class FusedUnit:
         self.dtype = params[0].dtype
         self.device = params[0].device
         self.tables = TensorTables(self.device, [p.numel() for p in params], group_index, block)
-        self._param_ptrs = list(map(_DATA_PTR, params))
+        self._param_ptrs = self.param_addresses = list(map(_DATA_PTR, params))
         self.tables.set_role("param", self._param_ptrs)
         self._grad_ptrs: list[int] | None = None
+        self.grad_addresses: list[int] = [DEAD] * len(params)
+        """The grad table as uploaded: what the kernels read this step (-1 for a grad that is None)."""
+        self._copied: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.unhandled: list[torch.Tensor] = []
         """Params skipped this step because their grad is one the kernel cannot take (sparse)."""
         self.stale = False
@@ -81,18 +84,27 @@ class FusedUnit:
                 grads = list(map(_GRAD, self.params))
             self._grad_ptrs = upload = ptrs
             live = [g for g in grads if g is not None and g.layout == torch.strided] if dead else grads
+            self._copied = []
             if not all(map(_IS_CONTIGUOUS, live)):
                 # the kernel addresses flat memory: give it contiguous copies (freeing them after the launch is
                 # queued is stream-ordered, so safe) and do not cache, as the copies are new every step
                 self._copies = [
                     g if a == DEAD or _IS_CONTIGUOUS(g) else g.contiguous() for g, a in zip(grads, ptrs, strict=True)
                 ]
+                self._copied = [(g, c) for g, c in zip(grads, self._copies, strict=True) if c is not g]
                 upload = [a if a == DEAD else c.data_ptr() for c, a in zip(self._copies, ptrs, strict=True)]
                 self._grad_ptrs = None
             self.tables.set_role("grad", upload)
+            self.grad_addresses = upload
         if self.uninit:
             self._init_new(ptrs, state, groups)
         return dead < len(ptrs)
+
+    def copy_back(self) -> None:
+        """After a launch that wrote the grads (unscaled, clipped or zeroed): copy what it wrote into contiguous
+        stand-ins back into the non-contiguous grads they stand for."""
+        for grad, copy in self._copied:
+            grad.copy_(copy)
 
     def _slow_ptrs(self, grads: list[torch.Tensor | None]) -> list[int]:
         try:  # grads that are None on this step (frozen for a while, or unused this step)

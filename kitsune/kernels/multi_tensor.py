@@ -66,6 +66,7 @@ class TensorTables:
         self.counter = torch.zeros(self.num_tensors, dtype=torch.int32, device=device)  # (T,) finished blocks
         self._roles: dict[str, torch.Tensor] = {}
         self._cached: dict[str, list[int]] = {}
+        self._scratch: dict[str, torch.Tensor] = {}
         self.uploads = 0
         """Address tables copied to the device so far (plan-time tables included)."""
 
@@ -84,6 +85,13 @@ class TensorTables:
         self._cached[role] = addresses
         self.uploads += 1
         return True
+
+    def scratch(self, name: str, n: int) -> torch.Tensor:
+        """A float32 device buffer of ``n`` elements that lives with these tables (created on first use)."""
+        buf = self._scratch.get(name)
+        if buf is None or buf.numel() != n:
+            buf = self._scratch[name] = torch.zeros(n, dtype=torch.float32, device=self.device)
+        return buf
 
     def role(self, role: str) -> torch.Tensor:
         """The (T,) int64 device table of ``role``."""

@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kitsune.kernels.common import _cast, _max_keep_nan, _reduce
 from kitsune.kernels.multi_tensor import DEAD, TensorTables
-from kitsune.kernels.update import _cast
 
 _CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 """Per-tensor dtype codes: one launch reads tensors of several dtypes."""
@@ -70,31 +70,6 @@ def _store_f32(addr, offs, mask, code, x, RNE_BF16: tl.constexpr):
 
 
 @triton.jit
-def _max_keep_nan(v):
-    # tl.max may drop NaN on the GPU; adding the sum of the NaN lanes (0.0 when there are none) keeps it
-    return tl.max(v, 0) + tl.sum(tl.where(v != v, v, 0.0), 0)
-
-
-@triton.jit
-def _reduce(ptr, n, INF_NORM: tl.constexpr, RBLOCK: tl.constexpr):
-    """Sum (inf-norm: NaN-propagating max) of the fp32 values ``ptr[0:n]``, in an order that depends on ``n`` only."""
-    acc = tl.zeros((RBLOCK,), tl.float32)
-    for i in range(0, n, RBLOCK):
-        idx = i + tl.arange(0, RBLOCK)
-        # .cg reads L2, where the other programs' stores are, never a stale L1 line
-        v = tl.load(ptr + idx, mask=idx < n, other=0.0, cache_modifier=".cg")
-        if INF_NORM:
-            acc = tl.maximum(acc, v, propagate_nan=tl.PropagateNan.ALL)
-        else:
-            acc += v
-    if INF_NORM:
-        total = _max_keep_nan(acc)
-    else:
-        total = tl.sum(acc, 0)
-    return total
-
-
-@triton.jit
 def _norm_kernel(
     block_tensor,  # (n_blocks,) int32
     block_start,  # (n_blocks,) int64
@@ -111,8 +86,10 @@ def _norm_kernel(
     found_inf,  # (1,) fp32 out
     sync,  # (2,) int32: [tensors finished, inf/nan seen], zero between launches
     num_tensors,
+    num_global,  # tensors 0 .. num_global - 1 make the global norm and the inf/nan flag; the rest get norms only
     INF_NORM: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    INVERT_SCALE: tl.constexpr,
     BLOCK: tl.constexpr,
     RBLOCK: tl.constexpr,
 ):
@@ -123,9 +100,13 @@ def _norm_kernel(
     mask = offs < tl.where(addr != -1, tl.load(numel_tab + t), 0)
     x = _load_f32(addr, offs, mask, tl.load(code_tab + t))
     if HAS_SCALE:
-        x = tl.where(mask, x * tl.load(scale_ptr), 0.0)
-    if tl.max(((x - x) != 0.0).to(tl.int32), 0) != 0:  # x - x is nan exactly for inf and nan
-        tl.atomic_or(sync + 1, 1)
+        scale = tl.load(scale_ptr)
+        if INVERT_SCALE:  # a loss scale: multiply by its fp32 reciprocal taken in double, as GradScaler does
+            scale = (1.0 / scale.to(tl.float64)).to(tl.float32)
+        x = tl.where(mask, x * tl.where(t < num_global, scale, 1.0), 0.0)  # the tensors past num_global: as they are
+    if t < num_global:
+        if tl.max(((x - x) != 0.0).to(tl.int32), 0) != 0:  # x - x is nan exactly for inf and nan
+            tl.atomic_or(sync + 1, 1)
     if INF_NORM:
         part = _max_keep_nan(tl.abs(x))
     else:
@@ -145,7 +126,7 @@ def _norm_kernel(
         tl.store(counter_tab + t, 0)
         tl.debug_barrier()
         if tl.atomic_add(sync, 1) == num_tensors - 1:  # the last tensor of the launch: every tensor_acc is stored
-            acc = _reduce(tensor_acc, num_tensors, INF_NORM, RBLOCK)
+            acc = _reduce(tensor_acc, num_global, INF_NORM, RBLOCK)
             if INF_NORM:
                 tl.store(total, acc)
             else:
@@ -257,18 +238,53 @@ class MultiTensorNorm:
         self._dtypes: list[torch.dtype] | None = None  # of the last call, when it took the fast path
 
     def __call__(
-        self, tensors: Sequence[torch.Tensor | None], scale: torch.Tensor | None = None, *, checked: bool = False
+        self,
+        tensors: Sequence[torch.Tensor | None],
+        scale: torch.Tensor | None = None,
+        *,
+        checked: bool = False,
+        invert_scale: bool = False,
+        out: torch.Tensor | None = None,
     ) -> Norms:
         """Launch once over ``tensors``; ``scale`` (a () or (1,) fp32 tensor on the device) multiplies every value
-        first, e.g. an inverse loss scale. The returned buffers are overwritten by the next call.
+        first, e.g. an inverse loss scale (``invert_scale=True``: divides by it, e.g. by the loss scale itself).
+        The returned buffers are overwritten by the next call, except the total when ``out`` (a () fp32 tensor on
+        the device) is given to receive it.
 
         ``checked=True``: the caller has already checked that ``tensors`` (no None) are dense, on this device, of
         supported dtypes and of this instance's sizes (:func:`kitsune.clip_grad_norm_` does, for its cache key).
         """
         self._bind(tensors, checked)
+        return self.launch(scale, invert_scale=invert_scale, out=out)
+
+    def bind_addresses(self, addresses: list[int], dtypes: list[torch.dtype]) -> None:
+        """Point the tables at tensors by address (``-1``: skip), for callers that have already checked them
+        (the fusion subsystem's units have); uploads only what changed. Then :meth:`launch`."""
+        if dtypes != self._dtypes:
+            self.tables.set_role("dtype", [_CODES[d] for d in dtypes])
+            self._dtypes = dtypes
+        self.tables.set_role("x", addresses)
+
+    def launch(
+        self,
+        scale: torch.Tensor | None = None,
+        *,
+        invert_scale: bool = False,
+        num_global: int | None = None,
+        out: torch.Tensor | None = None,
+    ) -> Norms:
+        """Launch over the tensors last bound (see :meth:`__call__`); ``num_global``: only the first this many
+        tensors are scaled and make the global norm and the inf/nan flag (the others, e.g. params, get their
+        per-tensor norms only)."""
         if scale is not None and (scale.dtype != torch.float32 or scale.numel() != 1 or scale.device != self.device):
             raise ValueError(f"scale must be one fp32 value on {self.device}, got {scale.dtype} {tuple(scale.shape)}")
+        if out is not None and (out.dtype != torch.float32 or out.numel() != 1 or out.device != self.device):
+            raise ValueError(f"out must be one fp32 value on {self.device}, got {out.dtype} {tuple(out.shape)}")
+        total = self.total if out is None else out
         tables = self.tables
+        n_global = tables.num_tensors if num_global is None else num_global
+        if not 0 <= n_global <= tables.num_tensors:
+            raise ValueError(f"num_global={num_global} is outside 0..{tables.num_tensors}")
         if tables.num_blocks:
             with _device_guard(self.device):
                 _norm_kernel[(tables.num_blocks,)](
@@ -279,21 +295,25 @@ class MultiTensorNorm:
                     self.first_block,
                     tables.role("x"),
                     tables.role("dtype"),
-                    self.total if scale is None else scale,
+                    total if scale is None else scale,
                     self.partials,
                     self.tensor_acc,
                     self.per_tensor,
-                    self.total,
+                    total,
                     self.found_inf,
                     self.sync,
                     tables.num_tensors,
+                    n_global,
                     INF_NORM=self.norm_type == math.inf,
                     HAS_SCALE=scale is not None,
+                    INVERT_SCALE=invert_scale,
                     BLOCK=tables.block,
                     RBLOCK=REDUCE_BLOCK,
                     num_warps=self.num_warps,
                 )
-        return Norms(self.per_tensor, self.total, self.found_inf)
+        elif out is not None:
+            out.zero_()  # no tensors: the norm of nothing
+        return Norms(self.per_tensor, total, self.found_inf)
 
     def _bind(self, tensors: Sequence[torch.Tensor | None], checked: bool) -> None:
         """Check ``tensors`` against this instance and point the address and dtype tables at them.

@@ -15,11 +15,23 @@ class Algo(IntEnum):
     LION = 4
 
 
+class Trust(IntEnum):
+    """Layer-wise adaptation: a per-tensor trust ratio scales the update (LARS, LAMB)."""
+
+    NONE = 0
+    LARS = 1
+    """SGD's update on ``trust * (g + wd * p)``, trust from the norms of the param and the grad (norm pass)."""
+    LAMB = 2
+    """Adam's direction plus ``wd * p``, scaled by ``||p|| / ||update||``: two launches (stage 1 stores the moments and
+    reduces ``||update||`` per tensor, stage 2 applies it)."""
+
+
 # Columns of the float64 hyperparameter buffer (one row per param group). Algorithms share columns:
-#   B1: Adam/Lion beta1, SGD/RMSprop momentum.  B2: Adam/Lion beta2, RMSprop alpha.
-#   EXTRA: SGD dampening, Adagrad lr_decay.
-LR, B1, B2, EPS, WD, EXTRA = range(6)
-NUM_FIELDS = 8  # padded to 64-byte rows
+#   B1: Adam/Lion/LAMB beta1, SGD/RMSprop/LARS momentum.  B2: Adam/Lion/LAMB beta2, RMSprop alpha.
+#   EXTRA: SGD/LARS dampening, Adagrad lr_decay, LAMB bias_correction (1 or 0).
+#   TRUST_A: LARS trust_coefficient, LAMB max_trust_ratio (inf for none).  ADAPT: layer_adaptation (1 or 0).
+LR, B1, B2, EPS, WD, EXTRA, TRUST_A, ADAPT = range(8)
+NUM_FIELDS = 8  # 64-byte rows
 
 
 @dataclass(frozen=True)
@@ -35,6 +47,7 @@ class UpdateSpec:
     """SGD ``momentum != 0`` / RMSprop ``momentum > 0``: a momentum_buffer exists."""
     nesterov: bool = False
     centered: bool = False
+    trust: Trust = Trust.NONE
 
     @property
     def has_step(self) -> bool:
@@ -57,4 +70,6 @@ class UpdateSpec:
         on = [
             n for n in ("maximize", "decoupled_wd", "amsgrad", "momentum", "nesterov", "centered") if getattr(self, n)
         ]
+        if self.trust:
+            on.append(f"trust ratio ({self.trust.name})")
         return ", ".join(on) or "-"

@@ -22,22 +22,12 @@ import torch
 import triton
 import triton.language as tl
 
+from kitsune.kernels.common import _cast, _reduce
 from kitsune.kernels.multi_tensor import TensorTables
-from kitsune.kernels.spec import NUM_FIELDS, UpdateSpec
+from kitsune.kernels.spec import NUM_FIELDS, Trust, UpdateSpec
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 SUPPORTED_DTYPES = tuple(_TL_DTYPES)
-
-
-@triton.jit
-def _cast(x, DTYPE: tl.constexpr, RNE_BF16: tl.constexpr):
-    """fp32 -> DTYPE. Triton's CPU interpreter truncates fp32 -> bf16; the GPU rounds to nearest even. With
-    RNE_BF16 (interpreter only) round explicitly, so CI checks the bits the GPU produces."""
-    if RNE_BF16 and DTYPE == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        x = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))  # keep NaN a NaN
-    return x.to(DTYPE)
 
 
 @triton.jit
@@ -60,6 +50,14 @@ def _update_kernel(
     step_tab,
     hyper,  # (n_groups, NUM_FIELDS) float64
     found_inf,  # float32 scalar: nonzero skips the whole update (AMP overflow), read only with HAS_FOUND_INF
+    grad_scale,  # float32 scalar: the grads hold grad * grad_scale (a loss scale), read only with HAS_GRAD_SCALE
+    total_norm,  # float32 scalar: the global grad norm (of the unscaled grads), read only with CLIP
+    max_norm,  # fp32: clip to this global norm, used only with CLIP
+    tensor_norms,  # fp32 (2 * n_norm,): per-tensor norms of the grads, then of the params (TRUST)
+    norm_offset,  # this launch's first tensor in tensor_norms
+    n_norm,  # where the params' norms start in tensor_norms
+    partials,  # (n_blocks,) fp32 scratch (LAMB stage 1)
+    update_norm,  # (T,) fp32: each tensor's ||update||, written by LAMB stage 1, read by stage 2
     ALGO: tl.constexpr,
     DTYPE: tl.constexpr,
     MAXIMIZE: tl.constexpr,
@@ -70,6 +68,11 @@ def _update_kernel(
     CENTERED: tl.constexpr,
     HAS_STEP: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr,
+    HAS_GRAD_SCALE: tl.constexpr,
+    CLIP: tl.constexpr,
+    GRAD_WRITE: tl.constexpr,  # 0: leave the grads, 1: store the unscaled/clipped grads used, 2: store zeros
+    TRUST: tl.constexpr,  # 0: none, 1: LARS, 2: LAMB stage 1 (moments, ||update||), 3: LAMB stage 2 (params)
+    RBLOCK: tl.constexpr,
     RNE_BF16: tl.constexpr,
     NUM_FIELDS: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -79,11 +82,13 @@ def _update_kernel(
     start = tl.load(block_start + pid)
     g_addr = tl.load(grad_tab + t)
     numel = tl.load(numel_tab + t)
-    live = g_addr != -1  # -1: grad is None this step, skip like torch (no state change, no step)
+    has_grad = g_addr != -1  # -1: grad is None this step, skip like torch (no state change, no step)
+    live = has_grad
     if HAS_FOUND_INF:  # inf/nan grads this step: nothing changes, not even the step count (GradScaler's skip)
         live = live & (tl.load(found_inf) == 0.0)
     offs = start + tl.arange(0, BLOCK).to(tl.int64)
     mask = offs < tl.where(live, numel, 0)
+    gmask = offs < tl.where(has_grad, numel, 0)  # the grads are unscaled or zeroed even on a skipped step
 
     row = hyper + tl.load(group_tab + t).to(tl.int64) * NUM_FIELDS
     lr = tl.load(row + 0)
@@ -92,6 +97,8 @@ def _update_kernel(
     eps = tl.load(row + 3).to(tl.float32)
     wd = tl.load(row + 4)
     extra = tl.load(row + 5)
+    trust_a = tl.load(row + 6)
+    adapt = tl.load(row + 7) != 0.0
 
     step = 0.0
     if HAS_STEP:
@@ -104,11 +111,53 @@ def _update_kernel(
     s2_ptr = tl.load(s2_tab + t).to(tl.pointer_type(DTYPE)) + offs
     s3_ptr = tl.load(s3_tab + t).to(tl.pointer_type(DTYPE)) + offs
     p = tl.load(p_ptr, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr, mask=mask, other=0.0).to(tl.float32)
-    if MAXIMIZE:
-        g = -g
+    coef = 1.0
+    if TRUST != 3:  # LAMB's stage 2 reads no grad: stage 1 has stored the moments
+        g = tl.load(g_ptr, mask=gmask if GRAD_WRITE != 0 else mask, other=0.0).to(tl.float32)
+        # torch's order, each product rounded to fp32 as torch stores it in fp32 grads: unscale (GradScaler.unscale_
+        # multiplies by the fp32 reciprocal of the scale, taken in double), then clip (clip_grad_norm_'s coefficient)
+        if HAS_GRAD_SCALE:
+            g = g * (1.0 / tl.load(grad_scale).to(tl.float64)).to(tl.float32)
+        if CLIP:
+            coef = tl.math.div_rn(1.0, tl.load(total_norm) + 1e-6) * max_norm
+            coef = tl.where(coef > 1.0, 1.0, coef)  # a nan coefficient stays nan, as with torch.clamp
+            g = g * coef
+        if GRAD_WRITE == 1:
+            tl.store(g_ptr, _cast(g, DTYPE, RNE_BF16), mask=gmask)
+        elif GRAD_WRITE == 2:
+            tl.store(g_ptr, tl.zeros_like(g).to(DTYPE), mask=gmask)
+        if MAXIMIZE:
+            g = -g
+    else:
+        g = p
 
-    if ALGO == 0:  # Adam / AdamW: s1 exp_avg, s2 exp_avg_sq, s3 max_exp_avg_sq
+    if TRUST >= 2:  # LAMB (You et al. 2019): u = m_hat / (sqrt(v_hat) + eps) + wd * p, p -= lr * trust * u
+        if TRUST == 2:
+            m = _lerp(tl.load(s1_ptr, mask=mask, other=0.0).to(tl.float32), g, (1.0 - b1).to(tl.float32))
+            v = tl.load(s2_ptr, mask=mask, other=0.0).to(tl.float32)
+            v = v * b2.to(tl.float32) + (1.0 - b2).to(tl.float32) * g * g
+            m = _cast(m, DTYPE, RNE_BF16)
+            v = _cast(v, DTYPE, RNE_BF16)
+            tl.store(s1_ptr, m, mask=mask)
+            tl.store(s2_ptr, v, mask=mask)
+            m = m.to(tl.float32)  # stage 2 reads the stored (rounded) moments: use the same values here
+            v = v.to(tl.float32)
+        else:
+            m = tl.load(s1_ptr, mask=mask, other=0.0).to(tl.float32)
+            v = tl.load(s2_ptr, mask=mask, other=0.0).to(tl.float32)
+        bias1 = tl.where(extra != 0.0, 1.0 - tl.exp2(step * tl.log2(b1)), 1.0).to(tl.float32)
+        bias2 = tl.where(extra != 0.0, 1.0 - tl.exp2(step * tl.log2(b2)), 1.0).to(tl.float32)
+        u = (m / bias1) / (tl.sqrt(v / bias2) + eps) + wd.to(tl.float32) * p
+        if TRUST == 2:
+            tl.store(partials + pid, tl.sum(tl.where(mask, u * u, 0.0), 0))
+        else:
+            w_norm = tl.load(tensor_norms + n_norm + norm_offset + t)
+            u_norm = tl.load(update_norm + t)
+            trust = tl.where((w_norm > 0.0) & (u_norm > 0.0), w_norm / u_norm, 1.0)
+            trust = tl.minimum(trust, trust_a.to(tl.float32))  # max_trust_ratio; inf when there is none
+            trust = tl.where(adapt, trust, 1.0)
+            p = p - u * (lr.to(tl.float32) * trust)
+    elif ALGO == 0:  # Adam / AdamW: s1 exp_avg, s2 exp_avg_sq, s3 max_exp_avg_sq
         if DECOUPLED:
             p = p * (1.0 - lr * wd).to(tl.float32)
         else:
@@ -128,7 +177,14 @@ def _update_kernel(
         denom = tl.sqrt(v) / bias2_sqrt.to(tl.float32) + eps
         p = p - step_size * (m / denom)
     elif ALGO == 1:  # SGD: s1 momentum_buffer
-        g = g + wd.to(tl.float32) * p
+        if TRUST == 1:  # LARS (You et al. 2017): the trust ratio from the norms of the param and the grad used
+            g_norm = tl.load(tensor_norms + norm_offset + t) * coef
+            w_norm = tl.load(tensor_norms + n_norm + norm_offset + t)
+            ratio = (trust_a.to(tl.float32) * w_norm) / ((g_norm + wd.to(tl.float32) * w_norm) + eps)
+            trust = tl.where(adapt & (w_norm > 0.0) & (g_norm > 0.0), ratio, 1.0)
+            g = (g + wd.to(tl.float32) * p) * trust
+        else:
+            g = g + wd.to(tl.float32) * p
         if MOMENTUM:
             buf = tl.load(s1_ptr, mask=mask, other=0.0).to(tl.float32)
             # the first step copies the grad, as torch's lazily created buffer does
@@ -171,9 +227,18 @@ def _update_kernel(
         p = p - lr.to(tl.float32) * sign
         tl.store(s1_ptr, _cast(_lerp(m, g, (1.0 - b2).to(tl.float32)), DTYPE, RNE_BF16), mask=mask)
 
-    tl.store(p_ptr, _cast(p, DTYPE, RNE_BF16), mask=mask)
+    if TRUST == 2:  # stage 1: the block that finishes a tensor reduces its ||update||; params wait for stage 2
+        tl.debug_barrier()  # every thread's partial is stored before the release below
+        if live:
+            n_blocks = tl.maximum((numel + BLOCK - 1) // BLOCK, 1)
+            if tl.atomic_add(counter_tab + t, 1) == n_blocks - 1:  # acq_rel: sees the other blocks' partials
+                first = pid - (start // BLOCK).to(tl.int32)
+                tl.store(update_norm + t, tl.sqrt_rn(_reduce(partials + first, n_blocks, False, RBLOCK)))
+                tl.store(counter_tab + t, 0)
+    else:
+        tl.store(p_ptr, _cast(p, DTYPE, RNE_BF16), mask=mask)
 
-    if HAS_STEP:
+    if HAS_STEP and TRUST != 2:
         if live:
             done = tl.atomic_add(counter_tab + t, 1)  # acq_rel: this block's read of step happened before
             if done == tl.maximum((numel + BLOCK - 1) // BLOCK, 1) - 1:
@@ -191,6 +256,14 @@ def multi_tensor_update(
     dtype: torch.dtype,
     found_inf: torch.Tensor | None = None,
     num_warps: int = 4,
+    *,
+    grad_scale: torch.Tensor | None = None,
+    total_norm: torch.Tensor | None = None,
+    max_norm: float | None = None,
+    grad_write: int = 0,
+    tensor_norms: torch.Tensor | None = None,
+    norm_offset: int = 0,
+    n_norm: int | None = None,
 ) -> None:
     """Launch one update over every tensor of ``tables``.
 
@@ -199,6 +272,17 @@ def multi_tensor_update(
     the float64 ``(n_groups, NUM_FIELDS)`` buffer on the tables' device; ``dtype`` that of params, grads and state.
     ``found_inf``, a float32 scalar on the device (AMP's overflow flag), skips the whole update when nonzero,
     decided on the device: no host sync.
+
+    Pass two of a step that unscales and clips: ``grad_scale`` (a float32 scalar: the grads hold grad times it)
+    divides every grad first; with ``max_norm``, ``total_norm`` (the float32 global norm of the unscaled grads,
+    from :class:`~kitsune.kernels.norms.MultiTensorNorm`) gives the clip coefficient ``min(max_norm / (total_norm
+    + 1e-6), 1)``, read on the device. ``grad_write`` 1 stores the unscaled, clipped grads back (what torch's
+    unscale_ and clip_grad_norm_ leave in them), 2 stores zeros (the grads are about to be zeroed); either happens
+    on a skipped step too, as it would in torch's loop.
+
+    Trust ratios (``spec.trust``: LARS, LAMB) read per-tensor norms from ``tensor_norms``, the ``per_tensor`` output
+    of a norm pass over ``n_norm`` grads followed by the ``n_norm`` params in the same order; this launch's tensors
+    start at ``norm_offset``. LAMB runs two launches (see :class:`~kitsune.kernels.spec.Trust`).
     """
     if dtype not in _TL_DTYPES:
         raise ValueError(f"multi_tensor_update supports {SUPPORTED_DTYPES}, got {dtype}")
@@ -208,11 +292,53 @@ def multi_tensor_update(
         )
     if tables.num_blocks == 0:
         return
-    if found_inf is not None and (found_inf.dtype != torch.float32 or found_inf.numel() != 1):
-        raise ValueError(f"found_inf must be a float32 scalar, got {found_inf.dtype} of {found_inf.numel()} elements")
+    for name, t in (("found_inf", found_inf), ("grad_scale", grad_scale), ("total_norm", total_norm)):
+        if t is not None and (t.dtype != torch.float32 or t.numel() != 1):
+            raise ValueError(f"{name} must be a float32 scalar, got {t.dtype} of {t.numel()} elements")
+    if (max_norm is None) != (total_norm is None):
+        raise ValueError("max_norm and total_norm go together: the clip coefficient needs both")
+    if grad_write not in (0, 1, 2):
+        raise ValueError(f"grad_write must be 0 (leave), 1 (store the grads used) or 2 (zero), got {grad_write}")
+    partials = update_norm = hyper
+    if spec.trust:
+        if tensor_norms is None or n_norm is None or tensor_norms.numel() < 2 * n_norm:
+            raise ValueError("a trust-ratio update needs tensor_norms: a norm pass over n_norm grads, then the params")
+        if not 0 <= norm_offset <= n_norm - tables.num_tensors:
+            raise ValueError(f"norm_offset={norm_offset} leaves no room for {tables.num_tensors} tensors in {n_norm}")
+        if spec.trust == Trust.LAMB:
+            partials = tables.scratch("partials", tables.num_blocks)
+            update_norm = tables.scratch("update_norm", tables.num_tensors)
     param = tables.role("param")
     roles = [tables.role(f"state{i}") if i <= spec.state_slots else param for i in (1, 2, 3)]
     step = tables.role("step") if spec.has_step else param
+    stages = (2, 3) if spec.trust == Trust.LAMB else (int(spec.trust),)
+    for stage in stages:
+        _launch(tables, hyper, spec, dtype, num_warps, param, roles, step, found_inf, grad_scale, total_norm,
+                max_norm, grad_write if stage != 3 else 0, tensor_norms, norm_offset, n_norm, partials, update_norm,
+                stage)  # fmt: skip
+
+
+def _launch(
+    tables: TensorTables,
+    hyper: torch.Tensor,
+    spec: UpdateSpec,
+    dtype: torch.dtype,
+    num_warps: int,
+    param: torch.Tensor,
+    roles: list[torch.Tensor],
+    step: torch.Tensor,
+    found_inf: torch.Tensor | None,
+    grad_scale: torch.Tensor | None,
+    total_norm: torch.Tensor | None,
+    max_norm: float | None,
+    grad_write: int,
+    tensor_norms: torch.Tensor | None,
+    norm_offset: int,
+    n_norm: int | None,
+    partials: torch.Tensor,
+    update_norm: torch.Tensor,
+    stage: int,
+) -> None:
     _update_kernel[(tables.num_blocks,)](
         tables.block_tensor,
         tables.block_start,
@@ -225,6 +351,14 @@ def multi_tensor_update(
         step,
         hyper,
         found_inf if found_inf is not None else hyper,
+        grad_scale if grad_scale is not None else hyper,
+        total_norm if total_norm is not None else hyper,
+        float(max_norm) if max_norm is not None else 0.0,
+        tensor_norms if tensor_norms is not None else hyper,
+        norm_offset,
+        n_norm or 0,
+        partials,
+        update_norm,
         ALGO=int(spec.algo),
         DTYPE=_TL_DTYPES[dtype],
         MAXIMIZE=spec.maximize,
@@ -235,6 +369,11 @@ def multi_tensor_update(
         CENTERED=spec.centered,
         HAS_STEP=spec.has_step,
         HAS_FOUND_INF=found_inf is not None,
+        HAS_GRAD_SCALE=grad_scale is not None,
+        CLIP=max_norm is not None,
+        GRAD_WRITE=grad_write,
+        TRUST=stage,
+        RBLOCK=1024,
         RNE_BF16=_INTERPRETED,
         NUM_FIELDS=NUM_FIELDS,
         BLOCK=tables.block,

@@ -18,12 +18,12 @@ def _poison(model: nn.Module, step: int) -> None:
         p.grad[0, 0] = float("nan") if step % 2 else float("inf")
 
 
-def _torch_loop(make_opt, steps: int) -> tuple[list[torch.Tensor], list[float]]:
-    model = small_model()
+def _torch_loop(make_opt, steps: int, device: torch.device) -> tuple[list[torch.Tensor], list[float]]:
+    model = small_model(device=device)
     opt = make_opt(model.parameters())
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=4)
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**10, growth_interval=4)
     scales = []
-    for step, (x, y) in enumerate(batches(steps)):
+    for step, (x, y) in enumerate(batches(steps, device=device)):
         scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
         _poison(model, step)
         scaler.step(opt)
@@ -42,15 +42,15 @@ def _torch_loop(make_opt, steps: int) -> tuple[list[torch.Tensor], list[float]]:
     ],
     ids=["adamw", "sgd_momentum", "adagrad"],
 )
-def test_fused_fp16_loop_equals_grad_scaler_without_host_syncs(make_opt):
+def test_fused_fp16_loop_equals_grad_scaler_without_host_syncs(make_opt, device):
     steps = 24
-    ref_params, ref_scales = _torch_loop(make_opt, steps)
+    ref_params, ref_scales = _torch_loop(make_opt, steps, device)
 
-    model = small_model()
+    model = small_model(device=device)
     cfg = AMPConfig(dtype=torch.float16, init_scale=2.0**10, growth_interval=4)
     opt = KitsuneOptimizer(make_opt(model.parameters()), enable_fusion=True, enable_amp=True, amp_config=cfg)
     scales = []
-    for step, (x, y) in enumerate(batches(steps)):
+    for step, (x, y) in enumerate(batches(steps, device=device)):
         opt.backward(nn.functional.mse_loss(model(x), y))
         _poison(model, step)
         opt.step()
@@ -66,10 +66,10 @@ def test_fused_fp16_loop_equals_grad_scaler_without_host_syncs(make_opt):
         assert all(torch.isfinite(v).all() for v in state.values())
 
 
-def test_skip_leaves_params_state_and_step_counts_untouched():
-    model = small_model()
+def test_skip_leaves_params_state_and_step_counts_untouched(device):
+    model = small_model(device=device)
     opt = KitsuneOptimizer(torch.optim.Adam(model.parameters()), enable_fusion=True, enable_amp=True)
-    x, y = batches(1)[0]
+    x, y = batches(1, device=device)[0]
     opt.backward(nn.functional.mse_loss(model(x), y))
     opt.step()
     opt.zero_grad()
@@ -84,14 +84,14 @@ def test_skip_leaves_params_state_and_step_counts_untouched():
     assert opt.skipped_steps == 1 and opt.host_syncs == 0
 
 
-def test_users_grad_scaler_with_fused_kernel_needs_no_sync_in_step():
+def test_users_grad_scaler_with_fused_kernel_needs_no_sync_in_step(device):
     results = []
     for wrap in (False, True):
-        model = small_model()
+        model = small_model(device=device)
         base = torch.optim.AdamW(model.parameters(), lr=1e-2)
         opt = KitsuneOptimizer(base, enable_fusion=True) if wrap else base
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=3)
-        for step, (x, y) in enumerate(batches(16)):
+        scaler = torch.amp.GradScaler(device.type, init_scale=2.0**8, growth_interval=3)
+        for step, (x, y) in enumerate(batches(16, device=device)):
             scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
             _poison(model, step)
             scaler.step(opt)
