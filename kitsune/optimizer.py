@@ -186,7 +186,6 @@ class KitsuneOptimizer(torch.optim.Optimizer):
     # -- subsystems ---------------------------------------------------------------------------------------------
     def _build_subsystems(self) -> list[Subsystem]:
         cfg = self.config
-        cuda = torch.cuda.is_available() and any(p.is_cuda for g in self.param_groups for p in g["params"])
         self._profiler = Profiler(cfg.profiler)
         subsystems: list[Subsystem] = [self._profiler]
         if cfg.amp.enabled:
@@ -204,15 +203,9 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         from kitsune.streams import StreamScheduler
 
         subsystems.append(StreamScheduler(cfg.streams))
-        subsystems.append(
-            PlaceholderSubsystem(
-                "graphs",
-                requested=cfg.graphs.enabled and cuda,
-                reason="capture_graph=False"
-                if not cfg.graphs.enabled
-                else ("not built yet: the phase runs eagerly" if cuda else "needs CUDA params"),
-            )
-        )
+        from kitsune.graphs import GraphSubsystem
+
+        subsystems.append(GraphSubsystem(cfg.graphs))
         return subsystems
 
     def _subsystem(self, name: str) -> Subsystem:
@@ -245,6 +238,13 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         self._needs_grads = any(s.name == "amp" and getattr(s, "scaling", False) for s in self._active)
         fusion = self._subsystem("fusion")
         self._fused_grads = fusion.active and getattr(fusion, "grad_pass", "") is None and not self._leftover
+        graphs = self._subsystem("graphs")
+        self._graphs = graphs if graphs.active and self._fused_grads else None
+        if graphs.active and not self._fused_grads:
+            why = getattr(fusion, "grad_pass", None) or "see the plan"
+            graphs.deactivate(f"the grads' passes are not fused: {why}")
+            self._graphs = None
+        self._plan_version = getattr(fusion, "plan_version", 0)
 
     # -- mixed precision ----------------------------------------------------------------------------------------
     def autocast(self) -> Any:
@@ -333,7 +333,11 @@ class KitsuneOptimizer(torch.optim.Optimizer):
                 ctx.skip_base_step = True  # inf/nan grads: nothing is updated this step
             else:
                 for s in self._active:
-                    if not (ctx.baseline and getattr(s, "executes", False)):
+                    if ctx.baseline and getattr(s, "executes", False):
+                        continue
+                    if s.name == "fusion" and self._graphs is not None:
+                        self._graph_step(ctx, s)
+                    else:
                         s.step(ctx)
             if not ctx.skip_base_step and (self._leftover or closure is not None or ctx.unhandled or ctx.baseline):
                 out = self._base_step(ctx.handled, closure)
@@ -354,6 +358,51 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             grads = list(map(_GRAD, zeroed))
             self._zeroed = (zeroed, list(map(id, grads)), [g._version if g is not None else -1 for g in grads])
         return loss
+
+    def _graph_step(self, ctx: StepContext, fusion: Any) -> None:
+        """The fused step through the graph subsystem: host preparation, then the device work warmed up, captured
+        or replayed (norm pass, updates and, with float16 AMP, the scale update), then the bookkeeping."""
+        graphs = self._graphs
+        live = fusion.prepare(ctx)
+        if fusion.plan_version != self._plan_version:
+            # prepare re-planned (a param's storage moved, a kernel switch changed): the graph holds old buffers;
+            # this step runs eagerly and the graph subsystem decides afresh whether the new plan can be captured
+            self._plan_version = fusion.plan_version
+            self._graphs.plan(self)
+            self._graphs = graphs if graphs.active and fusion.grad_pass is None else None
+            fusion.launch(ctx, live)
+            fusion.finish(ctx, live)
+            return
+        why = None
+        if not live:
+            why = "no param has a grad this step"
+        elif not ctx.extra.get("fused_grads"):
+            why = "the profiler's baseline step"
+        elif "found_inf" in self.__dict__:
+            why = "a user's GradScaler hands a new found_inf every step"
+        elif any(unit._copied for unit in live):
+            why = "non-contiguous grads are copied every step"
+        if why is not None:
+            graphs.note_eager(why)
+            fusion.launch(ctx, live)
+            fusion.finish(ctx, live)
+            return
+        amp = self._subsystem("amp")
+        scaling = amp.active and getattr(amp, "scaling", False)
+        units = fusion.units
+
+        def device_work() -> None:
+            fusion.launch(ctx, units)
+            if scaling:
+                amp.update_scale(ctx)
+
+        key = (fusion.plan_version, id(ctx.extra.get("grad_scale")), bool(ctx.extra.get("check_inf")), scaling)
+        how = graphs.run(ctx, key, device_work)
+        if scaling:
+            ctx.extra["graphed"] = True  # device_work updated the scale, however it ran
+        if how == "failed":
+            self._graphs = None
+        fusion.finish(ctx, units, launches=1 if how == "replay" else None)
 
     def _clip_grads(self) -> torch.Tensor:
         """Clipping as a pass of its own (the grads are not all fused): kitsune's two-launch clip_grad_norm_ when

@@ -68,7 +68,7 @@ fi
 bench_rc=0
 stage bench && {
 # timed steps: 50 for gpt2 and many, 20 for llama1b (each set's default); bench.json is rewritten after each set
-timeout 300 python3 -m kitsune.bench --device "$BENCH_DEVICE" --sets gpt2,many,llama1b --warmup 10 --phase \
+timeout 330 python3 -m kitsune.bench --device "$BENCH_DEVICE" --sets gpt2,many,llama1b --warmup 10 --phase --e2e \
     --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || bench_rc=$?
 }
 

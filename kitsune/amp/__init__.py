@@ -107,6 +107,12 @@ class AMPSubsystem(Subsystem):
     def after_step(self, ctx: StepContext) -> None:
         if not self.scaling:
             return
+        if not ctx.extra.get("graphed"):  # a replayed CUDA graph has run update_scale already
+            self.update_scale(ctx)
+        self._loss_scaled = False
+
+    def update_scale(self, ctx: StepContext) -> None:
+        """The device half of :meth:`after_step`: count a skipped step and update the scale (capturable)."""
         found_inf = ctx.extra.get("found_inf")
         if found_inf is None:  # no grad at all this step (the fused path launched nothing): a clean step
             found_inf = self._found_inf.zero_()
@@ -119,7 +125,6 @@ class AMPSubsystem(Subsystem):
             self.config.backoff_factor,
             self.config.growth_interval,
         )
-        self._loss_scaled = False
 
     # -- the user's side ----------------------------------------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager[Any]:

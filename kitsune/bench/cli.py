@@ -56,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", default="auto", help="auto (GPU when there is one), cuda or cpu")
     parser.add_argument("--phase", action="store_true", help="also time the AMP + clipping phase (gpt2 set)")
+    parser.add_argument(
+        "--e2e", action="store_true", help="also time whole training steps of a GPT-2 124M-shaped model"
+    )
     parser.add_argument("--json", dest="json_path", default=None, help="write every number to this JSON file")
     parser.add_argument("--seed", type=int, default=0, help="seed of the params and grads")
 
@@ -71,6 +74,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             warmup=args.warmup,
             scale=args.scale,
             phase=args.phase,
+            e2e=args.e2e,
             json_path=args.json_path,
             seed=args.seed,
         )

@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kitsune.bench.e2e import E2EResult, run_e2e
 from kitsune.bench.params import ParamSet, get_param_set, make_params, refill_grads
 from kitsune.bench.timing import Stats, StepTimes, copy_bandwidth, time_steps
 from kitsune.profiler.schema import Environment, collect_environment
@@ -30,11 +31,13 @@ VARIANTS: dict[str, str] = {
     "fused": "torch fused",
     "graph": "torch graph",
     "kitsune": "kitsune",
+    "eager": "kitsune, capture_graph=False",
     "profiled": "kitsune, profile=True",
 }
 """Variant name (what ``--variants`` takes) -> label in the table. ``graph`` is fused + capturable AdamW replayed
-from a CUDA graph; ``profiled`` is kitsune with the profiler on outside its sampled windows (probe and live
-comparison off), which measures the profiler's own cost per step."""
+from a CUDA graph; ``kitsune`` is kitsune as it comes (on CUDA its phase is captured in a CUDA graph after
+warm-up), ``eager`` the same with ``capture_graph=False``; ``profiled`` is kitsune with the profiler on outside its
+sampled windows (probe and live comparison off), which measures the profiler's own cost per step."""
 
 FP32_BYTES = 4
 # An fp32 AdamW step touches each parameter's four tensors once: it reads param, grad, exp_avg and exp_avg_sq,
@@ -115,6 +118,8 @@ class BenchResult(BaseModel):
     adamw: dict[str, Any]
     sets: list[SetResult]
     phase: SetResult | None
+    e2e: E2EResult | None = None
+    """Whole training steps of a GPT-2 124M-shaped model (``--e2e``)."""
     complete: bool
     """False while the run is still going (the JSON is rewritten after every set)."""
 
@@ -184,15 +189,15 @@ class _GraphVariant(_TorchVariant):
 
 
 class _KitsuneVariant(_TorchVariant):
-    def __init__(self, params: list[torch.nn.Parameter], profile: bool = False) -> None:
-        from kitsune.config import FusionConfig, KitsuneConfig, ProfilerConfig
+    def __init__(self, params: list[torch.nn.Parameter], profile: bool = False, graph: bool = True) -> None:
+        from kitsune.config import FusionConfig, GraphConfig, KitsuneConfig, ProfilerConfig
         from kitsune.optimizer import KitsuneOptimizer
 
         self.params = params
         self.warnings: list[str] = []
         # profiled: the profiler's per-step cost only; its sampled windows would replace steps with other work
         profiler = ProfilerConfig(enabled=profile, probe_steps=0, compare_steps=0)
-        config = KitsuneConfig(fusion=FusionConfig(enabled=True), profiler=profiler)
+        config = KitsuneConfig(fusion=FusionConfig(enabled=True), profiler=profiler, graphs=GraphConfig(enabled=graph))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             self.opt = KitsuneOptimizer(torch.optim.AdamW(params, **ADAMW), config=config)
@@ -249,6 +254,8 @@ def make_variant(name: str, params: list[torch.nn.Parameter]) -> _TorchVariant:
         return _GraphVariant(params)
     if name == "kitsune":
         return _KitsuneVariant(params)
+    if name == "eager":
+        return _KitsuneVariant(params, graph=False)
     if name == "profiled":
         return _KitsuneVariant(params, profile=True)
     raise ValueError(f"unknown variant {name!r}: choose from {', '.join(VARIANTS)}")
@@ -454,6 +461,7 @@ def run_bench(
     seed: int = 0,
     console: Console | None = None,
     command: str | None = None,
+    e2e: bool = False,
 ) -> BenchResult:
     """Time every variant on every set, print the table, and write JSON when ``json_path`` is given.
 
@@ -469,6 +477,7 @@ def run_bench(
         seed: seed of the params and grads (the same for every variant).
         console: where the progress bar and table go.
         command: the command line to record; None: this process's.
+        e2e: also time whole training steps of a GPT-2 124M-shaped model (a tiny one on a CPU).
     """
     dev = _resolve_device(device)
     cuda = dev.type == "cuda"
@@ -541,7 +550,7 @@ def run_bench(
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     # no auto-refresh: a refresh thread would compete for the GIL with the host time being measured
     with Progress(*columns, console=console, auto_refresh=False) as progress:
-        task = progress.add_task("bench", total=len(sets) * len(variants) + int(phase))
+        task = progress.add_task("bench", total=len(sets) * len(variants) + int(phase) + int(e2e))
         for name in sets:
             pset = get_param_set(name, scale)
             entry = new_set(pset, "adamw_step", ADAMW_BYTES_PER_PARAM)
@@ -564,6 +573,12 @@ def run_bench(
             result.phase.ratio_to_kitsune = _ratios(result.phase.variants)
             for v in result.phase.variants:
                 report("phase", v)
+            progress.advance(task)
+        if e2e:
+            progress.update(task, description="end to end: GPT-2 124M training steps")
+            progress.refresh()
+            result.e2e = run_e2e(dev, steps=30 if cuda else 2, warmup=10 if cuda else 1, seed=seed)
+            save()
             progress.advance(task)
         progress.update(task, description="done")
         progress.refresh()
@@ -627,3 +642,30 @@ def print_results(result: BenchResult, console: Console | None = None) -> None:
     console.print(table)
     for line in notes:
         console.print(line, highlight=False)
+    if result.e2e is not None:
+        print_e2e(result.e2e, console)
+
+
+def print_e2e(e2e: E2EResult, console: Console) -> None:
+    m = e2e.model
+    table = Table(
+        title=f"end to end: GPT ({e2e.n_params / 1e6:.3g}M params, {m.layers} layers, {m.dim} wide), bf16 autocast, "
+        f"batch {e2e.batch} x {e2e.seq}, AdamW, clip {e2e.max_grad_norm:g}"
+    )
+    for name in ("side", "ms/step", "p10-p90", "tokens/s", "peak memory", "last loss"):
+        table.add_column(name, justify="left" if name == "side" else "right")
+    for side in e2e.sides:
+        table.add_row(
+            side.label,
+            f"{side.step_ms.median:.2f}",
+            f"{side.step_ms.p10:.2f}-{side.step_ms.p90:.2f}",
+            f"{side.tokens_per_s:,.0f}",
+            f"{side.peak_memory_bytes / 2**30:.2f} GiB",
+            f"{side.last_loss:.4f}",
+        )
+    console.print(table)
+    console.print(
+        f"kitsune's tokens/s over torch's: {e2e.ratio:.3f}x; the two sides' losses over the first 10 steps differ "
+        f"by at most {e2e.max_loss_diff_first_10:.2g}",
+        highlight=False,
+    )

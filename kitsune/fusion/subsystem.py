@@ -83,16 +83,20 @@ class FusionSubsystem(Subsystem):
         self._launches_last_step = 0
         self._launches_total = 0
         self._launches_last_norm = 0
+        self._launches_last_launch = 0
+        self._plan_version = 0
         self._handed_over: list[tuple[dict[str, Any], torch.device]] = []
         self.grad_pass: str | None = None
         """Why the grads' own passes (unscale, inf check, clip) cannot fuse into the norm and update kernels, or
         None when they can: every param on one device, updated by the fused kernel."""
         self._grads_cfg: Any = None
         self._norm: Any = None
+        self._norm_out: torch.Tensor | None = None
         self._norm_dtypes: list[torch.dtype] = []
 
     # -- planning ------------------------------------------------------------------------------------------------
     def plan(self, opt: KitsuneOptimizer) -> None:
+        self._plan_version += 1
         self._opt = opt
         base = opt.base_optimizer
         groups = opt.param_groups
@@ -129,6 +133,7 @@ class FusionSubsystem(Subsystem):
         self.executes = bool(self._units or self._shadows)
         self._grads_cfg = opt.config.grads
         self._norm = None
+        self._norm_out: torch.Tensor | None = None
         self._trust = any(u.spec.trust for u in self._units)
         self._offsets = [sum(len(u.params) for u in self._units[:i]) for i in range(len(self._units))]
         self._norm_dtypes = [u.dtype for u in self._units for _ in u.params]
@@ -282,6 +287,13 @@ class FusionSubsystem(Subsystem):
 
     # -- the step --------------------------------------------------------------------------------------------------
     def step(self, ctx: StepContext) -> None:
+        live = self.prepare(ctx)
+        self.launch(ctx, live)
+        self.finish(ctx, live)
+
+    def prepare(self, ctx: StepContext) -> list[FusedUnit]:
+        """The host half of a step: re-plan if a switch or a param's storage changed, point the tables at this
+        step's grads, create missing state, refresh the hyperparameter buffer. Returns the units with a live grad."""
         opt = self._opt
         groups = opt.param_groups
         if self._info is not None and tuple(self._info.spec(g) for g in groups) != self._specs:
@@ -291,44 +303,86 @@ class FusionSubsystem(Subsystem):
         if any(unit.stale for unit in self._units):
             self.plan(opt)  # a param's storage moved; rebind everything and scan again
             live = [unit for unit in self._units if unit.prepare(state, groups)]
-        zeroed: list[torch.Tensor] = []
         if live:
-            from kitsune.kernels.update import multi_tensor_update
-
             for context in self._contexts.values():
                 context.refresh(groups)
-            fused = ctx.extra.get("fused_grads", False)
-            grad_scale = ctx.extra.get("grad_scale") if fused else None
-            max_norm = self._grads_cfg.max_norm if fused else None
-            total = norms = None
-            if self._trust or (fused and (max_norm is not None or ctx.extra.get("check_inf"))):
-                total, norms = self._norm_pass(ctx, grad_scale, fused)
-            zero = self._grads_cfg.zero_in_step
-            grad_write = 2 if zero else (1 if grad_scale is not None or max_norm is not None else 0)
-            found_inf = ctx.extra.get("found_inf")  # AMP's overflow flag: the kernel skips on the device
-            n_norm = len(self._norm_dtypes) // 2 if self._trust else None
-            for unit, offset in zip(self._units, self._offsets, strict=True):
-                if unit not in live:
-                    continue
-                finf = found_inf if found_inf is None or found_inf.device == unit.device else found_inf.to(unit.device)
-                multi_tensor_update(
-                    unit.tables,
-                    self._contexts[unit.device].buffer,
-                    unit.spec,
-                    unit.dtype,
-                    finf,
-                    grad_scale=grad_scale,
-                    total_norm=total if max_norm is not None else None,
-                    max_norm=max_norm,
-                    grad_write=grad_write,
-                    tensor_norms=norms if unit.spec.trust else None,
-                    norm_offset=offset,
-                    n_norm=n_norm,
-                )
-                if grad_write:
-                    unit.copy_back()
-                if zero:
-                    zeroed += unit.params
+            if self._needs_norm(ctx):
+                self._bind_norm()
+        return live
+
+    def _needs_norm(self, ctx: StepContext) -> bool:
+        fused = ctx.extra.get("fused_grads", False)
+        return self._trust or (fused and (self._grads_cfg.max_norm is not None or bool(ctx.extra.get("check_inf"))))
+
+    def _bind_norm(self) -> None:
+        """Point the norm pass at this step's grads (and the params, for trust ratios): host work, before launch."""
+        if self._norm is None:
+            from kitsune.kernels.norms import MultiTensorNorm
+
+            numels = [p.numel() for u in self._units for p in u.params]
+            norm_type = 2.0 if self._trust else self._grads_cfg.norm_type
+            self._norm = MultiTensorNorm(numels * (2 if self._trust else 1), self._units[0].device, norm_type)
+        addresses = [a for u in self._units for a in u.grad_addresses]
+        if self._trust:
+            addresses += [a for u in self._units for a in u.param_addresses]
+        self._norm.bind_addresses(addresses, self._norm_dtypes)
+
+    def launch(self, ctx: StepContext, units: list[FusedUnit]) -> None:
+        """The device half of a step: the norm pass when the step needs one, then one update launch per unit in
+        ``units``. Only device work, so a CUDA graph can capture it (then over every unit: a unit whose grads
+        are all None this step does nothing, as its grad table says)."""
+        if not units:
+            return
+        from kitsune.kernels.update import multi_tensor_update
+
+        fused = ctx.extra.get("fused_grads", False)
+        grad_scale = ctx.extra.get("grad_scale") if fused else None
+        max_norm = self._grads_cfg.max_norm if fused else None
+        total = norms = None
+        if self._needs_norm(ctx):
+            total, norms = self._norm_pass(ctx, grad_scale, fused)
+        found_inf = ctx.extra.get("found_inf")  # AMP's overflow flag: the kernel skips on the device
+        n_norm = len(self._norm_dtypes) // 2 if self._trust else None
+        grad_write = self._grad_write(ctx)
+        for unit, offset in zip(self._units, self._offsets, strict=True):
+            if unit not in units:
+                continue
+            finf = found_inf if found_inf is None or found_inf.device == unit.device else found_inf.to(unit.device)
+            multi_tensor_update(
+                unit.tables,
+                self._contexts[unit.device].buffer,
+                unit.spec,
+                unit.dtype,
+                finf,
+                grad_scale=grad_scale,
+                total_norm=total if max_norm is not None else None,
+                max_norm=max_norm,
+                grad_write=grad_write,
+                tensor_norms=norms if unit.spec.trust else None,
+                norm_offset=offset,
+                n_norm=n_norm,
+            )
+        self._launches_last_launch = len(units) + self._launches_last_norm
+        self._launches_last_norm = 0
+
+    def _grad_write(self, ctx: StepContext) -> int:
+        if self._grads_cfg.zero_in_step:
+            return 2
+        fused = ctx.extra.get("fused_grads", False)
+        scaled = fused and ctx.extra.get("grad_scale") is not None
+        return 1 if scaled or (fused and self._grads_cfg.max_norm is not None) else 0
+
+    def finish(self, ctx: StepContext, live: list[FusedUnit], launches: int | None = None) -> None:
+        """After the launches: write back grads that stood in as contiguous copies, run the torch fallbacks, and
+        tell the orchestrator which params were handled and which grads were zeroed."""
+        groups = self._opt.param_groups
+        zeroed: list[torch.Tensor] = []
+        grad_write = self._grad_write(ctx) if live else 0
+        for unit in live:
+            if grad_write:
+                unit.copy_back()
+            if grad_write == 2:
+                zeroed += unit.params
         ctx.extra["zeroed"] = zeroed
         handled = ctx.handled
         unhandled: list[torch.Tensor] = []
@@ -342,11 +396,32 @@ class FusionSubsystem(Subsystem):
             handled.difference_update(unhandled)
             ctx.unhandled += unhandled
             self._note_once(f"{len(unhandled)} param(s) got sparse grads: left to the optimizer's own step")
-        launches = len(live) + self._launches_last_norm
-        self._launches_last_norm = 0
+        if launches is None:
+            launches, self._launches_last_launch = (self._launches_last_launch if live else 0), 0
         self._steps += 1
         self._launches_last_step = launches
         self._launches_total += launches
+
+    @property
+    def units(self) -> list[FusedUnit]:
+        """The fused launch units of the current plan."""
+        return list(self._units)
+
+    @property
+    def plan_version(self) -> int:
+        """Bumped by every :meth:`plan`: device buffers a captured graph holds may have been replaced."""
+        return self._plan_version
+
+    @property
+    def graphable(self) -> str | None:
+        """Why this plan cannot be captured in a CUDA graph, or None when it can: every param in a fused unit."""
+        if not self._units:
+            return "no param takes the fused kernel"
+        if self._shadows or any(b.route is not Route.TRITON for b in self.current_plan.buckets):
+            return "some params fall back to torch or the optimizer's own step (see the plan)"
+        if len({u.device for u in self._units}) > 1:
+            return "params on several devices"
+        return None
 
     def _norm_pass(
         self, ctx: StepContext, grad_scale: torch.Tensor | None, fused: bool
@@ -356,19 +431,14 @@ class FusionSubsystem(Subsystem):
 
         ``fused`` (the grads' passes are fused into this step): the global norm is kept as ``ctx.extra["grad_norm"]``
         when clipping, and the inf/nan flag becomes ``found_inf`` for AMP."""
-        if self._norm is None:
-            from kitsune.kernels.norms import MultiTensorNorm
-
-            numels = [p.numel() for u in self._units for p in u.params]
-            norm_type = 2.0 if self._trust else self._grads_cfg.norm_type
-            self._norm = MultiTensorNorm(numels * (2 if self._trust else 1), self._units[0].device, norm_type)
-        norm = self._norm
-        addresses = [a for u in self._units for a in u.grad_addresses]
-        n_grads = len(addresses)
-        if self._trust:
-            addresses += [a for u in self._units for a in u.param_addresses]
-        norm.bind_addresses(addresses, self._norm_dtypes)
-        out = torch.empty((), dtype=torch.float32, device=norm.device)
+        norm = self._norm  # bound to this step's addresses by prepare()
+        n_grads = len(self._norm_dtypes) // 2 if self._trust else len(self._norm_dtypes)
+        if ctx.extra.get("static_outputs"):  # a CUDA graph writes the norm into the same buffer every replay
+            if self._norm_out is None:
+                self._norm_out = torch.zeros((), dtype=torch.float32, device=norm.device)
+            out = self._norm_out
+        else:
+            out = torch.empty((), dtype=torch.float32, device=norm.device)
         result = norm.launch(grad_scale if fused else None, invert_scale=True, num_global=n_grads, out=out)
         if fused and ctx.extra.get("check_inf") and ctx.extra.get("found_inf") is None:
             ctx.extra["found_inf"] = result.found_inf

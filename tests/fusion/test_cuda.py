@@ -76,7 +76,8 @@ def test_host_time_2000_tensors():
     assert host_ms < 1.5  # a per-tensor Python loop would cost several ms; noise on a shared host ~0.2 ms
 
 
-def test_whole_phase_makes_no_host_sync_and_matches_torch_loop():
+@pytest.mark.parametrize("capture_graph", [False, True], ids=["eager", "graph"])
+def test_whole_phase_makes_no_host_sync_and_matches_torch_loop(capture_graph):
     """fp16 loss scaling, clip 1.0, AdamW and zeroing in the step under torch.cuda.set_sync_debug_mode("error"),
     with overflows injected, against GradScaler + clip_grad_norm_ + torch's fused AdamW on GPT-2 block shapes."""
     from kitsune import AMPConfig, GradConfig
@@ -92,6 +93,7 @@ def test_whole_phase_makes_no_host_sync_and_matches_torch_loop():
         enable_amp=True,
         amp_config=AMPConfig(dtype=torch.float16, growth_interval=5),
         grad_config=GradConfig(max_norm=1.0, zero_in_step=True),
+        capture_graph=capture_graph,
     )
     ref_opt = torch.optim.AdamW(ref, lr=1e-3, weight_decay=0.1, fused=True)
     scaler = torch.amp.GradScaler("cuda", growth_interval=5)
@@ -107,14 +109,99 @@ def test_whole_phase_makes_no_host_sync_and_matches_torch_loop():
         scaler.update()
         ref_opt.zero_grad(set_to_none=False)
         opt.backward(sum((p * g).sum() for p, g in zip(ours, grads, strict=True)))
-        # from the third step on: the first ones build tables and state, with blocking uploads as torch's do
-        torch.cuda.set_sync_debug_mode("error" if step >= 2 else "default")
+        # after the first steps, which build tables and state with blocking uploads as torch's do (and, with
+        # graphs, the capture at step 4, for which torch.cuda.graph synchronizes once)
+        torch.cuda.set_sync_debug_mode("error" if step >= (5 if capture_graph else 2) else "default")
         try:
             opt.step()
             opt.zero_grad(set_to_none=False)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert opt.host_syncs == 0 and opt.skipped_steps == len(bad) and opt.loss_scale == scaler.get_scale()
+    assert opt._subsystem("graphs").report()["replays"] == (27 if capture_graph else 0)
     for a, b in zip(ours, ref, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
         assert torch.count_nonzero(a.grad) == 0
+
+
+def _gpt2_twins(n_blocks: int = 2, **kwargs):
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    init = [torch.randn(s, device="cuda", generator=gen) for s in GPT2_BLOCK * n_blocks]
+    graphed = [torch.nn.Parameter(t.clone()) for t in init]
+    eager = [torch.nn.Parameter(t.clone()) for t in init]
+    opts = [
+        KitsuneOptimizer(
+            torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1), enable_fusion=True, capture_graph=cap, **kwargs
+        )
+        for ps, cap in ((graphed, True), (eager, False))
+    ]
+    return graphed, eager, opts, gen
+
+
+def test_graph_replay_equals_eager_bit_for_bit_over_200_steps_with_onecyclelr():
+    graphed, eager, opts, gen = _gpt2_twins(max_grad_norm=1.0)
+    scheds = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=1e-2, total_steps=200) for o in opts]
+    for _ in range(200):
+        for a, b in zip(graphed, eager, strict=True):
+            g = torch.randn(a.shape, device="cuda", generator=gen) * 0.02
+            a.grad, b.grad = g, g.clone()  # new grad tensors every step: new addresses, no recapture
+        for o, s in zip(opts, scheds, strict=True):
+            o.step()
+            s.step()
+        assert torch.equal(opts[0].last_grad_norm, opts[1].last_grad_norm)
+    report = opts[0]._subsystem("graphs").report()
+    assert report["captures"] == 1 and report["replays"] == 197, report
+    for a, b in zip(graphed, eager, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_graph_structural_changes_give_the_eager_results():
+    graphed, eager, opts, gen = _gpt2_twins(n_blocks=1)
+
+    def steps(n, skip=()):
+        for _ in range(n):
+            for i, (a, b) in enumerate(zip(graphed, eager, strict=True)):
+                g = torch.randn(a.shape, device="cuda", generator=gen)
+                a.grad, b.grad = (None, None) if i in skip else (g, g.clone())
+            for o in opts:
+                o.step()
+
+    steps(6)
+    steps(4, skip={0, 3})  # some params without grads: their table entries say so, no recapture
+    init = torch.randn(300, device="cuda", generator=gen)
+    extra = [torch.nn.Parameter(init.clone()) for _ in range(2)]
+    for o, p in zip(opts, extra, strict=True):
+        o.add_param_group({"params": [p], "lr": 1e-2})
+    graphed.append(extra[0])
+    eager.append(extra[1])
+    steps(6)
+    for o in opts:
+        o.load_state_dict(o.state_dict())
+    steps(6)
+    for a, b in zip(graphed, eager, strict=True):  # p.data = ...: new storage
+        a.data, b.data = a.data.clone(), b.data.clone()
+    steps(6)
+    graphs = opts[0]._subsystem("graphs").report()
+    assert graphs["captures"] == 4, graphs
+    for a, b in zip(graphed, eager, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_graph_host_time_per_step_gpt2_shapes():
+    """With the phase replayed from a graph the host does the address checks and one graph launch per step."""
+    graphed, _, opts, _ = _gpt2_twins(n_blocks=12)
+    for p in graphed:
+        p.grad = torch.randn_like(p)
+    opt = opts[0]
+    for _ in range(10):
+        opt.step()
+    torch.cuda.synchronize()
+    n = 100
+    start = time.perf_counter()
+    for _ in range(n):
+        opt.step()
+    host_ms = (time.perf_counter() - start) / n * 1e3
+    torch.cuda.synchronize()
+    print(f"kitsune AdamW GPT-2 shapes ({len(graphed)} tensors), graph replay, host ms/step: {host_ms:.4f}")
+    assert opt._subsystem("graphs").report()["replays"] >= n
+    assert host_ms < 0.5

@@ -1,0 +1,248 @@
+"""``kitsune bench --e2e``: whole training steps of a GPT-2 124M-shaped model, torch's careful loop against kitsune.
+
+Both sides train the same model from the same initial weights on the same token batches, with bf16 autocast and
+AdamW, clipping the grads to a global norm of 1.0:
+
+* ``torch``: ``torch.optim.AdamW(fused=True)``; ``loss.backward()``; ``torch.nn.utils.clip_grad_norm_``;
+  ``step()``; ``zero_grad()``.
+* ``kitsune``: ``KitsuneOptimizer(AdamW, enable_fusion=True, enable_amp=True (bf16), max_grad_norm=1.0)`` with
+  ``optimizer.autocast()``, ``optimizer.backward(loss)`` and ``zero_grad()``: the clip happens inside the step,
+  whose device work is replayed from a CUDA graph after warm-up.
+* ``kitsune_zero``: the same with ``GradConfig(zero_in_step=True)``: the update zeroes the grads, which then stay
+  allocated through the next forward (more peak memory, like ``zero_grad(set_to_none=False)``).
+
+Reported per side: tokens per second over the timed steps (CUDA events around each whole step: forward, backward
+and optimizer), the peak allocated memory of the timed steps, and the last loss (both sides should agree closely).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel
+from torch import nn
+
+from kitsune.bench.timing import Stats
+
+
+class GPTConfig(BaseModel):
+    vocab: int = 50257
+    block: int = 1024
+    layers: int = 12
+    heads: int = 12
+    dim: int = 768
+
+
+GPT2_SMALL = GPTConfig()
+"""GPT-2 124M: 12 layers, 12 heads, 768 wide, 50257 tokens, embeddings tied to the head."""
+CPU_TINY = GPTConfig(vocab=256, block=64, layers=2, heads=2, dim=32)
+"""The same model, tiny, for a CPU dry run."""
+
+
+class _Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.heads = cfg.heads
+        self.ln1 = nn.LayerNorm(cfg.dim)
+        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim)
+        self.proj = nn.Linear(cfg.dim, cfg.dim)
+        self.ln2 = nn.LayerNorm(cfg.dim)
+        self.fc = nn.Linear(cfg.dim, 4 * cfg.dim)
+        self.out = nn.Linear(4 * cfg.dim, cfg.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(y)
+        return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    """A GPT-2-shaped decoder (pre-norm blocks, learned positions, head tied to the token embedding)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab, cfg.dim)
+        self.pos = nn.Embedding(cfg.block, cfg.dim)
+        self.blocks = nn.ModuleList(_Block(cfg) for _ in range(cfg.layers))
+        self.ln = nn.LayerNorm(cfg.dim)
+        self.head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
+        self.head.weight = self.tok.weight
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                std = 0.02 / math.sqrt(2 * cfg.layers) if name.endswith(("proj.weight", "out.weight")) else 0.02
+                nn.init.normal_(p, std=std)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for blk in self.blocks:
+            x = blk(x)
+        logits = self.head(self.ln(x))
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class E2ESide(BaseModel):
+    name: str
+    label: str
+    step_ms: Stats
+    tokens_per_s: float
+    peak_memory_bytes: int
+    last_loss: float
+    losses: list[float]
+    """Every step's loss, warm-up included (read after the timing)."""
+
+
+class E2EResult(BaseModel):
+    model: GPTConfig
+    n_params: int
+    batch: int
+    seq: int
+    steps: int
+    warmup: int
+    max_grad_norm: float
+    sides: list[E2ESide]
+    ratio: float
+    """kitsune's tokens/s over torch's (above 1: kitsune trains faster)."""
+    max_loss_diff_first_10: float
+    """Largest difference of the two sides' losses over the first 10 steps: they train the same model alike."""
+
+
+def run_e2e(
+    device: torch.device, steps: int = 30, warmup: int = 10, batch: int = 4, seq: int = 512, seed: int = 0
+) -> E2EResult:
+    """Time ``steps`` whole training steps of each side after ``warmup`` untimed ones (see the module docstring)."""
+    from kitsune.config import AMPConfig, GradConfig
+    from kitsune.optimizer import KitsuneOptimizer
+
+    cfg = GPT2_SMALL if device.type == "cuda" else CPU_TINY
+    seq = min(seq, cfg.block)
+    gen = torch.Generator().manual_seed(seed + 1)
+    data = [torch.randint(cfg.vocab, (batch, seq + 1), generator=gen).to(device) for _ in range(8)]
+    torch.manual_seed(seed)
+    init = GPT(cfg).state_dict()
+    adamw = {"lr": 3e-4, "weight_decay": 0.1, "betas": (0.9, 0.95)}
+
+    def torch_side() -> tuple[nn.Module, Any, Any]:
+        model = GPT(cfg).to(device)
+        model.load_state_dict(init)
+        opt = torch.optim.AdamW(model.parameters(), **adamw, fused=device.type == "cuda")
+
+        def step(tokens: torch.Tensor) -> torch.Tensor:
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = model(tokens[:, :-1], tokens[:, 1:])
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        return model, opt, step
+
+    def kitsune_side(zero_in_step: bool) -> tuple[nn.Module, Any, Any]:
+        model = GPT(cfg).to(device)
+        model.load_state_dict(init)
+        opt = KitsuneOptimizer(
+            torch.optim.AdamW(model.parameters(), **adamw),
+            enable_fusion=True,
+            enable_amp=True,
+            amp_config=AMPConfig(dtype=torch.bfloat16),
+            grad_config=GradConfig(max_norm=1.0, zero_in_step=zero_in_step),
+        )
+
+        def step(tokens: torch.Tensor) -> torch.Tensor:
+            with opt.autocast():
+                loss = model(tokens[:, :-1], tokens[:, 1:])
+            opt.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        return model, opt, step
+
+    specs = (
+        ("torch", "torch: fused AdamW, clip_grad_norm_, zero_grad", torch_side),
+        ("kitsune", "kitsune: clip in the step, graph", lambda: kitsune_side(False)),
+        ("kitsune_zero", "kitsune: clip and zero in the step, graph", lambda: kitsune_side(True)),
+    )
+    # build and warm up each side in turn, measuring its own peak memory (above what the others hold); then time
+    # the sides interleaved step by step, so a busy host slows all of them alike
+    built: list[tuple[Any, list[torch.Tensor], int]] = []
+    n_params = 0
+    for _, _, build in specs:
+        base = _allocated(device)
+        model, opt, step = build()
+        n_params = sum(p.numel() for p in model.parameters())
+        losses = [step(data[i % len(data)]).detach() for i in range(warmup)]
+        peak = torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else 0
+        built.append((step, losses, peak))
+    times = _interleaved([step for step, _, _ in built], data, steps, device, first=warmup)
+    sides = []
+    for (name, label, _), (_, losses, peak), (ms, timed_losses) in zip(specs, built, times, strict=True):
+        all_losses = [float(x) for x in losses + timed_losses]
+        stats = Stats.of(ms)
+        sides.append(
+            E2ESide(
+                name=name,
+                label=label,
+                step_ms=stats,
+                tokens_per_s=batch * seq / (stats.median / 1e3),
+                peak_memory_bytes=peak,
+                last_loss=all_losses[-1],
+                losses=all_losses,
+            )
+        )
+    return E2EResult(
+        model=cfg,
+        n_params=n_params,
+        batch=batch,
+        seq=seq,
+        steps=steps,
+        warmup=warmup,
+        max_grad_norm=1.0,
+        sides=sides,
+        ratio=sides[1].tokens_per_s / sides[0].tokens_per_s,
+        max_loss_diff_first_10=max(abs(a - b) for a, b in zip(sides[0].losses[:10], sides[1].losses[:10], strict=True)),
+    )
+
+
+def _allocated(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def _interleaved(
+    steps_fns: list[Any], data: list[torch.Tensor], steps: int, device: torch.device, first: int
+) -> list[tuple[list[float], list[torch.Tensor]]]:
+    """Each side's per-step milliseconds (CUDA events on a GPU, a wall clock on a CPU) and losses (left on the
+    device), the sides taking turns step by step."""
+    import time
+
+    out: list[tuple[list[float], list[torch.Tensor]]] = [([], []) for _ in steps_fns]
+    events: list[list[tuple[Any, Any]]] = [[] for _ in steps_fns]
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    for i in range(first, first + steps):
+        batch = data[i % len(data)]
+        for k, step in enumerate(steps_fns):
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                out[k][1].append(step(batch).detach())
+                end.record()
+                events[k].append((start, end))
+            else:
+                t0 = time.perf_counter()
+                out[k][1].append(step(batch).detach())
+                out[k][0].append((time.perf_counter() - t0) * 1e3)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        for k, evs in enumerate(events):
+            out[k][0].extend(start.elapsed_time(end) for start, end in evs)
+    return out

@@ -1,0 +1,217 @@
+"""Graph capture's logic on the CPU: a stand-in backend whose "capture" records the device work and whose "replay"
+runs the recording, so warm-up, capture, replay, the host/device split and every recapture trigger run here
+against torch's own optimizer. Real CUDA graphs are tested in test_cuda.py."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+from kitsune import AMPConfig, GradConfig, KitsuneOptimizer
+from kitsune.graphs import GraphSubsystem
+
+from ._util import make_params, random_grads
+
+SIZES = [(7, 3), 16, 5, 1]
+
+
+class RecordingBackend:
+    """Capture records the callable without running it (a real capture runs nothing); replay runs it."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.captured = 0
+        self.replayed = 0
+
+    def supports(self, device: torch.device) -> str | None:
+        return None
+
+    def eager(self, fn, device) -> None:
+        fn()
+
+    def capture(self, fn, device) -> Any:
+        if self.fail:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        self.captured += 1
+        return fn
+
+    def replay(self, graph) -> None:
+        self.replayed += 1
+        graph()
+
+
+def _graphed(opt: KitsuneOptimizer, backend: RecordingBackend | None = None) -> RecordingBackend:
+    backend = backend or RecordingBackend()
+    graphs = opt._subsystem("graphs")
+    assert isinstance(graphs, GraphSubsystem)
+    graphs.backend = backend
+    opt._replan()
+    assert graphs.active, graphs.reason
+    return backend
+
+
+def _set_grads(params, step, skip=()):
+    for i, (p, g) in enumerate(zip(params, random_grads(params, step), strict=True)):
+        p.grad = None if i in skip else g
+
+
+def test_replay_equals_torch_with_onecyclelr_and_clip(device):
+    """30 steps with OneCycleLR (lr and betas change every step, through the device buffer, no recapture) and
+    clipping inside the step: the same trajectory as torch's AdamW after clip_grad_norm_."""
+    ref, ours = make_params(SIZES, torch.float32, device), make_params(SIZES, torch.float32, device)
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1)
+    opt = KitsuneOptimizer(torch.optim.AdamW(ours, lr=1e-2, weight_decay=0.1), enable_fusion=True, max_grad_norm=0.5)
+    backend = _graphed(opt)
+    scheds = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=40) for o in (ref_opt, opt)]
+    norms, wants = [], []
+    for step in range(30):
+        _set_grads(ref, step)
+        _set_grads(ours, step)
+        want = torch.nn.utils.clip_grad_norm_(ref, 0.5)
+        ref_opt.step()
+        opt.step()
+        norms.append(opt.last_grad_norm)
+        wants.append(want)
+        torch.testing.assert_close(opt.last_grad_norm, want, atol=1e-6, rtol=1e-6)
+        for s in scheds:
+            s.step()
+    # a fresh tensor every step, not the graph's buffer: the norms kept from earlier steps still hold their values
+    torch.testing.assert_close(torch.stack(norms), torch.stack(wants), atol=1e-6, rtol=1e-6)
+    report = opt._subsystem("graphs").report()
+    assert (backend.captured, backend.replayed) == (1, 27) and report["eager_steps"] == 3
+    for p, q in zip(ref, ours, strict=True):
+        torch.testing.assert_close(q.detach(), p.detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_fp16_amp_scale_update_is_in_the_graph(device):
+    """The loss-scale update replays with the graph: the same scale trajectory and skips as GradScaler."""
+    ref, ours = make_params(SIZES, torch.float32, device), make_params(SIZES, torch.float32, device)
+    ref_opt = torch.optim.Adam(ref, lr=1e-2)
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**10, growth_interval=3)
+    amp = AMPConfig(dtype=torch.float16, init_scale=2.0**10, growth_interval=3)
+    opt = KitsuneOptimizer(
+        torch.optim.Adam(ours, lr=1e-2),
+        enable_fusion=True,
+        enable_amp=True,
+        amp_config=amp,
+        grad_config=GradConfig(zero_in_step=True),
+    )
+    _graphed(opt)
+    for step in range(20):
+        grads = random_grads(ref, step)
+        if step in (6, 13):
+            grads[0].view(-1)[0] = float("inf")
+        scaler.scale(sum((p * g).sum() for p, g in zip(ref, grads, strict=True))).backward()
+        scaler.step(ref_opt)
+        scaler.update()
+        ref_opt.zero_grad()
+        opt.backward(sum((p * g).sum() for p, g in zip(ours, grads, strict=True)))
+        opt.step()
+        opt.zero_grad()
+        assert opt.loss_scale == scaler.get_scale()
+        assert all(torch.count_nonzero(q.grad) == 0 for q in ours)  # zeroed by the replayed update
+    assert opt.skipped_steps == 2 and opt.host_syncs == 0
+    for p, q in zip(ref, ours, strict=True):
+        torch.testing.assert_close(q.detach(), p.detach(), atol=1e-5, rtol=1e-5)
+
+
+def _twins(device):
+    ref, ours = make_params(SIZES, torch.float32, device), make_params(SIZES, torch.float32, device)
+    ref_opt = torch.optim.SGD(ref, lr=0.05, momentum=0.9)
+    opt = KitsuneOptimizer(torch.optim.SGD(ours, lr=0.05, momentum=0.9), enable_fusion=True)
+    return ref, ours, ref_opt, opt
+
+
+def _both(ref, ours, ref_opt, opt, step, skip=()):
+    _set_grads(ref, step, skip)
+    _set_grads(ours, step, skip)
+    ref_opt.step()
+    opt.step()
+
+
+def _close(ref, ours):
+    for p, q in zip(ref, ours, strict=True):
+        torch.testing.assert_close(q.detach(), p.detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_grads_reallocated_or_none_need_no_recapture(device):
+    ref, ours, ref_opt, opt = _twins(device)
+    backend = _graphed(opt)
+    for step in range(12):
+        # new grad tensors every step (as after zero_grad(set_to_none=True)), and some params without a grad
+        _both(ref, ours, ref_opt, opt, step, skip={1} if step % 3 == 0 else ())
+    assert backend.captured == 1
+    _close(ref, ours)
+    assert opt._subsystem("graphs").recaptures == []
+
+
+@pytest.mark.parametrize("change", ["add_param_group", "load_state_dict", "storage", "switch"])
+def test_structural_changes_replan_and_recapture(device, change):
+    ref, ours, ref_opt, opt = _twins(device)
+    backend = _graphed(opt)
+    for step in range(6):
+        _both(ref, ours, ref_opt, opt, step)
+    assert backend.captured == 1
+    if change == "add_param_group":
+        extra_ref, extra = make_params([9], torch.float32, device, seed=5), make_params([9], torch.float32, device, 5)
+        ref_opt.add_param_group({"params": extra_ref, "lr": 0.01})
+        opt.add_param_group({"params": extra, "lr": 0.01})
+        ref, ours = ref + extra_ref, ours + extra
+    elif change == "load_state_dict":
+        opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    elif change == "storage":  # p.data = ...: the kernel must not keep writing the old storage
+        for p, q in zip(ref, ours, strict=True):
+            p.data = p.data.clone()
+            q.data = q.data.clone()
+    else:  # a kernel switch: nesterov on, a new compiled variant
+        for o in (ref_opt, opt):
+            o.param_groups[0]["nesterov"] = True
+    for step in range(6, 14):
+        _both(ref, ours, ref_opt, opt, step)
+    assert backend.captured == 2, opt._subsystem("graphs").report()
+    assert opt._subsystem("graphs").recaptures
+    _close(ref, ours)
+
+
+def test_grad_scaler_steps_run_eagerly_and_keep_the_graph(device):
+    ref, ours, ref_opt, opt = _twins(device)
+    backend = _graphed(opt)
+    for step in range(6):
+        _both(ref, ours, ref_opt, opt, step)
+    s1, s2 = (torch.amp.GradScaler(device.type, init_scale=4.0) for _ in range(2))
+    for step in range(6, 9):
+        grads = random_grads(ref, step)
+        for params, o, s in ((ref, ref_opt, s1), (ours, opt, s2)):
+            s.scale(sum((p * g).sum() for p, g in zip(params, grads, strict=True))).backward()
+            s.step(o)
+            s.update()
+            o.zero_grad()
+    graphs = opt._subsystem("graphs")
+    assert "GradScaler" in graphs.report()["last_eager_reason"] and backend.captured == 1
+    _close(ref, ours)
+
+
+def test_failed_capture_falls_back_to_eager_with_the_reason(device):
+    ref, ours, ref_opt, opt = _twins(device)
+    _graphed(opt, RecordingBackend(fail=True))
+    for step in range(8):
+        _both(ref, ours, ref_opt, opt, step)
+    graphs = opt._subsystem("graphs")
+    assert not graphs.active and "capture failed" in graphs.reason and "not permitted" in graphs.reason
+    _close(ref, ours)
+    opt._replan()  # a later re-plan does not try again
+    assert not graphs.active
+
+
+def test_inactive_with_reasons(device):
+    p = make_params([4], torch.float32, device)
+    opt = KitsuneOptimizer(torch.optim.AdamW(p), enable_fusion=True, capture_graph=False)
+    assert opt._subsystem("graphs").reason == "capture_graph=False"
+    opt = KitsuneOptimizer(torch.optim.AdamW(p))
+    assert "fusion is inactive" in opt._subsystem("graphs").reason
+    q = torch.nn.Parameter(torch.randn(3, dtype=torch.float64, device=device))
+    opt = KitsuneOptimizer(torch.optim.AdamW([*p, q]), enable_fusion=True)
+    assert "not all fused" in opt._subsystem("graphs").reason
