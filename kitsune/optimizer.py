@@ -327,8 +327,13 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         try:
             for s in self._active:
                 s.before_step(ctx)
+            timer = ctx.extra.get("phases")  # the profiler's probe steps time each phase
+            if timer is not None:
+                timer.mark("unscale")
             if self.config.grads.max_norm is not None and not fused:
                 ctx.extra["grad_norm"] = self._clip_grads()
+                if timer is not None:
+                    timer.mark("clip")
             if self._overflow_on_host(ctx):
                 ctx.skip_base_step = True  # inf/nan grads: nothing is updated this step
             else:
@@ -342,6 +347,8 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             if not ctx.skip_base_step and (self._leftover or closure is not None or ctx.unhandled or ctx.baseline):
                 out = self._base_step(ctx.handled, closure)
                 loss = out if closure is not None else loss
+                if timer is not None:
+                    timer.mark("fallback")
             else:
                 self._optimizer._opt_called = True  # LR schedulers built on the wrapped optimizer look for this
                 self._run_base_hooks(pre=True)
@@ -376,6 +383,8 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         why = None
         if not live:
             why = "no param has a grad this step"
+        elif "phases" in ctx.extra:
+            why = "the profiler's probe times each phase"
         elif not ctx.extra.get("fused_grads"):
             why = "the profiler's baseline step"
         elif "found_inf" in self.__dict__:

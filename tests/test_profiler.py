@@ -212,3 +212,28 @@ def test_probe_and_live_comparison_on_gpu():
     assert metrics.step_time.count == 30 - 2 - 6
     text = _summary_text(opt)
     assert "live comparison" in text and "kernel launch" in text and "bandwidth floor" in text
+
+
+@pytest.mark.cuda
+def test_probe_times_each_phase_with_amp_clip_and_graphs():
+    from kitsune import AMPConfig, FusionConfig, GradConfig
+
+    params = [torch.nn.Parameter(torch.randn(n, device="cuda")) for n in (1 << 20, 4096, 77)]
+    config = KitsuneConfig(
+        fusion=FusionConfig(enabled=True),
+        amp=AMPConfig(dtype=torch.float16),
+        grads=GradConfig(max_norm=1.0, zero_in_step=True),
+        profiler=ProfilerConfig(enabled=True, nvml_interval_s=0, sample_after=6, probe_steps=2, compare_steps=0),
+    )
+    opt = KitsuneOptimizer(torch.optim.AdamW(params), config=config)
+    for _ in range(12):
+        opt.backward(sum((p * torch.randn_like(p)).sum() for p in params))
+        opt.step()
+        opt.zero_grad()
+    probe = opt.profiler.get_metrics().probe
+    assert probe.status == "measured" and probe.phases_ms is not None
+    assert list(probe.phases_ms) == ["unscale", "norm", "update", "scale_update"], probe.phases_ms
+    assert probe.phases_ms["update"] > probe.phases_ms["unscale"] and probe.phases_ms["norm"] > 0
+    graphs = opt._subsystem("graphs").report()
+    assert graphs["replays"] >= 6 and "probe" in graphs["last_eager_reason"]  # graphed around the probe steps
+    assert "device ms per phase" in _summary_text(opt)

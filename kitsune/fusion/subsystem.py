@@ -339,8 +339,11 @@ class FusionSubsystem(Subsystem):
         grad_scale = ctx.extra.get("grad_scale") if fused else None
         max_norm = self._grads_cfg.max_norm if fused else None
         total = norms = None
+        timer = ctx.extra.get("phases")
         if self._needs_norm(ctx):
             total, norms = self._norm_pass(ctx, grad_scale, fused)
+            if timer is not None:
+                timer.mark("norm")
         found_inf = ctx.extra.get("found_inf")  # AMP's overflow flag: the kernel skips on the device
         n_norm = len(self._norm_dtypes) // 2 if self._trust else None
         grad_write = self._grad_write(ctx)
@@ -362,6 +365,8 @@ class FusionSubsystem(Subsystem):
                 norm_offset=offset,
                 n_norm=n_norm,
             )
+        if timer is not None:
+            timer.mark("update")
         self._launches_last_launch = len(units) + self._launches_last_norm
         self._launches_last_norm = 0
 
@@ -392,6 +397,8 @@ class FusionSubsystem(Subsystem):
         for shadow in self._shadows:
             shadow.step(groups, ctx.extra.get("found_inf"))
             handled.update(shadow.param_set)
+        if self._shadows and ctx.extra.get("phases") is not None:
+            ctx.extra["phases"].mark("fallback")
         if unhandled:  # sparse grads met at step time: the wrapped optimizer's own step must take them
             handled.difference_update(unhandled)
             ctx.unhandled += unhandled

@@ -253,6 +253,7 @@ class Profiler(Subsystem):
         self._window = phase if phase in ("reference", "baseline") and self._comparable else None
         if self._mode == "probe":
             self._probe.begin(self._device)
+            ctx.extra["phases"] = self._probe.timer  # the orchestrator and fusion mark the phase boundaries
         if self._cuda:
             self._start_event = self._event()
             self._start_event.record()

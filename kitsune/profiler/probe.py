@@ -41,6 +41,12 @@ class ProbeReport(BaseModel):
     """Where those syncs were called from, ``file:line`` (at most 5 distinct)."""
     copy_bandwidth_gbs: float | None = None
     """Measured device-to-device copy rate in GB/s, bytes read plus bytes written."""
+    phases_ms: dict[str, float] | None = None
+    """Median device time of each phase of the step over the probe steps, in step order (CUDA events at the
+    phase boundaries): ``unscale`` (AMP's own unscaling pass), ``clip`` (clipping as its own pass), ``norm`` (the
+    fused norm pass), ``update`` (the fused updates, zeroing included), ``fallback`` (torch's fused/foreach path
+    and the wrapped optimizer's own step), ``scale_update`` (the loss-scale update). A phase a step does not have
+    takes about 0 ms. Probe steps run eagerly even when the phase is replayed from a CUDA graph."""
 
 
 def _from_probe(w: warnings.WarningMessage) -> bool:
@@ -74,6 +80,29 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int = 128 * 1024 * 1024
     return 2 * nbytes / (times[len(times) // 2] * 1e-3) / 1e9
 
 
+class PhaseTimer:
+    """CUDA events at the boundaries of a step's phases: ``mark(name)`` ends phase ``name`` (begun at the previous
+    mark, or at construction)."""
+
+    def __init__(self) -> None:
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        self._marks: list[tuple[str, torch.cuda.Event]] = [("", start)]
+
+    def mark(self, name: str) -> None:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        self._marks.append((name, event))
+
+    def durations(self) -> dict[str, float]:
+        """Milliseconds per phase (a name marked twice adds up), waiting for the last event."""
+        self._marks[-1][1].synchronize()
+        out: dict[str, float] = {}
+        for (_, before), (name, after) in zip(self._marks, self._marks[1:], strict=False):
+            out[name] = out.get(name, 0.0) + before.elapsed_time(after)
+        return out
+
+
 class Probe:
     """Runs the probe over the steps the profiler schedules; ``begin``/``end`` bracket one step."""
 
@@ -87,6 +116,9 @@ class Probe:
         self._bandwidth: float | None = None
         self._errors: list[str] = []
         self._torch_profiler: Any = None
+        self._timers: list[PhaseTimer] = []
+        self.timer: PhaseTimer | None = None
+        """The phase timer of the probe step under way (None between probe steps)."""
         self._warnings: Any = None
         self._caught: list[warnings.WarningMessage] = []
         self._previous_mode = 0
@@ -112,8 +144,10 @@ class Probe:
                 self._errors.append(f"launches not counted: torch.profiler failed ({exc})")
         self._previous_mode = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode("warn")
+        self.timer = PhaseTimer()
 
     def _stop(self) -> tuple[list[warnings.WarningMessage], Any]:
+        self.timer = None
         torch.cuda.set_sync_debug_mode(self._previous_mode)
         tp, self._torch_profiler = self._torch_profiler, None
         if tp is not None:
@@ -130,6 +164,9 @@ class Probe:
 
     def complete(self) -> None:
         """The step finished: count what it did."""
+        if self.timer is not None:
+            self.timer.mark("scale_update")  # the last phase: AMP's after_step has run
+            self._timers.append(self.timer)
         caught, tp = self._stop()
         syncs = [w for w in caught if SYNC_MESSAGE in str(w.message)]
         others = [w for w in caught if SYNC_MESSAGE not in str(w.message) and not _from_probe(w)]
@@ -163,4 +200,16 @@ class Probe:
             syncs_per_step=self._syncs / self._done,
             sync_sites=self._sites,
             copy_bandwidth_gbs=self._bandwidth,
+            phases_ms=self._phases(),
         )
+
+    def _phases(self) -> dict[str, float] | None:
+        if not self._timers:
+            return None
+        per_step = [t.durations() for t in self._timers]
+        names = list(dict.fromkeys(name for d in per_step for name in d))
+        out = {}
+        for name in names:
+            values = sorted(d.get(name, 0.0) for d in per_step)
+            out[name] = round(values[len(values) // 2], 5)
+        return out

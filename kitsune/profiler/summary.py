@@ -162,6 +162,9 @@ def probe_lines(metrics: ProfilerMetrics) -> list[str]:
     lines = [f"per step, inside step() (probe of {probe.steps} step(s)): " + ", ".join(counts)]
     if probe.sync_sites:
         lines.append("  syncs called from: " + ", ".join(probe.sync_sites))
+    if probe.phases_ms:
+        phases = ", ".join(f"{name} {ms:.4f}" for name, ms in probe.phases_ms.items() if ms >= 0.00005)
+        lines.append(f"  device ms per phase (median of the probe steps, run eagerly): {phases or 'all below 0.0001'}")
     if probe.reason:
         lines.append(f"  note: {probe.reason}")
     if metrics.floor_ms is not None and metrics.bytes_per_step is not None:
