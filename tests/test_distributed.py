@@ -1,0 +1,112 @@
+"""DistributedDataParallel with kitsune: 2 CPU processes on gloo (spawned, with a timeout) against one process.
+
+Each rank trains on its half of every batch; DDP averages the grads in backward, so after each step both ranks
+must hold the params a single process gets from the whole batch. The fused kernels run in Triton's interpreter
+inside the ranks (TRITON_INTERPRET=1), so the fused path is what is checked, not the wrapped optimizer's.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+STEPS = 6
+FEATURES = {
+    "fused": {"enable_fusion": True},
+    "fused_clip_zero": {"enable_fusion": True, "max_grad_norm": 0.5, "zero_in_step": True},
+    "fused_bf16_profile": {"enable_fusion": True, "amp": "bf16", "profile": True, "max_grad_norm": 1.0},
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(7, 16), torch.nn.Tanh(), torch.nn.Linear(16, 5))
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 7, generator=gen), torch.randn(8, 5, generator=gen)) for _ in range(STEPS)]
+
+
+def _optimizer(params, features: dict):
+    from kitsune import AMPConfig, GradConfig, KitsuneOptimizer
+
+    kwargs = {k: v for k, v in features.items() if k in ("enable_fusion", "profile")}
+    if "amp" in features:
+        kwargs.update(enable_amp=True, amp_config=AMPConfig(dtype=torch.bfloat16))
+    grads = GradConfig(max_norm=features.get("max_grad_norm"), zero_in_step=features.get("zero_in_step", False))
+    return KitsuneOptimizer(torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1), grad_config=grads, **kwargs)
+
+
+def _train(model, opt, batches, rank: int, world: int) -> None:
+    for x, y in batches:
+        lo, hi = rank * len(x) // world, (rank + 1) * len(x) // world
+        with opt.autocast():
+            loss = torch.nn.functional.mse_loss(model(x[lo:hi]).float(), y[lo:hi])
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+
+
+def _rank(rank: int, world: int, port: int, features: dict, out: str) -> None:
+    os.environ["TRITON_INTERPRET"] = "1"  # before kitsune's kernels are imported in this process
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model = torch.nn.parallel.DistributedDataParallel(_model())
+        opt = _optimizer(model.parameters(), features)
+        _train(model, opt, _batches(), rank, world)
+        fusion = next(s for s in opt.subsystem_status() if s["name"] == "fusion")
+        torch.save(
+            {"params": [p.detach() for p in model.module.parameters()], "fused": fusion["report"]["params_fused"]},
+            Path(out) / f"rank{rank}.pt",
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", list(FEATURES))
+def test_ddp_two_ranks_equal_one_process(name, monkeypatch):
+    features = FEATURES[name]
+    with tempfile.TemporaryDirectory() as out:
+        ctx = mp.start_processes(
+            _rank, args=(2, _free_port(), features, out), nprocs=2, join=False, start_method="spawn"
+        )
+        for _ in range(240):  # a hung collective must fail the test, not the CI job
+            if ctx.join(timeout=0.5):
+                break
+        else:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("the DDP ranks did not finish within 120 s")
+        ranks = [torch.load(Path(out) / f"rank{r}.pt") for r in range(2)]
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if "kitsune.kernels.update" not in sys.modules:
+        pytest.skip("the interpreted kernels are imported by tests/conftest.py on CPU-only machines")
+    model = _model()
+    opt = _optimizer(model.parameters(), features)
+    _train(model, opt, _batches(), 0, 1)
+    # bf16 autocast rounds the half-batch forward differently from the whole batch's
+    tol = 5e-4 if "amp" in features else 2e-5
+    for r in ranks:
+        assert r["fused"] == 4  # the ranks ran kitsune's fused kernels, not the wrapped optimizer's step
+        for got, want in zip(r["params"], model.parameters(), strict=True):
+            torch.testing.assert_close(got, want.detach(), atol=tol, rtol=tol)
+    for a, b in zip(ranks[0]["params"], ranks[1]["params"], strict=True):
+        assert torch.equal(a, b)  # DDP keeps the replicas identical
