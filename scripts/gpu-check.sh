@@ -13,7 +13,7 @@ export PYTHONUNBUFFERED=1
 export COLUMNS="${COLUMNS:-160}"  # rich tables in the logs: wide enough for every column
 BENCH_DEVICE="${BENCH_DEVICE:-cuda}"
 # STAGES picks what runs (a lent GPU allows 10 minutes a call: run "tests,suites" and "bench,demo" as two calls)
-STAGES=",${STAGES:-tests,suites,bench,demo},"
+STAGES=",${STAGES:-tests,suites,bench,muon,demo},"
 stage() { [[ "$STAGES" == *",$1,"* ]]; }
 
 if [ -d .whl ] && compgen -G ".whl/*.whl" >/dev/null; then
@@ -72,6 +72,11 @@ timeout 330 python3 -m kitsune.bench --device "$BENCH_DEVICE" --sets gpt2,many,l
     --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || bench_rc=$?
 }
 
+muon_rc=0
+stage muon && {
+timeout 200 python3 -m kitsune.bench --muon --json "$OUT/muon.json" 2>&1 | tee "$OUT/muon.log" || muon_rc=$?
+}
+
 demo_rc=0
 stage demo && {
 timeout 90 python3 -m kitsune demo --device "$BENCH_DEVICE" --profile-out "$OUT/demo-profile.json" 2>&1 \
@@ -79,7 +84,7 @@ timeout 90 python3 -m kitsune demo --device "$BENCH_DEVICE" --profile-out "$OUT/
 }
 
 echo "cuda tests exit code: $tests_rc (124: timed out); kernel/fusion suites on the GPU: $gpu_suites_rc;" \
-    "bench exit code: $bench_rc (1: a variant failed);" \
+    "bench exit code: $bench_rc (1: a variant failed); muon bench exit code: $muon_rc;" \
     "demo exit code: $demo_rc" | tee "$OUT/exit-codes.txt"
 if [ "$tests_rc" -ne 0 ]; then
     exit "$tests_rc"

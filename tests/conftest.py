@@ -21,6 +21,7 @@ if CPU_ONLY:
     _saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     import kitsune.kernels.common as _common
+    import kitsune.kernels.newton_schulz as _newton_schulz
     import kitsune.kernels.norms as _norms
     import kitsune.kernels.update as _update
 
@@ -28,6 +29,7 @@ if CPU_ONLY:
         importlib.reload(_common)  # first: the kernels call its helpers
         importlib.reload(_update)
         importlib.reload(_norms)
+        importlib.reload(_newton_schulz)
     if _saved is None:
         del os.environ["TRITON_INTERPRET"]
     else:

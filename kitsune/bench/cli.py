@@ -59,12 +59,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--e2e", action="store_true", help="also time whole training steps of a GPT-2 124M-shaped model"
     )
+    parser.add_argument("--muon", action="store_true", help="time Newton-Schulz and a Muon step instead (CUDA only)")
     parser.add_argument("--json", dest="json_path", default=None, help="write every number to this JSON file")
     parser.add_argument("--seed", type=int, default=0, help="seed of the params and grads")
 
 
 def run_from_args(args: argparse.Namespace) -> int:
     """``func`` of the ``bench`` subcommand: run it, return the exit code."""
+    if args.muon:
+        return _run_muon(args)
     try:
         result = run_bench(
             sets=args.sets,
@@ -83,6 +86,27 @@ def run_from_args(args: argparse.Namespace) -> int:
         return 2
     entries = [*result.sets, *([result.phase] if result.phase is not None else [])]
     return 1 if any(v.status == "failed" for e in entries for v in e.variants) else 0
+
+
+def _run_muon(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from kitsune.bench.muon import run_muon_bench
+
+    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
+    try:
+        result = run_muon_bench(device)
+    except ValueError as exc:
+        print(f"kitsune bench --muon: {exc}", file=sys.stderr)
+        return 2
+    if args.json_path is not None:
+        path = Path(args.json_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2, default=str))
+    return 0
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:

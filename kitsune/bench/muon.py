@@ -1,0 +1,168 @@
+"""Muon benchmark: kitsune's Triton Newton-Schulz against torch.optim.Muon's, and a Muon step against torch's.
+
+>>> from kitsune.bench.muon import run_muon_bench
+>>> result = run_muon_bench("cuda")  # doctest: +SKIP
+
+FLOPs: an iteration on an ``(m, n)`` matrix, ``m <= n``, is three products. The plain algorithm (torch's) does
+``2 m^2 n`` (``X X^T``) + ``2 m^3`` (``A A``) + ``2 m^2 n`` (``B X``); the symmetric one (kitsune's) computes only
+the upper triangle of the two symmetric products: ``m^2 n + m^3 + 2 m^2 n``, two thirds for a square matrix. The
+table reports each implementation's rate on the FLOPs it executes (plain for torch, symmetric for kitsune, whose %
+of the dense bf16 matmul rate is measured in the same run), and kitsune's "effective" rate, the plain FLOPs over its
+time: the rate a plain implementation would need to match it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+from rich.console import Console
+from rich.table import Table
+from triton.testing import do_bench
+
+from kitsune.bench.timing import percentile, time_steps
+from kitsune.kernels.newton_schulz import MUON_COEFFICIENTS, newton_schulz
+from kitsune.optim import Muon
+from kitsune.optim.muon import zeropower_via_newtonschulz
+
+NS_SIZES = (1024, 2048, 4096, 8192)
+"""Square matrices for the Newton-Schulz rows."""
+NS_STEPS = 5
+MATMUL_SIZE = 8192
+"""Side of the bf16 ``torch.matmul`` whose rate is the 100% of the table."""
+STEP_SHAPES = [(2048, 2048)] * 8
+"""The Muon step's params: 8 matrices of 2048 x 2048, fp32."""
+MUON_KWARGS: dict[str, Any] = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95, "nesterov": True}
+
+
+def flops(m: int, n: int, steps: int = NS_STEPS) -> tuple[int, int]:
+    """(plain, symmetric) FLOPs of ``steps`` iterations on an ``(m, n)`` matrix."""
+    m, n = min(m, n), max(m, n)
+    return steps * (4 * m * m * n + 2 * m**3), steps * (3 * m * m * n + m**3)
+
+
+def _torch_ns():
+    """torch.optim.Muon's own function when this torch has it (>= 2.9); kitsune's op-for-op copy otherwise."""
+    try:
+        from torch.optim._muon import _zeropower_via_newtonschulz as fn
+
+        return lambda g: fn(g, MUON_COEFFICIENTS, NS_STEPS, 1e-7)
+    except ImportError:
+        return lambda g: zeropower_via_newtonschulz(g, [MUON_COEFFICIENTS] * NS_STEPS, 1e-7)
+
+
+def _ms(fn) -> float:
+    """Median ms of back-to-back calls (CUDA events around each, L2 flushed), after warm-up."""
+    return do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def _muon_step(device: torch.device, steps: int) -> dict[str, Any]:
+    gen = torch.Generator(device).manual_seed(0)
+    results: dict[str, Any] = {}
+    for name, cls in (("torch", getattr(torch.optim, "Muon", None)), ("kitsune", Muon)):
+        if cls is None:
+            results[name] = None
+            continue
+        params = [torch.nn.Parameter(torch.randn(s, device=device, generator=gen)) for s in STEP_SHAPES]
+        grads = [torch.randn(s, device=device, generator=gen) for s in STEP_SHAPES]
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+        opt = cls(params, **MUON_KWARGS)
+        for _ in range(3):
+            opt.step()
+        times = time_steps(opt.step, steps, device)
+        results[name] = {
+            "device_ms": percentile(times.device_ms, 50),
+            "host_ms": percentile(times.host_ms, 50),
+        }
+        del opt, params, grads
+        torch.cuda.empty_cache()
+    if results["torch"] is not None:
+        results["speedup"] = results["torch"]["device_ms"] / results["kitsune"]["device_ms"]
+    return results
+
+
+def run_muon_bench(device: torch.device | str, console: Console | None = None, step_reps: int = 30) -> dict[str, Any]:
+    """Time Newton-Schulz (5 iterations, bf16, square ``NS_SIZES``) and a Muon step over ``STEP_SHAPES``.
+
+    Returns the numbers (ms, TFLOP/s, speedups) as a dict and prints a table on ``console``. GPU only.
+    """
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise ValueError(f"the Muon benchmark times Triton kernels on a CUDA GPU; got device '{device}'")
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    console = console or Console()
+    torch_ns = _torch_ns()
+    with torch.cuda.device(device):
+        mat = torch.randn(MATMUL_SIZE, MATMUL_SIZE, device=device, dtype=torch.bfloat16)
+        matmul_tflops = 2 * MATMUL_SIZE**3 / _ms(lambda mat=mat: torch.matmul(mat, mat)) / 1e9
+        del mat
+        rows = []
+        for n in NS_SIZES:
+            g = torch.randn(n, n, device=device)  # an fp32 momentum buffer, as the optimizer hands it over
+            torch_ms = _ms(lambda g=g: torch_ns(g))
+            kitsune_ms = _ms(lambda g=g: newton_schulz(g, NS_STEPS))
+            plain, sym = flops(n, n)
+            rows.append(
+                {
+                    "size": n,
+                    "torch_ms": torch_ms,
+                    "kitsune_ms": kitsune_ms,
+                    "speedup": torch_ms / kitsune_ms,
+                    "flops_plain": plain,
+                    "flops_symmetric": sym,
+                    "torch_tflops": plain / torch_ms / 1e9,
+                    "kitsune_tflops": sym / kitsune_ms / 1e9,
+                    "kitsune_effective_tflops": plain / kitsune_ms / 1e9,
+                    "kitsune_pct_of_matmul": 100 * sym / kitsune_ms / 1e9 / matmul_tflops,
+                }
+            )
+            del g
+        step = _muon_step(device, step_reps)
+    result = {
+        "device": torch.cuda.get_device_name(device),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "matmul_tflops": matmul_tflops,
+        "newton_schulz": rows,
+        "muon_step": step,
+    }
+    print_muon_results(result, console)
+    return result
+
+
+def print_muon_results(result: dict[str, Any], console: Console) -> None:
+    table = Table(
+        title=f"Newton-Schulz, {NS_STEPS} iterations, bf16 ({result['device']}; bf16 matmul "
+        f"{MATMUL_SIZE}^2: {result['matmul_tflops']:.0f} TFLOP/s)"
+    )
+    for col in ("size", "torch ms", "kitsune ms", "speedup", "torch TFLOP/s (plain)"):
+        table.add_column(col, justify="right")
+    for col in ("kitsune TFLOP/s (symmetric)", "% of matmul", "kitsune effective TFLOP/s (plain)"):
+        table.add_column(col, justify="right")
+    for r in result["newton_schulz"]:
+        table.add_row(
+            f"{r['size']}^2",
+            f"{r['torch_ms']:.3f}",
+            f"{r['kitsune_ms']:.3f}",
+            f"{r['speedup']:.2f}x",
+            f"{r['torch_tflops']:.0f}",
+            f"{r['kitsune_tflops']:.0f}",
+            f"{r['kitsune_pct_of_matmul']:.0f}%",
+            f"{r['kitsune_effective_tflops']:.0f}",
+        )
+    console.print(table)
+    step = result["muon_step"]
+    shapes = f"{len(STEP_SHAPES)} x {STEP_SHAPES[0][0]}x{STEP_SHAPES[0][1]} fp32"
+    table = Table(title=f"Muon step, {shapes} (median of CUDA-event times; host: the step() call alone)")
+    for col in ("optimizer", "device ms", "host ms", "speedup"):
+        table.add_column(col, justify="right")
+    for name, label in (("torch", "torch.optim.Muon"), ("kitsune", "kitsune.optim.Muon")):
+        if step[name] is None:
+            table.add_row(label, "n/a (torch < 2.9)", "", "")
+            continue
+        speed = f"{step['speedup']:.2f}x" if name == "kitsune" and "speedup" in step else ""
+        table.add_row(label, f"{step[name]['device_ms']:.3f}", f"{step[name]['host_ms']:.3f}", speed)
+    console.print(table)

@@ -1,0 +1,494 @@
+"""Muon's quintic Newton-Schulz orthogonalisation for a batch of same-shape matrices, with the symmetric-Gram trick.
+
+One iteration is ``X <- a X + (b A + c A A) X`` with ``A = X X^T``, on ``X`` of shape ``(m, n)``, ``m <= n`` (a tall
+input is transposed first, through strides, so the Gram matrices are the small side). Three launches per iteration
+cover the whole batch, grid (tiles, batch):
+
+1. ``A = X X^T`` (:func:`_syrk_kernel`): only the tiles ``(i, j)`` with ``i <= j`` are computed, each stored at
+   ``(i, j)`` and, transposed, at ``(j, i)``. Half the FLOPs of a plain matmul.
+2. ``B = b A + c A A``, the same kernel: ``A`` is symmetric, so ``A A = A A^T`` is a Gram matrix too; the ``b A +``
+   is its epilogue (the ``(i, j)`` tile of ``A`` read once more). Half the FLOPs again.
+3. ``X <- a X + B X`` (:func:`_poly_kernel`): a plain tiled matmul with ``a X +`` in its epilogue; the last
+   iteration writes the caller's output directly, transposed back through its strides.
+
+So an iteration costs ``m^2 n + m^3 + 2 m^2 n`` FLOPs instead of ``4 m^2 n + 2 m^3``: two thirds for a square matrix.
+Operands are bf16 (or fp32 on request) and every product accumulates in fp32; ``A``, ``B`` and ``X`` are rounded to
+the operand dtype when stored, as torch's bf16 matmuls round them.
+
+The Frobenius normalisation ``X / max(||X||_F, eps)`` (torch.optim.Muon's clamp; Keller Jordan's original adds
+``eps`` instead, which differs only for norms near ``eps``) is folded into the first iteration's epilogues. One
+prologue launch (:func:`_prologue_kernel`) rounds the input to the operand dtype (skipped when it already is) and
+sums its squares per matrix into a few partials; the first ``A = X X^T`` runs on that unnormalised ``X`` and scales
+its fp32 accumulator by ``s^2``, ``s = 1 / max(sqrt(sum), eps)``, before rounding; the first ``a X + B X`` scales by
+``s``. So the normalised ``X`` is never stored, the first iteration runs at the speed of the others, and ``A`` is
+normalised before ``A A``, where tiny gradients would otherwise leave fp32's range. (Scaling each tile as the first
+Gram loaded it cost 4x that launch on an H100.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from kitsune.kernels.coefficients import (
+    MUON_COEFFICIENTS,
+    POLAR_EXPRESS_COEFFICIENTS,
+    Coefficients,
+    schedule,
+)
+from kitsune.kernels.common import _cast
+
+__all__ = ["MUON_COEFFICIENTS", "POLAR_EXPRESS_COEFFICIENTS", "newton_schulz", "newton_schulz_launch", "schedule"]
+
+SUPPORTED_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+COMPUTE_DTYPES = (torch.bfloat16, torch.float32)
+"""Operand dtypes of the products (and of the result); fp32 multiplies in true fp32 (``input_precision="ieee"``)."""
+
+PROLOGUE_BLOCK = 2048
+"""Elements a prologue program loads per loop iteration."""
+MAX_PARTIALS = 1024
+"""Prologue programs per matrix at most: enough to stream one big matrix at full bandwidth, few enough for the first
+iteration's programs to sum their partials."""
+
+
+@triton.jit
+def _dot(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """``acc + a @ b`` in fp32. UPCAST (interpreter only): Triton 3.9's interpreter multiplies bf16 operands as their
+    uint16 bit patterns; the same values in fp32 give the products a bf16 tensor core gives, exact in fp32."""
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=PRECISION, out_dtype=tl.float32)
+
+
+@triton.jit
+def _prologue_kernel(
+    x_ptr,  # (batch, numel) contiguous, fp32/bf16/fp16
+    xc_ptr,  # (batch, numel) contiguous, DTYPE: the input rounded to DTYPE, stored with STORE
+    partials,  # (batch, P) fp32 out: sums of squares of the rounded values
+    numel,
+    chunk,  # elements per program, a multiple of BLOCK
+    P,
+    STORE: tl.constexpr,
+    DTYPE: tl.constexpr,
+    RNE_BF16: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    start = pid.to(tl.int64) * chunk
+    end = tl.minimum(start + chunk, numel)
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for off in range(0, chunk, BLOCK):
+        idx = start + off + tl.arange(0, BLOCK)
+        mask = idx < end
+        x = _cast(tl.load(x_ptr + b * numel + idx, mask=mask, other=0.0).to(tl.float32), DTYPE, RNE_BF16)
+        if STORE:
+            tl.store(xc_ptr + b * numel + idx, x, mask=mask)
+        x = x.to(tl.float32)  # the norm of the operand-dtype copy, as torch takes it
+        acc += x * x
+    tl.store(partials + b * P + pid, tl.sum(acc, 0))
+
+
+@triton.jit
+def _inv_norm(partials, b, P, eps, P_BLOCK: tl.constexpr):
+    """``1 / max(||X_b||_F, eps)`` from matrix ``b``'s prologue partials, summed in a fixed order."""
+    offs = tl.arange(0, P_BLOCK)
+    sumsq = tl.sum(tl.load(partials + b * P + offs, mask=offs < P, other=0.0), 0)
+    return 1.0 / tl.maximum(tl.sqrt_rn(sumsq), eps)
+
+
+@triton.jit
+def _syrk_kernel(
+    x_ptr,  # (batch, M, K) through strides, DTYPE (FIRST: the unnormalised X, maybe a transposed view)
+    stride_xb,
+    stride_xm,
+    stride_xk,
+    c_ptr,  # (batch, M, M) contiguous, DTYPE: read with HAS_C
+    out_ptr,  # (batch, M, M) contiguous, DTYPE: alpha X X^T (+ beta C); FIRST: X X^T / max(||X||_F, eps)^2
+    tiles,  # (n_tiles, 2) int32: (i, j), j >= i: row block i, column blocks j .. j + BLOCK_N / BLOCK_M - 1
+    partials,  # (batch, P) fp32 sums of squares, read with FIRST
+    M,
+    K,
+    P,
+    eps,
+    alpha,
+    beta,
+    FIRST: tl.constexpr,
+    HAS_C: tl.constexpr,
+    DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    RNE_BF16: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    P_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # a multiple of BLOCK_M: a program computes BLOCK_N / BLOCK_M square blocks of one row
+    BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    ti = tl.load(tiles + 2 * pid)
+    tj = tl.load(tiles + 2 * pid + 1)
+    rows = ti * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tj * BLOCK_M + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    # rows past M wrap around: every load is in bounds without a mask, the extra rows are never stored
+    x_r = x_ptr + b * stride_xb + (rows % M)[:, None] * stride_xm + ks[None, :] * stride_xk
+    x_c = x_ptr + b * stride_xb + (cols % M)[:, None] * stride_xm + ks[None, :] * stride_xk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k in range(0, K, BLOCK_K):
+        if EVEN_K:
+            xr = tl.load(x_r)
+            xc = tl.load(x_c)
+        else:
+            xr = tl.load(x_r, mask=(k + ks)[None, :] < K, other=0.0)
+            xc = tl.load(x_c, mask=(k + ks)[None, :] < K, other=0.0)
+        acc = _dot(xr, tl.trans(xc), acc, PRECISION, RNE_BF16)
+        x_r += BLOCK_K * stride_xk
+        x_c += BLOCK_K * stride_xk
+    if FIRST:  # normalise: A = (s X)(s X)^T
+        s = _inv_norm(partials, b, P, eps, P_BLOCK)
+        acc *= s * s
+    base = b * M * M
+    mask = (rows[:, None] < M) & (cols[None, :] < M)
+    if HAS_C:  # B = c A A + b A: the tile of A, once
+        c = tl.load(c_ptr + base + rows[:, None] * M + cols[None, :], mask=mask, other=0.0)
+        acc = alpha * acc + beta * c.to(tl.float32)
+    out = _cast(acc, DTYPE, RNE_BF16)
+    tl.store(out_ptr + base + rows[:, None] * M + cols[None, :], out, mask=mask)
+    # the mirror: blocks (j, i) get the transpose; the diagonal block is its own mirror, stored once (the masks
+    # compare vectors with scalars, never two scalars: the interpreter builds no mask from a scalar)
+    mirror = (cols[:, None] < M) & (rows[None, :] < M) & (cols // BLOCK_M != ti)[:, None]
+    tl.store(out_ptr + base + cols[:, None] * M + rows[None, :], tl.trans(out), mask=mirror)
+
+
+@triton.jit
+def _poly_kernel(
+    b_ptr,  # (batch, M, M) contiguous, DTYPE: B = b A + c A A
+    x_ptr,  # (batch, M, N) through strides, DTYPE (FIRST: the unnormalised X, maybe a transposed view)
+    stride_xb,
+    stride_xm,
+    stride_xn,
+    out_ptr,  # (batch, M, N) through strides: a X + B X (FIRST: s (a X + B X), s = 1 / max(||X||_F, eps))
+    stride_ob,
+    stride_om,
+    stride_on,
+    partials,  # (batch, P) fp32 sums of squares, read with FIRST
+    M,
+    N,
+    P,
+    eps,
+    a,
+    FIRST: tl.constexpr,
+    DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    RNE_BF16: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    P_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    # groups of GROUP_M row blocks run together and share their columns of X in L2
+    pid_m, pid_n = tl.swizzle2d(pid // grid_n, pid % grid_n, grid_m, grid_n, GROUP_M)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    x_ptr += b * stride_xb
+    b_tile = b_ptr + b * M * M + (rows % M)[:, None] * M + ks[None, :]
+    x_tile = x_ptr + ks[:, None] * stride_xm + (cols % N)[None, :] * stride_xn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k in range(0, M, BLOCK_K):
+        if EVEN_K:
+            lhs = tl.load(b_tile)
+            rhs = tl.load(x_tile)
+        else:
+            lhs = tl.load(b_tile, mask=(k + ks)[None, :] < M, other=0.0)
+            rhs = tl.load(x_tile, mask=(k + ks)[:, None] < M, other=0.0)
+        acc = _dot(lhs, rhs, acc, PRECISION, RNE_BF16)
+        b_tile += BLOCK_K
+        x_tile += BLOCK_K * stride_xm
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn, mask=mask, other=0.0)
+    acc += a * x.to(tl.float32)
+    if FIRST:  # X was unnormalised: a (s X) + B (s X)
+        acc *= _inv_norm(partials, b, P, eps, P_BLOCK)
+    out = _cast(acc, DTYPE, RNE_BF16)
+    tl.store(out_ptr + b * stride_ob + rows[:, None] * stride_om + cols[None, :] * stride_on, out, mask=mask)
+
+
+INTERPRETED = type(_syrk_kernel).__name__ == "InterpretedFunction"
+"""Whether the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1 when this module was imported)."""
+
+
+class SyrkConfig(NamedTuple):
+    block_m: int
+    """Side of the square blocks that are mirrored (a mirrored block must line up with its twin)."""
+    block_n: int
+    """Columns per program: ``block_n / block_m`` blocks of one row of the upper triangle."""
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+class PolyConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+def pick_configs(m: int, n: int, batch: int, dtype: torch.dtype, device: torch.device) -> tuple[SyrkConfig, PolyConfig]:
+    """Tile sizes for an ``(m, n)``, ``m <= n``, problem: a fixed table, no autotuning (nothing to warm up).
+
+    The interpreter takes the smallest tiles ``tl.dot`` allows there (16; Gram tiles two blocks wide), so small test
+    matrices still span several tiles, partial ones included. On a GPU, the best of a sweep on an H100 (Triton 3.6)
+    once a launch has about a wave of tiles: Gram 128 x 128 (4 warps, 3 stages; 128 x 256 was slower for X X^T),
+    ``a X + B X`` 128 x 256 (8 warps, 3 stages, groups of 16 row blocks), 740 TFLOP/s at 4096^2. Below a wave
+    (1024^2): 64-row tiles, Gram tiles two blocks wide.
+    """
+    if device.type != "cuda":
+        return SyrkConfig(16, 32, 64, 1, 1), PolyConfig(16, 64, 64, 4, 1, 1)
+    if dtype == torch.float32:  # ieee fp32 products run on CUDA cores: small tiles for registers and shared memory
+        return SyrkConfig(64, 64, 32, 4, 3), PolyConfig(64, 64, 32, 8, 4, 3)
+    blocks = triton.cdiv(m, 128)
+    upper = batch * blocks * (blocks + 1) // 2  # 128 x 128 tiles over the upper triangle
+    syrk = SyrkConfig(128, 128, 64, 4, 3) if upper >= 100 else SyrkConfig(64, 128, 64, 4, 4)
+    poly_tiles = batch * blocks * triton.cdiv(n, 256)
+    poly = PolyConfig(128, 256, 64, 16, 8, 3) if poly_tiles >= 100 else PolyConfig(64, 128, 64, 8, 4, 4)
+    return syrk, poly
+
+
+@functools.lru_cache(maxsize=64)
+def _upper_tiles(blocks: int, wide: int, device: torch.device) -> torch.Tensor:
+    """(n_tiles, 2) int32: the tiles covering the upper triangle of ``blocks`` x ``blocks`` square blocks, ``wide``
+    blocks of a row per tile, starting on the diagonal. Row by row: neighbouring programs share their row block.
+    A row with a block count not a multiple of ``wide`` ends in a tile partly past the matrix (computed, not
+    stored): at most one per row, 1 / (blocks + 1) of the work for ``wide`` = 2."""
+    tiles = [(i, j) for i in range(blocks) for j in range(i, blocks, wide)]
+    return torch.tensor(tiles, dtype=torch.int32).to(device)
+
+
+def _device_guard(device: torch.device) -> contextlib.AbstractContextManager:
+    # Triton launches on the current CUDA device, not on the one the tensors live on
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def newton_schulz_launch(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    coefficients: list[Coefficients],
+    eps: float,
+    dtype: torch.dtype,
+    configs: tuple[SyrkConfig, PolyConfig] | None = None,
+) -> None:
+    """Run ``len(coefficients)`` (>= 1) iterations on ``x`` (batch, m, n), contiguous, any float dtype, writing
+    ``out`` (batch, m, n) of ``dtype``. Shapes, dtypes and devices are checked by :func:`newton_schulz`; this picks
+    tiles (unless ``configs`` says) and launches ``1 + 3 * steps`` kernels."""
+    batch, m_in, n_in = x.shape
+    tall = m_in > n_in
+    m, n = (n_in, m_in) if tall else (m_in, n_in)  # the iteration runs on X = x^T for a tall x: A is (m, m)
+    so = out.stride()
+    out_strides = (so[0], so[2], so[1]) if tall else so
+    syrk, poly = configs or pick_configs(m, n, batch, dtype, x.device)
+    tl_dtype = _TL_DTYPES[dtype]
+    precision = "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for bf16 operands
+
+    numel = m * n
+    parts = min(MAX_PARTIALS, triton.cdiv(numel, PROLOGUE_BLOCK))
+    chunk = triton.cdiv(triton.cdiv(numel, parts), PROLOGUE_BLOCK) * PROLOGUE_BLOCK
+    parts = triton.cdiv(numel, chunk)
+    partials = torch.empty((batch, parts), dtype=torch.float32, device=x.device)
+    # X0: the input rounded to the operand dtype, in the input's orientation (the first iteration reads it through
+    # strides); the input itself when it already has that dtype
+    x0 = x if x.dtype == dtype else torch.empty(x.shape, dtype=dtype, device=x.device)
+    gram = torch.empty((batch, m, m), dtype=dtype, device=x.device)  # A
+    poly_b = torch.empty_like(gram)  # B
+    xs = [torch.empty((batch, m, n), dtype=dtype, device=x.device) for _ in range(min(2, len(coefficients) - 1))]
+    tiles = _upper_tiles(triton.cdiv(m, syrk.block_m), syrk.block_n // syrk.block_m, x.device)
+    syrk_grid = (tiles.shape[0], batch)
+    poly_grid = (triton.cdiv(m, poly.block_m) * triton.cdiv(n, poly.block_n), batch)
+    common = {
+        "DTYPE": tl_dtype,
+        "PRECISION": precision,
+        "RNE_BF16": INTERPRETED,
+        "P_BLOCK": triton.next_power_of_2(parts),
+    }
+    syrk_meta = {
+        "BLOCK_M": syrk.block_m,
+        "BLOCK_N": syrk.block_n,
+        "BLOCK_K": syrk.block_k,
+        "num_warps": syrk.num_warps,
+        "num_stages": syrk.num_stages,
+        **common,
+    }
+    poly_meta = {
+        "EVEN_K": m % poly.block_k == 0,
+        "BLOCK_M": poly.block_m,
+        "BLOCK_N": poly.block_n,
+        "BLOCK_K": poly.block_k,
+        "GROUP_M": poly.group_m,
+        "num_warps": poly.num_warps,
+        "num_stages": poly.num_stages,
+        **common,
+    }
+    with _device_guard(x.device):
+        _prologue_kernel[(parts, batch)](
+            x, x0, partials, numel, chunk, parts,
+            STORE=x0 is not x, DTYPE=tl_dtype, RNE_BF16=INTERPRETED, BLOCK=PROLOGUE_BLOCK, num_warps=4,
+        )  # fmt: skip
+        x0_strides = (x0.stride(0), x0.stride(2), x0.stride(1)) if tall else x0.stride()
+        x_now, x_strides = x0, x0_strides
+        for it, (a, b, c) in enumerate(coefficients):
+            first = it == 0
+            _syrk_kernel[syrk_grid](  # A = X X^T (the first: of the unnormalised X0, scaled by s^2)
+                x_now, *x_strides, gram, gram, tiles, partials, m, n, parts, eps, 1.0, 0.0,
+                FIRST=first, HAS_C=False, EVEN_K=n % syrk.block_k == 0, **syrk_meta,
+            )  # fmt: skip
+            _syrk_kernel[syrk_grid](  # B = c A A + b A, where A A = A A^T
+                gram, *gram.stride(), gram, poly_b, tiles, partials, m, m, parts, eps, c, b,
+                FIRST=False, HAS_C=True, EVEN_K=m % syrk.block_k == 0, **syrk_meta,
+            )  # fmt: skip
+            last = it == len(coefficients) - 1
+            target = out if last else xs[it % 2]
+            _poly_kernel[poly_grid](  # X = a X + B X, the last one straight into out, transposed back
+                poly_b, x_now, *x_strides, target, *(out_strides if last else target.stride()), partials,
+                m, n, parts, eps, a, FIRST=first, **poly_meta,
+            )  # fmt: skip
+            x_now, x_strides = target, target.stride()
+
+
+class _Graph:
+    """One captured :func:`newton_schulz_launch` with its own input and output buffers (and memory pool)."""
+
+    def __init__(self, x: torch.Tensor, dtype: torch.dtype, plan: list[Coefficients], eps: float) -> None:
+        self.x = torch.empty_like(x, memory_format=torch.contiguous_format)
+        self.x.copy_(x)
+        self.out = torch.empty(x.shape, dtype=dtype, device=x.device)
+        side = torch.cuda.Stream(x.device)
+        side.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(side):  # compile and cache the tile table outside the capture
+            newton_schulz_launch(self.x, self.out, plan, eps, dtype)
+        torch.cuda.current_stream(x.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            newton_schulz_launch(self.x, self.out, plan, eps, dtype)
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        self.x.copy_(x)
+        self.graph.replay()
+        out.copy_(self.out)
+
+
+def graph_bytes(shape: Sequence[int], in_dtype: torch.dtype, dtype: torch.dtype) -> int:
+    """Memory a captured graph keeps: its input and output, X0, two X and A, B, the (m, m) Gram matrices."""
+    batch, m, n = shape
+    m = min(m, n)
+    elements = batch * m * max(m, n)
+    size = dtype.itemsize
+    return elements * (in_dtype.itemsize + size * (1 + (in_dtype != dtype) + 2)) + 2 * batch * m * m * size
+
+
+GRAPH_MAX_ELEMENTS = 2**22
+"""Calls on up to this many elements (one 2048^2 matrix, four of 1024^2) replay a captured CUDA graph: there the
+``1 + 3 * steps`` Triton launches cost more host time (~0.5 ms) than the GPU needs to run them (H100, 2048^2: 0.42 ms
+replayed, 0.69 ms launched). Larger calls launch directly: the launches hide behind the GPU work, while a graph's
+copies in and out would cost more than they save (4096^2: 2.40 ms replayed, 2.28-2.35 ms launched) and hold memory."""
+GRAPH_CACHE_BYTES = 512 * 2**20
+"""Memory the captured graphs may keep in all (see :func:`graph_bytes`), least recently used dropped first."""
+_graphs: OrderedDict[tuple, tuple[_Graph, int]] = OrderedDict()
+
+
+def _graph_for(x: torch.Tensor, dtype: torch.dtype, plan: list[Coefficients], eps: float) -> _Graph | None:
+    """The captured graph for this problem, capturing it on first use; None when launching directly is better:
+    a CPU tensor, a large problem, or a caller that is itself capturing a graph (the launches join theirs)."""
+    if x.device.type != "cuda" or x.numel() > GRAPH_MAX_ELEMENTS or torch.cuda.is_current_stream_capturing():
+        return None
+    key = (tuple(x.shape), x.dtype, x.device, dtype, tuple(plan), eps)
+    if key not in _graphs:
+        nbytes = graph_bytes(x.shape, x.dtype, dtype)
+        if nbytes > GRAPH_CACHE_BYTES:
+            return None
+        while _graphs and sum(b for _, b in _graphs.values()) + nbytes > GRAPH_CACHE_BYTES:
+            _graphs.popitem(last=False)
+        _graphs[key] = (_Graph(x, dtype, plan, eps), nbytes)
+    _graphs.move_to_end(key)
+    return _graphs[key][0]
+
+
+def newton_schulz(
+    X: torch.Tensor,
+    steps: int = 5,
+    coefficients: Coefficients | Sequence[Coefficients] = MUON_COEFFICIENTS,
+    eps: float = 1e-7,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Orthogonalise each matrix of ``X``: ``steps`` quintic Newton-Schulz iterations of ``X / max(||X||_F, eps)``.
+
+    Args:
+        X: ``(m, n)`` or ``(batch, m, n)``, fp32/bf16/fp16, on a CUDA device (or on the CPU under
+            ``TRITON_INTERPRET=1``). Each matrix is normalised by its own Frobenius norm.
+        steps: iterations (0 returns the normalised input).
+        coefficients: ``(a, b, c)`` of ``X <- a X + b (X X^T) X + c (X X^T)^2 X``, or one triple per iteration
+            (the last repeats), e.g. :data:`POLAR_EXPRESS_COEFFICIENTS`.
+        eps: the norm is clamped to at least ``eps`` (a zero matrix stays zero).
+        dtype: the operand dtype of the products and of the result: bf16 (as torch.optim.Muon) or fp32.
+        out: where to write the result (``X``'s shape, ``dtype``, contiguous); a new tensor when None.
+
+    Returns:
+        ``out``, or a new tensor of ``X``'s shape in ``dtype``.
+    """
+    if X.dim() not in (2, 3):
+        raise ValueError(f"newton_schulz takes (m, n) or (batch, m, n) matrices, got shape {tuple(X.shape)}")
+    if X.dtype not in SUPPORTED_INPUT_DTYPES:
+        raise ValueError(f"newton_schulz supports inputs of {SUPPORTED_INPUT_DTYPES}, got {X.dtype}")
+    if dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"newton_schulz computes in {COMPUTE_DTYPES}, got dtype={dtype}")
+    if X.device.type != "cuda" and not INTERPRETED:
+        raise ValueError(f"newton_schulz needs a CUDA tensor (or TRITON_INTERPRET=1 for CPU tensors), got {X.device}")
+    if not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"steps must be a non-negative int, got {steps!r}")
+    if not eps >= 0.0:
+        raise ValueError(f"eps must be non-negative, got {eps}")
+    if out is None:
+        out = torch.empty(X.shape, dtype=dtype, device=X.device)
+    elif out.shape != X.shape or out.dtype != dtype or out.device != X.device or not out.is_contiguous():
+        raise ValueError(
+            f"out must be a contiguous {dtype} tensor of shape {tuple(X.shape)} on {X.device}, "
+            f"got {out.dtype} {tuple(out.shape)} on {out.device}"
+        )
+    plan = schedule(coefficients, steps)
+    x = X.unsqueeze(0) if X.dim() == 2 else X
+    if x.shape[-2] * x.shape[-1] >= 2**31:
+        raise ValueError(f"newton_schulz supports matrices of fewer than 2**31 elements, got {tuple(X.shape[-2:])}")
+    out3 = out.view(x.shape)
+    if out.numel() == 0:
+        return out
+    if steps == 0:
+        x = x.to(dtype)
+        out3.copy_(x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps))
+        return out
+    x = x.contiguous()
+    graph = _graph_for(x, dtype, plan, eps)
+    if graph is not None:
+        graph(x, out3)
+    else:
+        newton_schulz_launch(x, out3, plan, eps, dtype)
+    return out

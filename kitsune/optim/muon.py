@@ -1,0 +1,257 @@
+"""Muon (Keller Jordan 2024, "Muon: An optimizer for hidden layers in neural networks"), torch.optim style, with an
+auxiliary AdamW for the params Muon is not for.
+
+Param groups with ``use_muon=True`` (the default) hold 2-D weight matrices, or 4-D conv weights, orthogonalised as
+``(out, in * kh * kw)`` and reshaped back. Per param with a grad, exactly as torch.optim.Muon (torch >= 2.9)::
+
+    buf.lerp_(grad, 1 - momentum)                          # state["momentum_buffer"]
+    update = grad.lerp(buf, momentum) if nesterov else buf
+    O = NS(update)                                         # ns_steps Newton-Schulz iterations, bf16
+    p.mul_(1 - lr * weight_decay)
+    p.add_(O, alpha=-adjust_lr(lr, shape))                 # "original": sqrt(max(1, A / B)); "match_rms_adamw":
+                                                           # 0.2 sqrt(max(A, B)), for the (A, B) matrix
+Groups with ``use_muon=False`` (embeddings, the head, biases, norms) run AdamW with the group's ``lr``, ``betas``,
+``eps`` and ``weight_decay`` (torch.optim.AdamW's defaults where the group leaves them out), through torch's own
+functional AdamW, so they match torch.optim.AdamW to the bit. State keys are torch's: ``momentum_buffer`` for Muon
+params, ``step``, ``exp_avg`` and ``exp_avg_sq`` for AdamW params, so checkpoints move between the two.
+
+On CUDA (or on the CPU under ``TRITON_INTERPRET=1``) the Newton-Schulz step runs in kitsune's Triton kernels
+(:func:`kitsune.kernels.newton_schulz.newton_schulz`), one call per group for all of its matrices of one shape;
+elsewhere it is torch's own bf16 iteration, op for op. The two agree to bf16 rounding, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.optim.adamw import adamw
+from torch.optim.optimizer import ParamsT
+
+from kitsune.kernels.coefficients import MUON_COEFFICIENTS, Coefficients, schedule
+
+try:  # Triton is optional: without it every step takes the torch path
+    from kitsune.kernels import newton_schulz as _ns
+except ImportError:  # pragma: no cover - exercised only where Triton is missing
+    _ns = None
+
+ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+ADAMW_DEFAULTS: dict[str, Any] = {"lr": 1e-3, "eps": 1e-8, "weight_decay": 1e-2}
+"""What a ``use_muon=False`` group gets for these keys when it leaves them out: torch.optim.AdamW's defaults, not
+Muon's (``betas`` comes from the constructor, whose default is AdamW's too)."""
+
+
+def zeropower_via_newtonschulz(grad: torch.Tensor, coefficients: list[Coefficients], eps: float) -> torch.Tensor:
+    """torch.optim.Muon's ``_zeropower_via_newtonschulz``, op for op (same bits), one triple per iteration."""
+    ortho_grad = grad.bfloat16()
+    if grad.size(0) > grad.size(1):
+        ortho_grad = ortho_grad.T
+    ortho_grad.div_(ortho_grad.norm().clamp(min=eps))
+    for a, b, c in coefficients:
+        gram_matrix = ortho_grad @ ortho_grad.T
+        gram_update = torch.addmm(gram_matrix, gram_matrix, gram_matrix, beta=b, alpha=c)
+        ortho_grad = torch.addmm(ortho_grad, gram_update, ortho_grad, beta=a)
+    if grad.size(0) > grad.size(1):
+        ortho_grad = ortho_grad.T
+    return ortho_grad
+
+
+def adjust_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> float:
+    """torch.optim.Muon's LR adjustment for an ``(A, B)`` matrix (a conv weight's is ``(out, in * kh * kw)``)."""
+    rows, cols = shape[0], shape[1]
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        return lr * math.sqrt(max(1, rows / cols))
+    return lr * 0.2 * math.sqrt(max(rows, cols))
+
+
+_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _use_triton(device: torch.device) -> bool:
+    if _ns is None:
+        return False
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and _ns.INTERPRETED and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+class Muon(torch.optim.Optimizer):
+    """MomentUm Orthogonalized by Newton-Schulz for matrix params, AdamW for the rest.
+
+    Args:
+        params: params or param groups; a group's ``use_muon`` (default True) picks Muon or AdamW for it.
+        lr: Muon's learning rate (the AdamW groups default to 1e-3, as torch.optim.AdamW).
+        weight_decay: decoupled weight decay, ``p *= 1 - lr * weight_decay`` (AdamW groups: 0.01 by default).
+        momentum: Muon's momentum (an EMA: ``buf.lerp_(grad, 1 - momentum)``).
+        nesterov: orthogonalise ``grad.lerp(buf, momentum)`` instead of ``buf``.
+        ns_coefficients: ``(a, b, c)`` of the quintic iteration, or one triple per iteration (the last repeats),
+            e.g. :data:`kitsune.kernels.newton_schulz.POLAR_EXPRESS_COEFFICIENTS`.
+        eps: the Frobenius norm is clamped to at least this before the iteration (AdamW groups: their eps, 1e-8
+            by default).
+        ns_steps: Newton-Schulz iterations (fewer than 100, as torch).
+        adjust_lr_fn: ``"original"`` (None: the same), ``sqrt(max(1, A / B))``, or ``"match_rms_adamw"``,
+            ``0.2 sqrt(max(A, B))``: the factor on ``lr`` for an ``(A, B)`` matrix.
+        betas: AdamW's betas for the ``use_muon=False`` groups.
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float | torch.Tensor = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: Coefficients | Sequence[Coefficients] = MUON_COEFFICIENTS,
+        eps: float = 1e-7,
+        ns_steps: int = 5,
+        adjust_lr_fn: str | None = None,
+        betas: tuple[float, float] = (0.9, 0.999),
+    ) -> None:
+        defaults = {
+            "lr": lr,
+            "weight_decay": weight_decay,
+            "momentum": momentum,
+            "nesterov": nesterov,
+            "ns_coefficients": ns_coefficients,
+            "eps": eps,
+            "ns_steps": ns_steps,
+            "adjust_lr_fn": adjust_lr_fn,
+            "betas": betas,
+            "use_muon": True,
+        }
+        self._check(defaults, "defaults")
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if not param_group.get("use_muon", self.defaults["use_muon"]):
+            for key, value in ADAMW_DEFAULTS.items():  # before the Muon defaults fill them in
+                param_group.setdefault(key, value)
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        where = f"param group {len(self.param_groups) - 1}"
+        self._check(group, where)
+        if group["use_muon"]:
+            names = group.get("param_names")
+            for i, p in enumerate(group["params"]):
+                if p.ndim not in (2, 4):
+                    name = f"'{names[i]}'" if names else f"{i}"
+                    raise ValueError(
+                        f"Muon takes 2-D matrices and 4-D conv weights, but parameter {name} of {where} has shape "
+                        f"{tuple(p.shape)}: put it in a group with use_muon=False (AdamW)"
+                    )
+
+    @staticmethod
+    def _check(group: dict[str, Any], where: str) -> None:
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+            raise ValueError(f"Invalid learning rate in {where}: a tensor lr must have one element")
+        if not 0.0 <= float(lr):
+            raise ValueError(f"Invalid learning rate in {where}: {float(lr)}")
+        if not 0.0 <= group["weight_decay"]:
+            raise ValueError(f"Invalid weight_decay value in {where}: {group['weight_decay']}")
+        if not 0.0 <= group["eps"]:
+            raise ValueError(f"Invalid eps value in {where}: {group['eps']}")
+        if group["use_muon"]:
+            if not 0.0 <= group["momentum"]:
+                raise ValueError(f"Invalid momentum value in {where}: {group['momentum']}")
+            if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
+                raise ValueError(
+                    f"Invalid adjust_lr_fn in {where}: {group['adjust_lr_fn']!r} (one of 'original', 'match_rms_adamw')"
+                )
+            steps = group["ns_steps"]
+            if not isinstance(steps, int) or not 0 <= steps < 100:
+                raise ValueError(f"Invalid ns_steps in {where}: {steps!r} (an int in [0, 100))")
+            try:
+                schedule(group["ns_coefficients"], 1)
+            except ValueError as err:
+                raise ValueError(f"Invalid ns_coefficients in {where}: {err}") from None
+        else:
+            beta1, beta2 = group["betas"]
+            if not 0.0 <= beta1 < 1.0 or not 0.0 <= beta2 < 1.0:
+                raise ValueError(f"Invalid betas in {where}: {group['betas']} (each in [0, 1))")
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group["use_muon"]:
+                self._muon_group(group)
+            else:
+                self._adamw_group(group)
+        return loss
+
+    def _muon_group(self, group: dict[str, Any]) -> None:
+        lr = float(group["lr"])
+        momentum = group["momentum"]
+        plan = schedule(group["ns_coefficients"], group["ns_steps"])
+        # same-shape matrices on one device go through the Triton kernels together
+        batches: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if torch.is_complex(p):
+                raise RuntimeError("Muon does not support complex parameters")
+            if p.grad.is_sparse:
+                raise RuntimeError("Muon does not support sparse gradients")
+            grad = p.grad
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+            buf = state["momentum_buffer"]
+            buf.lerp_(grad, 1 - momentum)
+            if group["ns_steps"] > 0 and grad.dtype in _TRITON_DTYPES and _use_triton(p.device):
+                batches.setdefault((p.shape, grad.dtype, p.device), []).append((p, grad))
+                continue
+            update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+            ortho = zeropower_via_newtonschulz(update.reshape(len(update), -1), plan, group["eps"])
+            self._apply(p, ortho, group, lr)
+        for (shape, dtype, device), members in batches.items():
+            updates = torch.empty((len(members), shape[0], math.prod(shape[1:])), dtype=dtype, device=device)
+            for u, (p, grad) in zip(updates, members, strict=True):
+                buf = self.state[p]["momentum_buffer"]
+                if group["nesterov"]:
+                    torch.lerp(grad, buf, momentum, out=u.view(shape))
+                else:
+                    u.view(shape).copy_(buf)
+            ortho = _ns.newton_schulz(updates, group["ns_steps"], plan, group["eps"])
+            for o, (p, _) in zip(ortho, members, strict=True):
+                self._apply(p, o, group, lr)
+
+    @staticmethod
+    def _apply(p: torch.Tensor, ortho: torch.Tensor, group: dict[str, Any], lr: float) -> None:
+        p.mul_(1 - lr * group["weight_decay"])
+        p.add_(ortho.view(p.shape), alpha=-adjust_lr(lr, group["adjust_lr_fn"], ortho.shape))
+
+    def _adamw_group(self, group: dict[str, Any]) -> None:
+        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError("AdamW does not support sparse gradients")
+            state = self.state[p]
+            if len(state) == 0:  # torch.optim.AdamW's state: a CPU float step, moments like the param
+                scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+                state["step"] = torch.tensor(0.0, dtype=scalar)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            params.append(p)
+            grads.append(p.grad)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        if not params:
+            return
+        beta1, beta2 = group["betas"]
+        adamw(
+            params, grads, exp_avgs, exp_avg_sqs, [], steps,
+            has_complex=any(torch.is_complex(p) for p in params),
+            amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+            eps=group["eps"], maximize=False,
+        )  # fmt: skip
