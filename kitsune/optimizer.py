@@ -312,8 +312,8 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         if self._structure_key() != self._structure:
             self._replan()
         loss = None
-        if closure is not None and self._executes:
-            # fused updates need the grads before they run; the wrapped step then gets no closure
+        if closure is not None and (self._executes or self.config.grads.max_norm is not None):
+            # fused updates and clipping need the grads before they run; the wrapped step then gets no closure
             with torch.enable_grad():
                 loss = closure()
             closure = None

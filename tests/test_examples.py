@@ -7,8 +7,10 @@ goes through the wrapped torch optimizer, which is what makes the bit-identical 
 from __future__ import annotations
 
 import json
+import os
 import re
 import runpy
+import subprocess
 import sys
 from pathlib import Path
 
@@ -17,11 +19,14 @@ import torch
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 FUSION_OFF_ON_CPU = pytest.mark.filterwarnings("ignore:kitsune. fusion was asked for but is inactive:UserWarning")
+LIGHTNING_PYTREE = pytest.mark.filterwarnings(
+    "ignore:`isinstance.treespec, LeafSpec.` is deprecated"
+)  # Lightning's own
 
 
 def first_last_loss(out: str) -> tuple[float, float]:
     """The example's own "loss (mean of k steps): first A -> last B" line."""
-    m = re.search(r"loss \(mean of \d+ steps\): first ([\d.]+) -> last ([\d.]+)", out)
+    m = re.search(r"loss \(mean of \d+ (?:steps|micro-batches)\): first ([\d.]+) -> last ([\d.]+)", out)
     assert m, out
     return float(m[1]), float(m[2])
 
@@ -89,6 +94,57 @@ def check_lion(out: str, tmp: Path) -> None:
     assert "max |param diff| vs the unwrapped Lion: 0.000e+00 (bit-identical)" in out
 
 
+def check_lightning(out: str, tmp: Path) -> None:
+    assert "Lightning's optimizer: KitsuneOptimizer wrapping AdamW" in out
+    assert "kitsune steps 10, trainer.global_step 10" in out
+    assert (tmp / "lightning.ckpt").is_file() and "loads into a plain AdamW (kitsune key: True)" in out
+    assert "max |param diff| vs the same run with the plain AdamW: 0.000e+00 (bit-identical)" in out
+    assert "kitsune summary: AdamW" in out and "10 steps" in out
+
+
+def check_lightning_fp32(out: str, tmp: Path) -> None:
+    check_lightning(out, tmp)
+    assert "GradScaler" not in out and "clipped in the step" not in out and "the step times include them" in out
+
+
+def check_lightning_fp16(out: str, tmp: Path) -> None:
+    check_lightning(out, tmp)
+    assert re.search(r"Lightning's GradScaler drove the step: loss scale now \d+", out)
+
+
+def check_lightning_fp16_kitsune_clip(out: str, tmp: Path) -> None:
+    check_lightning_fp16(out, tmp)
+    assert re.search(r"kitsune clipped in the step: the last step's grad norm \d", out)
+
+
+def check_accelerate(out: str, tmp: Path) -> None:
+    first, last = first_last_loss(out)
+    assert last < first
+    assert "prepared optimizer: AcceleratedOptimizer around KitsuneOptimizer" in out
+    assert "micro-batches 24, accumulation 2, kitsune steps 12" in out
+    assert (tmp / "accelerate-state" / "optimizer.bin").is_file() and "(kitsune key: True)" in out
+    assert "max |param diff| vs the same loop with the plain AdamW: 0.000e+00 (bit-identical)" in out
+    assert "kitsune summary: AdamW" in out
+
+
+def check_ddp(out: str, tmp: Path) -> None:
+    first, last = first_last_loss(out)
+    assert last < first
+    for rank in (0, 1):
+        assert f"rank {rank}/2: backend gloo, device cpu" in out
+        assert re.search(rf"^rank {rank}: 5 steps, max \|param diff\| vs rank 0: 0\.000e\+00, moved [1-9]", out, re.M)
+    assert "params on all 2 ranks after 5 steps: identical" in out
+
+
+# Lightning's AMP plugin refuses gradient_clip_val for optimizers that unscale in their own step
+LIGHTNING_CLIP_UNDER_AMP = pytest.mark.xfail(
+    raises=RuntimeError,
+    strict=True,
+    reason="KitsuneOptimizer sets _step_supports_amp_scaling = True (kitsune/optimizer.py), so Lightning's "
+    "MixedPrecision.clip_gradients raises 'does not allow for gradient clipping because it performs unscaling of "
+    "gradients internally', as for torch's fused AdamW; --clip hook or --clip kitsune avoid it",
+)
+
 CASES = [
     pytest.param("basic.py", ["--steps", "20"], check_basic, id="basic"),
     pytest.param(
@@ -103,6 +159,46 @@ CASES = [
     pytest.param("checkpoint_resume.py", ["--steps", "12", "--device", "cpu"], check_checkpoint_resume, id="ckpt"),
     pytest.param("profiler_report.py", ["--steps", "8", "--device", "cpu"], check_profiler_report, id="profiler"),
     pytest.param("lion.py", ["--steps", "20", "--device", "cpu"], check_lion, id="lion", marks=FUSION_OFF_ON_CPU),
+    pytest.param(
+        "lightning_example.py",
+        ["--steps", "10", "--device", "cpu"],
+        check_lightning_fp32,
+        id="lightning",
+        marks=LIGHTNING_PYTREE,
+    ),
+    pytest.param(
+        "lightning_example.py",
+        ["--steps", "10", "--device", "cpu", "--precision", "16-mixed", "--clip", "hook"],
+        check_lightning_fp16,
+        id="lightning-fp16-clip-hook",
+        marks=LIGHTNING_PYTREE,
+    ),
+    pytest.param(
+        "lightning_example.py",
+        ["--steps", "10", "--device", "cpu", "--precision", "16-mixed", "--clip", "kitsune"],
+        check_lightning_fp16_kitsune_clip,
+        id="lightning-fp16-clip-kitsune",
+        marks=LIGHTNING_PYTREE,
+    ),
+    pytest.param(
+        "lightning_example.py",
+        ["--steps", "10", "--device", "cpu", "--precision", "16-mixed"],
+        check_lightning_fp16,
+        id="lightning-fp16-clip-lightning",
+        marks=[LIGHTNING_CLIP_UNDER_AMP, LIGHTNING_PYTREE],
+    ),
+    pytest.param("accelerate_example.py", ["--steps", "12", "--device", "cpu"], check_accelerate, id="accelerate"),
+    pytest.param(
+        "accelerate_example.py",
+        ["--steps", "12", "--device", "cpu", "--mixed-precision", "bf16"],
+        check_accelerate,
+        id="accelerate-bf16",
+    ),
+]
+
+# examples that need several processes: run through torchrun in a subprocess
+TORCHRUN_CASES = [
+    pytest.param("ddp.py", ["--steps", "5", "--device", "cpu"], check_ddp, id="ddp"),
 ]
 
 
@@ -110,16 +206,36 @@ CASES = [
 def test_example_runs(name, args, check, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", [name, *args])
-    runpy.run_path(str(EXAMPLES / name), run_name="__main__")
+    environ = dict(os.environ)  # Lightning's seed_everything sets PL_GLOBAL_SEED
+    try:
+        runpy.run_path(str(EXAMPLES / name), run_name="__main__")
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+        if "accelerate.state" in sys.modules:  # Accelerate keeps one process-wide state; the next case sets its own
+            sys.modules["accelerate.state"].AcceleratorState._reset_state(reset_partial_state=True)
     check(capsys.readouterr().out, tmp_path)
 
 
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch was built without torch.distributed")
+@pytest.mark.parametrize("name, args, check", TORCHRUN_CASES)
+def test_example_runs_under_torchrun(name, args, check, tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(EXAMPLES / name)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([*cmd, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"exit code {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    check(proc.stdout, tmp_path)
+
+
 def test_every_example_is_tested_and_documented():
-    tested = {p.values[0] for p in CASES}
+    tested = {p.values[0] for p in (*CASES, *TORCHRUN_CASES)}
+    listed = (EXAMPLES.parent / "docs" / "quickstart.md").read_text()
     for path in sorted(EXAMPLES.glob("*.py")):
+        assert f"`examples/{path.name}`" in listed, f"{path.name} is not in docs/quickstart.md's list of examples"
         assert path.name in tested, f"{path.name} has no case in tests/test_examples.py"
         source = path.read_text()
         doc = runpy.run_path(str(path), run_name="not_main").get("__doc__") or ""
-        assert f"python examples/{path.name}" in doc, f"{path.name}: the docstring should say how to run it"
+        how = rf"^(python|torchrun)\b.* examples/{re.escape(path.name)}\b"
+        assert re.search(how, doc, re.M), f"{path.name}: the docstring should say how to run it"
         if path.name != "basic.py":
             assert '"--steps"' in source and '"--device"' in source, f"{path.name}: --steps and --device"

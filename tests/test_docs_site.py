@@ -1,0 +1,185 @@
+"""The documentation: every relative link resolves, and the built site renders in headless Chromium.
+
+The link check reads the Markdown sources (docs/*.md and README.md, which GitHub renders and mkdocs does not
+build) and needs nothing installed. The site tests build it with ``mkdocs build --strict`` (whose ``validation:``
+settings in mkdocs.yml fail the build on a broken link or anchor too), serve it from a local ``http.server`` and
+open pages in headless Chromium, as a reader's browser would; they skip without mkdocs or Chromium.
+"""
+
+from __future__ import annotations
+
+import functools
+import html
+import http.server
+import inspect
+import os
+import pydoc
+import re
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import pytest
+from headless import chromium, distinct_colours, launch, png_rgb
+
+import kitsune
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+SOURCES = [*sorted(DOCS.glob("*.md")), ROOT / "README.md"]
+
+FENCE = re.compile(r"^ *(```|~~~).*?^ *\1", re.M | re.S)
+INLINE_CODE = re.compile(r"(`+).+?\1", re.S)
+LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+HEADING = re.compile(r"^(#{1,6})\s+(.+?)\s*#*\s*$", re.M)
+AUTODOC = re.compile(r"^:::\s*([\w.]+)", re.M)
+
+
+def prose(text: str) -> str:
+    """The Markdown without code: fenced blocks and inline code spans can hold anything that looks like a link."""
+    return INLINE_CODE.sub("", FENCE.sub("", text))
+
+
+def slugify(heading: str) -> str:
+    """Python-Markdown's toc slug, as mkdocs makes anchors: the heading's text, lowercase, punctuation dropped,
+    runs of spaces and hyphens to one '-'."""
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link in a heading: its text
+    text = re.sub(r"[`*]|<[^>]+>", "", text)  # code and emphasis marks, inline HTML
+    text = re.sub(r"[^\w\s-]", "", html.unescape(text)).strip().lower()
+    return re.sub(r"[-\s]+", "-", text)
+
+
+@functools.cache
+def anchors(path: Path) -> frozenset[str]:
+    """The anchors a page has: one per heading (a repeated heading gets _1, _2, ...), and mkdocstrings' ids."""
+    text = FENCE.sub("", path.read_text())
+    seen: dict[str, int] = {}
+    out = set()
+    for _, heading in HEADING.findall(text):
+        slug = slugify(heading)
+        out.add(f"{slug}_{seen[slug]}" if slug in seen else slug)
+        seen[slug] = seen.get(slug, 0) + 1
+    out.update(AUTODOC.findall(text))  # `::: kitsune.optim.Lion` renders an object whose id is its path
+    return frozenset(out)
+
+
+def has_anchor(path: Path, anchor: str) -> bool:
+    if anchor in anchors(path):
+        return True
+    # a member of a documented object (api.md#kitsune.optim.Lion.step): mkdocstrings gives it its dotted path
+    documented = [name for name in anchors(path) if anchor.startswith(name + ".")]
+    return bool(documented) and pydoc.locate(anchor) is not None
+
+
+def relative_links(path: Path) -> list[str]:
+    links = []
+    for target in LINK.findall(prose(path.read_text())):
+        scheme = urlsplit(target).scheme
+        if not scheme and not target.startswith("//"):
+            links.append(target)
+    return links
+
+
+def test_the_link_checker_finds_links_and_anchors():
+    sample = DOCS / "migration.md"
+    assert "fusion.md#what-gets-fused" in relative_links(sample)
+    assert slugify("`kitsune.clip_grad_norm_`") == "kitsuneclip_grad_norm_"
+    assert slugify("From torch's `fused=True` or `foreach=True`") == "from-torchs-fusedtrue-or-foreachtrue"
+    assert slugify("AdamW step, H100, 2026-11-22") == "adamw-step-h100-2026-11-22"
+    assert "your-own-gradscaler" in anchors(DOCS / "amp.md")
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(source: Path):
+    broken = []
+    for link in relative_links(source):
+        parts = urlsplit(link)
+        target = (source.parent / unquote(parts.path)).resolve() if parts.path else source
+        if not target.exists():
+            broken.append(f"{link}: no file {target.relative_to(ROOT) if target.is_relative_to(ROOT) else target}")
+        elif parts.fragment and target.suffix == ".md" and not has_anchor(target, unquote(parts.fragment)):
+            broken.append(f"{link}: {target.name} has no heading or object with the anchor #{parts.fragment}")
+    assert not broken, f"{source.relative_to(ROOT)}: broken links:\n" + "\n".join(broken)
+
+
+# -- the built site -----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("mkdocs", reason="mkdocs is not installed (pip install -e '.[docs]')")
+    pytest.importorskip("mkdocstrings", reason="mkdocstrings is not installed (pip install -e '.[docs]')")
+    out = tmp_path_factory.mktemp("site")
+    cmd = [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)]
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout}\n{proc.stderr}"
+    return out
+
+
+class QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:  # no request lines in the test output
+        pass
+
+
+@pytest.fixture(scope="module")
+def server(site: Path) -> Iterator[str]:
+    """The built site on a free localhost port, served from a background thread until the module's tests end."""
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(QuietHandler, directory=str(site)))
+    thread = threading.Thread(target=httpd.serve_forever, name="docs-site", daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}/"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(timeout=10)
+    assert not thread.is_alive()
+
+
+def render(url: str, tmp: Path) -> tuple[str, Path]:
+    """The page's DOM after its scripts ran, and a 1280x1600 screenshot of it."""
+    chromium()
+    png = tmp / "shot.png"
+    shot = launch(url, tmp / "chromium-shot", f"--screenshot={png}", "--window-size=1280,1600", "--hide-scrollbars")
+    dom = launch(url, tmp / "chromium-dom", "--dump-dom")
+    dom_html, _ = dom.communicate(timeout=90)
+    shot.communicate(timeout=90)
+    assert dom.returncode == 0 and shot.returncode == 0 and png.is_file()
+    return dom_html, png
+
+
+def text_of(dom_html: str) -> str:
+    return " ".join(html.unescape(re.sub(r"<[^>]+>", " ", dom_html)).split())
+
+
+def check_not_blank(png: Path) -> None:
+    rgb = png_rgb(png)
+    assert rgb.shape == (1600, 1280, 3)
+    non_white = (rgb < 235).any(axis=-1).mean()
+    assert non_white > 0.02, f"screenshot is almost blank ({non_white:.3%} non-white pixels)"
+    assert distinct_colours(rgb) > 50, f"only {distinct_colours(rgb)} distinct colours"
+    header = rgb[:40].reshape(-1, 3).astype(int)  # the theme's deep-orange header bar
+    assert ((header[:, 0] > 200) & (header[:, 2] < 120)).mean() > 0.5, "the header is not drawn in the theme colour"
+
+
+def test_home_page_renders(server: str, tmp_path: Path):
+    dom_html, png = render(server, tmp_path)
+    assert re.search(r"<title>kitsune</title>", dom_html)
+    text = text_of(dom_html)
+    assert "makes the optimizer phase of PyTorch training fast" in text
+    assert "Migrating to kitsune" in text  # the nav
+    check_not_blank(png)
+
+
+def test_api_reference_page_renders_the_docstrings(server: str, tmp_path: Path):
+    dom_html, png = render(server + "api/", tmp_path)
+    assert "<title>API reference - kitsune</title>" in dom_html
+    assert 'id="kitsune.KitsuneOptimizer"' in dom_html
+    text = text_of(dom_html)
+    summary = inspect.getdoc(kitsune.KitsuneOptimizer).splitlines()[0].replace("``", "")
+    assert summary in text, summary  # the class docstring's first line, rendered
+    params = inspect.signature(kitsune.KitsuneOptimizer).parameters
+    assert all(name in text for name in params), "the Args table lists every constructor argument"
+    check_not_blank(png)
