@@ -12,6 +12,7 @@ from kitsune.config import (
     KitsuneConfig,
     MemoryConfig,
     ProfilerConfig,
+    ShardConfig,
     StreamConfig,
 )
 from kitsune.optimizer import KitsuneOptimizer
@@ -27,6 +28,7 @@ __all__ = [
     "KitsuneOptimizer",
     "MemoryConfig",
     "ProfilerConfig",
+    "ShardConfig",
     "StreamConfig",
     "__version__",
     "clip_grad_norm_",

@@ -8,7 +8,7 @@ these models (see :func:`resolve_config`).
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, field_validator, model_validator
@@ -76,7 +76,8 @@ class FusionConfig(_Config):
     enable_reduction: bool = True
     """Fused multi-tensor norm kernels (grad clipping, inf/nan checks, trust ratios)."""
     enable_matmul: bool = True
-    """Fused Newton-Schulz matmul kernels (Muon)."""
+    """The ``triton_matmul`` route for Muon (torch.optim.Muon, kitsune.optim.Muon): fused momentum and update kernels
+    around Newton-Schulz calls batched by shape; False leaves Muon groups to the optimizer's own step."""
     max_fusion_size: int | None = Field(None, ge=1)
     """Most tensors one launch covers; ``None`` means no limit (one launch per bucket)."""
     min_fusion_benefit: float = Field(1.0, ge=0.0)
@@ -115,6 +116,12 @@ class StreamConfig(_Config):
     """Indices of streams for compute-bound work (Newton-Schulz matmuls); empty means all streams."""
     memory_streams: list[int] = Field(default_factory=list)
     """Indices of streams for memory-bound work (elementwise updates); empty means all streams."""
+    step_in_backward: bool = False
+    """Launch each fused bucket's update on a side stream as soon as backward has produced its grads, overlapping
+    the rest of backward (off under max_grad_norm, float16 loss scaling and LAMB/LARS)."""
+    bucket_bytes: int = Field(32 * MiB, ge=1)
+    """With ``step_in_backward``: bytes of params per update launched during backward (smaller buckets start
+    sooner, larger ones launch less often)."""
 
     @model_validator(mode="after")
     def _indices_in_range(self) -> StreamConfig:
@@ -141,12 +148,48 @@ class GraphConfig(_Config):
 
 
 class MemoryConfig(_Config):
-    """The memory pool of flat buffers for optimizer state."""
+    """The memory pool: flat per-(device, dtype) arenas for the state of the params the fused kernel updates."""
 
     pool_size: int = Field(512 * MiB, ge=0)
-    """Bytes of flat arena kitsune may allocate for optimizer state per device; 0 turns the pool off."""
+    """Most bytes of arena per device (state, step counts and, with ``flat_grads``, grads). Fused units are pooled
+    whole, in plan order, while they fit; the rest keep one allocation per tensor. 0 turns the pool off."""
     flat_grads: bool = False
-    """Also keep grads in a flat arena, zeroed in place."""
+    """Also keep the pooled params' grads in a flat arena: backward accumulates into it in place and
+    ``zero_grad()`` zeroes it in one fill instead of freeing the grads (torch's ``set_to_none=False``)."""
+
+
+def _to_process_group(value: Any) -> Any:
+    if value is None:
+        return None
+    try:
+        from torch.distributed import ProcessGroup
+    except ImportError:  # torch built without torch.distributed
+        ProcessGroup = ()  # noqa: N806
+    if not isinstance(value, ProcessGroup):
+        raise ValueError(f"process_group must be a torch.distributed ProcessGroup or None, got {type(value).__name__}")
+    return value
+
+
+ProcessGroupField = Annotated[
+    Any,
+    BeforeValidator(_to_process_group),
+    PlainSerializer(lambda g: None if g is None else f"ProcessGroup(size={g.size()})", return_type=Any),
+]
+
+
+class ShardConfig(_Config):
+    """Sharded optimizer state for a replicated model (ZeRO stages 1 and 2) over torch.distributed."""
+
+    stage: Literal[0, 1, 2] = 0
+    """0: off. 1: grads all-reduced (averaged), each rank keeps state for and updates only the params it owns, then
+    the params are all-gathered. 2: as 1, but grads are reduce-scattered, so each rank keeps only its own grads."""
+    process_group: ProcessGroupField = None
+    """The ranks that share the state (``None``: the default group, initialised before the optimizer is built)."""
+    bucket_bytes: int = Field(25 * MiB, ge=1)
+    """Bytes of grads per collective: smaller buckets start during backward sooner, larger ones launch less often."""
+    overlap: bool = True
+    """Launch each bucket's collective from backward as soon as its grads are ready (False: all of them in
+    ``step()``, after backward)."""
 
 
 class ProfilerConfig(_Config):
@@ -186,6 +229,22 @@ class KitsuneConfig(_Config):
     """Memory pool."""
     profiler: ProfilerConfig = ProfilerConfig()
     """Profiler."""
+    shard: ShardConfig = ShardConfig()
+    """Sharded optimizer state (ZeRO; off unless ``stage`` is 1 or 2)."""
+
+    @model_validator(mode="after")
+    def _shard_combinations(self) -> KitsuneConfig:
+        if self.shard.stage and self.streams.step_in_backward:
+            raise ValueError(
+                "ShardConfig(stage>0) with StreamConfig(step_in_backward=True): updates inside backward would run "
+                "before the grads are reduced across ranks; turn step_in_backward off"
+            )
+        if self.shard.stage and self.memory.flat_grads:
+            raise ValueError(
+                "ShardConfig(stage>0) with MemoryConfig(flat_grads=True): the sharded grads live in the shard's own "
+                "flat buckets; turn flat_grads off"
+            )
+        return self
 
 
 # keyword argument -> (section, field, seed default)
@@ -197,9 +256,16 @@ _KWARGS: dict[str, tuple[str, str, Any]] = {
     "memory_pool_size": ("memory", "pool_size", 512 * MiB),
     "capture_graph": ("graphs", "enabled", True),
     "max_grad_norm": ("grads", "max_norm", None),
+    "zero_stage": ("shard", "stage", 0),
 }
 
-_SECTION_ARGS = {"amp_config": "amp", "fusion_config": "fusion", "stream_config": "streams", "grad_config": "grads"}
+_SECTION_ARGS = {
+    "amp_config": "amp",
+    "fusion_config": "fusion",
+    "stream_config": "streams",
+    "grad_config": "grads",
+    "shard_config": "shard",
+}
 
 
 def resolve_config(config: KitsuneConfig | None, sections: dict[str, Any], kwargs: dict[str, Any]) -> KitsuneConfig:
@@ -225,6 +291,7 @@ def resolve_config(config: KitsuneConfig | None, sections: dict[str, Any], kwarg
         "fusion_config": FusionConfig,
         "stream_config": StreamConfig,
         "grad_config": GradConfig,
+        "shard_config": ShardConfig,
     }
     parts: dict[str, Any] = {}
     for arg, value in given_sections.items():
@@ -262,6 +329,14 @@ def resolve_config(config: KitsuneConfig | None, sections: dict[str, Any], kwarg
         )
     if grads is None:
         parts["grads"] = GradConfig(max_norm=kwargs["max_grad_norm"])
+
+    shard = parts.get("shard")
+    if shard is not None and "zero_stage" in changed and shard.stage != kwargs["zero_stage"]:
+        raise ValueError(
+            f"zero_stage={kwargs['zero_stage']} contradicts shard_config.stage={shard.stage}: set it in one place"
+        )
+    if shard is None:
+        parts["shard"] = ShardConfig(stage=kwargs["zero_stage"])
 
     parts["profiler"] = ProfilerConfig(enabled=kwargs["profile"])
     parts["memory"] = MemoryConfig(pool_size=kwargs["memory_pool_size"])

@@ -9,9 +9,10 @@ no subsystem updated goes through the wrapped optimizer's own ``step``.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from operator import attrgetter
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from kitsune.config import (
     FusionConfig,
     GradConfig,
     KitsuneConfig,
+    ShardConfig,
     StreamConfig,
     resolve_config,
 )
@@ -51,10 +53,14 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         amp_config: AMP settings; needs ``enable_amp=True``.
         fusion_config: fusion settings; needs ``enable_fusion=True``.
         stream_config: stream settings; its ``num_streams`` must agree with ``num_streams`` if both are set.
-        memory_pool_size: bytes of flat arena kitsune may allocate for optimizer state per device.
+        memory_pool_size: most bytes per device of flat arena for the fused params' optimizer state (0: off).
         capture_graph: capture the optimizer phase in a CUDA graph (CUDA only).
         max_grad_norm: clip the grads to this global 2-norm inside the step (see :class:`GradConfig`).
         grad_config: clipping (norm type) and zeroing of the grads in the step.
+        zero_stage: shard the optimizer state over torch.distributed's ranks: 1 or 2 (ZeRO), 0 off (see
+            :class:`ShardConfig`).
+        shard_config: sharding settings (process group, bucket size, overlap); its ``stage`` must agree with
+            ``zero_stage`` if both are set.
         config: all of the above in one :class:`KitsuneConfig`; exclusive with the other settings.
     """
 
@@ -76,6 +82,8 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         *,
         max_grad_norm: float | None = None,
         grad_config: GradConfig | None = None,
+        zero_stage: int = 0,
+        shard_config: ShardConfig | None = None,
         config: KitsuneConfig | None = None,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -89,6 +97,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
                 "fusion_config": fusion_config,
                 "stream_config": stream_config,
                 "grad_config": grad_config,
+                "shard_config": shard_config,
             },
             {
                 "enable_amp": enable_amp,
@@ -98,6 +107,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
                 "memory_pool_size": memory_pool_size,
                 "capture_graph": capture_graph,
                 "max_grad_norm": max_grad_norm,
+                "zero_stage": zero_stage,
             },
         )
         self._optimizer = optimizer
@@ -188,18 +198,22 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         cfg = self.config
         self._profiler = Profiler(cfg.profiler)
         subsystems: list[Subsystem] = [self._profiler]
+        from kitsune.distributed.zero import ShardSubsystem
+
+        subsystems.append(ShardSubsystem(cfg.shard))  # first: the grads are reduced before anything reads them
         if cfg.amp.enabled:
             from kitsune.amp import AMPSubsystem
 
             subsystems.append(AMPSubsystem(cfg.amp))
         else:
             subsystems.append(PlaceholderSubsystem("amp", requested=False, reason="enable_amp=False"))
-        subsystems.append(
-            PlaceholderSubsystem(
-                "memory", requested=False, reason="not built yet: optimizer state stays in the wrapped optimizer"
-            )
-        )
-        subsystems.append(_make_fusion(cfg.fusion))
+        from kitsune.memory import MemoryPool
+
+        pool = MemoryPool(cfg.memory)
+        fusion = _make_fusion(cfg.fusion)
+        if hasattr(fusion, "pool"):
+            fusion.pool = pool
+        subsystems += [pool, fusion]
         from kitsune.streams import StreamScheduler
 
         subsystems.append(StreamScheduler(cfg.streams))
@@ -215,7 +229,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         raise KeyError(name)
 
     def _warn_requested_but_inactive(self) -> None:
-        asked = {"amp": self.config.amp.enabled, "fusion": self.config.fusion.enabled}
+        asked = {"amp": self.config.amp.enabled, "fusion": self.config.fusion.enabled, "shard": self.config.shard.stage}
         for s in self._subsystems:
             if asked.get(s.name) and not s.active:
                 warnings.warn(f"kitsune: {s.name} was asked for but is inactive: {s.reason}", UserWarning, stacklevel=3)
@@ -244,7 +258,11 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             why = getattr(fusion, "grad_pass", None) or "see the plan"
             graphs.deactivate(f"the grads' passes are not fused: {why}")
             self._graphs = None
+        if self._graphs is not None and self._subsystem("shard").active:
+            graphs.deactivate("sharded optimizer state: the step's collectives are not captured")
+            self._graphs = None
         self._plan_version = getattr(fusion, "plan_version", 0)
+        self._in_backward = getattr(self._subsystem("streams"), "in_backward", False)
 
     # -- mixed precision ----------------------------------------------------------------------------------------
     def autocast(self) -> Any:
@@ -264,6 +282,19 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         own backward (``accelerator.backward(optimizer.scale_loss(loss))``); :meth:`backward` calls it."""
         amp = self._subsystem("amp")
         return amp.scale_loss(loss) if amp.active else loss
+
+    @contextlib.contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """Context for the backward passes of gradient accumulation's micro-steps that do not step: with
+        ``StreamConfig(step_in_backward=True)`` they launch no updates (the grads just add up); the backward of the
+        micro-step that steps runs outside it. Without step_in_backward it changes nothing, so loops can always use it.
+        With sharded state (``zero_stage``) the grads of those micro-steps are not reduced across ranks either.
+        """
+        with contextlib.ExitStack() as stack:
+            for s in self._subsystems:
+                if hasattr(s, "accumulating"):
+                    stack.enter_context(s.accumulating())
+            yield
 
     @property
     def loss_scale(self) -> float:
@@ -327,11 +358,14 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         try:
             for s in self._active:
                 s.before_step(ctx)
+            reduce = ctx.extra.get("reduce_norm")  # sharded grads: an overflow on any rank skips the step on all
+            if reduce is not None and not fused and ctx.extra.get("found_inf") is not None:
+                reduce(None, ctx.extra["found_inf"])
             timer = ctx.extra.get("phases")  # the profiler's probe steps time each phase
             if timer is not None:
                 timer.mark("unscale")
             if self.config.grads.max_norm is not None and not fused:
-                ctx.extra["grad_norm"] = self._clip_grads()
+                ctx.extra["grad_norm"] = self._clip_grads(ctx.extra.get("reduce_norm"))
                 if timer is not None:
                     timer.mark("clip")
             if self._overflow_on_host(ctx):
@@ -413,16 +447,23 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             self._graphs = None
         fusion.finish(ctx, units, launches=1 if how == "replay" else None)
 
-    def _clip_grads(self) -> torch.Tensor:
+    def _clip_grads(self, reduce: Callable[..., None] | None = None) -> torch.Tensor:
         """Clipping as a pass of its own (the grads are not all fused): kitsune's two-launch clip_grad_norm_ when
-        reductions are enabled, else torch's."""
+        reductions are enabled, else torch's; with sharded grads (``reduce``) torch ops and a norm all-reduced."""
         params = [p for g in self.param_groups for p in g["params"]]
         cfg = self.config
+        if reduce is not None:
+            from kitsune.distributed.zero import clip_sharded_grads_
+
+            return clip_sharded_grads_(params, cfg.grads.max_norm, cfg.grads.norm_type, reduce)
         if cfg.fusion.enabled and cfg.fusion.enable_reduction:
             from kitsune.clip import clip_grad_norm_
         else:
             clip_grad_norm_ = torch.nn.utils.clip_grad_norm_
-        return clip_grad_norm_(params, cfg.grads.max_norm, cfg.grads.norm_type)
+        norm = clip_grad_norm_(params, cfg.grads.max_norm, cfg.grads.norm_type)
+        from kitsune.distributed.fsdp import local
+
+        return local(norm)  # FSDP2 grads: torch returns a replicated DTensor; its local value is the global norm
 
     @property
     def last_grad_norm(self) -> torch.Tensor | None:
@@ -436,7 +477,8 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         state to where that step keeps it when a baseline stretch begins or ends (outside the timed steps)."""
         if not self._profiler.active:
             return False
-        baseline = self._profiler.wants_baseline(self._executes)
+        # with updates inside backward there is no step of kitsune's to time against the wrapped optimizer's
+        baseline = self._profiler.wants_baseline(self._executes and not self._in_backward)
         if baseline != self._handed_over:
             for s in self._active:
                 move = getattr(s, "hand_over" if baseline else "take_back", None)
@@ -518,16 +560,22 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         those are left as they are (allocated, ``set_to_none`` notwithstanding) unless something changed them
         since (a backward pass bumps a grad's version counter), so the step's zeroing is the only pass over them.
         """
+        self._subsystem("shard").zero_grad()  # sharded grads already reduced are discarded too
         zeroed, self._zeroed = self._zeroed, None
-        if zeroed is None:
+        skip: set[torch.Tensor] = set()
+        if zeroed is not None:
+            params, ids, versions = zeroed
+            skip = {
+                p
+                for p, i, v in zip(params, ids, versions, strict=True)
+                if p.grad is not None and id(p.grad) == i and p.grad._version == v
+            }
+        pool = self._subsystem("memory")
+        if getattr(pool, "flat_grads", False):  # grads in the pool's arena: zeroed in place, kept (not set to None)
+            skip |= pool.zero_grads(already_zero=skip)
+        elif zeroed is None:
             self._optimizer.zero_grad(set_to_none=set_to_none)
             return
-        params, ids, versions = zeroed
-        skip = {
-            p
-            for p, i, v in zip(params, ids, versions, strict=True)
-            if p.grad is not None and id(p.grad) == i and p.grad._version == v
-        }
         for g in self.param_groups:
             for p in g["params"]:
                 if p.grad is None or p in skip:

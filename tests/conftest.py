@@ -21,6 +21,7 @@ if CPU_ONLY:
     _saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     import kitsune.kernels.common as _common
+    import kitsune.kernels.muon_update as _muon_update
     import kitsune.kernels.newton_schulz as _newton_schulz
     import kitsune.kernels.norms as _norms
     import kitsune.kernels.update as _update
@@ -30,6 +31,7 @@ if CPU_ONLY:
         importlib.reload(_update)
         importlib.reload(_norms)
         importlib.reload(_newton_schulz)
+        importlib.reload(_muon_update)
     if _saved is None:
         del os.environ["TRITON_INTERPRET"]
     else:

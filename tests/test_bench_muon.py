@@ -1,4 +1,4 @@
-"""The Muon benchmark's FLOP counts, and its refusal to run off a GPU."""
+"""The Muon benchmark's FLOP counts, its rows (the fusion planner's among them), and its refusal to run off a GPU."""
 
 from __future__ import annotations
 
@@ -26,3 +26,29 @@ def test_cli_flag_refuses_cpu_with_a_message(capsys):
 
     assert main(["--muon", "--device", "cpu"]) == 2
     assert "CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon needs torch >= 2.9")
+@pytest.mark.filterwarnings("ignore:kitsune. fusion was asked for but is inactive:UserWarning")  # CPU params
+def test_step_rows_include_the_fusion_planner():
+    """The Muon step is timed for torch.optim.Muon, kitsune.optim.Muon and KitsuneOptimizer(torch.optim.Muon)."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from kitsune import KitsuneOptimizer
+    from kitsune.bench.muon import STEP_VARIANTS, print_muon_results
+
+    assert list(STEP_VARIANTS) == ["torch", "kitsune", "planner"]
+    opt = STEP_VARIANTS["planner"][1]([torch.nn.Parameter(torch.randn(8, 8))])
+    assert isinstance(opt, KitsuneOptimizer) and type(opt.base_optimizer) is torch.optim.Muon
+    assert opt.config.fusion.enabled and opt.config.fusion.enable_matmul
+
+    timing = {"device_ms": 1.0, "host_ms": 0.5}
+    step = {"torch": {"device_ms": 4.0, "host_ms": 3.0}, "kitsune": timing, "planner": timing}
+    result = {"device": "GPU", "matmul_tflops": 1.0, "newton_schulz": [], "muon_step": step}
+    result["muon_step"] |= {"speedup": 4.0, "planner_speedup": 4.0}
+    out = StringIO()
+    print_muon_results(result, Console(file=out, width=200))
+    assert "KitsuneOptimizer(torch.optim.Muon, enable_fusion=True)" in out.getvalue()
+    assert out.getvalue().count("4.00x") == 2

@@ -94,6 +94,14 @@ def check_lion(out: str, tmp: Path) -> None:
     assert "max |param diff| vs the unwrapped Lion: 0.000e+00 (bit-identical)" in out
 
 
+def check_muon(out: str, tmp: Path) -> None:
+    first, last = first_last_loss(out)
+    assert last < 0.5 * first
+    assert "kitsune fusion plan" in out and "Muon float32 cpu: 28 tensors -> base_step: CPU tensors" in out
+    assert "max |param diff| vs the unwrapped Muon: 0.000e+00 (bit-identical)" in out
+    assert "kitsune summary: Muon, 2 param group(s), 28 params, 20 steps" in out
+
+
 def check_lightning(out: str, tmp: Path) -> None:
     assert "Lightning's optimizer: KitsuneOptimizer wrapping AdamW" in out
     assert "kitsune steps 10, trainer.global_step 10" in out
@@ -136,6 +144,31 @@ def check_ddp(out: str, tmp: Path) -> None:
     assert "params on all 2 ranks after 5 steps: identical" in out
 
 
+def check_fsdp2(out: str, tmp: Path) -> None:
+    first, last = first_last_loss(out)
+    assert last < first
+    for rank in (0, 1):
+        assert f"rank {rank}/2: backend gloo, device cpu, 0 shards fused (CPU tensors" in out
+        assert re.search(rf"^rank {rank}: 5 steps, max \|param diff\| vs rank 0: 0\.000e\+00, moved [1-9]", out, re.M)
+    assert "exp_avg DTensor[Shard(dim=0)], exp_avg_sq DTensor[Shard(dim=0)], step Tensor[]" in out
+    assert "full params on all 2 ranks after 5 steps: identical" in out
+
+
+def check_zero(out: str, tmp: Path) -> None:
+    first, last = first_last_loss(out)
+    assert last < first
+    shares = []
+    for rank in (0, 1):
+        assert re.search(rf"^rank {rank}/2: backend gloo, device cpu, kitsune subsystems active: .*shard", out, re.M)
+        agree = rf"^rank {rank}: 5 steps, max \|param diff\| vs rank 0: 0\.000e\+00, moved [1-9]"
+        m = re.search(agree + r".*optimizer state (\d+) of", out, re.M)
+        assert m, out
+        shares.append(int(m[1]))
+    assert "params on all 2 ranks after 5 steps: identical" in out
+    m = re.search(r"consolidated state dict: 12 params, (\d+) elements, loaded into torch.optim.AdamW", out)
+    assert m and sum(shares) == int(m[1]) and max(shares) < 0.6 * int(m[1])
+
+
 # Lightning's AMP plugin refuses gradient_clip_val for optimizers that unscale in their own step
 LIGHTNING_CLIP_UNDER_AMP = pytest.mark.xfail(
     raises=RuntimeError,
@@ -159,6 +192,7 @@ CASES = [
     pytest.param("checkpoint_resume.py", ["--steps", "12", "--device", "cpu"], check_checkpoint_resume, id="ckpt"),
     pytest.param("profiler_report.py", ["--steps", "8", "--device", "cpu"], check_profiler_report, id="profiler"),
     pytest.param("lion.py", ["--steps", "20", "--device", "cpu"], check_lion, id="lion", marks=FUSION_OFF_ON_CPU),
+    pytest.param("muon.py", ["--steps", "20", "--device", "cpu"], check_muon, id="muon", marks=FUSION_OFF_ON_CPU),
     pytest.param(
         "lightning_example.py",
         ["--steps", "10", "--device", "cpu"],
@@ -199,6 +233,8 @@ CASES = [
 # examples that need several processes: run through torchrun in a subprocess
 TORCHRUN_CASES = [
     pytest.param("ddp.py", ["--steps", "5", "--device", "cpu"], check_ddp, id="ddp"),
+    pytest.param("fsdp2.py", ["--steps", "5", "--device", "cpu"], check_fsdp2, id="fsdp2"),
+    pytest.param("zero.py", ["--steps", "5", "--device", "cpu"], check_zero, id="zero"),
 ]
 
 

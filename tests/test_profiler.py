@@ -97,7 +97,8 @@ def test_save_profile_json_contents(tmp_path):
     env = data["environment"]
     assert env["torch"] == torch.__version__ and env["device"] == "cpu" and env["python"]
     assert data["config"]["profiler"]["enabled"] is True
-    assert {s["name"] for s in data["subsystems"]} == {"profiler", "amp", "memory", "fusion", "streams", "graphs"}
+    names = {s["name"] for s in data["subsystems"]}
+    assert names == {"profiler", "shard", "amp", "memory", "fusion", "streams", "graphs"}
     inactive = {s["name"]: s["reason"] for s in data["subsystems"] if not s["active"]}
     assert inactive["fusion"] == "enable_fusion=False"
     assert [s["step"] for s in data["steps"]] == list(range(1, 8))

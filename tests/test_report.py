@@ -221,7 +221,7 @@ def test_html_renders_in_headless_chromium(gpu_profile, tmp_path):
     def launch(*args: str) -> subprocess.Popen:
         return launch_chromium(page.as_uri(), tmp_path / f"chromium-{len(args)}", *args)  # a fresh user-data-dir
 
-    shot = launch(f"--screenshot={png}", "--window-size=1200,1600", "--hide-scrollbars")
+    shot = launch(f"--screenshot={png}", "--window-size=1200,1800", "--hide-scrollbars")
     dom = launch("--dump-dom")
     dom_html, _ = dom.communicate(timeout=60)
     shot.communicate(timeout=60)
@@ -233,7 +233,7 @@ def test_html_renders_in_headless_chromium(gpu_profile, tmp_path):
     assert dom_html.count("<polyline") == 5
 
     rgb = png_rgb(png)
-    assert rgb.shape == (1600, 1200, 3)
+    assert rgb.shape == (1800, 1200, 3)
     non_white = (rgb < 235).any(axis=-1).mean()
     colours = distinct_colours(rgb)
     assert non_white > 0.03, f"screenshot is almost blank ({non_white:.3%} non-white pixels)"

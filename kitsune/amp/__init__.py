@@ -65,12 +65,17 @@ class AMPSubsystem(Subsystem):
         self._found_inf: torch.Tensor | None = None
         self._skipped: torch.Tensor | None = None
         self._loss_scaled = False
+        self._groups: list[Any] = []
+        """FSDP2: the process groups found_inf is all-reduced over, so every rank skips the same steps."""
         self.deactivate("not planned yet")
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
     def plan(self, opt: KitsuneOptimizer) -> None:
         params = [p for g in opt.param_groups for p in g["params"]]
         device = params[0].device if params else torch.device("cpu")
+        from kitsune.distributed.fsdp import mesh_groups
+
+        self._groups = mesh_groups(params) if self.scaling else []
         if self._scale is None:
             self._scale = torch.full((1,), self.config.init_scale, dtype=torch.float32, device=device)
             self._growth_tracker = torch.zeros(1, dtype=torch.int32, device=device)
@@ -101,7 +106,13 @@ class AMPSubsystem(Subsystem):
             return
         grads = ctx.extra["grads"]
         self._found_inf.zero_()
+        if self._groups:  # FSDP2: check the local shards (torch's DTensor op would all-reduce per dtype), then reduce
+            from kitsune.distributed.fsdp import all_reduce_found_inf_, local
+
+            grads = [local(g) for g in grads]
         unscale_and_check(grads, self._scale.double().reciprocal().float(), self._found_inf)
+        if self._groups:
+            all_reduce_found_inf_(self._found_inf, self._groups)
         ctx.extra["found_inf"] = self._found_inf
 
     def after_step(self, ctx: StepContext) -> None:

@@ -107,6 +107,8 @@ class E2EResult(BaseModel):
     sides: list[E2ESide]
     ratio: float
     """kitsune's tokens/s over torch's (above 1: kitsune trains faster)."""
+    ratio_noclip: float
+    """Without clipping: kitsune with the updates inside backward over torch's fused AdamW."""
     max_loss_diff_first_10: float
     """Largest difference of the two sides' losses over the first 10 steps: they train the same model alike."""
 
@@ -115,7 +117,7 @@ def run_e2e(
     device: torch.device, steps: int = 30, warmup: int = 10, batch: int = 4, seq: int = 512, seed: int = 0
 ) -> E2EResult:
     """Time ``steps`` whole training steps of each side after ``warmup`` untimed ones (see the module docstring)."""
-    from kitsune.config import AMPConfig, GradConfig
+    from kitsune.config import AMPConfig, FusionConfig, GradConfig, KitsuneConfig, MemoryConfig, StreamConfig
     from kitsune.optimizer import KitsuneOptimizer
 
     cfg = GPT2_SMALL if device.type == "cuda" else CPU_TINY
@@ -126,7 +128,7 @@ def run_e2e(
     init = GPT(cfg).state_dict()
     adamw = {"lr": 3e-4, "weight_decay": 0.1, "betas": (0.9, 0.95)}
 
-    def torch_side() -> tuple[nn.Module, Any, Any]:
+    def torch_side(clip: bool = True) -> tuple[nn.Module, Any, Any]:
         model = GPT(cfg).to(device)
         model.load_state_dict(init)
         opt = torch.optim.AdamW(model.parameters(), **adamw, fused=device.type == "cuda")
@@ -135,7 +137,8 @@ def run_e2e(
             with torch.autocast(device.type, dtype=torch.bfloat16):
                 loss = model(tokens[:, :-1], tokens[:, 1:])
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad()
             return loss
@@ -163,10 +166,37 @@ def run_e2e(
 
         return model, opt, step
 
+    def backward_side(flat_grads: bool = False) -> tuple[nn.Module, Any, Any]:
+        model = GPT(cfg).to(device)
+        model.load_state_dict(init)
+        # flat_grads: the grads stay at their arena addresses, so no address table is uploaded inside backward
+        opt = KitsuneOptimizer(
+            torch.optim.AdamW(model.parameters(), **adamw),
+            config=KitsuneConfig(
+                fusion=FusionConfig(enabled=True),
+                amp=AMPConfig(enabled=True, dtype=torch.bfloat16),
+                streams=StreamConfig(step_in_backward=True),
+                memory=MemoryConfig(flat_grads=flat_grads),
+            ),
+        )
+
+        def step(tokens: torch.Tensor) -> torch.Tensor:
+            with opt.autocast():
+                loss = model(tokens[:, :-1], tokens[:, 1:])
+            opt.backward(loss)  # the updates launch bucket by bucket as backward finishes their grads
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        return model, opt, step
+
     specs = (
         ("torch", "torch: fused AdamW, clip_grad_norm_, zero_grad", torch_side),
         ("kitsune", "kitsune: clip in the step, graph", lambda: kitsune_side(False)),
         ("kitsune_zero", "kitsune: clip and zero in the step, graph", lambda: kitsune_side(True)),
+        ("torch_noclip", "torch, no clip: fused AdamW, zero_grad", lambda: torch_side(clip=False)),
+        ("kitsune_backward", "kitsune, no clip: updates inside backward", backward_side),
+        ("kitsune_backward_flat", "kitsune, no clip: updates inside backward, flat grads", lambda: backward_side(True)),
     )
     # build and warm up each side in turn, measuring its own peak memory (above what the others hold); then time
     # the sides interleaved step by step, so a busy host slows all of them alike
@@ -205,6 +235,7 @@ def run_e2e(
         max_grad_norm=1.0,
         sides=sides,
         ratio=sides[1].tokens_per_s / sides[0].tokens_per_s,
+        ratio_noclip=sides[4].tokens_per_s / sides[3].tokens_per_s,
         max_loss_diff_first_10=max(abs(a - b) for a, b in zip(sides[0].losses[:10], sides[1].losses[:10], strict=True)),
     )
 

@@ -9,10 +9,15 @@ the upper triangle of the two symmetric products: ``m^2 n + m^3 + 2 m^2 n``, two
 table reports each implementation's rate on the FLOPs it executes (plain for torch, symmetric for kitsune, whose %
 of the dense bf16 matmul rate is measured in the same run), and kitsune's "effective" rate, the plain FLOPs over its
 time: the rate a plain implementation would need to match it.
+
+The Muon step is timed three ways on the same params and grads: torch.optim.Muon, kitsune.optim.Muon, and
+torch.optim.Muon wrapped in ``KitsuneOptimizer(..., enable_fusion=True)``, which the fusion planner runs on its
+``triton_matmul`` route (momentum and update in multi-tensor kernels, one batched Newton-Schulz call per shape).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,6 +26,7 @@ from rich.console import Console
 from rich.table import Table
 from triton.testing import do_bench
 
+from kitsune import KitsuneOptimizer
 from kitsune.bench.timing import percentile, time_steps
 from kitsune.kernels.newton_schulz import MUON_COEFFICIENTS, newton_schulz
 from kitsune.optim import Muon
@@ -34,6 +40,22 @@ MATMUL_SIZE = 8192
 STEP_SHAPES = [(2048, 2048)] * 8
 """The Muon step's params: 8 matrices of 2048 x 2048, fp32."""
 MUON_KWARGS: dict[str, Any] = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95, "nesterov": True}
+
+
+_TORCH_MUON = getattr(torch.optim, "Muon", None)  # torch >= 2.9
+
+
+def _planner(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return KitsuneOptimizer(_TORCH_MUON(params, **MUON_KWARGS), enable_fusion=True)
+
+
+Factory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+STEP_VARIANTS: dict[str, tuple[str, Factory | None]] = {
+    "torch": ("torch.optim.Muon", (lambda ps: _TORCH_MUON(ps, **MUON_KWARGS)) if _TORCH_MUON else None),
+    "kitsune": ("kitsune.optim.Muon", lambda ps: Muon(ps, **MUON_KWARGS)),
+    "planner": ("KitsuneOptimizer(torch.optim.Muon, enable_fusion=True)", _planner if _TORCH_MUON else None),
+}
+"""The Muon step's rows: name -> (label, optimizer factory, None where this torch has no torch.optim.Muon)."""
 
 
 def flops(m: int, n: int, steps: int = NS_STEPS) -> tuple[int, int]:
@@ -60,15 +82,15 @@ def _ms(fn) -> float:
 def _muon_step(device: torch.device, steps: int) -> dict[str, Any]:
     gen = torch.Generator(device).manual_seed(0)
     results: dict[str, Any] = {}
-    for name, cls in (("torch", getattr(torch.optim, "Muon", None)), ("kitsune", Muon)):
-        if cls is None:
+    for name, (_, make) in STEP_VARIANTS.items():
+        if make is None:
             results[name] = None
             continue
         params = [torch.nn.Parameter(torch.randn(s, device=device, generator=gen)) for s in STEP_SHAPES]
         grads = [torch.randn(s, device=device, generator=gen) for s in STEP_SHAPES]
         for p, g in zip(params, grads, strict=True):
             p.grad = g
-        opt = cls(params, **MUON_KWARGS)
+        opt = make(params)
         for _ in range(3):
             opt.step()
         times = time_steps(opt.step, steps, device)
@@ -80,6 +102,7 @@ def _muon_step(device: torch.device, steps: int) -> dict[str, Any]:
         torch.cuda.empty_cache()
     if results["torch"] is not None:
         results["speedup"] = results["torch"]["device_ms"] / results["kitsune"]["device_ms"]
+        results["planner_speedup"] = results["torch"]["device_ms"] / results["planner"]["device_ms"]
     return results
 
 
@@ -159,10 +182,11 @@ def print_muon_results(result: dict[str, Any], console: Console) -> None:
     table = Table(title=f"Muon step, {shapes} (median of CUDA-event times; host: the step() call alone)")
     for col in ("optimizer", "device ms", "host ms", "speedup"):
         table.add_column(col, justify="right")
-    for name, label in (("torch", "torch.optim.Muon"), ("kitsune", "kitsune.optim.Muon")):
-        if step[name] is None:
+    speedups = {"kitsune": step.get("speedup"), "planner": step.get("planner_speedup")}
+    for name, (label, _) in STEP_VARIANTS.items():
+        if step.get(name) is None:
             table.add_row(label, "n/a (torch < 2.9)", "", "")
             continue
-        speed = f"{step['speedup']:.2f}x" if name == "kitsune" and "speedup" in step else ""
+        speed = "" if speedups.get(name) is None else f"{speedups[name]:.2f}x"
         table.add_row(label, f"{step[name]['device_ms']:.3f}", f"{step[name]['host_ms']:.3f}", speed)
     console.print(table)

@@ -8,16 +8,19 @@ param group to the kernel's compile-time :class:`UpdateSpec`, to its row of the 
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from kitsune.kernels.spec import Algo, Trust, UpdateSpec
+from kitsune.kernels.coefficients import schedule
+from kitsune.kernels.spec import Algo, MuonSpec, Trust, UpdateSpec
 from kitsune.optim.lamb import LAMB
 from kitsune.optim.lars import LARS
 from kitsune.optim.lion import Lion
+from kitsune.optim.muon import Muon
 
 Row = tuple[Any, ...]  # (lr, b1, b2, eps, wd, extra, trust_a, adapt); an entry may be a tensor (e.g. a tensor lr)
 
@@ -38,6 +41,9 @@ class AlgoInfo:
     torch_fused_devices: tuple[str, ...] = ()
     """Device types with a ``fused=True`` implementation in torch; empty when there is none."""
     torch_foreach: bool = True
+    aux: AlgoInfo | None = None
+    """The algorithm of the groups whose spec is an :class:`UpdateSpec` in an optimizer that is mostly something
+    else (kitsune.optim.Muon's ``use_muon=False`` groups run AdamW): their fused units use it."""
 
 
 def _adam_spec(decoupled: bool) -> Callable[[dict[str, Any]], UpdateSpec]:
@@ -170,22 +176,89 @@ ALGOS: dict[type, AlgoInfo] = {
 }
 
 
+def _muon_spec(schedules: bool) -> Callable[[dict[str, Any]], MuonSpec]:
+    """A Muon group's switches. ``schedules``: ``ns_coefficients`` may be one triple per iteration (kitsune's Muon);
+    torch.optim.Muon takes exactly one triple. ``ns_plan`` is None for settings the optimizer's own step rejects."""
+
+    def spec(g: dict[str, Any]) -> MuonSpec:
+        coefficients, steps = g["ns_coefficients"], g["ns_steps"]
+        one = isinstance(coefficients, (tuple, list)) and len(coefficients) == 3
+        one = one and all(isinstance(v, numbers.Real) for v in coefficients)
+        plan: tuple | None = None
+        if isinstance(steps, int) and 0 <= steps < 100 and (one or schedules):
+            try:
+                plan = tuple(schedule(coefficients, steps)) if steps else ()
+            except ValueError:
+                pass
+        return MuonSpec(bool(g["nesterov"]), g["adjust_lr_fn"] or "original", plan, float(g["eps"]))
+
+    return spec
+
+
+def _muon_row(g: dict[str, Any]) -> Row:
+    return (g["lr"], g["momentum"], 0.0, g["eps"], g["weight_decay"], 0.0)
+
+
+def _muon_bytes(s: MuonSpec | UpdateSpec) -> int:
+    # momentum (g, buf in; buf, bf16 update out) + apply (p, bf16 update in; p out); AdamW's 7 for AdamW groups
+    return 6 if isinstance(s, MuonSpec) else 7
+
+
+_MUON_SCHEDULES, _ADAMW = _muon_spec(True), _adam_spec(True)
+
+
+def _kitsune_muon_spec(g: dict[str, Any]) -> MuonSpec | UpdateSpec:
+    return _MUON_SCHEDULES(g) if g["use_muon"] else _ADAMW(g)
+
+
+ALGOS[Muon] = AlgoInfo(
+    "kitsune.optim.Muon",
+    _kitsune_muon_spec,  # type: ignore[arg-type]
+    lambda g: _muon_row(g) if g["use_muon"] else _adam_row(g),
+    lambda s: ("momentum_buffer",) if isinstance(s, MuonSpec) else _adam_keys(s),
+    False,
+    _muon_bytes,  # type: ignore[arg-type]
+    12,  # the AdamW groups run torch's functional AdamW, foreach on CUDA
+    torch_foreach=False,
+    aux=ALGOS[torch.optim.AdamW],
+)
+if hasattr(torch.optim, "Muon"):  # torch >= 2.9
+    ALGOS[torch.optim.Muon] = AlgoInfo(
+        "torch.optim.Muon",
+        _muon_spec(False),  # type: ignore[arg-type]
+        _muon_row,
+        lambda s: ("momentum_buffer",),
+        False,
+        _muon_bytes,  # type: ignore[arg-type]
+        0,
+        torch_foreach=False,
+    )
+
+
 def scalar_dtype() -> torch.dtype:
     """The dtype torch gives ``state['step']`` (float64 only under ``torch.set_default_dtype(torch.float64)``)."""
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
-def init_state(info: AlgoInfo, spec: UpdateSpec, group: dict[str, Any], p: torch.Tensor, state: dict) -> None:
+def init_state(
+    info: AlgoInfo,
+    spec: UpdateSpec,
+    group: dict[str, Any],
+    p: torch.Tensor,
+    state: dict,
+    alloc: Callable[[str], torch.Tensor] | None = None,
+) -> None:
     """Create missing state for ``p`` as torch's lazy init would, with ``step`` on the param's device (as torch's
-    fused and capturable paths keep it: the kernel reads it there)."""
+    fused and capturable paths keep it: the kernel reads it there). ``alloc(key)`` hands out the memory (the
+    pool's arena views); without it each tensor is allocated on its own."""
     if info.step_in_state and "step" not in state:
-        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        state["step"] = alloc("step").zero_() if alloc else torch.zeros((), dtype=torch.float32, device=p.device)
     for key in info.state_keys(spec):
         if key is None or key in state:
             continue
+        t = alloc(key) if alloc else torch.empty_like(p, memory_format=torch.preserve_format)
         if key == "sum":  # Adagrad builds it in __init__; a param group added later gets it here
-            state[key] = torch.full_like(p, group["initial_accumulator_value"], memory_format=torch.preserve_format)
-        elif info.name in ("SGD", "LARS"):  # written from the grad on the first step, as torch's clone(grad)
-            state[key] = torch.empty_like(p, memory_format=torch.preserve_format)
-        else:
-            state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            t.fill_(group["initial_accumulator_value"])
+        elif info.name not in ("SGD", "LARS"):  # those write it from the grad on the first step (torch's clone)
+            t.zero_()
+        state[key] = t

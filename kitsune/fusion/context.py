@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from kitsune.kernels.multi_tensor import pinned
 from kitsune.kernels.spec import NUM_FIELDS
 
 
@@ -54,7 +55,7 @@ class DeviceContext:
         if self.buffer is None or self.buffer.shape[0] != len(rows):
             self.buffer = host.to(self.device)
         else:  # keep the buffer's address: kernels (and captured graphs) hold it
-            self.buffer.copy_(host, non_blocking=True)  # pageable source: staged before this returns
+            self.buffer.copy_(pinned(host, self.device), non_blocking=True)
         self._cached = rows
         self.uploads += 1
 

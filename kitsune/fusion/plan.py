@@ -13,12 +13,19 @@ class Route(str, Enum):
 
     TRITON = "triton"
     """kitsune's fused multi-tensor kernel."""
+    TRITON_MATMUL = "triton_matmul"
+    """Muon: fused multi-tensor momentum and update kernels around Triton Newton-Schulz calls batched by shape."""
     TORCH_FUSED = "torch_fused"
     """torch's own ``fused=True`` implementation of the same optimizer."""
     TORCH_FOREACH = "torch_foreach"
     """torch's ``foreach=True`` implementation."""
     BASE_STEP = "base_step"
     """The wrapped optimizer's own step (the params are left out of ``ctx.handled``)."""
+
+    @property
+    def fused(self) -> bool:
+        """kitsune's own kernels update the bucket."""
+        return self in (Route.TRITON, Route.TRITON_MATMUL)
 
 
 @dataclass(frozen=True)
@@ -40,6 +47,8 @@ class CostModel:
     bandwidth: float = 2.0e12
     """Bytes per second the update streams at."""
     torch_tensors_per_launch: int = 48
+    matmul_flops: float = 4.0e14
+    """bf16 matmul FLOP/s (Muon's Newton-Schulz)."""
 
     def triton(self, tensors: int, nbytes: int, launches: int) -> float:
         return launches * self.launch_s + tensors * self.kitsune_host_s_per_tensor + nbytes / self.bandwidth
@@ -100,7 +109,7 @@ class Plan:
 
     @property
     def fused_tensors(self) -> int:
-        return self.count(Route.TRITON)
+        return self.count(Route.TRITON, Route.TRITON_MATMUL)
 
     @property
     def fallback_tensors(self) -> int:
@@ -109,7 +118,7 @@ class Plan:
     @property
     def launches(self) -> int:
         """Fused Triton launches per step when every grad is present."""
-        return sum(b.launches for b in self.buckets if b.route is Route.TRITON)
+        return sum(b.launches for b in self.buckets if b.route.fused)
 
     @property
     def bytes_per_step(self) -> int | None:
@@ -136,7 +145,7 @@ class Plan:
             table.add_column(col, justify="right")
         table.add_column("reason")
         for b in self.buckets:
-            style = "green" if b.route is Route.TRITON else "yellow"
+            style = "green" if b.route.fused else "yellow"
             options = "" if b.options == "-" else f" ({b.options})"
             table.add_row(
                 f"{b.optimizer}{options} {b.dtype} {b.device}",

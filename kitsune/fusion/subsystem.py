@@ -25,12 +25,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kitsune.config import FusionConfig
+from kitsune.distributed import fsdp
+from kitsune.fusion import muon_unit
 from kitsune.fusion.algos import ALGOS, AlgoInfo
 from kitsune.fusion.context import DeviceContext
 from kitsune.fusion.plan import BucketPlan, CostModel, Plan, Route
 from kitsune.fusion.units import FusedUnit, TorchShadow
 from kitsune.kernels.multi_tensor import DEFAULT_BLOCK
-from kitsune.kernels.spec import UpdateSpec
+from kitsune.kernels.spec import MuonSpec, UpdateSpec
 from kitsune.subsystem import StepContext, Subsystem
 
 if TYPE_CHECKING:
@@ -75,6 +77,7 @@ class FusionSubsystem(Subsystem):
         self._opt: Any = None
         self._units: list[FusedUnit] = []
         self._shadows: list[TorchShadow] = []
+        self._muon: list[muon_unit.MuonUnit] = []
         self._contexts: dict[torch.device, DeviceContext] = {}
         self._specs: tuple[UpdateSpec, ...] = ()
         self._info: AlgoInfo | None = None
@@ -93,6 +96,12 @@ class FusionSubsystem(Subsystem):
         self._norm: Any = None
         self._norm_out: torch.Tensor | None = None
         self._norm_dtypes: list[torch.dtype] = []
+        self._norm_groups: list[Any] = []
+        """FSDP2: the process groups the norm pass's results are all-reduced over (empty without DTensor params)."""
+        self._mesh: Any = None
+        self.pool: Any = None
+        self._backward_bytes: int | None = None
+        """The memory pool (:class:`kitsune.memory.MemoryPool`) the orchestrator hands over, if any."""
 
     # -- planning ------------------------------------------------------------------------------------------------
     def plan(self, opt: KitsuneOptimizer) -> None:
@@ -103,35 +112,58 @@ class FusionSubsystem(Subsystem):
         self._info = info = ALGOS.get(type(base))
         self._specs = tuple(info.spec(g) for g in groups) if info else ()
         whole = self._optimizer_reason(base, info)
+        from kitsune.streams import why_not_in_backward
 
+        trust = any(getattr(spec, "trust", False) for spec in self._specs)
+        self._backward_bytes = opt.config.streams.bucket_bytes if why_not_in_backward(opt, trust) is None else None
+
+        self._mesh: Any = None  # the device mesh of the FSDP2 params the fused kernel takes (only one)
         # classify every param: (device, dtype, spec, route-or-None, reason) -> params
         buckets: dict[tuple, list[tuple[int, torch.Tensor]]] = defaultdict(list)
         notes: dict[tuple, set[str]] = defaultdict(set)
+        shard = next((s for s in opt.subsystems if s.name == "shard" and s.active), None)
+        remote = shard.remote if shard is not None else frozenset()  # sharded state: other ranks update these
         for gi, g in enumerate(groups):
             spec = self._specs[gi] if info else None
             group_reason = whole or _group_reason(g)
+            if not group_reason and isinstance(spec, MuonSpec):
+                group_reason = muon_unit.group_reason(spec, self.config)
             for p in g["params"]:
+                if p in remote:
+                    continue
                 route, reason = group_reason if group_reason else self._param_reason(p, info)
+                if route is None and fsdp.is_dtensor(p):
+                    route, reason = self._shard_route(p, spec)
                 key = (str(p.device), p.dtype, spec if route is not Route.BASE_STEP else None, route, reason)
                 buckets[key].append((gi, p))
                 notes[key] |= _group_notes(g)
 
         plan = Plan()
-        self._units, self._shadows = [], []
+        self._units, self._shadows, self._muon = [], [], []
+        self._stream_config = opt.config.streams
         for key, members in buckets.items():
             device, dtype, spec, route, reason = key
             bp = self._plan_bucket(base, info, device, dtype, spec, route, reason, members)
-            bp.notes = sorted(notes[key]) if bp.route is Route.TRITON else []
+            bp.notes = sorted(notes[key]) if bp.route.fused else []
             plan.buckets.append(bp)
             self._build(base, info, bp, spec, members, opt.state)
         self.current_plan = plan
+        if self.pool is not None:  # the memory pool places the units' state in its arenas
+            pooled = [u for u in self._units if not u.sharded]
+            self.pool.assign(pooled)
+            if self._units and not pooled:
+                self.pool.deactivate("FSDP2 (DTensor) params: their state stays per-shard DTensors, as torch keeps it")
+            for unit in self._units:
+                if unit.slots is not None:
+                    unit.bind(opt.state)
 
         self._contexts = {}
-        if self._units:
-            for unit in self._units:
-                self._contexts.setdefault(unit.device, DeviceContext(unit.device, info.row))  # type: ignore[union-attr]
-        self.executes = bool(self._units or self._shadows)
+        for unit in (*self._units, *self._muon):
+            self._contexts.setdefault(unit.device, DeviceContext(unit.device, info.row))  # type: ignore[union-attr]
+        self.executes = bool(self._units or self._shadows or self._muon)
         self._grads_cfg = opt.config.grads
+        # FSDP2: the norm pass covers this rank's shards; an all-reduce over the mesh makes it global
+        self._norm_groups = fsdp.mesh_groups(p for u in self._units if u.sharded for p in u.params[:1])
         self._norm = None
         self._norm_out: torch.Tensor | None = None
         self._trust = any(u.spec.trust for u in self._units)
@@ -139,12 +171,16 @@ class FusionSubsystem(Subsystem):
         self._norm_dtypes = [u.dtype for u in self._units for _ in u.params]
         if self._trust:  # trust ratios need each param's norm too: the norm pass reads grads, then params
             self._norm_dtypes += self._norm_dtypes
-        if not self._units:
+        if self._muon:
+            self.grad_pass = "Muon's momentum kernel reads the grads outside the norm pass: torch ops unscale and clip"
+        elif not self._units:
             self.grad_pass = "no param takes the fused kernel"
         elif self._shadows or any(b.route is not Route.TRITON for b in plan.buckets):
             self.grad_pass = "some params fall back (see the plan), so the grads are unscaled and clipped by torch ops"
         elif len({u.device for u in self._units}) > 1:
             self.grad_pass = "params on several devices: the global norm is computed per device by torch ops"
+        elif len({u.sharded for u in self._units}) > 1:
+            self.grad_pass = "FSDP2 (DTensor) and plain params mixed: the global norm is computed by torch ops"
         elif not self.config.enable_reduction:
             self.grad_pass = "enable_reduction=False: the grads are unscaled and clipped by torch ops"
         elif self._trust and self._grads_cfg.max_norm is not None and self._grads_cfg.norm_type != 2.0:
@@ -152,7 +188,7 @@ class FusionSubsystem(Subsystem):
         else:
             self.grad_pass = None
         for b in plan.buckets:
-            if b.route is not Route.TRITON and b.reason not in self._logged:
+            if not b.route.fused and b.reason not in self._logged:
                 self._logged.add(b.reason)
                 logger.info(
                     "kitsune fusion: %d %s tensor(s) on %s: %s", b.tensors, b.optimizer, b.route.value, b.reason
@@ -177,6 +213,10 @@ class FusionSubsystem(Subsystem):
             )
         if torch.get_default_dtype() == torch.float64:
             return Route.BASE_STEP, "torch.set_default_dtype(torch.float64): torch keeps step counts in float64"
+        if getattr(base, "process_group", None) is not None:
+            return Route.BASE_STEP, (
+                "distributed Muon (process_group=...): its own step shares the Newton-Schulz work across the ranks"
+            )
         return None
 
     def _param_reason(self, p: torch.Tensor, info: AlgoInfo | None) -> tuple[Route | None, str]:
@@ -203,6 +243,21 @@ class FusionSubsystem(Subsystem):
             return _TORCH, "non-contiguous param: the fused kernel addresses flat memory"
         return None, "fused Triton multi-tensor kernel"
 
+    def _shard_route(self, p: torch.Tensor, spec: Any) -> tuple[Route | None, str]:
+        """For a DTensor param the fused kernel could otherwise take: (None, reason) when it runs on the local
+        shard (FSDP2); else the wrapped optimizer's own step and why (see :mod:`kitsune.distributed.fsdp`)."""
+        why = fsdp.shard_reason(p)
+        if why is None and isinstance(spec, MuonSpec):
+            why = "Muon orthogonalises whole matrices, not FSDP2 shards: the wrapped optimizer's own step updates it"
+        elif why is None and getattr(spec, "trust", None):
+            why = "LAMB/LARS trust ratios need whole-tensor norms, not a shard's: the optimizer's own step updates it"
+        elif why is None and self._mesh is not None and p.device_mesh != self._mesh:
+            why = "DTensor on a second device mesh: the global grad norm is all-reduced over one FSDP2 mesh"
+        if why is not None:
+            return Route.BASE_STEP, why
+        self._mesh = p.device_mesh
+        return None, "fused Triton multi-tensor kernel on the local FSDP2 shards"
+
     def _plan_bucket(
         self,
         base: torch.optim.Optimizer,
@@ -215,11 +270,12 @@ class FusionSubsystem(Subsystem):
         members: list[tuple[int, torch.Tensor]],
     ) -> BucketPlan:
         tensors = len(members)
-        elements = sum(p.numel() for _, p in members)
+        elements = sum(fsdp.local(p).numel() for _, p in members)  # per rank, for FSDP2 shards
+        aux = _unit_info(info, spec)
         bp = BucketPlan(
             device=device,
             dtype=str(dtype).removeprefix("torch."),
-            optimizer=type(base).__name__,
+            optimizer=type(base).__name__ + (f"/{aux.name}" if aux is not info else ""),  # type: ignore[union-attr]
             options=spec.describe() if spec else "-",
             route=Route.BASE_STEP,
             reason=reason,
@@ -230,12 +286,15 @@ class FusionSubsystem(Subsystem):
         )
         if info is not None and self._specs:  # a known algorithm moves known bytes, whichever route runs it
             bp.bytes_per_step = sum(
-                p.numel() * p.element_size() * info.bytes_per_element(self._specs[gi]) for gi, p in members
+                fsdp.local(p).numel() * p.element_size() * info.bytes_per_element(self._specs[gi]) for gi, p in members
             )
         if route is Route.BASE_STEP:
             return bp
         assert info is not None and spec is not None
         fallback = _torch_route(info, torch.device(device), dtype)
+        if route is None and isinstance(spec, MuonSpec):
+            muon_unit.plan_bucket(bp, members, spec, self.config, self.cost_model)
+            return bp
         if route is None:  # fusable: does it pay?
             nbytes = elements * dtype.itemsize * info.bytes_per_element(spec)
             launches = math.ceil(tensors / self.config.max_fusion_size) if self.config.max_fusion_size else 1
@@ -269,12 +328,16 @@ class FusionSubsystem(Subsystem):
         """Create the executors of one planned bucket."""
         if bp.route is Route.TRITON:
             assert info is not None and spec is not None
-            size = self.config.max_fusion_size or len(members)
-            for start in range(0, len(members), size):
-                chunk = members[start : start + size]
+            unit_info = _unit_info(info, spec)
+            for chunk in self._chunks(members):
                 self._units.append(
-                    FusedUnit([p for _, p in chunk], [gi for gi, _ in chunk], info, spec, state, self.block)
+                    FusedUnit([p for _, p in chunk], [gi for gi, _ in chunk], unit_info, spec, state, self.block)
                 )
+        elif bp.route is Route.TRITON_MATMUL:
+            assert info is not None and isinstance(spec, MuonSpec)
+            for chunk in muon_unit.chunks(members, self.config.max_fusion_size):
+                params, gis = [p for _, p in chunk], [gi for gi, _ in chunk]
+                self._muon.append(muon_unit.MuonUnit(params, gis, info, spec, state, self._stream_config, self.block))
         elif bp.route in (Route.TORCH_FUSED, Route.TORCH_FOREACH):
             by_group: dict[int, list[torch.Tensor]] = defaultdict(list)
             for gi, p in members:
@@ -284,6 +347,27 @@ class FusionSubsystem(Subsystem):
             except Exception as exc:  # torch refused the flags: the optimizer's own step still works
                 bp.reason += f"; torch {bp.route.value} unavailable ({exc})"
                 bp.route = Route.BASE_STEP
+
+    def _chunks(self, members: list[tuple[int, torch.Tensor]]) -> list[list[tuple[int, torch.Tensor]]]:
+        """A bucket's launch units: at most ``max_fusion_size`` tensors each; with updates in backward, also at most
+        about ``bucket_bytes`` of params each, in reverse registration order (the order backward finishes grads)."""
+        size = self.config.max_fusion_size or max(len(members), 1)
+        if self._backward_bytes is None:
+            return [members[start : start + size] for start in range(0, len(members), size)]
+        chunks: list[list[tuple[int, torch.Tensor]]] = [[]]
+        nbytes = 0
+        for gi, p in reversed(members):
+            if chunks[-1] and (nbytes >= self._backward_bytes or len(chunks[-1]) >= size):
+                chunks.append([])
+                nbytes = 0
+            chunks[-1].append((gi, p))
+            nbytes += p.numel() * p.element_size()
+        return chunks
+
+    def refresh_contexts(self) -> None:
+        """Copy changed hyperparameters into each device's buffer (host work; at most one copy per device)."""
+        for context in self._contexts.values():
+            context.refresh(self._opt.param_groups)
 
     # -- the step --------------------------------------------------------------------------------------------------
     def step(self, ctx: StepContext) -> None:
@@ -299,10 +383,17 @@ class FusionSubsystem(Subsystem):
         if self._info is not None and tuple(self._info.spec(g) for g in groups) != self._specs:
             self.plan(opt)  # a switch changed (e.g. momentum set to 0, amsgrad turned on): new kernel variants
         state = opt.state
-        live = [unit for unit in self._units if unit.prepare(state, groups)]
-        if any(unit.stale for unit in self._units):
+        done = ctx.extra.get("updated_in_backward") or ()  # units the stream scheduler updated inside backward
+        todo = [unit for i, unit in enumerate(self._units) if i not in done] if done else self._units
+        live = [unit for unit in todo if unit.prepare(state, groups)]
+        if any(unit.stale for unit in todo):
             self.plan(opt)  # a param's storage moved; rebind everything and scan again
             live = [unit for unit in self._units if unit.prepare(state, groups)]
+        if self._muon:
+            live += [unit for unit in self._muon if unit.prepare(state, groups)]
+            if any(unit.stale for unit in self._muon):
+                self.plan(opt)
+                live = [unit for unit in (*self._units, *self._muon) if unit.prepare(state, groups)]
         if live:
             for context in self._contexts.values():
                 context.refresh(groups)
@@ -319,7 +410,7 @@ class FusionSubsystem(Subsystem):
         if self._norm is None:
             from kitsune.kernels.norms import MultiTensorNorm
 
-            numels = [p.numel() for u in self._units for p in u.params]
+            numels = [n for u in self._units for n in u.numels]
             norm_type = 2.0 if self._trust else self._grads_cfg.norm_type
             self._norm = MultiTensorNorm(numels * (2 if self._trust else 1), self._units[0].device, norm_type)
         addresses = [a for u in self._units for a in u.grad_addresses]
@@ -365,9 +456,14 @@ class FusionSubsystem(Subsystem):
                 norm_offset=offset,
                 n_norm=n_norm,
             )
+        muon = [unit for unit in self._muon if unit in units]
+        for unit in muon:  # momentum, Newton-Schulz by shape, update
+            finf = found_inf if found_inf is None or found_inf.device == unit.device else found_inf.to(unit.device)
+            unit.launch(self._contexts[unit.device].buffer, finf, zero_grad=grad_write == 2)
         if timer is not None:
             timer.mark("update")
-        self._launches_last_launch = len(units) + self._launches_last_norm
+        muon_launches = sum(unit.launches for unit in muon)
+        self._launches_last_launch = len(units) - len(muon) + muon_launches + self._launches_last_norm
         self._launches_last_norm = 0
 
     def _grad_write(self, ctx: StepContext) -> int:
@@ -391,7 +487,7 @@ class FusionSubsystem(Subsystem):
         ctx.extra["zeroed"] = zeroed
         handled = ctx.handled
         unhandled: list[torch.Tensor] = []
-        for unit in self._units:
+        for unit in (*self._units, *self._muon):
             handled.update(unit.param_set)  # a param whose grad is None is skipped by every route anyway
             unhandled += unit.unhandled
         for shadow in self._shadows:
@@ -422,12 +518,16 @@ class FusionSubsystem(Subsystem):
     @property
     def graphable(self) -> str | None:
         """Why this plan cannot be captured in a CUDA graph, or None when it can: every param in a fused unit."""
+        if self._muon:
+            return "Muon's Newton-Schulz calls are not captured"
         if not self._units:
             return "no param takes the fused kernel"
         if self._shadows or any(b.route is not Route.TRITON for b in self.current_plan.buckets):
             return "some params fall back to torch or the optimizer's own step (see the plan)"
         if len({u.device for u in self._units}) > 1:
             return "params on several devices"
+        if self._norm_groups:
+            return "FSDP2 params: the grad norm's all-reduce runs outside a CUDA graph"
         return None
 
     def _norm_pass(
@@ -447,6 +547,12 @@ class FusionSubsystem(Subsystem):
         else:
             out = torch.empty((), dtype=torch.float32, device=norm.device)
         result = norm.launch(grad_scale if fused else None, invert_scale=True, num_global=n_grads, out=out)
+        if fused and self._norm_groups:  # FSDP2: this rank's shards only; reduce over the mesh, on the device
+            check = ctx.extra.get("check_inf") and ctx.extra.get("found_inf") is None
+            fsdp.all_reduce_norm_(out, result.found_inf if check else None, norm.norm_type, self._norm_groups)
+        reduce = ctx.extra.get("reduce_norm")  # sharded grads: combine every rank's norm and overflow flag
+        if fused and reduce is not None:
+            reduce(out, result.found_inf if ctx.extra.get("check_inf") else None)
         if fused and ctx.extra.get("check_inf") and ctx.extra.get("found_inf") is None:
             ctx.extra["found_inf"] = result.found_inf
         if fused and self._grads_cfg.max_norm is not None:
@@ -490,13 +596,14 @@ class FusionSubsystem(Subsystem):
             if isinstance(t, torch.Tensor):
                 s["step"] = t.to(device)
         self._handed_over = []
-        for unit in self._units:
+        for unit in (*self._units, *self._muon):
             unit.bind(self._opt.state)
 
     # -- what the orchestrator and the summary read ----------------------------------------------------------------
     def owned_params(self) -> list[torch.Tensor]:
         """Params this subsystem updates (the orchestrator skips the wrapped step when it owns them all)."""
-        return [p for u in self._units for p in u.params] + [p for s in self._shadows for p in s.params]
+        units = (*self._units, *self._muon)
+        return [p for u in units for p in u.params] + [p for s in self._shadows for p in s.params]
 
     @property
     def consumes_found_inf(self) -> bool:
@@ -511,7 +618,7 @@ class FusionSubsystem(Subsystem):
 
     def report(self) -> dict[str, Any]:
         plan = self.current_plan
-        tables = sum(u.tables.uploads for u in self._units)
+        tables = sum(u.tables.uploads for u in (*self._units, *self._muon))
         contexts = sum(c.uploads for c in self._contexts.values())
         return {
             "plan": plan.to_dict() if plan else None,
@@ -530,6 +637,11 @@ def _torch_route(info: AlgoInfo, device: torch.device, dtype: torch.dtype) -> Ro
     if device.type in info.torch_fused_devices and dtype in _TORCH_DTYPES:
         return Route.TORCH_FUSED
     return Route.TORCH_FOREACH if info.torch_foreach else Route.BASE_STEP
+
+
+def _unit_info(info: AlgoInfo | None, spec: Any) -> AlgoInfo | None:
+    """The algorithm a bucket's units run: the optimizer's, or its auxiliary one (kitsune.optim.Muon's AdamW)."""
+    return info.aux if info is not None and info.aux is not None and isinstance(spec, UpdateSpec) else info
 
 
 def _group_reason(g: dict[str, Any]) -> tuple[Route, str] | None:

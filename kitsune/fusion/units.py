@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from kitsune.distributed import fsdp
 from kitsune.fusion.algos import AlgoInfo, init_state
 from kitsune.fusion.plan import Route
 from kitsune.kernels.multi_tensor import DEAD, DEFAULT_BLOCK, TensorTables
@@ -43,8 +44,12 @@ class FusedUnit:
         self.spec = spec
         self.dtype = params[0].dtype
         self.device = params[0].device
-        self.tables = TensorTables(self.device, [p.numel() for p in params], group_index, block)
-        self._param_ptrs = self.param_addresses = list(map(_DATA_PTR, params))
+        self.sharded = fsdp.is_dtensor(params[0])
+        """FSDP2 DTensor params (one bucket never mixes them with plain ones): the kernels address the local shards
+        of the params, grads and state."""
+        self.numels = [fsdp.local(p).numel() for p in params]
+        self.tables = TensorTables(self.device, self.numels, group_index, block)
+        self._param_ptrs = self.param_addresses = self._addresses(params)
         self.tables.set_role("param", self._param_ptrs)
         self._grad_ptrs: list[int] | None = None
         self.grad_addresses: list[int] = [DEAD] * len(params)
@@ -60,6 +65,8 @@ class FusedUnit:
             done = [float(_has_state(state, p, info, spec)) for p in params]
             self._private_steps = torch.tensor(done, dtype=torch.float32).to(self.device)
         self.uninit = [i for i, p in enumerate(params) if not _has_state(state, p, info, spec)]
+        self.slots: Any = None
+        """The memory pool's arena slots for this unit's state (and grads), or None: torch's own allocations."""
         self.bind(state)
 
     # -- per step ----------------------------------------------------------------------------------------------
@@ -69,19 +76,21 @@ class FusedUnit:
         grads: list[torch.Tensor | None] | None = None
         dead = 0
         try:  # fast path, one C-level pass with no list of grads: every grad present and dense
-            ptrs = list(map(_DATA_PTR, map(_GRAD, self.params)))
-        except (TypeError, RuntimeError):  # a None grad (TypeError) or one without storage, e.g. sparse
-            grads = list(map(_GRAD, self.params))
+            ptrs = self._addresses(map(_GRAD, self.params))
+        except (TypeError, RuntimeError, AttributeError):  # a None grad (of a DTensor: AttributeError), or sparse
+            grads = self._grads()
             ptrs = self._slow_ptrs(grads)
             dead = ptrs.count(DEAD)
-        if list(map(_DATA_PTR, self.params)) != self._param_ptrs:
+        if self._addresses(self.params) != self._param_ptrs:
             # p.data was replaced (model.half(), an EMA swap, a device move): the param table would point at
             # freed memory, and the grads may well sit at their old addresses, so this is checked every step
             self.stale = True
             return False
         if ptrs != self._grad_ptrs:
             if grads is None:
-                grads = list(map(_GRAD, self.params))
+                grads = self._grads()
+            if self.slots is not None and self.slots.grad_arena is not None:
+                grads, ptrs = self._adopt_grads(grads, ptrs)
             self._grad_ptrs = upload = ptrs
             live = [g for g in grads if g is not None and g.layout == torch.strided] if dead else grads
             self._copied = []
@@ -99,6 +108,28 @@ class FusedUnit:
         if self.uninit:
             self._init_new(ptrs, state, groups)
         return dead < len(ptrs)
+
+    def _adopt_grads(
+        self, grads: list[torch.Tensor | None], ptrs: list[int]
+    ) -> tuple[list[torch.Tensor | None], list[int]]:
+        """Flat grads: move each new dense grad into its arena slot (``p.grad`` becomes the view)."""
+        slots = self.slots
+        for i, g in enumerate(grads):
+            if g is None or ptrs[i] == DEAD or g.layout != torch.strided:
+                continue
+            if g.data_ptr() != slots.grad_view(i).data_ptr() or g.shape != slots.grad_view(i).shape:
+                grads[i] = slots.adopt_grad(i, g)
+                ptrs[i] = grads[i].data_ptr()
+                slots.adoptions += 1
+        return grads, ptrs
+
+    def _addresses(self, tensors: Any) -> list[int]:
+        """The data pointers of ``tensors`` (an iterable), of their local shards in a sharded unit: C-level maps."""
+        return list(map(_DATA_PTR, map(fsdp.LOCAL, tensors) if self.sharded else tensors))
+
+    def _grads(self) -> list[torch.Tensor | None]:
+        grads = list(map(_GRAD, self.params))
+        return [None if g is None else g._local_tensor for g in grads] if self.sharded else grads
 
     def copy_back(self) -> None:
         """After a launch that wrote the grads (unscaled, clipped or zeroed): copy what it wrote into contiguous
@@ -128,7 +159,8 @@ class FusedUnit:
             return
         for i in fresh:
             p = self.params[i]
-            init_state(self.info, self.spec, groups[self.group_index[i]], p, state.setdefault(p, {}))
+            alloc = self.slots.alloc(i) if self.slots is not None else None
+            init_state(self.info, self.spec, groups[self.group_index[i]], p, state.setdefault(p, {}), alloc)
         self.uninit = [i for i in self.uninit if ptrs[i] == DEAD]
         self.bind(state)
 
@@ -138,13 +170,22 @@ class FusedUnit:
         keys = self.info.state_keys(self.spec)
         tables: list[list[int]] = [[] for _ in keys]
         steps: list[int] = []
-        for p in self.params:
+        slots = self.slots
+        for i, p in enumerate(self.params):
             s = state.get(p)
             ready = s is not None and _has_state(state, p, self.info, self.spec)
             for slot, key in enumerate(keys):
-                tables[slot].append(_conform(s, key, p).data_ptr() if ready and key else 0)
+                if ready and key and slots is not None:  # the pool's view, with a loaded tensor copied in
+                    _conform(s, key, p)
+                    tables[slot].append(slots.adopt(s, i, key).data_ptr())
+                else:
+                    tables[slot].append(fsdp.local(_conform(s, key, p)).data_ptr() if ready and key else 0)
             if self.info.step_in_state:
-                steps.append(_conform_step(s, p).data_ptr() if ready else 0)
+                if ready and slots is not None:
+                    _conform_step(s, p)
+                    steps.append(slots.adopt(s, i, "step").data_ptr())
+                else:
+                    steps.append(_conform_step(s, p).data_ptr() if ready else 0)
         for slot, addrs in enumerate(tables, 1):
             self.tables.set_role(f"state{slot}", addrs)
         if self.spec.has_step:
@@ -170,6 +211,8 @@ def _conform(s: dict, key: str, p: torch.Tensor) -> torch.Tensor:
     (set by hand, or a non-contiguous one) is replaced by a conforming copy.
     """
     t = s[key]
+    if fsdp.is_dtensor(p):  # FSDP2: the state is a DTensor sharded as its param, as torch's optimizers keep it
+        t = s[key] = fsdp.like_param(t, p)
     if t.shape != p.shape:
         raise ValueError(f"optimizer state {key!r} has shape {tuple(t.shape)}, its param {tuple(p.shape)}")
     if t.dtype != p.dtype or t.device != p.device or not t.is_contiguous():

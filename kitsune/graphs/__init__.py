@@ -102,6 +102,9 @@ class GraphSubsystem(Subsystem):
         fusion = next((s for s in opt.subsystems if s.name == "fusion"), None)
         if fusion is None or not fusion.active:
             return "nothing to capture: fusion is inactive" + (f" ({fusion.reason})" if fusion is not None else "")
+        streams = next((s for s in opt.subsystems if s.name == "streams"), None)
+        if streams is not None and getattr(streams, "in_backward", False):
+            return "step_in_backward: the updates run inside backward, bucket by bucket"
         why = getattr(fusion, "graphable", "fusion cannot be captured")
         if why:
             return f"the phase is not all fused kernels: {why}"

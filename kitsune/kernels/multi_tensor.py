@@ -36,6 +36,13 @@ def _int64_tensor(values: Sequence[int]) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=torch.int64).clone() if len(buf) else torch.empty(0, dtype=torch.int64)
 
 
+def pinned(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` in page-locked memory when it is bound for a GPU. A copy from pageable memory first waits for the
+    stream to drain (CUDA stages it synchronously), which would stall a host that is queueing work ahead, e.g.
+    inside backward; torch's pinned-memory cache keeps the block until the copy has read it."""
+    return host.pin_memory() if device.type == "cuda" else host
+
+
 def block_map(numels: Sequence[int], block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(block_tensor, block_start)`` for tensors of the given sizes: (n_blocks,) int32 and (n_blocks,) int64."""
     n = torch.tensor(list(numels), dtype=torch.int64)
@@ -81,7 +88,7 @@ class TensorTables:
         if table is None:
             self._roles[role] = host.to(self.device)
         else:  # keep the device buffer (its address may be baked into a captured graph)
-            table.copy_(host, non_blocking=True)  # pageable source: staged before this returns, safe to drop
+            table.copy_(pinned(host, self.device), non_blocking=True)
         self._cached[role] = addresses
         self.uploads += 1
         return True

@@ -73,3 +73,31 @@ class UpdateSpec:
         if self.trust:
             on.append(f"trust ratio ({self.trust.name})")
         return ", ".join(on) or "-"
+
+
+@dataclass(frozen=True)
+class MuonSpec:
+    """The switches of one fused Muon bucket: its elementwise launches' constexprs and its Newton-Schulz calls.
+
+    lr, momentum and weight decay are values (rows of the hyperparameter buffer); everything here changes the
+    launches, so a change re-plans. ``ns_plan`` holds the ``(a, b, c)`` of each iteration (``ns_steps`` of them).
+    """
+
+    nesterov: bool = True
+    adjust_lr_fn: str | None = None
+    """``None``/``"original"``: ``sqrt(max(1, A / B))``; ``"match_rms_adamw"``: ``0.2 sqrt(max(A, B))``."""
+    ns_plan: tuple[tuple[float, float, float], ...] = ()
+    eps: float = 1e-7
+
+    has_step = False
+    """torch.optim.Muon keeps no step count."""
+    state_slots = 1
+    """``momentum_buffer``."""
+    trust = Trust.NONE
+
+    def describe(self) -> str:
+        """The switches, e.g. ``"nesterov, match_rms_adamw, 5 NS steps"``."""
+        on = ["nesterov"] if self.nesterov else []
+        if self.adjust_lr_fn == "match_rms_adamw":
+            on.append("match_rms_adamw")
+        return ", ".join([*on, f"{len(self.ns_plan)} NS steps"])

@@ -95,6 +95,10 @@ class Muon(torch.optim.Optimizer):
         adjust_lr_fn: ``"original"`` (None: the same), ``sqrt(max(1, A / B))``, or ``"match_rms_adamw"``,
             ``0.2 sqrt(max(A, B))``: the factor on ``lr`` for an ``(A, B)`` matrix.
         betas: AdamW's betas for the ``use_muon=False`` groups.
+        process_group: distributed Muon for a replicated (DDP) model: the ranks of this torch.distributed group
+            (``torch.distributed.group.WORLD`` for all) each orthogonalise a share of the matrices and exchange the
+            results (:mod:`kitsune.distributed.muon`); the grads must be equal on every rank. None: every rank
+            orthogonalises every matrix.
     """
 
     def __init__(
@@ -109,6 +113,7 @@ class Muon(torch.optim.Optimizer):
         ns_steps: int = 5,
         adjust_lr_fn: str | None = None,
         betas: tuple[float, float] = (0.9, 0.999),
+        process_group: Any = None,
     ) -> None:
         defaults = {
             "lr": lr,
@@ -124,6 +129,7 @@ class Muon(torch.optim.Optimizer):
         }
         self._check(defaults, "defaults")
         super().__init__(params, defaults)
+        self.process_group = process_group
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if not param_group.get("use_muon", self.defaults["use_muon"]):
@@ -205,7 +211,8 @@ class Muon(torch.optim.Optimizer):
                 state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
             buf = state["momentum_buffer"]
             buf.lerp_(grad, 1 - momentum)
-            if group["ns_steps"] > 0 and grad.dtype in _TRITON_DTYPES and _use_triton(p.device):
+            sharded = getattr(self, "process_group", None) is not None  # distributed Muon batches every matrix
+            if group["ns_steps"] > 0 and (sharded or (grad.dtype in _TRITON_DTYPES and _use_triton(p.device))):
                 batches.setdefault((p.shape, grad.dtype, p.device), []).append((p, grad))
                 continue
             update = grad.lerp(buf, momentum) if group["nesterov"] else buf
@@ -219,9 +226,25 @@ class Muon(torch.optim.Optimizer):
                     torch.lerp(grad, buf, momentum, out=u.view(shape))
                 else:
                     u.view(shape).copy_(buf)
-            ortho = _ns.newton_schulz(updates, group["ns_steps"], plan, group["eps"])
+            ortho = self._orthogonalize(updates, group, plan)
             for o, (p, _) in zip(ortho, members, strict=True):
                 self._apply(p, o, group, lr)
+
+    def _orthogonalize(self, updates: torch.Tensor, group: dict[str, Any], plan: list[Coefficients]) -> torch.Tensor:
+        """Newton-Schulz for a ``(n, rows, cols)`` batch of one shape: kitsune's Triton kernels where they run, else
+        torch's iteration per matrix; with ``process_group``, each rank computes its share of the batch."""
+
+        def run(batch: torch.Tensor) -> torch.Tensor:
+            if batch.dtype in _TRITON_DTYPES and _use_triton(batch.device):
+                return _ns.newton_schulz(batch, group["ns_steps"], plan, group["eps"])
+            return torch.stack([zeropower_via_newtonschulz(m, plan, group["eps"]) for m in batch])
+
+        process_group = getattr(self, "process_group", None)
+        if process_group is None:
+            return run(updates)
+        from kitsune.distributed.muon import orthogonalize_sharded
+
+        return orthogonalize_sharded(updates, run, process_group)
 
     @staticmethod
     def _apply(p: torch.Tensor, ortho: torch.Tensor, group: dict[str, Any], lr: float) -> None:

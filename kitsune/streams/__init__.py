@@ -1,24 +1,84 @@
-"""The stream scheduler: spreads independent optimizer work over CUDA side streams."""
+"""The stream scheduler: fused updates inside backward, per bucket, on a side stream.
+
+With ``StreamConfig(step_in_backward=True)`` the fusion planner cuts each fused bucket into launch units of about
+``bucket_bytes`` of params, in reverse registration order (the order backward produces grads in, roughly). A
+post-accumulate-grad hook on every fused param counts the unit's grads as autograd finishes them; when the last
+one is in, the unit's update is launched at once on a side stream that first waits for the backward stream, so
+it overlaps the rest of backward. ``optimizer.step()`` then only makes the current stream wait for the side
+stream, updates the units whose grads did not all arrive (a param unused in this forward pass), and runs the
+wrapped optimizer's step for params the kernel does not take. The next forward pass is stream-ordered after
+``step()``, so it reads the updated params.
+
+Gradient accumulation: backward passes inside ``with optimizer.accumulating():`` launch nothing; the backward of
+the micro-step that steps (outside the block) launches the updates on the summed grads.
+
+It needs every update to be computable from its own bucket's grads, so it stays off (with the reason) under global
+clipping (``max_grad_norm``), float16 loss scaling (the overflow check reads every grad first) and LAMB/LARS
+trust ratios (one norm pass over every grad). On CPU tensors (Triton's interpreter) the same hooks run the updates
+synchronously: the logic is the same, there is just nothing to overlap.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import weakref
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
 from kitsune.config import StreamConfig
-from kitsune.subsystem import Subsystem
+from kitsune.subsystem import StepContext, Subsystem
+
+if TYPE_CHECKING:
+    from kitsune.optimizer import KitsuneOptimizer
+
+
+def why_not_in_backward(opt: KitsuneOptimizer, trust: bool = False) -> str | None:
+    """Why the fused updates cannot run inside backward under ``opt``'s config (None when they can)."""
+    cfg = opt.config
+    if not cfg.streams.step_in_backward:
+        return "step_in_backward=False: every update runs in step(), on the current stream"
+    if cfg.grads.max_norm is not None:
+        return "max_grad_norm: the global clip needs every grad before the first update"
+    if cfg.amp.enabled and cfg.amp.dtype == torch.float16:
+        return "float16 loss scaling: the overflow check needs every grad before the first update"
+    if trust:
+        return "LAMB/LARS trust ratios come from one norm pass over every grad"
+    from kitsune.distributed.fsdp import is_dtensor
+
+    if any(is_dtensor(p) for g in opt.param_groups for p in g["params"]):
+        return "FSDP2 params: FSDP2 sets the sharded grads after its reduce-scatter, past the per-param grad hooks"
+    return None
 
 
 class StreamScheduler(Subsystem):
-    """Holds the stream layout from :class:`StreamConfig`.
-
-    Step-in-backward and multi-stream buckets are not built yet, so the scheduler stays inactive and says so;
-    ``num_streams`` and the stream roles are what the config asked for.
-    """
+    """Runs the fused updates of each bucket as soon as backward has produced its grads (see the module doc)."""
 
     name = "streams"
 
     def __init__(self, config: StreamConfig) -> None:
         super().__init__()
         self.config = config
-        self.deactivate("not built yet: every update runs on the current stream")
+        self._handles: list[Any] = []
+        self._fusion: Any = None
+        self._opt: Any = None
+        self._counts: list[int] = []
+        self._launched: set[int] = set()
+        self._accumulating = 0
+        self._refreshed = False
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._events: list[tuple[Any, Any]] = []
+        self._step_event: Any = None
+        self.in_backward = False
+        """Whether updates run inside backward (the graph subsystem and the profiler's comparison step aside)."""
+        self._steps = 0
+        self._units_in_backward = 0
+        self._units_total = 0
+        self._bytes_in_backward = 0
+        self._bytes_total = 0
+        self._misuse: str | None = None
+        self.deactivate("not planned yet")
 
     @property
     def num_streams(self) -> int:
@@ -29,5 +89,149 @@ class StreamScheduler(Subsystem):
     def priority_streams(self) -> list[int]:
         return list(self.config.priority_streams)
 
-    def report(self) -> dict[str, int | list[int]]:
-        return {"num_streams": self.num_streams}
+    # -- planning ------------------------------------------------------------------------------------------------
+    def plan(self, opt: KitsuneOptimizer) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._opt = opt
+        self.in_backward = False
+        fusion = next((s for s in opt.subsystems if s.name == "fusion"), None)
+        units = getattr(fusion, "units", []) if fusion is not None and fusion.active else []
+        why = why_not_in_backward(opt, trust=any(getattr(u.spec, "trust", False) for u in units))
+        if why is None and not units:
+            why = "no param takes the fused kernel, so every update runs in step()"
+        if why is not None:
+            self.deactivate(why)
+            return
+        self._fusion = fusion
+        self._counts = [0] * len(units)
+        self._launched = set()
+        for index, unit in enumerate(units):
+            for p in unit.params:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._hook(index)))
+        weakref.finalize(self, _remove, list(self._handles))
+        self.in_backward = True
+        self.activate()
+
+    def _hook(self, index: int) -> Any:
+        ref = weakref.ref(self)  # the params must not keep a dropped optimizer alive, nor let it update them
+
+        def ready(_: torch.Tensor) -> None:
+            self = ref()
+            if self is None or self._accumulating:
+                return
+            self._counts[index] += 1
+            if self._counts[index] == len(self._fusion.units[index].params):
+                self._launch(index)
+
+        return ready
+
+    @contextlib.contextmanager
+    def accumulating(self) -> Iterator[None]:
+        self._accumulating += 1
+        try:
+            yield
+        finally:
+            self._accumulating -= 1
+
+    # -- inside backward -----------------------------------------------------------------------------------------
+    def _launch(self, index: int) -> None:
+        fusion, opt = self._fusion, self._opt
+        unit = fusion.units[index]
+        if not self._refreshed:  # hyperparameters (an LR scheduler's last change) once per backward
+            fusion.refresh_contexts()
+            self._refreshed = True
+        if not unit.prepare(opt.state, opt.param_groups) or unit.stale:
+            return  # no grad after all, or a param's storage moved: step() re-plans and updates it
+        ctx = StepContext(step=opt.step_count + 1)
+        ctx.extra["fused_grads"] = True
+        if unit.device.type == "cuda":
+            current = torch.cuda.current_stream(unit.device)
+            side = self._stream(unit.device)
+            side.wait_stream(current)
+            with torch.cuda.stream(side):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fusion.launch(ctx, [unit])
+                end.record()
+            self._events.append((start, end))
+        else:
+            fusion.launch(ctx, [unit])
+        if fusion._grad_write(ctx):
+            unit.copy_back()
+        self._launched.add(index)
+
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        s = self._streams.get(device)
+        if s is None:
+            priority = -1 if 0 in self.config.priority_streams else 0
+            s = self._streams[device] = torch.cuda.Stream(device, priority=priority)
+        return s
+
+    # -- step ------------------------------------------------------------------------------------------------------
+    def before_step(self, ctx: StepContext) -> None:
+        if self._accumulating:
+            raise RuntimeError(
+                "optimizer.step() inside `with optimizer.accumulating()`: step after the block, on the micro-step "
+                "whose backward ran outside it"
+            )
+        if self._launched and ctx.extra.get("grad_scale") is not None:
+            raise RuntimeError(
+                "a GradScaler's scaled grads were used by updates inside backward (step_in_backward=True): the "
+                "updates cannot wait for its overflow check. Use bfloat16 autocast, kitsune's own scaler with "
+                "step_in_backward=False, or turn step_in_backward off"
+            )
+        for device, side in self._streams.items():
+            current = torch.cuda.current_stream(device)
+            if self._events:  # where the backward stream stands when step() begins: the end of backward
+                self._step_event = torch.cuda.Event(enable_timing=True)
+                self._step_event.record(current)
+            current.wait_stream(side)
+        ctx.extra["updated_in_backward"] = set(self._launched)
+        units = self._fusion.units
+        self._units_total += len(units)
+        self._units_in_backward += len(self._launched)
+        sizes = [sum(p.numel() * p.element_size() for p in u.params) for u in units]
+        self._bytes_total += sum(sizes)
+        self._bytes_in_backward += sum(sizes[i] for i in self._launched)
+
+    def after_step(self, ctx: StepContext) -> None:
+        self._steps += 1
+        self._counts = [0] * len(self._counts)
+        self._launched = set()
+        self._refreshed = False
+        self._last_events, self._events = self._events, []
+
+    # -- what the summary reads --------------------------------------------------------------------------------------
+    def overlap(self) -> dict[str, float] | None:
+        """Of the last step's updates on the side stream: their GPU time and how much of it finished before the
+        step began (that is, hidden behind backward). Reads CUDA events: one sync, only when asked."""
+        events = getattr(self, "_last_events", [])
+        if not events or self._step_event is None:
+            return None
+        self._step_event.synchronize()
+        busy = sum(s.elapsed_time(e) for s, e in events)
+        # an update that ends after backward ended delays the step by the difference
+        exposed = max(0.0, max(self._step_event.elapsed_time(e) for _, e in events))
+        return {"update_ms": busy, "exposed_ms": exposed, "overlapped": max(0.0, 1 - exposed / busy) if busy else 0.0}
+
+    def report(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"num_streams": self.num_streams, "step_in_backward": self.in_backward}
+        if self.in_backward:
+            out.update(
+                steps=self._steps,
+                units=len(self._counts),
+                units_updated_in_backward=self._units_in_backward,
+                units_updated_in_step=self._units_total - self._units_in_backward,
+                bytes_fraction_in_backward=(self._bytes_in_backward / self._bytes_total) if self._bytes_total else 0.0,
+            )
+            overlap = self.overlap()
+            if overlap is not None:
+                out["last_step_overlap"] = overlap
+        return out
+
+
+def _remove(handles: list[Any]) -> None:
+    for h in handles:
+        h.remove()

@@ -1,0 +1,9 @@
+"""kitsune over torch.distributed: sharded optimizer state (ZeRO stages 1 and 2, :mod:`kitsune.distributed.zero`),
+FSDP2/DTensor params (:mod:`kitsune.distributed.fsdp`) and distributed Muon (:mod:`kitsune.distributed.muon`).
+
+Everything here runs on torch.distributed's own collectives (NCCL on GPUs, gloo on CPUs).
+"""
+
+from kitsune.distributed.zero import consolidated_state_dict
+
+__all__ = ["consolidated_state_dict"]

@@ -1,0 +1,222 @@
+"""Muon on the fusion planner: the ``triton_matmul`` route, its cost, and its executor :class:`MuonUnit`.
+
+A Muon bucket (params of one device and dtype whose groups share the Newton-Schulz settings, nesterov and
+``adjust_lr_fn``) runs per step as
+
+1. one multi-tensor launch (:func:`kitsune.kernels.muon_update.muon_update`, stage 0): the momentum buffers, and
+   each param's update, in bf16, into its slot of a ``(batch, rows, cols)`` buffer per matrix shape;
+2. one :func:`kitsune.kernels.newton_schulz.newton_schulz` call per shape, each ``1 + 3 * ns_steps`` launches
+   over all of that shape's matrices; with several shapes on CUDA the calls run on side streams
+   (``StreamConfig.compute_streams``, else all ``num_streams``), the largest first on the least loaded stream;
+3. one multi-tensor launch (stage 1): decoupled weight decay and ``p -= lr * ratio * O``.
+
+State is torch's: ``momentum_buffer`` in the wrapped optimizer's ``state`` (zeros on a param's first grad, as
+torch creates it), so checkpoints move between kitsune and torch.optim.Muon both ways. lr, momentum and
+weight_decay come from the device-resident hyperparameter buffer, so an LR scheduler changes no compiled code.
+A 4-D conv weight (kitsune.optim.Muon) is the ``(out, in * kh * kw)`` matrix of its memory, as the eager path
+reshapes it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kitsune.config import FusionConfig, StreamConfig
+from kitsune.fusion.algos import AlgoInfo
+from kitsune.fusion.plan import BucketPlan, CostModel, Route
+from kitsune.fusion.units import FusedUnit
+from kitsune.kernels.coefficients import MUON_COEFFICIENTS
+from kitsune.kernels.multi_tensor import DEFAULT_BLOCK
+from kitsune.kernels.spec import MuonSpec
+
+Members = Sequence[tuple[int, torch.Tensor]]  # (group index, param)
+
+
+def matrix_shape(p: torch.Tensor) -> tuple[int, int]:
+    """The matrix Muon orthogonalises: ``(rows, everything else)``."""
+    return p.shape[0], math.prod(p.shape[1:])
+
+
+def adjust_ratio(adjust_lr_fn: str | None, shape: tuple[int, int]) -> float:
+    """torch.optim.Muon's factor on lr for an ``(A, B)`` matrix (1.0 for a function it does not know)."""
+    a, b = shape
+    if adjust_lr_fn in (None, "original"):
+        return math.sqrt(max(1, a / b)) if b else 1.0
+    if adjust_lr_fn == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(a, b))
+    return 1.0
+
+
+def ns_launches(steps: int) -> int:
+    """Triton launches of one Newton-Schulz call (0 iterations: the normalisation alone, in torch ops)."""
+    return 1 + 3 * steps if steps else 0
+
+
+def chunks(members: Members, max_fusion_size: int | None) -> list[Members]:
+    """The bucket's launch units: ``max_fusion_size`` params each (all of them when None)."""
+    size = max_fusion_size or max(len(members), 1)
+    return [members[i : i + size] for i in range(0, len(members), size)]
+
+
+def unit_launches(params: Sequence[torch.Tensor], steps: int) -> int:
+    """Launches of one unit per step: two elementwise ones and one Newton-Schulz call per matrix shape."""
+    return 2 + len({matrix_shape(p) for p in params}) * ns_launches(steps)
+
+
+def group_reason(spec: MuonSpec, config: FusionConfig) -> tuple[Route, str] | None:
+    """Why a Muon group cannot take the fused route whatever its params, or None."""
+    if not config.enable_matmul:
+        return Route.BASE_STEP, (
+            "enable_matmul=False: Muon's Newton-Schulz matmuls are not fused, so the optimizer's own step runs"
+        )
+    if spec.ns_plan is None:
+        return Route.BASE_STEP, (
+            "ns_coefficients or ns_steps the optimizer's own step rejects (torch.optim.Muon takes one (a, b, c) "
+            "triple, kitsune.optim.Muon also one per iteration; ns_steps an int below 100): its own step runs"
+        )
+    return None
+
+
+def plan_bucket(bp: BucketPlan, members: Members, spec: MuonSpec, config: FusionConfig, cost: CostModel) -> None:
+    """Route a Muon bucket whose params the fused kernels can take: ``triton_matmul`` when the cost model predicts at
+    least ``min_fusion_benefit`` over the optimizer's own per-matrix loop, else that loop (``base_step``)."""
+    params = [p for _, p in members]
+    flat = [p for p in params if p.dim() < 2]
+    if flat:
+        bp.reason = (
+            f"a {flat[0].dim()}-D param in a Muon group: Muon orthogonalises matrices, so the optimizer's own step "
+            "runs (and rejects it)"
+        )
+        return
+    steps = len(spec.ns_plan or ())
+    launches = sum(unit_launches([p for _, p in chunk], steps) for chunk in chunks(members, config.max_fusion_size))
+    shapes = [matrix_shape(p) for p in params]
+    plain = sum(steps * (4 * min(s) ** 2 * max(s) + 2 * min(s) ** 3) for s in shapes)
+    symmetric = sum(steps * (3 * min(s) ** 2 * max(s) + min(s) ** 3) for s in shapes)
+    nbytes = bp.elements * params[0].element_size() * 6
+    # torch's loop, per matrix: lerp (+ nesterov's), bf16 cast, norm, clamp, div, 3 products per iteration, decay, add
+    torch_launches = len(params) * (7 + spec.nesterov + 3 * steps)
+    ours = cost.triton(len(params), nbytes, launches) + symmetric / cost.matmul_flops
+    theirs = (
+        torch_launches * cost.launch_s
+        + len(params) * cost.torch_host_s_per_tensor
+        + nbytes / cost.bandwidth
+        + plain / cost.matmul_flops
+    )
+    bp.predicted_speedup = round(theirs / ours, 3)
+    if bp.predicted_speedup < config.min_fusion_benefit:
+        bp.reason = (
+            f"predicted speedup {bp.predicted_speedup:.2f}x is below min_fusion_benefit={config.min_fusion_benefit:g}"
+            f"; {bp.optimizer} has no torch fused/foreach path on {bp.device}"
+        )
+        return
+    n_shapes = len(set(shapes))
+    bp.route, bp.launches = Route.TRITON_MATMUL, launches
+    bp.reason = (
+        f"momentum and update in fused multi-tensor kernels; Newton-Schulz batched by shape ({n_shapes} shape(s), "
+        f"{ns_launches(steps)} launches each)"
+    )
+    if n_shapes > 1 and bp.device.startswith("cuda"):
+        bp.reason += " on side streams"
+
+
+class MuonUnit(FusedUnit):
+    """Up to ``max_fusion_size`` params of a Muon bucket: two multi-tensor launches around one Newton-Schulz call
+    per matrix shape (see the module docstring).
+
+    The grad, param and state bookkeeping is :class:`FusedUnit`'s (None grads skip a param, state is created on a
+    param's first grad, a moved param's storage re-plans); the Newton-Schulz buffers are this unit's own.
+    """
+
+    def __init__(
+        self,
+        params: list[torch.Tensor],
+        group_index: list[int],
+        info: AlgoInfo,
+        spec: MuonSpec,
+        state: Any,
+        streams: StreamConfig | None = None,
+        block: int = DEFAULT_BLOCK,
+    ) -> None:
+        super().__init__(params, group_index, info, spec, state, block)  # type: ignore[arg-type]
+        shapes = [matrix_shape(p) for p in params]
+        by_shape: dict[tuple[int, int], list[int]] = {}
+        for i, shape in enumerate(shapes):
+            by_shape.setdefault(shape, []).append(i)
+        self.batches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """Per matrix shape: the Newton-Schulz input and output, ``(batch, rows, cols)`` bf16."""
+        update, ortho = [0] * len(params), [0] * len(params)
+        for (rows, cols), members in by_shape.items():
+            # zeros: a slot whose param has no grad yet is orthogonalised too (and its result unused), never NaN
+            inp = torch.zeros((len(members), rows, cols), dtype=torch.bfloat16, device=self.device)
+            out = torch.zeros_like(inp)
+            for j, i in enumerate(members):
+                update[i], ortho[i] = inp[j].data_ptr(), out[j].data_ptr()
+            self.batches.append((inp, out))
+        self.tables.set_role("update", update)
+        self.tables.set_role("ortho", ortho)
+        ratios = [adjust_ratio(spec.adjust_lr_fn, s) for s in shapes]
+        self.ratio = torch.tensor(ratios, dtype=torch.float64).to(self.device)  # (T,) float64 adjust_lr factors
+        self.steps = len(spec.ns_plan or ())
+        self.launches = 2 + len(self.batches) * ns_launches(self.steps)
+        """Launches per step while any grad is live."""
+        self._stream_config = streams
+        self._streams: list[torch.cuda.Stream] | None = None
+        self._order: list[tuple[int, int]] = []  # (batch, stream)
+        self.num_streams = 1
+        """Streams the Newton-Schulz calls spread over: more than one only on CUDA with several shapes."""
+        if self.device.type == "cuda" and len(self.batches) > 1 and streams is not None:
+            ids = streams.compute_streams or list(range(streams.num_streams))
+            self.num_streams = min(len(ids), len(self.batches))
+            self._stream_ids = ids[: self.num_streams]
+            self._order = _balance([b[0].numel() * min(b[0].shape[1:]) for b in self.batches], self.num_streams)
+
+    def launch(self, hyper: torch.Tensor, found_inf: torch.Tensor | None = None, zero_grad: bool = False) -> None:
+        """This step's device work: momentum, the Newton-Schulz calls, the update (``hyper``: the device context)."""
+        from kitsune.kernels.muon_update import muon_update
+
+        muon_update(self.tables, hyper, self.spec, self.dtype, 0, self.ratio, found_inf, zero_grad)  # type: ignore[arg-type]
+        self._orthogonalise()
+        muon_update(self.tables, hyper, self.spec, self.dtype, 1, self.ratio, found_inf)  # type: ignore[arg-type]
+
+    def _orthogonalise(self) -> None:
+        from kitsune.kernels.newton_schulz import newton_schulz
+
+        spec: MuonSpec = self.spec  # type: ignore[assignment]
+        coefficients = list(spec.ns_plan or ()) or [MUON_COEFFICIENTS]  # 0 iterations: normalisation only
+        if self.num_streams == 1:
+            for inp, out in self.batches:
+                newton_schulz(inp, self.steps, coefficients, spec.eps, out=out)
+            return
+        cfg = self._stream_config
+        if self._streams is None:
+            high = set(cfg.priority_streams) if cfg else set()
+            self._streams = [torch.cuda.Stream(self.device, priority=-1 if i in high else 0) for i in self._stream_ids]
+        main = torch.cuda.current_stream(self.device)
+        for stream in self._streams:  # the updates stage 0 wrote are ready before any side stream reads them
+            stream.wait_stream(main)
+        for b, s in self._order:
+            inp, out = self.batches[b]
+            stream = self._streams[s]
+            with torch.cuda.stream(stream):
+                newton_schulz(inp, self.steps, coefficients, spec.eps, out=out)
+            # made on the main stream, used on this one: the allocator must not reuse them before it is done
+            inp.record_stream(stream)
+            out.record_stream(stream)
+        for stream in self._streams:  # stage 1 reads every output
+            main.wait_stream(stream)
+
+
+def _balance(costs: list[int], n: int) -> list[tuple[int, int]]:
+    """``(item, bin)`` pairs: the most costly item first, each on the least loaded of ``n`` bins."""
+    loads = [0] * n
+    order = []
+    for item in sorted(range(len(costs)), key=lambda i: -costs[i]):
+        s = loads.index(min(loads))
+        loads[s] += costs[item]
+        order.append((item, s))
+    return order

@@ -1,0 +1,171 @@
+"""Muon's elementwise stages as multi-tensor launches, before and after its Newton-Schulz calls.
+
+One kernel, two stages (``STAGE`` constexpr), each one launch over every tensor of a unit, through the same device
+tables as :mod:`kitsune.kernels.update` (roles ``param``, ``grad``, ``state1`` = ``momentum_buffer``, plus
+``update`` and ``ortho``: each param's slot in its shape's Newton-Schulz input and output, bf16)::
+
+    stage 0   buf = buf.lerp(g, 1 - momentum)                 # state["momentum_buffer"]
+              update = g.lerp(buf, momentum) if nesterov else buf
+              slot = bf16(update)                             # the Newton-Schulz input, batched by shape
+    stage 1   p = p * (1 - lr * weight_decay)
+              p = p - lr * ratio * ortho                      # ratio: the param's adjust_lr factor
+
+torch.optim.Muon's order and roundings, per element: ``lerp`` with torch's two-sided formula, the buffer and the
+nesterov update rounded to the param dtype as torch stores them, the update then rounded to bf16 (the first thing
+torch's orthogonalisation does), the param rounded after the decay and after the add. lr, momentum and weight decay
+are read from the device-resident hyperparameter buffer (columns of :mod:`kitsune.kernels.spec`); ``ratio`` is a
+float64 per-tensor table, so ``lr * ratio`` is the double product torch forms on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kitsune.kernels.common import _cast
+from kitsune.kernels.multi_tensor import TensorTables
+from kitsune.kernels.spec import B1, LR, NUM_FIELDS, WD, MuonSpec
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+SUPPORTED_DTYPES = tuple(_TL_DTYPES)
+
+
+@triton.jit
+def _torch_lerp(a, b, w):
+    """torch.lerp's formula: ``a + w (b - a)`` for ``|w| < 0.5``, else ``b - (b - a)(1 - w)`` (exact at w = 1)."""
+    return tl.where(tl.abs(w) < 0.5, a + w * (b - a), b - (b - a) * (1.0 - w))
+
+
+@triton.jit
+def _muon_kernel(
+    block_tensor,  # (n_blocks,) int32
+    block_start,  # (n_blocks,) int64
+    numel_tab,  # (T,) int64
+    group_tab,  # (T,) int32
+    param_tab,  # (T,) int64 addresses, one table per role
+    grad_tab,  # -1: grad is None this step, skip the tensor
+    buf_tab,
+    update_tab,  # bf16 slots of the Newton-Schulz input
+    ortho_tab,  # bf16 slots of the Newton-Schulz output
+    ratio_tab,  # (T,) float64 adjust_lr factors
+    hyper,  # (n_groups, NUM_FIELDS) float64
+    found_inf,  # float32 scalar: nonzero skips every update (AMP overflow), read only with HAS_FOUND_INF
+    STAGE: tl.constexpr,  # 0: momentum -> Newton-Schulz input, 1: decay and apply the orthogonalised update
+    DTYPE: tl.constexpr,
+    NESTEROV: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr,
+    ZERO_GRAD: tl.constexpr,  # stage 0 stores zeros into the grads it read (GradConfig.zero_in_step)
+    RNE_BF16: tl.constexpr,
+    NUM_FIELDS: tl.constexpr,
+    LR: tl.constexpr,
+    B1: tl.constexpr,
+    WD: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    t = tl.load(block_tensor + pid)
+    start = tl.load(block_start + pid)
+    g_addr = tl.load(grad_tab + t)
+    numel = tl.load(numel_tab + t)
+    has_grad = g_addr != -1
+    live = has_grad
+    if HAS_FOUND_INF:
+        live = live & (tl.load(found_inf) == 0.0)
+    offs = start + tl.arange(0, BLOCK).to(tl.int64)
+    mask = offs < tl.where(live, numel, 0)
+    row = hyper + tl.load(group_tab + t).to(tl.int64) * NUM_FIELDS
+
+    if STAGE == 0:
+        gmask = offs < tl.where(has_grad, numel, 0)  # zeroed even on a skipped step, as zero_grad would
+        g_ptr = g_addr.to(tl.pointer_type(DTYPE)) + offs
+        buf_ptr = tl.load(buf_tab + t).to(tl.pointer_type(DTYPE)) + offs
+        u_ptr = tl.load(update_tab + t).to(tl.pointer_type(tl.bfloat16)) + offs
+        g = tl.load(g_ptr, mask=gmask if ZERO_GRAD else mask, other=0.0).to(tl.float32)
+        momentum = tl.load(row + B1)
+        buf = tl.load(buf_ptr, mask=mask, other=0.0).to(tl.float32)
+        buf = _cast(_torch_lerp(buf, g, (1.0 - momentum).to(tl.float32)), DTYPE, RNE_BF16)
+        tl.store(buf_ptr, buf, mask=mask)
+        u = buf.to(tl.float32)
+        if NESTEROV:
+            u = _cast(_torch_lerp(g, u, momentum.to(tl.float32)), DTYPE, RNE_BF16).to(tl.float32)
+        tl.store(u_ptr, _cast(u, tl.bfloat16, RNE_BF16), mask=mask)
+        if ZERO_GRAD:
+            tl.store(g_ptr, tl.zeros_like(g).to(DTYPE), mask=gmask)
+    else:
+        p_ptr = tl.load(param_tab + t).to(tl.pointer_type(DTYPE)) + offs
+        o_ptr = tl.load(ortho_tab + t).to(tl.pointer_type(tl.bfloat16)) + offs
+        lr = tl.load(row + LR)
+        wd = tl.load(row + WD)
+        p = tl.load(p_ptr, mask=mask, other=0.0).to(tl.float32)
+        p = _cast(p * (1.0 - lr * wd).to(tl.float32), DTYPE, RNE_BF16).to(tl.float32)
+        o = tl.load(o_ptr, mask=mask, other=0.0).to(tl.float32)
+        p = p - (lr * tl.load(ratio_tab + t)).to(tl.float32) * o
+        tl.store(p_ptr, _cast(p, DTYPE, RNE_BF16), mask=mask)
+
+
+_INTERPRETED = type(_muon_kernel).__name__ == "InterpretedFunction"
+
+
+def muon_update(
+    tables: TensorTables,
+    hyper: torch.Tensor,
+    spec: MuonSpec,
+    dtype: torch.dtype,
+    stage: int,
+    ratio: torch.Tensor,
+    found_inf: torch.Tensor | None = None,
+    zero_grad: bool = False,
+    num_warps: int = 4,
+) -> None:
+    """Launch one stage (0: momentum into the Newton-Schulz input, 1: decay and apply its output) over every
+    tensor of ``tables``.
+
+    ``tables`` needs the roles ``param``, ``grad`` (``-1`` skips a tensor), ``state1`` (``momentum_buffer``, of
+    ``dtype`` like the params and grads), ``update`` and ``ortho`` (addresses of contiguous bf16 slots of each
+    tensor's size). ``hyper`` is the float64 ``(n_groups, NUM_FIELDS)`` buffer; ``ratio`` a float64 ``(T,)``
+    tensor of the adjust_lr factors. ``found_inf`` (a float32 scalar) skips the whole update when nonzero, decided
+    on the device; ``zero_grad`` makes stage 0 store zeros into the grads it read (on a skipped step too).
+    """
+    if dtype not in _TL_DTYPES:
+        raise ValueError(f"muon_update supports {SUPPORTED_DTYPES}, got {dtype}")
+    if stage not in (0, 1):
+        raise ValueError(f"stage must be 0 (momentum) or 1 (apply), got {stage}")
+    if hyper.dtype != torch.float64 or hyper.dim() != 2 or hyper.shape[1] != NUM_FIELDS:
+        raise ValueError(
+            f"hyper must be a float64 (n_groups, {NUM_FIELDS}) tensor, got {hyper.dtype} {tuple(hyper.shape)}"
+        )
+    if ratio.dtype != torch.float64 or ratio.shape != (tables.num_tensors,):
+        raise ValueError(
+            f"ratio must be a float64 ({tables.num_tensors},) tensor, got {ratio.dtype} {tuple(ratio.shape)}"
+        )
+    if found_inf is not None and (found_inf.dtype != torch.float32 or found_inf.numel() != 1):
+        raise ValueError(f"found_inf must be a float32 scalar, got {found_inf.dtype} of {found_inf.numel()} elements")
+    if tables.num_blocks == 0:
+        return
+    _muon_kernel[(tables.num_blocks,)](
+        tables.block_tensor,
+        tables.block_start,
+        tables.numel,
+        tables.group,
+        tables.role("param"),
+        tables.role("grad"),
+        tables.role("state1"),
+        tables.role("update"),
+        tables.role("ortho"),
+        ratio,
+        hyper,
+        found_inf if found_inf is not None else hyper,
+        STAGE=stage,
+        DTYPE=_TL_DTYPES[dtype],
+        NESTEROV=spec.nesterov,
+        HAS_FOUND_INF=found_inf is not None,
+        ZERO_GRAD=zero_grad and stage == 0,
+        RNE_BF16=_INTERPRETED,
+        NUM_FIELDS=NUM_FIELDS,
+        LR=LR,
+        B1=B1,
+        WD=WD,
+        BLOCK=tables.block,
+        num_warps=num_warps,
+    )

@@ -1,0 +1,252 @@
+"""The memory pool: optimizer state (and optionally grads) of the fused params in flat per-(device, dtype) arenas.
+
+Every pooled param's state tensor is a view of its arena, so ``optimizer.state[p]["exp_avg"]`` keeps torch's key,
+shape and dtype and a state dict moves between kitsune and plain torch as before. What the arenas change is where
+the bytes live: one allocation per (device, dtype) instead of one per tensor, at addresses that never move, so the
+kernels' address tables are built once and a captured CUDA graph keeps reading the right memory.
+
+``memory_pool_size`` caps the arena bytes per device. The fused units are pooled whole, in plan order, while they
+fit; a unit that does not fit keeps torch's per-tensor allocations, and the report says how many params and bytes
+stayed outside. An arena is allocated when the first of its states is created (the first step that has grads, as
+torch's lazy init), or at once when the wrapped optimizer already holds state (a loaded checkpoint, Adagrad).
+
+With ``MemoryConfig(flat_grads=True)`` the grads of pooled params live in a flat arena too: the first time a grad
+appears it is copied into its slot and ``p.grad`` becomes that view; backward passes then accumulate into it in
+place, and ``zero_grad()`` zeroes each arena in one fill instead of freeing the grads. That is torch's
+``zero_grad(set_to_none=False)`` behaviour: a param that gets no grad in a later step is updated with a zero grad.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kitsune.config import MemoryConfig
+from kitsune.subsystem import Subsystem
+
+if TYPE_CHECKING:
+    from kitsune.fusion.units import FusedUnit
+    from kitsune.optimizer import KitsuneOptimizer
+
+ALIGN_BYTES = 256
+"""Every slot starts on a 256-byte boundary, as the CUDA caching allocator aligns its blocks."""
+
+
+class Arena:
+    """One flat buffer of one dtype on one device; slots are reserved first, the buffer allocated on first use."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.device = device
+        self.dtype = dtype
+        self.numel = 0
+        self.buffer: torch.Tensor | None = None
+        self._align = max(1, ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
+
+    def reserve(self, numel: int) -> int:
+        """Room for ``numel`` elements; returns the slot's offset (aligned)."""
+        offset = self.numel
+        self.numel += -(-max(numel, 1) // self._align) * self._align
+        return offset
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+    def view(self, offset: int, shape: torch.Size) -> torch.Tensor:
+        if self.buffer is None:  # zero-filled so unused padding never holds nan
+            self.buffer = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        n = shape.numel()
+        return self.buffer[offset : offset + n].view(shape) if shape else self.buffer[offset]
+
+
+class UnitSlots:
+    """Where one fused unit's tensors live: an offset per (state key, param), per step count, per grad."""
+
+    def __init__(self, unit: FusedUnit, state_arena: Arena, step_arena: Arena | None, grad_arena: Arena | None):
+        self.params = unit.params
+        self.keys = [k for k in unit.info.state_keys(unit.spec) if k]
+        self.state_arena, self.step_arena, self.grad_arena = state_arena, step_arena, grad_arena
+        numels = [p.numel() for p in unit.params]
+        self.offsets = {k: [state_arena.reserve(n) for n in numels] for k in self.keys}
+        self.step_offsets = [step_arena.reserve(1) for _ in numels] if step_arena is not None else []
+        self.grad_offsets = [grad_arena.reserve(n) for n in numels] if grad_arena is not None else []
+        self._views: dict[tuple[str, int], torch.Tensor] = {}
+        self.adoptions = 0
+        """Grads copied into the grad arena (counted by the unit)."""
+
+    def view(self, key: str, i: int) -> torch.Tensor:
+        """The arena view that holds ``state[params[i]][key]`` (``"step"``: a 0-dim float32 view)."""
+        v = self._views.get((key, i))
+        if v is None:
+            if key == "step":
+                assert self.step_arena is not None
+                v = self.step_arena.view(self.step_offsets[i], torch.Size())
+            else:
+                v = self.state_arena.view(self.offsets[key][i], self.params[i].shape)
+            self._views[(key, i)] = v
+        return v
+
+    def grad_view(self, i: int) -> torch.Tensor:
+        v = self._views.get(("grad", i))
+        if v is None:
+            assert self.grad_arena is not None
+            v = self._views[("grad", i)] = self.grad_arena.view(self.grad_offsets[i], self.params[i].shape)
+        return v
+
+    def alloc(self, i: int) -> Any:
+        """An allocator for :func:`kitsune.fusion.algos.init_state`: state key -> this param's arena view."""
+        return lambda key: self.view(key, i)
+
+    def adopt(self, state: dict, i: int, key: str) -> torch.Tensor:
+        """Make ``state[key]`` the arena view, copying in whatever tensor stands there (a loaded checkpoint's)."""
+        v = self.view(key, i)
+        t = state[key]
+        if t is not v:
+            v.copy_(t.reshape(v.shape) if key == "step" else t)
+            state[key] = v
+        return v
+
+    def adopt_grad(self, i: int, grad: torch.Tensor) -> torch.Tensor:
+        """Put this param's grad into its arena slot; returns the view that is now ``p.grad``."""
+        v = self.grad_view(i)
+        if grad is not v:
+            v.copy_(grad)
+            self.params[i].grad = v
+        return v
+
+
+class MemoryPool(Subsystem):
+    """Flat arenas for the state (and optionally the grads) of the params the fused kernel updates."""
+
+    name = "memory"
+
+    def __init__(self, config: MemoryConfig) -> None:
+        super().__init__()
+        self.config = config
+        self._arenas: dict[tuple, Arena] = {}
+        self._layout: tuple = ()
+        self._units: list[FusedUnit] = []
+        self._outside: list[FusedUnit] = []
+
+    def plan(self, opt: KitsuneOptimizer) -> None:
+        # the fusion subsystem plans after this one and hands its units to assign(); without it nothing is pooled
+        self._opt = opt
+        self.deactivate("fusion is off: optimizer state stays in the wrapped optimizer's own tensors")
+
+    def assign(self, units: list[FusedUnit]) -> None:
+        """Lay out the arenas for ``units`` (fusion's plan calls this); a layout equal to the last one keeps its
+        arenas and views, so a re-plan that changed nothing copies nothing."""
+        cfg = self.config
+        for unit in units:
+            unit.slots = None
+        if cfg.pool_size == 0:
+            self._units, self._outside = [], list(units)
+            self.deactivate("memory_pool_size=0: optimizer state stays in per-tensor allocations")
+            return
+        if not units:
+            self.deactivate("no param takes the fused kernel, so no state is kitsune's to place")
+            return
+        layout = tuple(
+            (str(u.device), u.dtype, u.info.name, tuple(k for k in u.info.state_keys(u.spec) if k),
+             u.info.step_in_state, tuple(map(id, u.params)), tuple(p.numel() for p in u.params))
+            for u in units
+        )  # fmt: skip
+        if layout == self._layout:
+            for unit, slots in zip(units, self._slots, strict=True):
+                unit.slots = slots
+            self.activate()
+            return
+        budget: dict[torch.device, int] = defaultdict(lambda: cfg.pool_size)
+        arenas: dict[tuple, Arena] = {}
+        pooled, outside, slots_of = [], [], []
+        for unit in units:
+            dev = unit.device
+            state = arenas.get((dev, unit.dtype)) or Arena(dev, unit.dtype)
+            step = (
+                (arenas.get((dev, torch.float32, "step")) or Arena(dev, torch.float32))
+                if unit.info.step_in_state
+                else None
+            )
+            grad = (arenas.get((dev, unit.dtype, "grad")) or Arena(dev, unit.dtype)) if cfg.flat_grads else None
+            before = {id(a): a.nbytes for a in (state, step, grad) if a is not None}
+            slots = UnitSlots(unit, state, step, grad)
+            used = sum(a.nbytes - before[id(a)] for a in (state, step, grad) if a is not None)
+            if used > budget[dev]:
+                # does not fit: undo the reservations (the arenas are still empty) and keep torch's allocations
+                for a in (state, step, grad):
+                    if a is not None:
+                        a.numel = before[id(a)] // torch.empty((), dtype=a.dtype).element_size()
+                outside.append(unit)
+                slots_of.append(None)
+                continue
+            budget[dev] -= used
+            arenas[(dev, unit.dtype)] = state
+            if step is not None:
+                arenas[(dev, torch.float32, "step")] = step
+            if grad is not None:
+                arenas[(dev, unit.dtype, "grad")] = grad
+            unit.slots = slots
+            pooled.append(unit)
+            slots_of.append(slots)
+        self._arenas, self._units, self._outside = arenas, pooled, outside
+        self._layout, self._slots = layout, slots_of
+        if pooled:
+            self.activate()
+        else:
+            need = min(_unit_bytes(u, cfg.flat_grads) for u in units)
+            self.deactivate(
+                f"memory_pool_size={cfg.pool_size} bytes is below the smallest fused unit's {need} bytes of state: "
+                "raise memory_pool_size (or lower FusionConfig.max_fusion_size to make units smaller)"
+            )
+
+    # -- grads -----------------------------------------------------------------------------------------------------
+    @property
+    def flat_grads(self) -> bool:
+        return self.active and self.config.flat_grads
+
+    def zero_grads(self, already_zero: set[torch.Tensor] = frozenset()) -> set[torch.Tensor]:  # type: ignore[assignment]
+        """Zero every grad arena in one fill (none when the step's kernel already zeroed every grad in them);
+        returns the params whose grads that covers (those still arena views)."""
+        covered: set[torch.Tensor] = set()
+        if not self.flat_grads:
+            return covered
+        for unit in self._units:
+            slots = unit.slots
+            for i, p in enumerate(unit.params):
+                g = p.grad
+                if g is not None and slots._views.get(("grad", i)) is g:
+                    covered.add(p)
+        if covered <= already_zero:
+            return covered
+        for (_, _, *kind), arena in self._arenas.items():
+            if kind == ["grad"] and arena.buffer is not None:
+                arena.buffer.zero_()
+        return covered
+
+    def report(self) -> dict[str, Any]:
+        pooled = sum(len(u.params) for u in self._units)
+        outside = sum(len(u.params) for u in self._outside)
+        per_device: dict[str, dict[str, int]] = defaultdict(lambda: {"reserved": 0, "allocated": 0})
+        for (dev, *_), arena in self._arenas.items():
+            entry = per_device[str(dev)]
+            entry["reserved"] += arena.nbytes
+            entry["allocated"] += arena.nbytes if arena.buffer is not None else 0
+        return {
+            "pool_size_bytes": self.config.pool_size,
+            "arenas": len(self._arenas),
+            "bytes_per_device": dict(per_device),
+            "params_pooled": pooled,
+            "params_outside_pool": outside,
+            "bytes_outside_pool": sum(_unit_bytes(u, self.config.flat_grads) for u in self._outside),
+            "flat_grads": self.config.flat_grads,
+            "grad_adoptions": sum(u.slots.adoptions for u in self._units if u.slots is not None),
+        }
+
+
+def _unit_bytes(unit: FusedUnit, flat_grads: bool) -> int:
+    """Bytes a unit's state (and grads) take, as the pool would lay them out."""
+    probe = [Arena(unit.device, unit.dtype), Arena(unit.device, torch.float32), Arena(unit.device, unit.dtype)]
+    UnitSlots(unit, probe[0], probe[1] if unit.info.step_in_state else None, probe[2] if flat_grads else None)
+    return sum(a.nbytes for a in probe)

@@ -1,0 +1,220 @@
+"""The memory pool: fused params' state (and, optionally, grads) as views of flat per-(device, dtype) arenas."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kitsune import KitsuneOptimizer
+from kitsune.config import FusionConfig, KitsuneConfig, MemoryConfig
+
+from ._util import TOL, make_params, random_grads, trajectory
+
+SIZES = [7, (5, 3), 1, 300, (4, 4, 2)]
+
+
+def storages(opt: torch.optim.Optimizer, key: str) -> set[int]:
+    return {opt.state[p][key].untyped_storage().data_ptr() for g in opt.param_groups for p in g["params"]}
+
+
+def pooled(pool_size: int = 512 * 2**20, flat_grads: bool = False, max_fusion_size: int | None = None, **kw):
+    return KitsuneConfig(
+        fusion=FusionConfig(enabled=True, max_fusion_size=max_fusion_size),
+        memory=MemoryConfig(pool_size=pool_size, flat_grads=flat_grads),
+        **kw,
+    )
+
+
+def test_state_lives_in_one_arena_and_matches_torch(device):
+    make = lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, amsgrad=True)  # noqa: E731
+    ref, _ = trajectory(make, SIZES, torch.float32, device, steps=30)
+    got, opt = trajectory(make, SIZES, torch.float32, device, steps=30, fused=True)
+    for r, g in zip(ref, got, strict=True):
+        torch.testing.assert_close(g, r, atol=TOL[torch.float32][0], rtol=TOL[torch.float32][1])
+    memory = opt._subsystem("memory")
+    assert memory.active, memory.reason
+    # every state key of every param is a view of the same flat buffer; so are the step counts (float32)
+    arenas = storages(opt, "exp_avg") | storages(opt, "exp_avg_sq") | storages(opt, "max_exp_avg_sq")
+    assert len(arenas) == 1
+    assert len(storages(opt, "step")) == 1
+    # torch's keys, shapes and dtypes are unchanged
+    for p in got:
+        s = opt.state[p]
+        assert set(s) == {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}
+        assert s["exp_avg"].shape == p.shape and s["step"].shape == () and s["step"].dtype == torch.float32
+    report = memory.report()
+    assert report["params_pooled"] == len(SIZES) and report["params_outside_pool"] == 0
+
+
+def test_pool_size_caps_the_arena_and_the_rest_keeps_torch_allocations(device):
+    # 4 units of 2 params (max_fusion_size=2), 64 fp32 elements each, AdamW: 2 keys x 2 params x 256 B aligned
+    # slots + 2 step slots of 256 B = 1536 B per unit; a 3200-byte pool holds exactly two units
+    params = make_params([64] * 8, torch.float32, device)
+    opt = KitsuneOptimizer(torch.optim.AdamW(params, lr=1e-2), config=pooled(pool_size=3200, max_fusion_size=2))
+    for step in range(3):
+        for p, g in zip(params, random_grads(params, step), strict=True):
+            p.grad = g
+        opt.step()
+    report = opt._subsystem("memory").report()
+    assert report["params_pooled"] == 4 and report["params_outside_pool"] == 4
+    assert report["bytes_per_device"][str(params[0].device)]["allocated"] <= 3200
+    first = {opt.state[p]["exp_avg"].untyped_storage().data_ptr() for p in params[:4]}
+    rest = {opt.state[p]["exp_avg"].untyped_storage().data_ptr() for p in params[4:]}
+    assert len(first) == 1 and len(rest) == 4  # pooled: one storage; outside: one per tensor
+
+    # and the split changes nothing in the numbers
+    ref = make_params([64] * 8, torch.float32, device)
+    plain = torch.optim.AdamW(ref, lr=1e-2)
+    for step in range(3):
+        for p, g in zip(ref, random_grads(ref, step), strict=True):
+            p.grad = g
+        plain.step()
+    for r, g in zip(ref, params, strict=True):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
+
+
+def test_pool_off_or_too_small_says_why(device):
+    params = make_params([64, 64], torch.float32, device)
+    off = KitsuneOptimizer(torch.optim.AdamW(params, lr=1e-2), config=pooled(pool_size=0))
+    assert not off._subsystem("memory").active
+    assert "memory_pool_size=0" in off._subsystem("memory").reason
+    small = KitsuneOptimizer(torch.optim.AdamW(params, lr=1e-2), config=pooled(pool_size=100))
+    reason = small._subsystem("memory").reason
+    assert not small._subsystem("memory").active and "raise memory_pool_size" in reason
+
+
+def test_checkpoints_move_between_the_pool_and_plain_torch(device):
+    """kitsune (pooled) -> plain AdamW -> kitsune (pooled): the run continues as one uninterrupted torch run."""
+    make = lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.05)  # noqa: E731
+    ref = make_params(SIZES, torch.float32, device)
+    ref_opt = make(ref)
+    params = make_params(SIZES, torch.float32, device)
+    opt = KitsuneOptimizer(make(params), config=pooled())
+
+    def run(o, ps, steps):
+        for step in steps:
+            for p, g in zip(ps, random_grads(ps, step), strict=True):
+                p.grad = g
+            o.step()
+            o.zero_grad()
+
+    run(ref_opt, ref, range(0, 30))
+    run(opt, params, range(0, 10))
+    plain = make(params)
+    plain.load_state_dict(opt.state_dict())
+    run(plain, params, range(10, 20))
+    back = KitsuneOptimizer(make(params), config=pooled())
+    back.load_state_dict(plain.state_dict())
+    # the loaded tensors were copied into the arena: one storage again
+    assert len(storages(back, "exp_avg") | storages(back, "exp_avg_sq")) == 1
+    run(back, params, range(20, 30))
+    for r, g in zip(ref, params, strict=True):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
+    for r, g in zip(ref, params, strict=True):
+        torch.testing.assert_close(back.state[g]["exp_avg_sq"], ref_opt.state[r]["exp_avg_sq"], atol=1e-6, rtol=1e-5)
+        assert back.state[g]["step"].item() == 30
+
+
+def test_state_built_before_the_plan_is_adopted(device):
+    # Adagrad creates its "sum" state in __init__: the pool copies it into the arena at plan time
+    make = lambda p: torch.optim.Adagrad(p, lr=0.1, initial_accumulator_value=0.3)  # noqa: E731
+    ref, _ = trajectory(make, SIZES, torch.float32, device, steps=20)
+    got, opt = trajectory(make, SIZES, torch.float32, device, steps=20, fused=True)
+    assert len(storages(opt, "sum")) == 1
+    for r, g in zip(ref, got, strict=True):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
+
+
+def test_one_arena_per_dtype_and_a_new_group_moves_state_over(device):
+    fp32 = make_params([33, 65], torch.float32, device)
+    bf16 = make_params([17, 9], torch.bfloat16, device, seed=3)
+    ref32, ref16 = make_params([33, 65], torch.float32, device), make_params([17, 9], torch.bfloat16, device, seed=3)
+    opt = KitsuneOptimizer(torch.optim.Adam(fp32, lr=1e-2), config=pooled())
+    plain = torch.optim.Adam(ref32, lr=1e-2)
+    for step in range(40):
+        if step == 15:  # a structural change: re-plan, new arenas, the first group's state copied into them
+            opt.add_param_group({"params": bf16, "lr": 5e-3})
+            plain.add_param_group({"params": ref16, "lr": 5e-3})
+        for o, ps in ((opt, fp32 + (bf16 if step >= 15 else [])), (plain, ref32 + (ref16 if step >= 15 else []))):
+            for p, g in zip(ps, random_grads(ps, step), strict=True):
+                p.grad = g
+            o.step()
+            o.zero_grad()
+    assert len(storages(opt, "exp_avg")) == 2  # one arena per (device, dtype)
+    for r, g in zip(ref32, fp32, strict=True):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
+    for r, g in zip(ref16, bf16, strict=True):  # the fused kernel rounds once per step, torch's eager path per op
+        torch.testing.assert_close(g.float(), r.float(), atol=3e-2, rtol=2e-2)
+
+
+def test_flat_grads_are_arena_views_accumulated_and_zeroed_in_place(device):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3)).to(device)
+    twin = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3)).to(device)
+    twin.load_state_dict(model.state_dict())
+    opt = KitsuneOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), config=pooled(flat_grads=True))
+    plain = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(5)
+    first_ptrs = None
+    for step in range(25):
+        x, y = torch.randn(8, 6, generator=gen).to(device), torch.randn(8, 3, generator=gen).to(device)
+        for m, o in ((model, opt), (twin, plain)):
+            for _ in range(2):  # two micro-batches accumulate into the same grads
+                torch.nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+            if step == 12 and o is opt:
+                model.zero_grad()  # sets the grads to None: the next backward allocates; the pool adopts again
+            else:
+                o.zero_grad(set_to_none=False)
+        if step == 12:
+            assert all(p.grad is None for p in model.parameters())
+            continue
+        ptrs = [p.grad.data_ptr() for p in model.parameters()]
+        if first_ptrs is None:
+            first_ptrs = ptrs
+        assert ptrs == first_ptrs, f"step {step}: a grad left its arena slot"
+        assert all(p.grad is not None and not p.grad.any() for p in model.parameters()), "zero_grad kept the grads"
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    memory = opt._subsystem("memory")
+    grad_arena = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
+    assert len(grad_arena) == 1
+    n = len(list(model.parameters()))
+    assert memory.report()["grad_adoptions"] == 2 * n  # once at the start, once after model.zero_grad()
+
+
+def test_flat_grads_zero_grad_keeps_grads_even_with_set_to_none(device):
+    params = make_params([10, 20], torch.float32, device)
+    opt = KitsuneOptimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9), config=pooled(flat_grads=True))
+    for p, g in zip(params, random_grads(params, 0), strict=True):
+        p.grad = g
+    opt.step()
+    opt.zero_grad()  # set_to_none=True by default; flat grads are zeroed in place instead (documented)
+    assert all(p.grad is not None and not p.grad.any() for p in params)
+
+
+@pytest.mark.cuda
+def test_peak_memory_of_the_phase_is_no_higher_than_torch_fused():
+    device = torch.device("cuda")
+    sizes = [(768, 768)] * 12 + [(3072, 768)] * 8 + [768] * 24
+
+    def peak(make_opt) -> int:
+        torch.cuda.empty_cache()
+        params = make_params(sizes, torch.float32, device)
+        opt = make_opt(params)
+        for step in range(3):
+            for p, g in zip(params, random_grads(params, step), strict=True):
+                p.grad = g
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            torch.cuda.synchronize()
+        out = torch.cuda.max_memory_allocated() - base
+        del opt, params
+        return out
+
+    torch_peak = peak(lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True))
+    kitsune_peak = peak(lambda ps: KitsuneOptimizer(torch.optim.AdamW(ps, lr=1e-3), config=pooled()))
+    assert kitsune_peak <= torch_peak, (kitsune_peak, torch_peak)

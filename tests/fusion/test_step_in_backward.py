@@ -1,0 +1,195 @@
+"""Fused updates inside backward (StreamConfig(step_in_backward=True)): same results as the normal step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from kitsune import KitsuneOptimizer
+from kitsune.config import FusionConfig, KitsuneConfig, StreamConfig
+
+
+class Net(nn.Module):
+    """Three layers and a branch that only some steps use (its params then have no grad, as torch skips them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(6, 16), nn.Linear(16, 16), nn.Linear(16, 3)
+        self.branch = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, use_branch: bool) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        h = torch.tanh(self.b(h))
+        if use_branch:
+            h = h + torch.tanh(self.branch(h))
+        return self.c(h)
+
+
+def in_backward(bucket_bytes: int = 700, **kw) -> KitsuneConfig:
+    return KitsuneConfig(
+        fusion=FusionConfig(enabled=True),
+        streams=StreamConfig(step_in_backward=True, bucket_bytes=bucket_bytes),
+        **kw,
+    )
+
+
+def twins(device: torch.device, seed: int = 0) -> tuple[Net, Net]:
+    torch.manual_seed(seed)
+    net, twin = Net().to(device), Net().to(device)
+    twin.load_state_dict(net.state_dict())
+    return net, twin
+
+
+def run(net: Net, opt: torch.optim.Optimizer, steps: int, micro: int = 1, branch_every: int = 1) -> list[float]:
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-2, total_steps=steps)
+    gen = torch.Generator().manual_seed(7)
+    losses = []
+    for step in range(steps):
+        for m in range(micro):
+            x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)
+            x, y = x.to(net.a.weight.device), y.to(net.a.weight.device)
+            loss = nn.functional.mse_loss(net(x, use_branch=step % branch_every == 0), y) / micro
+            last = m == micro - 1
+            accumulating = opt.accumulating() if isinstance(opt, KitsuneOptimizer) and not last else _null()
+            with accumulating:
+                loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        losses.append(loss.item())
+    return losses
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+@pytest.mark.parametrize("micro", [1, 3], ids=["plain", "accumulate-3"])
+def test_equals_torch_adamw_with_onecycle(micro, device):
+    net, twin = twins(device)
+    opt = KitsuneOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1), config=in_backward())
+    streams = opt.scheduler
+    assert streams.active and streams.in_backward, streams.reason
+    assert len(opt._subsystem("fusion").units) > 1  # the 700-byte buckets cut the params into several units
+    got = run(net, opt, steps=30, micro=micro)
+    ref = run(twin, torch.optim.AdamW(twin.parameters(), lr=1e-2, weight_decay=0.1), steps=30, micro=micro)
+    assert got == pytest.approx(ref, rel=1e-5, abs=1e-6)
+    for a, b in zip(net.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    report = streams.report()
+    # the branch is used every step here, so every unit's grads arrive and every update runs in backward
+    assert report["units_updated_in_backward"] == 30 * report["units"] and report["units_updated_in_step"] == 0
+
+
+def test_updates_run_during_backward_not_in_step(device):
+    net, _ = twins(device)
+    opt = KitsuneOptimizer(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9), config=in_backward())
+    before = [p.detach().clone() for p in net.parameters()]
+    x, y = torch.randn(4, 6, device=device), torch.randn(4, 3, device=device)
+    with opt.accumulating():
+        nn.functional.mse_loss(net(x, True), y).backward()
+    assert all(torch.equal(a, b) for a, b in zip(before, net.parameters(), strict=True)), "accumulating() updated"
+    nn.functional.mse_loss(net(x, True), y).backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize()  # the updates ran on the side stream
+    # every param moved before step() is called
+    assert not any(torch.equal(a, b) for a, b in zip(before, net.parameters(), strict=True))
+    opt.step()
+
+
+def test_params_without_grads_are_skipped_and_late_units_update_in_step(device):
+    # the branch is used every other step: on the other steps its grads are None (zero_grad sets them so) and
+    # torch skips it; its unit never completes in backward
+    net, twin = twins(device, 1)
+    opt = KitsuneOptimizer(torch.optim.Adam(net.parameters(), lr=1e-2), config=in_backward(bucket_bytes=1))
+    got = run(net, opt, steps=20, branch_every=2)
+    ref = run(twin, torch.optim.Adam(twin.parameters(), lr=1e-2), steps=20, branch_every=2)
+    assert got == pytest.approx(ref, rel=1e-5, abs=1e-6)
+    for a, b in zip(net.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert len(opt._subsystem("fusion").units) == len(list(net.parameters()))  # bucket_bytes=1: one per param
+
+
+def test_state_dict_round_trip_with_plain_torch(device):
+    net, twin = twins(device, 2)
+    opt = KitsuneOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-2), config=in_backward())
+    run(net, opt, steps=5)
+    plain = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    plain.load_state_dict(opt.state_dict())
+    ref = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    run(twin, ref, steps=5)
+    for a, b in zip(net.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    for p, q in zip(net.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(plain.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("extra", "reason"),
+    [
+        ({"max_grad_norm": 1.0}, "max_grad_norm"),
+        ({"streams": StreamConfig(step_in_backward=False)}, "step_in_backward=False"),
+    ],
+)
+def test_stays_off_with_the_reason(extra, reason, device):
+    net, _ = twins(device)
+    if "max_grad_norm" in extra:
+        opt = KitsuneOptimizer(
+            torch.optim.AdamW(net.parameters()),
+            enable_fusion=True,
+            stream_config=StreamConfig(step_in_backward=True),
+            max_grad_norm=1.0,
+        )
+    else:
+        opt = KitsuneOptimizer(
+            torch.optim.AdamW(net.parameters()), config=KitsuneConfig(fusion=FusionConfig(enabled=True), **extra)
+        )
+    assert not opt.scheduler.active and reason in opt.scheduler.reason
+    assert len(opt._subsystem("fusion").units) == 1  # no backward buckets: one launch for the whole bucket
+
+
+def test_trust_ratio_optimizers_keep_the_normal_step(device):
+    from kitsune.optim import LAMB
+
+    net, _ = twins(device)
+    opt = KitsuneOptimizer(LAMB(net.parameters()), config=in_backward())
+    assert not opt.scheduler.active and "trust ratios" in opt.scheduler.reason
+
+
+def test_step_inside_accumulating_is_an_error(device):
+    net, _ = twins(device)
+    opt = KitsuneOptimizer(torch.optim.AdamW(net.parameters()), config=in_backward())
+    with opt.accumulating(), pytest.raises(RuntimeError, match="step after the block"):
+        opt.step()
+
+
+@pytest.mark.cuda
+def test_side_stream_updates_overlap_backward_and_report_it():
+    device = torch.device("cuda")
+    net, twin = twins(device, 3)
+    opt = KitsuneOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-2), config=in_backward())
+    got = run(net, opt, steps=20)
+    ref = run(twin, torch.optim.AdamW(twin.parameters(), lr=1e-2), steps=20)
+    assert got == pytest.approx(ref, rel=1e-4, abs=1e-5)
+    report = opt.scheduler.report()
+    overlap = report["last_step_overlap"]
+    assert overlap["update_ms"] > 0 and 0.0 <= overlap["overlapped"] <= 1.0
+    assert opt._subsystem("graphs").reason.startswith("step_in_backward")
+
+
+def test_a_dropped_optimizer_leaves_no_hook_behind(device):
+    import gc
+
+    net, twin = twins(device, 4)
+    dropped = KitsuneOptimizer(torch.optim.SGD(net.parameters(), lr=0.5), config=in_backward())
+    del dropped
+    gc.collect()
+    opt = KitsuneOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-2), config=in_backward())
+    got = run(net, opt, steps=5)
+    ref = run(twin, torch.optim.AdamW(twin.parameters(), lr=1e-2), steps=5)
+    assert got == pytest.approx(ref, rel=1e-5, abs=1e-6)

@@ -1,0 +1,357 @@
+"""FSDP2 (``fully_shard``) with kitsune: 2 CPU processes on gloo (spawned once, with a timeout) against one process.
+
+Each rank trains a fully_shard model on its half of every batch; FSDP2 reduce-scatters the averaged grads, so the
+params (gathered with ``full_tensor``) must equal a single plain torch run on the whole batch. The fused kernels run
+on the local shards in Triton's interpreter inside the ranks (TRITON_INTERPRET=1). The ranks run every scenario in
+one spawn (spawning and importing costs more than the steps); each test then checks its scenario's results.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+import tempfile
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from test_distributed import _free_port
+
+STEPS = 5
+WORLD = 2
+TIMEOUT_S = 150
+SCENARIOS = {
+    "adamw": {"opt": "adamw"},
+    "adamw_clip": {"opt": "adamw", "max_grad_norm": 0.05},
+    "sgd_momentum_clip_inf": {"opt": "sgd", "max_grad_norm": 0.02, "norm_type": math.inf},
+    "adamw_bf16_clip": {"opt": "adamw", "amp": torch.bfloat16, "max_grad_norm": 0.05},
+}
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)  # the last layer has 1 row: rank 1's shards of it are empty
+    lin = torch.nn.Linear
+    return torch.nn.Sequential(lin(7, 16), torch.nn.Tanh(), lin(16, 5), torch.nn.Tanh(), lin(5, 1))
+
+
+def _batches(seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(8, 7, generator=gen), torch.randn(8, 1, generator=gen)) for _ in range(STEPS)]
+
+
+def _torch_optimizer(params, sc: dict) -> torch.optim.Optimizer:
+    if sc["opt"] == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=0.01)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def _kitsune(params, sc: dict):
+    from kitsune import AMPConfig, GradConfig, KitsuneOptimizer
+
+    amp = {"enable_amp": True, "amp_config": AMPConfig(dtype=sc["amp"])} if "amp" in sc else {}
+    grads = GradConfig(max_norm=sc.get("max_grad_norm"), norm_type=sc.get("norm_type", 2.0))
+    return KitsuneOptimizer(_torch_optimizer(params, sc), enable_fusion=True, grad_config=grads, **amp)
+
+
+def _shard(model: torch.nn.Module, mesh) -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _loss(model, x, y, opt=None):
+    ctx = opt.autocast() if opt is not None else torch.autocast("cpu", enabled=False)
+    with ctx:
+        return torch.nn.functional.mse_loss(model(x).float(), y)
+
+
+# -- the ranks ------------------------------------------------------------------------------------------------------
+def _fused_training(sc: dict, mesh, rank: int) -> dict:
+    model = _shard(_model(), mesh)
+    opt = _kitsune(model.parameters(), sc)
+    norms = []
+    for x, y in _batches():
+        lo, hi = rank * len(x) // WORLD, (rank + 1) * len(x) // WORLD
+        opt.backward(_loss(model, x[lo:hi], y[lo:hi], opt))
+        opt.step()
+        opt.zero_grad()
+        if opt.last_grad_norm is not None:
+            norms.append(float(opt.last_grad_norm))
+    fusion = opt._subsystem("fusion")
+    state = [
+        {k: (type(v).__name__, tuple(map(repr, getattr(v, "placements", ())))) for k, v in s.items()}
+        for s in opt.state_dict()["state"].values()
+    ]
+    return {
+        "params": [p.full_tensor().detach() for p in model.parameters()],
+        "norms": norms,
+        "fused": fusion.report()["params_fused"],
+        "reasons": sorted({b.reason for b in opt.plan.buckets}),
+        "grad_pass": fusion.grad_pass,
+        "state": state,
+    }
+
+
+def _state_dict_parity(mesh, rank: int) -> dict:
+    """Plain torch AdamW and kitsune's on two equal fully_shard models: the same state dict, both ways."""
+    from torch.distributed.tensor import DTensor
+
+    from kitsune.distributed.fsdp import local as fsdp_local
+
+    sc = {"opt": "adamw"}
+    models = [_shard(_model(), mesh) for _ in range(2)]
+    ref, ours = _torch_optimizer(models[0].parameters(), sc), _kitsune(models[1].parameters(), sc)
+    for x, y in _batches(seed=2):
+        lo, hi = rank * len(x) // WORLD, (rank + 1) * len(x) // WORLD
+        for model, opt in zip(models, (ref, ours), strict=True):
+            _loss(model, x[lo:hi], y[lo:hi]).backward()
+            opt.step()
+            opt.zero_grad()
+    a, b = ref.state_dict(), ours.state_dict()
+    assert b.pop("kitsune")["step_count"] == STEPS
+    assert a["param_groups"] == b["param_groups"]
+    assert a["state"].keys() == b["state"].keys()
+    for i in a["state"]:
+        sa, sb = a["state"][i], b["state"][i]
+        assert sa.keys() == sb.keys(), (sa.keys(), sb.keys())
+        for key, va in sa.items():
+            vb = sb[key]
+            assert type(va) is type(vb), (i, key, type(va), type(vb))
+            if isinstance(va, DTensor):
+                assert (va.placements, va.device_mesh, va.shape) == (vb.placements, vb.device_mesh, vb.shape)
+                va, vb = va.to_local(), vb.to_local()
+            assert (va.dtype, va.shape, va.device) == (vb.dtype, vb.shape, vb.device), (i, key)
+            torch.testing.assert_close(vb, va, atol=1e-5, rtol=1e-5)
+    # torch.distributed.checkpoint's view (by FQN) is the same too
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    da, db = (get_optimizer_state_dict(m, o) for m, o in zip(models, (ref, ours), strict=True))
+    assert da["state"].keys() == db["state"].keys() and "0.weight" in da["state"]
+    for fqn, sa in da["state"].items():
+        for key, va in sa.items():
+            vb = db["state"][fqn][key]
+            assert type(va) is type(vb)
+            torch.testing.assert_close(fsdp_local(vb), fsdp_local(va), atol=1e-5, rtol=1e-5)
+    # torch's state into kitsune and kitsune's into torch: one more step each, still equal
+    ours.load_state_dict(a)
+    ref.load_state_dict(b)
+    x, y = _batches(seed=3)[0]
+    for model, opt in zip(models, (ref, ours), strict=True):
+        _loss(model, x, y).backward()
+        opt.step()
+    for p, q in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        torch.testing.assert_close(q.to_local(), p.to_local(), atol=1e-5, rtol=1e-5)
+    return {"fused": ours._subsystem("fusion").report()["params_fused"]}
+
+
+def _mixed_placements(mesh, rank: int) -> dict:
+    """A Shard(0) DTensor (fused on its shard) next to a Replicate one (the wrapped optimizer's step), clipped."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    gen = torch.Generator().manual_seed(4)
+    full = [torch.randn(6, 3, generator=gen), torch.randn(4, 2, generator=gen)]
+    places = [[Shard(0)], [Replicate()]]
+
+    def params():
+        return [
+            torch.nn.Parameter(distribute_tensor(t.clone(), mesh, pl, src_data_rank=None))
+            for t, pl in zip(full, places, strict=True)
+        ]
+
+    ref_params, our_params = params(), params()
+    ref = _torch_optimizer(ref_params, {"opt": "adamw"})
+    ours = _kitsune(our_params, {"opt": "adamw", "max_grad_norm": 0.5})
+    ref_norms, our_norms = [], []
+    for _ in range(3):
+        grads = [torch.randn(t.shape, generator=gen) for t in full]
+        for ps in (ref_params, our_params):
+            for p, g, pl in zip(ps, grads, places, strict=True):
+                p.grad = distribute_tensor(g.clone(), mesh, pl, src_data_rank=None)
+        ref_norms.append(float(torch.nn.utils.clip_grad_norm_(ref_params, 0.5).full_tensor()))
+        ref.step()
+        ours.step()
+        our_norms.append(float(ours.last_grad_norm))
+    for p, q in zip(ref_params, our_params, strict=True):
+        torch.testing.assert_close(q.full_tensor(), p.full_tensor(), atol=1e-5, rtol=1e-5)
+    assert our_norms == pytest.approx(ref_norms, rel=1e-5)
+    plan = {b.route.value: b.reason for b in ours.plan.buckets}
+    return {"plan": plan, "base_steps": ours.base_steps}
+
+
+def _two_d_mesh(rank: int) -> dict:
+    """HSDP-style (Replicate, Shard(0)) params on a 2-D mesh: the wrapped optimizer's own step, equal to torch's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("replicate", "shard"))
+    gen = torch.Generator().manual_seed(6)
+    full = torch.randn(4, 3, generator=gen)
+    ref_p, our_p = (torch.nn.Parameter(distribute_tensor(full.clone(), mesh, [Replicate(), Shard(0)])) for _ in "ab")
+    ref, ours = _torch_optimizer([ref_p], {"opt": "adamw"}), _kitsune([our_p], {"opt": "adamw"})
+    for _ in range(2):
+        g = torch.randn(full.shape, generator=gen)
+        for p in (ref_p, our_p):
+            p.grad = distribute_tensor(g.clone(), mesh, [Replicate(), Shard(0)], src_data_rank=None)
+        ref.step()
+        ours.step()
+    torch.testing.assert_close(our_p.full_tensor(), ref_p.full_tensor(), atol=1e-6, rtol=1e-6)
+    return {"reasons": [b.reason for b in ours.plan.buckets], "fused": ours._subsystem("fusion").active}
+
+
+def _found_inf_on_one_rank(mesh, rank: int, fused: bool) -> dict:
+    """float16 AMP, one step with inf grads in rank 0's shard only: both ranks skip it and back off the scale."""
+    from kitsune import AMPConfig, FusionConfig, KitsuneOptimizer
+
+    torch.manual_seed(0)
+    model = _shard(torch.nn.Sequential(torch.nn.Linear(6, 4)), mesh)
+    opt = KitsuneOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        enable_fusion=True,
+        enable_amp=True,
+        amp_config=AMPConfig(dtype=torch.float16, init_scale=256.0),
+        fusion_config=FusionConfig(enable_reduction=fused),
+    )
+    gen = torch.Generator().manual_seed(5)
+    before = None
+    for step in range(3):
+        x, y = torch.randn(2, 6, generator=gen), torch.randn(2, 4, generator=gen)
+        if step == 1:
+            y[:, 0] = math.inf  # output 0's weight row and bias live in rank 0's shards only
+            before = [p.full_tensor().clone() for p in model.parameters()]
+        opt.backward(_loss(model, x, y, opt))
+        local_inf = any(not torch.isfinite(p.grad.to_local()).all() for p in model.parameters())
+        opt.step()
+        opt.zero_grad()
+        if step == 1:
+            unchanged = all(torch.equal(a, p.full_tensor()) for a, p in zip(before, model.parameters(), strict=True))
+            inf_here = local_inf
+    return {
+        "skipped": opt.skipped_steps,
+        "scale": opt.loss_scale,
+        "unchanged": unchanged,
+        "inf_here": inf_here,
+        "grad_pass": opt._subsystem("fusion").grad_pass,
+        "host_syncs": opt.host_syncs,
+    }
+
+
+def _rank(rank: int, port: int, out: str) -> None:
+    os.environ["TRITON_INTERPRET"] = "1"  # before kitsune's kernels are imported in this process
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    results: dict = {}
+    try:
+        mesh = init_device_mesh("cpu", (WORLD,))
+        jobs = {name: (lambda sc=sc: _fused_training(sc, mesh, rank)) for name, sc in SCENARIOS.items()}
+        jobs["state_dict"] = lambda: _state_dict_parity(mesh, rank)
+        jobs["mixed"] = lambda: _mixed_placements(mesh, rank)
+        jobs["mesh_2d"] = lambda: _two_d_mesh(rank)
+        jobs["found_inf_fused"] = lambda: _found_inf_on_one_rank(mesh, rank, fused=True)
+        jobs["found_inf_unfused"] = lambda: _found_inf_on_one_rank(mesh, rank, fused=False)
+        for name, job in jobs.items():
+            try:
+                results[name] = job()
+            except Exception:  # the other scenarios still run; the test of this one shows the traceback
+                results[name] = {"error": traceback.format_exc()}
+            dist.barrier()
+    finally:
+        torch.save(results, Path(out) / f"rank{rank}.pt")
+        gc.collect()  # the FSDP2 modules before the process group (gloo may abort at exit otherwise)
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    with tempfile.TemporaryDirectory() as out:
+        ctx = mp.start_processes(_rank, args=(_free_port(), out), nprocs=WORLD, join=False, start_method="spawn")
+        for _ in range(TIMEOUT_S * 2):  # a hung collective must fail the tests, not the CI job
+            if ctx.join(timeout=0.5):
+                break
+        else:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"the FSDP2 ranks did not finish within {TIMEOUT_S} s")
+        return [torch.load(Path(out) / f"rank{r}.pt") for r in range(WORLD)]
+
+
+def _results(ranks: list[dict], name: str) -> list[dict]:
+    for r, res in enumerate(ranks):
+        if "error" in res.get(name, {}):
+            pytest.fail(f"rank {r}, scenario {name}:\n{res[name]['error']}")
+    return [res[name] for res in ranks]
+
+
+# -- the tests ------------------------------------------------------------------------------------------------------
+def _reference(sc: dict) -> tuple[list[torch.Tensor], list[float]]:
+    """One process, plain torch (torch's clip_grad_norm_, torch.autocast), the whole batch."""
+    model = _model()
+    opt = _torch_optimizer(model.parameters(), sc)
+    norms = []
+    for x, y in _batches():
+        with torch.autocast("cpu", dtype=sc.get("amp", torch.bfloat16), enabled="amp" in sc):
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        loss.backward()
+        if "max_grad_norm" in sc:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), sc["max_grad_norm"], sc.get("norm_type", 2.0))
+            norms.append(float(norm))
+        opt.step()
+        opt.zero_grad()
+    return [p.detach() for p in model.parameters()], norms
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_fsdp2_fused_on_shards_equals_one_process(ranks, name):
+    sc = SCENARIOS[name]
+    want, want_norms = _reference(sc)
+    tol = 5e-4 if "amp" in sc else 2e-5  # bf16 autocast rounds the half-batch forward differently
+    for r in _results(ranks, name):
+        assert r["fused"] == 6, r["reasons"]  # every shard took the fused kernel
+        assert r["reasons"] == ["fused Triton multi-tensor kernel on the local FSDP2 shards"]
+        assert r["grad_pass"] is None  # norm, clip and update fused, with the norm all-reduced
+        for got, ref in zip(r["params"], want, strict=True):
+            torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
+        assert r["norms"] == pytest.approx(want_norms, rel=10 * tol)
+        keys = {"exp_avg", "exp_avg_sq", "step"} if sc["opt"] == "adamw" else {"momentum_buffer"}
+        for s in r["state"]:  # DTensor state sharded as the params, step a plain tensor, as torch keeps them
+            assert s == {k: ("Tensor", ()) if k == "step" else ("DTensor", ("Shard(dim=0)",)) for k in keys}
+    assert ranks[0][name]["norms"] == ranks[1][name]["norms"]  # one global norm, the same bits on every rank
+
+
+def test_fsdp2_state_dict_matches_torch(ranks):
+    for r in _results(ranks, "state_dict"):
+        assert r["fused"] == 6
+
+
+def test_fsdp2_mixed_placements_fall_back(ranks):
+    for r in _results(ranks, "mixed"):
+        assert r["plan"]["triton"] == "fused Triton multi-tensor kernel on the local FSDP2 shards"
+        assert "placements (Replicate(),)" in r["plan"]["base_step"]
+        assert r["base_steps"] == 3
+
+
+def test_fsdp2_two_d_mesh_falls_back(ranks):
+    for r in _results(ranks, "mesh_2d"):
+        assert not r["fused"]
+        assert len(r["reasons"]) == 1 and "2-D device mesh" in r["reasons"][0]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_fsdp2_found_inf_is_all_reduced(ranks, fused):
+    res = _results(ranks, "found_inf_fused" if fused else "found_inf_unfused")
+    assert [r["inf_here"] for r in res] == [True, False]  # the inf grads were in rank 0's shards only
+    for r in res:
+        assert (r["grad_pass"] is None) == fused
+        assert r["host_syncs"] == 0  # every update skips on the device: no rank read found_inf back
+        assert r["skipped"] == 1 and r["unchanged"]  # every rank skipped the step
+        assert r["scale"] == 256.0 * 0.5  # and backed off the same scale (no growth within 3 steps)
