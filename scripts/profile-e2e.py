@@ -1,0 +1,136 @@
+"""Where the time of a whole training step goes: torch.profiler over the end-to-end GPT-2 model, per side.
+
+python scripts/profile-e2e.py --out prof/            # on a GPU: GPT-2 124M, bf16 autocast, batch 4 x 512
+python scripts/profile-e2e.py --out /tmp/prof --device cpu --steps 2   # a dry run on the tiny model
+
+Sides: torch's fused AdamW without clipping; kitsune without clipping (fused step, graph); kitsune with the
+updates inside backward (``step_in_backward``), with and without flat grads. For each side it prints the step time
+(CUDA events), the host time of ``backward`` and of ``step``, the CUDA runtime calls that block the host
+(synchronizations, pinned allocations, blocking copies) and the operators that cost the most host time, and writes
+a Chrome trace of the profiled steps to ``OUT/<side>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kitsune import KitsuneOptimizer
+from kitsune.bench.e2e import CPU_TINY, GPT, GPT2_SMALL
+from kitsune.config import AMPConfig, FusionConfig, KitsuneConfig, MemoryConfig, StreamConfig
+
+BLOCKING = (
+    "cudaStreamSynchronize",
+    "cudaDeviceSynchronize",
+    "cudaEventSynchronize",
+    "cudaHostAlloc",
+    "cudaFreeHost",
+    "cudaMemcpy",
+    "cudaMalloc",
+    "cudaFree",
+)
+
+
+def build(side: str, cfg: Any, init: dict, device: torch.device) -> tuple[torch.nn.Module, Any]:
+    model = GPT(cfg).to(device)
+    model.load_state_dict(init)
+    adamw = {"lr": 3e-4, "weight_decay": 0.1, "betas": (0.9, 0.95)}
+    if side == "torch_noclip":
+        return model, torch.optim.AdamW(model.parameters(), **adamw, fused=device.type == "cuda")
+    config = KitsuneConfig(
+        fusion=FusionConfig(enabled=True),
+        amp=AMPConfig(enabled=True, dtype=torch.bfloat16),
+        streams=StreamConfig(step_in_backward=side.startswith("kitsune_backward")),
+        memory=MemoryConfig(flat_grads=side.endswith("_flat")),
+    )
+    return model, KitsuneOptimizer(torch.optim.AdamW(model.parameters(), **adamw), config=config)
+
+
+def one_step(model: torch.nn.Module, opt: Any, tokens: torch.Tensor, device: torch.device) -> tuple[float, float]:
+    """Host ms of backward and of step."""
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+    t0 = time.perf_counter()
+    loss.backward()
+    t1 = time.perf_counter()
+    opt.step()
+    opt.zero_grad()
+    t2 = time.perf_counter()
+    return (t1 - t0) * 1e3, (t2 - t1) * 1e3
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per side (3 more are profiled)")
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--sides", default="torch_noclip,kitsune_noclip,kitsune_backward,kitsune_backward_flat")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    cfg = GPT2_SMALL if device.type == "cuda" else CPU_TINY
+    seq = min(512, cfg.block)
+    gen = torch.Generator().manual_seed(1)
+    data = [torch.randint(cfg.vocab, (4, seq + 1), generator=gen).to(device) for _ in range(8)]
+    torch.manual_seed(0)
+    init = GPT(cfg).state_dict()
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {"device": str(device), "torch": torch.__version__}
+    if device.type == "cuda":
+        results["gpu"] = torch.cuda.get_device_name(device)
+    for side in args.sides.split(","):
+        model, opt = build(side, cfg, init, device)
+        for i in range(args.warmup):
+            one_step(model, opt, data[i % len(data)], device)
+        step_ms, backward_host, step_host = [], [], []
+        for i in range(args.steps):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            b, s = one_step(model, opt, data[i % len(data)], device)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            step_ms.append((time.perf_counter() - start) * 1e3)
+            backward_host.append(b)
+            step_host.append(s)
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as prof:
+            for i in range(3):
+                one_step(model, opt, data[i % len(data)], device)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        prof.export_chrome_trace(str(args.out / f"{side}.json"))
+        averages = prof.key_averages()
+        blocking = {e.key: e.count for e in averages if e.key in BLOCKING}
+        top = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:20]
+        row = {
+            "step_ms": statistics.median(step_ms),
+            "backward_host_ms": statistics.median(backward_host),
+            "step_host_ms": statistics.median(step_host),
+            "blocking_calls_in_3_steps": blocking,
+            "top_self_cpu_us": {e.key: round(e.self_cpu_time_total, 1) for e in top},
+        }
+        if isinstance(opt, KitsuneOptimizer):
+            row["subsystems"] = {s["name"]: s.get("reason") or "active" for s in opt.subsystem_status()}
+        results[side] = row
+        print(f"== {side}: step {row['step_ms']:.2f} ms, host backward {row['backward_host_ms']:.2f} ms, "
+              f"host step {row['step_host_ms']:.2f} ms, blocking {blocking}")
+        del model, opt
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    (args.out / "profile-e2e.json").write_text(json.dumps(results, indent=2))
+    print(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
