@@ -13,6 +13,7 @@ a Chrome trace of the profiled steps to ``OUT/<side>.json``.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -24,7 +25,7 @@ import torch
 
 from kitsune import KitsuneOptimizer
 from kitsune.bench.e2e import CPU_TINY, GPT, GPT2_SMALL
-from kitsune.config import AMPConfig, FusionConfig, KitsuneConfig, MemoryConfig, StreamConfig
+from kitsune.config import AMPConfig, FusionConfig, GraphConfig, KitsuneConfig, MemoryConfig, StreamConfig
 
 BLOCKING = (
     "cudaStreamSynchronize",
@@ -48,7 +49,8 @@ def build(side: str, cfg: Any, init: dict, device: torch.device) -> tuple[torch.
         fusion=FusionConfig(enabled=True),
         amp=AMPConfig(enabled=True, dtype=torch.bfloat16),
         streams=StreamConfig(step_in_backward=side.startswith("kitsune_backward")),
-        memory=MemoryConfig(flat_grads=side.endswith("_flat")),
+        memory=MemoryConfig(flat_grads=side.endswith("_flat"), pool_size=0 if side.endswith("_nopool") else 512 << 20),
+        graphs=GraphConfig(enabled=not side.endswith("_nograph")),
     )
     return model, KitsuneOptimizer(torch.optim.AdamW(model.parameters(), **adamw), config=config)
 
@@ -72,7 +74,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per side (3 more are profiled)")
     parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--sides", default="torch_noclip,kitsune_noclip,kitsune_backward,kitsune_backward_flat")
+    parser.add_argument(
+        "--sides",
+        default="torch_noclip,kitsune_noclip,kitsune_noclip_nograph,kitsune_noclip_nopool,kitsune_backward,"
+        "kitsune_backward_flat,torch_noclip",
+    )
+    parser.add_argument("--traces", action="store_true", help="also write a Chrome trace per side")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     cfg = GPT2_SMALL if device.type == "cuda" else CPU_TINY
@@ -90,6 +97,16 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.warmup):
             one_step(model, opt, data[i % len(data)], device)
         step_ms, backward_host, step_host = [], [], []
+        gc_ms = [0.0]
+        gc_start = [0.0]
+
+        def gc_timer(phase: str, info: dict, gc_ms: list = gc_ms, gc_start: list = gc_start) -> None:
+            if phase == "start":
+                gc_start[0] = time.perf_counter()
+            else:
+                gc_ms[0] += (time.perf_counter() - gc_start[0]) * 1e3
+
+        gc.callbacks.append(gc_timer)
         for i in range(args.steps):
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -100,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             step_ms.append((time.perf_counter() - start) * 1e3)
             backward_host.append(b)
             step_host.append(s)
+        gc.callbacks.remove(gc_timer)
         activities = [torch.profiler.ProfilerActivity.CPU]
         if device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -108,11 +126,15 @@ def main(argv: list[str] | None = None) -> int:
                 one_step(model, opt, data[i % len(data)], device)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-        prof.export_chrome_trace(str(args.out / f"{side}.json"))
+        if args.traces:
+            prof.export_chrome_trace(str(args.out / f"{side}.json"))
         averages = prof.key_averages()
         blocking = {e.key: e.count for e in averages if e.key in BLOCKING}
         top = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:20]
+        runtime = {e.key: e.count for e in averages if e.key.startswith("cuda")}
         row = {
+            "gc_ms_per_step": gc_ms[0] / args.steps,
+            "runtime_calls_in_3_steps": runtime,
             "step_ms": statistics.median(step_ms),
             "backward_host_ms": statistics.median(backward_host),
             "step_host_ms": statistics.median(step_host),
@@ -121,9 +143,11 @@ def main(argv: list[str] | None = None) -> int:
         }
         if isinstance(opt, KitsuneOptimizer):
             row["subsystems"] = {s["name"]: s.get("reason") or "active" for s in opt.subsystem_status()}
-        results[side] = row
-        print(f"== {side}: step {row['step_ms']:.2f} ms, host backward {row['backward_host_ms']:.2f} ms, "
-              f"host step {row['step_host_ms']:.2f} ms, blocking {blocking}")
+        results[side if side not in results else side + "_again"] = row
+        print(
+            f"== {side}: step {row['step_ms']:.2f} ms, host backward {row['backward_host_ms']:.2f} ms, "
+            f"host step {row['step_host_ms']:.2f} ms, gc {row['gc_ms_per_step']:.2f} ms, blocking {blocking}"
+        )
         del model, opt
         if device.type == "cuda":
             torch.cuda.empty_cache()

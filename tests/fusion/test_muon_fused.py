@@ -61,7 +61,11 @@ def _assert_buffers_close(opt, ref, rtol: float = 1e-5, atol: float = 1e-6) -> N
     for i, (p, q) in enumerate(zip(ours, theirs, strict=True)):
         assert sorted(opt.state.get(p, {})) == sorted(ref.state.get(q, {})), f"param {i}: state keys"
         for key, t in ref.state.get(q, {}).items():
-            torch.testing.assert_close(opt.state[p][key], t, rtol=rtol, atol=atol, msg=lambda m, i=i: f"{i}: {m}")
+            # an eager AdamW keeps ``step`` on the CPU, the fused kernel on the param's device (as torch's fused does)
+            device_too = key != "step"
+            torch.testing.assert_close(
+                opt.state[p][key], t, rtol=rtol, atol=atol, check_device=device_too, msg=lambda m, i=i: f"{i}: {m}"
+            )
 
 
 # -- torch.optim.Muon -------------------------------------------------------------------------------------------
@@ -282,7 +286,8 @@ def test_plan_shows_the_route_and_counts(device):
     assert "triton_matmul" in out.getvalue() and "batched by shape" in out.getvalue()
     fusion = _fusion(opt)
     assert "Muon" in fusion.grad_pass and fusion.graphable is not None
-    assert [u.num_streams for u in fusion._muon] == [1]  # one stream off CUDA
+    # on CUDA the 3 shapes spread over 3 of the 4 default streams; off CUDA everything runs on one
+    assert [u.num_streams for u in fusion._muon] == [3 if device.type == "cuda" else 1]
 
     # max_fusion_size: launch units of at most 2 params, each with its own Newton-Schulz calls
     opt = KitsuneOptimizer(torch.optim.Muon(params, ns_steps=5), enable_fusion=True,
