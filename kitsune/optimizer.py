@@ -125,6 +125,8 @@ class KitsuneOptimizer(torch.optim.Optimizer):
 
         self._step_count = 0
         self._last_grad_norm: torch.Tensor | None = None
+        self._norm_is_static = False
+        """Whether ``_last_grad_norm`` is a CUDA graph's static buffer, which the next replay overwrites."""
         self._zeroed: tuple[list[torch.Tensor], list[int], list[int]] | None = None
         self._base_steps = 0
         self._host_syncs = 0
@@ -216,7 +218,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         subsystems += [pool, fusion]
         from kitsune.streams import StreamScheduler
 
-        subsystems.append(StreamScheduler(cfg.streams))
+        subsystems.append(StreamScheduler(cfg.streams, cfg.graphs))
         from kitsune.graphs import GraphSubsystem
 
         subsystems.append(GraphSubsystem(cfg.graphs))
@@ -394,6 +396,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         for s in reversed(self._active):
             s.after_step(ctx)
         self._last_grad_norm = ctx.extra.get("grad_norm")
+        self._norm_is_static = ctx.extra.get("static_grad_norm", False)
         zeroed = ctx.extra.get("zeroed")
         if zeroed:  # remember which grads the kernel zeroed, and their version counters (see zero_grad)
             grads = list(map(_GRAD, zeroed))
@@ -470,7 +473,13 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         """The global norm of the (unscaled) grads that the last step clipped, a float32 device tensor (reading
         its value syncs); ``None`` without ``max_grad_norm`` or before the first step. Inf or nan on a step that
         AMP skipped for inf/nan grads."""
-        return self._last_grad_norm
+        norm = self._last_grad_norm
+        if self._norm_is_static and norm is not None:
+            # copied out on first read (a clone queued behind the step that wrote it), not every step: the copy
+            # costs a launch and tens of microseconds of host time that most steps never need
+            norm = self._last_grad_norm = norm.clone()
+            self._norm_is_static = False
+        return norm
 
     def _baseline_now(self) -> bool:
         """Whether the profiler's live comparison wants the wrapped optimizer's own step for this one; moves

@@ -163,8 +163,8 @@ class GraphSubsystem(Subsystem):
     @staticmethod
     def _fresh_outputs(ctx: StepContext) -> None:
         norm = ctx.extra.get("grad_norm")
-        if isinstance(norm, torch.Tensor):  # a fresh tensor per step: the static buffer is overwritten by the next
-            ctx.extra["grad_norm"] = norm.clone()
+        if isinstance(norm, torch.Tensor):  # the static buffer is overwritten by the next replay: the optimizer
+            ctx.extra["static_grad_norm"] = True  # copies it out only when someone reads last_grad_norm
 
     def note_eager(self, reason: str) -> None:
         """This step ran without the graph (which stays valid), for ``reason``."""
