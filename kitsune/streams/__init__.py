@@ -12,6 +12,13 @@ wrapped optimizer's step for params the kernel does not take. The next forward p
 Gradient accumulation: backward passes inside ``with optimizer.accumulating():`` launch nothing; the backward of
 the micro-step that steps (outside the block) launches the updates on the summed grads.
 
+On CUDA, with ``GraphConfig(enabled=True)`` (the default), each unit's update is captured in a CUDA graph of its
+own after ``GraphConfig.warmup_steps`` eager launches, and the hook replays it: a launch costs a graph replay
+instead of Triton's Python launcher (tens of microseconds a unit, paid inside backward, which is usually
+host-bound). The kernels read grads, state and hyperparameters through device-side tables, so re-allocated grads
+and LR changes need no recapture; a re-plan drops the graphs. The side stream's timing events (the overlap in the
+report) are recorded on one step in ``TIMED_EVERY``.
+
 It needs every update to be computable from its own bucket's grads, so it stays off (with the reason) under global
 clipping (``max_grad_norm``), float16 loss scaling (the overflow check reads every grad first) and LAMB/LARS
 trust ratios (one norm pass over every grad). On CPU tensors (Triton's interpreter) the same hooks run the updates
@@ -27,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kitsune.config import StreamConfig
+from kitsune.config import GraphConfig, StreamConfig
 from kitsune.subsystem import StepContext, Subsystem
 
 if TYPE_CHECKING:
@@ -52,14 +59,32 @@ def why_not_in_backward(opt: KitsuneOptimizer, trust: bool = False) -> str | Non
     return None
 
 
+TIMED_EVERY = 16
+"""Steps between two whose side-stream launches are timed with CUDA events (the first step is timed)."""
+
+
 class StreamScheduler(Subsystem):
     """Runs the fused updates of each bucket as soon as backward has produced its grads (see the module doc)."""
 
     name = "streams"
 
-    def __init__(self, config: StreamConfig) -> None:
+    def __init__(self, config: StreamConfig, graphs: GraphConfig | None = None, backend: Any = None) -> None:
         super().__init__()
         self.config = config
+        self.graph_config = graphs or GraphConfig()
+        if backend is None:
+            from kitsune.graphs import CudaGraphBackend
+
+            backend = CudaGraphBackend()
+        self.backend = backend
+        """Captures and replays the units' graphs (:class:`kitsune.graphs.CudaGraphBackend`; tests swap it)."""
+        self._graphs: dict[int, Any] = {}
+        self._eager: dict[int, int] = {}
+        self._plan_version = -1
+        self.captures = 0
+        self.replays = 0
+        self.graph_reason: str | None = None
+        """Why the units' updates are not replayed from CUDA graphs, or None when they are (or will be)."""
         self._handles: list[Any] = []
         self._fusion: Any = None
         self._opt: Any = None
@@ -105,8 +130,11 @@ class StreamScheduler(Subsystem):
             self.deactivate(why)
             return
         self._fusion = fusion
+        self._plan_version = fusion.plan_version
         self._counts = [0] * len(units)
         self._launched = set()
+        self._graphs, self._eager = {}, {}
+        self.graph_reason = self._why_no_graphs(units)
         for index, unit in enumerate(units):
             for p in unit.params:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._hook(index)))
@@ -127,6 +155,15 @@ class StreamScheduler(Subsystem):
 
         return ready
 
+    def _why_no_graphs(self, units: list[Any]) -> str | None:
+        if not self.graph_config.enabled:
+            return "capture_graph=False"
+        for device in {u.device for u in units}:
+            why = self.backend.supports(device)
+            if why:
+                return why
+        return None
+
     @contextlib.contextmanager
     def accumulating(self) -> Iterator[None]:
         self._accumulating += 1
@@ -144,23 +181,59 @@ class StreamScheduler(Subsystem):
             self._refreshed = True
         if not unit.prepare(opt.state, opt.param_groups) or unit.stale:
             return  # no grad after all, or a param's storage moved: step() re-plans and updates it
-        ctx = StepContext(step=opt.step_count + 1)
-        ctx.extra["fused_grads"] = True
+        ctx = self._context(opt)
+        graph = self._graphs.get(index)
         if unit.device.type == "cuda":
             current = torch.cuda.current_stream(unit.device)
             side = self._stream(unit.device)
             side.wait_stream(current)
+            timed = self._steps % TIMED_EVERY == 0
             with torch.cuda.stream(side):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fusion.launch(ctx, [unit])
-                end.record()
-            self._events.append((start, end))
+                if timed:
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                self._run(index, unit, ctx, graph)
+                if timed:
+                    end.record()
+            if timed:
+                self._events.append((start, end))
         else:
-            fusion.launch(ctx, [unit])
+            self._run(index, unit, ctx, graph)
         if fusion._grad_write(ctx):
             unit.copy_back()
         self._launched.add(index)
+
+    def _context(self, opt: KitsuneOptimizer) -> StepContext:
+        ctx = StepContext(step=opt.step_count + 1)
+        ctx.extra["fused_grads"] = True
+        return ctx
+
+    def _run(self, index: int, unit: Any, ctx: StepContext, graph: Any) -> None:
+        """One unit's update: its graph's replay once captured, else the launch itself (counted towards warm-up)."""
+        if graph is not None and not unit._copied:  # non-contiguous grads are new copies every step: run eagerly
+            self.backend.replay(graph)
+            self.replays += 1
+            return
+        self._fusion.launch(ctx, [unit])
+        self._eager[index] = self._eager.get(index, 0) + 1
+
+    def _capture(self) -> None:
+        """After a step: capture the update of every unit warmed up enough (capture runs nothing)."""
+        fusion = self._fusion
+        for index, count in list(self._eager.items()):
+            if index in self._graphs or count < self.graph_config.warmup_steps:
+                continue
+            unit = fusion.units[index]
+            if unit._copied:
+                continue
+            ctx = self._context(self._opt)
+            try:
+                self._graphs[index] = self.backend.capture(lambda u=unit, c=ctx: fusion.launch(c, [u]), unit.device)
+            except Exception as exc:  # a capture that fails must not stop training: launch eagerly from now on
+                self.graph_reason = f"capture failed, launching eagerly: {type(exc).__name__}: {exc}"
+                self._graphs = {}
+                return
+            self.captures += 1
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
         s = self._streams.get(device)
@@ -201,7 +274,14 @@ class StreamScheduler(Subsystem):
         self._counts = [0] * len(self._counts)
         self._launched = set()
         self._refreshed = False
-        self._last_events, self._events = self._events, []
+        if self._events:
+            self._last_events, self._events = self._events, []
+        if self._fusion.plan_version != self._plan_version:
+            # the fusion subsystem re-planned inside this step (a param's storage moved): new units, so new hooks,
+            # counts and graphs before the next backward
+            self.plan(self._opt)
+        elif self.graph_reason is None:
+            self._capture()
 
     # -- what the summary reads --------------------------------------------------------------------------------------
     def overlap(self) -> dict[str, float] | None:
@@ -219,6 +299,9 @@ class StreamScheduler(Subsystem):
     def report(self) -> dict[str, Any]:
         out: dict[str, Any] = {"num_streams": self.num_streams, "step_in_backward": self.in_backward}
         if self.in_backward:
+            out.update(
+                graphs={"captures": self.captures, "replays": self.replays, "reason": self.graph_reason},
+            )
             out.update(
                 steps=self._steps,
                 units=len(self._counts),

@@ -180,6 +180,9 @@ def test_side_stream_updates_overlap_backward_and_report_it():
     overlap = report["last_step_overlap"]
     assert overlap["update_ms"] > 0 and 0.0 <= overlap["overlapped"] <= 1.0
     assert opt._subsystem("graphs").reason.startswith("step_in_backward")
+    # each unit's update replays from a CUDA graph of its own after the warm-up launches
+    units = report["units"]
+    assert report["graphs"] == {"captures": units, "replays": (20 - 3) * units, "reason": None}
 
 
 def test_a_dropped_optimizer_leaves_no_hook_behind(device):
@@ -193,3 +196,62 @@ def test_a_dropped_optimizer_leaves_no_hook_behind(device):
     got = run(net, opt, steps=5)
     ref = run(twin, torch.optim.AdamW(twin.parameters(), lr=1e-2), steps=5)
     assert got == pytest.approx(ref, rel=1e-5, abs=1e-6)
+
+
+class RecordingBackend:
+    """A CUDA graph stand-in: capture keeps the callable without running it, replay runs it."""
+
+    def __init__(self) -> None:
+        self.captured = self.replayed = 0
+
+    def supports(self, device: torch.device) -> str | None:
+        return None
+
+    def capture(self, fn, device):
+        self.captured += 1
+        return fn
+
+    def replay(self, graph) -> None:
+        self.replayed += 1
+        graph()
+
+
+@pytest.mark.parametrize("graphed", [True, False], ids=["graphs", "eager"])
+def test_units_replay_captured_updates_after_warmup(graphed, device):
+    """After GraphConfig.warmup_steps eager launches each unit's update is captured once and replayed from then on;
+    LR changes (OneCycleLR) and re-allocated grads need no recapture, and the 30 steps equal torch's. A param whose
+    storage is replaced re-plans: the graphs are dropped, warmed up and captured again (and, with or without
+    graphs, the scheduler's hooks follow the new units)."""
+    net, twin = twins(device, 5)
+    opt = KitsuneOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1), config=in_backward())
+    backend = RecordingBackend()
+    if graphed:
+        opt.scheduler.backend = backend
+    opt._replan()
+    units = len(opt._subsystem("fusion").units)
+    ref_opt = torch.optim.AdamW(twin.parameters(), lr=1e-2, weight_decay=0.1)
+    got = run(net, opt, steps=30)
+    ref = run(twin, ref_opt, steps=30)
+    assert got == pytest.approx(ref, rel=1e-5, abs=1e-6)
+    warmup = opt.config.graphs.warmup_steps
+    if graphed:
+        assert backend.captured == units and backend.replayed == (30 - warmup) * units
+        assert opt.scheduler.report()["graphs"] == {"captures": units, "replays": backend.replayed, "reason": None}
+
+    for p, q in zip(net.parameters(), twin.parameters(), strict=True):  # e.g. an EMA swap
+        fresh = torch.randn_like(p)
+        p.data, q.data = fresh, fresh.clone()
+    got = run(net, opt, steps=10)
+    ref = run(twin, ref_opt, steps=10)
+    assert got == pytest.approx(ref, rel=1e-5, abs=1e-6)
+    if graphed:
+        assert backend.captured == 2 * units
+
+
+def test_graphs_off_without_capture_or_on_cpu(device):
+    net, _ = twins(device, 6)
+    opt = KitsuneOptimizer(torch.optim.AdamW(net.parameters()), config=in_backward(graphs={"enabled": False}))
+    assert opt.scheduler.graph_reason == "capture_graph=False"
+    if device.type == "cpu":
+        opt = KitsuneOptimizer(torch.optim.AdamW(net.parameters()), config=in_backward())
+        assert opt.scheduler.graph_reason == "needs CUDA params"
