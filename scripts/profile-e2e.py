@@ -68,6 +68,38 @@ def one_step(model: torch.nn.Module, opt: Any, tokens: torch.Tensor, device: tor
     return (t1 - t0) * 1e3, (t2 - t1) * 1e3
 
 
+def _time_scheduler(opt: Any) -> dict[str, float]:
+    """Wrap the stream scheduler's launch, its parts and the per-param hooks with clocks (host ms, summed)."""
+    sched = opt.scheduler
+    acc = {"hooks": 0.0, "launch": 0.0, "prepare": 0.0, "run": 0.0}
+
+    def timed(name: str, fn: Any) -> Any:
+        def wrapper(*a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                acc[name] += (time.perf_counter() - t) * 1e3
+
+        return wrapper
+
+    sched._launch = timed("launch", sched._launch)
+    sched._run = timed("run", sched._run)
+    for unit in sched._fusion.units:
+        unit.prepare = timed("prepare", unit.prepare)
+    hook = sched._hook
+
+    def timed_hook(index: int) -> Any:
+        return timed("hooks", hook(index))
+
+    sched._hook = timed_hook
+    sched.plan(opt)  # re-register the hooks through the timed factory
+    for unit in sched._fusion.units:
+        if not hasattr(unit.prepare, "__wrapped__"):
+            unit.prepare = timed("prepare", unit.prepare)
+    return acc
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -107,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                 gc_ms[0] += (time.perf_counter() - gc_start[0]) * 1e3
 
         gc.callbacks.append(gc_timer)
+        timers = _time_scheduler(opt) if side.startswith("kitsune_backward") and opt.scheduler.active else None
         for i in range(args.steps):
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -118,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
             backward_host.append(b)
             step_host.append(s)
         gc.callbacks.remove(gc_timer)
+        if timers is not None:  # host ms per step inside the scheduler's hooks, by part
+            timers = {k: round(v / args.steps, 3) for k, v in timers.items()}
         activities = [torch.profiler.ProfilerActivity.CPU]
         if device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -141,9 +176,14 @@ def main(argv: list[str] | None = None) -> int:
             "blocking_calls_in_3_steps": blocking,
             "top_self_cpu_us": {e.key: round(e.self_cpu_time_total, 1) for e in top},
         }
+        if timers is not None:
+            row["scheduler_host_ms_per_step"] = timers
+            row["scheduler_report"] = opt.scheduler.report()
         if isinstance(opt, KitsuneOptimizer):
             row["subsystems"] = {s["name"]: s.get("reason") or "active" for s in opt.subsystem_status()}
         results[side if side not in results else side + "_again"] = row
+        if timers is not None:
+            print(f"   scheduler host ms/step {timers}; graphs {row['scheduler_report'].get('graphs')}")
         print(
             f"== {side}: step {row['step_ms']:.2f} ms, host backward {row['backward_host_ms']:.2f} ms, "
             f"host step {row['step_host_ms']:.2f} ms, gc {row['gc_ms_per_step']:.2f} ms, blocking {blocking}"

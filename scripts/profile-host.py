@@ -91,8 +91,10 @@ def main(argv: list[str] | None = None) -> int:
                 "graphs": graphs.report() if graphs.active else graphs.reason,
             }
             results[f"{name}/{label}"] = row
-            print(f"== {name} ({len(shapes)} tensors) {label}: host {row['host_ms_median']:.3f} ms/step "
-                  f"(p10 {row['host_ms_p10']:.3f}); runtime calls/step {runtime}; graphs {row['graphs']}")
+            print(
+                f"== {name} ({len(shapes)} tensors) {label}: host {row['host_ms_median']:.3f} ms/step "
+                f"(p10 {row['host_ms_p10']:.3f}); runtime calls/step {runtime}; graphs {row['graphs']}"
+            )
             print("\n".join(text.getvalue().splitlines()[:30]))
             del opt, params
             if device.type == "cuda":
