@@ -128,6 +128,25 @@ def test_run_bench_on_cpu_and_json_round_trip(tmp_path):
     raw = json.loads(path.read_text())
     assert raw["environment"]["torch"] == torch.__version__ and raw["command"] and raw["created"]
 
+    # the chart of the same JSON: one bar per variant that ran, as long as its share of the floor
+    from xml.dom.minidom import parseString
+
+    from kitsune.bench.plot import _BAR, main, write_svg
+
+    svg = write_svg(path, tmp_path / "bench.svg").read_text()
+    dom = parseString(svg)
+    texts = [t.firstChild.data for t in dom.getElementsByTagName("text") if t.firstChild]
+    bars = dom.getElementsByTagName("rect")[1:]  # after the background
+    ran = [v for entry in (*result.sets, result.phase) for v in entry.variants if v.status == "ok"]
+    assert len(bars) == len(ran)
+    for bar, v in zip(bars, ran, strict=True):
+        assert float(bar.getAttribute("width")) == pytest.approx(
+            max(_BAR * min(v.pct_of_floor, 100) / 100, 1), abs=0.06
+        )
+        assert v.label in texts
+    assert "skipped" in texts  # the graph variant, which needs CUDA
+    assert main([str(path)]) == 2
+
 
 def test_run_bench_rejects_bad_input():
     with pytest.raises(ValueError, match="unknown variant"):
