@@ -134,7 +134,7 @@ class GraphSubsystem(Subsystem):
             self.backend.eager(device_work, self._device)
             self._warm += 1
             self.eager_steps += 1
-            self._fresh_outputs(ctx)
+            self._mark_static_outputs(ctx)
             return "warmup"
         if self._graph is None:
             keys = set(ctx.extra)
@@ -157,11 +157,11 @@ class GraphSubsystem(Subsystem):
             ctx.extra.update(self._saved)
             self.backend.replay(self._graph)
         self.replays += 1
-        self._fresh_outputs(ctx)
+        self._mark_static_outputs(ctx)
         return "replay"
 
     @staticmethod
-    def _fresh_outputs(ctx: StepContext) -> None:
+    def _mark_static_outputs(ctx: StepContext) -> None:
         norm = ctx.extra.get("grad_norm")
         if isinstance(norm, torch.Tensor):  # the static buffer is overwritten by the next replay: the optimizer
             ctx.extra["static_grad_norm"] = True  # copies it out only when someone reads last_grad_norm

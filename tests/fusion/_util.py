@@ -114,3 +114,29 @@ def assert_same_state(
                     rtol=rtol,
                     msg=lambda m, i=i, k=key: f"param {i} {k}: {m}",
                 )
+
+
+class RecordingBackend:
+    """A CUDA graph backend for CPU tests: capture records the callable without running it (a real capture runs
+    nothing), replay runs it; ``fail`` makes every capture raise."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.captured = 0
+        self.replayed = 0
+
+    def supports(self, device: torch.device) -> str | None:
+        return None
+
+    def eager(self, fn, device) -> None:
+        fn()
+
+    def capture(self, fn, device) -> Any:
+        if self.fail:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        self.captured += 1
+        return fn
+
+    def replay(self, graph) -> None:
+        self.replayed += 1
+        graph()

@@ -51,17 +51,22 @@ def _twins(device, make=lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0
     return ours, opt, ref, make(ref)
 
 
+def _train(ours, opt, ref, ref_opt, steps: int, in_place: bool) -> None:
+    """``steps`` steps of both optimizers on the same fresh grads, written into the old grads or as new tensors."""
+    for step in range(steps):
+        for params in (ours, ref):
+            for p, g in zip(params, random_grads(params, step), strict=True):
+                p.grad = p.grad.copy_(g) if in_place and p.grad is not None else g
+        opt.step()
+        ref_opt.step()
+
+
 def test_steady_grads_take_the_fast_path_and_match_torch(device, fast_check):
     """Grads kept in place (zero_grad(set_to_none=False)): after the first step every step is answered by the fast
     check, and 30 steps give torch's trajectory."""
     ours, opt, ref, ref_opt = _twins(device)
     assert all(u._fast for u in opt._subsystem("fusion").units)
-    for step in range(30):
-        for params in (ours, ref):
-            for p, g in zip(params, random_grads(params, step), strict=True):
-                p.grad = g if p.grad is None else p.grad.copy_(g)
-        opt.step()
-        ref_opt.step()
+    _train(ours, opt, ref, ref_opt, 30, in_place=True)
     assert len(fast_check) == 29
     assert_close_params(ours, ref, torch.float32)
 
@@ -97,12 +102,7 @@ def test_fast_path_off_for_fsdp_shards_and_without_the_cpp_check(device, monkeyp
     monkeypatch.setattr(units, "_PTRS_EQUAL", None)
     ours, opt, ref, ref_opt = _twins(device)
     assert not any(u._fast for u in opt._subsystem("fusion").units)
-    for step in range(5):
-        for params in (ours, ref):
-            for p, g in zip(params, random_grads(params, step), strict=True):
-                p.grad = g
-        opt.step()
-        ref_opt.step()
+    _train(ours, opt, ref, ref_opt, 5, in_place=False)
     assert_close_params(ours, ref, torch.float32)
 
 

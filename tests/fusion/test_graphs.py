@@ -5,7 +5,6 @@ against torch's own optimizer. Real CUDA graphs are tested in test_cuda.py."""
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 import pytest
 import torch
@@ -13,34 +12,9 @@ import torch
 from kitsune import AMPConfig, GradConfig, KitsuneOptimizer
 from kitsune.graphs import GraphSubsystem
 
-from ._util import make_params, random_grads
+from ._util import RecordingBackend, make_params, random_grads
 
 SIZES = [(7, 3), 16, 5, 1]
-
-
-class RecordingBackend:
-    """Capture records the callable without running it (a real capture runs nothing); replay runs it."""
-
-    def __init__(self, fail: bool = False) -> None:
-        self.fail = fail
-        self.captured = 0
-        self.replayed = 0
-
-    def supports(self, device: torch.device) -> str | None:
-        return None
-
-    def eager(self, fn, device) -> None:
-        fn()
-
-    def capture(self, fn, device) -> Any:
-        if self.fail:
-            raise RuntimeError("operation not permitted when stream is capturing")
-        self.captured += 1
-        return fn
-
-    def replay(self, graph) -> None:
-        self.replayed += 1
-        graph()
 
 
 def _graphed(opt: KitsuneOptimizer, backend: RecordingBackend | None = None) -> RecordingBackend:

@@ -9,6 +9,8 @@ from torch import nn
 from kitsune import KitsuneOptimizer
 from kitsune.config import FusionConfig, KitsuneConfig, StreamConfig
 
+from ._util import RecordingBackend
+
 
 class Net(nn.Module):
     """Three layers and a branch that only some steps use (its params then have no grad, as torch skips them)."""
@@ -196,24 +198,6 @@ def test_a_dropped_optimizer_leaves_no_hook_behind(device):
     got = run(net, opt, steps=5)
     ref = run(twin, torch.optim.AdamW(twin.parameters(), lr=1e-2), steps=5)
     assert got == pytest.approx(ref, rel=1e-5, abs=1e-6)
-
-
-class RecordingBackend:
-    """A CUDA graph stand-in: capture keeps the callable without running it, replay runs it."""
-
-    def __init__(self) -> None:
-        self.captured = self.replayed = 0
-
-    def supports(self, device: torch.device) -> str | None:
-        return None
-
-    def capture(self, fn, device):
-        self.captured += 1
-        return fn
-
-    def replay(self, graph) -> None:
-        self.replayed += 1
-        graph()
 
 
 @pytest.mark.parametrize("graphed", [True, False], ids=["graphs", "eager"])
