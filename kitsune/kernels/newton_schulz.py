@@ -45,6 +45,11 @@ from kitsune.kernels.coefficients import (
 )
 from kitsune.kernels.common import _cast
 
+try:  # host-side TMA descriptors (Triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton: pointer loads only
+    _TensorDescriptor = None
+
 __all__ = ["MUON_COEFFICIENTS", "POLAR_EXPRESS_COEFFICIENTS", "newton_schulz", "newton_schulz_launch", "schedule"]
 
 SUPPORTED_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -109,12 +114,16 @@ def _inv_norm(partials, b, P, eps, P_BLOCK: tl.constexpr):
 @triton.jit
 def _syrk_kernel(
     x_ptr,  # (batch, M, K) through strides, DTYPE (FIRST: the unnormalised X, maybe a transposed view)
+    xr_desc,  # with TMA: descriptors of X as (batch * M, K), blocks (BLOCK_M, BLOCK_K) and (BLOCK_N, BLOCK_K)
+    xc_desc,
     stride_xb,
     stride_xm,
     stride_xk,
     c_ptr,  # (batch, M, M) contiguous, DTYPE: read with HAS_C
     out_ptr,  # (batch, M, M) contiguous, DTYPE: alpha X X^T (+ beta C); FIRST: X X^T / max(||X||_F, eps)^2
     tiles,  # (n_tiles, 2) int32: (i, j), j >= i: row block i, column blocks j .. j + BLOCK_N / BLOCK_M - 1
+    n_tiles,
+    batch,
     partials,  # (batch, P) fp32 sums of squares, read with FIRST
     M,
     K,
@@ -128,32 +137,65 @@ def _syrk_kernel(
     PRECISION: tl.constexpr,
     RNE_BF16: tl.constexpr,
     EVEN_K: tl.constexpr,
+    TMA: tl.constexpr,
+    PERSISTENT: tl.constexpr,  # a grid of about one program per SM, each looping over tiles (batch-major)
+    FLATTEN: tl.constexpr,  # with PERSISTENT: one software pipeline across tiles (loads under the epilogue)
     P_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,  # a multiple of BLOCK_M: a program computes BLOCK_N / BLOCK_M square blocks of one row
     BLOCK_K: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
+    if PERSISTENT:
+        for t in tl.range(tl.program_id(0), n_tiles * batch, tl.num_programs(0), flatten=FLATTEN):
+            _syrk_tile(
+                t % n_tiles, (t // n_tiles).to(tl.int64), x_ptr, xr_desc, xc_desc, stride_xb, stride_xm, stride_xk,
+                c_ptr, out_ptr, tiles, partials, M, K, P, eps, alpha, beta, FIRST, HAS_C, DTYPE, PRECISION,
+                RNE_BF16, EVEN_K, TMA, P_BLOCK, BLOCK_M, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
+    else:
+        _syrk_tile(
+            tl.program_id(0), tl.program_id(1).to(tl.int64), x_ptr, xr_desc, xc_desc, stride_xb, stride_xm,
+            stride_xk, c_ptr, out_ptr, tiles, partials, M, K, P, eps, alpha, beta, FIRST, HAS_C, DTYPE, PRECISION,
+            RNE_BF16, EVEN_K, TMA, P_BLOCK, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+
+
+@triton.jit
+def _syrk_tile(
+    pid, b, x_ptr, xr_desc, xc_desc, stride_xb, stride_xm, stride_xk, c_ptr, out_ptr, tiles, partials, M, K, P, eps,
+    alpha, beta, FIRST: tl.constexpr, HAS_C: tl.constexpr, DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    RNE_BF16: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, P_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """One tile of :func:`_syrk_kernel`: tile ``pid`` of the upper triangle of matrix ``b``."""
     ti = tl.load(tiles + 2 * pid)
     tj = tl.load(tiles + 2 * pid + 1)
     rows = ti * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tj * BLOCK_M + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
-    # rows past M wrap around: every load is in bounds without a mask, the extra rows are never stored
-    x_r = x_ptr + b * stride_xb + (rows % M)[:, None] * stride_xm + ks[None, :] * stride_xk
-    x_c = x_ptr + b * stride_xb + (cols % M)[:, None] * stride_xm + ks[None, :] * stride_xk
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k in range(0, K, BLOCK_K):
-        if EVEN_K:
-            xr = tl.load(x_r)
-            xc = tl.load(x_c)
-        else:
-            xr = tl.load(x_r, mask=(k + ks)[None, :] < K, other=0.0)
-            xc = tl.load(x_c, mask=(k + ks)[None, :] < K, other=0.0)
-        acc = _dot(xr, tl.trans(xc), acc, PRECISION, RNE_BF16)
-        x_r += BLOCK_K * stride_xk
-        x_c += BLOCK_K * stride_xk
+    if TMA:
+        # rows past M read the next matrix's rows (or zeros past the last): never stored; K's tail reads zeros
+        row0 = (b * M + ti * BLOCK_M).to(tl.int32)
+        col0 = (b * M + tj * BLOCK_M).to(tl.int32)
+        for k in range(0, K, BLOCK_K):
+            xr = xr_desc.load([row0, k])
+            xc = xc_desc.load([col0, k])
+            acc = _dot(xr, tl.trans(xc), acc, PRECISION, RNE_BF16)
+    else:
+        ks = tl.arange(0, BLOCK_K)
+        # rows past M wrap around: every load is in bounds without a mask, the extra rows are never stored
+        x_r = x_ptr + b * stride_xb + (rows % M)[:, None] * stride_xm + ks[None, :] * stride_xk
+        x_c = x_ptr + b * stride_xb + (cols % M)[:, None] * stride_xm + ks[None, :] * stride_xk
+        for k in range(0, K, BLOCK_K):
+            if EVEN_K:
+                xr = tl.load(x_r)
+                xc = tl.load(x_c)
+            else:
+                xr = tl.load(x_r, mask=(k + ks)[None, :] < K, other=0.0)
+                xc = tl.load(x_c, mask=(k + ks)[None, :] < K, other=0.0)
+            acc = _dot(xr, tl.trans(xc), acc, PRECISION, RNE_BF16)
+            x_r += BLOCK_K * stride_xk
+            x_c += BLOCK_K * stride_xk
     if FIRST:  # normalise: A = (s X)(s X)^T
         s = _inv_norm(partials, b, P, eps, P_BLOCK)
         acc *= s * s
@@ -173,6 +215,8 @@ def _syrk_kernel(
 @triton.jit
 def _poly_kernel(
     b_ptr,  # (batch, M, M) contiguous, DTYPE: B = b A + c A A
+    b_desc,  # with TMA: descriptors of B as (batch * M, M), blocks (BLOCK_M, BLOCK_K), and of X as (batch * M, N),
+    x_desc,  # blocks (BLOCK_K, BLOCK_N)
     x_ptr,  # (batch, M, N) through strides, DTYPE (FIRST: the unnormalised X, maybe a transposed view)
     stride_xb,
     stride_xm,
@@ -182,6 +226,7 @@ def _poly_kernel(
     stride_om,
     stride_on,
     partials,  # (batch, P) fp32 sums of squares, read with FIRST
+    batch,
     M,
     N,
     P,
@@ -192,35 +237,69 @@ def _poly_kernel(
     PRECISION: tl.constexpr,
     RNE_BF16: tl.constexpr,
     EVEN_K: tl.constexpr,
+    TMA: tl.constexpr,  # only with EVEN_K: a k block past M would read the next matrix's rows of X
+    PERSISTENT: tl.constexpr,
+    FLATTEN: tl.constexpr,
     P_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
+    if PERSISTENT:
+        n_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+        for t in tl.range(tl.program_id(0), n_tiles * batch, tl.num_programs(0), flatten=FLATTEN):
+            _poly_tile(
+                t % n_tiles, (t // n_tiles).to(tl.int64), b_ptr, b_desc, x_desc, x_ptr, stride_xb, stride_xm,
+                stride_xn, out_ptr, stride_ob, stride_om, stride_on, partials, M, N, P, eps, a, FIRST, DTYPE,
+                PRECISION, RNE_BF16, EVEN_K, TMA, P_BLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+            )  # fmt: skip
+    else:
+        _poly_tile(
+            tl.program_id(0), tl.program_id(1).to(tl.int64), b_ptr, b_desc, x_desc, x_ptr, stride_xb, stride_xm,
+            stride_xn, out_ptr, stride_ob, stride_om, stride_on, partials, M, N, P, eps, a, FIRST, DTYPE, PRECISION,
+            RNE_BF16, EVEN_K, TMA, P_BLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+        )  # fmt: skip
+
+
+@triton.jit
+def _poly_tile(
+    pid, b, b_ptr, b_desc, x_desc, x_ptr, stride_xb, stride_xm, stride_xn, out_ptr, stride_ob, stride_om, stride_on,
+    partials, M, N, P, eps, a, FIRST: tl.constexpr, DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    RNE_BF16: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, P_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """One tile of :func:`_poly_kernel`: tile ``pid`` of matrix ``b``."""
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
     # groups of GROUP_M row blocks run together and share their columns of X in L2
     pid_m, pid_n = tl.swizzle2d(pid // grid_n, pid % grid_n, grid_m, grid_n, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
     x_ptr += b * stride_xb
-    b_tile = b_ptr + b * M * M + (rows % M)[:, None] * M + ks[None, :]
-    x_tile = x_ptr + ks[:, None] * stride_xm + (cols % N)[None, :] * stride_xn
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k in range(0, M, BLOCK_K):
-        if EVEN_K:
-            lhs = tl.load(b_tile)
-            rhs = tl.load(x_tile)
-        else:
-            lhs = tl.load(b_tile, mask=(k + ks)[None, :] < M, other=0.0)
-            rhs = tl.load(x_tile, mask=(k + ks)[:, None] < M, other=0.0)
-        acc = _dot(lhs, rhs, acc, PRECISION, RNE_BF16)
-        b_tile += BLOCK_K
-        x_tile += BLOCK_K * stride_xm
+    if TMA:
+        row0 = (b * M + pid_m * BLOCK_M).to(tl.int32)
+        k0 = (b * M).to(tl.int32)
+        col0 = pid_n * BLOCK_N
+        for k in range(0, M, BLOCK_K):
+            lhs = b_desc.load([row0, k])
+            rhs = x_desc.load([k0 + k, col0])
+            acc = _dot(lhs, rhs, acc, PRECISION, RNE_BF16)
+    else:
+        ks = tl.arange(0, BLOCK_K)
+        b_tile = b_ptr + b * M * M + (rows % M)[:, None] * M + ks[None, :]
+        x_tile = x_ptr + ks[:, None] * stride_xm + (cols % N)[None, :] * stride_xn
+        for k in range(0, M, BLOCK_K):
+            if EVEN_K:
+                lhs = tl.load(b_tile)
+                rhs = tl.load(x_tile)
+            else:
+                lhs = tl.load(b_tile, mask=(k + ks)[None, :] < M, other=0.0)
+                rhs = tl.load(x_tile, mask=(k + ks)[:, None] < M, other=0.0)
+            acc = _dot(lhs, rhs, acc, PRECISION, RNE_BF16)
+            b_tile += BLOCK_K
+            x_tile += BLOCK_K * stride_xm
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn, mask=mask, other=0.0)
     acc += a * x.to(tl.float32)
@@ -242,6 +321,13 @@ class SyrkConfig(NamedTuple):
     block_k: int
     num_warps: int
     num_stages: int
+    tma: bool = False
+    """Load the operands through TMA tensor descriptors where the layout allows (rows contiguous, 16-byte aligned);
+    pointer loads otherwise."""
+    persistent: bool = False
+    """About one program per SM, each looping over tiles, instead of one program per tile."""
+    flatten: bool = False
+    """With ``persistent``: flatten the tile and k loops into one software pipeline."""
 
 
 class PolyConfig(NamedTuple):
@@ -251,16 +337,22 @@ class PolyConfig(NamedTuple):
     group_m: int
     num_warps: int
     num_stages: int
+    tma: bool = False
+    persistent: bool = False
+    flatten: bool = False
 
 
 def pick_configs(m: int, n: int, batch: int, dtype: torch.dtype, device: torch.device) -> tuple[SyrkConfig, PolyConfig]:
     """Tile sizes for an ``(m, n)``, ``m <= n``, problem: a fixed table, no autotuning (nothing to warm up).
 
     The interpreter takes the smallest tiles ``tl.dot`` allows there (16; Gram tiles two blocks wide), so small test
-    matrices still span several tiles, partial ones included. On a GPU, the best of a sweep on an H100 (Triton 3.6)
-    once a launch has about a wave of tiles: Gram 128 x 128 (4 warps, 3 stages; 128 x 256 was slower for X X^T),
-    ``a X + B X`` 128 x 256 (8 warps, 3 stages, groups of 16 row blocks), 740 TFLOP/s at 4096^2. Below a wave
-    (1024^2): 64-row tiles, Gram tiles two blocks wide.
+    matrices still span several tiles, partial ones included. On a GPU, the best of sweeps on an H100 (Triton 3.6,
+    ``scripts/ns-sweep.py``) once a launch has about a wave of tiles: Gram 128 x 128 (4 warps, 3 stages),
+    ``a X + B X`` 128 x 256 (8 warps, 3 stages, groups of 16 row blocks), 740 TFLOP/s at 4096^2, where TMA loads and
+    a persistent grid measured no faster. Where the k loops are short (m <= 2048) and there are several waves of
+    tiles (a batch, as Muon's same-shape matrices are), the per-tile epilogue weighs more: TMA loads and a persistent
+    grid with the tile and k loops pipelined as one, Gram tiles two blocks wide (8 x 2048^2: 2.59 ms against 2.74).
+    Below a wave (1024^2): 64-row tiles, Gram tiles two blocks wide.
     """
     if device.type != "cuda":
         return SyrkConfig(16, 32, 64, 1, 1), PolyConfig(16, 64, 64, 4, 1, 1)
@@ -268,10 +360,32 @@ def pick_configs(m: int, n: int, batch: int, dtype: torch.dtype, device: torch.d
         return SyrkConfig(64, 64, 32, 4, 3), PolyConfig(64, 64, 32, 8, 4, 3)
     blocks = triton.cdiv(m, 128)
     upper = batch * blocks * (blocks + 1) // 2  # 128 x 128 tiles over the upper triangle
+    if m <= 2048 and upper >= 512:
+        return SyrkConfig(128, 256, 64, 8, 3, True, True, True), PolyConfig(128, 256, 64, 8, 8, 3, True, True, True)
     syrk = SyrkConfig(128, 128, 64, 4, 3) if upper >= 100 else SyrkConfig(64, 128, 64, 4, 4)
     poly_tiles = batch * blocks * triton.cdiv(n, 256)
     poly = PolyConfig(128, 256, 64, 16, 8, 3) if poly_tiles >= 100 else PolyConfig(64, 128, 64, 8, 4, 4)
     return syrk, poly
+
+
+def _descriptor(t: torch.Tensor, strides: Sequence[int], rows: int, cols: int, block: list[int]) -> object | None:
+    """A TMA descriptor of the ``(batch, rows, cols)`` operand ``t`` (read through ``strides``) as one
+    ``(batch * rows, cols)`` matrix, or None where TMA cannot read it: rows not contiguous and packed, addresses or
+    row pitch not 16-byte aligned, or no descriptor support in this Triton."""
+    if _TensorDescriptor is None or t.device.type != "cuda" and not INTERPRETED:
+        return None
+    sb, sr, sc = strides
+    if sc != 1 or sr != cols or sb != rows * cols or (cols * t.element_size()) % 16 or t.data_ptr() % 16:
+        return None
+    flat = t.as_strided((t.shape[0] * rows, cols), (cols, 1))
+    return _TensorDescriptor.from_tensor(flat, block)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few programs, so each loops over several tiles
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @functools.lru_cache(maxsize=64)
@@ -347,6 +461,29 @@ def newton_schulz_launch(
         "num_stages": poly.num_stages,
         **common,
     }
+    sms = _num_sms(x.device)
+    if syrk.persistent:
+        syrk_grid = (min(tiles.shape[0] * batch, sms),)
+    if poly.persistent:
+        poly_grid = (min(poly_grid[0] * batch, sms),)
+    syrk_meta.update(PERSISTENT=syrk.persistent, FLATTEN=syrk.flatten)
+    poly_meta.update(PERSISTENT=poly.persistent, FLATTEN=poly.flatten)
+
+    def syrk_descs(t: torch.Tensor, strides: Sequence[int], rows: int, cols: int) -> tuple[object, object]:
+        if not syrk.tma:
+            return None, None
+        xr = _descriptor(t, strides, rows, cols, [syrk.block_m, syrk.block_k])
+        xc = _descriptor(t, strides, rows, cols, [syrk.block_n, syrk.block_k])
+        return (xr, xc) if xr is not None and xc is not None else (None, None)
+
+    def poly_descs(x_now: torch.Tensor, strides: Sequence[int]) -> tuple[object, object]:
+        if not poly.tma or m % poly.block_k:
+            return None, None
+        bd = _descriptor(poly_b, poly_b.stride(), m, m, [poly.block_m, poly.block_k])
+        xd = _descriptor(x_now, strides, m, n, [poly.block_k, poly.block_n])
+        return (bd, xd) if bd is not None and xd is not None else (None, None)
+
+    gram_descs = syrk_descs(gram, gram.stride(), m, m)
     with _device_guard(x.device):
         _prologue_kernel[(parts, batch)](
             x, x0, partials, numel, chunk, parts,
@@ -356,19 +493,23 @@ def newton_schulz_launch(
         x_now, x_strides = x0, x0_strides
         for it, (a, b, c) in enumerate(coefficients):
             first = it == 0
+            descs = syrk_descs(x_now, x_strides, m, n)
             _syrk_kernel[syrk_grid](  # A = X X^T (the first: of the unnormalised X0, scaled by s^2)
-                x_now, *x_strides, gram, gram, tiles, partials, m, n, parts, eps, 1.0, 0.0,
-                FIRST=first, HAS_C=False, EVEN_K=n % syrk.block_k == 0, **syrk_meta,
+                x_now, *descs, *x_strides, gram, gram, tiles, tiles.shape[0], batch, partials, m, n, parts, eps,
+                1.0, 0.0, FIRST=first, HAS_C=False, EVEN_K=n % syrk.block_k == 0, TMA=descs[0] is not None,
+                **syrk_meta,
             )  # fmt: skip
             _syrk_kernel[syrk_grid](  # B = c A A + b A, where A A = A A^T
-                gram, *gram.stride(), gram, poly_b, tiles, partials, m, m, parts, eps, c, b,
-                FIRST=False, HAS_C=True, EVEN_K=m % syrk.block_k == 0, **syrk_meta,
+                gram, *gram_descs, *gram.stride(), gram, poly_b, tiles, tiles.shape[0], batch, partials, m, m,
+                parts, eps, c, b, FIRST=False, HAS_C=True, EVEN_K=m % syrk.block_k == 0,
+                TMA=gram_descs[0] is not None, **syrk_meta,
             )  # fmt: skip
             last = it == len(coefficients) - 1
             target = out if last else xs[it % 2]
+            descs = poly_descs(x_now, x_strides)
             _poly_kernel[poly_grid](  # X = a X + B X, the last one straight into out, transposed back
-                poly_b, x_now, *x_strides, target, *(out_strides if last else target.stride()), partials,
-                m, n, parts, eps, a, FIRST=first, **poly_meta,
+                poly_b, *descs, x_now, *x_strides, target, *(out_strides if last else target.stride()), partials,
+                batch, m, n, parts, eps, a, FIRST=first, TMA=descs[0] is not None, **poly_meta,
             )  # fmt: skip
             x_now, x_strides = target, target.stride()
 

@@ -139,6 +139,41 @@ def test_inputs_are_checked(device):
             newton_schulz(**kwargs)
 
 
+VARIANTS = {
+    "tma": ({"tma": True}, {"tma": True}),
+    "tma+persistent": ({"tma": True, "persistent": True}, {"tma": True, "persistent": True}),
+    "persistent+flatten": ({"persistent": True, "flatten": True}, {"persistent": True, "flatten": True}),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS), ids=str)
+@pytest.mark.parametrize("shape", [(64, 80), (3, 48, 96), (96, 64), (2, 20, 36)], ids=str)
+def test_tma_and_persistent_variants_compute_the_same_bits(shape, variant, device, monkeypatch):
+    """The TMA loads and the persistent grid change how tiles are fetched and scheduled, not what is summed in which
+    order: the same bits as the pointer loads. (64, 80) and (96, 64) have a Gram side that is a multiple of the k
+    block, so ``a X + B X`` takes descriptors too; (96, 64) is tall, so its first iteration reads X through
+    transposed strides, where TMA cannot: pointer loads there, descriptors after. (2, 20, 36) has rows of 72 and 40
+    bytes, no multiple of 16: pointer loads throughout."""
+    g = _randn(shape, 7, device)
+    x = g.unsqueeze(0) if g.dim() == 2 else g
+    plan = ns.schedule(MUON_COEFFICIENTS, 3)
+    m, n = sorted(x.shape[1:])
+    syrk, poly = ns.pick_configs(m, n, x.shape[0], torch.bfloat16, x.device)
+    base = torch.empty(x.shape, dtype=torch.bfloat16, device=device)
+    ns.newton_schulz_launch(x, base, plan, 1e-7, torch.bfloat16, (syrk, poly))
+    made = []
+    descriptor = ns._descriptor
+    monkeypatch.setattr(ns, "_descriptor", lambda *a: made.append(descriptor(*a)) or made[-1])
+    s_kw, p_kw = VARIANTS[variant]
+    got = torch.empty_like(base)
+    ns.newton_schulz_launch(x, got, plan, 1e-7, torch.bfloat16, (syrk._replace(**s_kw), poly._replace(**p_kw)))
+    assert torch.equal(got, base)
+    assert rel_err(got, reference(x, 3)) < REL_ERR[torch.bfloat16]
+    if "tma" in variant:  # descriptors were made where the layout allows, and only there
+        assert any(d is not None for d in made) == (shape != (2, 20, 36))
+        assert any(d is None for d in made) == (shape in [(96, 64), (2, 20, 36)])
+
+
 # ---- GPU ----
 
 GPU_REL_ERR = 1.5e-2
@@ -173,3 +208,22 @@ def test_gpu_graph_replay_is_bitwise_the_direct_launches():
         ns.newton_schulz_launch(g, direct, ns.schedule(MUON_COEFFICIENTS, 5), 1e-7, torch.bfloat16)
         assert torch.equal(got, direct)
     assert len(ns._graphs) == 1
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", [(2048, 2048), (4, 1024, 1536), (1536, 1024), (1000, 1500)], ids=str)
+def test_gpu_tma_and_persistent_variants(shape):
+    """On the GPU the variants use other instructions (TMA, a looped grid) for the same sums: equal or within a
+    rounding of the pointer-load kernels, and as close to float64."""
+    g = torch.randn(shape, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    x = g.unsqueeze(0) if g.dim() == 2 else g
+    plan = ns.schedule(MUON_COEFFICIENTS, 5)
+    m, n = sorted(x.shape[1:])
+    syrk, poly = ns.pick_configs(m, n, x.shape[0], torch.bfloat16, x.device)
+    exact = reference(x)
+    for s_kw, p_kw in VARIANTS.values():
+        for tma in (False, True):
+            s_kw, p_kw = {**s_kw, "tma": tma}, {**p_kw, "tma": tma}
+            out = torch.empty(x.shape, dtype=torch.bfloat16, device="cuda")
+            ns.newton_schulz_launch(x, out, plan, 1e-7, torch.bfloat16, (syrk._replace(**s_kw), poly._replace(**p_kw)))
+            assert rel_err(out, exact) < GPU_REL_ERR
