@@ -122,6 +122,12 @@ class StreamConfig(_Config):
     bucket_bytes: int = Field(32 * MiB, ge=1)
     """With ``step_in_backward``: bytes of params per update launched during backward (smaller buckets start
     sooner, larger ones launch less often)."""
+    backward_stream: Literal["side", "current"] = "side"
+    """With ``step_in_backward``, where the updates run on CUDA. ``"side"``: on a side stream that waits for the
+    backward stream, so an update runs alongside the rest of backward's kernels (best where backward keeps the GPU
+    busy). ``"current"``: on backward's own stream, queued between its kernels: no stream switch and no
+    cross-stream wait per launch, so less host time inside backward (best where backward is host-bound and the GPU
+    idles between its kernels anyway)."""
 
     @model_validator(mode="after")
     def _indices_in_range(self) -> StreamConfig:

@@ -36,6 +36,7 @@ INVALID = [
     (lambda: StreamConfig(num_streams=100), "num_streams", "less than or equal to 64"),
     (lambda: StreamConfig(num_streams=2, priority_streams=[2]), "priority_streams", "below num_streams=2"),
     (lambda: StreamConfig(compute_streams=[1, 1]), "compute_streams", "lists a stream twice"),
+    (lambda: StreamConfig(backward_stream="main"), "backward_stream", "'side' or 'current'"),
     (lambda: GraphConfig(warmup_steps=0), "warmup_steps", "greater than or equal to 1"),
     (lambda: MemoryConfig(pool_size=-1), "pool_size", "greater than or equal to 0"),
     (lambda: ProfilerConfig(max_step_records=0), "max_step_records", "greater than or equal to 1"),

@@ -9,6 +9,13 @@ stream, updates the units whose grads did not all arrive (a param unused in this
 wrapped optimizer's step for params the kernel does not take. The next forward pass is stream-ordered after
 ``step()``, so it reads the updated params.
 
+With ``StreamConfig(backward_stream="current")`` the updates are queued on backward's own stream instead, between
+its kernels: no stream switch or cross-stream wait per launch. Where backward is host-bound (the GPU idles between
+its kernels while Python and autograd launch the next) that is as much overlap as a side stream gives, for less
+host time; where backward keeps the GPU busy, the side stream lets the updates run alongside it. Autograd makes the
+caller's stream wait for backward's streams when backward returns, so ``step()`` and the next forward are ordered
+after the updates either way.
+
 Gradient accumulation: backward passes inside ``with optimizer.accumulating():`` launch nothing; the backward of
 the micro-step that steps (outside the block) launches the updates on the summed grads.
 
@@ -16,7 +23,7 @@ On CUDA, with ``GraphConfig(enabled=True)`` (the default), each unit's update is
 own after ``GraphConfig.warmup_steps`` eager launches, and the hook replays it: a launch costs a graph replay
 instead of Triton's Python launcher (tens of microseconds a unit, paid inside backward, which is usually
 host-bound). The kernels read grads, state and hyperparameters through device-side tables, so re-allocated grads
-and LR changes need no recapture; a re-plan drops the graphs. The side stream's timing events (the overlap in the
+and LR changes need no recapture; a re-plan drops the graphs. The updates' timing events (the overlap in the
 report) are recorded on one step in ``TIMED_EVERY``.
 
 It needs every update to be computable from its own bucket's grads, so it stays off (with the reason) under global
@@ -93,6 +100,9 @@ class StreamScheduler(Subsystem):
         self._accumulating = 0
         self._refreshed = False
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._ready: dict[int, Any] = {}
+        self._event_device: torch.device | None = None
+        """Per unit, the event the side stream waits on (recorded on backward's stream): made once, reused."""
         self._events: list[tuple[Any, Any]] = []
         self._step_event: Any = None
         self.in_backward = False
@@ -134,6 +144,7 @@ class StreamScheduler(Subsystem):
         self._counts = [0] * len(units)
         self._launched = set()
         self._graphs, self._eager = {}, {}
+        self._ready = {}
         self.graph_reason = self._why_no_graphs(units)
         for index, unit in enumerate(units):
             for p in unit.params:
@@ -144,13 +155,15 @@ class StreamScheduler(Subsystem):
 
     def _hook(self, index: int) -> Any:
         ref = weakref.ref(self)  # the params must not keep a dropped optimizer alive, nor let it update them
+        need = len(self._fusion.units[index].params)
+        counts = self._counts  # replaced (not cleared) by each plan: a hook of an older plan counts into its own
 
         def ready(_: torch.Tensor) -> None:
             self = ref()
             if self is None or self._accumulating:
                 return
-            self._counts[index] += 1
-            if self._counts[index] == len(self._fusion.units[index].params):
+            counts[index] += 1
+            if counts[index] == need:
                 self._launch(index)
 
         return ready
@@ -184,19 +197,31 @@ class StreamScheduler(Subsystem):
         ctx = self._context(opt)
         graph = self._graphs.get(index)
         if unit.device.type == "cuda":
-            current = torch.cuda.current_stream(unit.device)
-            side = self._stream(unit.device)
-            side.wait_stream(current)
             timed = self._steps % TIMED_EVERY == 0
-            with torch.cuda.stream(side):
+            if timed:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if self.config.backward_stream == "current":  # queued on backward's stream, between its kernels
                 if timed:
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     start.record()
                 self._run(index, unit, ctx, graph)
                 if timed:
                     end.record()
+            else:
+                side = self._stream(unit.device)
+                ready = self._ready.get(index)
+                if ready is None:
+                    ready = self._ready[index] = torch.cuda.Event()
+                ready.record()  # on backward's stream: this unit's grads are done
+                side.wait_event(ready)
+                with torch.cuda.stream(side):
+                    if timed:
+                        start.record()
+                    self._run(index, unit, ctx, graph)
+                    if timed:
+                        end.record()
             if timed:
                 self._events.append((start, end))
+                self._event_device = unit.device
         else:
             self._run(index, unit, ctx, graph)
         if fusion._grad_write(ctx):
@@ -255,12 +280,11 @@ class StreamScheduler(Subsystem):
                 "updates cannot wait for its overflow check. Use bfloat16 autocast, kitsune's own scaler with "
                 "step_in_backward=False, or turn step_in_backward off"
             )
+        if self._events:  # where the backward stream stands when step() begins: the end of backward
+            self._step_event = torch.cuda.Event(enable_timing=True)
+            self._step_event.record(torch.cuda.current_stream(self._event_device))
         for device, side in self._streams.items():
-            current = torch.cuda.current_stream(device)
-            if self._events:  # where the backward stream stands when step() begins: the end of backward
-                self._step_event = torch.cuda.Event(enable_timing=True)
-                self._step_event.record(current)
-            current.wait_stream(side)
+            torch.cuda.current_stream(device).wait_stream(side)
         ctx.extra["updated_in_backward"] = set(self._launched)
         units = self._fusion.units
         self._units_total += len(units)
@@ -271,7 +295,7 @@ class StreamScheduler(Subsystem):
 
     def after_step(self, ctx: StepContext) -> None:
         self._steps += 1
-        self._counts = [0] * len(self._counts)
+        self._counts[:] = [0] * len(self._counts)  # in place: the hooks hold this list
         self._launched = set()
         self._refreshed = False
         if self._events:
@@ -285,7 +309,7 @@ class StreamScheduler(Subsystem):
 
     # -- what the summary reads --------------------------------------------------------------------------------------
     def overlap(self) -> dict[str, float] | None:
-        """Of the last step's updates on the side stream: their GPU time and how much of it finished before the
+        """Of the last step's updates inside backward: their GPU time and how much of it finished before the
         step began (that is, hidden behind backward). Reads CUDA events: one sync, only when asked."""
         events = getattr(self, "_last_events", [])
         if not events or self._step_event is None:

@@ -28,10 +28,10 @@ class Net(nn.Module):
         return self.c(h)
 
 
-def in_backward(bucket_bytes: int = 700, **kw) -> KitsuneConfig:
+def in_backward(bucket_bytes: int = 700, backward_stream: str = "side", **kw) -> KitsuneConfig:
     return KitsuneConfig(
         fusion=FusionConfig(enabled=True),
-        streams=StreamConfig(step_in_backward=True, bucket_bytes=bucket_bytes),
+        streams=StreamConfig(step_in_backward=True, bucket_bytes=bucket_bytes, backward_stream=backward_stream),
         **kw,
     )
 
@@ -171,10 +171,14 @@ def test_step_inside_accumulating_is_an_error(device):
 
 
 @pytest.mark.cuda
-def test_side_stream_updates_overlap_backward_and_report_it():
+@pytest.mark.parametrize("backward_stream", ["side", "current"])
+def test_updates_overlap_backward_and_report_it(backward_stream):
+    """On a side stream or queued on backward's own: the same results, the overlap reported, graphs replayed."""
     device = torch.device("cuda")
     net, twin = twins(device, 3)
-    opt = KitsuneOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-2), config=in_backward())
+    opt = KitsuneOptimizer(
+        torch.optim.AdamW(net.parameters(), lr=1e-2), config=in_backward(backward_stream=backward_stream)
+    )
     got = run(net, opt, steps=20)
     ref = run(twin, torch.optim.AdamW(twin.parameters(), lr=1e-2), steps=20)
     assert got == pytest.approx(ref, rel=1e-4, abs=1e-5)
@@ -185,6 +189,29 @@ def test_side_stream_updates_overlap_backward_and_report_it():
     # each unit's update replays from a CUDA graph of its own after the warm-up launches
     units = report["units"]
     assert report["graphs"] == {"captures": units, "replays": (20 - 3) * units, "reason": None}
+    assert bool(opt.scheduler._streams) == (backward_stream == "side")  # "current" made no side stream
+
+
+@pytest.mark.cuda
+def test_current_stream_updates_are_ordered_before_the_next_forward_on_a_busy_gpu():
+    """Queued on backward's stream, with the GPU kept busy so a missing wait would show: a big matmul before each
+    backward delays its kernels, and the params after step() are still torch's."""
+    device = torch.device("cuda")
+    net, twin = twins(device, 8)
+    opt = KitsuneOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-2), config=in_backward(backward_stream="current"))
+    ref = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    big = torch.randn(2048, 2048, device=device)
+    gen = torch.Generator().manual_seed(9)
+    for _ in range(8):
+        x, y = torch.randn(8, 6, generator=gen).to(device), torch.randn(8, 3, generator=gen).to(device)
+        for model, o in ((net, opt), (twin, ref)):
+            for _ in range(4):
+                big = big @ big / 2048**0.5  # keeps the stream busy while the host runs ahead
+            nn.functional.mse_loss(model(x, True), y).backward()
+            o.step()
+            o.zero_grad()
+    for a, b in zip(net.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 def test_a_dropped_optimizer_leaves_no_hook_behind(device):
