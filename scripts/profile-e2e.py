@@ -13,8 +13,11 @@ a Chrome trace of the profiled steps to ``OUT/<side>.json``.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import io
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -48,22 +51,31 @@ def build(side: str, cfg: Any, init: dict, device: torch.device) -> tuple[torch.
     config = KitsuneConfig(
         fusion=FusionConfig(enabled=True),
         amp=AMPConfig(enabled=True, dtype=torch.bfloat16),
-        streams=StreamConfig(step_in_backward=side.startswith("kitsune_backward")),
+        streams=StreamConfig(
+            step_in_backward=side.startswith("kitsune_backward"),
+            backward_stream="current" if side.endswith("_current") else "side",
+        ),
         memory=MemoryConfig(flat_grads=side.endswith("_flat"), pool_size=0 if side.endswith("_nopool") else 512 << 20),
         graphs=GraphConfig(enabled=not side.endswith("_nograph")),
     )
     return model, KitsuneOptimizer(torch.optim.AdamW(model.parameters(), **adamw), config=config)
 
 
-def one_step(model: torch.nn.Module, opt: Any, tokens: torch.Tensor, device: torch.device) -> tuple[float, float]:
-    """Host ms of backward and of step."""
+def one_step(
+    model: torch.nn.Module, opt: Any, tokens: torch.Tensor, device: torch.device, prof: Any = None
+) -> tuple[float, float]:
+    """Host ms of backward and of step (``prof``: a cProfile.Profile switched on around step and zero_grad)."""
     with torch.autocast(device.type, dtype=torch.bfloat16):
         loss = model(tokens[:, :-1], tokens[:, 1:])
     t0 = time.perf_counter()
     loss.backward()
     t1 = time.perf_counter()
+    if prof is not None:
+        prof.enable()
     opt.step()
     opt.zero_grad()
+    if prof is not None:
+        prof.disable()
     t2 = time.perf_counter()
     return (t1 - t0) * 1e3, (t2 - t1) * 1e3
 
@@ -107,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--sides",
         default="torch_noclip,kitsune_noclip,kitsune_noclip_nograph,kitsune_noclip_nopool,kitsune_backward,"
-        "kitsune_backward_flat,torch_noclip",
+        "kitsune_backward_current,kitsune_backward_flat,torch_noclip",
     )
     parser.add_argument("--traces", action="store_true", help="also write a Chrome trace per side")
     args = parser.parse_args(argv)
@@ -153,6 +165,19 @@ def main(argv: list[str] | None = None) -> int:
         gc.callbacks.remove(gc_timer)
         if timers is not None:  # host ms per step inside the scheduler's hooks, by part
             timers = {k: round(v / args.steps, 3) for k, v in timers.items()}
+        uploads = None
+        if isinstance(opt, KitsuneOptimizer):  # address-table and hyperparameter uploads over 10 more steps, and
+            fusion = opt._subsystem("fusion")  # where step() and zero_grad() spend their host time then
+            before = fusion.report()
+            cprof = cProfile.Profile()
+            for i in range(10):
+                one_step(model, opt, data[i % len(data)], device, cprof)
+            after = fusion.report()
+            uploads = {k: (after[k] - before[k]) / 10 for k in ("table_uploads", "context_uploads")}
+            text = io.StringIO()
+            pstats.Stats(cprof, stream=text).sort_stats("tottime").print_stats(12)
+            print(f"   {side}: uploads per step {uploads}; step()+zero_grad() over 10 steps by own time:")
+            print("\n".join("     " + line for line in text.getvalue().splitlines()[6:22] if line.strip()))
         activities = [torch.profiler.ProfilerActivity.CPU]
         if device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -176,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
             "blocking_calls_in_3_steps": blocking,
             "top_self_cpu_us": {e.key: round(e.self_cpu_time_total, 1) for e in top},
         }
+        if uploads is not None:
+            row["uploads_per_step"] = uploads
         if timers is not None:
             row["scheduler_host_ms_per_step"] = timers
             row["scheduler_report"] = opt.scheduler.report()

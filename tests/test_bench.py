@@ -211,13 +211,18 @@ def test_e2e_on_cpu_trains_both_sides_alike():
     from kitsune.bench.e2e import run_e2e
 
     result = run_e2e(torch.device("cpu"), steps=2, warmup=1, batch=2, seq=16)
-    torch_side, kitsune_side, zero_side, noclip_side, backward_side, flat_side = result.sides
+    torch_side, kitsune_side, zero_side, noclip_side, backward_side, flat_side, current_side, step_side = result.sides
     names = ["torch", "kitsune", "kitsune_zero", "torch_noclip", "kitsune_backward", "kitsune_backward_flat"]
+    names += ["kitsune_backward_current", "kitsune_noclip"]
     assert [s.name for s in result.sides] == names and result.n_params > 0
     # without clipping both sides make the same steps (on CPU kitsune's step is torch's own)
     assert backward_side.last_loss == pytest.approx(noclip_side.last_loss, rel=1e-4)
     assert flat_side.last_loss == pytest.approx(noclip_side.last_loss, rel=1e-4)
+    assert current_side.last_loss == pytest.approx(noclip_side.last_loss, rel=1e-4)
+    assert step_side.last_loss == pytest.approx(noclip_side.last_loss, rel=1e-4)
     assert result.ratio_noclip == pytest.approx(backward_side.tokens_per_s / noclip_side.tokens_per_s)
+    assert result.ratio_noclip_current == pytest.approx(current_side.tokens_per_s / noclip_side.tokens_per_s)
+    assert result.ratio_noclip_step == pytest.approx(step_side.tokens_per_s / noclip_side.tokens_per_s)
     assert zero_side.last_loss == pytest.approx(torch_side.last_loss, rel=1e-4)
     assert torch_side.tokens_per_s > 0 and kitsune_side.tokens_per_s > 0
     assert result.ratio == pytest.approx(kitsune_side.tokens_per_s / torch_side.tokens_per_s)

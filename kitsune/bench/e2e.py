@@ -108,7 +108,12 @@ class E2EResult(BaseModel):
     ratio: float
     """kitsune's tokens/s over torch's (above 1: kitsune trains faster)."""
     ratio_noclip: float
-    """Without clipping: kitsune with the updates inside backward over torch's fused AdamW."""
+    """Without clipping: kitsune with the updates inside backward (on a side stream, the default) over torch's fused
+    AdamW."""
+    ratio_noclip_current: float
+    """Without clipping: kitsune with the updates inside backward, queued on backward's own stream, over torch's."""
+    ratio_noclip_step: float
+    """Without clipping: kitsune's graph-replayed step after backward over torch's."""
     max_loss_diff_first_10: float
     """Largest difference of the two sides' losses over the first 10 steps: they train the same model alike."""
 
@@ -145,7 +150,7 @@ def run_e2e(
 
         return model, opt, step
 
-    def kitsune_side(zero_in_step: bool) -> tuple[nn.Module, Any, Any]:
+    def kitsune_side(zero_in_step: bool, clip: bool = True) -> tuple[nn.Module, Any, Any]:
         model = GPT(cfg).to(device)
         model.load_state_dict(init)
         opt = KitsuneOptimizer(
@@ -153,7 +158,7 @@ def run_e2e(
             enable_fusion=True,
             enable_amp=True,
             amp_config=AMPConfig(dtype=torch.bfloat16),
-            grad_config=GradConfig(max_norm=1.0, zero_in_step=zero_in_step),
+            grad_config=GradConfig(max_norm=1.0 if clip else None, zero_in_step=zero_in_step),
         )
 
         def step(tokens: torch.Tensor) -> torch.Tensor:
@@ -166,7 +171,7 @@ def run_e2e(
 
         return model, opt, step
 
-    def backward_side(flat_grads: bool = False) -> tuple[nn.Module, Any, Any]:
+    def backward_side(flat_grads: bool = False, stream: str = "side") -> tuple[nn.Module, Any, Any]:
         model = GPT(cfg).to(device)
         model.load_state_dict(init)
         # flat_grads: the grads stay at their arena addresses, so no address table is uploaded inside backward
@@ -175,7 +180,7 @@ def run_e2e(
             config=KitsuneConfig(
                 fusion=FusionConfig(enabled=True),
                 amp=AMPConfig(enabled=True, dtype=torch.bfloat16),
-                streams=StreamConfig(step_in_backward=True),
+                streams=StreamConfig(step_in_backward=True, backward_stream=stream),
                 memory=MemoryConfig(flat_grads=flat_grads),
             ),
         )
@@ -197,6 +202,12 @@ def run_e2e(
         ("torch_noclip", "torch, no clip: fused AdamW, zero_grad", lambda: torch_side(clip=False)),
         ("kitsune_backward", "kitsune, no clip: updates inside backward", backward_side),
         ("kitsune_backward_flat", "kitsune, no clip: updates inside backward, flat grads", lambda: backward_side(True)),
+        (
+            "kitsune_backward_current",
+            "kitsune, no clip: updates inside backward, on backward's stream",
+            lambda: backward_side(stream="current"),
+        ),
+        ("kitsune_noclip", "kitsune, no clip: step after backward, graph", lambda: kitsune_side(False, clip=False)),
     )
     # build and warm up each side in turn, measuring its own peak memory (above what the others hold); then time
     # the sides interleaved step by step, so a busy host slows all of them alike
@@ -225,6 +236,7 @@ def run_e2e(
                 losses=all_losses,
             )
         )
+    tps = {side.name: side.tokens_per_s for side in sides}
     return E2EResult(
         model=cfg,
         n_params=n_params,
@@ -234,8 +246,10 @@ def run_e2e(
         warmup=warmup,
         max_grad_norm=1.0,
         sides=sides,
-        ratio=sides[1].tokens_per_s / sides[0].tokens_per_s,
-        ratio_noclip=sides[4].tokens_per_s / sides[3].tokens_per_s,
+        ratio=tps["kitsune"] / tps["torch"],
+        ratio_noclip=tps["kitsune_backward"] / tps["torch_noclip"],
+        ratio_noclip_current=tps["kitsune_backward_current"] / tps["torch_noclip"],
+        ratio_noclip_step=tps["kitsune_noclip"] / tps["torch_noclip"],
         max_loss_diff_first_10=max(abs(a - b) for a, b in zip(sides[0].losses[:10], sides[1].losses[:10], strict=True)),
     )
 

@@ -665,8 +665,9 @@ def print_e2e(e2e: E2EResult, console: Console) -> None:
         )
     console.print(table)
     console.print(
-        f"kitsune's tokens/s over torch's: {e2e.ratio:.3f}x with clipping, {e2e.ratio_noclip:.3f}x without (updates "
-        "inside backward); the clipped sides' losses over the first 10 steps differ "
-        f"by at most {e2e.max_loss_diff_first_10:.2g}",
+        f"kitsune's tokens/s over torch's: {e2e.ratio:.3f}x with clipping; without, {e2e.ratio_noclip:.3f}x with the "
+        f"updates inside backward ({e2e.ratio_noclip_current:.3f}x on backward's stream) and "
+        f"{e2e.ratio_noclip_step:.3f}x with the step after backward; the clipped sides' losses over the first 10 "
+        f"steps differ by at most {e2e.max_loss_diff_first_10:.2g}",
         highlight=False,
     )
