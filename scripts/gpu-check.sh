@@ -49,7 +49,7 @@ if ! stage tests; then
     echo "cuda tests: not in STAGES"
 elif python3 -c "import pytest" 2>/dev/null; then
     # collection errors in other modules (a missing test-only package) must not stop the CUDA tests that can run
-    timeout 180 python3 -m pytest -q -m cuda --continue-on-collection-errors tests/ 2>&1 \
+    timeout 300 python3 -m pytest -q -m cuda --continue-on-collection-errors tests/ 2>&1 \
         | tee "$OUT/cuda-tests.log" || tests_rc=$?
 else
     echo "pytest is not installed here: carry its wheel in .whl/" | tee "$OUT/cuda-tests.log"

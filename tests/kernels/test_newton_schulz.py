@@ -211,19 +211,17 @@ def test_gpu_graph_replay_is_bitwise_the_direct_launches():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("shape", [(2048, 2048), (4, 1024, 1536), (1536, 1024), (1000, 1500)], ids=str)
+@pytest.mark.parametrize("shape", [(4, 1024, 1536), (1536, 1000)], ids=str)
 def test_gpu_tma_and_persistent_variants(shape):
-    """On the GPU the variants use other instructions (TMA, a looped grid) for the same sums: equal or within a
-    rounding of the pointer-load kernels, and as close to float64."""
+    """On the GPU the variants use other instructions (TMA, a looped grid) for the same sums: as close to float64
+    as the pointer-load kernels. (1536, 1000) is tall with rows of 2000 bytes: no descriptor for its first read."""
     g = torch.randn(shape, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     x = g.unsqueeze(0) if g.dim() == 2 else g
     plan = ns.schedule(MUON_COEFFICIENTS, 5)
     m, n = sorted(x.shape[1:])
     syrk, poly = ns.pick_configs(m, n, x.shape[0], torch.bfloat16, x.device)
     exact = reference(x)
-    for s_kw, p_kw in VARIANTS.values():
-        for tma in (False, True):
-            s_kw, p_kw = {**s_kw, "tma": tma}, {**p_kw, "tma": tma}
-            out = torch.empty(x.shape, dtype=torch.bfloat16, device="cuda")
-            ns.newton_schulz_launch(x, out, plan, 1e-7, torch.bfloat16, (syrk._replace(**s_kw), poly._replace(**p_kw)))
-            assert rel_err(out, exact) < GPU_REL_ERR
+    for kw in ({"tma": True}, {"tma": True, "persistent": True, "flatten": True}):
+        out = torch.empty(x.shape, dtype=torch.bfloat16, device="cuda")
+        ns.newton_schulz_launch(x, out, plan, 1e-7, torch.bfloat16, (syrk._replace(**kw), poly._replace(**kw)))
+        assert rel_err(out, exact) < GPU_REL_ERR
