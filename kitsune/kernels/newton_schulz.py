@@ -476,12 +476,14 @@ def newton_schulz_launch(
         xc = _descriptor(t, strides, rows, cols, [syrk.block_n, syrk.block_k])
         return (xr, xc) if xr is not None and xc is not None else (None, None)
 
+    # B's descriptor is the same every iteration; X's follows the buffer the iteration reads
+    b_desc = _descriptor(poly_b, poly_b.stride(), m, m, [poly.block_m, poly.block_k]) if poly.tma else None
+
     def poly_descs(x_now: torch.Tensor, strides: Sequence[int]) -> tuple[object, object]:
-        if not poly.tma or m % poly.block_k:
+        if b_desc is None or m % poly.block_k:
             return None, None
-        bd = _descriptor(poly_b, poly_b.stride(), m, m, [poly.block_m, poly.block_k])
         xd = _descriptor(x_now, strides, m, n, [poly.block_k, poly.block_n])
-        return (bd, xd) if bd is not None and xd is not None else (None, None)
+        return (b_desc, xd) if xd is not None else (None, None)
 
     gram_descs = syrk_descs(gram, gram.stride(), m, m)
     with _device_guard(x.device):

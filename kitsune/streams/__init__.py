@@ -67,7 +67,7 @@ def why_not_in_backward(opt: KitsuneOptimizer, trust: bool = False) -> str | Non
 
 
 TIMED_EVERY = 16
-"""Steps between two whose side-stream launches are timed with CUDA events (the first step is timed)."""
+"""Steps between two whose launches inside backward are timed with CUDA events (the first step is timed)."""
 
 
 class StreamScheduler(Subsystem):
@@ -101,8 +101,9 @@ class StreamScheduler(Subsystem):
         self._refreshed = False
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._ready: dict[int, Any] = {}
-        self._event_device: torch.device | None = None
         """Per unit, the event the side stream waits on (recorded on backward's stream): made once, reused."""
+        self._event_device: torch.device | None = None
+        """The device of the last timed launch: ``step()`` marks the end of backward on its current stream."""
         self._events: list[tuple[Any, Any]] = []
         self._step_event: Any = None
         self.in_backward = False
@@ -200,25 +201,21 @@ class StreamScheduler(Subsystem):
             timed = self._steps % TIMED_EVERY == 0
             if timed:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            if self.config.backward_stream == "current":  # queued on backward's stream, between its kernels
-                if timed:
-                    start.record()
-                self._run(index, unit, ctx, graph)
-                if timed:
-                    end.record()
-            else:
+            where: contextlib.AbstractContextManager = contextlib.nullcontext()  # "current": backward's stream
+            if self.config.backward_stream == "side":
                 side = self._stream(unit.device)
                 ready = self._ready.get(index)
                 if ready is None:
                     ready = self._ready[index] = torch.cuda.Event()
                 ready.record()  # on backward's stream: this unit's grads are done
                 side.wait_event(ready)
-                with torch.cuda.stream(side):
-                    if timed:
-                        start.record()
-                    self._run(index, unit, ctx, graph)
-                    if timed:
-                        end.record()
+                where = torch.cuda.stream(side)
+            with where:
+                if timed:
+                    start.record()
+                self._run(index, unit, ctx, graph)
+                if timed:
+                    end.record()
             if timed:
                 self._events.append((start, end))
                 self._event_device = unit.device
