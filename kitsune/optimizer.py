@@ -255,8 +255,8 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         fusion = self._subsystem("fusion")
         self._fused_grads = fusion.active and getattr(fusion, "grad_pass", "") is None and not self._leftover
         graphs = self._subsystem("graphs")
-        self._graphs = graphs if graphs.active and self._fused_grads else None
-        if graphs.active and not self._fused_grads:
+        self._graphs = graphs if graphs.active and self._graph_ready(fusion) else None
+        if graphs.active and self._graphs is None:
             why = getattr(fusion, "grad_pass", None) or "see the plan"
             graphs.deactivate(f"the grads' passes are not fused: {why}")
             self._graphs = None
@@ -403,6 +403,13 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             self._zeroed = (zeroed, list(map(id, grads)), [g._version if g is not None else -1 for g in grads])
         return loss
 
+    def _graph_ready(self, fusion: Any) -> bool:
+        """Whether the grads' passes allow a captured step: fused into the step's kernels, or none to run (no
+        clipping, no loss scaling: Muon's momentum kernel reads the grads as backward left them)."""
+        if not fusion.active or self._leftover:
+            return False
+        return fusion.grad_pass is None or (self.config.grads.max_norm is None and not self._needs_grads)
+
     def _graph_step(self, ctx: StepContext, fusion: Any) -> None:
         """The fused step through the graph subsystem: host preparation, then the device work warmed up, captured
         or replayed (norm pass, updates and, with float16 AMP, the scale update), then the bookkeeping."""
@@ -413,7 +420,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             # this step runs eagerly and the graph subsystem decides afresh whether the new plan can be captured
             self._plan_version = fusion.plan_version
             self._graphs.plan(self)
-            self._graphs = graphs if graphs.active and fusion.grad_pass is None else None
+            self._graphs = graphs if graphs.active and self._graph_ready(fusion) else None
             fusion.launch(ctx, live)
             fusion.finish(ctx, live)
             return
@@ -422,7 +429,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             why = "no param has a grad this step"
         elif "phases" in ctx.extra:
             why = "the profiler's probe times each phase"
-        elif not ctx.extra.get("fused_grads"):
+        elif ctx.baseline:
             why = "the profiler's baseline step"
         elif "found_inf" in self.__dict__:
             why = "a user's GradScaler hands a new found_inf every step"
@@ -435,7 +442,9 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             return
         amp = self._subsystem("amp")
         scaling = amp.active and getattr(amp, "scaling", False)
-        units = fusion.units
+        units = fusion.launch_units
+
+        ctx.extra["graphed_work"] = True  # warm-up, capture and replay make the same launches
 
         def device_work() -> None:
             fusion.launch(ctx, units)

@@ -166,49 +166,85 @@ class MuonUnit(FusedUnit):
         """Launches per step while any grad is live."""
         self._stream_config = streams
         self._streams: list[torch.cuda.Stream] | None = None
-        self._order: list[tuple[int, int]] = []  # (batch, stream)
+        self._stream_ids: list[int] = []
         self.num_streams = 1
-        """Streams the Newton-Schulz calls spread over: more than one only on CUDA with several shapes."""
-        if self.device.type == "cuda" and len(self.batches) > 1 and streams is not None:
+        """Streams the Newton-Schulz calls spread over: more than one only on CUDA with several calls."""
+        self.graph_calls = [
+            part for inp, out in self.batches for part in zip(*_cut(inp, out, self.device), strict=True)
+        ]
+        """The Newton-Schulz calls of a CUDA graph's steps: each shape's batch, the large ones cut in two."""
+        self._orders: dict[bool, list[tuple[int, int]]] = {False: [], True: []}  # graphed -> (call, stream)
+        if self.device.type == "cuda" and len(self.graph_calls) > 1 and streams is not None:
             ids = streams.compute_streams or list(range(streams.num_streams))
-            self.num_streams = min(len(ids), len(self.batches))
+            self.num_streams = min(len(ids), len(self.graph_calls))
             self._stream_ids = ids[: self.num_streams]
-            self._order = _balance([b[0].numel() * min(b[0].shape[1:]) for b in self.batches], self.num_streams)
+            for graphed, calls in ((False, self.batches), (True, self.graph_calls)):
+                n = min(self.num_streams, len(calls))
+                if n > 1:
+                    self._orders[graphed] = _balance([b[0].numel() * min(b[0].shape[1:]) for b in calls], n)
 
-    def launch(self, hyper: torch.Tensor, found_inf: torch.Tensor | None = None, zero_grad: bool = False) -> None:
-        """This step's device work: momentum, the Newton-Schulz calls, the update (``hyper``: the device context)."""
+    def launch(
+        self, hyper: torch.Tensor, found_inf: torch.Tensor | None = None, zero_grad: bool = False, graphed: bool = False
+    ) -> None:
+        """This step's device work: momentum, the Newton-Schulz calls, the update (``hyper``: the device context).
+        ``graphed``: the work of a CUDA graph's steps (warm-up, capture, replay), which make :attr:`graph_calls`."""
         from kitsune.kernels.muon_update import muon_update
 
         muon_update(self.tables, hyper, self.spec, self.dtype, 0, self.ratio, found_inf, zero_grad)  # type: ignore[arg-type]
-        self._orthogonalise()
+        self._orthogonalise(graphed)
         muon_update(self.tables, hyper, self.spec, self.dtype, 1, self.ratio, found_inf)  # type: ignore[arg-type]
 
-    def _orthogonalise(self) -> None:
+    def _orthogonalise(self, graphed: bool) -> None:
         from kitsune.kernels.newton_schulz import newton_schulz
 
         spec: MuonSpec = self.spec  # type: ignore[assignment]
         coefficients = list(spec.ns_plan or ()) or [MUON_COEFFICIENTS]  # 0 iterations: normalisation only
-        if self.num_streams == 1:
-            for inp, out in self.batches:
+        # launched directly, each extra call costs host time the GPU waits on; in a CUDA graph the halves of a large
+        # batch overlap each other's last, partial wave of tiles. The graph's eager warm-up steps make the same calls
+        # as its capture: a kernel variant first met inside a capture would compile there, and the capture fail.
+        graphed = graphed and self.device.type == "cuda"
+        capturing = graphed and torch.cuda.is_current_stream_capturing()
+        calls = self.graph_calls if graphed else self.batches
+        order = self._orders[graphed]
+        if not order:
+            for inp, out in calls:
                 newton_schulz(inp, self.steps, coefficients, spec.eps, out=out)
             return
         cfg = self._stream_config
         if self._streams is None:
             high = set(cfg.priority_streams) if cfg else set()
             self._streams = [torch.cuda.Stream(self.device, priority=-1 if i in high else 0) for i in self._stream_ids]
+        streams = self._streams[: max(s for _, s in order) + 1]
         main = torch.cuda.current_stream(self.device)
-        for stream in self._streams:  # the updates stage 0 wrote are ready before any side stream reads them
+        for stream in streams:  # the updates stage 0 wrote are ready before any side stream reads them
             stream.wait_stream(main)
-        for b, s in self._order:
-            inp, out = self.batches[b]
-            stream = self._streams[s]
+        for b, s in order:
+            inp, out = calls[b]
+            stream = streams[s]
             with torch.cuda.stream(stream):
                 newton_schulz(inp, self.steps, coefficients, spec.eps, out=out)
-            # made on the main stream, used on this one: the allocator must not reuse them before it is done
-            inp.record_stream(stream)
-            out.record_stream(stream)
-        for stream in self._streams:  # stage 1 reads every output
+            if not capturing:  # made on the main stream, used on this one: not reused before this one is done
+                inp.record_stream(stream)
+                out.record_stream(stream)
+        for stream in streams:  # stage 1 reads every output
             main.wait_stream(stream)
+
+
+CUT_MIN_TILES = 132
+"""A batch of same-shape matrices is cut in two for a CUDA graph's steps when each half still has at least this many
+128 x 256 output tiles (about a wave on an H100): two half-batch calls on two streams fill each other's last wave."""
+
+
+def _cut(inp: torch.Tensor, out: torch.Tensor, device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``inp`` and ``out`` as the calls a CUDA graph's step makes: halves (contiguous views along the batch) for a large
+    batch on CUDA, themselves otherwise."""
+    batch, rows, cols = inp.shape
+    m, n = min(rows, cols), max(rows, cols)
+    tiles = (batch // 2) * -(-m // 128) * -(-n // 256)
+    if device.type != "cuda" or batch < 2 or tiles < CUT_MIN_TILES:
+        return [inp], [out]
+    half = batch // 2
+    return [inp[:half], inp[half:]], [out[:half], out[half:]]
 
 
 def _balance(costs: list[int], n: int) -> list[tuple[int, int]]:

@@ -459,7 +459,9 @@ class FusionSubsystem(Subsystem):
         muon = [unit for unit in self._muon if unit in units]
         for unit in muon:  # momentum, Newton-Schulz by shape, update
             finf = found_inf if found_inf is None or found_inf.device == unit.device else found_inf.to(unit.device)
-            unit.launch(self._contexts[unit.device].buffer, finf, zero_grad=grad_write == 2)
+            unit.launch(
+                self._contexts[unit.device].buffer, finf, grad_write == 2, graphed=bool(ctx.extra.get("graphed_work"))
+            )
         if timer is not None:
             timer.mark("update")
         muon_launches = sum(unit.launches for unit in muon)
@@ -516,15 +518,20 @@ class FusionSubsystem(Subsystem):
         return self._plan_version
 
     @property
+    def launch_units(self) -> list[FusedUnit]:
+        """Every unit a step launches: the multi-tensor units, then the Muon units."""
+        return [*self._units, *self._muon]
+
+    @property
     def graphable(self) -> str | None:
-        """Why this plan cannot be captured in a CUDA graph, or None when it can: every param in a fused unit."""
-        if self._muon:
-            return "Muon's Newton-Schulz calls are not captured"
-        if not self._units:
+        """Why this plan cannot be captured in a CUDA graph, or None when it can: every param in a fused unit (the
+        multi-tensor kernels or Muon's, whose Newton-Schulz calls join the capture)."""
+        if not self._units and not self._muon:
             return "no param takes the fused kernel"
-        if self._shadows or any(b.route is not Route.TRITON for b in self.current_plan.buckets):
+        fused = (Route.TRITON, Route.TRITON_MATMUL)
+        if self._shadows or any(b.route not in fused for b in self.current_plan.buckets):
             return "some params fall back to torch or the optimizer's own step (see the plan)"
-        if len({u.device for u in self._units}) > 1:
+        if len({u.device for u in self.launch_units}) > 1:
             return "params on several devices"
         if self._norm_groups:
             return "FSDP2 params: the grad norm's all-reduce runs outside a CUDA graph"

@@ -108,7 +108,7 @@ class GraphSubsystem(Subsystem):
         why = getattr(fusion, "graphable", "fusion cannot be captured")
         if why:
             return f"the phase is not all fused kernels: {why}"
-        self._device = fusion.units[0].device
+        self._device = fusion.launch_units[0].device
         return self.backend.supports(self._device)
 
     def invalidate(self, reason: str) -> None:

@@ -11,6 +11,7 @@ import torch
 
 from kitsune import AMPConfig, GradConfig, KitsuneOptimizer
 from kitsune.graphs import GraphSubsystem
+from kitsune.optim import Muon
 
 from ._util import RecordingBackend, make_params, random_grads
 
@@ -189,3 +190,40 @@ def test_inactive_with_reasons(device):
     q = torch.nn.Parameter(torch.randn(3, dtype=torch.float64, device=device))
     opt = KitsuneOptimizer(torch.optim.AdamW([*p, q]), enable_fusion=True)
     assert "not all fused" in opt._subsystem("graphs").reason
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon needs torch >= 2.9")
+def test_muon_steps_are_captured_unless_the_grads_need_a_pass(device):
+    """Muon's fused step (momentum, Newton-Schulz by shape, update) is captured and replayed with the bits of the
+    eager fused step, an LR schedule and a param without a grad included; with clipping or loss scaling the grads
+    need a pass of torch ops first, so those steps stay eager and the reason says why."""
+    shapes = [(16, 32), (16, 32), (32, 16), 24]
+
+    def run(graphed: bool, aux: bool = False) -> tuple[list[torch.Tensor], RecordingBackend | None]:
+        params = make_params(shapes if aux else shapes[:3], torch.float32, device)
+        if aux:  # kitsune.optim.Muon: the vector in an AdamW group of its own
+            base = Muon([{"params": params[:3]}, {"params": params[3:], "use_muon": False}], lr=0.02, ns_steps=2)
+        else:
+            base = torch.optim.Muon(params, lr=0.02, weight_decay=0.1, ns_steps=2)
+        opt = KitsuneOptimizer(base, enable_fusion=True, capture_graph=graphed)
+        backend = _graphed(opt) if graphed else None
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+        for step in range(10):
+            _set_grads(params, step, skip={2} if step == 5 else ())
+            opt.step()
+            sched.step()
+        return params, backend
+
+    for aux in (False, True):
+        eager, _ = run(False, aux)
+        graphed, backend = run(True, aux)
+        assert backend is not None and (backend.captured, backend.replayed) == (1, 7)
+        assert all(torch.equal(p, q) for p, q in zip(eager, graphed, strict=True))
+
+    params = make_params(shapes[:3], torch.float32, device)
+    opt = KitsuneOptimizer(torch.optim.Muon(params, ns_steps=2), enable_fusion=True, max_grad_norm=1.0)
+    graphs = opt._subsystem("graphs")
+    graphs.backend = RecordingBackend()
+    opt._replan()
+    reason = graphs.reason
+    assert "grads' passes are not fused" in reason and "Muon's momentum kernel" in reason

@@ -28,7 +28,7 @@ import torch
 from rich.console import Console
 
 from kitsune import FusionConfig, GradConfig, KitsuneOptimizer, StreamConfig
-from kitsune.fusion import Route
+from kitsune.fusion import Route, muon_unit
 from kitsune.fusion.muon_unit import matrix_shape
 from kitsune.kernels.newton_schulz import POLAR_EXPRESS_COEFFICIENTS
 from kitsune.optim import Muon
@@ -285,7 +285,7 @@ def test_plan_shows_the_route_and_counts(device):
     Console(file=out, width=250).print(opt.plan)
     assert "triton_matmul" in out.getvalue() and "batched by shape" in out.getvalue()
     fusion = _fusion(opt)
-    assert "Muon" in fusion.grad_pass and fusion.graphable is not None
+    assert "Muon" in fusion.grad_pass and fusion.graphable is None  # captured when nothing needs a grad pass
     # on CUDA the 3 shapes spread over 3 of the 4 default streams; off CUDA everything runs on one
     assert [u.num_streams for u in fusion._muon] == [3 if device.type == "cuda" else 1]
 
@@ -313,6 +313,26 @@ def test_settings_torch_rejects_keep_its_step(device):
         opt.step()
 
 
+def test_captured_steps_cut_large_batches_in_two():
+    """Inside a graph capture a CUDA batch with a wave of tiles per half runs as two half-batch calls (views of the
+    unit's buffers); smaller batches, a single matrix and CPU tensors stay whole."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+
+    def cut(batch: int, rows: int, cols: int, device: torch.device = cuda) -> list[tuple[int, ...]]:
+        inp = torch.empty(batch, rows, cols, device="meta")
+        ins, outs = muon_unit._cut(inp, torch.empty_like(inp), device)
+        assert all(i.is_contiguous() and o.is_contiguous() for i, o in zip(ins, outs, strict=True))
+        assert [i.shape for i in ins] == [o.shape for o in outs] and sum(i.shape[0] for i in ins) == batch
+        return [tuple(i.shape) for i in ins]
+
+    assert cut(8, 2048, 2048) == [(4, 2048, 2048)] * 2  # 4 x 16 x 8 = 512 tiles of 128 x 256 per half
+    assert cut(5, 1024, 4096) == [(2, 1024, 4096), (3, 1024, 4096)]  # 2 x 8 x 16 = 256
+    assert cut(5, 4096, 1024) == [(2, 4096, 1024), (3, 4096, 1024)]  # tall: the same (m, m) Grams
+    assert cut(5, 1024, 2048) == [(5, 1024, 2048)]  # 2 x 8 x 8 = 128 tiles per half: below a wave
+    assert cut(1, 8192, 8192) == [(1, 8192, 8192)]
+    assert cut(8, 2048, 2048, cpu) == [(8, 2048, 2048)]
+
+
 # -- CUDA ------------------------------------------------------------------------------------------------------
 @pytest.mark.cuda
 def test_side_streams_give_the_same_result():
@@ -328,6 +348,31 @@ def test_side_streams_give_the_same_result():
         runs.append(params)
     for params in runs[1:]:
         assert all(torch.equal(p, q) for p, q in zip(params, runs[0], strict=True))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape, count", [((2048, 2048), 8), ((1024, 1024), 16)])
+def test_cut_batches_in_graph_steps_match_whole_ones(monkeypatch, shape, count):
+    """Captured steps with a batch cut in two halves on two streams against steps with the whole batch in one call:
+    the same bits where the halves pick the whole batch's tiles (8 x 2048^2, the bench's Muon step); where they
+    pick others (16 x 1024^2: the halves' kernels first compile in the graph's warm-up steps, not in its capture)
+    the same result up to the order of the products' roundings."""
+    runs = []
+    for cut in (True, False):
+        if not cut:
+            monkeypatch.setattr(muon_unit, "CUT_MIN_TILES", 2**62)
+        params, opt = trajectory(_torch_muon, [shape] * count, torch.float32, torch.device("cuda"), steps=8,
+                                 fused=True, set_to_none=False)  # fmt: skip
+        (unit,) = _fusion(opt)._muon
+        assert len(unit.graph_calls) == (2 if cut else 1)
+        graphs = next(s for s in opt.subsystems if s.name == "graphs")
+        assert (graphs.captures, graphs.replays) == (1, 5), graphs.report()
+        runs.append(params)
+    if shape == (2048, 2048):
+        assert all(torch.equal(p, q) for p, q in zip(*runs, strict=True))
+    else:
+        for p, q in zip(*runs, strict=True):
+            torch.testing.assert_close(p, q, atol=2e-4, rtol=0)  # lr 0.02 x 8 steps of bf16 orthogonal updates
 
 
 @pytest.mark.cuda

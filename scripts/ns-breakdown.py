@@ -1,0 +1,135 @@
+"""Where a Newton-Schulz call's time goes on a GPU: each kernel of a 5-iteration call (torch.profiler, averaged per
+position in the iteration), next to cuBLAS doing the same products (``torch.bmm``/``torch.baddbmm``), with TFLOP/s
+of the work each product does (the Gram products count their symmetric half).
+
+python scripts/ns-breakdown.py --json $OUT/ns-breakdown.json     # 8 x 2048^2 and 4096^2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+from triton.testing import do_bench
+
+from kitsune.kernels import newton_schulz as ns
+
+
+def kernel_times(fn, calls: int) -> list[tuple[str, float]]:
+    """(name, ms) of every GPU kernel of ``calls`` calls of ``fn``, in launch order."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    events.sort(key=lambda e: e.time_range.start)
+    return [(e.name, e.time_range.elapsed_us() / 1e3) for e in events]
+
+
+def cublas_times(batch: int, m: int, n: int, a: float, b: float, c: float) -> dict[str, float]:
+    """The iteration's products through cuBLAS, on fresh random operands of the iteration's shapes."""
+    big = torch.randn(batch, m, m, device="cuda", dtype=torch.bfloat16) / m**0.5
+    sym = big + big.transpose(1, 2)
+    xs = torch.randn(batch, m, n, device="cuda", dtype=torch.bfloat16)
+    o_mm = torch.empty(batch, m, m, device="cuda", dtype=torch.bfloat16)
+    o_mn = torch.empty(batch, m, n, device="cuda", dtype=torch.bfloat16)
+    return {
+        "gram X X^T": do_bench(lambda: torch.bmm(xs, xs.transpose(1, 2), out=o_mm), rep=300),
+        "B = b A + c A A": do_bench(lambda: torch.baddbmm(sym, sym, sym, beta=b, alpha=c, out=o_mm), rep=300),
+        "a X + B X": do_bench(lambda: torch.baddbmm(xs, sym, xs, beta=a, out=o_mn), rep=300),
+        "B X": do_bench(lambda: torch.bmm(sym, xs, out=o_mn), rep=300),
+    }
+
+
+def split_times(x: torch.Tensor, plan: list) -> dict[str, float]:
+    """The batch cut into 1, 2 or 4 parts, each part's call on its own stream (one part's tail of tiles overlaps the
+    next part's kernels), launched directly and replayed from a CUDA graph."""
+    times: dict[str, float] = {}
+    out = torch.empty_like(x)
+    for parts in (1, 2, 4):
+        if x.shape[0] % parts:
+            continue
+        streams = [torch.cuda.Stream() for _ in range(parts)]
+        xs, outs = x.chunk(parts), out.chunk(parts)
+
+        def call(streams=streams, xs=xs, outs=outs) -> None:
+            main = torch.cuda.current_stream()  # the capture's own stream inside a graph capture
+            for s in streams:
+                s.wait_stream(main)
+            for s, xi, oi in zip(streams, xs, outs, strict=True):
+                with torch.cuda.stream(s):
+                    ns.newton_schulz_launch(xi, oi, plan, 1e-7, torch.bfloat16)
+            for s in streams:
+                main.wait_stream(s)
+
+        times[f"{parts} part(s), launched"] = do_bench(call, rep=300)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            call()
+        times[f"{parts} part(s), graph"] = do_bench(graph.replay, rep=300)
+    return times
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="8x2048x2048,1x4096x4096")
+    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    plan = ns.schedule(ns.MUON_COEFFICIENTS, 5)
+    results: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": {}}
+    for spec in args.shapes.split(","):
+        batch, m, n = (int(v) for v in spec.split("x"))
+        x = torch.randn(batch, m, n, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty_like(x)
+        row: dict = {}
+
+        def call(x=x, out=out) -> None:
+            ns.newton_schulz_launch(x, out, plan, 1e-7, torch.bfloat16)
+
+        row["kitsune_ms"] = do_bench(call, rep=300)
+        names = ["prologue"] + ["gram X X^T", "B = b A + c A A", "a X + B X"] * len(plan)
+        per: dict[str, list[float]] = defaultdict(list)
+        times = kernel_times(call, args.calls)
+        if len(times) == args.calls * len(names):
+            for i, (_, ms) in enumerate(times):
+                per[names[i % len(names)]].append(ms)
+        else:
+            print(f"  {len(times)} kernels in {args.calls} calls, expected {args.calls * len(names)}", flush=True)
+        row["kernels_ms"] = {k: sum(v) / len(v) for k, v in per.items()}
+
+        row["cublas_ms"] = cublas_times(batch, m, n, *plan[0])
+        flops = {
+            "gram X X^T": batch * m * m * n,  # the symmetric half: m^2 n multiply-adds
+            "B = b A + c A A": batch * m**3,
+            "a X + B X": 2 * batch * m * m * n,
+            "B X": 2 * batch * m * m * n,
+        }
+        print(f"== {spec}: kitsune {row['kitsune_ms']:.4f} ms per 5-iteration call", flush=True)
+        print(f"  {'product':<18} {'kitsune ms':>10} {'TFLOP/s':>8} {'cuBLAS ms':>10} {'TFLOP/s':>8}")
+        for key in flops:
+            k_ms = row["kernels_ms"].get(key)
+            c_ms = row["cublas_ms"][key]
+            full = flops[key] * (2 if key.startswith(("gram", "B =")) else 1)  # cuBLAS computes both halves
+            k_txt = f"{k_ms:10.4f} {flops[key] / k_ms / 1e9:8.0f}" if k_ms else f"{'':>10} {'':>8}"
+            print(f"  {key:<18} {k_txt} {c_ms:10.4f} {full / c_ms / 1e9:8.0f}", flush=True)
+        print(f"  prologue {row['kernels_ms'].get('prologue', float('nan')):.4f} ms", flush=True)
+        if batch > 1:
+            row["split_ms"] = split_times(x, plan)
+            for key, ms in row["split_ms"].items():
+                print(f"  {key:<34} {ms:8.4f} ms", flush=True)
+        results["shapes"][spec] = row
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
