@@ -111,7 +111,8 @@ def test_torch_muon_trajectory(device):
     eager_params, _ = trajectory(eager, SHAPES, torch.float32, device, steps, groups=_torch_groups, has_grad=_has_grad)
     for p, q in zip(params, eager_params, strict=True):
         torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-5)
-    assert _fusion(opt).launches_last_step == plan.launches  # the last step had every grad
+    # the last step had every grad: every launch eagerly, one graph launch on CUDA (the step replays its capture)
+    assert _fusion(opt).launches_last_step == (1 if device.type == "cuda" else plan.launches)
 
     # a param whose grad is None is skipped: nothing moves, no state appears
     fresh = torch.nn.Parameter(torch.randn(16, 32, device=device))
