@@ -259,7 +259,6 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         if graphs.active and self._graphs is None:
             why = getattr(fusion, "grad_pass", None) or "see the plan"
             graphs.deactivate(f"the grads' passes are not fused: {why}")
-            self._graphs = None
         if self._graphs is not None and self._subsystem("shard").active:
             graphs.deactivate("sharded optimizer state: the step's collectives are not captured")
             self._graphs = None

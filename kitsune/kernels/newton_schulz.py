@@ -476,7 +476,7 @@ def newton_schulz_launch(
         xc = _descriptor(t, strides, rows, cols, [syrk.block_n, syrk.block_k])
         return (xr, xc) if xr is not None and xc is not None else (None, None)
 
-    # B's descriptor is the same every iteration; X's follows the buffer the iteration reads
+    # B's descriptor is the same every iteration; X's follow the buffer the iteration reads
     b_desc = _descriptor(poly_b, poly_b.stride(), m, m, [poly.block_m, poly.block_k]) if poly.tma else None
 
     def poly_descs(x_now: torch.Tensor, strides: Sequence[int]) -> tuple[object, object]:
@@ -486,6 +486,8 @@ def newton_schulz_launch(
         return (b_desc, xd) if xd is not None else (None, None)
 
     gram_descs = syrk_descs(gram, gram.stride(), m, m)
+    # per X buffer (X0, then the two the iterations alternate between): its Gram and poly descriptors, made once
+    x_descs: dict[int, tuple[tuple[object, object], tuple[object, object]]] = {}
     with _device_guard(x.device):
         _prologue_kernel[(parts, batch)](
             x, x0, partials, numel, chunk, parts,
@@ -495,7 +497,9 @@ def newton_schulz_launch(
         x_now, x_strides = x0, x0_strides
         for it, (a, b, c) in enumerate(coefficients):
             first = it == 0
-            descs = syrk_descs(x_now, x_strides, m, n)
+            if x_now.data_ptr() not in x_descs:
+                x_descs[x_now.data_ptr()] = (syrk_descs(x_now, x_strides, m, n), poly_descs(x_now, x_strides))
+            descs, p_descs = x_descs[x_now.data_ptr()]
             _syrk_kernel[syrk_grid](  # A = X X^T (the first: of the unnormalised X0, scaled by s^2)
                 x_now, *descs, *x_strides, gram, gram, tiles, tiles.shape[0], batch, partials, m, n, parts, eps,
                 1.0, 0.0, FIRST=first, HAS_C=False, EVEN_K=n % syrk.block_k == 0, TMA=descs[0] is not None,
@@ -508,10 +512,9 @@ def newton_schulz_launch(
             )  # fmt: skip
             last = it == len(coefficients) - 1
             target = out if last else xs[it % 2]
-            descs = poly_descs(x_now, x_strides)
             _poly_kernel[poly_grid](  # X = a X + B X, the last one straight into out, transposed back
-                poly_b, *descs, x_now, *x_strides, target, *(out_strides if last else target.stride()), partials,
-                batch, m, n, parts, eps, a, FIRST=first, TMA=descs[0] is not None, **poly_meta,
+                poly_b, *p_descs, x_now, *x_strides, target, *(out_strides if last else target.stride()), partials,
+                batch, m, n, parts, eps, a, FIRST=first, TMA=p_descs[0] is not None, **poly_meta,
             )  # fmt: skip
             x_now, x_strides = target, target.stride()
 

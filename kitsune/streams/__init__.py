@@ -322,8 +322,6 @@ class StreamScheduler(Subsystem):
         if self.in_backward:
             out.update(
                 graphs={"captures": self.captures, "replays": self.replays, "reason": self.graph_reason},
-            )
-            out.update(
                 steps=self._steps,
                 units=len(self._counts),
                 units_updated_in_backward=self._units_in_backward,

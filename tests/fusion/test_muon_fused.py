@@ -314,8 +314,8 @@ def test_settings_torch_rejects_keep_its_step(device):
         opt.step()
 
 
-def test_captured_steps_cut_large_batches_in_two():
-    """Inside a graph capture a CUDA batch with a wave of tiles per half runs as two half-batch calls (views of the
+def test_graph_steps_cut_large_batches_in_two():
+    """In a CUDA graph's steps a CUDA batch with a wave of tiles per half runs as two half-batch calls (views of the
     unit's buffers); smaller batches, a single matrix and CPU tensors stay whole."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
 
