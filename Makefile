@@ -4,6 +4,8 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 # The CPU build of torch; a user's existing torch (in the venv or on the system) is left as it is.
 TORCH_PIN ?= torch==2.13.0
+# pytest workers: one per core up to this many (each interprets kernels in Triton's CPU interpreter, a test file each)
+TEST_JOBS ?= 4
 
 .PHONY: demo test lint docs gpu-check clean
 
@@ -19,7 +21,7 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m ruff check kitsune tests examples
 	$(PY) -m ruff format --check kitsune tests examples
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --maxprocesses $(TEST_JOBS) --dist loadfile
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
 docs: $(VENV)/.installed

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from torch import nn
@@ -183,7 +184,7 @@ def run_demo(
     _print_comparison(result, console)
     kopt.print_summary(console=console)
     path = kopt.save_profile(profile_path)
-    console.print(f"profile written to [bold]{path}[/]")
+    console.print(f"profile written to [bold]{escape(str(path))}[/]", soft_wrap=True)
     return result
 
 

@@ -19,6 +19,9 @@ from triton.testing import do_bench
 
 from kitsune.kernels import newton_schulz as ns
 
+KERNELS = ("_prologue_kernel", "_syrk_kernel", "_poly_kernel")
+"""The Triton kernels of a call (any other kernel in the profile is not the call's)."""
+
 
 def kernel_times(fn, calls: int) -> list[tuple[str, float]]:
     """(name, ms) of every GPU kernel of ``calls`` calls of ``fn``, in launch order."""
@@ -28,7 +31,7 @@ def kernel_times(fn, calls: int) -> list[tuple[str, float]]:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and e.name in KERNELS]
     events.sort(key=lambda e: e.time_range.start)
     return [(e.name, e.time_range.elapsed_us() / 1e3) for e in events]
 
@@ -77,10 +80,36 @@ def split_times(x: torch.Tensor, plan: list) -> dict[str, float]:
     return times
 
 
+def syrk_variants(x: torch.Tensor, plan: list, variants: list[ns.SyrkConfig], rounds: int = 2) -> dict[str, float]:
+    """The whole call with each Gram kernel config (the picked one first), timed in turns: median ms per config."""
+    batch, m, n = x.shape
+    picked = ns.pick_configs(m, n, batch, torch.bfloat16, x.device)
+    configs = {"picked": picked, **{repr(tuple(v)): (v, picked[1]) for v in variants}}
+    out = torch.empty_like(x)
+    times: dict[str, list[float]] = {k: [] for k in configs}
+    keys = list(configs)
+    for r in range(rounds * len(keys)):  # each config in each place of the order alike (the clocks follow the load)
+        for key in keys[r % len(keys) :] + keys[: r % len(keys)]:
+            cfg = configs[key]
+            call = lambda cfg=cfg: ns.newton_schulz_launch(x, out, plan, 1e-7, torch.bfloat16, cfg)  # noqa: E731
+            times[key].append(do_bench(call))
+    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+
+
+def parse_syrk(spec: str) -> list[ns.SyrkConfig]:
+    """``bm,bn,bk,warps,stages[,tma,persistent,flatten];...`` as Gram kernel configs."""
+    out = []
+    for item in filter(None, spec.split(";")):
+        v = [int(f) for f in item.split(",")]
+        out.append(ns.SyrkConfig(*v[:5], *(bool(f) for f in v[5:])))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="8x2048x2048,1x4096x4096")
     parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--syrk", default="", help="Gram configs to time against the picked one, see parse_syrk")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     plan = ns.schedule(ns.MUON_COEFFICIENTS, 5)
@@ -121,6 +150,11 @@ def main(argv: list[str] | None = None) -> int:
             k_txt = f"{k_ms:10.4f} {flops[key] / k_ms / 1e9:8.0f}" if k_ms else f"{'':>10} {'':>8}"
             print(f"  {key:<18} {k_txt} {c_ms:10.4f} {full / c_ms / 1e9:8.0f}", flush=True)
         print(f"  prologue {row['kernels_ms'].get('prologue', float('nan')):.4f} ms", flush=True)
+        variants = parse_syrk(args.syrk)
+        if variants:
+            row["syrk_variants_ms"] = syrk_variants(x, plan, variants)
+            for key, ms in row["syrk_variants_ms"].items():
+                print(f"  gram config {key:<60} {ms:8.4f} ms", flush=True)
         if batch > 1:
             row["split_ms"] = split_times(x, plan)
             for key, ms in row["split_ms"].items():

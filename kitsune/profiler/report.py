@@ -27,9 +27,10 @@ def run_report(args: argparse.Namespace, console: Console | None = None) -> int:
         return 2
     render_summary(profile, console)
     if args.html is not None:
-        console.print(f"wrote {write_html(profile, args.html)}")
+        console.print(f"wrote {write_html(profile, args.html)}", soft_wrap=True, markup=False)  # a path, whole
     if args.trace is not None:
-        console.print(f"wrote {export_chrome_trace(profile, args.trace)} (open it in chrome://tracing or Perfetto)")
+        trace = export_chrome_trace(profile, args.trace)
+        console.print(f"wrote {trace} (open it in chrome://tracing or Perfetto)", soft_wrap=True, markup=False)
     return 0
 
 
