@@ -52,3 +52,31 @@ def test_step_rows_include_the_fusion_planner():
     print_muon_results(result, Console(file=out, width=200))
     assert "KitsuneOptimizer(torch.optim.Muon, enable_fusion=True)" in out.getvalue()
     assert out.getvalue().count("4.00x") == 2
+
+
+def test_step_timing_rotates_the_order_and_warms_each_optimizer(monkeypatch):
+    """The Muon step's rows are timed in rounds, the order rotated each round, each optimizer stepped untimed just
+    before its timed steps (the logic, on CPU tensors, each row an SGD that logs its steps)."""
+    from kitsune.bench import muon
+
+    log: list[str] = []
+
+    def recording(name):
+        def factory(params):
+            opt = torch.optim.SGD(params, lr=0.1)
+            opt.register_step_post_hook(lambda *_: log.append(name))
+            return opt
+
+        return factory
+
+    variants = {name: (label, recording(name)) for name, (label, _) in muon.STEP_VARIANTS.items()}
+    monkeypatch.setattr(muon, "STEP_VARIANTS", variants)
+    monkeypatch.setattr(muon, "STEP_SHAPES", [(6, 10), (6, 10)])
+    result = muon._muon_step(torch.device("cpu"), steps=6, rounds=3)  # 2 timed steps per round and optimizer
+    runs = [name for i, name in enumerate(log) if i == 0 or log[i - 1] != name]
+    assert runs == ["torch", "kitsune", "planner"] + ["torch", "kitsune", "planner", "kitsune", "planner", "torch",
+                                                     "planner", "torch", "kitsune"]  # fmt: skip
+    # 3 to warm up; then per round 2 untimed, 2 for the device timer and 2 for the host timer
+    assert all(log.count(name) == 3 + 3 * 6 for name in variants)
+    assert set(result) == {"torch", "kitsune", "planner", "speedup", "planner_speedup"}
+    assert result["speedup"] == result["torch"]["device_ms"] / result["kitsune"]["device_ms"] > 0
