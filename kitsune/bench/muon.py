@@ -79,6 +79,18 @@ def _ms(fn) -> float:
     return do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
+def _warm_stepper(make: Factory, device: torch.device, gen: torch.Generator) -> Callable[[], object]:
+    """The ``step`` of an optimizer from ``make`` over fresh ``STEP_SHAPES`` params with random grads, after three
+    steps (compile, create state, capture)."""
+    params = [torch.nn.Parameter(torch.randn(s, device=device, generator=gen)) for s in STEP_SHAPES]
+    for p in params:
+        p.grad = torch.randn(p.shape, device=device, generator=gen)
+    opt = make(params)
+    for _ in range(3):
+        opt.step()
+    return opt.step
+
+
 STEP_ROUNDS = 6
 """Rounds of the Muon step's timing; each round times every optimizer, in an order rotated round by round."""
 
@@ -89,33 +101,22 @@ def _muon_step(device: torch.device, steps: int, rounds: int = STEP_ROUNDS) -> d
     drawn just before: a step timed right after torch.optim.Muon's host-bound steps ran ~10% faster on an H100 than
     one timed after another kitsune step). ``steps`` timed steps per optimizer in all."""
     gen = torch.Generator(device).manual_seed(0)
-    results: dict[str, Any] = {}
-    opts: dict[str, torch.optim.Optimizer] = {}
-    for name, (_, make) in STEP_VARIANTS.items():
-        results[name] = None
-        if make is None:
-            continue
-        params = [torch.nn.Parameter(torch.randn(s, device=device, generator=gen)) for s in STEP_SHAPES]
-        for p in params:
-            p.grad = torch.randn(p.shape, device=device, generator=gen)
-        opts[name] = make(params)
-        for _ in range(3):  # compile, create state, capture
-            opts[name].step()
+    results: dict[str, Any] = {name: None for name in STEP_VARIANTS}
+    steppers = {name: _warm_stepper(make, device, gen) for name, (_, make) in STEP_VARIANTS.items() if make}
     per_round = max(1, -(-steps // rounds))
-    device_ms: dict[str, list[float]] = {name: [] for name in opts}
-    host_ms: dict[str, list[float]] = {name: [] for name in opts}
-    names = list(opts)
+    device_ms: dict[str, list[float]] = {name: [] for name in steppers}
+    host_ms: dict[str, list[float]] = {name: [] for name in steppers}
+    names = list(steppers)
     for r in range(rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
-            opt = opts[name]
             for _ in range(per_round):
-                opt.step()
-            times = time_steps(opt.step, per_round, device)
+                steppers[name]()
+            times = time_steps(steppers[name], per_round, device)
             device_ms[name] += times.device_ms
             host_ms[name] += times.host_ms
-    for name in opts:
+    for name in steppers:
         results[name] = {"device_ms": percentile(device_ms[name], 50), "host_ms": percentile(host_ms[name], 50)}
-    del opts
+    del steppers  # the optimizers, their params and state: nothing else holds them
     if device.type == "cuda":
         torch.cuda.empty_cache()
     if results["torch"] is not None:
