@@ -1,8 +1,10 @@
 """Where a Newton-Schulz call's time goes on a GPU: each kernel of a 5-iteration call (torch.profiler, averaged per
-position in the iteration), next to cuBLAS doing the same products (``torch.bmm``/``torch.baddbmm``), with TFLOP/s
-of the work each product does (the Gram products count their symmetric half).
+position in the iteration), next to cuBLAS doing the same products (``torch.bmm``/``torch.baddbmm``, the latter
+without the ``a I``), with TFLOP/s of the work each product does (the Gram products count their symmetric half).
+With ``--syrk``/``--poly``, other kernel configs are timed against the picked ones in rotating turns.
 
 python scripts/ns-breakdown.py --json $OUT/ns-breakdown.json     # 8 x 2048^2 and 4096^2
+python scripts/ns-breakdown.py --shapes 1x4096x4096 --poly 'cublas;triton'   # B' X in cuBLAS against Triton, in turns
 """
 
 from __future__ import annotations
@@ -45,9 +47,8 @@ def cublas_times(batch: int, m: int, n: int, a: float, b: float, c: float) -> di
     o_mn = torch.empty(batch, m, n, device="cuda", dtype=torch.bfloat16)
     return {
         "gram X X^T": do_bench(lambda: torch.bmm(xs, xs.transpose(1, 2), out=o_mm), rep=300),
-        "B = b A + c A A": do_bench(lambda: torch.baddbmm(sym, sym, sym, beta=b, alpha=c, out=o_mm), rep=300),
-        "a X + B X": do_bench(lambda: torch.baddbmm(xs, sym, xs, beta=a, out=o_mn), rep=300),
-        "B X": do_bench(lambda: torch.bmm(sym, xs, out=o_mn), rep=300),
+        "B' = b A + c A A + a I": do_bench(lambda: torch.baddbmm(sym, sym, sym, beta=b, alpha=c, out=o_mm), rep=300),
+        "B' X": do_bench(lambda: torch.bmm(sym, xs, out=o_mn), rep=300),
     }
 
 
@@ -80,19 +81,42 @@ def split_times(x: torch.Tensor, plan: list) -> dict[str, float]:
     return times
 
 
-def syrk_variants(x: torch.Tensor, plan: list, variants: list[ns.SyrkConfig], rounds: int = 2) -> dict[str, float]:
-    """The whole call with each Gram kernel config (the picked one first), timed in turns: median ms per config."""
+def _timed_call(x: torch.Tensor, out: torch.Tensor, plan: list, cfg: tuple) -> object:
+    """The call with these configs as ``newton_schulz`` would make it: replayed from a CUDA graph where it replays
+    one (small calls), launched directly otherwise."""
+    call = lambda: ns.newton_schulz_launch(x, out, plan, 1e-7, torch.bfloat16, cfg)  # noqa: E731
+    if x.numel() > ns.GRAPH_MAX_ELEMENTS:
+        return call
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile outside the capture
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return graph.replay
+
+
+def config_variants(
+    x: torch.Tensor, plan: list, syrks: list[ns.SyrkConfig], polys: list[ns.PolyConfig], rounds: int = 2
+) -> dict[str, float]:
+    """The whole call with each Gram (or product) kernel config, the other kernel's picked, timed in turns against
+    the picked pair: median ms per config."""
     batch, m, n = x.shape
     picked = ns.pick_configs(m, n, batch, torch.bfloat16, x.device)
-    configs = {"picked": picked, **{repr(tuple(v)): (v, picked[1]) for v in variants}}
+    configs = {
+        "picked": picked,
+        **{f"gram {tuple(v)!r}": (v, picked[1]) for v in syrks},
+        **{f"product {tuple(v)!r}": (picked[0], v) for v in polys},
+    }
     out = torch.empty_like(x)
+    calls = {key: _timed_call(x, out, plan, cfg) for key, cfg in configs.items()}
     times: dict[str, list[float]] = {k: [] for k in configs}
     keys = list(configs)
     for r in range(rounds * len(keys)):  # each config in each place of the order alike (the clocks follow the load)
         for key in keys[r % len(keys) :] + keys[: r % len(keys)]:
-            cfg = configs[key]
-            call = lambda cfg=cfg: ns.newton_schulz_launch(x, out, plan, 1e-7, torch.bfloat16, cfg)  # noqa: E731
-            times[key].append(do_bench(call))
+            times[key].append(do_bench(calls[key]))
     return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
 
 
@@ -105,11 +129,25 @@ def parse_syrk(spec: str) -> list[ns.SyrkConfig]:
     return out
 
 
+def parse_poly(spec: str, picked: ns.PolyConfig) -> list[ns.PolyConfig]:
+    """``bm,bn,bk,group,warps,stages[,tma,persistent,flatten,cublas];...`` as product configs; ``cublas`` alone is
+    the picked config with the product handed to cuBLAS, ``triton`` the picked one in Triton."""
+    out = []
+    for item in filter(None, spec.split(";")):
+        if item in ("cublas", "triton"):
+            out.append(picked._replace(cublas=item == "cublas"))
+            continue
+        v = [int(f) for f in item.split(",")]
+        out.append(ns.PolyConfig(*v[:6], *(bool(f) for f in v[6:])))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="8x2048x2048,1x4096x4096")
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--syrk", default="", help="Gram configs to time against the picked one, see parse_syrk")
+    parser.add_argument("--poly", default="", help="product configs to time against the picked one, see parse_poly")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     plan = ns.schedule(ns.MUON_COEFFICIENTS, 5)
@@ -124,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             ns.newton_schulz_launch(x, out, plan, 1e-7, torch.bfloat16)
 
         row["kitsune_ms"] = do_bench(call, rep=300)
-        names = ["prologue"] + ["gram X X^T", "B = b A + c A A", "a X + B X"] * len(plan)
+        names = ["prologue"] + ["gram X X^T", "B' = b A + c A A + a I", "B' X"] * len(plan)
         per: dict[str, list[float]] = defaultdict(list)
         times = kernel_times(call, args.calls)
         if len(times) == args.calls * len(names):
@@ -137,24 +175,24 @@ def main(argv: list[str] | None = None) -> int:
         row["cublas_ms"] = cublas_times(batch, m, n, *plan[0])
         flops = {
             "gram X X^T": batch * m * m * n,  # the symmetric half: m^2 n multiply-adds
-            "B = b A + c A A": batch * m**3,
-            "a X + B X": 2 * batch * m * m * n,
-            "B X": 2 * batch * m * m * n,
+            "B' = b A + c A A + a I": batch * m**3,
+            "B' X": 2 * batch * m * m * n,
         }
         print(f"== {spec}: kitsune {row['kitsune_ms']:.4f} ms per 5-iteration call", flush=True)
         print(f"  {'product':<18} {'kitsune ms':>10} {'TFLOP/s':>8} {'cuBLAS ms':>10} {'TFLOP/s':>8}")
         for key in flops:
             k_ms = row["kernels_ms"].get(key)
             c_ms = row["cublas_ms"][key]
-            full = flops[key] * (2 if key.startswith(("gram", "B =")) else 1)  # cuBLAS computes both halves
+            full = flops[key] * (2 if key.startswith(("gram", "B' =")) else 1)  # cuBLAS computes both halves
             k_txt = f"{k_ms:10.4f} {flops[key] / k_ms / 1e9:8.0f}" if k_ms else f"{'':>10} {'':>8}"
             print(f"  {key:<18} {k_txt} {c_ms:10.4f} {full / c_ms / 1e9:8.0f}", flush=True)
         print(f"  prologue {row['kernels_ms'].get('prologue', float('nan')):.4f} ms", flush=True)
-        variants = parse_syrk(args.syrk)
-        if variants:
-            row["syrk_variants_ms"] = syrk_variants(x, plan, variants)
-            for key, ms in row["syrk_variants_ms"].items():
-                print(f"  gram config {key:<60} {ms:8.4f} ms", flush=True)
+        syrks = parse_syrk(args.syrk)
+        polys = parse_poly(args.poly, ns.pick_configs(m, n, batch, torch.bfloat16, x.device)[1])
+        if syrks or polys:
+            row["variants_ms"] = config_variants(x, plan, syrks, polys)
+            for key, ms in row["variants_ms"].items():
+                print(f"  {key:<72} {ms:8.4f} ms", flush=True)
         if batch > 1:
             row["split_ms"] = split_times(x, plan)
             for key, ms in row["split_ms"].items():

@@ -6,23 +6,27 @@ cover the whole batch, grid (tiles, batch):
 
 1. ``A = X X^T`` (:func:`_syrk_kernel`): only the tiles ``(i, j)`` with ``i <= j`` are computed, each stored at
    ``(i, j)`` and, transposed, at ``(j, i)``. Half the FLOPs of a plain matmul.
-2. ``B = b A + c A A``, the same kernel: ``A`` is symmetric, so ``A A = A A^T`` is a Gram matrix too; the ``b A +``
-   is its epilogue (the ``(i, j)`` tile of ``A`` read once more). Half the FLOPs again.
-3. ``X <- a X + B X`` (:func:`_poly_kernel`): a plain tiled matmul with ``a X +`` in its epilogue; the last
-   iteration writes the caller's output directly, transposed back through its strides.
+2. ``B' = b A + c A A + a I``, the same kernel: ``A`` is symmetric, so ``A A = A A^T`` is a Gram matrix too; the
+   ``b A + a I`` is its epilogue (the ``(i, j)`` tile of ``A`` read once more, ``a`` added on the diagonal). Half
+   the FLOPs again.
+3. ``X <- B' X`` (:func:`_poly_kernel`), which is ``a X + B X``: a plain tiled matmul with nothing left in its
+   epilogue (the ``a X`` term used to be added there, reading ``X`` once more: 0.211 against 0.177 ms at 4096^2
+   on an H100); the last iteration writes the caller's output directly, transposed back through its strides.
 
 So an iteration costs ``m^2 n + m^3 + 2 m^2 n`` FLOPs instead of ``4 m^2 n + 2 m^3``: two thirds for a square matrix.
-Operands are bf16 (or fp32 on request) and every product accumulates in fp32; ``A``, ``B`` and ``X`` are rounded to
-the operand dtype when stored, as torch's bf16 matmuls round them.
+Operands are bf16 (or fp32 on request) and every product accumulates in fp32; ``A``, ``B'`` and ``X`` are rounded
+to the operand dtype when stored, as torch's bf16 matmuls round them (``B'``'s diagonal carries ``a`` through that
+rounding: the relative error against float64 stays within the same band as torch's own bf16 iteration).
 
 The Frobenius normalisation ``X / max(||X||_F, eps)`` (torch.optim.Muon's clamp; Keller Jordan's original adds
 ``eps`` instead, which differs only for norms near ``eps``) is folded into the first iteration's epilogues. One
 prologue launch (:func:`_prologue_kernel`) rounds the input to the operand dtype (skipped when it already is) and
 sums its squares per matrix into a few partials; the first ``A = X X^T`` runs on that unnormalised ``X`` and scales
-its fp32 accumulator by ``s^2``, ``s = 1 / max(sqrt(sum), eps)``, before rounding; the first ``a X + B X`` scales by
-``s``. So the normalised ``X`` is never stored, the first iteration runs at the speed of the others, and ``A`` is
-normalised before ``A A``, where tiny gradients would otherwise leave fp32's range. (Scaling each tile as the first
-Gram loaded it cost 4x that launch on an H100.)
+its fp32 accumulator by ``s^2``, ``s = 1 / max(sqrt(sum), eps)``, before rounding; the first ``B'`` is scaled by
+``s``, so its product with the unnormalised ``X`` is the normalised iteration. So the normalised ``X`` is never
+stored, the first iteration runs at the speed of the others, and ``A`` is normalised before ``A A``, where tiny
+gradients would otherwise leave fp32's range. (Scaling each tile as the first Gram loaded it cost 4x that launch
+on an H100.)
 """
 
 from __future__ import annotations
@@ -120,18 +124,19 @@ def _syrk_kernel(
     stride_xm,
     stride_xk,
     c_ptr,  # (batch, M, M) contiguous, DTYPE: read with HAS_C
-    out_ptr,  # (batch, M, M) contiguous, DTYPE: alpha X X^T (+ beta C); FIRST: X X^T / max(||X||_F, eps)^2
+    out_ptr,  # (batch, M, M) contiguous, DTYPE: alpha X X^T (+ beta C + diag I), times s^NORM
     tiles,  # (n_tiles, 2) int32: (i, j), j >= i: row block i, column blocks j .. j + BLOCK_N / BLOCK_M - 1
     n_tiles,
     batch,
-    partials,  # (batch, P) fp32 sums of squares, read with FIRST
+    partials,  # (batch, P) fp32 sums of squares, read with NORM
     M,
     K,
     P,
     eps,
     alpha,
     beta,
-    FIRST: tl.constexpr,
+    diag,  # with HAS_C: added on the diagonal
+    NORM: tl.constexpr,  # 0, 1 or 2: the result times s^NORM, s = 1 / max(||X||_F, eps)
     HAS_C: tl.constexpr,
     DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -149,21 +154,21 @@ def _syrk_kernel(
         for t in tl.range(tl.program_id(0), n_tiles * batch, tl.num_programs(0), flatten=FLATTEN):
             _syrk_tile(
                 t % n_tiles, (t // n_tiles).to(tl.int64), x_ptr, xr_desc, xc_desc, stride_xb, stride_xm, stride_xk,
-                c_ptr, out_ptr, tiles, partials, M, K, P, eps, alpha, beta, FIRST, HAS_C, DTYPE, PRECISION,
+                c_ptr, out_ptr, tiles, partials, M, K, P, eps, alpha, beta, diag, NORM, HAS_C, DTYPE, PRECISION,
                 RNE_BF16, EVEN_K, TMA, P_BLOCK, BLOCK_M, BLOCK_N, BLOCK_K,
             )  # fmt: skip
     else:
         _syrk_tile(
             tl.program_id(0), tl.program_id(1).to(tl.int64), x_ptr, xr_desc, xc_desc, stride_xb, stride_xm,
-            stride_xk, c_ptr, out_ptr, tiles, partials, M, K, P, eps, alpha, beta, FIRST, HAS_C, DTYPE, PRECISION,
-            RNE_BF16, EVEN_K, TMA, P_BLOCK, BLOCK_M, BLOCK_N, BLOCK_K,
+            stride_xk, c_ptr, out_ptr, tiles, partials, M, K, P, eps, alpha, beta, diag, NORM, HAS_C, DTYPE,
+            PRECISION, RNE_BF16, EVEN_K, TMA, P_BLOCK, BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
 
 
 @triton.jit
 def _syrk_tile(
     pid, b, x_ptr, xr_desc, xc_desc, stride_xb, stride_xm, stride_xk, c_ptr, out_ptr, tiles, partials, M, K, P, eps,
-    alpha, beta, FIRST: tl.constexpr, HAS_C: tl.constexpr, DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    alpha, beta, diag, NORM: tl.constexpr, HAS_C: tl.constexpr, DTYPE: tl.constexpr, PRECISION: tl.constexpr,
     RNE_BF16: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, P_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
@@ -196,14 +201,17 @@ def _syrk_tile(
             acc = _dot(xr, tl.trans(xc), acc, PRECISION, RNE_BF16)
             x_r += BLOCK_K * stride_xk
             x_c += BLOCK_K * stride_xk
-    if FIRST:  # normalise: A = (s X)(s X)^T
+    if NORM == 2:  # the first Gram, normalised: A = (s X)(s X)^T
         s = _inv_norm(partials, b, P, eps, P_BLOCK)
         acc *= s * s
     base = b * M * M
     mask = (rows[:, None] < M) & (cols[None, :] < M)
-    if HAS_C:  # B = c A A + b A: the tile of A, once
+    if HAS_C:  # B' = c A A + b A + a I: the tile of A, once, and a on the diagonal
         c = tl.load(c_ptr + base + rows[:, None] * M + cols[None, :], mask=mask, other=0.0)
         acc = alpha * acc + beta * c.to(tl.float32)
+        acc += tl.where(rows[:, None] == cols[None, :], diag, 0.0)
+    if NORM == 1:  # the first iteration's B' carries s, for the unnormalised X0 it multiplies
+        acc *= _inv_norm(partials, b, P, eps, P_BLOCK)
     out = _cast(acc, DTYPE, RNE_BF16)
     tl.store(out_ptr + base + rows[:, None] * M + cols[None, :], out, mask=mask)
     # the mirror: blocks (j, i) get the transpose; the diagonal block is its own mirror, stored once (the masks
@@ -214,25 +222,20 @@ def _syrk_tile(
 
 @triton.jit
 def _poly_kernel(
-    b_ptr,  # (batch, M, M) contiguous, DTYPE: B = b A + c A A
-    b_desc,  # with TMA: descriptors of B as (batch * M, M), blocks (BLOCK_M, BLOCK_K), and of X as (batch * M, N),
+    b_ptr,  # (batch, M, M) contiguous, DTYPE: B' = b A + c A A + a I
+    b_desc,  # with TMA: descriptors of B' as (batch * M, M), blocks (BLOCK_M, BLOCK_K), and of X as (batch * M, N),
     x_desc,  # blocks (BLOCK_K, BLOCK_N)
-    x_ptr,  # (batch, M, N) through strides, DTYPE (FIRST: the unnormalised X, maybe a transposed view)
+    x_ptr,  # (batch, M, N) through strides, DTYPE (the first iteration: the unnormalised X0, maybe a transposed view)
     stride_xb,
     stride_xm,
     stride_xn,
-    out_ptr,  # (batch, M, N) through strides: a X + B X (FIRST: s (a X + B X), s = 1 / max(||X||_F, eps))
+    out_ptr,  # (batch, M, N) through strides: B' X
     stride_ob,
     stride_om,
     stride_on,
-    partials,  # (batch, P) fp32 sums of squares, read with FIRST
     batch,
     M,
     N,
-    P,
-    eps,
-    a,
-    FIRST: tl.constexpr,
     DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
     RNE_BF16: tl.constexpr,
@@ -240,7 +243,6 @@ def _poly_kernel(
     TMA: tl.constexpr,  # only with EVEN_K: a k block past M would read the next matrix's rows of X
     PERSISTENT: tl.constexpr,
     FLATTEN: tl.constexpr,
-    P_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -251,23 +253,22 @@ def _poly_kernel(
         for t in tl.range(tl.program_id(0), n_tiles * batch, tl.num_programs(0), flatten=FLATTEN):
             _poly_tile(
                 t % n_tiles, (t // n_tiles).to(tl.int64), b_ptr, b_desc, x_desc, x_ptr, stride_xb, stride_xm,
-                stride_xn, out_ptr, stride_ob, stride_om, stride_on, partials, M, N, P, eps, a, FIRST, DTYPE,
-                PRECISION, RNE_BF16, EVEN_K, TMA, P_BLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                stride_xn, out_ptr, stride_ob, stride_om, stride_on, M, N, DTYPE, PRECISION, RNE_BF16, EVEN_K, TMA,
+                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
             )  # fmt: skip
     else:
         _poly_tile(
             tl.program_id(0), tl.program_id(1).to(tl.int64), b_ptr, b_desc, x_desc, x_ptr, stride_xb, stride_xm,
-            stride_xn, out_ptr, stride_ob, stride_om, stride_on, partials, M, N, P, eps, a, FIRST, DTYPE, PRECISION,
-            RNE_BF16, EVEN_K, TMA, P_BLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+            stride_xn, out_ptr, stride_ob, stride_om, stride_on, M, N, DTYPE, PRECISION, RNE_BF16, EVEN_K, TMA,
+            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
         )  # fmt: skip
 
 
 @triton.jit
 def _poly_tile(
     pid, b, b_ptr, b_desc, x_desc, x_ptr, stride_xb, stride_xm, stride_xn, out_ptr, stride_ob, stride_om, stride_on,
-    partials, M, N, P, eps, a, FIRST: tl.constexpr, DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-    RNE_BF16: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, P_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    M, N, DTYPE: tl.constexpr, PRECISION: tl.constexpr, RNE_BF16: tl.constexpr, EVEN_K: tl.constexpr,
+    TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """One tile of :func:`_poly_kernel`: tile ``pid`` of matrix ``b``."""
     grid_m = tl.cdiv(M, BLOCK_M)
@@ -301,10 +302,6 @@ def _poly_tile(
             b_tile += BLOCK_K
             x_tile += BLOCK_K * stride_xm
     mask = (rows[:, None] < M) & (cols[None, :] < N)
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn, mask=mask, other=0.0)
-    acc += a * x.to(tl.float32)
-    if FIRST:  # X was unnormalised: a (s X) + B (s X)
-        acc *= _inv_norm(partials, b, P, eps, P_BLOCK)
     out = _cast(acc, DTYPE, RNE_BF16)
     tl.store(out_ptr + b * stride_ob + rows[:, None] * stride_om + cols[None, :] * stride_on, out, mask=mask)
 
@@ -340,6 +337,9 @@ class PolyConfig(NamedTuple):
     tma: bool = False
     persistent: bool = False
     flatten: bool = False
+    cublas: bool = False
+    """Hand the product ``B' X`` to cuBLAS (``torch.bmm``) instead of :func:`_poly_kernel`: it has no epilogue
+    left to fuse (``a`` sits on ``B'``'s diagonal). bf16 only: fp32 would follow torch's TF32 switch."""
 
 
 def pick_configs(m: int, n: int, batch: int, dtype: torch.dtype, device: torch.device) -> tuple[SyrkConfig, PolyConfig]:
@@ -348,8 +348,8 @@ def pick_configs(m: int, n: int, batch: int, dtype: torch.dtype, device: torch.d
     The interpreter takes the smallest tiles ``tl.dot`` allows there (16; Gram tiles two blocks wide), so small test
     matrices still span several tiles, partial ones included. On a GPU, the best of sweeps on an H100 (Triton 3.6,
     ``scripts/ns-sweep.py``) once a launch has about a wave of tiles: Gram 128 x 128 (4 warps, 3 stages),
-    ``a X + B X`` 128 x 256 (8 warps, 3 stages, groups of 16 row blocks), 740 TFLOP/s at 4096^2, where TMA loads and
-    a persistent grid measured no faster. Where the k loops are short (m <= 2048) and there are several waves of
+    ``B' X`` 128 x 256 (8 warps, 3 stages, groups of 16 row blocks), 778 TFLOP/s at 4096^2 (cuBLAS: 747), where TMA
+    loads and a persistent grid measured no faster. Where the k loops are short (m <= 2048) and there are several waves of
     tiles (a batch, as Muon's same-shape matrices are), the per-tile epilogue weighs more: TMA loads and a persistent
     grid with the tile and k loops pipelined as one, Gram tiles two blocks wide (8 x 2048^2: 2.59 ms against 2.74).
     Below a wave (1024^2): 64-row tiles, Gram tiles two blocks wide.
@@ -459,7 +459,9 @@ def newton_schulz_launch(
         "GROUP_M": poly.group_m,
         "num_warps": poly.num_warps,
         "num_stages": poly.num_stages,
-        **common,
+        "DTYPE": tl_dtype,
+        "PRECISION": precision,
+        "RNE_BF16": INTERPRETED,
     }
     sms = _num_sms(x.device)
     if syrk.persistent:
@@ -502,20 +504,25 @@ def newton_schulz_launch(
             descs, p_descs = x_descs[x_now.data_ptr()]
             _syrk_kernel[syrk_grid](  # A = X X^T (the first: of the unnormalised X0, scaled by s^2)
                 x_now, *descs, *x_strides, gram, gram, tiles, tiles.shape[0], batch, partials, m, n, parts, eps,
-                1.0, 0.0, FIRST=first, HAS_C=False, EVEN_K=n % syrk.block_k == 0, TMA=descs[0] is not None,
-                **syrk_meta,
+                1.0, 0.0, 0.0, NORM=2 if first else 0, HAS_C=False, EVEN_K=n % syrk.block_k == 0,
+                TMA=descs[0] is not None, **syrk_meta,
             )  # fmt: skip
-            _syrk_kernel[syrk_grid](  # B = c A A + b A, where A A = A A^T
+            _syrk_kernel[syrk_grid](  # B' = c A A + b A + a I, where A A = A A^T (the first: times s)
                 gram, *gram_descs, *gram.stride(), gram, poly_b, tiles, tiles.shape[0], batch, partials, m, m,
-                parts, eps, c, b, FIRST=False, HAS_C=True, EVEN_K=m % syrk.block_k == 0,
+                parts, eps, c, b, a, NORM=1 if first else 0, HAS_C=True, EVEN_K=m % syrk.block_k == 0,
                 TMA=gram_descs[0] is not None, **syrk_meta,
             )  # fmt: skip
             last = it == len(coefficients) - 1
             target = out if last else xs[it % 2]
-            _poly_kernel[poly_grid](  # X = a X + B X, the last one straight into out, transposed back
-                poly_b, *p_descs, x_now, *x_strides, target, *(out_strides if last else target.stride()), partials,
-                batch, m, n, parts, eps, a, FIRST=first, TMA=p_descs[0] is not None, **poly_meta,
-            )  # fmt: skip
+            t_strides = out_strides if last else target.stride()
+            if poly.cublas:  # X = B' X, a plain product: cuBLAS, through strides both ways
+                rhs = x_now.as_strided((batch, m, n), x_strides)
+                torch.bmm(poly_b, rhs, out=target.as_strided((batch, m, n), t_strides))
+            else:
+                _poly_kernel[poly_grid](  # X = B' X, the last one straight into out, transposed back
+                    poly_b, *p_descs, x_now, *x_strides, target, *t_strides, batch, m, n,
+                    TMA=p_descs[0] is not None, **poly_meta,
+                )  # fmt: skip
             x_now, x_strides = target, target.stride()
 
 

@@ -174,6 +174,33 @@ def test_tma_and_persistent_variants_compute_the_same_bits(shape, variant, devic
         assert any(d is None for d in made) == (shape in [(96, 64), (2, 20, 36)])
 
 
+@pytest.mark.parametrize("shape", [(64, 80), (96, 64), (3, 48, 96)], ids=str)
+def test_product_handed_to_torch_bmm_matches_float64(shape, device, monkeypatch):
+    """With ``cublas`` the product ``B' X`` runs as ``torch.bmm`` (cuBLAS on a GPU), through the same strides: the
+    tall (96, 64) reads X transposed in its first iteration and writes the result transposed back. Other sums than
+    the Triton product, so close to it rather than equal; and no Triton product kernel is launched."""
+    g = _randn(shape, 11, device)
+    x = g.unsqueeze(0) if g.dim() == 2 else g
+    plan = ns.schedule(MUON_COEFFICIENTS, 3)
+    m, n = sorted(x.shape[1:])
+    syrk, poly = ns.pick_configs(m, n, x.shape[0], torch.bfloat16, x.device)
+    triton_out = torch.empty(x.shape, dtype=torch.bfloat16, device=device)
+    ns.newton_schulz_launch(x, triton_out, plan, 1e-7, torch.bfloat16, (syrk, poly))
+    launched = []
+
+    class Recorder:  # stands in for the Triton product kernel: ``_poly_kernel[grid](...)`` records the launch
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append(grid)
+
+    monkeypatch.setattr(ns, "_poly_kernel", Recorder())
+    got = torch.empty_like(triton_out)
+    ns.newton_schulz_launch(x, got, plan, 1e-7, torch.bfloat16, (syrk, poly._replace(cublas=True)))
+    assert launched == []
+    assert rel_err(got, reference(x, 3)) < REL_ERR[torch.bfloat16]
+    assert rel_err(got, triton_out) < REL_ERR[torch.bfloat16]
+    assert not torch.equal(got, g.to(got.dtype).view_as(got))  # a result, not the input passed through
+
+
 # ---- GPU ----
 
 GPU_REL_ERR = 1.5e-2
@@ -213,15 +240,16 @@ def test_gpu_graph_replay_is_bitwise_the_direct_launches():
 @pytest.mark.cuda
 @pytest.mark.parametrize("shape", [(4, 1024, 1536), (1536, 1000)], ids=str)
 def test_gpu_tma_and_persistent_variants(shape):
-    """On the GPU the variants use other instructions (TMA, a looped grid) for the same sums: as close to float64
-    as the pointer-load kernels. (1536, 1000) is tall with rows of 2000 bytes: no descriptor for its first read."""
+    """On the GPU the variants use other instructions (TMA, a looped grid, cuBLAS for ``B' X``) for the same sums:
+    as close to float64 as the pointer-load kernels. (1536, 1000) is tall with rows of 2000 bytes: no descriptor for its first read."""
     g = torch.randn(shape, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     x = g.unsqueeze(0) if g.dim() == 2 else g
     plan = ns.schedule(MUON_COEFFICIENTS, 5)
     m, n = sorted(x.shape[1:])
     syrk, poly = ns.pick_configs(m, n, x.shape[0], torch.bfloat16, x.device)
     exact = reference(x)
-    for kw in ({"tma": True}, {"tma": True, "persistent": True, "flatten": True}):
+    tma, looped = {"tma": True}, {"tma": True, "persistent": True, "flatten": True}
+    for s_kw, p_kw in ((tma, tma), (looped, looped), ({}, {"cublas": True})):
         out = torch.empty(x.shape, dtype=torch.bfloat16, device="cuda")
-        ns.newton_schulz_launch(x, out, plan, 1e-7, torch.bfloat16, (syrk._replace(**kw), poly._replace(**kw)))
+        ns.newton_schulz_launch(x, out, plan, 1e-7, torch.bfloat16, (syrk._replace(**s_kw), poly._replace(**p_kw)))
         assert rel_err(out, exact) < GPU_REL_ERR
