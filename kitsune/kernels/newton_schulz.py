@@ -349,9 +349,10 @@ def pick_configs(m: int, n: int, batch: int, dtype: torch.dtype, device: torch.d
     matrices still span several tiles, partial ones included. On a GPU, the best of sweeps on an H100 (Triton 3.6,
     ``scripts/ns-sweep.py``) once a launch has about a wave of tiles: Gram 128 x 128 (4 warps, 3 stages),
     ``B' X`` 128 x 256 (8 warps, 3 stages, groups of 16 row blocks), 778 TFLOP/s at 4096^2 (cuBLAS: 747), where TMA
-    loads and a persistent grid measured no faster. Where the k loops are short (m <= 2048) and there are several waves of
-    tiles (a batch, as Muon's same-shape matrices are), the per-tile epilogue weighs more: TMA loads and a persistent
-    grid with the tile and k loops pipelined as one, Gram tiles two blocks wide (8 x 2048^2: 2.59 ms against 2.74).
+    loads and a persistent grid measured no faster. Where the k loops are short (m <= 2048) and there are several
+    waves of tiles (a batch, as Muon's same-shape matrices are), the per-tile epilogue weighs more: TMA loads and a
+    persistent grid with the tile and k loops pipelined as one, Gram tiles two blocks wide (8 x 2048^2: 2.59 ms
+    against 2.74).
     Below a wave (1024^2): 64-row tiles, Gram tiles two blocks wide.
     """
     if device.type != "cuda":
@@ -530,7 +531,9 @@ class _Graph:
     """One captured :func:`newton_schulz_launch` with its own input and output buffers (and memory pool)."""
 
     def __init__(self, x: torch.Tensor, dtype: torch.dtype, plan: list[Coefficients], eps: float) -> None:
-        self.x = torch.empty_like(x, memory_format=torch.contiguous_format)
+        # the input buffer holds X0 in the operand dtype: the copy in rounds it (to nearest even, as the prologue
+        # would), so the graph's prologue only sums squares and an fp32 input is not moved twice
+        self.x = torch.empty(x.shape, dtype=dtype, device=x.device)
         self.x.copy_(x)
         self.out = torch.empty(x.shape, dtype=dtype, device=x.device)
         side = torch.cuda.Stream(x.device)
@@ -548,13 +551,12 @@ class _Graph:
         out.copy_(self.out)
 
 
-def graph_bytes(shape: Sequence[int], in_dtype: torch.dtype, dtype: torch.dtype) -> int:
-    """Memory a captured graph keeps: its input and output, X0, two X and A, B, the (m, m) Gram matrices."""
+def graph_bytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    """Memory a captured graph keeps: its input (X0) and output, two X and A, B', the (m, m) Gram matrices, all in
+    the operand dtype."""
     batch, m, n = shape
     m = min(m, n)
-    elements = batch * m * max(m, n)
-    size = dtype.itemsize
-    return elements * (in_dtype.itemsize + size * (1 + (in_dtype != dtype) + 2)) + 2 * batch * m * m * size
+    return (4 * batch * m * max(m, n) + 2 * batch * m * m) * dtype.itemsize
 
 
 GRAPH_MAX_ELEMENTS = 2**22
@@ -574,7 +576,7 @@ def _graph_for(x: torch.Tensor, dtype: torch.dtype, plan: list[Coefficients], ep
         return None
     key = (tuple(x.shape), x.dtype, x.device, dtype, tuple(plan), eps)
     if key not in _graphs:
-        nbytes = graph_bytes(x.shape, x.dtype, dtype)
+        nbytes = graph_bytes(x.shape, dtype)
         if nbytes > GRAPH_CACHE_BYTES:
             return None
         while _graphs and sum(b for _, b in _graphs.values()) + nbytes > GRAPH_CACHE_BYTES:

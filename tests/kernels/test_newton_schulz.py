@@ -241,7 +241,8 @@ def test_gpu_graph_replay_is_bitwise_the_direct_launches():
 @pytest.mark.parametrize("shape", [(4, 1024, 1536), (1536, 1000)], ids=str)
 def test_gpu_tma_and_persistent_variants(shape):
     """On the GPU the variants use other instructions (TMA, a looped grid, cuBLAS for ``B' X``) for the same sums:
-    as close to float64 as the pointer-load kernels. (1536, 1000) is tall with rows of 2000 bytes: no descriptor for its first read."""
+    as close to float64 as the pointer-load kernels. (1536, 1000) is tall with rows of 2000 bytes: no descriptor for
+    its first read."""
     g = torch.randn(shape, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     x = g.unsqueeze(0) if g.dim() == 2 else g
     plan = ns.schedule(MUON_COEFFICIENTS, 5)
