@@ -263,6 +263,21 @@ def test_partition_balances_each_bucket_and_the_whole():
     assert len(one) == 2  # one bucket per dtype
 
 
+def test_stage_one_reduces_each_segments_params_not_its_padding():
+    """A bucket whose ranks own very different amounts pads the short segments to the longest; stage 1's all-reduce
+    covers the elements that hold params in each segment only (a bucket of one large param: half the traffic)."""
+    from kitsune.distributed.zero import Bucket, partition
+
+    params = [torch.randn(1000), torch.randn(10), torch.randn(10)]
+    ((indices, owners, offsets, seg),) = partition(params, world=2, bucket_bytes=1 << 20)
+    bucket = Bucket([params[i] for i in indices], owners, offsets, seg, rank=0)
+    assert seg == 1024 and owners == [0, 1, 1]  # 1000 elements in 128-byte slots; the two small ones on rank 1
+    assert bucket.used == [1000, 32 + 10]  # rank 1's second param sits in the next 32-element slot
+    big = torch.randn(5000)
+    alone = partition([big], world=2, bucket_bytes=1 << 20)[0]
+    assert Bucket([big], *alone[1:], rank=1).used == [5000]  # nothing of rank 1's segment is reduced
+
+
 def test_stage_needs_a_process_group():
     from kitsune import KitsuneOptimizer
 

@@ -19,6 +19,7 @@ both each bucket and the whole model by numel. A bucket is one flat buffer of ``
 holds rank r's params back to back (slots aligned to 128 bytes, segments padded to the longest)::
 
     stage 1: grads -> flat, / world, all_reduce       every param's grad becomes a view of the flat buffer
+             (one all_reduce per segment, of its params, not its padding)
     stage 2: grads -> flat, / world, reduce_scatter   this rank's segment: its own params' grads (a flat shard);
                                                       every local grad is freed as soon as it is in the bucket
     after the update: own params -> own segment, all_gather -> copied into the params of the other ranks
@@ -68,6 +69,10 @@ class Bucket:
         self.device, self.dtype = params[0].device, params[0].dtype
         self.mine = [i for i, o in enumerate(owners) if o == rank]
         self.theirs = [i for i, o in enumerate(owners) if o != rank]
+        self.used = [0] * (max(owners) + 1)
+        """Per rank, the elements of its segment that hold params (the rest pads it to ``seg``)."""
+        for i, (o, off) in enumerate(zip(owners, offsets, strict=True)):
+            self.used[o] = max(self.used[o], off + params[i].numel())
         self.flat: torch.Tensor | None = None
         """Stage 1: the grads of every param in the bucket, ``world * seg`` elements, kept between steps."""
         self.shard: torch.Tensor | None = None
@@ -301,9 +306,11 @@ class ShardSubsystem(Subsystem):
         if empty and self.config.stage == 1:
             torch._foreach_zero_(empty)
         flat.div_(world)
-        if self.config.stage == 1:
-            work = dist.all_reduce(flat, group=self.group, async_op=True)
-            b.pending.append((work, None, None))
+        if self.config.stage == 1:  # each segment's params only: a bucket of one large param is mostly padding
+            for r, used in enumerate(b.used):
+                if used:
+                    work = dist.all_reduce(flat[r * b.seg : r * b.seg + used], group=self.group, async_op=True)
+                    b.pending.append((work, None, None))
             return
         for p in b.params:  # stage 2: the grads are in the bucket now; each rank keeps only its own, reduced
             p.grad = None
