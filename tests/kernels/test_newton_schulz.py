@@ -139,6 +139,19 @@ def test_inputs_are_checked(device):
             newton_schulz(**kwargs)
 
 
+def _launch_picked(shape, seed: int, device):
+    """A fresh random problem as ``(batch, m, n)``, the 3-iteration plan, the configs picked for it, and the result
+    of launching with them."""
+    g = _randn(shape, seed, device)
+    x = g.unsqueeze(0) if g.dim() == 2 else g
+    plan = ns.schedule(MUON_COEFFICIENTS, 3)
+    m, n = sorted(x.shape[1:])
+    configs = ns.pick_configs(m, n, x.shape[0], torch.bfloat16, x.device)
+    out = torch.empty(x.shape, dtype=torch.bfloat16, device=device)
+    ns.newton_schulz_launch(x, out, plan, 1e-7, torch.bfloat16, configs)
+    return x, plan, configs, out
+
+
 VARIANTS = {
     "tma": ({"tma": True}, {"tma": True}),
     "tma+persistent": ({"tma": True, "persistent": True}, {"tma": True, "persistent": True}),
@@ -151,16 +164,10 @@ VARIANTS = {
 def test_tma_and_persistent_variants_compute_the_same_bits(shape, variant, device, monkeypatch):
     """The TMA loads and the persistent grid change how tiles are fetched and scheduled, not what is summed in which
     order: the same bits as the pointer loads. (64, 80) and (96, 64) have a Gram side that is a multiple of the k
-    block, so ``a X + B X`` takes descriptors too; (96, 64) is tall, so its first iteration reads X through
+    block, so the product ``B' X`` takes descriptors too; (96, 64) is tall, so its first iteration reads X through
     transposed strides, where TMA cannot: pointer loads there, descriptors after. (2, 20, 36) has rows of 72 and 40
     bytes, no multiple of 16: pointer loads throughout."""
-    g = _randn(shape, 7, device)
-    x = g.unsqueeze(0) if g.dim() == 2 else g
-    plan = ns.schedule(MUON_COEFFICIENTS, 3)
-    m, n = sorted(x.shape[1:])
-    syrk, poly = ns.pick_configs(m, n, x.shape[0], torch.bfloat16, x.device)
-    base = torch.empty(x.shape, dtype=torch.bfloat16, device=device)
-    ns.newton_schulz_launch(x, base, plan, 1e-7, torch.bfloat16, (syrk, poly))
+    x, plan, (syrk, poly), base = _launch_picked(shape, 7, device)
     made = []
     descriptor = ns._descriptor
     monkeypatch.setattr(ns, "_descriptor", lambda *a: made.append(descriptor(*a)) or made[-1])
@@ -179,13 +186,7 @@ def test_product_handed_to_torch_bmm_matches_float64(shape, device, monkeypatch)
     """With ``cublas`` the product ``B' X`` runs as ``torch.bmm`` (cuBLAS on a GPU), through the same strides: the
     tall (96, 64) reads X transposed in its first iteration and writes the result transposed back. Other sums than
     the Triton product, so close to it rather than equal; and no Triton product kernel is launched."""
-    g = _randn(shape, 11, device)
-    x = g.unsqueeze(0) if g.dim() == 2 else g
-    plan = ns.schedule(MUON_COEFFICIENTS, 3)
-    m, n = sorted(x.shape[1:])
-    syrk, poly = ns.pick_configs(m, n, x.shape[0], torch.bfloat16, x.device)
-    triton_out = torch.empty(x.shape, dtype=torch.bfloat16, device=device)
-    ns.newton_schulz_launch(x, triton_out, plan, 1e-7, torch.bfloat16, (syrk, poly))
+    x, plan, (syrk, poly), triton_out = _launch_picked(shape, 11, device)
     launched = []
 
     class Recorder:  # stands in for the Triton product kernel: ``_poly_kernel[grid](...)`` records the launch
@@ -198,7 +199,7 @@ def test_product_handed_to_torch_bmm_matches_float64(shape, device, monkeypatch)
     assert launched == []
     assert rel_err(got, reference(x, 3)) < REL_ERR[torch.bfloat16]
     assert rel_err(got, triton_out) < REL_ERR[torch.bfloat16]
-    assert not torch.equal(got, g.to(got.dtype).view_as(got))  # a result, not the input passed through
+    assert not torch.equal(got, x.to(got.dtype))  # a result, not the input passed through
 
 
 # ---- GPU ----
