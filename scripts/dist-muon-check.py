@@ -20,7 +20,6 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -47,7 +46,6 @@ def train(model: nn.Module, opt: KitsuneOptimizer, dim: int, steps: int, warmup:
     """``warmup + steps`` steps on fresh batches (the same on every rank); median ms of ``opt.step()`` over the
     last ``steps``."""
     times = []
-    timer: Callable[[], float]
     for step in range(warmup + steps):
         gen = torch.Generator().manual_seed(1000 + step)
         x, y = torch.randn(64, dim, generator=gen).to(device), torch.randn(64, 8, generator=gen).to(device)
@@ -58,14 +56,14 @@ def train(model: nn.Module, opt: KitsuneOptimizer, dim: int, steps: int, warmup:
             opt.step()
             end.record()
             end.synchronize()
-            timer = lambda start=start, end=end: start.elapsed_time(end)  # noqa: E731
+            ms = start.elapsed_time(end)
         else:
             t0 = time.perf_counter()
             opt.step()
-            timer = lambda t0=t0: (time.perf_counter() - t0) * 1e3  # noqa: E731
+            ms = (time.perf_counter() - t0) * 1e3
         opt.zero_grad()
         if step >= warmup:
-            times.append(timer())
+            times.append(ms)
     return statistics.median(times)
 
 

@@ -433,7 +433,7 @@ def newton_schulz_launch(
     # strides); the input itself when it already has that dtype
     x0 = x if x.dtype == dtype else torch.empty(x.shape, dtype=dtype, device=x.device)
     gram = torch.empty((batch, m, m), dtype=dtype, device=x.device)  # A
-    poly_b = torch.empty_like(gram)  # B
+    poly_b = torch.empty_like(gram)  # B'
     xs = [torch.empty((batch, m, n), dtype=dtype, device=x.device) for _ in range(min(2, len(coefficients) - 1))]
     tiles = _upper_tiles(triton.cdiv(m, syrk.block_m), syrk.block_n // syrk.block_m, x.device)
     syrk_grid = (tiles.shape[0], batch)
@@ -442,9 +442,9 @@ def newton_schulz_launch(
         "DTYPE": tl_dtype,
         "PRECISION": precision,
         "RNE_BF16": INTERPRETED,
-        "P_BLOCK": triton.next_power_of_2(parts),
     }
     syrk_meta = {
+        "P_BLOCK": triton.next_power_of_2(parts),
         "BLOCK_M": syrk.block_m,
         "BLOCK_N": syrk.block_n,
         "BLOCK_K": syrk.block_k,
@@ -460,9 +460,7 @@ def newton_schulz_launch(
         "GROUP_M": poly.group_m,
         "num_warps": poly.num_warps,
         "num_stages": poly.num_stages,
-        "DTYPE": tl_dtype,
-        "PRECISION": precision,
-        "RNE_BF16": INTERPRETED,
+        **common,
     }
     sms = _num_sms(x.device)
     if syrk.persistent:
@@ -479,8 +477,9 @@ def newton_schulz_launch(
         xc = _descriptor(t, strides, rows, cols, [syrk.block_n, syrk.block_k])
         return (xr, xc) if xr is not None and xc is not None else (None, None)
 
-    # B's descriptor is the same every iteration; X's follow the buffer the iteration reads
-    b_desc = _descriptor(poly_b, poly_b.stride(), m, m, [poly.block_m, poly.block_k]) if poly.tma else None
+    # the descriptor of B' is the same every iteration; X's follow the buffer the iteration reads (none for cuBLAS)
+    tma_product = poly.tma and not poly.cublas
+    b_desc = _descriptor(poly_b, poly_b.stride(), m, m, [poly.block_m, poly.block_k]) if tma_product else None
 
     def poly_descs(x_now: torch.Tensor, strides: Sequence[int]) -> tuple[object, object]:
         if b_desc is None or m % poly.block_k:
