@@ -132,6 +132,9 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         self._host_syncs = 0
         self._handed_over = False
         self._structure: tuple | None = None
+        self._steady: _Steady | None = None
+        """Set after a step that replayed the graph, for the next steps to replay it again after a few C++ checks."""
+        self._may_steady = False
         self._leftover = True
         self._subsystems: list[Subsystem] = self._build_subsystems()
         self._replan()
@@ -264,6 +267,14 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             self._graphs = None
         self._plan_version = getattr(fusion, "plan_version", 0)
         self._in_backward = getattr(self._subsystem("streams"), "in_backward", False)
+        self._steady = None
+        # the steady replay below skips the subsystems' step hooks: only where the active ones do nothing in them
+        self._may_steady = (
+            self._graphs is not None
+            and not self._needs_grads
+            and not self.config.grads.zero_in_step
+            and all(s.name in ("fusion", "graphs") or not _has_step_hooks(s) for s in self._active)
+        )
 
     # -- mixed precision ----------------------------------------------------------------------------------------
     def autocast(self) -> Any:
@@ -341,6 +352,9 @@ class KitsuneOptimizer(torch.optim.Optimizer):
     step.hooked = True  # type: ignore[attr-defined]
 
     def _step(self, closure: _Closure | None = None) -> Any:
+        if self._steady is not None and closure is None and self._replay_again():
+            return None
+        self._steady = None
         if self._structure_key() != self._structure:
             self._replan()
         loss = None
@@ -457,6 +471,50 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         if how == "failed":
             self._graphs = None
         fusion.finish(ctx, units, launches=1 if how == "replay" else None)
+        if how == "replay" and self._may_steady and not ctx.unhandled and not ctx.baseline:
+            self._arm_steady(fusion, graphs)
+
+    def _arm_steady(self, fusion: Any, graphs: Any) -> None:
+        """After a replayed step: let the next steps replay straight away while nothing they depend on changed."""
+        values = _group_values(self.param_groups)
+        if not _has_tensor(values):  # tensor hyperparameters change in place: the full step compares their values
+            self._steady = _Steady(self.param_groups, values, fusion, graphs)
+
+    def _replay_again(self) -> bool:
+        """The steady step: the same groups, every grad and param where the last step found them, no GradScaler
+        handing in a ``found_inf``: refresh the hyperparameters if a value changed (an LR scheduler's new LR), replay
+        the graph and book the step. False (nothing done) sends the step through the full path, which checks and
+        refreshes everything and arms this again."""
+        steady: _Steady = self._steady  # type: ignore[assignment]
+        groups = self.param_groups
+        fusion = steady.fusion
+        if groups is not steady.groups or "found_inf" in self.__dict__ or fusion.plan_version != steady.plan_version:
+            return False
+        if self._structure_key() != self._structure:
+            return False  # a group's params list replaced or grown: re-plan (and the values below compare safely)
+        values = _group_values(groups)
+        try:
+            changed = values != steady.values
+        except (RuntimeError, ValueError, TypeError):  # a value became a tensor or an array: no single truth value
+            return False
+        if changed:
+            if _has_tensor(values):
+                return False  # a hyperparameter became a tensor: the full step handles it
+            if not fusion.refresh_values(groups):
+                return False  # a switch changed (amsgrad, nesterov, ...): new kernels, through the full path
+            steady.values = values
+        if not fusion.unchanged():
+            return False
+        self._step_count += 1
+        self._zeroed = None
+        norm = steady.graphs.replay_again().get("grad_norm")
+        fusion.count_replay()
+        self._last_grad_norm = norm
+        self._norm_is_static = norm is not None
+        self._optimizer._opt_called = True  # LR schedulers built on the wrapped optimizer look for this
+        self._run_base_hooks(pre=True)
+        self._run_base_hooks(pre=False)
+        return True
 
     def _clip_grads(self, reduce: Callable[..., None] | None = None) -> torch.Tensor:
         """Clipping as a pass of its own (the grads are not all fused): kitsune's two-launch clip_grad_norm_ when
@@ -689,6 +747,33 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         from kitsune.profiler.trace import export_chrome_trace
 
         return export_chrome_trace(self, filepath)
+
+
+class _Steady:
+    """What the steady replay compares a step against: the groups object and values the last step used."""
+
+    __slots__ = ("fusion", "graphs", "groups", "plan_version", "values")
+
+    def __init__(self, groups: list, values: tuple, fusion: Any, graphs: Any) -> None:
+        self.groups, self.values, self.fusion, self.graphs = groups, values, fusion, graphs
+        self.plan_version: int = fusion.plan_version
+
+
+def _group_values(groups: list[dict[str, Any]]) -> tuple:
+    """Each group's values (its params list, the same object while the structure key holds, compares by identity)."""
+    return tuple(tuple(g.values()) for g in groups)
+
+
+def _has_tensor(values: tuple) -> bool:
+    return any(isinstance(v, torch.Tensor) for row in values for v in row)
+
+
+def _has_step_hooks(s: Subsystem) -> bool:
+    """Whether ``s`` does anything in the per-step hooks (AMP in bfloat16 does nothing there)."""
+    if s.name == "amp":
+        return bool(getattr(s, "scaling", False))
+    t = type(s)
+    return any(getattr(t, m) is not getattr(Subsystem, m) for m in ("before_step", "step", "after_step"))
 
 
 def _make_fusion(cfg: FusionConfig) -> Subsystem:

@@ -401,6 +401,30 @@ class FusionSubsystem(Subsystem):
                 self._bind_norm()
         return live
 
+    def unchanged(self) -> bool:
+        """Whether every unit's grads and params sit where the last step found them, with no copies, lazy state or
+        sparse grads pending: then the last step's tables, norm binding and launches hold for this one as well (the
+        caller has checked that the groups' values are those the last step used). C++ checks only, no uploads."""
+        units, muon = self._units, self._muon
+        return all(u._fast and u._unchanged() for u in units) and (
+            not muon or all(u._fast and u._unchanged() for u in muon)
+        )
+
+    def refresh_values(self, groups: list[dict[str, Any]]) -> bool:
+        """A group's values changed between two steady replays: refresh the hyperparameter buffers, or return False
+        when a switch changed (the kernels must be planned again, through :meth:`prepare`)."""
+        if self._info is not None and tuple(self._info.spec(g) for g in groups) != self._specs:
+            return False
+        for context in self._contexts.values():
+            context.refresh(groups)
+        return True
+
+    def count_replay(self) -> None:
+        """Book a step that replayed the captured launches without coming through :meth:`prepare`."""
+        self._steps += 1
+        self._launches_last_step = 1
+        self._launches_total += 1
+
     def _needs_norm(self, ctx: StepContext) -> bool:
         fused = ctx.extra.get("fused_grads", False)
         return self._trust or (fused and (self._grads_cfg.max_norm is not None or bool(ctx.extra.get("check_inf"))))

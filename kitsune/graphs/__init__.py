@@ -78,6 +78,8 @@ class GraphSubsystem(Subsystem):
         self._broken: str | None = None
         self.captures = 0
         self.replays = 0
+        self.steady_replays = 0
+        """Replays that skipped the step's full host path (nothing had changed since the last replay)."""
         self.eager_steps = 0
         self.recaptures: list[str] = []
         """Why each graph after the first was captured again (the structural change that re-planned)."""
@@ -160,6 +162,14 @@ class GraphSubsystem(Subsystem):
         self._mark_static_outputs(ctx)
         return "replay"
 
+    def replay_again(self) -> dict[str, Any]:
+        """Replay the captured work for a step the orchestrator found unchanged since the last replay (see
+        ``KitsuneOptimizer._replay_again``); returns what the capture left in the step context (the norm buffer)."""
+        self.backend.replay(self._graph)
+        self.replays += 1
+        self.steady_replays += 1
+        return self._saved
+
     @staticmethod
     def _mark_static_outputs(ctx: StepContext) -> None:
         norm = ctx.extra.get("grad_norm")
@@ -175,6 +185,7 @@ class GraphSubsystem(Subsystem):
         return {
             "captures": self.captures,
             "replays": self.replays,
+            "steady_replays": self.steady_replays,
             "eager_steps": self.eager_steps,
             "warmup_steps": self.config.warmup_steps,
             "recaptures": list(self.recaptures[-10:]),

@@ -116,6 +116,18 @@ def assert_same_state(
                 )
 
 
+def ptrs_equal_stand_in(tensors, ptrs, indices) -> bool:
+    """torch's C++ address check (``torch._C._tensors_data_ptrs_at_indices_equal``, absent from CPU builds) in
+    Python, with its contract: True when every listed tensor sits at its address, an error for a non-tensor."""
+    for i in indices:
+        t = tensors[i]
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"expected a tensor at {i}, got {type(t).__name__}")
+        if t.data_ptr() != ptrs[i]:
+            return False
+    return True
+
+
 class RecordingBackend:
     """A CUDA graph backend for CPU tests: capture records the callable without running it (a real capture runs
     nothing), replay runs it; ``fail`` makes every capture raise."""

@@ -14,25 +14,15 @@ import torch
 from kitsune import KitsuneOptimizer
 from kitsune.fusion import units
 
-from ._util import assert_close_params, make_params, random_grads
+from ._util import assert_close_params, make_params, ptrs_equal_stand_in, random_grads
 
 SIZES = [(7, 3), 16, (4, 4), 5, (2, 2, 3)]
-
-
-def _stand_in(tensors, ptrs, indices) -> bool:
-    for i in indices:
-        t = tensors[i]
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"expected a tensor at {i}, got {type(t).__name__}")
-        if t.data_ptr() != ptrs[i]:
-            return False
-    return True
 
 
 @pytest.fixture
 def fast_check(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Make sure the fast path exists here; count the steps it answered 'unchanged'."""
-    real = units._PTRS_EQUAL or _stand_in
+    real = units._PTRS_EQUAL or ptrs_equal_stand_in
     hits: list[int] = []
 
     def counting(tensors, ptrs, indices) -> bool:

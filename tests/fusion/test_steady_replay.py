@@ -1,0 +1,166 @@
+"""The steady replay (``KitsuneOptimizer._replay_again``): once a step has replayed the graph, the next steps replay
+it after a few checks (the groups and their values, every grad and param where the last step found them, no
+GradScaler) without the step's full host path. On the CPU the graph is the recording stand-in and torch's C++
+address check a Python stand-in; every change that must leave the steady replay is made here, and every step is
+compared with torch's own optimizer."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from kitsune import GradConfig, KitsuneOptimizer
+from kitsune.fusion import units
+
+from ._util import RecordingBackend, make_params, ptrs_equal_stand_in, random_grads
+
+SIZES = [(7, 3), 16, (4, 5), 9]
+
+
+@pytest.fixture(autouse=True)
+def cpp_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The units' fast address check exists (on a CPU build of torch, through the stand-in)."""
+    monkeypatch.setattr(units, "_PTRS_EQUAL", units._PTRS_EQUAL or ptrs_equal_stand_in)
+
+
+def _graphed(opt: KitsuneOptimizer) -> RecordingBackend:
+    backend = RecordingBackend()
+    opt._subsystem("graphs").backend = backend
+    opt._replan()
+    assert opt._subsystem("graphs").active
+    return backend
+
+
+def _twins(device, make, **kwargs):
+    ref, ours = make_params(SIZES, torch.float32, device), make_params(SIZES, torch.float32, device)
+    opt = KitsuneOptimizer(make(ours), enable_fusion=True, **kwargs)
+    return ref, ours, make(ref), opt, _graphed(opt)
+
+
+def _in_place(params, step: int, skip=()) -> None:
+    """This step's grads written into the grads already there (as zero_grad(set_to_none=False) leaves them)."""
+    for i, (p, g) in enumerate(zip(params, random_grads(params, step), strict=True)):
+        if i in skip:
+            p.grad = None
+        else:
+            p.grad = g if p.grad is None else p.grad.copy_(g)
+
+
+def _close(ref, ours) -> None:
+    for p, q in zip(ref, ours, strict=True):
+        torch.testing.assert_close(q.detach(), p.detach(), atol=1e-5, rtol=1e-5)
+
+
+def _steady(opt: KitsuneOptimizer) -> int:
+    return opt._subsystem("graphs").steady_replays
+
+
+def test_steady_replays_follow_torch_with_onecyclelr_and_clip(device):
+    """40 steps with OneCycleLR (lr and betas change every step: the steady replay refreshes the device buffer)
+    and clipping in the step: torch's trajectory and grad norms, and every step after the first replay steady."""
+    make = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)  # noqa: E731
+    ref, ours, ref_opt, opt, backend = _twins(device, make, max_grad_norm=0.5)
+    scheds = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=50) for o in (ref_opt, opt)]
+    calls = []
+    opt.base_optimizer.register_step_post_hook(lambda *_: calls.append(1))
+    norms, wants = [], []
+    for step in range(40):
+        _in_place(ref, step)
+        _in_place(ours, step)
+        wants.append(torch.nn.utils.clip_grad_norm_(ref, 0.5))
+        ref_opt.step()
+        opt.step()
+        norms.append(opt.last_grad_norm)
+        for s in scheds:
+            s.step()
+        _close(ref, ours)
+    # warm-up 3, capture (which replays and arms) 1, then 36 steady replays; each read norm is its own step's
+    assert _steady(opt) == 36 and (backend.captured, backend.replayed) == (1, 37)
+    torch.testing.assert_close(torch.stack(norms), torch.stack(wants), atol=1e-6, rtol=1e-6)
+    assert len(calls) == 40 and opt.step_count == 40
+    assert opt._subsystem("fusion").report()["steps"] == 40
+    assert opt._subsystem("fusion")._contexts[ours[0].device].uploads >= 36  # the new lr reached the buffer
+
+
+CHANGES = [
+    "zero_grad",  # model.zero_grad(): grads set to None, new ones allocated by the next backward
+    "some_none",  # one param without a grad for a step
+    "storage",  # p.data = ...
+    "value",  # weight decay changed by hand: a refreshed buffer, still steady
+    "switch",  # nesterov on: another kernel variant, a new plan and graph
+    "add_param_group",
+    "load_state_dict",
+    "tensor_lr",  # a CPU tensor lr changed in place, as LRScheduler does with one
+    "grad_scaler",
+]
+
+
+@pytest.mark.parametrize("change", CHANGES)
+def test_every_change_leaves_the_steady_replay_and_matches_torch(device, change):
+    make = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=0.01)  # noqa: E731
+    ref, ours, ref_opt, opt, backend = _twins(device, make)
+    pairs = [(ref, ref_opt), (ours, opt)]
+    for step in range(8):
+        for params, o in pairs:
+            _in_place(params, step)
+            o.step()
+    assert _steady(opt) == 4
+    steady, captured = _steady(opt), backend.captured
+    if change == "add_param_group":
+        extra = [make_params([6], torch.float32, device, seed=5) for _ in pairs]
+        for (params, o), new in zip(pairs, extra, strict=True):
+            o.add_param_group({"params": new, "lr": 0.02})
+            params += new
+    elif change == "load_state_dict":
+        opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    elif change == "storage":
+        for p, q in zip(ref, ours, strict=True):
+            p.data, q.data = p.data.clone(), q.data.clone()
+    elif change in ("value", "switch"):
+        for _, o in pairs:
+            o.param_groups[0].update({"weight_decay": 0.2} if change == "value" else {"nesterov": True})
+    elif change == "tensor_lr":
+        for _, o in pairs:
+            o.param_groups[0]["lr"] = torch.tensor(0.05)
+    kept = []
+    for step in range(8, 20):
+        for params, o in pairs:
+            if change == "zero_grad" and step % 3 == 0:
+                # the old grads stay referenced, so the new ones get new addresses (a caching allocator would
+                # otherwise hand the same blocks back, and the steady replay would rightly go on)
+                kept += [p.grad for p in params]
+                for p in params:
+                    p.grad = None
+            _in_place(params, step, skip={1} if change == "some_none" and step % 4 == 0 else ())
+            if change == "tensor_lr":
+                o.param_groups[0]["lr"].fill_(0.05 * 0.9 ** (step - 7))  # in place: the same tensor object
+            if change == "grad_scaler" and step < 14 and o is opt:
+                o.grad_scale, o.found_inf = None, torch.zeros(())  # what GradScaler.step hands a fused step
+                o.step()
+                del o.grad_scale, o.found_inf
+            else:
+                o.step()
+        _close(ref, ours)
+    if change == "value":
+        assert _steady(opt) == steady + 12 and backend.captured == captured
+    elif change == "tensor_lr":
+        assert _steady(opt) == steady
+    else:
+        assert steady < _steady(opt) < steady + 12  # left for the steps that needed it, back afterwards
+    if change in ("switch", "add_param_group", "load_state_dict", "storage"):
+        assert backend.captured == captured + 1
+
+
+def test_no_steady_replay_where_subsystems_act_every_step(device):
+    """Zeroing in the step (the zero_grad bookkeeping) and the profiler's per-step clocks need the full path."""
+    make = lambda ps: torch.optim.AdamW(ps, lr=1e-2)  # noqa: E731
+    for kwargs in ({"grad_config": GradConfig(zero_in_step=True)}, {"profile": True}):
+        ref, ours, ref_opt, opt, backend = _twins(device, make, **kwargs)
+        for step in range(10):
+            for params, o in ((ref, ref_opt), (ours, opt)):
+                _in_place(params, step)
+                o.step()
+        assert backend.replayed > 0 and _steady(opt) == 0, kwargs
+        _close(ref, ours)
