@@ -39,6 +39,7 @@ STATE_VERSION = 1
 
 _Closure = Callable[[], Any]
 _GRAD = attrgetter("grad")
+_VERSION = attrgetter("_version")
 
 
 class KitsuneOptimizer(torch.optim.Optimizer):
@@ -269,11 +270,8 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         self._in_backward = getattr(self._subsystem("streams"), "in_backward", False)
         self._steady = None
         # the steady replay below skips the subsystems' step hooks: only where the active ones do nothing in them
-        self._may_steady = (
-            self._graphs is not None
-            and not self._needs_grads
-            and not self.config.grads.zero_in_step
-            and all(s.name in ("fusion", "graphs") or not _has_step_hooks(s) for s in self._active)
+        self._may_steady = self._graphs is not None and all(
+            s.name in ("fusion", "graphs", "amp") or not _has_step_hooks(s) for s in self._active
         )
 
     # -- mixed precision ----------------------------------------------------------------------------------------
@@ -411,10 +409,14 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         self._last_grad_norm = ctx.extra.get("grad_norm")
         self._norm_is_static = ctx.extra.get("static_grad_norm", False)
         zeroed = ctx.extra.get("zeroed")
-        if zeroed:  # remember which grads the kernel zeroed, and their version counters (see zero_grad)
-            grads = list(map(_GRAD, zeroed))
-            self._zeroed = (zeroed, list(map(id, grads)), [g._version if g is not None else -1 for g in grads])
+        if zeroed:
+            self._remember_zeroed(zeroed)
         return loss
+
+    def _remember_zeroed(self, zeroed: list[torch.Tensor]) -> None:
+        """Which grads the kernel zeroed, and their version counters, for :meth:`zero_grad` to leave them be."""
+        grads = list(map(_GRAD, zeroed))
+        self._zeroed = (zeroed, list(map(id, grads)), _versions(grads))
 
     def _graph_ready(self, fusion: Any) -> bool:
         """Whether the grads' passes allow a captured step: fused into the step's kernels, or none to run (no
@@ -472,13 +474,13 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             self._graphs = None
         fusion.finish(ctx, units, launches=1 if how == "replay" else None)
         if how == "replay" and self._may_steady and not ctx.unhandled and not ctx.baseline:
-            self._arm_steady(fusion, graphs)
+            self._arm_steady(fusion, graphs, amp if scaling else None, ctx.extra.get("zeroed"))
 
-    def _arm_steady(self, fusion: Any, graphs: Any) -> None:
+    def _arm_steady(self, fusion: Any, graphs: Any, amp: Any, zeroed: list[torch.Tensor] | None) -> None:
         """After a replayed step: let the next steps replay straight away while nothing they depend on changed."""
         values = _group_values(self.param_groups)
         if not _has_tensor(values):  # tensor hyperparameters change in place: the full step compares their values
-            self._steady = _Steady(self.param_groups, values, fusion, graphs)
+            self._steady = _Steady(self.param_groups, values, fusion, graphs, amp, zeroed)
 
     def _replay_again(self) -> bool:
         """The steady step: the same groups, every grad and param where the last step found them, no GradScaler
@@ -503,14 +505,19 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             if not fusion.refresh_values(groups):
                 return False  # a switch changed (amsgrad, nesterov, ...): new kernels, through the full path
             steady.values = values
-        if not fusion.unchanged():
-            return False
+        amp = steady.amp
+        if (amp is not None and not amp._loss_scaled) or not fusion.unchanged():
+            return False  # (a loss not scaled by optimizer.backward: the full path says so)
         self._step_count += 1
         self._zeroed = None
-        norm = steady.graphs.replay_again().get("grad_norm")
+        norm = steady.graphs.replay_again().get("grad_norm")  # with float16 AMP, the scale update too
         fusion.count_replay()
         self._last_grad_norm = norm
         self._norm_is_static = norm is not None
+        if amp is not None:
+            amp._loss_scaled = False
+        if steady.zeroed:
+            self._remember_zeroed(steady.zeroed)
         self._optimizer._opt_called = True  # LR schedulers built on the wrapped optimizer look for this
         self._run_base_hooks(pre=True)
         self._run_base_hooks(pre=False)
@@ -638,6 +645,17 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         self._subsystem("shard").zero_grad()  # sharded grads already reduced are discarded too
         zeroed, self._zeroed = self._zeroed, None
         skip: set[torch.Tensor] = set()
+        pool = self._subsystem("memory")
+        flat = getattr(pool, "flat_grads", False)
+        if zeroed is not None and not flat:
+            params, ids, versions = zeroed
+            grads = list(map(_GRAD, params))
+            if (
+                len(params) == sum(len(g["params"]) for g in self.param_groups)
+                and list(map(id, grads)) == ids
+                and _versions(grads) == versions
+            ):
+                return  # the step zeroed every param's grad, and nothing wrote to them since: nothing to do
         if zeroed is not None:
             params, ids, versions = zeroed
             skip = {
@@ -645,8 +663,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
                 for p, i, v in zip(params, ids, versions, strict=True)
                 if p.grad is not None and id(p.grad) == i and p.grad._version == v
             }
-        pool = self._subsystem("memory")
-        if getattr(pool, "flat_grads", False):  # grads in the pool's arena: zeroed in place, kept (not set to None)
+        if flat:  # grads in the pool's arena: zeroed in place, kept (not set to None)
             skip |= pool.zero_grads(already_zero=skip)
         elif zeroed is None:
             self._optimizer.zero_grad(set_to_none=set_to_none)
@@ -750,12 +767,16 @@ class KitsuneOptimizer(torch.optim.Optimizer):
 
 
 class _Steady:
-    """What the steady replay compares a step against: the groups object and values the last step used."""
+    """What the steady replay compares a step against (the groups object and values the last step used) and what
+    it books afterwards: float16 AMP's scaler (its graph updated the scale), the params whose grads it zeroed."""
 
-    __slots__ = ("fusion", "graphs", "groups", "plan_version", "values")
+    __slots__ = ("amp", "fusion", "graphs", "groups", "plan_version", "values", "zeroed")
 
-    def __init__(self, groups: list, values: tuple, fusion: Any, graphs: Any) -> None:
+    def __init__(
+        self, groups: list, values: tuple, fusion: Any, graphs: Any, amp: Any, zeroed: list[torch.Tensor] | None
+    ) -> None:
         self.groups, self.values, self.fusion, self.graphs = groups, values, fusion, graphs
+        self.amp, self.zeroed = amp, zeroed
         self.plan_version: int = fusion.plan_version
 
 
@@ -764,14 +785,20 @@ def _group_values(groups: list[dict[str, Any]]) -> tuple:
     return tuple(tuple(g.values()) for g in groups)
 
 
+def _versions(grads: list[torch.Tensor | None]) -> list[int]:
+    """Each grad's version counter (-1 for None): one C-level pass when every grad is there."""
+    try:
+        return list(map(_VERSION, grads))
+    except AttributeError:  # a None grad
+        return [-1 if g is None else g._version for g in grads]
+
+
 def _has_tensor(values: tuple) -> bool:
     return any(isinstance(v, torch.Tensor) for row in values for v in row)
 
 
 def _has_step_hooks(s: Subsystem) -> bool:
-    """Whether ``s`` does anything in the per-step hooks (AMP in bfloat16 does nothing there)."""
-    if s.name == "amp":
-        return bool(getattr(s, "scaling", False))
+    """Whether ``s`` does anything in the per-step hooks (the steady replay books float16 AMP's itself)."""
     t = type(s)
     return any(getattr(t, m) is not getattr(Subsystem, m) for m in ("before_step", "step", "after_step"))
 
