@@ -151,6 +151,10 @@ class GraphConfig(_Config):
     """Capture the phase into a CUDA graph and replay it (CUDA only)."""
     warmup_steps: int = Field(3, ge=1, le=1000)
     """Eager steps (on a side stream) before the first capture."""
+    steady_replay: bool = True
+    """After a replayed step, replay the next steps after the address checks and a comparison of the groups' values
+    only, without the step's full host path, while nothing else changed (see the CUDA graphs guide). False runs
+    every step through the full path (for comparing the two)."""
 
 
 class MemoryConfig(_Config):

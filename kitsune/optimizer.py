@@ -270,8 +270,10 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         self._in_backward = getattr(self._subsystem("streams"), "in_backward", False)
         self._steady = None
         # the steady replay below skips the subsystems' step hooks: only where the active ones do nothing in them
-        self._may_steady = self._graphs is not None and all(
-            s.name in ("fusion", "graphs", "amp") or not _has_step_hooks(s) for s in self._active
+        self._may_steady = (
+            self._graphs is not None
+            and self.config.graphs.steady_replay
+            and all(s.name in ("fusion", "graphs", "amp") or not _has_step_hooks(s) for s in self._active)
         )
 
     # -- mixed precision ----------------------------------------------------------------------------------------

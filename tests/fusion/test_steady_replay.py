@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 
-from kitsune import AMPConfig, GradConfig, KitsuneOptimizer
+from kitsune import AMPConfig, FusionConfig, GradConfig, GraphConfig, KitsuneConfig, KitsuneOptimizer
 from kitsune.fusion import units
 
 from ._util import RecordingBackend, make_params, ptrs_equal_stand_in, random_grads
@@ -192,9 +192,17 @@ def test_float16_scaling_and_zeroing_in_the_step_stay_steady_and_match_grad_scal
         opt.step()
 
 
-def test_no_steady_replay_with_the_profiler(device):
-    """The profiler's per-step clocks need the full path."""
-    ref, ours, ref_opt, opt, backend = _twins(device, lambda ps: torch.optim.AdamW(ps, lr=1e-2), profile=True)
+@pytest.mark.parametrize("why", ["profiler", "turned_off"])
+def test_no_steady_replay_with_the_profiler_or_turned_off(device, why):
+    """The profiler's per-step clocks need the full path; GraphConfig(steady_replay=False) asks for it."""
+    ref, ours = make_params(SIZES, torch.float32, device), make_params(SIZES, torch.float32, device)
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2)
+    if why == "profiler":
+        opt = KitsuneOptimizer(torch.optim.AdamW(ours, lr=1e-2), enable_fusion=True, profile=True)
+    else:
+        config = KitsuneConfig(fusion=FusionConfig(enabled=True), graphs=GraphConfig(steady_replay=False))
+        opt = KitsuneOptimizer(torch.optim.AdamW(ours, lr=1e-2), config=config)
+    backend = _graphed(opt)
     for step in range(10):
         for params, o in ((ref, ref_opt), (ours, opt)):
             _in_place(params, step)
