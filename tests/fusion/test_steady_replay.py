@@ -209,3 +209,29 @@ def test_no_steady_replay_with_the_profiler_or_turned_off(device, why):
             o.step()
     assert backend.replayed > 0 and _steady(opt) == 0
     _close(ref, ours)
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon needs torch >= 2.9")
+def test_muon_steady_replays_equal_the_eager_fused_step(device):
+    """Muon's fused step (momentum, Newton-Schulz by shape, update) through the steady replay, with StepLR: the bits
+    of the eager fused step."""
+    shapes = [(16, 32), (16, 32), (32, 16)]
+
+    def run(graphed: bool) -> tuple[list[torch.Tensor], KitsuneOptimizer]:
+        params = make_params(shapes, torch.float32, device)
+        opt = KitsuneOptimizer(
+            torch.optim.Muon(params, lr=0.02, weight_decay=0.1, ns_steps=2), enable_fusion=True, capture_graph=graphed
+        )
+        if graphed:
+            _graphed(opt)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+        for step in range(12):
+            _in_place(params, step)
+            opt.step()
+            sched.step()
+        return params, opt
+
+    eager, _ = run(False)
+    graphed, opt = run(True)
+    assert _steady(opt) == 8
+    assert all(torch.equal(p, q) for p, q in zip(eager, graphed, strict=True))
