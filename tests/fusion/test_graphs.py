@@ -9,11 +9,12 @@ import copy
 import pytest
 import torch
 
-from kitsune import AMPConfig, GradConfig, KitsuneOptimizer
+from kitsune import AMPConfig, FusionConfig, GradConfig, GraphConfig, KitsuneConfig, KitsuneOptimizer
+from kitsune.fusion import units
 from kitsune.graphs import GraphSubsystem
 from kitsune.optim import Muon
 
-from ._util import RecordingBackend, make_params, random_grads
+from ._util import RecordingBackend, make_params, ptrs_equal_stand_in, random_grads
 
 SIZES = [(7, 3), 16, 5, 1]
 
@@ -61,36 +62,50 @@ def test_replay_equals_torch_with_onecyclelr_and_clip(device):
         torch.testing.assert_close(q.detach(), p.detach(), atol=1e-5, rtol=1e-5)
 
 
-def test_fp16_amp_scale_update_is_in_the_graph(device):
-    """The loss-scale update replays with the graph: the same scale trajectory and skips as GradScaler."""
+@pytest.mark.parametrize("steady", [False, True], ids=["full_path", "steady_replay"])
+def test_fp16_amp_clip_and_zeroing_replay_like_grad_scaler(device, steady, monkeypatch):
+    """The whole float16 phase in the step (unscale, clip, update, skip on overflow, zero the grads, the loss-scale
+    update) replays with the graph, through the full host path or the steady replay (torch's C++ address check,
+    stood in for on a CPU build): GradScaler's scale trajectory and skips and torch's params; the grads the update
+    zeroed stay allocated through zero_grad(); a backward that skipped optimizer.backward is refused."""
+    if steady:
+        monkeypatch.setattr(units, "_PTRS_EQUAL", units._PTRS_EQUAL or ptrs_equal_stand_in)
     ref, ours = make_params(SIZES, torch.float32, device), make_params(SIZES, torch.float32, device)
     ref_opt = torch.optim.Adam(ref, lr=1e-2)
     scaler = torch.amp.GradScaler(device.type, init_scale=2.0**10, growth_interval=3)
-    amp = AMPConfig(dtype=torch.float16, init_scale=2.0**10, growth_interval=3)
-    opt = KitsuneOptimizer(
-        torch.optim.Adam(ours, lr=1e-2),
-        enable_fusion=True,
-        enable_amp=True,
-        amp_config=amp,
-        grad_config=GradConfig(zero_in_step=True),
+    config = KitsuneConfig(
+        fusion=FusionConfig(enabled=True),
+        amp=AMPConfig(enabled=True, dtype=torch.float16, init_scale=2.0**10, growth_interval=3),
+        grads=GradConfig(zero_in_step=True, max_norm=0.8),
+        graphs=GraphConfig(steady_replay=steady),
     )
+    opt = KitsuneOptimizer(torch.optim.Adam(ours, lr=1e-2), config=config)
     _graphed(opt)
-    for step in range(20):
+    for step in range(24):
         grads = random_grads(ref, step)
-        if step in (6, 13):
+        if step in (9, 17):
             grads[0].view(-1)[0] = float("inf")
         scaler.scale(sum((p * g).sum() for p, g in zip(ref, grads, strict=True))).backward()
+        scaler.unscale_(ref_opt)
+        torch.nn.utils.clip_grad_norm_(ref, 0.8)
         scaler.step(ref_opt)
         scaler.update()
         ref_opt.zero_grad()
         opt.backward(sum((p * g).sum() for p, g in zip(ours, grads, strict=True)))
+        kept = [q.grad for q in ours]
         opt.step()
         opt.zero_grad()
         assert opt.loss_scale == scaler.get_scale()
-        assert all(torch.count_nonzero(q.grad) == 0 for q in ours)  # zeroed by the replayed update
+        # zeroed by the replayed update, and left allocated by zero_grad() (set_to_none notwithstanding)
+        assert all(q.grad is g and torch.count_nonzero(g) == 0 for q, g in zip(ours, kept, strict=True))
+        _close(ref, ours)
+    # warm-up 3, capture 1, then 20 replays: with the steady replay all of them, the overflow steps included
+    graphs = opt._subsystem("graphs").report()
+    assert (graphs["replays"], graphs["steady_replays"]) == (21, 20 if steady else 0)
     assert opt.skipped_steps == 2 and opt.host_syncs == 0
-    for p, q in zip(ref, ours, strict=True):
-        torch.testing.assert_close(q.detach(), p.detach(), atol=1e-5, rtol=1e-5)
+    sum((q * g).sum() for q, g in zip(ours, random_grads(ours, 30), strict=True)).backward()  # not scaled
+    with pytest.raises(RuntimeError, match="optimizer.backward"):
+        opt.step()
 
 
 def _twins(device):

@@ -2,7 +2,7 @@
 it after a few checks (the groups and their values, every grad and param where the last step found them, no
 GradScaler) without the step's full host path. On the CPU the graph is the recording stand-in and torch's C++
 address check a Python stand-in; every change that must leave the steady replay is made here, and every step is
-compared with torch's own optimizer."""
+compared with torch's own optimizer. Float16 AMP with zeroing in the step through it: tests/fusion/test_graphs.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 
-from kitsune import AMPConfig, FusionConfig, GradConfig, GraphConfig, KitsuneConfig, KitsuneOptimizer
+from kitsune import FusionConfig, GraphConfig, KitsuneConfig, KitsuneOptimizer
 from kitsune.fusion import units
 
 from ._util import RecordingBackend, make_params, ptrs_equal_stand_in, random_grads
@@ -151,45 +151,6 @@ def test_every_change_leaves_the_steady_replay_and_matches_torch(device, change)
         assert steady < _steady(opt) < steady + 12  # left for the steps that needed it, back afterwards
     if change in ("switch", "add_param_group", "load_state_dict", "storage"):
         assert backend.captured == captured + 1
-
-
-def test_float16_scaling_and_zeroing_in_the_step_stay_steady_and_match_grad_scaler(device):
-    """The whole phase of float16 AMP in the step (unscale, clip, update, skip on overflow, zero the grads, the
-    scale update): steady replays give GradScaler's scale trajectory and skips and torch's params; the grads the
-    update zeroed are left allocated by zero_grad(); a backward that skipped optimizer.backward is refused."""
-    ref, ours = make_params(SIZES, torch.float32, device), make_params(SIZES, torch.float32, device)
-    ref_opt = torch.optim.Adam(ref, lr=1e-2)
-    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**10, growth_interval=3)
-    opt = KitsuneOptimizer(
-        torch.optim.Adam(ours, lr=1e-2),
-        enable_fusion=True,
-        enable_amp=True,
-        amp_config=AMPConfig(dtype=torch.float16, init_scale=2.0**10, growth_interval=3),
-        grad_config=GradConfig(zero_in_step=True, max_norm=0.8),
-    )
-    _graphed(opt)
-    for step in range(24):
-        grads = random_grads(ref, step)
-        if step in (9, 17):
-            grads[0].view(-1)[0] = float("inf")
-        scaler.scale(sum((p * g).sum() for p, g in zip(ref, grads, strict=True))).backward()
-        scaler.unscale_(ref_opt)
-        torch.nn.utils.clip_grad_norm_(ref, 0.8)
-        scaler.step(ref_opt)
-        scaler.update()
-        ref_opt.zero_grad()
-        opt.backward(sum((p * g).sum() for p, g in zip(ours, grads, strict=True)))
-        kept = [p.grad for p in ours]
-        opt.step()
-        opt.zero_grad()
-        assert opt.loss_scale == scaler.get_scale()
-        assert all(p.grad is g and torch.count_nonzero(g) == 0 for p, g in zip(ours, kept, strict=True))
-        _close(ref, ours)
-    # warm-up 3, capture 1, then every step steady, the two overflow steps included (skipped on the device)
-    assert opt.skipped_steps == 2 and opt.host_syncs == 0 and _steady(opt) == 20
-    sum((p * g).sum() for p, g in zip(ours, random_grads(ours, 30), strict=True)).backward()  # not scaled
-    with pytest.raises(RuntimeError, match="optimizer.backward"):
-        opt.step()
 
 
 @pytest.mark.parametrize("why", ["profiler", "turned_off"])
