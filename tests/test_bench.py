@@ -228,3 +228,26 @@ def test_e2e_on_cpu_trains_both_sides_alike():
     assert result.ratio == pytest.approx(kitsune_side.tokens_per_s / torch_side.tokens_per_s)
     # same weights, same batches, same AdamW and clip: the losses agree (kitsune's CPU step is torch's own)
     assert kitsune_side.last_loss == pytest.approx(torch_side.last_loss, rel=1e-4)
+
+
+def test_e2e_turns_rotate_the_order_and_give_every_side_the_same_batches():
+    from kitsune.bench.e2e import _in_turns
+
+    calls: list[tuple[int, int]] = []
+
+    def side(k: int):
+        def step(batch: torch.Tensor) -> torch.Tensor:
+            calls.append((k, int(batch)))
+            return batch.float()
+
+        return step
+
+    data = [torch.tensor(i) for i in range(8)]
+    out = _in_turns([side(0), side(1), side(2)], data, steps=6, device=torch.device("cpu"), first=3, block=2)
+    assert [len(ms) for ms, _ in out] == [3, 3, 3] and all(t > 0 for ms, _ in out for t in ms)
+    for k, (_, losses) in enumerate(out):
+        assert [int(x) for x in losses] == [3, 4, 5, 6, 7, 0]  # the same batches, in the same order
+        assert [b for s, b in calls if s == k] == [3, 4, 5, 6, 7, 0]
+    firsts = [calls[i][0] for i in range(0, len(calls), 6)]  # who goes first in each round
+    assert firsts == [0, 1, 2]
+    assert [s for s, _ in calls[:6]] == [0, 0, 1, 1, 2, 2]  # each side runs its block in one turn

@@ -11,8 +11,9 @@ AdamW, clipping the grads to a global norm of 1.0:
 * ``kitsune_zero``: the same with ``GradConfig(zero_in_step=True)``: the update zeroes the grads, which then stay
   allocated through the next forward (more peak memory, like ``zero_grad(set_to_none=False)``).
 
-Reported per side: tokens per second over the timed steps (CUDA events around each whole step: forward, backward
-and optimizer), the peak allocated memory of the timed steps, and the last loss (both sides should agree closely).
+Reported per side: tokens per second over the timed steps (CUDA events around blocks of ``BLOCK`` whole steps:
+forward, backward and optimizer; the sides take turns block by block, the GPU idle at each block's start, see
+``_in_turns``), the peak allocated memory of the timed steps, and the last loss (both sides should agree closely).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel
 from torch import nn
 
-from kitsune.bench.timing import Stats
+from kitsune.bench.timing import Stats, synchronize
 
 
 class GPTConfig(BaseModel):
@@ -40,6 +41,8 @@ GPT2_SMALL = GPTConfig()
 """GPT-2 124M: 12 layers, 12 heads, 768 wide, 50257 tokens, embeddings tied to the head."""
 CPU_TINY = GPTConfig(vocab=256, block=64, layers=2, heads=2, dim=32)
 """The same model, tiny, for a CPU dry run."""
+BLOCK = 5
+"""Steps a side runs in one turn (see ``_in_turns``)."""
 
 
 class _Block(nn.Module):
@@ -103,6 +106,8 @@ class E2EResult(BaseModel):
     seq: int
     steps: int
     warmup: int
+    block: int = 1
+    """Steps a side ran in one turn, the GPU synchronised before each turn (1 in results from before the field)."""
     max_grad_norm: float
     sides: list[E2ESide]
     ratio: float
@@ -210,7 +215,7 @@ def run_e2e(
         ("kitsune_noclip", "kitsune, no clip: step after backward, graph", lambda: kitsune_side(False, clip=False)),
     )
     # build and warm up each side in turn, measuring its own peak memory (above what the others hold); then time
-    # the sides interleaved step by step, so a busy host slows all of them alike
+    # the sides in turns, block by block, so a busy host slows all of them alike
     built: list[tuple[Any, list[torch.Tensor], int]] = []
     n_params = 0
     for _, _, build in specs:
@@ -220,7 +225,8 @@ def run_e2e(
         losses = [step(data[i % len(data)]).detach() for i in range(warmup)]
         peak = torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else 0
         built.append((step, losses, peak))
-    times = _interleaved([step for step, _, _ in built], data, steps, device, first=warmup)
+    block = min(BLOCK, steps)
+    times = _in_turns([step for step, _, _ in built], data, steps, device, first=warmup, block=block)
     sides = []
     for (name, label, _), (_, losses, peak), (ms, timed_losses) in zip(specs, built, times, strict=True):
         all_losses = [float(x) for x in losses + timed_losses]
@@ -244,6 +250,7 @@ def run_e2e(
         seq=seq,
         steps=steps,
         warmup=warmup,
+        block=block,
         max_grad_norm=1.0,
         sides=sides,
         ratio=tps["kitsune"] / tps["torch"],
@@ -262,32 +269,37 @@ def _allocated(device: torch.device) -> int:
     return torch.cuda.memory_allocated(device)
 
 
-def _interleaved(
-    steps_fns: list[Any], data: list[torch.Tensor], steps: int, device: torch.device, first: int
+def _in_turns(
+    steps_fns: list[Any], data: list[torch.Tensor], steps: int, device: torch.device, first: int, block: int
 ) -> list[tuple[list[float], list[torch.Tensor]]]:
-    """Each side's per-step milliseconds (CUDA events on a GPU, a wall clock on a CPU) and losses (left on the
-    device), the sides taking turns step by step."""
+    """Each side's milliseconds per step (one value per block: the block's time over its steps) and losses (left on
+    the device).
+
+    The sides take turns block by block, ``block`` steps each, the order rotating round by round. The GPU is
+    synchronised before each block, so no side's first step runs on, or waits behind, the GPU work the side before
+    it left queued (taking turns step by step gave each side a head start as long as its predecessor's queued
+    tail); within a block one step's GPU tail overlaps the next step's host work, as in training. Every side sees
+    the same batches in the same order."""
     import time
 
+    cuda = device.type == "cuda"
     out: list[tuple[list[float], list[torch.Tensor]]] = [([], []) for _ in steps_fns]
-    events: list[list[tuple[Any, Any]]] = [[] for _ in steps_fns]
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    for i in range(first, first + steps):
-        batch = data[i % len(data)]
-        for k, step in enumerate(steps_fns):
-            if device.type == "cuda":
+    n = len(steps_fns)
+    for r in range(max(1, steps // block)):
+        batches = [data[(first + r * block + j) % len(data)] for j in range(block)]
+        for k in [(r + o) % n for o in range(n)]:
+            step = steps_fns[k]
+            synchronize(device)
+            if cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
+            t0 = time.perf_counter()
+            for batch in batches:
                 out[k][1].append(step(batch).detach())
+            if cuda:
                 end.record()
-                events[k].append((start, end))
+                end.synchronize()
+                out[k][0].append(start.elapsed_time(end) / block)
             else:
-                t0 = time.perf_counter()
-                out[k][1].append(step(batch).detach())
-                out[k][0].append((time.perf_counter() - t0) * 1e3)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        for k, evs in enumerate(events):
-            out[k][0].extend(start.elapsed_time(end) for start, end in evs)
+                out[k][0].append((time.perf_counter() - t0) * 1e3 / block)
     return out

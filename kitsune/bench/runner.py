@@ -577,7 +577,7 @@ def run_bench(
         if e2e:
             progress.update(task, description="end to end: GPT-2 124M training steps")
             progress.refresh()
-            result.e2e = run_e2e(dev, steps=30 if cuda else 2, warmup=10 if cuda else 1, seed=seed)
+            result.e2e = run_e2e(dev, steps=50 if cuda else 2, warmup=10 if cuda else 1, seed=seed)
             save()
             progress.advance(task)
         progress.update(task, description="done")
@@ -650,7 +650,8 @@ def print_e2e(e2e: E2EResult, console: Console) -> None:
     m = e2e.model
     table = Table(
         title=f"end to end: GPT ({e2e.n_params / 1e6:.3g}M params, {m.layers} layers, {m.dim} wide), bf16 autocast, "
-        f"batch {e2e.batch} x {e2e.seq}, AdamW, clip {e2e.max_grad_norm:g}"
+        f"batch {e2e.batch} x {e2e.seq}, AdamW, clip {e2e.max_grad_norm:g}; {e2e.steps} steps a side in turns of "
+        f"{e2e.block}"
     )
     for name in ("side", "ms/step", "p10-p90", "tokens/s", "peak memory", "last loss"):
         table.add_column(name, justify="left" if name == "side" else "right")
