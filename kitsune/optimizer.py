@@ -507,17 +507,17 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             if not fusion.refresh_values(groups):
                 return False  # a switch changed (amsgrad, nesterov, ...): new kernels, through the full path
             steady.values = values
+        if not fusion.unchanged():
+            return False
         amp = steady.amp
-        if (amp is not None and not amp._loss_scaled) or not fusion.unchanged():
-            return False  # (a loss not scaled by optimizer.backward: the full path says so)
+        if amp is not None and not amp.take_scaled_loss():
+            return False  # a loss not scaled by optimizer.backward: the full path says so
         self._step_count += 1
         self._zeroed = None
         norm = steady.graphs.replay_again().get("grad_norm")  # with float16 AMP, the scale update too
         fusion.count_replay()
         self._last_grad_norm = norm
         self._norm_is_static = norm is not None
-        if amp is not None:
-            amp._loss_scaled = False
         if steady.zeroed:
             self._remember_zeroed(steady.zeroed)
         self._optimizer._opt_called = True  # LR schedulers built on the wrapped optimizer look for this

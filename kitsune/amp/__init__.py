@@ -122,6 +122,12 @@ class AMPSubsystem(Subsystem):
             self.update_scale(ctx)
         self._loss_scaled = False
 
+    def take_scaled_loss(self) -> bool:
+        """For a step that skips :meth:`before_step` and :meth:`after_step` (the steady replay, whose graph updates the
+        scale): whether this step's loss was scaled; if so, the next step needs a scaled loss again."""
+        scaled, self._loss_scaled = self._loss_scaled, False
+        return scaled
+
     def update_scale(self, ctx: StepContext) -> None:
         """The device half of :meth:`after_step`: count a skipped step and update the scale (capturable)."""
         found_inf = ctx.extra.get("found_inf")
