@@ -649,21 +649,20 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         skip: set[torch.Tensor] = set()
         pool = self._subsystem("memory")
         flat = getattr(pool, "flat_grads", False)
-        if zeroed is not None and not flat:
+        if zeroed is not None:
             params, ids, versions = zeroed
             grads = list(map(_GRAD, params))
             if (
-                len(params) == sum(len(g["params"]) for g in self.param_groups)
+                not flat
+                and len(params) == sum(len(g["params"]) for g in self.param_groups)
                 and list(map(id, grads)) == ids
                 and _versions(grads) == versions
             ):
                 return  # the step zeroed every param's grad, and nothing wrote to them since: nothing to do
-        if zeroed is not None:
-            params, ids, versions = zeroed
             skip = {
                 p
-                for p, i, v in zip(params, ids, versions, strict=True)
-                if p.grad is not None and id(p.grad) == i and p.grad._version == v
+                for p, g, i, v in zip(params, grads, ids, versions, strict=True)
+                if g is not None and id(g) == i and g._version == v
             }
         if flat:  # grads in the pool's arena: zeroed in place, kept (not set to None)
             skip |= pool.zero_grads(already_zero=skip)

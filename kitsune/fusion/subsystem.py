@@ -380,7 +380,7 @@ class FusionSubsystem(Subsystem):
         step's grads, create missing state, refresh the hyperparameter buffer. Returns the units with a live grad."""
         opt = self._opt
         groups = opt.param_groups
-        if self._info is not None and tuple(self._info.spec(g) for g in groups) != self._specs:
+        if self._switches_changed(groups):
             self.plan(opt)  # a switch changed (e.g. momentum set to 0, amsgrad turned on): new kernel variants
         state = opt.state
         done = ctx.extra.get("updated_in_backward") or ()  # units the stream scheduler updated inside backward
@@ -395,8 +395,7 @@ class FusionSubsystem(Subsystem):
                 self.plan(opt)
                 live = [unit for unit in (*self._units, *self._muon) if unit.prepare(state, groups)]
         if live:
-            for context in self._contexts.values():
-                context.refresh(groups)
+            self.refresh_contexts()
             if self._needs_norm(ctx):
                 self._bind_norm()
         return live
@@ -405,25 +404,28 @@ class FusionSubsystem(Subsystem):
         """Whether every unit's grads and params sit where the last step found them, with no copies, lazy state or
         sparse grads pending: then the last step's tables, norm binding and launches hold for this one as well (the
         caller has checked that the groups' values are those the last step used). C++ checks only, no uploads."""
-        units, muon = self._units, self._muon
-        return all(u._fast and u._unchanged() for u in units) and (
-            not muon or all(u._fast and u._unchanged() for u in muon)
-        )
+        return all(u._fast and u._unchanged() for units in (self._units, self._muon) for u in units)
 
     def refresh_values(self, groups: list[dict[str, Any]]) -> bool:
         """A group's values changed between two steady replays: refresh the hyperparameter buffers, or return False
         when a switch changed (the kernels must be planned again, through :meth:`prepare`)."""
-        if self._info is not None and tuple(self._info.spec(g) for g in groups) != self._specs:
+        if self._switches_changed(groups):
             return False
-        for context in self._contexts.values():
-            context.refresh(groups)
+        self.refresh_contexts()
         return True
+
+    def _switches_changed(self, groups: list[dict[str, Any]]) -> bool:
+        """Whether a group's kernel switches differ from the plan's (another compiled variant is needed)."""
+        return self._info is not None and tuple(self._info.spec(g) for g in groups) != self._specs
 
     def count_replay(self) -> None:
         """Book a step that replayed the captured launches without coming through :meth:`prepare`."""
+        self._count_step(1)
+
+    def _count_step(self, launches: int) -> None:
         self._steps += 1
-        self._launches_last_step = 1
-        self._launches_total += 1
+        self._launches_last_step = launches
+        self._launches_total += launches
 
     def _needs_norm(self, ctx: StepContext) -> bool:
         fused = ctx.extra.get("fused_grads", False)
@@ -527,9 +529,7 @@ class FusionSubsystem(Subsystem):
             self._note_once(f"{len(unhandled)} param(s) got sparse grads: left to the optimizer's own step")
         if launches is None:
             launches, self._launches_last_launch = (self._launches_last_launch if live else 0), 0
-        self._steps += 1
-        self._launches_last_step = launches
-        self._launches_total += launches
+        self._count_step(launches)
 
     @property
     def units(self) -> list[FusedUnit]:
