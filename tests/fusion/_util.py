@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from kitsune import KitsuneOptimizer
+from kitsune.graphs import GraphSubsystem
 
 TOL = {  # per-dtype (atol, rtol) after 50 steps; bf16/fp16 against the rounded fp32 reference (see trajectory)
     torch.float32: (1e-5, 1e-5),
@@ -152,3 +153,15 @@ class RecordingBackend:
     def replay(self, graph) -> None:
         self.replayed += 1
         graph()
+
+
+def record_graphs(opt: KitsuneOptimizer, backend: RecordingBackend | None = None) -> RecordingBackend:
+    """Give ``opt``'s graph subsystem the recording stand-in (or ``backend``) and re-plan: the graph subsystem must
+    then be active."""
+    backend = backend or RecordingBackend()
+    graphs = opt._subsystem("graphs")
+    assert isinstance(graphs, GraphSubsystem)
+    graphs.backend = backend
+    opt._replan()
+    assert graphs.active, graphs.reason
+    return backend

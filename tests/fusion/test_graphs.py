@@ -11,22 +11,11 @@ import torch
 
 from kitsune import AMPConfig, FusionConfig, GradConfig, GraphConfig, KitsuneConfig, KitsuneOptimizer
 from kitsune.fusion import units
-from kitsune.graphs import GraphSubsystem
 from kitsune.optim import Muon
 
-from ._util import RecordingBackend, make_params, ptrs_equal_stand_in, random_grads
+from ._util import RecordingBackend, make_params, ptrs_equal_stand_in, random_grads, record_graphs
 
 SIZES = [(7, 3), 16, 5, 1]
-
-
-def _graphed(opt: KitsuneOptimizer, backend: RecordingBackend | None = None) -> RecordingBackend:
-    backend = backend or RecordingBackend()
-    graphs = opt._subsystem("graphs")
-    assert isinstance(graphs, GraphSubsystem)
-    graphs.backend = backend
-    opt._replan()
-    assert graphs.active, graphs.reason
-    return backend
 
 
 def _set_grads(params, step, skip=()):
@@ -40,7 +29,7 @@ def test_replay_equals_torch_with_onecyclelr_and_clip(device):
     ref, ours = make_params(SIZES, torch.float32, device), make_params(SIZES, torch.float32, device)
     ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1)
     opt = KitsuneOptimizer(torch.optim.AdamW(ours, lr=1e-2, weight_decay=0.1), enable_fusion=True, max_grad_norm=0.5)
-    backend = _graphed(opt)
+    backend = record_graphs(opt)
     scheds = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=40) for o in (ref_opt, opt)]
     norms, wants = [], []
     for step in range(30):
@@ -80,7 +69,7 @@ def test_fp16_amp_clip_and_zeroing_replay_like_grad_scaler(device, steady, monke
         graphs=GraphConfig(steady_replay=steady),
     )
     opt = KitsuneOptimizer(torch.optim.Adam(ours, lr=1e-2), config=config)
-    _graphed(opt)
+    record_graphs(opt)
     for step in range(24):
         grads = random_grads(ref, step)
         if step in (9, 17):
@@ -129,7 +118,7 @@ def _close(ref, ours):
 
 def test_grads_reallocated_or_none_need_no_recapture(device):
     ref, ours, ref_opt, opt = _twins(device)
-    backend = _graphed(opt)
+    backend = record_graphs(opt)
     for step in range(12):
         # new grad tensors every step (as after zero_grad(set_to_none=True)), and some params without a grad
         _both(ref, ours, ref_opt, opt, step, skip={1} if step % 3 == 0 else ())
@@ -141,7 +130,7 @@ def test_grads_reallocated_or_none_need_no_recapture(device):
 @pytest.mark.parametrize("change", ["add_param_group", "load_state_dict", "storage", "switch"])
 def test_structural_changes_replan_and_recapture(device, change):
     ref, ours, ref_opt, opt = _twins(device)
-    backend = _graphed(opt)
+    backend = record_graphs(opt)
     for step in range(6):
         _both(ref, ours, ref_opt, opt, step)
     assert backend.captured == 1
@@ -168,7 +157,7 @@ def test_structural_changes_replan_and_recapture(device, change):
 
 def test_grad_scaler_steps_run_eagerly_and_keep_the_graph(device):
     ref, ours, ref_opt, opt = _twins(device)
-    backend = _graphed(opt)
+    backend = record_graphs(opt)
     for step in range(6):
         _both(ref, ours, ref_opt, opt, step)
     s1, s2 = (torch.amp.GradScaler(device.type, init_scale=4.0) for _ in range(2))
@@ -186,7 +175,7 @@ def test_grad_scaler_steps_run_eagerly_and_keep_the_graph(device):
 
 def test_failed_capture_falls_back_to_eager_with_the_reason(device):
     ref, ours, ref_opt, opt = _twins(device)
-    _graphed(opt, RecordingBackend(fail=True))
+    record_graphs(opt, RecordingBackend(fail=True))
     for step in range(8):
         _both(ref, ours, ref_opt, opt, step)
     graphs = opt._subsystem("graphs")
@@ -221,7 +210,7 @@ def test_muon_steps_are_captured_unless_the_grads_need_a_pass(device):
         else:
             base = torch.optim.Muon(params, lr=0.02, weight_decay=0.1, ns_steps=2)
         opt = KitsuneOptimizer(base, enable_fusion=True, capture_graph=graphed)
-        backend = _graphed(opt) if graphed else None
+        backend = record_graphs(opt) if graphed else None
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
         for step in range(10):
             _set_grads(params, step, skip={2} if step == 5 else ())

@@ -14,7 +14,7 @@ import torch
 from kitsune import FusionConfig, GraphConfig, KitsuneConfig, KitsuneOptimizer
 from kitsune.fusion import units
 
-from ._util import RecordingBackend, make_params, ptrs_equal_stand_in, random_grads
+from ._util import assert_close_params, make_params, ptrs_equal_stand_in, random_grads, record_graphs
 
 SIZES = [(7, 3), 16, (4, 5), 9]
 
@@ -25,18 +25,10 @@ def cpp_check(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(units, "_PTRS_EQUAL", units._PTRS_EQUAL or ptrs_equal_stand_in)
 
 
-def _graphed(opt: KitsuneOptimizer) -> RecordingBackend:
-    backend = RecordingBackend()
-    opt._subsystem("graphs").backend = backend
-    opt._replan()
-    assert opt._subsystem("graphs").active
-    return backend
-
-
 def _twins(device, make, **kwargs):
     ref, ours = make_params(SIZES, torch.float32, device), make_params(SIZES, torch.float32, device)
     opt = KitsuneOptimizer(make(ours), enable_fusion=True, **kwargs)
-    return ref, ours, make(ref), opt, _graphed(opt)
+    return ref, ours, make(ref), opt, record_graphs(opt)
 
 
 def _in_place(params, step: int, skip=()) -> None:
@@ -46,11 +38,6 @@ def _in_place(params, step: int, skip=()) -> None:
             p.grad = None
         else:
             p.grad = g if p.grad is None else p.grad.copy_(g)
-
-
-def _close(ref, ours) -> None:
-    for p, q in zip(ref, ours, strict=True):
-        torch.testing.assert_close(q.detach(), p.detach(), atol=1e-5, rtol=1e-5)
 
 
 def _steady(opt: KitsuneOptimizer) -> int:
@@ -75,7 +62,7 @@ def test_steady_replays_follow_torch_with_onecyclelr_and_clip(device):
         norms.append(opt.last_grad_norm)
         for s in scheds:
             s.step()
-        _close(ref, ours)
+        assert_close_params(ours, ref, torch.float32)
     # warm-up 3, capture (which replays and arms) 1, then 36 steady replays; each read norm is its own step's
     assert _steady(opt) == 36 and (backend.captured, backend.replayed) == (1, 37)
     torch.testing.assert_close(torch.stack(norms), torch.stack(wants), atol=1e-6, rtol=1e-6)
@@ -142,7 +129,7 @@ def test_every_change_leaves_the_steady_replay_and_matches_torch(device, change)
                 del o.grad_scale, o.found_inf
             else:
                 o.step()
-        _close(ref, ours)
+        assert_close_params(ours, ref, torch.float32)
     if change == "value":
         assert _steady(opt) == steady + 12 and backend.captured == captured
     elif change == "tensor_lr":
@@ -163,13 +150,13 @@ def test_no_steady_replay_with_the_profiler_or_turned_off(device, why):
     else:
         config = KitsuneConfig(fusion=FusionConfig(enabled=True), graphs=GraphConfig(steady_replay=False))
         opt = KitsuneOptimizer(torch.optim.AdamW(ours, lr=1e-2), config=config)
-    backend = _graphed(opt)
+    backend = record_graphs(opt)
     for step in range(10):
         for params, o in ((ref, ref_opt), (ours, opt)):
             _in_place(params, step)
             o.step()
     assert backend.replayed > 0 and _steady(opt) == 0
-    _close(ref, ours)
+    assert_close_params(ours, ref, torch.float32)
 
 
 @pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon needs torch >= 2.9")
@@ -184,7 +171,7 @@ def test_muon_steady_replays_equal_the_eager_fused_step(device):
             torch.optim.Muon(params, lr=0.02, weight_decay=0.1, ns_steps=2), enable_fusion=True, capture_graph=graphed
         )
         if graphed:
-            _graphed(opt)
+            record_graphs(opt)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
         for step in range(12):
             _in_place(params, step)
