@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one script to run on a lent GPU: environment, the CUDA tests, `kitsune bench` on all sets, then the demo.
 # Writes into $OUT (default ./gpu-out): env.log, cuda-tests.log, gpu-suites.log, bench.log, bench.json, demo.log,
-# demo-profile.json, exit-codes.txt.
+# demo-profile.json, exit-codes.txt; with STAGES naming compile, e2e-compile.log and e2e-compile.json.
 # Takes about 9 minutes at most on an H100: each stage has its own time limit so the benchmark always runs.
 # BENCH_DEVICE=cpu runs the same stages on a CPU with tiny sets (a dry run of this script, not a measurement).
 set -euo pipefail
@@ -72,6 +72,14 @@ timeout 330 python3 -m kitsune.bench --device "$BENCH_DEVICE" --sets gpt2,many,l
     --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || bench_rc=$?
 }
 
+# the same end-to-end run with the model compiled (torch.compile, inductor) on every side: a separate stage, as
+# compiling takes a minute or two (STAGES=compile)
+compile_rc=0
+stage compile && {
+timeout 270 python3 -m kitsune.bench --device "$BENCH_DEVICE" --sets gpt2 --variants fused,kitsune --e2e --compile \
+    --json "$OUT/e2e-compile.json" 2>&1 | tee "$OUT/e2e-compile.log" || compile_rc=$?
+}
+
 muon_rc=0
 stage muon && {
 timeout 200 python3 -m kitsune.bench --muon --json "$OUT/muon.json" 2>&1 | tee "$OUT/muon.log" || muon_rc=$?
@@ -84,7 +92,7 @@ timeout 90 python3 -m kitsune demo --device "$BENCH_DEVICE" --profile-out "$OUT/
 }
 
 echo "cuda tests exit code: $tests_rc (124: timed out); kernel/fusion suites on the GPU: $gpu_suites_rc;" \
-    "bench exit code: $bench_rc (1: a variant failed); muon bench exit code: $muon_rc;" \
+    "bench exit code: $bench_rc (1: a variant failed); compiled e2e: $compile_rc; muon bench exit code: $muon_rc;" \
     "demo exit code: $demo_rc" | tee "$OUT/exit-codes.txt"
 if [ "$tests_rc" -ne 0 ]; then
     exit "$tests_rc"

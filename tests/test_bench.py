@@ -153,6 +153,8 @@ def test_run_bench_rejects_bad_input():
         run_bench(sets=["gpt2"], variants=["sgd"], device="cpu", console=quiet())
     with pytest.raises(ValueError, match="warmup"):
         run_bench(sets=["gpt2"], device="cpu", warmup=0, console=quiet())
+    with pytest.raises(ValueError, match="add --e2e"):
+        run_bench(sets=["gpt2"], device="cpu", compile_backend="inductor", console=quiet())
 
 
 def test_register_adds_bench_subcommand(tmp_path):
@@ -163,6 +165,9 @@ def test_register_adds_bench_subcommand(tmp_path):
     args = parser.parse_args([*argv, "--json", str(path)])
     assert args.sets == ["many"] and args.variants == ["fused", "kitsune"] and args.timed_steps == 2
     assert not hasattr(args, "steps")  # kitsune's top-level main() checks args.steps as an int
+    assert args.compile_backend is None
+    assert parser.parse_args(["bench", "--e2e", "--compile"]).compile_backend == "inductor"
+    assert parser.parse_args(["bench", "--e2e", "--compile", "aot_eager"]).compile_backend == "aot_eager"
     assert args.func(args) == 0
     assert [v.variant for v in BenchResult.load(path).sets[0].variants] == ["fused", "kitsune"]
     for bad in (["--sets", "gpt3"], ["--variants", "sgd"], ["--steps", "0"], ["--scale", "2"]):
@@ -251,3 +256,15 @@ def test_e2e_turns_rotate_the_order_and_give_every_side_the_same_batches():
     firsts = [calls[i][0] for i in range(0, len(calls), 6)]  # who goes first in each round
     assert firsts == [0, 1, 2]
     assert [s for s, _ in calls[:6]] == [0, 0, 1, 1, 2, 2]  # each side runs its block in one turn
+
+
+def test_e2e_with_a_compiled_model_trains_every_side_alike():
+    from kitsune.bench.e2e import run_e2e
+
+    eager = run_e2e(torch.device("cpu"), steps=2, warmup=2, batch=2, seq=16)
+    compiled = run_e2e(torch.device("cpu"), steps=2, warmup=2, batch=2, seq=16, compile_backend="aot_eager")
+    assert compiled.compile_backend == "aot_eager" and eager.compile_backend is None
+    assert [s.name for s in compiled.sides] == [s.name for s in eager.sides]
+    for e, c in zip(eager.sides, compiled.sides, strict=True):
+        # the compiled forward and backward train like the eager ones, updates inside backward included
+        assert c.losses == pytest.approx(e.losses, rel=1e-4), c.name

@@ -59,6 +59,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--e2e", action="store_true", help="also time whole training steps of a GPT-2 124M-shaped model"
     )
+    parser.add_argument(
+        "--compile",
+        dest="compile_backend",
+        nargs="?",
+        const="inductor",
+        default=None,
+        metavar="BACKEND",
+        help="with --e2e: run the model through torch.compile on every side (backend: inductor unless named)",
+    )
     parser.add_argument("--muon", action="store_true", help="time Newton-Schulz and a Muon step instead (CUDA only)")
     parser.add_argument("--json", dest="json_path", default=None, help="write every number to this JSON file")
     parser.add_argument("--seed", type=int, default=0, help="seed of the params and grads")
@@ -78,6 +87,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             scale=args.scale,
             phase=args.phase,
             e2e=args.e2e,
+            compile_backend=args.compile_backend,
             json_path=args.json_path,
             seed=args.seed,
         )

@@ -109,6 +109,8 @@ class E2EResult(BaseModel):
     block: int = 1
     """Steps a side ran in one turn, the GPU synchronised before each turn (1 in results from before the field)."""
     max_grad_norm: float
+    compile_backend: str | None = None
+    """The ``torch.compile`` backend every side's model ran through; None: eager."""
     sides: list[E2ESide]
     ratio: float
     """kitsune's tokens/s over torch's (above 1: kitsune trains faster)."""
@@ -124,9 +126,19 @@ class E2EResult(BaseModel):
 
 
 def run_e2e(
-    device: torch.device, steps: int = 30, warmup: int = 10, batch: int = 4, seq: int = 512, seed: int = 0
+    device: torch.device,
+    steps: int = 30,
+    warmup: int = 10,
+    batch: int = 4,
+    seq: int = 512,
+    seed: int = 0,
+    compile_backend: str | None = None,
 ) -> E2EResult:
-    """Time ``steps`` whole training steps of each side after ``warmup`` untimed ones (see the module docstring)."""
+    """Time ``steps`` whole training steps of each side after ``warmup`` untimed ones (see the module docstring).
+
+    ``compile_backend``: run every side's model through ``torch.compile(model, backend=compile_backend)``
+    (``"inductor"``, torch's default, or any backend name torch knows); the sides share the compiled code, which
+    the first side's warm-up compiles."""
     from kitsune.config import AMPConfig, FusionConfig, GradConfig, KitsuneConfig, MemoryConfig, StreamConfig
     from kitsune.optimizer import KitsuneOptimizer
 
@@ -138,14 +150,19 @@ def run_e2e(
     init = GPT(cfg).state_dict()
     adamw = {"lr": 3e-4, "weight_decay": 0.1, "betas": (0.9, 0.95)}
 
-    def torch_side(clip: bool = True) -> tuple[nn.Module, Any, Any]:
+    def new_model() -> tuple[nn.Module, Any]:
+        """The model and what computes its loss: the model itself or its compiled forward."""
         model = GPT(cfg).to(device)
         model.load_state_dict(init)
+        return model, (torch.compile(model, backend=compile_backend) if compile_backend else model)
+
+    def torch_side(clip: bool = True) -> tuple[nn.Module, Any, Any]:
+        model, loss_of = new_model()
         opt = torch.optim.AdamW(model.parameters(), **adamw, fused=device.type == "cuda")
 
         def step(tokens: torch.Tensor) -> torch.Tensor:
             with torch.autocast(device.type, dtype=torch.bfloat16):
-                loss = model(tokens[:, :-1], tokens[:, 1:])
+                loss = loss_of(tokens[:, :-1], tokens[:, 1:])
             loss.backward()
             if clip:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -156,8 +173,7 @@ def run_e2e(
         return model, opt, step
 
     def kitsune_side(zero_in_step: bool, clip: bool = True) -> tuple[nn.Module, Any, Any]:
-        model = GPT(cfg).to(device)
-        model.load_state_dict(init)
+        model, loss_of = new_model()
         opt = KitsuneOptimizer(
             torch.optim.AdamW(model.parameters(), **adamw),
             enable_fusion=True,
@@ -168,7 +184,7 @@ def run_e2e(
 
         def step(tokens: torch.Tensor) -> torch.Tensor:
             with opt.autocast():
-                loss = model(tokens[:, :-1], tokens[:, 1:])
+                loss = loss_of(tokens[:, :-1], tokens[:, 1:])
             opt.backward(loss)
             opt.step()
             opt.zero_grad()
@@ -177,8 +193,7 @@ def run_e2e(
         return model, opt, step
 
     def backward_side(flat_grads: bool = False, stream: str = "side") -> tuple[nn.Module, Any, Any]:
-        model = GPT(cfg).to(device)
-        model.load_state_dict(init)
+        model, loss_of = new_model()
         # flat_grads: the grads stay at their arena addresses, so no address table is uploaded inside backward
         opt = KitsuneOptimizer(
             torch.optim.AdamW(model.parameters(), **adamw),
@@ -192,7 +207,7 @@ def run_e2e(
 
         def step(tokens: torch.Tensor) -> torch.Tensor:
             with opt.autocast():
-                loss = model(tokens[:, :-1], tokens[:, 1:])
+                loss = loss_of(tokens[:, :-1], tokens[:, 1:])
             opt.backward(loss)  # the updates launch bucket by bucket as backward finishes their grads
             opt.step()
             opt.zero_grad()
@@ -252,6 +267,7 @@ def run_e2e(
         warmup=warmup,
         block=block,
         max_grad_norm=1.0,
+        compile_backend=compile_backend,
         sides=sides,
         ratio=tps["kitsune"] / tps["torch"],
         ratio_noclip=tps["kitsune_backward"] / tps["torch_noclip"],

@@ -462,6 +462,7 @@ def run_bench(
     console: Console | None = None,
     command: str | None = None,
     e2e: bool = False,
+    compile_backend: str | None = None,
 ) -> BenchResult:
     """Time every variant on every set, print the table, and write JSON when ``json_path`` is given.
 
@@ -478,6 +479,7 @@ def run_bench(
         console: where the progress bar and table go.
         command: the command line to record; None: this process's.
         e2e: also time whole training steps of a GPT-2 124M-shaped model (a tiny one on a CPU).
+        compile_backend: with ``e2e``, run the model through ``torch.compile`` with this backend on every side.
     """
     dev = _resolve_device(device)
     cuda = dev.type == "cuda"
@@ -492,6 +494,8 @@ def run_bench(
         raise ValueError(f"warmup must be at least 1 (the graph variant captures after it), got {warmup}")
     if steps is not None and steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
+    if compile_backend is not None and not e2e:
+        raise ValueError("compiling applies to the end-to-end run: add --e2e, or leave out --compile")
     console = console or _console()
     if cuda:
         torch.cuda.set_device(dev)
@@ -577,7 +581,9 @@ def run_bench(
         if e2e:
             progress.update(task, description="end to end: GPT-2 124M training steps")
             progress.refresh()
-            result.e2e = run_e2e(dev, steps=50 if cuda else 2, warmup=10 if cuda else 1, seed=seed)
+            result.e2e = run_e2e(
+                dev, steps=50 if cuda else 2, warmup=10 if cuda else 1, seed=seed, compile_backend=compile_backend
+            )
             save()
             progress.advance(task)
         progress.update(task, description="done")
@@ -649,7 +655,8 @@ def print_results(result: BenchResult, console: Console | None = None) -> None:
 def print_e2e(e2e: E2EResult, console: Console) -> None:
     m = e2e.model
     table = Table(
-        title=f"end to end: GPT ({e2e.n_params / 1e6:.3g}M params, {m.layers} layers, {m.dim} wide), bf16 autocast, "
+        title=f"end to end: GPT ({e2e.n_params / 1e6:.3g}M params, {m.layers} layers, {m.dim} wide"
+        f"{f', torch.compile {e2e.compile_backend}' if e2e.compile_backend else ''}), bf16 autocast, "
         f"batch {e2e.batch} x {e2e.seq}, AdamW, clip {e2e.max_grad_norm:g}; {e2e.steps} steps a side in turns of "
         f"{e2e.block}"
     )
