@@ -155,6 +155,10 @@ def test_run_bench_rejects_bad_input():
         run_bench(sets=["gpt2"], device="cpu", warmup=0, console=quiet())
     with pytest.raises(ValueError, match="add --e2e"):
         run_bench(sets=["gpt2"], device="cpu", compile_backend="inductor", console=quiet())
+    with pytest.raises(ValueError, match="add --e2e"):
+        run_bench(sets=["gpt2"], device="cpu", e2e_steps=100, console=quiet())
+    with pytest.raises(ValueError, match="e2e_steps must be at least 1"):
+        run_bench(sets=["gpt2"], device="cpu", e2e=True, e2e_steps=0, console=quiet())
 
 
 def test_register_adds_bench_subcommand(tmp_path):
@@ -166,6 +170,7 @@ def test_register_adds_bench_subcommand(tmp_path):
     assert args.sets == ["many"] and args.variants == ["fused", "kitsune"] and args.timed_steps == 2
     assert not hasattr(args, "steps")  # kitsune's top-level main() checks args.steps as an int
     assert args.compile_backend is None
+    assert args.e2e_steps is None and parser.parse_args(["bench", "--e2e-steps", "7"]).e2e_steps == 7
     assert parser.parse_args(["bench", "--e2e", "--compile"]).compile_backend == "inductor"
     assert parser.parse_args(["bench", "--e2e", "--compile", "aot_eager"]).compile_backend == "aot_eager"
     assert args.func(args) == 0

@@ -60,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--e2e", action="store_true", help="also time whole training steps of a GPT-2 124M-shaped model"
     )
     parser.add_argument(
+        "--e2e-steps", type=_positive_int, default=None, help="with --e2e: timed steps a side (default 50; CPU 2)"
+    )
+    parser.add_argument(
         "--compile",
         dest="compile_backend",
         nargs="?",
@@ -88,6 +91,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             phase=args.phase,
             e2e=args.e2e,
             compile_backend=args.compile_backend,
+            e2e_steps=args.e2e_steps,
             json_path=args.json_path,
             seed=args.seed,
         )
