@@ -161,6 +161,16 @@ def test_run_bench_rejects_bad_input():
         run_bench(sets=["gpt2"], device="cpu", e2e=True, e2e_steps=0, console=quiet())
 
 
+def test_auto_device_names_the_current_gpu(monkeypatch):
+    from kitsune.bench.runner import _resolve_device
+
+    assert _resolve_device("auto") == torch.device("cpu") or torch.cuda.is_available()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    # with an index: torch.cuda.set_device and the allocator's counters refuse a bare "cuda"
+    assert _resolve_device("auto") == _resolve_device(None) == _resolve_device("cuda") == torch.device("cuda", 3)
+
+
 def test_register_adds_bench_subcommand(tmp_path):
     parser = argparse.ArgumentParser(prog="kitsune")
     register(parser.add_subparsers(dest="command", required=True))
@@ -188,7 +198,7 @@ def test_module_entry_point(capsys):
 
 @pytest.mark.cuda
 def test_every_variant_times_on_gpu():
-    result = run_bench(sets=["gpt2"], device="cuda", steps=5, warmup=3, console=quiet())
+    result = run_bench(sets=["gpt2"], device=None, steps=5, warmup=3, console=quiet())  # the CLI's --device auto
     assert result.timer == "cuda_events" and result.copy_bandwidth_gbs > 100
     entry = result.sets[0]
     assert entry.scale == 1.0 and entry.n_tensors == 148

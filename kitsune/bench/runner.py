@@ -428,7 +428,7 @@ def _ratios(variants: list[VariantResult]) -> dict[str, float]:
 
 def _resolve_device(device: str | torch.device | None) -> torch.device:
     if device is None or device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda was asked for but torch sees no CUDA GPU")
