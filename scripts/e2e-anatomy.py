@@ -13,7 +13,9 @@ For forward + backward and for each side's optimizer phase it measures two thing
 A step is host-bound when its host time exceeds its GPU time: then the GPU idles, and a faster optimizer phase on
 the GPU shows in tokens/s only as far as it also takes less host time. The last lines give each ratio's ceiling
 when the step is GPU-bound: (fwd+bwd GPU + torch phase GPU) / (fwd+bwd GPU + kitsune phase GPU). Each side trains
-its own copy of the model (kitsune's in-backward side updates inside its own backward: its fwd_bwd includes them).
+its own copy of the model (kitsune's in-backward side updates inside its own backward, on a side stream: the CUDA
+events on the current stream count those updates only as far as that stream waits for them, so its GPU times are
+not comparable with the other sides').
 """
 
 from __future__ import annotations
