@@ -31,10 +31,7 @@ from typing import Any
 import torch
 
 from kitsune import KitsuneOptimizer
-from kitsune.bench.e2e import CPU_TINY, GPT, GPT2_SMALL
-from kitsune.config import AMPConfig, FusionConfig, GradConfig, KitsuneConfig, StreamConfig
-
-ADAMW = {"lr": 3e-4, "weight_decay": 0.1, "betas": (0.9, 0.95)}
+from kitsune.bench.e2e import CPU_TINY, GPT, GPT2_SMALL, build_side, forward_backward
 
 
 def _sleep_cycles_per_ms() -> float:
@@ -67,20 +64,7 @@ def _time(fn: Any, device: torch.device, cycles_per_ms: float | None, cover_ms: 
 
 
 SIDES = ("torch", "torch_noclip", "kitsune", "kitsune_noclip", "kitsune_backward")
-
-
-def _optimizer(name: str, params: list[torch.nn.Parameter], device: torch.device) -> Any:
-    if name.startswith("torch"):
-        return torch.optim.AdamW(params, **ADAMW, fused=device.type == "cuda")
-    return KitsuneOptimizer(
-        torch.optim.AdamW(params, **ADAMW),
-        config=KitsuneConfig(
-            fusion=FusionConfig(enabled=True),
-            amp=AMPConfig(enabled=True, dtype=torch.bfloat16),
-            grads=GradConfig(max_norm=1.0 if name == "kitsune" else None),
-            streams=StreamConfig(step_in_backward=name == "kitsune_backward"),
-        ),
-    )
+"""The sides of ``kitsune bench --e2e`` measured here (``kitsune.bench.e2e.SIDES``)."""
 
 
 def _measure(
@@ -89,34 +73,23 @@ def _measure(
     """Median host and GPU ms of forward + backward and of the optimizer phase, per side, in turns."""
     torch.manual_seed(0)
     init = GPT(cfg).state_dict()
-    sides: dict[str, tuple[Any, Any, Any]] = {}
-    for name in SIDES:  # a model each: the in-backward side's hooks must fire in its own backward only
-        model = GPT(cfg).to(device)
-        model.load_state_dict(init)
-        loss_of = model if mode == "eager" else torch.compile(model, backend=mode)
-        sides[name] = (model, loss_of, _optimizer(name, list(model.parameters()), device))
+    # a model each: the in-backward side's hooks must fire in its own backward only
+    sides = {name: build_side(name, cfg, init, device, None if mode == "eager" else mode) for name in SIDES}
 
     def fwd_bwd(name: str) -> None:
-        _, loss_of, opt = sides[name]
-        if isinstance(opt, KitsuneOptimizer):
-            with opt.autocast():
-                loss = loss_of(tokens[:, :-1], tokens[:, 1:])
-            opt.backward(loss)
-        else:
-            with torch.autocast(device.type, dtype=torch.bfloat16):
-                loss = loss_of(tokens[:, :-1], tokens[:, 1:])
-            loss.backward()
+        forward_backward(sides[name], tokens)
 
     split: dict[str, list[tuple[float, float]]] = {name: [] for name in SIDES}
 
     def phase(name: str) -> None:
-        model, _, opt = sides[name]
+        """``optimizer_phase``, with ``step()`` and ``zero_grad()`` timed apart."""
+        side = sides[name]
         if name == "torch":
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            torch.nn.utils.clip_grad_norm_(side.model.parameters(), 1.0)
         t0 = time.perf_counter()
-        opt.step()
+        side.opt.step()
         t1 = time.perf_counter()
-        opt.zero_grad()
+        side.opt.zero_grad()
         split[name].append(((t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3))
 
     for name in SIDES:  # warm-up: compilation, kitsune's graph capture
@@ -129,8 +102,8 @@ def _measure(
         for name in SIDES:
             for part, fn in (("fwd_bwd", fwd_bwd), ("phase", phase)):
                 parts.setdefault(f"{part}[{name}]", []).append(_time(partial(fn, name), device, cycles, cover_ms))
-    for name, (_, _, opt) in sides.items():
-        graphs = opt._subsystem("graphs").report() if isinstance(opt, KitsuneOptimizer) else None
+    for name, side in sides.items():
+        graphs = side.opt._subsystem("graphs").report() if isinstance(side.opt, KitsuneOptimizer) else None
         print(
             f"  {name}: step() host {statistics.median(a for a, _ in split[name]):.3f} ms, zero_grad() host "
             f"{statistics.median(b for _, b in split[name]):.3f} ms" + (f"; graphs {graphs}" if graphs else "")

@@ -19,7 +19,8 @@ forward, backward and optimizer; the sides take turns block by block, the GPU id
 from __future__ import annotations
 
 import math
-from typing import Any
+from functools import partial
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -125,6 +126,91 @@ class E2EResult(BaseModel):
     """Largest difference of the two sides' losses over the first 10 steps: they train the same model alike."""
 
 
+ADAMW = {"lr": 3e-4, "weight_decay": 0.1, "betas": (0.9, 0.95)}
+SIDES = {
+    "torch": "torch: fused AdamW, clip_grad_norm_, zero_grad",
+    "kitsune": "kitsune: clip in the step, graph",
+    "kitsune_zero": "kitsune: clip and zero in the step, graph",
+    "torch_noclip": "torch, no clip: fused AdamW, zero_grad",
+    "kitsune_backward": "kitsune, no clip: updates inside backward",
+    "kitsune_backward_flat": "kitsune, no clip: updates inside backward, flat grads",
+    "kitsune_backward_current": "kitsune, no clip: updates inside backward, on backward's stream",
+    "kitsune_noclip": "kitsune, no clip: step after backward, graph",
+}
+"""Each side's name and label, in the order they are built and reported."""
+
+
+class Side(NamedTuple):
+    name: str
+    model: nn.Module
+    loss_of: Any
+    """What computes the loss: the model itself or its compiled forward."""
+    opt: Any
+
+
+def build_side(
+    name: str, cfg: GPTConfig, init: dict[str, torch.Tensor], device: torch.device, compile_backend: str | None = None
+) -> Side:
+    """The side ``name`` of ``SIDES``: its copy of the model (weights ``init``, compiled with ``compile_backend``
+    when given) and its optimizer."""
+    from kitsune.config import AMPConfig, FusionConfig, GradConfig, KitsuneConfig, MemoryConfig, StreamConfig
+    from kitsune.optimizer import KitsuneOptimizer
+
+    if name not in SIDES:
+        raise ValueError(f"unknown side {name!r}: choose from {', '.join(SIDES)}")
+    model = GPT(cfg).to(device)
+    model.load_state_dict(init)
+    loss_of = torch.compile(model, backend=compile_backend) if compile_backend else model
+    if name.startswith("torch"):
+        return Side(name, model, loss_of, torch.optim.AdamW(model.parameters(), **ADAMW, fused=device.type == "cuda"))
+    opt = KitsuneOptimizer(
+        torch.optim.AdamW(model.parameters(), **ADAMW),
+        config=KitsuneConfig(
+            fusion=FusionConfig(enabled=True),
+            amp=AMPConfig(enabled=True, dtype=torch.bfloat16),
+            grads=GradConfig(
+                max_norm=1.0 if name in ("kitsune", "kitsune_zero") else None, zero_in_step=name == "kitsune_zero"
+            ),
+            # inside backward the updates launch bucket by bucket as backward finishes their grads
+            streams=StreamConfig(
+                step_in_backward=name.startswith("kitsune_backward"),
+                backward_stream="current" if name.endswith("_current") else "side",
+            ),
+            # flat grads stay at their arena addresses, so no address table is uploaded inside backward
+            memory=MemoryConfig(flat_grads=name.endswith("_flat")),
+        ),
+    )
+    return Side(name, model, loss_of, opt)
+
+
+def forward_backward(side: Side, tokens: torch.Tensor) -> torch.Tensor:
+    """The side's forward under bf16 autocast and its backward; returns the loss."""
+    if side.name.startswith("kitsune"):
+        with side.opt.autocast():
+            loss = side.loss_of(tokens[:, :-1], tokens[:, 1:])
+        side.opt.backward(loss)
+    else:
+        with torch.autocast(tokens.device.type, dtype=torch.bfloat16):
+            loss = side.loss_of(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+    return loss
+
+
+def optimizer_phase(side: Side) -> None:
+    """The side's optimizer phase after backward: torch's clip (its clipped side), ``step()`` and ``zero_grad()``."""
+    if side.name == "torch":
+        torch.nn.utils.clip_grad_norm_(side.model.parameters(), 1.0)
+    side.opt.step()
+    side.opt.zero_grad()
+
+
+def train_step(side: Side, tokens: torch.Tensor) -> torch.Tensor:
+    """One whole training step of the side; returns the loss."""
+    loss = forward_backward(side, tokens)
+    optimizer_phase(side)
+    return loss
+
+
 def run_e2e(
     device: torch.device,
     steps: int = 30,
@@ -139,111 +225,28 @@ def run_e2e(
     ``compile_backend``: run every side's model through ``torch.compile(model, backend=compile_backend)``
     (``"inductor"``, torch's default, or any backend name torch knows); the sides share the compiled code, which
     the first side's warm-up compiles."""
-    from kitsune.config import AMPConfig, FusionConfig, GradConfig, KitsuneConfig, MemoryConfig, StreamConfig
-    from kitsune.optimizer import KitsuneOptimizer
-
     cfg = GPT2_SMALL if device.type == "cuda" else CPU_TINY
     seq = min(seq, cfg.block)
     gen = torch.Generator().manual_seed(seed + 1)
     data = [torch.randint(cfg.vocab, (batch, seq + 1), generator=gen).to(device) for _ in range(8)]
     torch.manual_seed(seed)
     init = GPT(cfg).state_dict()
-    adamw = {"lr": 3e-4, "weight_decay": 0.1, "betas": (0.9, 0.95)}
-
-    def new_model() -> tuple[nn.Module, Any]:
-        """The model and what computes its loss: the model itself or its compiled forward."""
-        model = GPT(cfg).to(device)
-        model.load_state_dict(init)
-        return model, (torch.compile(model, backend=compile_backend) if compile_backend else model)
-
-    def torch_side(clip: bool = True) -> tuple[nn.Module, Any, Any]:
-        model, loss_of = new_model()
-        opt = torch.optim.AdamW(model.parameters(), **adamw, fused=device.type == "cuda")
-
-        def step(tokens: torch.Tensor) -> torch.Tensor:
-            with torch.autocast(device.type, dtype=torch.bfloat16):
-                loss = loss_of(tokens[:, :-1], tokens[:, 1:])
-            loss.backward()
-            if clip:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad()
-            return loss
-
-        return model, opt, step
-
-    def kitsune_side(zero_in_step: bool, clip: bool = True) -> tuple[nn.Module, Any, Any]:
-        model, loss_of = new_model()
-        opt = KitsuneOptimizer(
-            torch.optim.AdamW(model.parameters(), **adamw),
-            enable_fusion=True,
-            enable_amp=True,
-            amp_config=AMPConfig(dtype=torch.bfloat16),
-            grad_config=GradConfig(max_norm=1.0 if clip else None, zero_in_step=zero_in_step),
-        )
-
-        def step(tokens: torch.Tensor) -> torch.Tensor:
-            with opt.autocast():
-                loss = loss_of(tokens[:, :-1], tokens[:, 1:])
-            opt.backward(loss)
-            opt.step()
-            opt.zero_grad()
-            return loss
-
-        return model, opt, step
-
-    def backward_side(flat_grads: bool = False, stream: str = "side") -> tuple[nn.Module, Any, Any]:
-        model, loss_of = new_model()
-        # flat_grads: the grads stay at their arena addresses, so no address table is uploaded inside backward
-        opt = KitsuneOptimizer(
-            torch.optim.AdamW(model.parameters(), **adamw),
-            config=KitsuneConfig(
-                fusion=FusionConfig(enabled=True),
-                amp=AMPConfig(enabled=True, dtype=torch.bfloat16),
-                streams=StreamConfig(step_in_backward=True, backward_stream=stream),
-                memory=MemoryConfig(flat_grads=flat_grads),
-            ),
-        )
-
-        def step(tokens: torch.Tensor) -> torch.Tensor:
-            with opt.autocast():
-                loss = loss_of(tokens[:, :-1], tokens[:, 1:])
-            opt.backward(loss)  # the updates launch bucket by bucket as backward finishes their grads
-            opt.step()
-            opt.zero_grad()
-            return loss
-
-        return model, opt, step
-
-    specs = (
-        ("torch", "torch: fused AdamW, clip_grad_norm_, zero_grad", torch_side),
-        ("kitsune", "kitsune: clip in the step, graph", lambda: kitsune_side(False)),
-        ("kitsune_zero", "kitsune: clip and zero in the step, graph", lambda: kitsune_side(True)),
-        ("torch_noclip", "torch, no clip: fused AdamW, zero_grad", lambda: torch_side(clip=False)),
-        ("kitsune_backward", "kitsune, no clip: updates inside backward", backward_side),
-        ("kitsune_backward_flat", "kitsune, no clip: updates inside backward, flat grads", lambda: backward_side(True)),
-        (
-            "kitsune_backward_current",
-            "kitsune, no clip: updates inside backward, on backward's stream",
-            lambda: backward_side(stream="current"),
-        ),
-        ("kitsune_noclip", "kitsune, no clip: step after backward, graph", lambda: kitsune_side(False, clip=False)),
-    )
     # build and warm up each side in turn, measuring its own peak memory (above what the others hold); then time
     # the sides in turns, block by block, so a busy host slows all of them alike
     built: list[tuple[Any, list[torch.Tensor], int]] = []
     n_params = 0
-    for _, _, build in specs:
+    for name in SIDES:
         base = _allocated(device)
-        model, opt, step = build()
-        n_params = sum(p.numel() for p in model.parameters())
+        side = build_side(name, cfg, init, device, compile_backend)
+        n_params = sum(p.numel() for p in side.model.parameters())
+        step = partial(train_step, side)
         losses = [step(data[i % len(data)]).detach() for i in range(warmup)]
         peak = torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else 0
         built.append((step, losses, peak))
     block = min(BLOCK, steps)
     times = _in_turns([step for step, _, _ in built], data, steps, device, first=warmup, block=block)
     sides = []
-    for (name, label, _), (_, losses, peak), (ms, timed_losses) in zip(specs, built, times, strict=True):
+    for (name, label), (_, losses, peak), (ms, timed_losses) in zip(SIDES.items(), built, times, strict=True):
         all_losses = [float(x) for x in losses + timed_losses]
         stats = Stats.of(ms)
         sides.append(
