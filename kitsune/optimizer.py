@@ -399,9 +399,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
                 if timer is not None:
                     timer.mark("fallback")
             else:
-                self._optimizer._opt_called = True  # LR schedulers built on the wrapped optimizer look for this
-                self._run_base_hooks(pre=True)
-                self._run_base_hooks(pre=False)
+                self._stepped_without_base()
         except BaseException:
             if self._profiler.active:
                 self._profiler.abandon_step()
@@ -520,9 +518,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         self._norm_is_static = norm is not None
         if steady.zeroed:
             self._remember_zeroed(steady.zeroed)
-        self._optimizer._opt_called = True  # LR schedulers built on the wrapped optimizer look for this
-        self._run_base_hooks(pre=True)
-        self._run_base_hooks(pre=False)
+        self._stepped_without_base()
         return True
 
     def _clip_grads(self, reduce: Callable[..., None] | None = None) -> torch.Tensor:
@@ -630,6 +626,13 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         base._opt_called = True
         self._base_steps += 1
         return out
+
+    def _stepped_without_base(self) -> None:
+        """Kitsune did the whole update: mark the wrapped optimizer as stepped and run its step hooks, as its own
+        step() would have."""
+        self._optimizer._opt_called = True  # LR schedulers built on the wrapped optimizer look for this
+        self._run_base_hooks(pre=True)
+        self._run_base_hooks(pre=False)
 
     def _run_base_hooks(self, pre: bool) -> None:
         base = self._optimizer
