@@ -43,7 +43,11 @@ def twins(device: torch.device, seed: int = 0) -> tuple[Net, Net]:
     return net, twin
 
 
-def run(net: Net, opt: torch.optim.Optimizer, steps: int, micro: int = 1, branch_every: int = 1) -> list[float]:
+def run(
+    net: Net, opt: torch.optim.Optimizer, steps: int, micro: int = 1, branch_every: int = 1, clip: float | None = None
+) -> list[float]:
+    """``steps`` steps with OneCycleLR, ``micro`` micro-batches each; ``clip``: torch's clip_grad_norm_ before the
+    step (a reference for kitsune's clip in the step)."""
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-2, total_steps=steps)
     gen = torch.Generator().manual_seed(7)
     losses = []
@@ -56,6 +60,8 @@ def run(net: Net, opt: torch.optim.Optimizer, steps: int, micro: int = 1, branch
             accumulating = opt.accumulating() if isinstance(opt, KitsuneOptimizer) and not last else _null()
             with accumulating:
                 loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
         opt.step()
         opt.zero_grad()
         sched.step()
