@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterator
 from operator import attrgetter
 from pathlib import Path
@@ -40,6 +40,7 @@ STATE_VERSION = 1
 _Closure = Callable[[], Any]
 _GRAD = attrgetter("grad")
 _VERSION = attrgetter("_version")
+_BASE_ZERO_GRAD = torch.optim.Optimizer.zero_grad
 
 
 class KitsuneOptimizer(torch.optim.Optimizer):
@@ -641,7 +642,10 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             hook(base, (base,), {})
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Reset the grads of every param, as ``torch.optim.Optimizer.zero_grad`` does.
+        """Reset the grads of every param, as ``torch.optim.Optimizer.zero_grad`` does: set to None, or with
+        ``set_to_none=False`` detached and zeroed in place, one ``_foreach_zero_`` per (device, dtype) as torch's
+        foreach and fused optimizers do, whatever the wrapped optimizer (one that defines its own ``zero_grad`` is
+        left to it).
 
         With ``GradConfig(zero_in_step=True)`` the fused update has already written zeros into the grads it used:
         those are left as they are (allocated, ``set_to_none`` notwithstanding) unless something changed them
@@ -669,21 +673,15 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             }
         if flat:  # grads in the pool's arena: zeroed in place, kept (not set to None)
             skip |= pool.zero_grads(already_zero=skip)
-        elif zeroed is None:
-            self._optimizer.zero_grad(set_to_none=set_to_none)
+        elif zeroed is None and (set_to_none or type(self._optimizer).zero_grad is not _BASE_ZERO_GRAD):
+            self._optimizer.zero_grad(set_to_none=set_to_none)  # an optimizer's own zero_grad is kept
             return
-        for g in self.param_groups:
-            for p in g["params"]:
-                if p.grad is None or p in skip:
-                    continue
-                if set_to_none:
-                    p.grad = None
-                else:
-                    if p.grad.grad_fn is not None:
-                        p.grad.detach_()
-                    else:
-                        p.grad.requires_grad_(False)
-                    p.grad.zero_()
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None and p not in skip]
+        if set_to_none:
+            for p in params:
+                p.grad = None
+        else:
+            _zero_in_place([p.grad for p in params])
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group to the wrapped optimizer (its defaults fill the gaps) and re-plan."""
@@ -787,6 +785,24 @@ class _Steady:
 def _group_values(groups: list[dict[str, Any]]) -> tuple:
     """Each group's values (its params list, the same object while the structure key holds, compares by identity)."""
     return tuple(tuple(g.values()) for g in groups)
+
+
+def _zero_in_place(grads: list[torch.Tensor]) -> None:
+    """Detach and zero ``grads`` as torch.optim's foreach ``zero_grad(set_to_none=False)`` does: one
+    ``_foreach_zero_`` per (device, dtype) rather than a launch per grad (148 launches cost 1.5 ms of host time on
+    GPT-2), sparse grads one by one."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+    for g in grads:
+        if g.grad_fn is not None:
+            g.detach_()
+        else:
+            g.requires_grad_(False)
+        if g.is_sparse:
+            g.zero_()
+        else:
+            groups[g.device, g.dtype].append(g)
+    for tensors in groups.values():
+        torch._foreach_zero_(tensors)
 
 
 def _versions(grads: list[torch.Tensor | None]) -> list[int]:

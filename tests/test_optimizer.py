@@ -241,6 +241,68 @@ def test_zero_grad_modes(set_to_none):
     assert_identical(ref, ours)
 
 
+@pytest.mark.filterwarnings(r"ignore:Using backward\(\) with create_graph")
+def test_zero_grad_in_place_one_launch_per_dtype(monkeypatch):
+    """zero_grad(set_to_none=False) leaves what torch's does (the same grad tensors, zero, detached, a sparse grad
+    zeroed too) with one _foreach_zero_ per (device, dtype), whichever optimizer is wrapped: a plain AdamW would
+    zero grad by grad, a launch each."""
+    torch.manual_seed(0)
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(
+            nn.ModuleDict(
+                {
+                    "f32": nn.Linear(5, 4),
+                    "f64": nn.Linear(5, 3).double(),
+                    "bf16": nn.Linear(5, 2).to(torch.bfloat16),
+                    "emb": nn.Embedding(10, 4, sparse=True),
+                }
+            )
+        )
+    x = torch.randn(3, 5)
+
+    def backward(m):
+        loss = m["f32"](x).pow(2).sum() + m["f64"](x.double()).pow(2).sum().float()
+        loss = loss + m["bf16"](x.bfloat16()).float().pow(2).sum() + m["emb"](torch.tensor([1, 7])).pow(2).sum()
+        loss.backward(create_graph=True)  # grads with a grad_fn: zero_grad must detach them
+
+    ref_opt = torch.optim.SGD(models[0].parameters(), lr=0.1)  # sparse grads: SGD takes them
+    opt = KitsuneOptimizer(torch.optim.SGD(models[1].parameters(), lr=0.1))
+    calls = []
+    real = torch._foreach_zero_
+    monkeypatch.setattr(torch, "_foreach_zero_", lambda ts: (calls.append([t.dtype for t in ts]), real(ts)))
+    for model, o in zip(models, (ref_opt, opt), strict=True):
+        backward(model)
+        assert all(p.grad.abs().sum() > 0 for p in model.parameters())
+        grads = [p.grad for p in model.parameters()]
+        calls.clear()
+        o.zero_grad(set_to_none=False)
+        for p, g in zip(model.parameters(), grads, strict=True):
+            assert p.grad is g and p.grad.grad_fn is None and not p.grad.requires_grad
+            assert torch.count_nonzero(p.grad.to_dense()) == 0
+    assert sorted(map(str, (d for ds in calls for d in ds))) == sorted(
+        str(p.dtype) for p in models[1].parameters() if p.grad is not None and not p.grad.is_sparse
+    )
+    assert sorted(len(set(ds)) for ds in calls) == [1, 1, 1]  # one launch per dtype
+
+
+def test_zero_grad_of_the_wrapped_optimizer_is_kept():
+    class Counting(torch.optim.SGD):
+        zero_grads = 0
+
+        def zero_grad(self, set_to_none=True):
+            Counting.zero_grads += 1
+            super().zero_grad(set_to_none)
+
+    m = small_model()
+    opt = KitsuneOptimizer(Counting(m.parameters(), lr=0.1))
+    m(torch.randn(2, 7)).sum().backward()
+    opt.zero_grad(set_to_none=False)
+    assert Counting.zero_grads == 1
+    assert all(p.grad is not None and torch.count_nonzero(p.grad) == 0 for p in m.parameters())
+
+
 def test_params_without_grad_are_skipped():
     m = small_model()
     frozen = m[2].weight
