@@ -793,14 +793,15 @@ def _zero_in_place(grads: list[torch.Tensor]) -> None:
     GPT-2), sparse grads one by one."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
     for g in grads:
-        if g.grad_fn is not None:
-            g.detach_()
-        else:
-            g.requires_grad_(False)
-        if g.is_sparse:
-            g.zero_()
-        else:
+        if g.requires_grad:  # a grad of backward(create_graph=True); the common grad needs no call here
+            if g.grad_fn is not None:
+                g.detach_()
+            else:
+                g.requires_grad_(False)
+        if g.layout is torch.strided:
             groups[g.device, g.dtype].append(g)
+        else:
+            g.zero_()
     for tensors in groups.values():
         torch._foreach_zero_(tensors)
 

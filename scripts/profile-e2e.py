@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from kitsune import KitsuneOptimizer
-from kitsune.bench.e2e import CPU_TINY, GPT, GPT2_SMALL
+from kitsune.bench.e2e import CPU_TINY, FLAT_POOL, GPT, GPT2_SMALL
 from kitsune.config import AMPConfig, FusionConfig, GraphConfig, KitsuneConfig, MemoryConfig, StreamConfig
 
 BLOCKING = (
@@ -55,7 +55,10 @@ def build(side: str, cfg: Any, init: dict, device: torch.device) -> tuple[torch.
             step_in_backward=side.startswith("kitsune_backward"),
             backward_stream="current" if side.endswith("_current") else "side",
         ),
-        memory=MemoryConfig(flat_grads=side.endswith("_flat"), pool_size=0 if side.endswith("_nopool") else 512 << 20),
+        memory=MemoryConfig(
+            flat_grads=side.endswith("_flat"),
+            pool_size=0 if side.endswith("_nopool") else FLAT_POOL if side.endswith("_flat") else 512 << 20,
+        ),
         graphs=GraphConfig(enabled=not side.endswith("_nograph")),
     )
     return model, KitsuneOptimizer(torch.optim.AdamW(model.parameters(), **adamw), config=config)

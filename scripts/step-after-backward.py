@@ -9,6 +9,8 @@ trains its own copy of the model, the sides taking turns step by step, and every
 ``p.grad`` twice before ``step()`` (the first read after backward against the second) instead of timing the parts.
 Per side it prints the median host time of ``step()``, ``zero_grad()`` and, for kitsune's steady replay, of its
 parts: the group checks, the address checks of the grads and params (``unchanged``) and the graph launch.
+``--cover-ms`` queues a GPU sleep of that length before each ``step()``, so the GPU is still busy when the step is
+issued, as when training is GPU-bound (``scripts/e2e-anatomy.py`` times the optimizer phase that way).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 
 import kitsune.optimizer as kopt
 from kitsune import AMPConfig, FusionConfig, GradConfig, KitsuneConfig, KitsuneOptimizer, MemoryConfig
-from kitsune.bench.e2e import ADAMW, CPU_TINY, GPT, GPT2_SMALL, Side, forward_backward
+from kitsune.bench.e2e import ADAMW, CPU_TINY, FLAT_POOL, GPT, GPT2_SMALL, Side, forward_backward
 
 _GRAD = attrgetter("grad")
 SIDES = {
@@ -47,7 +49,7 @@ def build(name: str, cfg: Any, init: dict, device: torch.device) -> Side:
         fusion=FusionConfig(enabled=True),
         amp=AMPConfig(enabled=True, dtype=torch.bfloat16),
         grads=GradConfig(zero_in_step=name == "kitsune_zero"),
-        memory=MemoryConfig(flat_grads=name == "kitsune_flat"),
+        memory=MemoryConfig(flat_grads=True, pool_size=FLAT_POOL) if name == "kitsune_flat" else MemoryConfig(),
     )
     return Side(name, model, model, KitsuneOptimizer(torch.optim.AdamW(model.parameters(), **ADAMW), config=config))
 
@@ -75,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--probe", type=int, default=3, help="every N-th step reads the grads before step()")
     parser.add_argument("--sides", default=",".join(SIDES))
+    parser.add_argument("--cover-ms", type=float, default=0.0, help="GPU sleep queued before each step() (CUDA)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -85,6 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     init = GPT(cfg).state_dict()
     names = args.sides.split(",")
+    cover = 0
+    if args.cover_ms > 0 and device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(10_000_000)
+        end.record()
+        end.synchronize()
+        cover = int(args.cover_ms * 10_000_000 / start.elapsed_time(end))  # sleep cycles
     sides = {name: build(name, cfg, init, device) for name in names}
     c = Clocks()  # the sides run one after another: one set of clocks, reset before each step
     for name, side in sides.items():
@@ -126,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
                     grads = list(map(_GRAD, params))
                     row.setdefault(part, []).append((time.perf_counter() - t) * 1e3)
                 del grads
+            if cover:
+                torch.cuda._sleep(cover)
             c.now = {}
             gc_ms[0] = 0.0
             t0 = time.perf_counter()
@@ -143,7 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     gc.callbacks.remove(gc_clock)
     out: dict[str, Any] = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
     out["torch"] = torch.__version__
-    print(f"== {out['device']}, torch {torch.__version__}, {args.steps} steps a side (median host ms)")
+    out["cover_ms"] = args.cover_ms if cover else 0.0
+    print(
+        f"== {out['device']}, torch {torch.__version__}, {args.steps} steps a side (median host ms), "
+        f"GPU sleep before step() {out['cover_ms']} ms"
+    )
     for name in names:
         med = {part: statistics.median(v) for part, v in rows[name].items()}
         opt = sides[name].opt

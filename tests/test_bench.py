@@ -250,6 +250,22 @@ def test_e2e_on_cpu_trains_both_sides_alike():
     assert kitsune_side.last_loss == pytest.approx(torch_side.last_loss, rel=1e-4)
 
 
+def test_e2e_flat_grads_sides_pool_every_grad_of_gpt2():
+    """The flat-grads sides raise the pool's cap above GPT-2's AdamW state and grads (the default 512 MiB holds
+    part of them only, so part of the grads would stay outside the arena)."""
+    from kitsune.bench.e2e import CPU_TINY, FLAT_POOL, GPT, GPT2_SMALL, build_side
+
+    with torch.device("meta"):
+        n = sum(p.numel() for p in GPT(GPT2_SMALL).parameters())
+    assert 512 << 20 < 3 * 4 * n < FLAT_POOL  # fp32 exp_avg, exp_avg_sq and grad per param
+    torch.manual_seed(0)
+    init = GPT(CPU_TINY).state_dict()
+    flat = build_side("kitsune_backward_flat", CPU_TINY, init, torch.device("cpu"))
+    assert flat.opt.config.memory.flat_grads and flat.opt.config.memory.pool_size == FLAT_POOL
+    plain = build_side("kitsune_backward", CPU_TINY, init, torch.device("cpu"))
+    assert not plain.opt.config.memory.flat_grads and plain.opt.config.memory.pool_size == 512 << 20
+
+
 def test_e2e_turns_rotate_the_order_and_give_every_side_the_same_batches():
     from kitsune.bench.e2e import _in_turns
 

@@ -140,6 +140,10 @@ SIDES = {
 """Each side's name and label, in the order they are built and reported."""
 
 
+FLAT_POOL = 16 << 30
+"""The memory pool's cap on the flat-grads sides: above any model this bench builds, so every param is pooled."""
+
+
 class Side(NamedTuple):
     name: str
     model: nn.Module
@@ -176,8 +180,9 @@ def build_side(
                 step_in_backward=name.startswith("kitsune_backward"),
                 backward_stream="current" if name.endswith("_current") else "side",
             ),
-            # flat grads stay at their arena addresses, so no address table is uploaded inside backward
-            memory=MemoryConfig(flat_grads=name.endswith("_flat")),
+            # flat grads stay at their arena addresses, so no address table is uploaded inside backward; the pool's
+            # cap is raised so that every grad is flat (GPT-2's state and grads take 1.5 GB, the default cap 512 MiB)
+            memory=MemoryConfig(flat_grads=True, pool_size=FLAT_POOL) if name.endswith("_flat") else MemoryConfig(),
         ),
     )
     return Side(name, model, loss_of, opt)
