@@ -673,6 +673,8 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             }
         if flat:  # grads in the pool's arena: zeroed in place, kept (not set to None)
             skip |= pool.zero_grads(already_zero=skip)
+            if len(skip) == sum(len(g["params"]) for g in self.param_groups):
+                return  # every grad is an arena view: the fill zeroed them all
         elif zeroed is None and (set_to_none or type(self._optimizer).zero_grad is not _BASE_ZERO_GRAD):
             self._optimizer.zero_grad(set_to_none=set_to_none)  # an optimizer's own zero_grad is kept
             return

@@ -193,6 +193,31 @@ def test_flat_grads_zero_grad_keeps_grads_even_with_set_to_none(device):
     assert all(p.grad is not None and not p.grad.any() for p in params)
 
 
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_flat_grads_of_a_partly_pooled_model_zero_grad_like_torch_outside_the_pool(device, set_to_none):
+    """Grads in the arena are zeroed by its fill and kept; the grads of the units left outside the pool are set to
+    None or zeroed in place as torch's zero_grad does."""
+    # 4 units of 2 params, 64 fp32 elements each: 1536 B of state and step slots plus 512 B of grad slots per unit;
+    # a 4200-byte pool holds two units
+    params = make_params([64] * 8, torch.float32, device)
+    opt = KitsuneOptimizer(
+        torch.optim.AdamW(params, lr=0.1), config=pooled(pool_size=4200, flat_grads=True, max_fusion_size=2)
+    )
+    for step in range(3):
+        for p, g in zip(params, random_grads(params, step), strict=True):
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad.copy_(g)  # as backward accumulates into a zeroed grad
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+        report = opt._subsystem("memory").report()
+        assert report["params_pooled"] == 4 and report["params_outside_pool"] == 4
+        assert all(p.grad is not None and not p.grad.any() for p in params[:4])  # arena views, zeroed
+        for p in params[4:]:
+            assert (p.grad is None) if set_to_none else (p.grad is not None and not p.grad.any())
+
+
 @pytest.mark.cuda
 def test_peak_memory_of_the_phase_is_no_higher_than_torch_fused():
     device = torch.device("cuda")
