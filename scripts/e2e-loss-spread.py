@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from kitsune.bench.e2e import CPU_TINY, GPT, GPT2_SMALL, build_side, train_step
+from kitsune.bench.e2e import build_side, e2e_inputs, train_step
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,12 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    cfg = GPT2_SMALL if device.type == "cuda" else CPU_TINY
-    seq = min(512, cfg.block)
-    gen = torch.Generator().manual_seed(1)
-    data = [torch.randint(cfg.vocab, (4, seq + 1), generator=gen).to(device) for _ in range(8)]
-    torch.manual_seed(0)
-    init = GPT(cfg).state_dict()
+    cfg, data, init = e2e_inputs(device)
     losses: list[tuple[str, list[float]]] = []
     for name in args.sides.split(","):
         side = build_side(name, cfg, init, device)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from kitsune import KitsuneOptimizer
-from kitsune.bench.e2e import CPU_TINY, FLAT_POOL, GPT, GPT2_SMALL
+from kitsune.bench.e2e import FLAT_POOL, GPT, e2e_inputs
 from kitsune.config import AMPConfig, FusionConfig, GraphConfig, KitsuneConfig, MemoryConfig, StreamConfig
 
 BLOCKING = (
@@ -127,12 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--traces", action="store_true", help="also write a Chrome trace per side")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    cfg = GPT2_SMALL if device.type == "cuda" else CPU_TINY
-    seq = min(512, cfg.block)
-    gen = torch.Generator().manual_seed(1)
-    data = [torch.randint(cfg.vocab, (4, seq + 1), generator=gen).to(device) for _ in range(8)]
-    torch.manual_seed(0)
-    init = GPT(cfg).state_dict()
+    cfg, data, init = e2e_inputs(device)
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"device": str(device), "torch": torch.__version__}
     if device.type == "cuda":

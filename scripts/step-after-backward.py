@@ -28,7 +28,7 @@ import torch
 
 import kitsune.optimizer as kopt
 from kitsune import AMPConfig, FusionConfig, GradConfig, KitsuneConfig, KitsuneOptimizer, MemoryConfig
-from kitsune.bench.e2e import ADAMW, CPU_TINY, FLAT_POOL, GPT, GPT2_SMALL, Side, forward_backward
+from kitsune.bench.e2e import ADAMW, FLAT_POOL, GPT, Side, e2e_inputs, forward_backward
 
 _GRAD = attrgetter("grad")
 SIDES = {
@@ -81,12 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    cfg = GPT2_SMALL if device.type == "cuda" else CPU_TINY
-    seq = min(512, cfg.block)
-    gen = torch.Generator().manual_seed(1)
-    data = [torch.randint(cfg.vocab, (4, seq + 1), generator=gen).to(device) for _ in range(4)]
-    torch.manual_seed(0)
-    init = GPT(cfg).state_dict()
+    cfg, data, init = e2e_inputs(device, n_batches=4)
     names = args.sides.split(",")
     cover = 0
     if args.cover_ms > 0 and device.type == "cuda":

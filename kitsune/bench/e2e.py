@@ -216,6 +216,20 @@ def train_step(side: Side, tokens: torch.Tensor) -> torch.Tensor:
     return loss
 
 
+def e2e_inputs(
+    device: torch.device, batch: int = 4, seq: int = 512, n_batches: int = 8, seed: int = 0
+) -> tuple[GPTConfig, list[torch.Tensor], dict[str, torch.Tensor]]:
+    """The model's shape (GPT-2 124M on a GPU, the tiny one elsewhere), ``n_batches`` random token batches of
+    ``batch`` x (``seq`` + 1) on ``device`` (``seq`` capped at the model's block) and the initial weights every side
+    starts from; the same for the same ``seed``."""
+    cfg = GPT2_SMALL if device.type == "cuda" else CPU_TINY
+    seq = min(seq, cfg.block)
+    gen = torch.Generator().manual_seed(seed + 1)
+    data = [torch.randint(cfg.vocab, (batch, seq + 1), generator=gen).to(device) for _ in range(n_batches)]
+    torch.manual_seed(seed)
+    return cfg, data, GPT(cfg).state_dict()
+
+
 def run_e2e(
     device: torch.device,
     steps: int = 30,
@@ -230,12 +244,8 @@ def run_e2e(
     ``compile_backend``: run every side's model through ``torch.compile(model, backend=compile_backend)``
     (``"inductor"``, torch's default, or any backend name torch knows); the sides share the compiled code, which
     the first side's warm-up compiles."""
-    cfg = GPT2_SMALL if device.type == "cuda" else CPU_TINY
-    seq = min(seq, cfg.block)
-    gen = torch.Generator().manual_seed(seed + 1)
-    data = [torch.randint(cfg.vocab, (batch, seq + 1), generator=gen).to(device) for _ in range(8)]
-    torch.manual_seed(seed)
-    init = GPT(cfg).state_dict()
+    cfg, data, init = e2e_inputs(device, batch, seq, seed=seed)
+    seq = data[0].shape[1] - 1
     # build and warm up each side in turn, measuring its own peak memory (above what the others hold); then time
     # the sides in turns, block by block, so a busy host slows all of them alike
     built: list[tuple[Any, list[torch.Tensor], int]] = []
