@@ -28,6 +28,8 @@ SCENARIOS = {
     "adamw_clip": {"opt": "adamw", "max_grad_norm": 0.05},
     "sgd_momentum_clip_inf": {"opt": "sgd", "max_grad_norm": 0.02, "norm_type": math.inf},
     "adamw_bf16_clip": {"opt": "adamw", "amp": torch.bfloat16, "max_grad_norm": 0.05},
+    # the sharded grads kept and zeroed in place (one _foreach_zero_ over the DTensor grads), not set to None
+    "adamw_clip_keep_grads": {"opt": "adamw", "max_grad_norm": 0.05, "set_to_none": False},
 }
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
@@ -82,7 +84,9 @@ def _fused_training(sc: dict, mesh, rank: int) -> dict:
         lo, hi = rank * len(x) // WORLD, (rank + 1) * len(x) // WORLD
         opt.backward(_loss(model, x[lo:hi], y[lo:hi], opt))
         opt.step()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=sc.get("set_to_none", True))
+        if not sc.get("set_to_none", True):
+            assert all(p.grad is not None and not p.grad.to_local().any() for p in model.parameters())
         if opt.last_grad_norm is not None:
             norms.append(float(opt.last_grad_norm))
     fusion = opt._subsystem("fusion")
