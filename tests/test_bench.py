@@ -159,6 +159,18 @@ def test_run_bench_rejects_bad_input():
         run_bench(sets=["gpt2"], device="cpu", e2e_steps=100, console=quiet())
     with pytest.raises(ValueError, match="e2e_steps must be at least 1"):
         run_bench(sets=["gpt2"], device="cpu", e2e=True, e2e_steps=0, console=quiet())
+    with pytest.raises(ValueError, match="add --e2e"):
+        run_bench(sets=["gpt2"], device="cpu", e2e_batch=16, console=quiet())
+    with pytest.raises(ValueError, match="e2e_batch must be at least 1"):
+        run_bench(sets=["gpt2"], device="cpu", e2e=True, e2e_batch=0, console=quiet())
+
+
+def test_e2e_options_reach_the_end_to_end_run():
+    result = run_bench(
+        sets=["gpt2"], variants=["fused"], device="cpu", steps=1, e2e=True, e2e_steps=1, e2e_batch=3, console=quiet()
+    )
+    assert result.e2e is not None and result.e2e.batch == 3 and result.e2e.steps == 1
+    assert all(len(side.losses) == result.e2e.warmup + 1 for side in result.e2e.sides)
 
 
 def test_auto_device_names_the_current_gpu(monkeypatch):
@@ -181,6 +193,7 @@ def test_register_adds_bench_subcommand(tmp_path):
     assert not hasattr(args, "steps")  # kitsune's top-level main() checks args.steps as an int
     assert args.compile_backend is None
     assert args.e2e_steps is None and parser.parse_args(["bench", "--e2e-steps", "7"]).e2e_steps == 7
+    assert args.e2e_batch is None and parser.parse_args(["bench", "--e2e-batch", "16"]).e2e_batch == 16
     assert parser.parse_args(["bench", "--e2e", "--compile"]).compile_backend == "inductor"
     assert parser.parse_args(["bench", "--e2e", "--compile", "aot_eager"]).compile_backend == "aot_eager"
     assert args.func(args) == 0

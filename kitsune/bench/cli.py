@@ -63,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--e2e-steps", type=_positive_int, default=None, help="with --e2e: timed steps a side (default 50; CPU 2)"
     )
     parser.add_argument(
+        "--e2e-batch", type=_positive_int, default=None, help="with --e2e: sequences of 512 tokens a step (default 4)"
+    )
+    parser.add_argument(
         "--compile",
         dest="compile_backend",
         nargs="?",
@@ -92,6 +95,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             e2e=args.e2e,
             compile_backend=args.compile_backend,
             e2e_steps=args.e2e_steps,
+            e2e_batch=args.e2e_batch,
             json_path=args.json_path,
             seed=args.seed,
         )

@@ -464,6 +464,7 @@ def run_bench(
     e2e: bool = False,
     compile_backend: str | None = None,
     e2e_steps: int | None = None,
+    e2e_batch: int | None = None,
 ) -> BenchResult:
     """Time every variant on every set, print the table, and write JSON when ``json_path`` is given.
 
@@ -482,6 +483,8 @@ def run_bench(
         e2e: also time whole training steps of a GPT-2 124M-shaped model (a tiny one on a CPU).
         compile_backend: with ``e2e``, run the model through ``torch.compile`` with this backend on every side.
         e2e_steps: with ``e2e``, timed steps a side; None: 50 on a GPU, 2 on a CPU.
+        e2e_batch: with ``e2e``, sequences a step; None: 4 (a larger batch gives the GPU more work per step of host
+            time: on a fast GPU, batch 4 leaves the step bound by the host).
     """
     dev = _resolve_device(device)
     cuda = dev.type == "cuda"
@@ -496,10 +499,14 @@ def run_bench(
         raise ValueError(f"warmup must be at least 1 (the graph variant captures after it), got {warmup}")
     if steps is not None and steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
-    if (compile_backend is not None or e2e_steps is not None) and not e2e:
-        raise ValueError("--compile and --e2e-steps apply to the end-to-end run: add --e2e, or leave them out")
+    if (compile_backend is not None or e2e_steps is not None or e2e_batch is not None) and not e2e:
+        raise ValueError(
+            "--compile, --e2e-steps and --e2e-batch apply to the end-to-end run: add --e2e, or leave them out"
+        )
     if e2e_steps is not None and e2e_steps < 1:
         raise ValueError(f"e2e_steps must be at least 1, got {e2e_steps}")
+    if e2e_batch is not None and e2e_batch < 1:
+        raise ValueError(f"e2e_batch must be at least 1, got {e2e_batch}")
     console = console or _console()
     if cuda:
         torch.cuda.set_device(dev)
@@ -589,6 +596,7 @@ def run_bench(
                 dev,
                 steps=e2e_steps or (50 if cuda else 2),
                 warmup=10 if cuda else 1,
+                batch=e2e_batch or 4,
                 seed=seed,
                 compile_backend=compile_backend,
             )
