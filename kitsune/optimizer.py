@@ -675,15 +675,27 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             skip |= pool.zero_grads(already_zero=skip)
             if len(skip) == sum(len(g["params"]) for g in self.param_groups):
                 return  # every grad is an arena view: the fill zeroed them all
-        elif zeroed is None and (set_to_none or type(self._optimizer).zero_grad is not _BASE_ZERO_GRAD):
+        elif zeroed is None and type(self._optimizer).zero_grad is not _BASE_ZERO_GRAD:
             self._optimizer.zero_grad(set_to_none=set_to_none)  # an optimizer's own zero_grad is kept
             return
-        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None and p not in skip]
+        if torch.autograd._profiler_enabled():  # the label torch's zero_grad gives a trace
+            with torch.autograd.profiler.record_function(self._zero_grad_profile_name):
+                self._zero_grads(skip, set_to_none)
+        else:
+            self._zero_grads(skip, set_to_none)
+
+    def _zero_grads(self, skip: set[torch.Tensor], set_to_none: bool) -> None:
+        """torch.optim's ``zero_grad`` for every param not in ``skip``, in plain loops: torch's own (a profiler
+        label, the dynamo guard, two reads of each grad) took 0.43-0.49 ms of host time for GPT-2's 148 grads where
+        setting them to None takes 0.29-0.32 ms."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        if skip:  # (a tensor's hash is a Python call: only when something is skipped)
+            params = [p for p in params if p not in skip]
         if set_to_none:
             for p in params:
-                p.grad = None
+                p.grad = None  # a no-op where it is None already
         else:
-            _zero_in_place([p.grad for p in params])
+            _zero_in_place([g for g in map(_GRAD, params) if g is not None])
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group to the wrapped optimizer (its defaults fill the gaps) and re-plan."""

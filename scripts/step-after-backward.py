@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--probe", type=int, default=3, help="every N-th step reads the grads before step()")
     parser.add_argument("--sides", default=",".join(SIDES))
     parser.add_argument("--cover-ms", type=float, default=0.0, help="GPU sleep queued before each step() (CUDA)")
+    parser.add_argument(
+        "--plain-zero", action="store_true", help="every side sets its grads to None in one Python loop, no zero_grad()"
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -139,7 +142,11 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             side.opt.step()
             t1 = time.perf_counter()
-            side.opt.zero_grad(set_to_none=name != "kitsune_keep")
+            if args.plain_zero and name != "kitsune_keep":
+                for p in params:  # the same loop on every side: what freeing this side's grads costs
+                    p.grad = None
+            else:
+                side.opt.zero_grad(set_to_none=name != "kitsune_keep")
             t2 = time.perf_counter()
             kind = "probed" if i % args.probe == args.probe - 1 else "plain"
             row.setdefault(f"step[{kind}]", []).append((t1 - t0) * 1e3)

@@ -287,6 +287,17 @@ def test_zero_grad_in_place_one_launch_per_dtype(monkeypatch):
     assert sorted(len(set(ds)) for ds in calls) == [1, 1, 1]  # one launch per dtype
 
 
+def test_zero_grad_is_labelled_in_a_torch_profile_and_sets_every_grad_to_none():
+    m = small_model()
+    opt = KitsuneOptimizer(torch.optim.AdamW(m.parameters(), lr=0.1))
+    m(torch.randn(2, 7)).sum().backward()
+    m[0].bias.grad = None  # one grad already None: left so
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        opt.zero_grad()
+    assert "Optimizer.zero_grad#KitsuneOptimizer.zero_grad" in {e.key for e in prof.key_averages()}
+    assert all(p.grad is None for p in m.parameters())
+
+
 def test_zero_grad_of_the_wrapped_optimizer_is_kept():
     class Counting(torch.optim.SGD):
         zero_grads = 0
