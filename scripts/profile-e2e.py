@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import gc
 import io
 import json
 import pstats
@@ -28,6 +27,7 @@ import torch
 
 from kitsune import KitsuneOptimizer
 from kitsune.bench.e2e import FLAT_POOL, GPT, e2e_inputs
+from kitsune.bench.timing import GcClock
 from kitsune.config import AMPConfig, FusionConfig, GraphConfig, KitsuneConfig, MemoryConfig, StreamConfig
 
 BLOCKING = (
@@ -140,27 +140,17 @@ def main(argv: list[str] | None = None) -> int:
         if timers is not None:
             timers.update(dict.fromkeys(timers, 0.0))  # only the timed steps count
         step_ms, backward_host, step_host = [], [], []
-        gc_ms = [0.0]
-        gc_start = [0.0]
-
-        def gc_timer(phase: str, info: dict, gc_ms: list = gc_ms, gc_start: list = gc_start) -> None:
-            if phase == "start":
-                gc_start[0] = time.perf_counter()
-            else:
-                gc_ms[0] += (time.perf_counter() - gc_start[0]) * 1e3
-
-        gc.callbacks.append(gc_timer)
-        for i in range(args.steps):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            b, s = one_step(model, opt, data[i % len(data)], device)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            step_ms.append((time.perf_counter() - start) * 1e3)
-            backward_host.append(b)
-            step_host.append(s)
-        gc.callbacks.remove(gc_timer)
+        with GcClock() as gc_clock:
+            for i in range(args.steps):
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                start = time.perf_counter()
+                b, s = one_step(model, opt, data[i % len(data)], device)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                step_ms.append((time.perf_counter() - start) * 1e3)
+                backward_host.append(b)
+                step_host.append(s)
         if timers is not None:  # host ms per step inside the scheduler's hooks, by part
             timers = {k: round(v / args.steps, 3) for k, v in timers.items()}
         uploads = None
@@ -191,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         top = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:20]
         runtime = {e.key: e.count for e in averages if e.key.startswith("cuda")}
         row = {
-            "gc_ms_per_step": gc_ms[0] / args.steps,
+            "gc_ms_per_step": gc_clock.ms / args.steps,
             "runtime_calls_in_3_steps": runtime,
             "step_ms": statistics.median(step_ms),
             "backward_host_ms": statistics.median(backward_host),

@@ -16,7 +16,6 @@ issued, as when training is GPU-bound (``scripts/e2e-anatomy.py`` times the opti
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
 import time
@@ -29,6 +28,7 @@ import torch
 import kitsune.optimizer as kopt
 from kitsune import AMPConfig, FusionConfig, GradConfig, KitsuneConfig, KitsuneOptimizer, MemoryConfig
 from kitsune.bench.e2e import ADAMW, FLAT_POOL, GPT, Side, e2e_inputs, forward_backward
+from kitsune.bench.timing import GcClock
 
 _GRAD = attrgetter("grad")
 SIDES = {
@@ -109,53 +109,43 @@ def main(argv: list[str] | None = None) -> int:
             steady.fusion.unchanged = c.wrap("unchanged", steady.fusion.unchanged)
             steady.graphs.replay_again = c.wrap("replay", steady.graphs.replay_again)
             side.opt._structure_key = c.wrap("structure", side.opt._structure_key)
-            side.opt._optimizer.zero_grad = c.wrap("base_zero_grad", side.opt._optimizer.zero_grad)
     kopt._group_values = c.wrap("values", kopt._group_values)
     rows: dict[str, dict[str, list[float]]] = {name: {} for name in names}
-    gc_ms = [0.0, 0.0]
-
-    def gc_clock(phase: str, info: dict) -> None:
-        if phase == "start":
-            gc_ms[1] = time.perf_counter()
-        else:
-            gc_ms[0] += (time.perf_counter() - gc_ms[1]) * 1e3
-
-    gc.callbacks.append(gc_clock)
-    for i in range(args.steps):
-        for name in names:
-            side = sides[name]
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            forward_backward(side, data[i % len(data)])
-            row = rows[name]
-            params = [p for g in side.opt.param_groups for p in g["params"]]
-            if i % args.probe == args.probe - 1:
-                for part in ("first_read", "second_read"):
-                    t = time.perf_counter()
-                    grads = list(map(_GRAD, params))
-                    row.setdefault(part, []).append((time.perf_counter() - t) * 1e3)
-                del grads
-            if cover:
-                torch.cuda._sleep(cover)
-            c.now = {}
-            gc_ms[0] = 0.0
-            t0 = time.perf_counter()
-            side.opt.step()
-            t1 = time.perf_counter()
-            if args.plain_zero and name != "kitsune_keep":
-                for p in params:  # the same loop on every side: what freeing this side's grads costs
-                    p.grad = None
-            else:
-                side.opt.zero_grad(set_to_none=name != "kitsune_keep")
-            t2 = time.perf_counter()
-            kind = "probed" if i % args.probe == args.probe - 1 else "plain"
-            row.setdefault(f"step[{kind}]", []).append((t1 - t0) * 1e3)
-            row.setdefault(f"zero_grad[{kind}]", []).append((t2 - t1) * 1e3)
-            row.setdefault("gc", []).append(gc_ms[0])
-            if kind == "plain":
-                for part, ms in c.now.items():
-                    row.setdefault(part, []).append(ms)
-    gc.callbacks.remove(gc_clock)
+    with GcClock() as gc_clock:
+        for i in range(args.steps):
+            for name in names:
+                side = sides[name]
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                forward_backward(side, data[i % len(data)])
+                row = rows[name]
+                params = [p for g in side.opt.param_groups for p in g["params"]]
+                if i % args.probe == args.probe - 1:
+                    for part in ("first_read", "second_read"):
+                        t = time.perf_counter()
+                        grads = list(map(_GRAD, params))
+                        row.setdefault(part, []).append((time.perf_counter() - t) * 1e3)
+                    del grads
+                if cover:
+                    torch.cuda._sleep(cover)
+                c.now = {}
+                gc_clock.ms = 0.0
+                t0 = time.perf_counter()
+                side.opt.step()
+                t1 = time.perf_counter()
+                if args.plain_zero and name != "kitsune_keep":
+                    for p in params:  # the same loop on every side: what freeing this side's grads costs
+                        p.grad = None
+                else:
+                    side.opt.zero_grad(set_to_none=name != "kitsune_keep")
+                t2 = time.perf_counter()
+                kind = "probed" if i % args.probe == args.probe - 1 else "plain"
+                row.setdefault(f"step[{kind}]", []).append((t1 - t0) * 1e3)
+                row.setdefault(f"zero_grad[{kind}]", []).append((t2 - t1) * 1e3)
+                row.setdefault("gc", []).append(gc_clock.ms)
+                if kind == "plain":
+                    for part, ms in c.now.items():
+                        row.setdefault(part, []).append(ms)
     out: dict[str, Any] = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
     out["torch"] = torch.__version__
     out["cover_ms"] = args.cover_ms if cover else 0.0

@@ -173,6 +173,20 @@ def test_e2e_options_reach_the_end_to_end_run():
     assert all(len(side.losses) == result.e2e.warmup + 1 for side in result.e2e.sides)
 
 
+def test_gc_clock_sums_collections_while_installed():
+    import gc
+
+    from kitsune.bench.timing import GcClock
+
+    with GcClock() as clock:
+        gc.collect()
+        gc.collect()
+    assert clock.ms > 0.0 and clock._callback not in gc.callbacks
+    after = clock.ms
+    gc.collect()  # removed: no longer counted
+    assert clock.ms == after
+
+
 def test_auto_device_names_the_current_gpu(monkeypatch):
     from kitsune.bench.runner import _resolve_device
 

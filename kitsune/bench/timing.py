@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +38,28 @@ class Stats(BaseModel):
             p90=percentile(values, 90),
             mean=sum(values) / len(values),
         )
+
+
+class GcClock:
+    """Milliseconds Python's garbage collector ran while the clock is installed (``with GcClock() as clock:``);
+    ``clock.ms`` sums them and may be set back to 0 between steps."""
+
+    def __init__(self) -> None:
+        self.ms = 0.0
+        self._start = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.ms += (time.perf_counter() - self._start) * 1e3
+
+    def __enter__(self) -> GcClock:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
 
 
 @dataclass
