@@ -656,15 +656,11 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         skip: set[torch.Tensor] = set()
         pool = self._subsystem("memory")
         flat = getattr(pool, "flat_grads", False)
+        n_params = sum(len(g["params"]) for g in self.param_groups)
         if zeroed is not None:
             params, ids, versions = zeroed
             grads = list(map(_GRAD, params))
-            if (
-                not flat
-                and len(params) == sum(len(g["params"]) for g in self.param_groups)
-                and list(map(id, grads)) == ids
-                and _versions(grads) == versions
-            ):
+            if not flat and len(params) == n_params and list(map(id, grads)) == ids and _versions(grads) == versions:
                 return  # the step zeroed every param's grad, and nothing wrote to them since: nothing to do
             skip = {
                 p
@@ -673,7 +669,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             }
         if flat:  # grads in the pool's arena: zeroed in place, kept (not set to None)
             skip |= pool.zero_grads(already_zero=skip)
-            if len(skip) == sum(len(g["params"]) for g in self.param_groups):
+            if len(skip) == n_params:
                 return  # every grad is an arena view: the fill zeroed them all
         elif zeroed is None and type(self._optimizer).zero_grad is not _BASE_ZERO_GRAD:
             self._optimizer.zero_grad(set_to_none=set_to_none)  # an optimizer's own zero_grad is kept
