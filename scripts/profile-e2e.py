@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from kitsune import KitsuneOptimizer
-from kitsune.bench.e2e import FLAT_POOL, GPT, e2e_inputs
+from kitsune.bench.e2e import ADAMW, FLAT_POOL, GPT, e2e_inputs
 from kitsune.bench.timing import GcClock
 from kitsune.config import AMPConfig, FusionConfig, GraphConfig, KitsuneConfig, MemoryConfig, StreamConfig
 
@@ -45,9 +45,8 @@ BLOCKING = (
 def build(side: str, cfg: Any, init: dict, device: torch.device) -> tuple[torch.nn.Module, Any]:
     model = GPT(cfg).to(device)
     model.load_state_dict(init)
-    adamw = {"lr": 3e-4, "weight_decay": 0.1, "betas": (0.9, 0.95)}
     if side == "torch_noclip":
-        return model, torch.optim.AdamW(model.parameters(), **adamw, fused=device.type == "cuda")
+        return model, torch.optim.AdamW(model.parameters(), **ADAMW, fused=device.type == "cuda")
     config = KitsuneConfig(
         fusion=FusionConfig(enabled=True),
         amp=AMPConfig(enabled=True, dtype=torch.bfloat16),
@@ -61,7 +60,7 @@ def build(side: str, cfg: Any, init: dict, device: torch.device) -> tuple[torch.
         ),
         graphs=GraphConfig(enabled=not side.endswith("_nograph")),
     )
-    return model, KitsuneOptimizer(torch.optim.AdamW(model.parameters(), **adamw), config=config)
+    return model, KitsuneOptimizer(torch.optim.AdamW(model.parameters(), **ADAMW), config=config)
 
 
 def one_step(
