@@ -3,7 +3,8 @@
 python scripts/profile-host.py --sets gpt2,many            # on a GPU
 python scripts/profile-host.py --device cpu --sets many     # a dry run (TRITON_INTERPRET=1 is set for you)
 
-For each set and configuration (default: graph replay; ``--eager`` adds ``capture_graph=False``) it prints the
+For each set and configuration (default: graph replay; ``--eager`` adds ``capture_graph=False``, ``--clip``
+``max_grad_norm=1.0``, ``--static`` ``GraphConfig(static_addresses=True)``) it prints the
 median host time of ``step()`` over ``--steps`` calls with the GPU idle before each (as ``kitsune bench`` measures
 host time), the functions with the most own time under cProfile, and the CUDA runtime calls per step counted by
 torch.profiler. ``--json PATH`` writes the numbers.
@@ -31,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--eager", action="store_true", help="also profile capture_graph=False")
     parser.add_argument("--clip", action="store_true", help="also profile max_grad_norm=1.0")
+    parser.add_argument("--static", action="store_true", help="also profile GraphConfig(static_addresses=True)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.device == "cpu":
@@ -47,6 +49,11 @@ def main(argv: list[str] | None = None) -> int:
         configs.append(("eager", {"capture_graph": False}))
     if args.clip:
         configs.append(("graph+clip", {"max_grad_norm": 1.0}))
+    if args.static:
+        from kitsune import GraphConfig, KitsuneConfig
+
+        static = KitsuneConfig(fusion={"enabled": True}, graphs=GraphConfig(static_addresses=True))
+        configs.append(("graph+static", {"config": static}))
     results: dict[str, Any] = {}
     for name in args.sets.split(","):
         pset = PARAM_SETS[name].scaled(0.001) if device.type == "cpu" else PARAM_SETS[name]
@@ -56,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
             params = [torch.nn.Parameter(torch.randn(s, device=device) * 0.02) for s in shapes]
             for p in params:
                 p.grad = torch.randn_like(p)
-            opt = KitsuneOptimizer(torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01), enable_fusion=True, **kwargs)
+            fusion = {} if "config" in kwargs else {"enable_fusion": True}
+            opt = KitsuneOptimizer(torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01), **fusion, **kwargs)
             for _ in range(10):
                 opt.step()
             sync()

@@ -103,14 +103,14 @@ def test_run_bench_on_cpu_and_json_round_trip(tmp_path):
     for entry in result.sets:
         assert entry.floor_ms > 0 and entry.bytes_per_step == ADAMW_BYTES_PER_PARAM * entry.n_elements
         by_name = {v.variant: v for v in entry.variants}
-        assert list(by_name) == ["foreach", "fused", "graph", "kitsune", "eager", "profiled"]
-        for name in ("foreach", "fused", "kitsune", "eager", "profiled"):
+        assert list(by_name) == ["foreach", "fused", "graph", "kitsune", "eager", "static", "profiled"]
+        for name in ("foreach", "fused", "kitsune", "eager", "static", "profiled"):
             v = by_name[name]
             assert v.status == "ok", v.reason
             assert v.device_ms.median > 0 and v.host_ms.median > 0 and len(v.device_ms_steps) == 2
             assert v.device_ms.p10 <= v.device_ms.median <= v.device_ms.p90
         assert by_name["graph"].status == "skipped" and "CUDA" in by_name["graph"].reason
-        assert set(entry.ratio_to_kitsune) == {"foreach", "fused", "eager", "profiled"}
+        assert set(entry.ratio_to_kitsune) == {"foreach", "fused", "eager", "static", "profiled"}
         assert "profiler" in by_name["profiled"].kitsune.active_subsystems
         assert "profiler" not in by_name["kitsune"].kitsune.active_subsystems
         info = by_name["kitsune"].kitsune
@@ -232,14 +232,14 @@ def test_every_variant_times_on_gpu():
     for v in entry.variants:
         assert v.status == "ok", f"{v.variant}: {v.reason}"
         assert v.device_ms.median > 0 and v.host_ms.median > 0 and 0 < v.pct_of_floor
-    assert set(entry.ratio_to_kitsune) == {"foreach", "fused", "graph", "eager", "profiled"}
+    assert set(entry.ratio_to_kitsune) == {"foreach", "fused", "graph", "eager", "static", "profiled"}
 
 
 @pytest.mark.cuda
 def test_gpu_variants_end_at_the_same_params():
     pset = PARAM_SETS["gpt2"]
     finals = {}
-    for name in ("fused", "graph", "kitsune", "eager"):
+    for name in ("fused", "graph", "kitsune", "eager", "static"):
         params = make_params(pset, "cuda", seed=0)
         variant = make_variant(name, params)
         variant.warmup(4)  # the graph variant: 3 eager steps, capture, 1 replay
@@ -249,7 +249,7 @@ def test_gpu_variants_end_at_the_same_params():
         torch.cuda.synchronize()
         finals[name] = [p.detach().clone() for p in params]
         del params, variant
-    for name in ("graph", "kitsune", "eager"):
+    for name in ("graph", "kitsune", "eager", "static"):
         for i, (x, y) in enumerate(zip(finals[name], finals["fused"], strict=True)):
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=lambda m, i=i, n=name: f"{n} param {i}: {m}")
 

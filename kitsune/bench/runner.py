@@ -32,12 +32,15 @@ VARIANTS: dict[str, str] = {
     "graph": "torch graph",
     "kitsune": "kitsune",
     "eager": "kitsune, capture_graph=False",
+    "static": "kitsune, static_addresses=True",
     "profiled": "kitsune, profile=True",
 }
 """Variant name (what ``--variants`` takes) -> label in the table. ``graph`` is fused + capturable AdamW replayed
 from a CUDA graph; ``kitsune`` is kitsune as it comes (on CUDA its phase is captured in a CUDA graph after
-warm-up), ``eager`` the same with ``capture_graph=False``; ``profiled`` is kitsune with the profiler on outside its
-sampled windows (probe and live comparison off), which measures the profiler's own cost per step."""
+warm-up), ``eager`` the same with ``capture_graph=False``, ``static`` the same with
+``GraphConfig(static_addresses=True)`` (the grads stay in place, as in every variant here, so the per-step address
+checks are skipped); ``profiled`` is kitsune with the profiler on outside its sampled windows (probe and live
+comparison off), which measures the profiler's own cost per step."""
 
 FP32_BYTES = 4
 # An fp32 AdamW step touches each parameter's four tensors once: it reads param, grad, exp_avg and exp_avg_sq,
@@ -189,7 +192,9 @@ class _GraphVariant(_TorchVariant):
 
 
 class _KitsuneVariant(_TorchVariant):
-    def __init__(self, params: list[torch.nn.Parameter], profile: bool = False, graph: bool = True) -> None:
+    def __init__(
+        self, params: list[torch.nn.Parameter], profile: bool = False, graph: bool = True, static: bool = False
+    ) -> None:
         from kitsune.config import FusionConfig, GraphConfig, KitsuneConfig, ProfilerConfig
         from kitsune.optimizer import KitsuneOptimizer
 
@@ -197,7 +202,11 @@ class _KitsuneVariant(_TorchVariant):
         self.warnings: list[str] = []
         # profiled: the profiler's per-step cost only; its sampled windows would replace steps with other work
         profiler = ProfilerConfig(enabled=profile, probe_steps=0, compare_steps=0)
-        config = KitsuneConfig(fusion=FusionConfig(enabled=True), profiler=profiler, graphs=GraphConfig(enabled=graph))
+        config = KitsuneConfig(
+            fusion=FusionConfig(enabled=True),
+            profiler=profiler,
+            graphs=GraphConfig(enabled=graph, static_addresses=static),
+        )
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             self.opt = KitsuneOptimizer(torch.optim.AdamW(params, **ADAMW), config=config)
@@ -256,6 +265,8 @@ def make_variant(name: str, params: list[torch.nn.Parameter]) -> _TorchVariant:
         return _KitsuneVariant(params)
     if name == "eager":
         return _KitsuneVariant(params, graph=False)
+    if name == "static":
+        return _KitsuneVariant(params, static=True)
     if name == "profiled":
         return _KitsuneVariant(params, profile=True)
     raise ValueError(f"unknown variant {name!r}: choose from {', '.join(VARIANTS)}")

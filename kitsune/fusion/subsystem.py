@@ -159,6 +159,7 @@ class FusionSubsystem(Subsystem):
 
         self._contexts = {}
         for unit in (*self._units, *self._muon):
+            unit.static = opt.config.graphs.static_addresses
             self._contexts.setdefault(unit.device, DeviceContext(unit.device, info.row))  # type: ignore[union-attr]
         self.executes = bool(self._units or self._shadows or self._muon)
         self._grads_cfg = opt.config.grads
@@ -403,8 +404,9 @@ class FusionSubsystem(Subsystem):
     def unchanged(self) -> bool:
         """Whether every unit's grads and params sit where the last step found them, with no copies, lazy state or
         sparse grads pending: then the last step's tables, norm binding and launches hold for this one as well (the
-        caller has checked that the groups' values are those the last step used). C++ checks only, no uploads."""
-        return all(u._fast and u._unchanged() for units in (self._units, self._muon) for u in units)
+        caller has checked that the groups' values are those the last step used). C++ checks (or, with static
+        addresses, the units' watches) only, no uploads."""
+        return all(u.still() for units in (self._units, self._muon) for u in units)
 
     def refresh_values(self, groups: list[dict[str, Any]]) -> bool:
         """A group's values changed between two steady replays: refresh the hyperparameter buffers, or return False
@@ -661,6 +663,21 @@ class FusionSubsystem(Subsystem):
             "table_uploads": tables,
             "context_uploads": contexts,
             "steps": self._steps,
+            "static_addresses": self._static_report(),
+        }
+
+    def _static_report(self) -> dict[str, Any] | None:
+        """With ``GraphConfig(static_addresses=True)``: how many units watch their addresses, the steps that
+        checked them again (a watched grad or storage freed) and why a unit stopped watching."""
+        units = [*self._units, *self._muon]
+        if not any(u.static for u in units):
+            return None
+        off = sorted({u.static_off for u in units if u.static_off})
+        return {
+            "units_watching": sum(u._intact is not None for u in units),
+            "units": len(units),
+            "rechecks": sum(u.rechecks for u in units),
+            "stopped": off,
         }
 
 

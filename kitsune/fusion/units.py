@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from operator import attrgetter
 from typing import Any
@@ -31,6 +32,10 @@ class FusedUnit:
     Everything else happens only when something changed: the grad addresses (one table upload; grad layouts are
     re-checked then), a param's storage (a re-plan), or a param's grad appearing for the first time (lazy state
     creation and one upload per state table).
+
+    With ``static`` (``GraphConfig(static_addresses=True)``) a unit whose every grad was there at the last full
+    check skips even those reads: it holds weak references to its grads and its params' storages, and a step
+    checks everything again only after one of them was freed (see :meth:`_watch`).
     """
 
     def __init__(
@@ -75,14 +80,67 @@ class FusedUnit:
         """Whether :meth:`prepare` may check addresses with :data:`_PTRS_EQUAL` (not on FSDP2's local shards)."""
         self.slots: Any = None
         """The memory pool's arena slots for this unit's state (and grads), or None: torch's own allocations."""
+        self.static = False
+        """``GraphConfig.static_addresses``: watch the grads and storages instead of checking them every step."""
+        self.static_off: str | None = None
+        """Why this unit stopped watching (its grads were freed before every step), or None."""
+        self._intact: _Intact | None = None
+        self._watched: list[weakref.ref] = []
+        self._watched_steps = 0
+        self._quick_breaks = 0
+        self.rechecks = 0
+        """Steps that checked every address again because a watched grad or storage had been freed."""
         self.bind(state)
 
     # -- per step ----------------------------------------------------------------------------------------------
     def prepare(self, state: Any, groups: Sequence[dict[str, Any]]) -> bool:
         """Point the tables at this step's grads and create missing state; False if no grad is live."""
-        if self._fast and self._unchanged():
+        if self._intact is not None:
+            if self._holds():
+                return True
+        elif self._fast and self._unchanged():
             return True
         return self._prepare(state, groups)
+
+    def still(self) -> bool:
+        """Whether the last step's tables hold for this one: the watch is intact (static addresses), or every grad
+        and param sits where the last step found them with nothing pending (:meth:`_unchanged`)."""
+        if self._intact is not None:
+            return self._holds()
+        return self._fast and self._unchanged()
+
+    def _holds(self) -> bool:
+        if self._intact.ok:  # type: ignore[union-attr]
+            self._watched_steps += 1
+            return True
+        return False
+
+    def _watch(self) -> None:
+        """Static addresses: after a full check that found every grad there, dense, contiguous, in place and every
+        param's state made, hold weak references to the grads and to the params' storages. Freeing any of them
+        (``p.grad = None``, ``model.zero_grad()``, a grad autograd replaced, ``p.data = ...`` or ``model.half()``
+        dropping the old storage) breaks the watch, and the next step checks everything again. What it cannot see
+        is a grad or storage replaced while something else still holds the old one (GraphConfig's docs)."""
+        try:
+            tensors = [*map(_GRAD, self.params), *(p.untyped_storage() for p in self.params)]
+            intact = _Intact()
+            self._watched = [weakref.ref(t, intact) for t in tensors]
+        except (TypeError, RuntimeError, NotImplementedError):  # a tensor without storage: check every step
+            return
+        self._intact = intact
+        self._watched_steps = 0
+
+    def _unwatch(self) -> None:
+        if self._intact is None:
+            return
+        self.rechecks += 1
+        self._quick_breaks = 0 if self._watched_steps else self._quick_breaks + 1
+        self._intact, self._watched = None, []
+        if self._quick_breaks >= _QUICK_BREAKS:
+            self.static_off = (
+                f"the grads were freed before each of {_QUICK_BREAKS} steps in a row (zero_grad(set_to_none=True)?): "
+                "their addresses are checked every step"
+            )
 
     def _unchanged(self) -> bool:
         """The common step: every grad present and where it was last step, every param where it was planned, no
@@ -99,6 +157,7 @@ class FusedUnit:
             return False
 
     def _prepare(self, state: Any, groups: Sequence[dict[str, Any]]) -> bool:
+        self._unwatch()
         self.unhandled = []
         grads: list[torch.Tensor | None] | None = None
         dead = 0
@@ -134,6 +193,8 @@ class FusedUnit:
             self.grad_addresses = upload
         if self.uninit:
             self._init_new(ptrs, state, groups)
+        if self.static and not dead and not (self.sharded or self.static_off or self._copied or self.uninit):
+            self._watch()
         return dead < len(ptrs)
 
     def _adopt_grads(
@@ -220,6 +281,22 @@ class FusedUnit:
                 base = self._private_steps.data_ptr()
                 steps = [base + 4 * i for i in range(len(self.params))]
             self.tables.set_role("step", steps)
+
+
+_QUICK_BREAKS = 3
+"""A static unit whose watch breaks before its first use this many times in a row stops watching."""
+
+
+class _Intact:
+    """The weak references' callback: any watched tensor or storage freed clears ``ok``."""
+
+    __slots__ = ("ok",)
+
+    def __init__(self) -> None:
+        self.ok = True
+
+    def __call__(self, _ref: weakref.ref) -> None:
+        self.ok = False
 
 
 def _has_state(state: Any, p: torch.Tensor, info: AlgoInfo, spec: UpdateSpec) -> bool:

@@ -18,6 +18,7 @@ place, and ``zero_grad()`` zeroes each arena in one fill instead of freeing the 
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
@@ -73,6 +74,7 @@ class UnitSlots:
         self.step_offsets = [step_arena.reserve(1) for _ in numels] if step_arena is not None else []
         self.grad_offsets = [grad_arena.reserve(n) for n in numels] if grad_arena is not None else []
         self._views: dict[tuple[str, int], torch.Tensor] = {}
+        self._grad_refs: dict[int, weakref.ref] = {}
         self.adoptions = 0
         """Grads copied into the grad arena (counted by the unit)."""
 
@@ -89,11 +91,20 @@ class UnitSlots:
         return v
 
     def grad_view(self, i: int) -> torch.Tensor:
-        v = self._views.get(("grad", i))
+        """The arena view for ``params[i]``'s grad: the one ``p.grad`` holds, or a new one. The slots keep only a
+        weak reference, so a grad set to None is freed (a static-address unit watches for that)."""
+        ref = self._grad_refs.get(i)
+        v = ref() if ref is not None else None
         if v is None:
             assert self.grad_arena is not None
-            v = self._views[("grad", i)] = self.grad_arena.view(self.grad_offsets[i], self.params[i].shape)
+            v = self.grad_arena.view(self.grad_offsets[i], self.params[i].shape)
+            self._grad_refs[i] = weakref.ref(v)
         return v
+
+    def holds_grad(self, i: int, grad: torch.Tensor) -> bool:
+        """Whether ``grad`` is the arena view of ``params[i]``'s grad."""
+        ref = self._grad_refs.get(i)
+        return ref is not None and ref() is grad
 
     def alloc(self, i: int) -> Any:
         """An allocator for :func:`kitsune.fusion.algos.init_state`: state key -> this param's arena view."""
@@ -216,7 +227,7 @@ class MemoryPool(Subsystem):
             slots = unit.slots
             for i, p in enumerate(unit.params):
                 g = p.grad
-                if g is not None and slots._views.get(("grad", i)) is g:
+                if g is not None and slots.holds_grad(i, g):
                     covered.add(p)
         if covered <= already_zero:
             return covered

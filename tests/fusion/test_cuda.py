@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from kitsune import KitsuneOptimizer
+from kitsune import GraphConfig, KitsuneOptimizer
 
 pytestmark = pytest.mark.cuda
 
@@ -156,12 +156,16 @@ def test_graph_replay_equals_eager_bit_for_bit_over_200_steps_with_onecyclelr():
         assert torch.equal(a, b)
 
 
-def test_steady_replays_equal_eager_bit_for_bit_with_grads_in_place():
+@pytest.mark.parametrize("static", [False, True], ids=["checked", "static_addresses"])
+def test_steady_replays_equal_eager_bit_for_bit_with_grads_in_place(static):
     """Grads written in place (as zero_grad(set_to_none=False) leaves them): after the first replay the steps take
-    the steady replay (torch's C++ address check, one graph launch). Every 50 steps the grads are set to None, as
-    model.zero_grad() does, and once every param's storage is replaced: 200 steps with OneCycleLR, bit-equal to the
-    eager fused step, grad norms included."""
+    the steady replay (torch's C++ address check, or with static addresses the units' watches, and one graph
+    launch). Every 50 steps the grads are set to None, as model.zero_grad() does, and once every param's storage is
+    replaced: 200 steps with OneCycleLR, bit-equal to the eager fused step, grad norms included."""
     graphed, eager, opts, gen = _gpt2_twins(max_grad_norm=1.0)
+    if static:
+        config = opts[0].config.model_copy(update={"graphs": GraphConfig(static_addresses=True)})
+        opts[0] = KitsuneOptimizer(torch.optim.AdamW(graphed, lr=1e-3, weight_decay=0.1), config=config)
     scheds = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=1e-2, total_steps=200) for o in opts]
     for step in range(200):
         for a, b in zip(graphed, eager, strict=True):
@@ -178,6 +182,13 @@ def test_steady_replays_equal_eager_bit_for_bit_with_grads_in_place():
         assert torch.equal(opts[0].last_grad_norm, opts[1].last_grad_norm)
     report = opts[0]._subsystem("graphs").report()
     assert report["captures"] == 2 and report["steady_replays"] > 150, report
+    if static:  # the storage swap at step 120 re-planned (new units); they noticed the frees at steps 125 and 175
+        assert opts[0]._subsystem("fusion").report()["static_addresses"] == {
+            "units_watching": 1,
+            "units": 1,
+            "rechecks": 2,
+            "stopped": [],
+        }
     for a, b in zip(graphed, eager, strict=True):
         assert torch.equal(a, b)
 
@@ -214,12 +225,17 @@ def test_graph_structural_changes_give_the_eager_results():
         assert torch.equal(a, b)
 
 
-def test_graph_host_time_per_step_gpt2_shapes():
-    """With the phase replayed from a graph the host does the address checks and one graph launch per step."""
+@pytest.mark.parametrize("static", [False, True], ids=["checked", "static_addresses"])
+def test_graph_host_time_per_step_gpt2_shapes(static):
+    """With the phase replayed from a graph the host does the address checks (none with static addresses) and one
+    graph launch per step."""
     graphed, _, opts, _ = _gpt2_twins(n_blocks=12)
     for p in graphed:
         p.grad = torch.randn_like(p)
     opt = opts[0]
+    if static:
+        config = opt.config.model_copy(update={"graphs": GraphConfig(static_addresses=True)})
+        opt = KitsuneOptimizer(torch.optim.AdamW(graphed, lr=1e-3, weight_decay=0.1), config=config)
     for _ in range(10):
         opt.step()
     torch.cuda.synchronize()
@@ -229,6 +245,7 @@ def test_graph_host_time_per_step_gpt2_shapes():
         opt.step()
     host_ms = (time.perf_counter() - start) / n * 1e3
     torch.cuda.synchronize()
-    print(f"kitsune AdamW GPT-2 shapes ({len(graphed)} tensors), graph replay, host ms/step: {host_ms:.4f}")
+    label = "static addresses" if static else "checked"
+    print(f"kitsune AdamW GPT-2 shapes ({len(graphed)} tensors), graph replay, {label}, host ms/step: {host_ms:.4f}")
     assert opt._subsystem("graphs").report()["steady_replays"] >= n
     assert host_ms < 0.5
