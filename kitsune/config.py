@@ -159,7 +159,7 @@ class GraphConfig(_Config):
     """Promise that grads stay the same tensors from step to step (zeroed in place: ``zero_grad(set_to_none=False)``,
     ``MemoryConfig(flat_grads=True)`` or ``GradConfig(zero_in_step=True)``) and params keep their storage, as
     torch's own CUDA graph recipe requires of its static inputs. kitsune then skips the per-step check of every
-    grad's and param's address (about 0.2 us a tensor) and watches them through weak references instead: a grad or
+    grad's and param's address (about 0.3 us a param) and watches them through weak references instead: a grad or
     storage that is freed (``model.zero_grad()``, ``p.data = ...``, ``model.half()``) is still noticed. A grad or
     storage replaced while your code keeps a reference to the old one is not: leave this off if you do that (see
     the CUDA graphs guide)."""
