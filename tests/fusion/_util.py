@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -165,3 +166,46 @@ def record_graphs(opt: KitsuneOptimizer, backend: RecordingBackend | None = None
     opt._replan()
     assert graphs.active, graphs.reason
     return backend
+
+
+def grads_in_place(params: Sequence[torch.Tensor], step: int, skip: Sequence[int] | set[int] = ()) -> None:
+    """This step's grads written into the grads already there (as zero_grad(set_to_none=False) leaves them); a new
+    grad where one is None, and None for the params in ``skip``."""
+    for i, (p, g) in enumerate(zip(params, random_grads(params, step), strict=True)):
+        if i in skip:
+            p.grad = None
+        else:
+            p.grad = g if p.grad is None else p.grad.copy_(g)
+
+
+def graphed_twins(
+    device: torch.device,
+    sizes: Sequence[int | tuple[int, ...]],
+    make: Callable[[Any], torch.optim.Optimizer],
+    **kw: Any,
+) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter], torch.optim.Optimizer, KitsuneOptimizer, Any]:
+    """Two copies of the same params: torch's optimizer ``make(ref)`` and ``KitsuneOptimizer(make(ours), **kw)`` with
+    the recording graph backend. Returns ``ref, ours, ref_opt, opt, backend``."""
+    ref, ours = make_params(sizes, torch.float32, device), make_params(sizes, torch.float32, device)
+    opt = KitsuneOptimizer(make(ours), **kw)
+    return ref, ours, make(ref), opt, record_graphs(opt)
+
+
+def structural_change(change: str, pairs: list[tuple[list[torch.nn.Parameter], torch.optim.Optimizer]]) -> bool:
+    """Make ``change`` on both sides of ``pairs`` (``[(ref, ref_opt), (ours, opt)]``) if it is a structural one:
+    ``add_param_group`` (a group of one new param, lr 0.02), ``load_state_dict`` (kitsune's own, reloaded) or
+    ``storage`` (every param's ``p.data`` replaced by a copy). Returns whether it was one of those."""
+    (ref, _), (ours, opt) = pairs
+    if change == "add_param_group":
+        for params, o in pairs:
+            new = make_params([6], torch.float32, ours[0].device, seed=5)
+            o.add_param_group({"params": new, "lr": 0.02})
+            params += new
+    elif change == "load_state_dict":
+        opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    elif change == "storage":
+        for p, q in zip(ref, ours, strict=True):
+            p.data, q.data = p.data.clone(), q.data.clone()
+    else:
+        return False
+    return True

@@ -5,15 +5,21 @@ stand-in (tests/fusion/_util.py); real captures: tests/fusion/test_cuda.py."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 from kitsune import GradConfig, GraphConfig, KitsuneConfig, KitsuneOptimizer, MemoryConfig
 from kitsune.fusion import units
 
-from ._util import assert_close_params, make_params, ptrs_equal_stand_in, random_grads, record_graphs
+from ._util import (
+    assert_close_params,
+    grads_in_place,
+    graphed_twins,
+    make_params,
+    ptrs_equal_stand_in,
+    record_graphs,
+    structural_change,
+)
 
 SIZES = [(7, 3), 16, (4, 5), 9]
 
@@ -37,18 +43,7 @@ def _config(static: bool = True, **parts) -> KitsuneConfig:
 
 
 def _twins(device, make, config: KitsuneConfig):
-    ref, ours = make_params(SIZES, torch.float32, device), make_params(SIZES, torch.float32, device)
-    opt = KitsuneOptimizer(make(ours), config=config)
-    return ref, ours, make(ref), opt, record_graphs(opt)
-
-
-def _in_place(params, step: int, skip=()) -> None:
-    """This step's grads written into the grads already there (new ones where a grad is None)."""
-    for i, (p, g) in enumerate(zip(params, random_grads(params, step), strict=True)):
-        if i in skip:
-            p.grad = None
-        else:
-            p.grad = g if p.grad is None else p.grad.copy_(g)
+    return graphed_twins(device, SIZES, make, config=config)
 
 
 def _static(opt: KitsuneOptimizer) -> dict:
@@ -66,8 +61,8 @@ def test_static_steps_check_no_address_and_follow_torch(device, checks):
     ref, ours, ref_opt, opt, backend = _twins(device, make, _config(grads=GradConfig(max_norm=0.5)))
     scheds = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=50) for o in (ref_opt, opt)]
     for step in range(40):
-        _in_place(ref, step)
-        _in_place(ours, step)
+        grads_in_place(ref, step)
+        grads_in_place(ours, step)
         torch.nn.utils.clip_grad_norm_(ref, 0.5)
         ref_opt.step()
         opt.step()
@@ -85,7 +80,7 @@ def test_default_checks_every_step(device, checks):
     opt = KitsuneOptimizer(torch.optim.AdamW(ours, lr=1e-2), config=_config(static=False))
     record_graphs(opt)
     for step in range(10):
-        _in_place(ours, step)
+        grads_in_place(ours, step)
         opt.step()
     assert _steady(opt) == 6 and len(checks) >= 2 * 6
     assert _static(opt) is None
@@ -110,20 +105,11 @@ def test_every_freed_grad_or_storage_is_noticed_and_matches_torch(device, change
     pairs = [(ref, ref_opt), (ours, opt)]
     for step in range(8):
         for params, o in pairs:
-            _in_place(params, step)
+            grads_in_place(params, step)
             o.step()
     assert _steady(opt) == 4 and _static(opt)["units_watching"] == 1
     steady, captured = _steady(opt), backend.captured
-    if change == "add_param_group":
-        extra = [make_params([6], torch.float32, device, seed=5) for _ in pairs]
-        for (params, o), new in zip(pairs, extra, strict=True):
-            o.add_param_group({"params": new, "lr": 0.02})
-            params += new
-    elif change == "load_state_dict":
-        opt.load_state_dict(copy.deepcopy(opt.state_dict()))
-    elif change == "storage":
-        for p, q in zip(ref, ours, strict=True):
-            p.data, q.data = p.data.clone(), q.data.clone()
+    structural_change(change, pairs)
     for step in range(8, 20):
         for params, o in pairs:
             if step % 4 == 0 and change in ("model_zero_grad", "flat_grads"):
@@ -131,7 +117,7 @@ def test_every_freed_grad_or_storage_is_noticed_and_matches_torch(device, change
                     p.grad = None
             if step % 4 == 0 and change == "kitsune_zero_grad":
                 o.zero_grad()
-            _in_place(params, step, skip={1} if change == "some_none" and step % 4 == 0 else ())
+            grads_in_place(params, step, skip={1} if change == "some_none" and step % 4 == 0 else ())
             o.step()
         assert_close_params(ours, ref, torch.float32)
     report = _static(opt)
@@ -153,7 +139,7 @@ def test_stops_watching_grads_freed_before_every_step(device, checks):
     ref, ours, ref_opt, opt, _ = _twins(device, make, _config())
     for step in range(12):
         for params, o in ((ref, ref_opt), (ours, opt)):
-            _in_place(params, step)
+            grads_in_place(params, step)
             o.step()
             o.zero_grad()
         assert_close_params(ours, ref, torch.float32)
@@ -161,7 +147,7 @@ def test_stops_watching_grads_freed_before_every_step(device, checks):
     assert report["units_watching"] == 0 and report["rechecks"] == 3
     assert len(report["stopped"]) == 1 and "set_to_none=True" in report["stopped"][0]
     n = len(checks)
-    _in_place(ours, 12)
+    grads_in_place(ours, 12)
     opt.step()
     assert len(checks) > n  # the per-step check is back
 

@@ -6,15 +6,21 @@ compared with torch's own optimizer. Float16 AMP with zeroing in the step throug
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 from kitsune import FusionConfig, GraphConfig, KitsuneConfig, KitsuneOptimizer
 from kitsune.fusion import units
 
-from ._util import assert_close_params, make_params, ptrs_equal_stand_in, random_grads, record_graphs
+from ._util import (
+    assert_close_params,
+    grads_in_place,
+    graphed_twins,
+    make_params,
+    ptrs_equal_stand_in,
+    record_graphs,
+    structural_change,
+)
 
 SIZES = [(7, 3), 16, (4, 5), 9]
 
@@ -26,18 +32,7 @@ def cpp_check(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _twins(device, make, **kwargs):
-    ref, ours = make_params(SIZES, torch.float32, device), make_params(SIZES, torch.float32, device)
-    opt = KitsuneOptimizer(make(ours), enable_fusion=True, **kwargs)
-    return ref, ours, make(ref), opt, record_graphs(opt)
-
-
-def _in_place(params, step: int, skip=()) -> None:
-    """This step's grads written into the grads already there (as zero_grad(set_to_none=False) leaves them)."""
-    for i, (p, g) in enumerate(zip(params, random_grads(params, step), strict=True)):
-        if i in skip:
-            p.grad = None
-        else:
-            p.grad = g if p.grad is None else p.grad.copy_(g)
+    return graphed_twins(device, SIZES, make, enable_fusion=True, **kwargs)
 
 
 def _steady(opt: KitsuneOptimizer) -> int:
@@ -54,8 +49,8 @@ def test_steady_replays_follow_torch_with_onecyclelr_and_clip(device):
     opt.base_optimizer.register_step_post_hook(lambda *_: calls.append(1))
     norms, wants = [], []
     for step in range(40):
-        _in_place(ref, step)
-        _in_place(ours, step)
+        grads_in_place(ref, step)
+        grads_in_place(ours, step)
         wants.append(torch.nn.utils.clip_grad_norm_(ref, 0.5))
         ref_opt.step()
         opt.step()
@@ -91,25 +86,15 @@ def test_every_change_leaves_the_steady_replay_and_matches_torch(device, change)
     pairs = [(ref, ref_opt), (ours, opt)]
     for step in range(8):
         for params, o in pairs:
-            _in_place(params, step)
+            grads_in_place(params, step)
             o.step()
     assert _steady(opt) == 4
     steady, captured = _steady(opt), backend.captured
-    if change == "add_param_group":
-        extra = [make_params([6], torch.float32, device, seed=5) for _ in pairs]
-        for (params, o), new in zip(pairs, extra, strict=True):
-            o.add_param_group({"params": new, "lr": 0.02})
-            params += new
-    elif change == "load_state_dict":
-        opt.load_state_dict(copy.deepcopy(opt.state_dict()))
-    elif change == "storage":
-        for p, q in zip(ref, ours, strict=True):
-            p.data, q.data = p.data.clone(), q.data.clone()
-    elif change in ("value", "switch"):
-        for _, o in pairs:
+    structural_change(change, pairs)
+    for _, o in pairs:
+        if change in ("value", "switch"):
             o.param_groups[0].update({"weight_decay": 0.2} if change == "value" else {"nesterov": True})
-    elif change == "tensor_lr":
-        for _, o in pairs:
+        elif change == "tensor_lr":
             o.param_groups[0]["lr"] = torch.tensor(0.05)
     kept = []
     for step in range(8, 20):
@@ -120,7 +105,7 @@ def test_every_change_leaves_the_steady_replay_and_matches_torch(device, change)
                 kept += [p.grad for p in params]
                 for p in params:
                     p.grad = None
-            _in_place(params, step, skip={1} if change == "some_none" and step % 4 == 0 else ())
+            grads_in_place(params, step, skip={1} if change == "some_none" and step % 4 == 0 else ())
             if change == "tensor_lr":
                 o.param_groups[0]["lr"].fill_(0.05 * 0.9 ** (step - 7))  # in place: the same tensor object
             if change == "grad_scaler" and step < 14 and o is opt:
@@ -153,7 +138,7 @@ def test_no_steady_replay_with_the_profiler_or_turned_off(device, why):
     backend = record_graphs(opt)
     for step in range(10):
         for params, o in ((ref, ref_opt), (ours, opt)):
-            _in_place(params, step)
+            grads_in_place(params, step)
             o.step()
     assert backend.replayed > 0 and _steady(opt) == 0
     assert_close_params(ours, ref, torch.float32)
@@ -174,7 +159,7 @@ def test_muon_steady_replays_equal_the_eager_fused_step(device):
             record_graphs(opt)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
         for step in range(12):
-            _in_place(params, step)
+            grads_in_place(params, step)
             opt.step()
             sched.step()
         return params, opt
