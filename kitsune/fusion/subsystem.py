@@ -674,7 +674,7 @@ class FusionSubsystem(Subsystem):
             return None
         off = sorted({u.static_off for u in units if u.static_off})
         return {
-            "units_watching": sum(u._intact is not None for u in units),
+            "units_watching": sum(u.watching for u in units),
             "units": len(units),
             "rechecks": sum(u.rechecks for u in units),
             "stopped": off,

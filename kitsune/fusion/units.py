@@ -95,25 +95,24 @@ class FusedUnit:
     # -- per step ----------------------------------------------------------------------------------------------
     def prepare(self, state: Any, groups: Sequence[dict[str, Any]]) -> bool:
         """Point the tables at this step's grads and create missing state; False if no grad is live."""
-        if self._intact is not None:
-            if self._holds():
-                return True
-        elif self._fast and self._unchanged():
+        if self.still():
             return True
         return self._prepare(state, groups)
 
     def still(self) -> bool:
         """Whether the last step's tables hold for this one: the watch is intact (static addresses), or every grad
         and param sits where the last step found them with nothing pending (:meth:`_unchanged`)."""
-        if self._intact is not None:
-            return self._holds()
-        return self._fast and self._unchanged()
-
-    def _holds(self) -> bool:
-        if self._intact.ok:  # type: ignore[union-attr]
-            self._watched_steps += 1
+        if self._intact is None:
+            return self._fast and self._unchanged()
+        if self._intact.ok:
+            self._watched_steps += 1  # the watch was used: it did not break before its first step
             return True
         return False
+
+    @property
+    def watching(self) -> bool:
+        """Whether the unit watches its addresses (static addresses, armed by the last full check)."""
+        return self._intact is not None
 
     def _watch(self) -> None:
         """Static addresses: after a full check that found every grad there, dense, contiguous, in place and every
