@@ -39,9 +39,12 @@ _NUMEL = torch.Tensor.numel
 _IS_CONTIGUOUS = torch.Tensor.is_contiguous
 _DTYPE = attrgetter("dtype")
 _DEVICE = attrgetter("device")
-NORM_BLOCK = 4096
-"""Elements per program. Read-only, so larger than the update kernel's: fewer partials and counter atomics. On an
-H100, GPT-2 124M grad shapes in fp32: 0.19 ms a launch with 4096, 0.26 ms with 1024 (triton.testing.do_bench)."""
+NORM_BLOCK = 8192
+"""Elements per program, read ``NORM_TILE`` at a time: each program ends with a counter atomic (a memory fence), so
+fewer, longer programs spend less of the launch there. On an H100 (``scripts/norm-sweep.py``, GPT-2 124M grads in
+fp32, unscaled by a loss scale): 0.21 ms a launch against 0.31 ms with one 4096-element tile a program."""
+NORM_TILE = 2048
+"""Elements a program holds in registers at a time; 4096-element tiles in 8192-element blocks ran slower."""
 REDUCE_BLOCK = 1024
 """Partials a finishing block reads per loop iteration."""
 
@@ -70,6 +73,15 @@ def _store_f32(addr, offs, mask, code, x, RNE_BF16: tl.constexpr):
 
 
 @triton.jit
+def _load_scaled(addr, offs, mask, code, scale, HAS_SCALE: tl.constexpr):
+    """Elements ``offs`` as fp32, times ``scale`` when HAS_SCALE, 0 where masked."""
+    x = _load_f32(addr, offs, mask, code)
+    if HAS_SCALE:
+        x = tl.where(mask, x * scale, 0.0)
+    return x
+
+
+@triton.jit
 def _norm_kernel(
     block_tensor,  # (n_blocks,) int32
     block_start,  # (n_blocks,) int64
@@ -91,26 +103,47 @@ def _norm_kernel(
     HAS_SCALE: tl.constexpr,
     INVERT_SCALE: tl.constexpr,
     BLOCK: tl.constexpr,
+    TILE: tl.constexpr,
     RBLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     t = tl.load(block_tensor + pid)
     addr = tl.load(addr_tab + t)
-    offs = tl.load(block_start + pid) + tl.arange(0, BLOCK).to(tl.int64)
-    mask = offs < tl.where(addr != -1, tl.load(numel_tab + t), 0)
-    x = _load_f32(addr, offs, mask, tl.load(code_tab + t))
+    code = tl.load(code_tab + t)
+    start = tl.load(block_start + pid)
+    n = tl.where(addr != -1, tl.load(numel_tab + t), 0)
+    scale = 1.0
     if HAS_SCALE:
         scale = tl.load(scale_ptr)
         if INVERT_SCALE:  # a loss scale: multiply by its fp32 reciprocal taken in double, as GradScaler does
             scale = (1.0 / scale.to(tl.float64)).to(tl.float32)
-        x = tl.where(mask, x * tl.where(t < num_global, scale, 1.0), 0.0)  # the tensors past num_global: as they are
-    if t < num_global:
-        if tl.max(((x - x) != 0.0).to(tl.int32), 0) != 0:  # x - x is nan exactly for inf and nan
-            tl.atomic_or(sync + 1, 1)
+        scale = tl.where(t < num_global, scale, 1.0)  # the tensors past num_global: as they are
+    # the block in tiles: a program reads BLOCK elements, but holds TILE in registers at a time
+    acc = tl.zeros((TILE,), tl.float32)
+    for i in tl.static_range(BLOCK // TILE):
+        if start + i * TILE < n:  # a tensor's last block may need fewer tiles (small tensors: one)
+            offs = start + i * TILE + tl.arange(0, TILE).to(tl.int64)
+            x = _load_scaled(addr, offs, offs < n, code, scale, HAS_SCALE)
+            if INF_NORM:
+                acc = tl.maximum(acc, tl.abs(x), propagate_nan=tl.PropagateNan.ALL)
+            else:
+                acc += x * x
     if INF_NORM:
-        part = _max_keep_nan(tl.abs(x))
+        part = _max_keep_nan(acc)
     else:
-        part = tl.sum(x * x, 0)
+        part = tl.sum(acc, 0)
+    # An inf or nan value makes the partial inf or nan; so can an fp32 overflow of the squares, which must not
+    # raise the flag. Only then are the values looked at again, value by value (a rare path: the flag's test
+    # per value costs a block-wide reduction that every program would otherwise pay).
+    if t < num_global:
+        if part - part != 0.0:
+            bad = 0
+            for i in tl.static_range(BLOCK // TILE):
+                offs = start + i * TILE + tl.arange(0, TILE).to(tl.int64)
+                x = _load_scaled(addr, offs, offs < n, code, scale, HAS_SCALE)
+                bad += tl.max(((x - x) != 0.0).to(tl.int32), 0)  # x - x is nan exactly for inf and nan
+            if bad != 0:
+                tl.atomic_or(sync + 1, 1)
     tl.store(partials + pid, part)
 
     first = tl.load(first_block + t)
@@ -148,6 +181,7 @@ def _clip_kernel(
     OUT_DTYPE: tl.constexpr,
     RNE_BF16: tl.constexpr,
     BLOCK: tl.constexpr,
+    TILE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     norm = tl.load(total)
@@ -159,10 +193,14 @@ def _clip_kernel(
     t = tl.load(block_tensor + pid)
     addr = tl.load(addr_tab + t)
     code = tl.load(code_tab + t)
-    offs = tl.load(block_start + pid) + tl.arange(0, BLOCK).to(tl.int64)
-    mask = offs < tl.where(addr != -1, tl.load(numel_tab + t), 0)
-    x = _load_f32(addr, offs, mask, code)
-    _store_f32(addr, offs, mask, code, x * coef, RNE_BF16)
+    start = tl.load(block_start + pid)
+    n = tl.where(addr != -1, tl.load(numel_tab + t), 0)
+    for i in tl.static_range(BLOCK // TILE):
+        if start + i * TILE < n:
+            offs = start + i * TILE + tl.arange(0, TILE).to(tl.int64)
+            mask = offs < n
+            x = _load_f32(addr, offs, mask, code)
+            _store_f32(addr, offs, mask, code, x * coef, RNE_BF16)
 
 
 INTERPRETED = type(_norm_kernel).__name__ == "InterpretedFunction"
@@ -222,6 +260,9 @@ class MultiTensorNorm:
         self.norm_type = norm_type
         self.num_warps = num_warps
         self.numels = list(numels)
+        self.tile = min(NORM_TILE, block)
+        if block <= 0 or block & (block - 1):
+            raise ValueError(f"block must be a power of 2, got {block}")
         self.tables = TensorTables(self.device, self.numels, [0] * len(self.numels), block)
         tables = self.tables
         n = tables.num_tensors
@@ -308,6 +349,7 @@ class MultiTensorNorm:
                     HAS_SCALE=scale is not None,
                     INVERT_SCALE=invert_scale,
                     BLOCK=tables.block,
+                    TILE=self.tile,
                     RBLOCK=REDUCE_BLOCK,
                     num_warps=self.num_warps,
                 )
@@ -385,5 +427,6 @@ class MultiTensorNorm:
                 OUT_DTYPE=_TL_DTYPES[out.dtype],
                 RNE_BF16=INTERPRETED,
                 BLOCK=tables.block,
+                TILE=self.tile,
                 num_warps=self.num_warps,
             )

@@ -41,11 +41,14 @@ def _check(result, tensors, norm_type):
     assert result.found_inf.item() == 0.0
 
 
+@pytest.mark.parametrize("tile", [64, 16], ids=["one-tile", "four-tiles"])
 @pytest.mark.parametrize("norm_type", [2.0, INF])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_norms_match_float64(dtype, norm_type, device, monkeypatch):
-    """Odd sizes, an empty tensor, and a tensor of 65 blocks reduced 16 partials at a time."""
+def test_norms_match_float64(dtype, norm_type, tile, device, monkeypatch):
+    """Odd sizes, an empty tensor, and a tensor of 65 blocks reduced 16 partials at a time; blocks of 64 read in
+    one tile or four (the last block of a tensor ending in any of its tiles)."""
     monkeypatch.setattr(norms, "REDUCE_BLOCK", 16)
+    monkeypatch.setattr(norms, "NORM_TILE", tile)
     tensors = _randn([0, 1, 7, 4097, 300], device, dtype, seed=1)
     result = MultiTensorNorm([t.numel() for t in tensors], device, norm_type, block=64)(tensors)
     assert result.per_tensor.dtype == torch.float32 and result.per_tensor.shape == (5,)
@@ -81,8 +84,11 @@ def test_bitwise_deterministic_and_relaunchable(device):
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy, in the interpreter
+@pytest.mark.parametrize("tile", [32, 8], ids=["one-tile", "four-tiles"])
 @pytest.mark.parametrize("norm_type", [2.0, INF])
-def test_inf_and_nan_are_found_and_the_flag_resets(norm_type, device):
+def test_inf_and_nan_are_found_and_the_flag_resets(norm_type, tile, device, monkeypatch):
+    """An inf at element 40 (block 1's second tile of four) and a nan at element 3 are both seen."""
+    monkeypatch.setattr(norms, "NORM_TILE", tile)
     tensors = _randn([5, 70, 9], device, seed=5)
     norm = MultiTensorNorm([t.numel() for t in tensors], device, norm_type, block=32)
     tensors[1][40] = -math.inf
@@ -105,6 +111,25 @@ def test_overflowing_sum_of_squares_is_not_an_inf_value(device):
     tensors[0][1] = 1e30
     result = MultiTensorNorm([3, 4], device)(tensors)
     assert math.isinf(result.total.item()) and result.found_inf.item() == 0.0
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_the_flag_tells_an_overflow_from_an_inf_in_another_tile(device, monkeypatch):
+    """A block whose squares overflow in one tile is looked at value by value: no flag, unless another of its
+    tiles holds an inf (and the flag follows the scaled values: a finite value that the scale makes inf counts)."""
+    monkeypatch.setattr(norms, "NORM_TILE", 8)
+    tensors = _randn([40, 5], device, seed=11)
+    norm = MultiTensorNorm([40, 5], device, block=32)
+    tensors[0][2] = 1e30  # block 0, tile 0: the sum of squares overflows
+    assert norm(tensors).found_inf.item() == 0.0
+    tensors[0][27] = math.inf  # block 0, tile 3
+    assert norm(tensors).found_inf.item() == 1.0
+    tensors[0][27] = 0.5
+    assert norm(tensors).found_inf.item() == 0.0
+    tensors[0][2] = 3e38  # finite, but inf once multiplied by 4
+    result = norm(tensors, scale=torch.tensor(4.0, device=device))
+    assert result.found_inf.item() == 1.0
 
 
 @pytest.mark.parametrize("norm_type", [2.0, INF])
@@ -132,6 +157,28 @@ def test_inputs_are_checked():
         norm([torch.ones(3), torch.ones(4)], scale=torch.ones(2))
     with pytest.raises(ValueError, match="norm_type"):
         MultiTensorNorm([3], torch.device("cpu"), 1.0)
+
+
+@pytest.mark.parametrize("tile", [32, 8], ids=["one-tile", "four-tiles"])
+def test_clip_launch_scales_every_tile(tile, device, monkeypatch):
+    """MultiTensorNorm.clip_ over blocks of 32 read in one tile or four: every value times torch's coefficient."""
+    monkeypatch.setattr(norms, "NORM_TILE", tile)
+    tensors = _randn([70, 9, 33], device, seed=12)
+    want_total = torch.linalg.vector_norm(torch.cat(tensors))
+    coef = (0.5 / (want_total + 1e-6)).clamp(max=1.0)
+    want = [t * coef for t in tensors]
+    norm = MultiTensorNorm([t.numel() for t in tensors], device, block=32)
+    norm(tensors)
+    out = torch.zeros((), device=device)
+    norm.clip_(0.5, out)
+    torch.testing.assert_close(out, want_total, rtol=1e-6, atol=0.0)
+    for got, ref in zip(tensors, want, strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
+
+
+def test_block_must_be_a_power_of_two():
+    with pytest.raises(ValueError, match="power of 2"):
+        MultiTensorNorm([3], torch.device("cpu"), block=96)
 
 
 def test_channels_last_grads_are_dense(device):
