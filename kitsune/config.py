@@ -43,6 +43,10 @@ AmpDtype = Annotated[
 ]
 
 
+_FP32_MAX = float(torch.finfo(torch.float32).max)
+"""The loss scale is held in fp32 on the device."""
+
+
 class _Config(BaseModel):
     model_config = ConfigDict(
         frozen=True, extra="forbid", validate_default=True, arbitrary_types_allowed=True, use_attribute_docstrings=True
@@ -56,9 +60,9 @@ class AMPConfig(_Config):
     """Use mixed precision when the optimizer has AMP on (``enable_amp=True``)."""
     dtype: AmpDtype = torch.float16
     """Autocast dtype: torch.float16 (with dynamic loss scaling) or torch.bfloat16 (autocast only, no scaler)."""
-    init_scale: float = Field(2.0**16, gt=0)
+    init_scale: float = Field(2.0**16, gt=0, le=_FP32_MAX, allow_inf_nan=False)
     """Loss scale at the first step (fp16)."""
-    growth_factor: float = Field(2.0, gt=1.0)
+    growth_factor: float = Field(2.0, gt=1.0, allow_inf_nan=False)
     """Multiply the scale by this after ``growth_interval`` consecutive steps without inf/nan grads."""
     backoff_factor: float = Field(0.5, gt=0.0, lt=1.0)
     """Multiply the scale by this when a step finds inf/nan grads (the step is skipped)."""
@@ -80,26 +84,31 @@ class FusionConfig(_Config):
     around Newton-Schulz calls batched by shape; False leaves Muon groups to the optimizer's own step."""
     max_fusion_size: int | None = Field(None, ge=1)
     """Most tensors one launch covers; ``None`` means no limit (one launch per bucket)."""
-    min_fusion_benefit: float = Field(1.0, ge=0.0)
+    min_fusion_benefit: float = Field(1.0, ge=0.0, allow_inf_nan=False)
     """Fuse a bucket only if the cost model predicts at least this speedup over the fallback (1.0 = any gain)."""
 
 
 class GradConfig(_Config):
     """What the step does to the grads besides using them: clipping by global norm, and zeroing them."""
 
-    max_norm: float | None = Field(None, gt=0)
+    max_norm: float | None = Field(None, gt=0, allow_inf_nan=False)
     """Clip the grads to this global norm inside the step (``None``: no clipping). The norm of the last step stays
     on the device as ``optimizer.last_grad_norm``; with fusion the clip is applied inside the update kernel."""
     norm_type: float = 2.0
     """Norm for ``max_norm``: 2 or ``inf`` (``float("inf")`` or ``"inf"``), as in torch.nn.utils.clip_grad_norm_."""
     zero_in_step: bool = False
     """The fused update writes zeros into each grad it used, so no separate zeroing pass is needed; the grads of
-    fused params stay allocated (``zero_grad()`` then leaves them alone, ``set_to_none`` included)."""
+    fused params stay allocated (``zero_grad()`` then leaves them alone, ``set_to_none`` included). So, as with
+    torch's ``zero_grad(set_to_none=False)``, a param that gets no grad in a later step is updated with a zero
+    grad (momentum and weight decay move it), where a grad set to None would skip it."""
 
     @field_validator("norm_type", mode="before")
     @classmethod
     def _norm_type(cls, value: Any) -> float:
-        norm = float(value)
+        try:
+            norm = float(value)
+        except (TypeError, ValueError):
+            norm = None
         if norm not in (2.0, math.inf):
             raise ValueError(f"norm_type must be 2 or inf, got {value!r}: other norms are not supported in the step")
         return norm
@@ -217,7 +226,7 @@ class ProfilerConfig(_Config):
     """Record per-step timings (CUDA events on GPU, a monotonic clock on CPU)."""
     max_step_records: int = Field(100_000, ge=1)
     """Per-step timings kept for the profile; older ones are dropped (summary counts still cover all steps)."""
-    nvml_interval_s: float = Field(0.5, ge=0.0)
+    nvml_interval_s: float = Field(0.5, ge=0.0, allow_inf_nan=False)
     """Seconds between NVML samples of the GPU while profiling CUDA params; 0 turns the sampler off."""
     sample_after: int = Field(10, ge=0)
     """Steps before the sampled windows (probe, then comparison) begin: Triton compiles, state is created and

@@ -126,6 +126,8 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         self._warned_capturable_if_run_uncaptured = True
 
         self._step_count = 0
+        self._clipped_before: tuple[list[tuple[int, int]], torch.Tensor] | None = None
+        """After a step that raised once it had clipped the grads: their versions and the norm, for the retry."""
         self._last_grad_norm: torch.Tensor | None = None
         self._norm_is_static = False
         """Whether ``_last_grad_norm`` is a CUDA graph's static buffer, which the next replay overwrites."""
@@ -242,8 +244,10 @@ class KitsuneOptimizer(torch.optim.Optimizer):
                 warnings.warn(f"kitsune: {s.name} was asked for but is inactive: {s.reason}", UserWarning, stacklevel=3)
 
     def _structure_key(self) -> tuple:
+        """What a step compares to see whether the plan still fits: the groups, each group's params (by identity:
+        a param swapped into a list or moved between groups re-plans) and the state dict object."""
         groups = self.param_groups
-        return (id(groups), *((id(g["params"]), len(g["params"])) for g in groups))
+        return (id(groups), id(self._optimizer.state), *(tuple(map(id, g["params"])) for g in groups))
 
     def _replan(self) -> None:
         for s in self._subsystems:
@@ -381,7 +385,11 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             if timer is not None:
                 timer.mark("unscale")
             if self.config.grads.max_norm is not None and not fused:
-                ctx.extra["grad_norm"] = self._clip_grads(ctx.extra.get("reduce_norm"))
+                retry = self._clipped_before
+                if retry is not None and retry[0] == self._grad_versions():
+                    ctx.extra["grad_norm"] = retry[1]  # a retry of a step that raised after clipping these grads
+                else:
+                    ctx.extra["grad_norm"] = self._clip_grads(ctx.extra.get("reduce_norm"))
                 if timer is not None:
                     timer.mark("clip")
             if self._overflow_on_host(ctx):
@@ -402,9 +410,13 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             else:
                 self._stepped_without_base()
         except BaseException:
+            self._step_count -= 1  # not a step: the count (saved in checkpoints) stays that of steps taken
+            norm = ctx.extra.get("grad_norm")
+            self._clipped_before = None if norm is None or fused else (self._grad_versions(), norm)
             if self._profiler.active:
                 self._profiler.abandon_step()
             raise
+        self._clipped_before = None
         for s in reversed(self._active):
             s.after_step(ctx)
         self._last_grad_norm = ctx.extra.get("grad_norm")
@@ -587,6 +599,10 @@ class KitsuneOptimizer(torch.optim.Optimizer):
                 ctx.extra.get("grads") or self._grads(), grad_scale.double().reciprocal().float(), found_inf.clone()
             )
         ctx.extra["found_inf"] = found_inf
+
+    def _grad_versions(self) -> list[tuple[int, int]]:
+        """Each grad's identity and version counter: equal only while no backward or in-place op touched them."""
+        return [(id(g), g._version) for g in self._grads()]
 
     def _grads(self) -> list[torch.Tensor]:
         return [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]

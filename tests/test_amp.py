@@ -91,6 +91,49 @@ def test_plain_backward_with_fp16_scaling_is_refused_and_loses_nothing():
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
+class _FlakySGD(torch.optim.SGD):
+    """An SGD whose step raises on the calls listed (a transient failure: an interrupted I/O, a cancelled job)."""
+
+    def __init__(self, params, fail_on: set[int], **kw) -> None:
+        super().__init__(params, **kw)
+        self.fail_on, self.calls = fail_on, 0
+
+    def step(self, closure=None):
+        self.calls += 1
+        if self.calls in self.fail_on:
+            raise OSError("transient")
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("max_norm", [None, 0.5])
+def test_a_step_that_raised_can_be_retried(max_norm):
+    """The wrapped step raises after kitsune unscaled (and clipped) the grads; the retry must not unscale them
+    again, and the step count must count steps taken: the run ends where a run without failures ends."""
+    from kitsune import GradConfig
+
+    runs = []
+    for fail_on in (set(), {3, 8}):
+        model = small_model()
+        opt = KitsuneOptimizer(
+            _FlakySGD(model.parameters(), fail_on, lr=0.1, momentum=0.9),
+            enable_amp=True,
+            amp_config=AMPConfig(dtype=torch.float16, init_scale=2.0**12),
+            grad_config=GradConfig(max_norm=max_norm),
+        )
+        for x, y in batches(10):
+            opt.backward(nn.functional.mse_loss(model(x), y))
+            try:
+                opt.step()
+            except OSError:
+                opt.step()  # the same grads, again
+            opt.zero_grad()
+        runs.append((opt, [p.detach().clone() for p in model.parameters()]))
+    (ref, want), (opt, got) = runs
+    assert opt.base_optimizer.calls == 12 and ref.base_optimizer.calls == 10
+    assert opt.step_count == ref.step_count == 10
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+
+
 def test_bf16_autocast_without_scaler():
     model = small_model()
     opt = KitsuneOptimizer(

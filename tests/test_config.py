@@ -9,6 +9,7 @@ from pydantic import ValidationError
 from kitsune import (
     AMPConfig,
     FusionConfig,
+    GradConfig,
     GraphConfig,
     KitsuneConfig,
     KitsuneOptimizer,
@@ -41,6 +42,14 @@ INVALID = [
     (lambda: MemoryConfig(pool_size=-1), "pool_size", "greater than or equal to 0"),
     (lambda: ProfilerConfig(max_step_records=0), "max_step_records", "greater than or equal to 1"),
     (lambda: KitsuneConfig(amp={"growth_interval": -5}), "growth_interval", "greater than or equal to 1"),
+    (lambda: AMPConfig(init_scale=float("inf")), "init_scale", "finite number"),
+    (lambda: AMPConfig(init_scale=1e39), "init_scale", "less than or equal to 34028234"),
+    (lambda: GradConfig(max_norm=float("inf")), "max_norm", "finite number"),
+    (lambda: GradConfig(max_norm=float("nan")), "max_norm", "finite number"),
+    (lambda: GradConfig(norm_type=None), "norm_type", "must be 2 or inf"),
+    (lambda: GradConfig(norm_type=[2]), "norm_type", "must be 2 or inf"),
+    (lambda: FusionConfig(min_fusion_benefit=float("inf")), "min_fusion_benefit", "finite number"),
+    (lambda: ProfilerConfig(nvml_interval_s=float("inf")), "nvml_interval_s", "finite number"),
 ]
 
 

@@ -65,6 +65,9 @@ class AMPSubsystem(Subsystem):
         self._found_inf: torch.Tensor | None = None
         self._skipped: torch.Tensor | None = None
         self._loss_scaled = False
+        self._unscaled = False
+        """The grads are unscaled already: a step raised after unscaling them (the wrapped step failed), and the
+        retry must not divide them by the scale again (GradScaler keeps the same per-step record)."""
         self._groups: list[Any] = []
         """FSDP2: the process groups found_inf is all-reduced over, so every rank skips the same steps."""
         self.deactivate("not planned yet")
@@ -104,6 +107,9 @@ class AMPSubsystem(Subsystem):
             ctx.extra["grad_scale"] = self._scale
             ctx.extra["check_inf"] = True
             return
+        if self._unscaled:  # a retry of a step that raised after unscaling: found_inf still holds its result
+            ctx.extra["found_inf"] = self._found_inf
+            return
         grads = ctx.extra["grads"]
         self._found_inf.zero_()
         if self._groups:  # FSDP2: check the local shards (torch's DTensor op would all-reduce per dtype), then reduce
@@ -114,13 +120,14 @@ class AMPSubsystem(Subsystem):
         if self._groups:
             all_reduce_found_inf_(self._found_inf, self._groups)
         ctx.extra["found_inf"] = self._found_inf
+        self._unscaled = True
 
     def after_step(self, ctx: StepContext) -> None:
         if not self.scaling:
             return
         if not ctx.extra.get("graphed"):  # a replayed CUDA graph has run update_scale already
             self.update_scale(ctx)
-        self._loss_scaled = False
+        self._loss_scaled = self._unscaled = False
 
     def take_scaled_loss(self) -> bool:
         """For a step that skips :meth:`before_step` and :meth:`after_step` (the steady replay, whose graph updates the
@@ -150,7 +157,7 @@ class AMPSubsystem(Subsystem):
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         if not self.scaling:
             return loss
-        self._loss_scaled = True
+        self._loss_scaled, self._unscaled = True, False  # new grads: scaled
         return loss * self._scale.to(loss.device).squeeze()
 
     @property

@@ -247,18 +247,20 @@ def init_state(
     p: torch.Tensor,
     state: dict,
     alloc: Callable[[str], torch.Tensor] | None = None,
+    defaults: dict[str, Any] | None = None,
 ) -> None:
     """Create missing state for ``p`` as torch's lazy init would, with ``step`` on the param's device (as torch's
     fused and capturable paths keep it: the kernel reads it there). ``alloc(key)`` hands out the memory (the
-    pool's arena views); without it each tensor is allocated on its own."""
+    pool's arena views); without it each tensor is allocated on its own. ``defaults``: the optimizer's, where
+    torch's lazy init reads a value there rather than in the group (Adagrad's ``initial_accumulator_value``)."""
     if info.step_in_state and "step" not in state:
         state["step"] = alloc("step").zero_() if alloc else torch.zeros((), dtype=torch.float32, device=p.device)
     for key in info.state_keys(spec):
-        if key is None or key in state:
+        if key is None or state.get(key) is not None:  # None: set so by hand (SGD: start the buffer again)
             continue
         t = alloc(key) if alloc else torch.empty_like(p, memory_format=torch.preserve_format)
-        if key == "sum":  # Adagrad builds it in __init__; a param group added later gets it here
-            t.fill_(group["initial_accumulator_value"])
+        if key == "sum":  # Adagrad builds it in __init__; a group added later gets it here, from the defaults
+            t.fill_((defaults or group).get("initial_accumulator_value", group["initial_accumulator_value"]))
         elif info.name not in ("SGD", "LARS"):  # those write it from the grad on the first step (torch's clone)
             t.zero_()
         state[key] = t

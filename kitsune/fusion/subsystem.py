@@ -160,6 +160,7 @@ class FusionSubsystem(Subsystem):
         self._contexts = {}
         for unit in (*self._units, *self._muon):
             unit.static = opt.config.graphs.static_addresses
+            unit.defaults = opt.defaults
             self._contexts.setdefault(unit.device, DeviceContext(unit.device, info.row))  # type: ignore[union-attr]
         self.executes = bool(self._units or self._shadows or self._muon)
         self._grads_cfg = opt.config.grads
@@ -241,7 +242,10 @@ class FusionSubsystem(Subsystem):
                 f"{str(p.dtype).removeprefix('torch.')} params: the fused kernel takes fp32/bf16/fp16 (math in fp32)"
             )
         if not p.is_contiguous():
-            return _TORCH, "non-contiguous param: the fused kernel addresses flat memory"
+            return Route.TORCH_FOREACH, (
+                "non-contiguous param: the fused kernel addresses flat memory (torch's foreach path takes it: "
+                "torch's fused kernels need each grad laid out as its param)"
+            )
         return None, "fused Triton multi-tensor kernel"
 
     def _shard_route(self, p: torch.Tensor, spec: Any) -> tuple[Route | None, str]:
@@ -293,6 +297,8 @@ class FusionSubsystem(Subsystem):
             return bp
         assert info is not None and spec is not None
         fallback = _torch_route(info, torch.device(device), dtype)
+        if route is Route.TORCH_FOREACH and fallback is Route.TORCH_FUSED:
+            fallback = Route.TORCH_FOREACH  # a non-contiguous param: torch's fused path misreads other grad layouts
         if route is None and isinstance(spec, MuonSpec):
             muon_unit.plan_bucket(bp, members, spec, self.config, self.cost_model)
             return bp
@@ -395,6 +401,20 @@ class FusionSubsystem(Subsystem):
             if any(unit.stale for unit in self._muon):
                 self.plan(opt)
                 live = [unit for unit in (*self._units, *self._muon) if unit.prepare(state, groups)]
+        if ctx.extra.get("fused_grads") and (self._needs_norm(ctx) or ctx.extra.get("grad_scale") is not None):
+            odd = [p for unit in (*self._units, *self._muon) for p in unit.unhandled]
+            if odd:
+                for unit in (*self._units, *self._muon):  # undo this step's lazy state: a failed step creates none
+                    for p in unit.created:
+                        state.pop(p, None)
+                g = odd[0].grad
+                raise ValueError(
+                    f"kitsune: {len(odd)} param(s) got grads the fused kernels cannot read (the first: a "
+                    f"{tuple(odd[0].shape)} {odd[0].dtype} param with a {g.layout} {g.dtype} grad). With float16 loss "
+                    "scaling or max_grad_norm, kitsune unscales and clips inside those kernels, so every grad must "
+                    "be dense and of its param's dtype: keep the grads in the params' dtype (p.grad_dtype = None), "
+                    "or turn off max_grad_norm and float16 scaling. Nothing was updated."
+                )
         if live:
             self.refresh_contexts()
             if self._needs_norm(ctx):
@@ -528,7 +548,10 @@ class FusionSubsystem(Subsystem):
         if unhandled:  # sparse grads met at step time: the wrapped optimizer's own step must take them
             handled.difference_update(unhandled)
             ctx.unhandled += unhandled
-            self._note_once(f"{len(unhandled)} param(s) got sparse grads: left to the optimizer's own step")
+            self._note_once(
+                f"{len(unhandled)} param(s) got sparse grads, or grads of another dtype than the param's: left to "
+                "the optimizer's own step"
+            )
         if launches is None:
             launches, self._launches_last_launch = (self._launches_last_launch if live else 0), 0
         self._count_step(launches)

@@ -16,6 +16,7 @@ from kitsune.kernels.multi_tensor import DEAD, DEFAULT_BLOCK, TensorTables
 from kitsune.kernels.spec import UpdateSpec
 
 _GRAD = attrgetter("grad")
+_DTYPE = attrgetter("dtype")
 _DATA_PTR = torch.Tensor.data_ptr
 _IS_CONTIGUOUS = torch.Tensor.is_contiguous
 _PTRS_EQUAL = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
@@ -66,7 +67,9 @@ class FusedUnit:
         """The grad table as uploaded: what the kernels read this step (-1 for a grad that is None)."""
         self._copied: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.unhandled: list[torch.Tensor] = []
-        """Params skipped this step because their grad is one the kernel cannot take (sparse)."""
+        """Params skipped this step because their grad is one the kernel cannot take (sparse, another dtype)."""
+        self.created: list[torch.Tensor] = []
+        """Params whose state the last full check created (lazily, on their first grad)."""
         self.stale = False
         """Set when a param's storage moved (``p.data = ...``): the subsystem re-plans before launching."""
         # SGD keeps no step in torch's state: count privately, only to spot each buffer's first step
@@ -80,6 +83,8 @@ class FusedUnit:
         """Whether :meth:`prepare` may check addresses with :data:`_PTRS_EQUAL` (not on FSDP2's local shards)."""
         self.slots: Any = None
         """The memory pool's arena slots for this unit's state (and grads), or None: torch's own allocations."""
+        self.defaults: dict[str, Any] = {}
+        """The wrapped optimizer's defaults (torch's lazy Adagrad init reads ``initial_accumulator_value`` there)."""
         self.static = False
         """``GraphConfig.static_addresses``: watch the grads and storages instead of checking them every step."""
         self.static_off: str | None = None
@@ -90,6 +95,8 @@ class FusedUnit:
         self._quick_breaks = 0
         self.rechecks = 0
         """Steps that checked every address again because a watched grad or storage had been freed."""
+        self._state_intact = _Intact()
+        self._state_refs: list[weakref.ref] = []
         self.bind(state)
 
     # -- per step ----------------------------------------------------------------------------------------------
@@ -102,6 +109,8 @@ class FusedUnit:
     def still(self) -> bool:
         """Whether the last step's tables hold for this one: the watch is intact (static addresses), or every grad
         and param sits where the last step found them with nothing pending (:meth:`_unchanged`)."""
+        if not self._state_intact.ok:
+            return False
         if self._intact is None:
             return self._fast and self._unchanged()
         if self._intact.ok:
@@ -157,7 +166,13 @@ class FusedUnit:
 
     def _prepare(self, state: Any, groups: Sequence[dict[str, Any]]) -> bool:
         self._unwatch()
+        if not self._state_intact.ok:
+            # a state tensor the tables point at was freed (state.clear(), del state[p], a tensor replaced): plan
+            # again from the state as it is now, before a launch could write through a freed address
+            self.stale = True
+            return False
         self.unhandled = []
+        self.created = []
         grads: list[torch.Tensor | None] | None = None
         dead = 0
         try:  # fast path, one C-level pass with no list of grads: every grad present and dense
@@ -174,6 +189,9 @@ class FusedUnit:
         if ptrs != self._grad_ptrs:
             if grads is None:
                 grads = self._grads()
+                if set(map(_DTYPE, grads)) != {self.dtype}:  # e.g. fp32 grads of bf16 params (p.grad_dtype)
+                    ptrs = self._slow_ptrs(grads)
+                    dead = ptrs.count(DEAD)
             if self.slots is not None and self.slots.grad_arena is not None:
                 grads, ptrs = self._adopt_grads(grads, ptrs)
             self._grad_ptrs = upload = ptrs
@@ -225,15 +243,18 @@ class FusedUnit:
             grad.copy_(copy)
 
     def _slow_ptrs(self, grads: list[torch.Tensor | None]) -> list[int]:
-        try:  # grads that are None on this step (frozen for a while, or unused this step)
-            return [DEAD if g is None else g.data_ptr() for g in grads]
-        except RuntimeError:  # and some without storage
-            pass
+        if {self.dtype, None} >= {None if g is None else g.dtype for g in grads}:
+            try:  # grads that are None on this step (frozen for a while, or unused this step)
+                return [DEAD if g is None else g.data_ptr() for g in grads]
+            except RuntimeError:  # and some without storage
+                pass
         ptrs = []
         for p, g in zip(self.params, grads, strict=True):
             if g is None:
                 ptrs.append(DEAD)
-            elif g.layout != torch.strided:  # sparse: the wrapped optimizer's own step must take it
+            elif g.layout != torch.strided or g.dtype != self.dtype:
+                # sparse, or of another dtype than its param (the kernel reads a grad as its param's dtype): the
+                # wrapped optimizer's own step must take it, as it would without kitsune
                 ptrs.append(DEAD)
                 self.unhandled.append(p)
             else:
@@ -242,21 +263,29 @@ class FusedUnit:
 
     def _init_new(self, ptrs: list[int], state: Any, groups: Sequence[dict[str, Any]]) -> None:
         fresh = [i for i in self.uninit if ptrs[i] != DEAD]
+        self.created = [self.params[i] for i in fresh]
         if not fresh:
             return
         for i in fresh:
             p = self.params[i]
             alloc = self.slots.alloc(i) if self.slots is not None else None
-            init_state(self.info, self.spec, groups[self.group_index[i]], p, state.setdefault(p, {}), alloc)
+            group = groups[self.group_index[i]]
+            init_state(self.info, self.spec, group, p, state.setdefault(p, {}), alloc, self.defaults)
         self.uninit = [i for i in self.uninit if ptrs[i] == DEAD]
         self.bind(state)
 
     # -- binding to torch's state tensors ------------------------------------------------------------------------
     def bind(self, state: Any) -> None:
-        """(Re)build the state and step tables from ``state`` (after a plan, a load_state_dict, or lazy init)."""
+        """(Re)build the state and step tables from ``state`` (after a plan, a load_state_dict, or lazy init).
+
+        The unit then holds weak references to the state tensors it bound: one freed (``optimizer.state.clear()``,
+        ``del optimizer.state[p]``, ``state[p]["exp_avg"] = new``) marks the unit stale, and the next step plans
+        again from the state as it is then (as torch reads its state every step), instead of writing through the
+        freed tensor's address."""
         keys = self.info.state_keys(self.spec)
         tables: list[list[int]] = [[] for _ in keys]
         steps: list[int] = []
+        bound: list[torch.Tensor] = []
         slots = self.slots
         for i, p in enumerate(self.params):
             s = state.get(p)
@@ -264,15 +293,26 @@ class FusedUnit:
             for slot, key in enumerate(keys):
                 if ready and key and slots is not None:  # the pool's view, with a loaded tensor copied in
                     _conform(s, key, p)
-                    tables[slot].append(slots.adopt(s, i, key).data_ptr())
+                    bound.append(slots.adopt(s, i, key))
+                    tables[slot].append(bound[-1].data_ptr())
+                elif ready and key:
+                    bound.append(_conform(s, key, p))
+                    tables[slot].append(fsdp.local(bound[-1]).data_ptr())
                 else:
-                    tables[slot].append(fsdp.local(_conform(s, key, p)).data_ptr() if ready and key else 0)
+                    tables[slot].append(0)
             if self.info.step_in_state:
                 if ready and slots is not None:
                     _conform_step(s, p)
-                    steps.append(slots.adopt(s, i, "step").data_ptr())
+                    bound.append(slots.adopt(s, i, "step"))
+                    steps.append(bound[-1].data_ptr())
+                elif ready:
+                    bound.append(_conform_step(s, p))
+                    steps.append(bound[-1].data_ptr())
                 else:
-                    steps.append(_conform_step(s, p).data_ptr() if ready else 0)
+                    steps.append(0)
+        intact = _Intact()
+        self._state_refs = [weakref.ref(t, intact) for t in bound]
+        self._state_intact = intact
         for slot, addrs in enumerate(tables, 1):
             self.tables.set_role(f"state{slot}", addrs)
         if self.spec.has_step:

@@ -150,20 +150,20 @@ def _norm_kernel(
     count = tl.load(first_block + t + 1) - first
     tl.debug_barrier()  # every thread's store is done before the release below
     if tl.atomic_add(counter_tab + t, 1) == count - 1:  # acq_rel: the last block of t sees all of t's partials
-        acc = _reduce(partials + first, count, INF_NORM, RBLOCK)
-        tl.store(tensor_acc + t, acc)
+        red = _reduce(partials + first, count, INF_NORM, RBLOCK)
+        tl.store(tensor_acc + t, red)
         if INF_NORM:
-            tl.store(norms + t, acc)
+            tl.store(norms + t, red)
         else:
-            tl.store(norms + t, tl.sqrt_rn(acc))
+            tl.store(norms + t, tl.sqrt_rn(red))
         tl.store(counter_tab + t, 0)
         tl.debug_barrier()
         if tl.atomic_add(sync, 1) == num_tensors - 1:  # the last tensor of the launch: every tensor_acc is stored
-            acc = _reduce(tensor_acc, num_global, INF_NORM, RBLOCK)
+            red = _reduce(tensor_acc, num_global, INF_NORM, RBLOCK)
             if INF_NORM:
-                tl.store(total, acc)
+                tl.store(total, red)
             else:
-                tl.store(total, tl.sqrt_rn(acc))
+                tl.store(total, tl.sqrt_rn(red))
             tl.store(found_inf, tl.atomic_xchg(sync + 1, 0).to(tl.float32))
             tl.store(sync, 0)
 

@@ -36,6 +36,12 @@ def _lerp(a, b, w):
 
 
 @triton.jit
+def _add_wd(g, wd, p):
+    """``g + wd * p``, skipped when ``wd`` is 0 as torch skips it (an inf param would otherwise make 0 * inf = nan)."""
+    return tl.where(wd != 0.0, g + wd.to(tl.float32) * p, g)
+
+
+@triton.jit
 def _update_kernel(
     block_tensor,  # (n_blocks,) int32
     block_start,  # (n_blocks,) int64
@@ -147,7 +153,7 @@ def _update_kernel(
             v = tl.load(s2_ptr, mask=mask, other=0.0).to(tl.float32)
         bias1 = tl.where(extra != 0.0, 1.0 - tl.exp2(step * tl.log2(b1)), 1.0).to(tl.float32)
         bias2 = tl.where(extra != 0.0, 1.0 - tl.exp2(step * tl.log2(b2)), 1.0).to(tl.float32)
-        u = (m / bias1) / (tl.sqrt(v / bias2) + eps) + wd.to(tl.float32) * p
+        u = _add_wd((m / bias1) / (tl.sqrt(v / bias2) + eps), wd, p)
         if TRUST == 2:
             tl.store(partials + pid, tl.sum(tl.where(mask, u * u, 0.0), 0))
         else:
@@ -161,7 +167,7 @@ def _update_kernel(
         if DECOUPLED:
             p = p * (1.0 - lr * wd).to(tl.float32)
         else:
-            g = g + wd.to(tl.float32) * p
+            g = _add_wd(g, wd, p)
         m = _lerp(tl.load(s1_ptr, mask=mask, other=0.0).to(tl.float32), g, (1.0 - b1).to(tl.float32))
         v = tl.load(s2_ptr, mask=mask, other=0.0).to(tl.float32)
         v = v * b2.to(tl.float32) + (1.0 - b2).to(tl.float32) * g * g
@@ -182,9 +188,9 @@ def _update_kernel(
             w_norm = tl.load(tensor_norms + n_norm + norm_offset + t)
             ratio = (trust_a.to(tl.float32) * w_norm) / ((g_norm + wd.to(tl.float32) * w_norm) + eps)
             trust = tl.where(adapt & (w_norm > 0.0) & (g_norm > 0.0), ratio, 1.0)
-            g = (g + wd.to(tl.float32) * p) * trust
+            g = _add_wd(g, wd, p) * trust
         else:
-            g = g + wd.to(tl.float32) * p
+            g = _add_wd(g, wd, p)
         if MOMENTUM:
             buf = tl.load(s1_ptr, mask=mask, other=0.0).to(tl.float32)
             # the first step copies the grad, as torch's lazily created buffer does
@@ -196,13 +202,13 @@ def _update_kernel(
                 g = buf
         p = p - lr.to(tl.float32) * g
     elif ALGO == 2:  # Adagrad: s1 sum
-        g = g + wd.to(tl.float32) * p
+        g = _add_wd(g, wd, p)
         clr = (lr / (1.0 + (step - 1.0) * extra)).to(tl.float32)
         acc = tl.load(s1_ptr, mask=mask, other=0.0).to(tl.float32) + g * g
         tl.store(s1_ptr, _cast(acc, DTYPE, RNE_BF16), mask=mask)
         p = p - clr * (g / (tl.sqrt(acc) + eps))
     elif ALGO == 3:  # RMSprop: s1 square_avg, s2 momentum_buffer, s3 grad_avg
-        g = g + wd.to(tl.float32) * p
+        g = _add_wd(g, wd, p)
         sq = tl.load(s1_ptr, mask=mask, other=0.0).to(tl.float32)
         sq = sq * b2.to(tl.float32) + (1.0 - b2).to(tl.float32) * g * g
         tl.store(s1_ptr, _cast(sq, DTYPE, RNE_BF16), mask=mask)
@@ -223,7 +229,7 @@ def _update_kernel(
         p = p * (1.0 - lr * wd).to(tl.float32)
         m = tl.load(s1_ptr, mask=mask, other=0.0).to(tl.float32)
         c = _lerp(m, g, (1.0 - b1).to(tl.float32))
-        sign = tl.where(c > 0, 1.0, tl.where(c < 0, -1.0, c))  # sign(0) = 0 and sign(nan) = nan, as torch.sign
+        sign = tl.where(c > 0, 1.0, tl.where(c < 0, -1.0, 0.0))  # torch.sign: 0 for 0 and for nan
         p = p - lr.to(tl.float32) * sign
         tl.store(s1_ptr, _cast(_lerp(m, g, (1.0 - b2).to(tl.float32)), DTYPE, RNE_BF16), mask=mask)
 

@@ -73,21 +73,24 @@ class UnitSlots:
         self.offsets = {k: [state_arena.reserve(n) for n in numels] for k in self.keys}
         self.step_offsets = [step_arena.reserve(1) for _ in numels] if step_arena is not None else []
         self.grad_offsets = [grad_arena.reserve(n) for n in numels] if grad_arena is not None else []
-        self._views: dict[tuple[str, int], torch.Tensor] = {}
+        self._views: dict[tuple[str, int], weakref.ref] = {}
+        """Weak, like the grads': a state view the user replaced in ``optimizer.state`` is freed, which the unit
+        watching its state sees (:meth:`kitsune.fusion.units.FusedUnit.bind`)."""
         self._grad_refs: dict[int, weakref.ref] = {}
         self.adoptions = 0
         """Grads copied into the grad arena (counted by the unit)."""
 
     def view(self, key: str, i: int) -> torch.Tensor:
         """The arena view that holds ``state[params[i]][key]`` (``"step"``: a 0-dim float32 view)."""
-        v = self._views.get((key, i))
+        ref = self._views.get((key, i))
+        v = ref() if ref is not None else None
         if v is None:
             if key == "step":
                 assert self.step_arena is not None
                 v = self.step_arena.view(self.step_offsets[i], torch.Size())
             else:
                 v = self.state_arena.view(self.offsets[key][i], self.params[i].shape)
-            self._views[(key, i)] = v
+            self._views[(key, i)] = weakref.ref(v)
         return v
 
     def grad_view(self, i: int) -> torch.Tensor:

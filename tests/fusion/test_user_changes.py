@@ -1,0 +1,214 @@
+"""What users do to an optimizer between steps, on the fused path, step by step against the plain torch optimizer:
+state cleared, deleted or replaced by hand, params swapped into a group's list or moved between groups. torch reads
+its state and groups every step; kitsune binds them at plan time and must notice each change before it launches."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from kitsune import KitsuneOptimizer
+
+from ._util import make_params, random_grads
+
+SIZES = [(7, 3), 16, 5]
+
+
+def _fill(t: torch.Tensor, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.rand(t.shape, generator=gen) * 0.2 + 0.05).to(t)  # positive: valid for exp_avg_sq too
+
+
+def _clear(opt: Any, params: list) -> None:
+    opt.state.clear()
+
+
+def _delete(opt: Any, params: list) -> None:
+    del opt.state[params[1]]
+
+
+def _replace_moment(opt: Any, params: list) -> None:
+    s = opt.state[params[0]]
+    s["exp_avg_sq"] = _fill(s["exp_avg_sq"], 3)
+
+
+def _replace_step(opt: Any, params: list) -> None:
+    opt.state[params[2]]["step"] = torch.tensor(100.0)
+
+
+def _new_state_object(opt: Any, params: list) -> None:
+    opt.state = defaultdict(dict)
+
+
+def _momentum_none(opt: Any, params: list) -> None:
+    opt.state[params[0]]["momentum_buffer"] = None
+
+
+def _momentum_replaced(opt: Any, params: list) -> None:
+    s = opt.state[params[1]]
+    s["momentum_buffer"] = _fill(s["momentum_buffer"], 4)
+
+
+ADAMW = (lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1), "adamw")
+SGD = (lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9), "sgd")
+CASES = [
+    (ADAMW, _clear),
+    (ADAMW, _delete),
+    (ADAMW, _replace_moment),
+    (ADAMW, _replace_step),
+    (ADAMW, _new_state_object),
+    (SGD, _clear),
+    (SGD, _momentum_none),
+    (SGD, _momentum_replaced),
+]
+
+
+def _twins(make: Callable, pool: int | None, device: torch.device) -> tuple[list, list, Any, Any]:
+    params = make_params(SIZES, torch.float32, device)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    kw = {} if pool is None else {"memory_pool_size": pool}
+    return params, twins, KitsuneOptimizer(make(params), enable_fusion=True, **kw), make(twins)
+
+
+def _set_grads(params: list, twins: list, step: int) -> None:
+    for p, t, g in zip(params, twins, random_grads(params, step), strict=True):
+        p.grad, t.grad = g.clone(), g.clone()
+
+
+def _assert_same(params: list, twins: list, opt: Any, ref: Any, step: int) -> None:
+    for i, (p, t) in enumerate(zip(params, twins, strict=True)):
+        torch.testing.assert_close(
+            p, t, rtol=1e-5, atol=1e-6, msg=lambda m, i=i, step=step: f"step {step}, param {i}: {m}"
+        )
+    ours, theirs = opt.state_dict()["state"], ref.state_dict()["state"]
+    assert ours.keys() == theirs.keys(), f"step {step}"
+    for k in theirs:
+        assert ours[k].keys() == theirs[k].keys()
+        for key, v in theirs[k].items():
+            torch.testing.assert_close(ours[k][key], v, rtol=1e-5, atol=1e-6, check_dtype=False, check_device=False)
+
+
+@pytest.mark.parametrize("pool", [None, 0], ids=["pool", "no-pool"])
+@pytest.mark.parametrize(("opt_case", "change"), CASES, ids=lambda c: getattr(c, "__name__", None) or c[1])
+def test_state_changed_by_hand_is_read_as_torch_reads_it(opt_case, change, pool, device):
+    """The change lands after step 4: torch starts the cleared state afresh and uses the replaced tensors; so must
+    kitsune, and its state_dict must show what torch's shows (no stale moments, nothing written to freed memory)."""
+    make, _ = opt_case
+    params, twins, opt, ref = _twins(make, pool, device)
+    for step in range(10):
+        _set_grads(params, twins, step)
+        if step == 5:
+            change(opt, params)
+            change(ref, twins)
+        opt.step()
+        ref.step()
+        _assert_same(params, twins, opt, ref, step)
+    assert opt.plan.fused_tensors == len(params)  # the fused path ran throughout, before and after the change
+
+
+def _swap(opt: Any, params: list, spare: torch.nn.Parameter) -> None:
+    opt.param_groups[0]["params"][1] = spare
+
+
+def _move(opt: Any, params: list, spare: torch.nn.Parameter) -> None:
+    a, b = opt.param_groups
+    a["params"][0], b["params"][0] = b["params"][0], a["params"][0]
+
+
+@pytest.mark.parametrize("change", [_swap, _move], ids=["swapped-in", "moved-between-groups"])
+def test_params_changed_in_a_groups_list_re_plan(change, device):
+    """A group's list keeps its length: a new param swapped in must be trained (with fresh state), and params that
+    swap groups must take their new group's lr and weight decay."""
+
+    def make(ps: list) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(
+            [{"params": ps[:2]}, {"params": ps[2:], "lr": 0.003, "weight_decay": 0.5}], lr=0.02, weight_decay=0.01
+        )
+
+    sizes = [(7, 3), 16, 5, 16]
+    params = make_params(sizes, torch.float32, device)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    spare = make_params([16], torch.float32, device, seed=9)[0]
+    spare_twin = torch.nn.Parameter(spare.detach().clone())
+    opt, ref = KitsuneOptimizer(make(params), enable_fusion=True), make(twins)
+    everything, everything_twin = [*params, spare], [*twins, spare_twin]
+    for step in range(10):
+        for p, t, g in zip(everything, everything_twin, random_grads(everything, step), strict=True):
+            p.grad, t.grad = g.clone(), g.clone()
+        if step == 4:
+            change(opt, params, spare)
+            change(ref, twins, spare_twin)
+        opt.step()
+        ref.step()
+        for i, (p, t) in enumerate(zip(everything, everything_twin, strict=True)):
+            torch.testing.assert_close(
+                p, t, rtol=1e-5, atol=1e-6, msg=lambda m, i=i, step=step: f"step {step}, param {i}: {m}"
+            )
+    assert opt.plan.fused_tensors == len(params)
+
+
+def test_grads_of_another_dtype_go_to_the_optimizers_own_step(device):
+    """fp32 grads of bf16 params (p.grad_dtype): the kernel reads a grad as its param's dtype, so those params take
+    the wrapped optimizer's step, exactly as without kitsune; the others stay fused."""
+    params = make_params(SIZES, torch.bfloat16, device)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for p in (params[0], twins[0]):
+        p.grad_dtype = torch.float32
+    opt, ref = KitsuneOptimizer(SGD[0](params), enable_fusion=True), SGD[0](twins)
+    for step in range(8):
+        for p, t, g in zip(params, twins, random_grads(params, step), strict=True):
+            g = g.float() if p is params[0] else g
+            p.grad, t.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+        assert torch.equal(params[0], twins[0]), f"step {step}"  # the optimizer's own step: the same bits
+        for p, t in zip(params[1:], twins[1:], strict=True):
+            torch.testing.assert_close(p, t, rtol=1e-2, atol=1e-2)
+    assert params[0].grad.dtype == torch.float32 and not params[0].isnan().any()
+
+
+def test_grads_of_another_dtype_with_the_fused_grad_pass_are_refused_and_lose_nothing(device):
+    from kitsune import GradConfig
+
+    params = make_params(SIZES, torch.bfloat16, device)
+    params[0].grad_dtype = torch.float32
+    opt = KitsuneOptimizer(SGD[0](params), enable_fusion=True, grad_config=GradConfig(max_norm=1.0))
+    for p, g in zip(params, random_grads(params, 0), strict=True):
+        p.grad = g.float() if p is params[0] else g
+    before = [p.detach().clone() for p in params]
+    grads = [p.grad.clone() for p in params]
+    with pytest.raises(ValueError, match=r"p.grad_dtype = None"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, params, strict=True))
+    assert all(torch.equal(a, p.grad) for a, p in zip(grads, params, strict=True))
+    assert opt.step_count == 0 and not any(opt.state.values())
+
+
+def test_adagrad_group_added_later_starts_from_the_defaults_accumulator(device):
+    """torch's lazy Adagrad init reads initial_accumulator_value from the defaults, not from the added group."""
+
+    def make(ps):
+        return torch.optim.Adagrad(ps[:2], lr=0.05, initial_accumulator_value=0.1)
+
+    params = make_params([*SIZES, 4], torch.float32, device)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt, ref = KitsuneOptimizer(make(params), enable_fusion=True), make(twins)
+    for step in range(8):
+        if step == 3:
+            opt.add_param_group({"params": params[2:], "initial_accumulator_value": 2.0})
+            ref.add_param_group({"params": twins[2:], "initial_accumulator_value": 2.0})
+        for p, t, g in zip(params, twins, random_grads(params, step), strict=True):
+            p.grad, t.grad = g.clone(), g.clone()
+        try:
+            ref.step()
+        except KeyError:  # torch before 2.12: Adagrad creates state in __init__ only
+            pytest.skip("this torch's Adagrad cannot step a param group added after construction")
+        opt.step()
+        for i, (p, t) in enumerate(zip(params, twins, strict=True)):
+            torch.testing.assert_close(
+                p, t, rtol=1e-5, atol=1e-6, msg=lambda m, i=i, step=step: f"step {step}, param {i}: {m}"
+            )
