@@ -260,7 +260,7 @@ def init_state(
             continue
         t = alloc(key) if alloc else torch.empty_like(p, memory_format=torch.preserve_format)
         if key == "sum":  # Adagrad builds it in __init__; a group added later gets it here, from the defaults
-            t.fill_((defaults or group).get("initial_accumulator_value", group["initial_accumulator_value"]))
+            t.fill_((defaults or {}).get("initial_accumulator_value", group["initial_accumulator_value"]))
         elif info.name not in ("SGD", "LARS"):  # those write it from the grad on the first step (torch's clone)
             t.zero_()
         state[key] = t

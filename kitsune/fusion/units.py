@@ -69,7 +69,7 @@ class FusedUnit:
         self.unhandled: list[torch.Tensor] = []
         """Params skipped this step because their grad is one the kernel cannot take (sparse, another dtype)."""
         self.created: list[torch.Tensor] = []
-        """Params whose state the last full check created (lazily, on their first grad)."""
+        """Params whose state this step's :meth:`prepare` created (lazily, on their first grad)."""
         self.stale = False
         """Set when a param's storage moved (``p.data = ...``): the subsystem re-plans before launching."""
         # SGD keeps no step in torch's state: count privately, only to spot each buffer's first step
@@ -102,6 +102,7 @@ class FusedUnit:
     # -- per step ----------------------------------------------------------------------------------------------
     def prepare(self, state: Any, groups: Sequence[dict[str, Any]]) -> bool:
         """Point the tables at this step's grads and create missing state; False if no grad is live."""
+        self.created = []  # this step's, whatever path it takes
         if self.still():
             return True
         return self._prepare(state, groups)
@@ -172,7 +173,6 @@ class FusedUnit:
             self.stale = True
             return False
         self.unhandled = []
-        self.created = []
         grads: list[torch.Tensor | None] | None = None
         dead = 0
         try:  # fast path, one C-level pass with no list of grads: every grad present and dense

@@ -13,7 +13,7 @@ import torch
 
 from kitsune import KitsuneOptimizer
 
-from ._util import make_params, random_grads
+from ._util import make_params, ptrs_equal_stand_in, random_grads
 
 SIZES = [(7, 3), 16, 5]
 
@@ -186,6 +186,36 @@ def test_grads_of_another_dtype_with_the_fused_grad_pass_are_refused_and_lose_no
     assert all(torch.equal(a, b) for a, b in zip(before, params, strict=True))
     assert all(torch.equal(a, p.grad) for a, p in zip(grads, params, strict=True))
     assert opt.step_count == 0 and not any(opt.state.values())
+
+
+def test_a_refused_step_keeps_the_state_earlier_steps_made(device, monkeypatch):
+    """One unit per param: a unit whose state an earlier step created, and which this step finds unchanged, keeps
+    that state when another unit's grad makes the step refuse (only this step's lazy state is undone)."""
+    from kitsune import FusionConfig, GradConfig
+    from kitsune.fusion import units
+
+    monkeypatch.setattr(units, "_PTRS_EQUAL", units._PTRS_EQUAL or ptrs_equal_stand_in)  # the C++ check on CPU
+
+    params = make_params(SIZES, torch.float32, device)
+    opt = KitsuneOptimizer(
+        SGD[0](params),
+        enable_fusion=True,
+        fusion_config=FusionConfig(max_fusion_size=1, min_fusion_benefit=0.0),
+        grad_config=GradConfig(max_norm=1.0),
+    )
+    for step in range(2):  # the grads stay in place: the second step finds the units unchanged
+        for p, g in zip(params, random_grads(params, step), strict=True):
+            p.grad = g if p.grad is None else p.grad.copy_(g)
+        opt.step()
+    state = {p: opt.state[p]["momentum_buffer"].clone() for p in params}
+    grad = params[1].grad.double()
+    params[1].grad = None
+    params[1].grad_dtype = torch.float64
+    params[1].grad = grad
+    with pytest.raises(ValueError, match=r"p.grad_dtype = None"):
+        opt.step()
+    assert opt.state.keys() == state.keys()
+    assert all(torch.equal(opt.state[p]["momentum_buffer"], v) for p, v in state.items())
 
 
 def test_adagrad_group_added_later_starts_from_the_defaults_accumulator(device):
