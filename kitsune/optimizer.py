@@ -43,6 +43,47 @@ _VERSION = attrgetter("_version")
 _BASE_ZERO_GRAD = torch.optim.Optimizer.zero_grad
 
 
+class _ParamList(list):
+    """A group's ``params`` list that notes changes made in place (``append``, ``params[i] = p``, ``del``, ...), so
+    that a step sees a param swapped into or out of a group by reading one flag per group instead of comparing
+    every param. It pickles and copies as a plain list."""
+
+    __slots__ = ("changed",)
+
+    def __init__(self, items: Any = ()) -> None:
+        super().__init__(items)
+        self.changed = False
+
+    def __reduce_ex__(self, protocol: Any) -> tuple:
+        return list, (list(self),)
+
+    def __copy__(self) -> list:
+        return list(self)
+
+    def __deepcopy__(self, memo: dict) -> list:
+        import copy
+
+        return copy.deepcopy(list(self), memo)
+
+
+def _noting(name: str) -> Callable[..., Any]:
+    base = getattr(list, name)
+
+    def method(self: _ParamList, *args: Any) -> Any:
+        self.changed = True
+        return base(self, *args)
+
+    method.__name__ = name
+    return method
+
+
+for _name in (
+    "__setitem__", "__delitem__", "__iadd__", "__imul__",
+    "append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse",
+):  # fmt: skip
+    setattr(_ParamList, _name, _noting(_name))
+
+
 class KitsuneOptimizer(torch.optim.Optimizer):
     """Wrap ``optimizer`` and run its step through kitsune's subsystems.
 
@@ -135,7 +176,8 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         self._base_steps = 0
         self._host_syncs = 0
         self._handed_over = False
-        self._structure: tuple | None = None
+        self._structure: tuple[list, Any, list[_ParamList]] | None = None
+        """The groups list, the state dict and each group's params list that the plan was made for."""
         self._steady: _Steady | None = None
         """Set after a step that replayed the graph, for the next steps to replay it again after a few C++ checks."""
         self._may_steady = False
@@ -243,16 +285,34 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             if asked.get(s.name) and not s.active:
                 warnings.warn(f"kitsune: {s.name} was asked for but is inactive: {s.reason}", UserWarning, stacklevel=3)
 
-    def _structure_key(self) -> tuple:
-        """What a step compares to see whether the plan still fits: the groups, each group's params (by identity:
-        a param swapped into a list or moved between groups re-plans) and the state dict object."""
+    def _plan_fits(self) -> bool:
+        """Whether the plan still fits the groups: the same groups list and state dict, each group's params list
+        the one the plan saw and unchanged in place (a param swapped into a list or moved between groups re-plans).
+        One check per group: :class:`_ParamList` notes changes as they are made."""
+        seen = self._structure
         groups = self.param_groups
-        return (id(groups), id(self._optimizer.state), *(tuple(map(id, g["params"])) for g in groups))
+        if seen is None or groups is not seen[0] or self._optimizer.state is not seen[1] or len(groups) != len(seen[2]):
+            return False
+        for group, params in zip(groups, seen[2], strict=True):
+            if group["params"] is not params or params.changed:
+                return False
+        return True
+
+    def _watch_params(self) -> None:
+        lists = []
+        for group in self.param_groups:
+            params = group["params"]
+            if type(params) is _ParamList:
+                params.changed = False
+            else:
+                params = group["params"] = _ParamList(params)
+            lists.append(params)
+        self._structure = (self.param_groups, self._optimizer.state, lists)
 
     def _replan(self) -> None:
+        self._watch_params()
         for s in self._subsystems:
             s.plan(self)
-        self._structure = self._structure_key()
         owned: set[int] = set()
         for s in self._subsystems:
             if s.active:
@@ -360,7 +420,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         if self._steady is not None and closure is None and self._replay_again():
             return None
         self._steady = None
-        if self._structure_key() != self._structure:
+        if not self._plan_fits():
             self._replan()
         loss = None
         if closure is not None and (self._executes or self.config.grads.max_norm is not None):
@@ -505,7 +565,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         fusion = steady.fusion
         if groups is not steady.groups or "found_inf" in self.__dict__ or fusion.plan_version != steady.plan_version:
             return False
-        if self._structure_key() != self._structure:
+        if not self._plan_fits():
             return False  # a group's params list replaced or grown: re-plan (and the values below compare safely)
         values = _group_values(groups)
         try:

@@ -18,6 +18,7 @@ from helpers import batches, small_model, train
 from rich.console import Console
 
 from kitsune import KitsuneOptimizer
+from kitsune.profiler.core import TimeStats
 from kitsune.profiler.html import STEP_COLOR, render_html, write_html
 from kitsune.profiler.nvml import NvmlReport, NvmlSample, field_stats
 from kitsune.profiler.report import register
@@ -219,8 +220,11 @@ def test_html_without_gpu_data_or_timings(opt):
 def test_html_renders_in_headless_chromium(gpu_profile, tmp_path):
     chromium()
     # Fixed times, not the measured ones: a noisy line is steep, thin, anti-aliased segments with few pure pixels.
+    # The stats too: measured ones on a loaded machine (p90 several ms) stretch the axis and push the line off-screen.
     steps = [s.model_copy(update={"step_ms": 1.0 + 0.05 * (s.step % 7), "host_ms": 0.5}) for s in gpu_profile.steps]
-    page = write_html(gpu_profile.model_copy(update={"steps": steps}), tmp_path / "report.html")
+    stats = {"step_time": TimeStats.of([s.step_ms for s in steps]), "host_time": TimeStats.of([0.5] * len(steps))}
+    metrics = gpu_profile.metrics.model_copy(update=stats)
+    page = write_html(gpu_profile.model_copy(update={"steps": steps, "metrics": metrics}), tmp_path / "report.html")
     png = tmp_path / "shot.png"
 
     def launch(*args: str) -> subprocess.Popen:

@@ -194,7 +194,8 @@ def graphed_twins(
 def structural_change(change: str, pairs: list[tuple[list[torch.nn.Parameter], torch.optim.Optimizer]]) -> bool:
     """Make ``change`` on both sides of ``pairs`` (``[(ref, ref_opt), (ours, opt)]``) if it is a structural one:
     ``add_param_group`` (a group of one new param, lr 0.02), ``load_state_dict`` (kitsune's own, reloaded) or
-    ``storage`` (every param's ``p.data`` replaced by a copy). Returns whether it was one of those."""
+    ``storage`` (every param's ``p.data`` replaced by a copy) or ``swap_param`` (group 0's second param replaced in
+    its list, in place, by a new param of the same shape). Returns whether it was one of those."""
     (ref, _), (ours, opt) = pairs
     if change == "add_param_group":
         for params, o in pairs:
@@ -206,6 +207,10 @@ def structural_change(change: str, pairs: list[tuple[list[torch.nn.Parameter], t
     elif change == "storage":
         for p, q in zip(ref, ours, strict=True):
             p.data, q.data = p.data.clone(), q.data.clone()
+    elif change == "swap_param":
+        for params, o in pairs:
+            new = make_params([tuple(params[1].shape)], torch.float32, ours[0].device, seed=7)[0]
+            o.param_groups[0]["params"][1] = params[1] = new
     else:
         return False
     return True

@@ -94,6 +94,7 @@ CHANGES = [
     "flat_grads",  # grads in the pool's arena, set to None by model.zero_grad(): the pool holds its views weakly
     "add_param_group",
     "load_state_dict",
+    "swap_param",  # a param swapped into a group's list in place
 ]
 
 
@@ -123,7 +124,7 @@ def test_every_freed_grad_or_storage_is_noticed_and_matches_torch(device, change
     report = _static(opt)
     assert steady < _steady(opt) < steady + 12  # left for the steps that needed it, back afterwards
     assert report["stopped"] == [] and report["units_watching"] >= 1
-    if change in ("add_param_group", "load_state_dict", "storage"):
+    if change in ("add_param_group", "load_state_dict", "storage", "swap_param"):
         assert backend.captured == captured + 1  # a re-plan: new units, watching again
     else:
         assert report["rechecks"] == 3  # one for each step that freed grads: 8, 12 and 16

@@ -74,6 +74,7 @@ CHANGES = [
     "switch",  # nesterov on: another kernel variant, a new plan and graph
     "add_param_group",
     "load_state_dict",
+    "swap_param",  # a param swapped into a group's list in place
     "tensor_lr",  # a CPU tensor lr changed in place, as LRScheduler does with one
     "grad_scaler",
 ]
@@ -121,7 +122,7 @@ def test_every_change_leaves_the_steady_replay_and_matches_torch(device, change)
         assert _steady(opt) == steady
     else:
         assert steady < _steady(opt) < steady + 12  # left for the steps that needed it, back afterwards
-    if change in ("switch", "add_param_group", "load_state_dict", "storage"):
+    if change in ("switch", "add_param_group", "load_state_dict", "storage", "swap_param"):
         assert backend.captured == captured + 1
 
 

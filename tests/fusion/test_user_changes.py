@@ -119,7 +119,31 @@ def _move(opt: Any, params: list, spare: torch.nn.Parameter) -> None:
     a["params"][0], b["params"][0] = b["params"][0], a["params"][0]
 
 
-@pytest.mark.parametrize("change", [_swap, _move], ids=["swapped-in", "moved-between-groups"])
+def _slice(opt: Any, params: list, spare: torch.nn.Parameter) -> None:
+    opt.param_groups[0]["params"][1:] = [spare]
+
+
+def _pop_append(opt: Any, params: list, spare: torch.nn.Parameter) -> None:
+    group = opt.param_groups[0]["params"]
+    group.pop(0)
+    group.append(spare)
+
+
+def _new_list(opt: Any, params: list, spare: torch.nn.Parameter) -> None:
+    group = opt.param_groups[0]
+    group["params"] = [spare, group["params"][1]]
+
+
+def _through_a_reference(opt: Any, params: list, spare: torch.nn.Parameter) -> None:
+    held = opt.param_groups[0]["params"]  # as code that keeps the list it was given does
+    del held[1]
+    held += [spare]
+
+
+CHANGES = [_swap, _move, _slice, _pop_append, _new_list, _through_a_reference]
+
+
+@pytest.mark.parametrize("change", CHANGES, ids=lambda f: f.__name__.strip("_"))
 def test_params_changed_in_a_groups_list_re_plan(change, device):
     """A group's list keeps its length: a new param swapped in must be trained (with fresh state), and params that
     swap groups must take their new group's lr and weight decay."""
@@ -149,6 +173,26 @@ def test_params_changed_in_a_groups_list_re_plan(change, device):
                 p, t, rtol=1e-5, atol=1e-6, msg=lambda m, i=i, step=step: f"step {step}, param {i}: {m}"
             )
     assert opt.plan.fused_tensors == len(params)
+
+
+def test_groups_params_lists_stay_lists_and_copy_as_plain_ones(device):
+    """The groups' lists note in-place changes, yet they are lists to everything else: isinstance, equality,
+    copies, pickles (plain lists come back) and the state dict that plain torch loads."""
+    import copy
+    import pickle
+
+    params = make_params(SIZES, torch.float32, device)
+    opt = KitsuneOptimizer(torch.optim.AdamW(params, lr=0.01), enable_fusion=True)
+    held = opt.param_groups[0]["params"]
+    assert isinstance(held, list) and held == params and held is opt.base_optimizer.param_groups[0]["params"]
+    for p, g in zip(params, random_grads(params, 0), strict=True):
+        p.grad = g
+    opt.step()
+    for copied in (copy.copy(held), copy.deepcopy(opt.param_groups)[0]["params"], pickle.loads(pickle.dumps(held))):
+        assert type(copied) is list and len(copied) == len(params)
+    plain = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in params], lr=0.01)
+    plain.load_state_dict(opt.state_dict())
+    assert type(plain.param_groups[0]["params"]) is list
 
 
 def test_grads_of_another_dtype_go_to_the_optimizers_own_step(device):
