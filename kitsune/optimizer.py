@@ -84,6 +84,31 @@ for _name in (
     setattr(_ParamList, _name, _noting(_name))
 
 
+def _refuse_per_evaluation_passes(optimizer: torch.optim.Optimizer, config: KitsuneConfig) -> None:
+    """An optimizer whose step needs its closure (LBFGS) evaluates it several times inside one step: clipping and
+    float16 unscaling, which kitsune runs once on the grads before the step, cannot run between those evaluations."""
+    import inspect
+
+    try:
+        closure = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError):
+        return
+    if closure is None or closure.default is not inspect.Parameter.empty:
+        return
+    passes = []
+    if config.grads.max_norm is not None:
+        passes.append("max_grad_norm")
+    if config.amp.enabled and config.amp.dtype == torch.float16:
+        passes.append("float16 loss scaling (enable_amp with AMPConfig(dtype=torch.float16))")
+    if passes:
+        raise ValueError(
+            f"{type(optimizer).__name__} evaluates its closure several times inside one step, so kitsune cannot "
+            f"clip or unscale the grads between those evaluations: {' and '.join(passes)} cannot wrap it. Clip "
+            "inside the closure (torch.nn.utils.clip_grad_norm_) and use AMPConfig(dtype=torch.bfloat16), which "
+            "needs no loss scaling."
+        )
+
+
 class KitsuneOptimizer(torch.optim.Optimizer):
     """Wrap ``optimizer`` and run its step through kitsune's subsystems.
 
@@ -153,6 +178,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
                 "zero_stage": zero_stage,
             },
         )
+        _refuse_per_evaluation_passes(optimizer, self.config)
         self._optimizer = optimizer
         # torch.optim.Optimizer.__init__ would rebuild param_groups; set up only its hook bookkeeping.
         self._optimizer_step_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
@@ -182,6 +208,8 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         """Set after a step that replayed the graph, for the next steps to replay it again after a few C++ checks."""
         self._may_steady = False
         self._leftover = True
+        self._repeated = False
+        """Whether a param is listed twice in the groups (torch warns; each listing is a step's update)."""
         self._subsystems: list[Subsystem] = self._build_subsystems()
         self._replan()
         self._warn_requested_but_inactive()
@@ -318,6 +346,8 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             if s.active:
                 owned.update(id(p) for p in getattr(s, "owned_params", lambda: ())())
         self._leftover = any(id(p) not in owned for g in self.param_groups for p in g["params"])
+        listed = [id(p) for g in self.param_groups for p in g["params"]]
+        self._repeated = len(set(listed)) != len(listed)
         self._active = [s for s in self._subsystems if s.active]
         self._executes = any(getattr(s, "executes", False) for s in self._active)
         self._needs_grads = any(s.name == "amp" and getattr(s, "scaling", False) for s in self._active)
@@ -423,8 +453,9 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         if not self._plan_fits():
             self._replan()
         loss = None
-        if closure is not None and (self._executes or self.config.grads.max_norm is not None):
-            # fused updates and clipping need the grads before they run; the wrapped step then gets no closure
+        if closure is not None and (self._executes or self.config.grads.max_norm is not None or self._needs_grads):
+            # fused updates, clipping and unscaling need the grads before they run; the wrapped step then gets no
+            # closure (optimizers that need one inside their step refuse these settings when wrapped)
             with torch.enable_grad():
                 loss = closure()
             closure = None
@@ -433,7 +464,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         ctx = StepContext(step=self._step_count, baseline=self._baseline_now())
         fused = ctx.extra["fused_grads"] = self._fused_grads and not ctx.baseline
         if self._needs_grads and not fused:
-            ctx.extra["grads"] = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+            ctx.extra["grads"] = self._grads_to_unscale()
         self._take_grad_scaler_protocol(ctx, fused)
         try:
             for s in self._active:
@@ -597,7 +628,14 @@ class KitsuneOptimizer(torch.optim.Optimizer):
     def _clip_grads(self, reduce: Callable[..., None] | None = None) -> torch.Tensor:
         """Clipping as a pass of its own (the grads are not all fused): kitsune's two-launch clip_grad_norm_ when
         reductions are enabled, else torch's; with sharded grads (``reduce``) torch ops and a norm all-reduced."""
-        params = [p for g in self.param_groups for p in g["params"]]
+        params = self._params()
+        sparse = next((i for i, p in enumerate(params) if p.grad is not None and p.grad.is_sparse), None)
+        if sparse is not None:
+            raise ValueError(
+                f"max_grad_norm: param {sparse} (in the groups' order) has a sparse grad, and the global norm cannot "
+                "be clipped over sparse grads (torch.nn.utils.clip_grad_norm_ cannot either): give that layer dense "
+                "grads (nn.Embedding(sparse=False)) or leave max_grad_norm unset. Nothing was updated."
+            )
         cfg = self.config
         if reduce is not None:
             from kitsune.distributed.zero import clip_sharded_grads_
@@ -656,7 +694,9 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             from kitsune.amp import unscale_and_check
 
             unscale_and_check(
-                ctx.extra.get("grads") or self._grads(), grad_scale.double().reciprocal().float(), found_inf.clone()
+                ctx.extra.get("grads") or self._grads_to_unscale(),
+                grad_scale.double().reciprocal().float(),
+                found_inf.clone(),
             )
         ctx.extra["found_inf"] = found_inf
 
@@ -665,7 +705,33 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         return [(id(g), g._version) for g in self._grads()]
 
     def _grads(self) -> list[torch.Tensor]:
+        if self._repeated:  # a param listed twice: its grad is unscaled and clipped once, as for model.parameters()
+            return list({id(p.grad): p.grad for p in self._params() if p.grad is not None}.values())
         return [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+
+    def _params(self) -> list[torch.Tensor]:
+        """Every param once, in the groups' order (a param listed twice is counted once)."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        return list({id(p): p for p in params}.values()) if self._repeated else params
+
+    def _grads_to_unscale(self) -> list[torch.Tensor]:
+        """The dense tensors that unscaling divides: each grad, or a sparse grad's values. As torch's GradScaler
+        does, a float16 sparse grad is coalesced first (``p.grad`` replaced), so that duplicate indices are summed
+        and an overflow in that sum is found."""
+        grads = self._grads()
+        if not any(g.is_sparse for g in grads):
+            return grads
+        out = []
+        for p in self._params():
+            g = p.grad
+            if g is None:
+                continue
+            if g.is_sparse:
+                if g.dtype == torch.float16:
+                    p.grad = g = g.coalesce()
+                g = g._values()
+            out.append(g)
+        return out
 
     def _overflow_on_host(self, ctx: StepContext) -> bool:
         """Whether this step found inf/nan grads, read on the host only where a device-side skip is impossible.

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -58,6 +58,13 @@ def triton_error() -> str | None:
 def interpreting() -> bool:
     """TRITON_INTERPRET=1: Triton runs kernels on CPU tensors (how CI tests them)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+_REPEATED = (
+    Route.BASE_STEP,
+    "a param listed more than once in the param groups: torch's step updates it once per listing (and warns), "
+    "so the optimizer's own step keeps that; list each param once to fuse it",
+)
 
 
 class FusionSubsystem(Subsystem):
@@ -123,6 +130,7 @@ class FusionSubsystem(Subsystem):
         notes: dict[tuple, set[str]] = defaultdict(set)
         shard = next((s for s in opt.subsystems if s.name == "shard" and s.active), None)
         remote = shard.remote if shard is not None else frozenset()  # sharded state: other ranks update these
+        listed = Counter(id(p) for g in groups for p in g["params"])
         for gi, g in enumerate(groups):
             spec = self._specs[gi] if info else None
             group_reason = whole or _group_reason(g)
@@ -131,7 +139,12 @@ class FusionSubsystem(Subsystem):
             for p in g["params"]:
                 if p in remote:
                     continue
-                route, reason = group_reason if group_reason else self._param_reason(p, info)
+                if group_reason:
+                    route, reason = group_reason
+                elif listed[id(p)] > 1:
+                    route, reason = _REPEATED
+                else:
+                    route, reason = self._param_reason(p, info)
                 if route is None and fsdp.is_dtensor(p):
                     route, reason = self._shard_route(p, spec)
                 key = (str(p.device), p.dtype, spec if route is not Route.BASE_STEP else None, route, reason)

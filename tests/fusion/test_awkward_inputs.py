@@ -1,0 +1,217 @@
+"""Inputs torch handles in its own way, step by step against torch: optimizers that need their closure inside the
+step (LBFGS), a closure with float16 loss scaling, sparse grads under loss scaling and clipping, and a param listed
+twice in the groups."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from kitsune import AMPConfig, KitsuneOptimizer
+
+from ._util import make_params, random_grads
+
+FP16 = {"enable_amp": True, "amp_config": AMPConfig(dtype=torch.float16, init_scale=2.0**10)}
+
+
+def _regression(device: torch.device, seed: int = 0) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)  # the layers' initial weights
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+    x, y = torch.randn(16, 6, generator=gen), torch.randn(16, 2, generator=gen)
+    return model.to(device), x.to(device), y.to(device)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{"max_grad_norm": 1.0}, FP16, {"max_grad_norm": 1.0, **FP16}],
+    ids=["clip", "fp16", "clip+fp16"],
+)
+def test_lbfgs_refuses_passes_that_would_run_between_its_evaluations(settings, device):
+    model, _, _ = _regression(device)
+    inner = torch.optim.LBFGS(model.parameters(), lr=0.5)
+    with pytest.raises(ValueError, match="evaluates its closure several times inside one step") as err:
+        KitsuneOptimizer(inner, **settings)
+    assert "clip_grad_norm_" in str(err.value) and "bfloat16" in str(err.value)
+    assert all(type(g["params"]) is list for g in inner.param_groups)  # untouched: nothing was wrapped
+
+
+def test_lbfgs_with_bfloat16_autocast_steps_as_torch(device):
+    """bfloat16 needs no scaling, so LBFGS wraps: the same trajectory as the plain LBFGS over 10 steps."""
+    runs = []
+    for wrap in (False, True):
+        model, x, y = _regression(device)
+        inner = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
+        opt = KitsuneOptimizer(inner, enable_amp=True, amp_config=AMPConfig(dtype=torch.bfloat16)) if wrap else inner
+
+        def closure(model=model, opt=opt, x=x, y=y) -> torch.Tensor:
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            return loss
+
+        runs.append(
+            ([float(opt.step(closure).detach()) for _ in range(10)], [p.detach().clone() for p in model.parameters()])
+        )
+    (losses, params), (ours, ours_params) = runs
+    assert ours == losses and losses[-1] < losses[0]
+    for p, q in zip(params, ours_params, strict=True):
+        torch.testing.assert_close(q, p, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_float16_scaling_with_a_closure_that_calls_optimizer_backward(fused, device):
+    """The closure scales its loss through ``optimizer.backward``; the step runs it before unscaling (before, the
+    unfused path unscaled first and told the user to call optimizer.backward, which the closure did). Powers of two
+    scale exactly, so the unfused trajectory is plain SGD's bit for bit, the fused one to fp32 rounding."""
+    trajectories = []
+    for wrap in (False, True):
+        model, x, y = _regression(device)
+        inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        opt = KitsuneOptimizer(inner, enable_fusion=fused, **FP16) if wrap else inner
+        losses = []
+        for step in range(15):
+
+            def closure(model=model, opt=opt, step=step, x=x, y=y) -> torch.Tensor:
+                opt.zero_grad()
+                loss = torch.nn.functional.mse_loss(model(x * (1 + step / 10)), y)
+                opt.backward(loss) if isinstance(opt, KitsuneOptimizer) else loss.backward()
+                return loss
+
+            losses.append(float(opt.step(closure)))
+        trajectories.append((losses, [p.detach().clone() for p in model.parameters()]))
+    (losses, params), (ours, ours_params) = trajectories
+    tol = 1e-6 if fused else 0.0  # the fused kernel rounds its fp32 math in another order than torch's foreach
+    assert ours == pytest.approx(losses, rel=tol, abs=tol)
+    for p, q in zip(params, ours_params, strict=True):
+        torch.testing.assert_close(q, p, rtol=tol, atol=tol)
+
+
+def _embedding_steps(opt_cls, kitsune: bool, steps: int, dtype: torch.dtype = torch.float32, **kw):
+    """An ``nn.Embedding(sparse=True)`` and a dense layer trained for ``steps`` steps with float16 loss scaling:
+    kitsune's, or torch's GradScaler loop. Returns the losses and the final weights."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(20, 4, sparse=True).to(dtype)
+    head = torch.nn.Linear(4, 1).to(dtype)
+    inner = opt_cls([*emb.parameters(), *head.parameters()], **kw)
+    opt = KitsuneOptimizer(inner, **FP16) if kitsune else inner
+    scaler = None if kitsune else torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    gen = torch.Generator().manual_seed(5)
+    losses = []
+    for _ in range(steps):
+        idx = torch.randint(0, 20, (12,), generator=gen)  # repeated indices: uncoalesced sparse grads
+        target = torch.randn(12, 1, generator=gen).to(dtype)
+        loss = torch.nn.functional.mse_loss(head(emb(idx)).float(), target.float())
+        opt.zero_grad()
+        if kitsune:
+            opt.backward(loss)
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        losses.append(float(loss))
+    return losses, [emb.weight.detach().clone(), head.weight.detach().clone(), head.bias.detach().clone()]
+
+
+@pytest.mark.parametrize(
+    ("opt_cls", "kw"),
+    [(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}), (torch.optim.Adagrad, {"lr": 0.1})],
+    ids=["sgd", "adagrad"],
+)
+def test_sparse_grads_under_float16_scaling_follow_torchs_grad_scaler(opt_cls, kw):
+    """GradScaler unscales a sparse grad's values; kitsune did not (a raw torch error). 25 steps, same trajectory."""
+    want_losses, want = _embedding_steps(opt_cls, False, 25, **kw)
+    losses, got = _embedding_steps(opt_cls, True, 25, **kw)
+    assert losses == pytest.approx(want_losses, rel=1e-6)
+    assert not torch.equal(want[0], _embedding_steps(opt_cls, False, 0, **kw)[1][0])  # the embedding trained
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_float16_sparse_grads_are_coalesced_before_unscaling():
+    """As GradScaler does for float16 sparse grads: ``p.grad`` is coalesced (duplicate indices summed) first."""
+    emb = torch.nn.Embedding(10, 3, sparse=True).half()
+    opt = KitsuneOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1), **FP16)
+    opt.backward(emb(torch.tensor([1, 2, 2, 7])).float().pow(2).sum())
+    assert not emb.weight.grad.is_coalesced()
+    before = emb.weight.detach().clone()
+    opt.step()
+    assert emb.weight.grad.is_coalesced() and not torch.equal(emb.weight, before)
+
+
+def test_clipping_sparse_grads_is_refused_and_loses_nothing(device):
+    emb = torch.nn.Embedding(10, 3, sparse=True).to(device)
+    head = torch.nn.Linear(3, 1).to(device)
+    opt = KitsuneOptimizer(
+        torch.optim.SGD([*head.parameters(), *emb.parameters()], lr=0.1, momentum=0.9), max_grad_norm=0.5
+    )
+    for step in range(3):
+        opt.zero_grad()
+        head(emb(torch.tensor([1, 2, 2, 7], device=device) % (3 + step))).pow(2).sum().backward()
+        if step < 2:
+            emb.weight.grad = emb.weight.grad.to_dense()  # dense grads: steps as usual
+            opt.step()
+    params = [p.detach().clone() for p in (*head.parameters(), emb.weight)]
+    state = {id(p): {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
+    with pytest.raises(ValueError, match=r"param 2 \(in the groups' order\) has a sparse grad") as err:
+        opt.step()
+    assert "nn.Embedding(sparse=False)" in str(err.value)
+    for p, before in zip((*head.parameters(), emb.weight), params, strict=True):
+        assert torch.equal(p, before)
+    assert opt.step_count == 2
+    for p, s in opt.state.items():
+        for k, v in s.items():
+            assert torch.equal(v, state[id(p)][k])
+
+
+def test_a_param_listed_twice_steps_as_torch_steps_it(device):
+    """torch warns and updates it once per listing; kitsune leaves it to the optimizer's own step (the fused kernel
+    would update it once, and race on a GPU), fuses the rest, and clips its grad once, as for model.parameters()."""
+    sizes = [(5, 3), 16, 7]
+    params = make_params(sizes, torch.float32, device)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+
+    def make(ps: list) -> torch.optim.Optimizer:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # torch: "duplicate parameters; in future, an error"
+            return torch.optim.SGD([{"params": [ps[0], ps[1], ps[0]]}, {"params": ps[2:]}], lr=0.05, momentum=0.9)
+
+    opt, ref = KitsuneOptimizer(make(params), enable_fusion=True, max_grad_norm=1.0), make(twins)
+    assert opt.plan.fused_tensors == 2
+    assert any("listed more than once" in b.reason for b in opt.plan.buckets)
+    for step in range(12):
+        for p, t, g in zip(params, twins, random_grads(params, step), strict=True):
+            p.grad, t.grad = g.clone(), g.clone()
+        want = torch.nn.utils.clip_grad_norm_(twins, 1.0)
+        ref.step()
+        opt.step()
+        torch.testing.assert_close(opt.last_grad_norm, want, rtol=1e-6, atol=1e-6)
+        for i, (p, t) in enumerate(zip(params, twins, strict=True)):
+            torch.testing.assert_close(p, t, rtol=1e-5, atol=1e-6, msg=lambda m, i=i, step=step: f"{step}/{i}: {m}")
+
+
+def test_amsgrad_switched_on_mid_run_starts_its_maximum_from_zeros(device):
+    """torch raises KeyError('max_exp_avg_sq') when amsgrad is switched on after the first step; the fused path
+    creates the maximum as zeros, which is torch's own step with that state added by hand (tested as such)."""
+    params = make_params([(4, 3), 9], torch.float32, device)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = KitsuneOptimizer(torch.optim.AdamW(params, lr=0.01, weight_decay=0.1), enable_fusion=True)
+    ref = torch.optim.AdamW(twins, lr=0.01, weight_decay=0.1)
+    assert opt.plan.fused_tensors == 2
+    for step in range(10):
+        for p, t, g in zip(params, twins, random_grads(params, step), strict=True):
+            p.grad, t.grad = g.clone(), g.clone()
+        if step == 4:
+            for o in (opt, ref):
+                o.param_groups[0]["amsgrad"] = True
+            for t in twins:
+                ref.state[t]["max_exp_avg_sq"] = torch.zeros_like(t)
+        opt.step()
+        ref.step()
+        for p, t in zip(params, twins, strict=True):
+            torch.testing.assert_close(p, t, rtol=1e-5, atol=1e-6)
+            if step >= 4:
+                torch.testing.assert_close(opt.state[p]["max_exp_avg_sq"], ref.state[t]["max_exp_avg_sq"])
