@@ -910,7 +910,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
 
         path = Path(filepath)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(build_profile(self).model_dump_json(indent=2))
+        path.write_text(build_profile(self).model_dump_json(indent=2), encoding="utf-8")
         return path
 
     def export_chrome_trace(self, filepath: str | Path = "trace.json") -> Path:

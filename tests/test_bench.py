@@ -217,6 +217,31 @@ def test_register_adds_bench_subcommand(tmp_path):
             parser.parse_args(["bench", *bad])
 
 
+@pytest.mark.parametrize(
+    ("argv", "listed"),
+    [
+        (["--sets", ","], "gpt2, many, llama1b"),
+        (["--sets", ""], "gpt2, many, llama1b"),
+        (["--sets", "gpt3"], "gpt2, many, llama1b"),
+        (["--variants", " , "], "foreach, fused, graph, kitsune"),
+        (["--variants", "sgd,adam"], "foreach, fused, graph, kitsune"),
+    ],
+)
+def test_empty_or_unknown_names_are_an_argparse_error(argv, listed, capsys):
+    """``--sets ,`` and the like name no set: an error listing the valid names, not a run of nothing (exit 0)."""
+    with pytest.raises(SystemExit) as info:
+        main([*argv, "--device", "cpu"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: argument {argv[0]}:" in err and listed in err
+
+
+def test_an_unknown_device_is_one_error_line(capsys):
+    assert main(["--sets", "gpt2", "--steps", "2", "--device", "tpu"]) == 2
+    err = capsys.readouterr().err
+    assert "--device: choose auto, cuda (or cuda:N) or cpu, got 'tpu'" in err and "Traceback" not in err
+
+
 def test_module_entry_point(capsys):
     assert main(["--sets", "gpt2", "--variants", "fused,graph", "--steps", "2", "--device", "cpu"]) == 0
     out = capsys.readouterr().out

@@ -28,6 +28,21 @@ def test_cli_flag_refuses_cpu_with_a_message(capsys):
     assert "CUDA GPU" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv", [["bench", "--muon"], ["bench", "--muon", "--device", "auto"]])
+def test_muon_flag_without_a_gpu_is_one_error_line(argv, monkeypatch, capsys):
+    """``kitsune bench --muon`` (and ``python -m kitsune.bench --muon``) with the default ``--device auto`` where
+    torch sees no GPU: one line saying the benchmark needs a CUDA GPU, exit code 2, no traceback."""
+    from kitsune.bench.cli import main as bench_main
+    from kitsune.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for run in (lambda: main(argv), lambda: bench_main(argv[1:])):
+        assert run() == 2
+        captured = capsys.readouterr()
+        assert captured.err.startswith("kitsune bench --muon: ") and captured.err.count("\n") == 1
+        assert "needs a CUDA GPU" in captured.err and "without --muon" in captured.err
+
+
 @pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon needs torch >= 2.9")
 @pytest.mark.filterwarnings("ignore:kitsune. fusion was asked for but is inactive:UserWarning")  # CPU params
 def test_step_rows_include_the_fusion_planner():

@@ -18,6 +18,7 @@ from helpers import batches, small_model, train
 from rich.console import Console
 
 from kitsune import KitsuneOptimizer
+from kitsune.cli import main as kitsune_main
 from kitsune.profiler.core import TimeStats
 from kitsune.profiler.html import STEP_COLOR, render_html, write_html
 from kitsune.profiler.nvml import NvmlReport, NvmlSample, field_stats
@@ -180,10 +181,11 @@ def test_kitsune_report_command(gpu_profile, tmp_path, capsys):
     assert f"wrote {html}" in out and html.read_text().startswith("<!DOCTYPE html>")
     _check_trace(trace, 30)
 
-    assert _cli(["report", str(tmp_path / "missing.json")]) == 2
+    # what is not a profile: one error line from the kitsune command (tests/test_cli.py has every case)
+    assert kitsune_main(["report", str(tmp_path / "missing.json")]) == 2
     assert "no such file" in capsys.readouterr().err
     (tmp_path / "bad.json").write_text('{"schema_version": "1.0"}')
-    assert _cli(["report", str(tmp_path / "bad.json")]) == 2
+    assert kitsune_main(["report", str(tmp_path / "bad.json")]) == 2
     assert "is not a kitsune profile" in capsys.readouterr().err
 
 
@@ -249,3 +251,20 @@ def test_html_renders_in_headless_chromium(gpu_profile, tmp_path):
     assert colours > 100, f"only {colours} distinct colours"
     step_rgb = np.array([int(STEP_COLOR[i : i + 2], 16) for i in (1, 3, 5)])
     assert (np.abs(rgb.astype(int) - step_rgb).max(axis=-1) < 40).sum() > 100, "the step-time line is not drawn"
+
+
+def test_load_profile_names_what_is_wrong(opt, tmp_path):
+    """load_profile raises a ValueError whose one line names the problem (the ``kitsune report`` error line)."""
+    with pytest.raises(ValueError, match="is a directory, not a profile JSON written by save_profile"):
+        load_profile(tmp_path)
+    old = json.loads(build_profile(opt).model_dump_json())
+    old["schema_version"] = "0.9"
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    with pytest.raises(ValueError, match=r"schema_version '0.9' is not one this kitsune reads \(1.0\)") as info:
+        load_profile(tmp_path / "old.json")
+    assert "\n" not in str(info.value)
+    (tmp_path / "bin.json").write_bytes(b"\x89PNG\r\n\x1a\n")
+    with pytest.raises(ValueError, match="is not UTF-8 text"):
+        load_profile(tmp_path / "bin.json")
+    with pytest.raises(FileNotFoundError):
+        load_profile(tmp_path / "missing.json")

@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from kitsune.bench.params import PARAM_SETS
 from kitsune.bench.runner import VARIANTS, run_bench
 
 
-def _names(choices: dict[str, Any]):
+def _names(choices: dict[str, Any]) -> Callable[[str], list[str]]:
+    """An argparse ``type``: comma-separated names, each one of ``choices``, at least one."""
+
     def parse(text: str) -> list[str]:
         names = [n.strip() for n in text.split(",") if n.strip()]
+        if not names:  # "" or ",": a run of nothing would exit 0 having timed nothing
+            raise argparse.ArgumentTypeError(f"no name given: choose one or more of {', '.join(choices)}")
         bad = [n for n in names if n not in choices]
         if bad:
             raise argparse.ArgumentTypeError(f"unknown {', '.join(bad)}: choose from {', '.join(choices)}")
@@ -112,9 +117,18 @@ def _run_muon(args: argparse.Namespace) -> int:
 
     import torch
 
+    if not torch.cuda.is_available():  # before importing the benchmark: it imports Triton, which a CPU install may lack
+        print(
+            f"kitsune bench --muon: the Muon benchmark needs a CUDA GPU (it times Triton kernels), and torch "
+            f"{torch.__version__} sees none: run it on a machine with one; kitsune bench without --muon also runs on "
+            "a CPU",
+            file=sys.stderr,
+        )
+        return 2
+
     from kitsune.bench.muon import run_muon_bench
 
-    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
+    device = "cuda" if args.device == "auto" else args.device
     try:
         result = run_muon_bench(device)
     except ValueError as exc:

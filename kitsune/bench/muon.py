@@ -128,11 +128,16 @@ def _muon_step(device: torch.device, steps: int, rounds: int = STEP_ROUNDS) -> d
 def run_muon_bench(device: torch.device | str, console: Console | None = None, step_reps: int = 30) -> dict[str, Any]:
     """Time Newton-Schulz (5 iterations, bf16, square ``NS_SIZES``) and a Muon step over ``STEP_SHAPES``.
 
-    Returns the numbers (ms, TFLOP/s, speedups) as a dict and prints a table on ``console``. GPU only.
+    Returns the numbers (ms, TFLOP/s, speedups) as a dict and prints a table on ``console``. GPU only: another
+    device, or none where torch sees no GPU, raises a ValueError.
     """
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except RuntimeError:  # "auto", "gpu", ...: torch's message lists every device type it knows
+        raise ValueError(f"unknown device {device!r}: the Muon benchmark runs on cuda or cuda:N") from None
     if device.type != "cuda" or not torch.cuda.is_available():
-        raise ValueError(f"the Muon benchmark times Triton kernels on a CUDA GPU; got device '{device}'")
+        seen = "" if torch.cuda.is_available() else f", and torch {torch.__version__} sees none"
+        raise ValueError(f"the Muon benchmark needs a CUDA GPU (it times Triton kernels); got device '{device}'{seen}")
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     console = console or Console()

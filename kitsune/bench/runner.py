@@ -440,7 +440,10 @@ def _ratios(variants: list[VariantResult]) -> dict[str, float]:
 def _resolve_device(device: str | torch.device | None) -> torch.device:
     if device is None or device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"--device: choose auto, cuda (or cuda:N) or cpu, got {device!r}") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda was asked for but torch sees no CUDA GPU")
     if dev.type not in ("cuda", "cpu"):

@@ -6,7 +6,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from pydantic import ValidationError
 from rich.console import Console
 
 from kitsune.profiler.html import write_html
@@ -22,8 +21,11 @@ def run_report(args: argparse.Namespace, console: Console | None = None) -> int:
     except FileNotFoundError:
         print(f"kitsune report: {args.profile}: no such file", file=sys.stderr)
         return 2
-    except ValidationError as exc:
-        print(f"kitsune report: {args.profile} is not a kitsune profile:\n{exc}", file=sys.stderr)
+    except OSError as exc:
+        print(f"kitsune report: {args.profile}: cannot read it ({exc.strerror or exc})", file=sys.stderr)
+        return 2
+    except ValueError as exc:  # load_profile's one line: a directory, not JSON, another schema_version, ...
+        print(f"kitsune report: {exc}", file=sys.stderr)
         return 2
     render_summary(profile, console)
     if args.html is not None:

@@ -7,6 +7,7 @@ Version "1.0". Fields added since (``nvml``, ``memory``, ``param_groups``, ``num
 
 from __future__ import annotations
 
+import json
 import platform
 import sys
 from datetime import datetime, timezone
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 
 from kitsune.profiler.core import ProfilerMetrics, StepRecord
 from kitsune.profiler.nvml import NvmlReport
@@ -152,5 +153,46 @@ def build_profile(opt: KitsuneOptimizer) -> Profile:
 
 
 def load_profile(path: str | Path) -> Profile:
-    """Read and validate a profile written by ``save_profile``."""
-    return Profile.model_validate_json(Path(path).read_text())
+    """Read and validate a profile written by ``save_profile``.
+
+    Raises:
+        FileNotFoundError: nothing at ``path``.
+        ValueError: ``path`` is a directory, not UTF-8 text, not JSON, a profile of another ``schema_version``, or
+            JSON that is not a profile; the message is one line naming the problem (``kitsune report`` prints it).
+            A pydantic ``ValidationError``, when there is one, is its ``__cause__``.
+    """
+    path = Path(path)
+    what = "a profile JSON written by save_profile()"
+    if path.is_dir():
+        raise ValueError(f"{path} is a directory, not {what}")
+    data = path.read_bytes()
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"{path} is not UTF-8 text (byte {exc.start} is 0x{data[exc.start]:02x}), so not {what}"
+        ) from None
+    try:
+        return Profile.model_validate_json(data)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        first = errors[0]
+        if first["type"] == "json_invalid":
+            reason = first.get("ctx", {}).get("error", first["msg"])
+            raise ValueError(f"{path} is not JSON ({reason}), so not {what}") from exc
+        if first["type"] == "model_type":
+            raise ValueError(f"{path} is JSON but its top level is not an object, so not {what}") from exc
+        version = next((e for e in errors if e["loc"] == ("schema_version",)), None)
+        if version is not None:
+            from kitsune import __version__
+
+            writer = json.loads(data).get("environment")
+            writer = writer.get("kitsune") if isinstance(writer, dict) else None
+            by = f"; written by kitsune {writer}" if isinstance(writer, str) else ""
+            raise ValueError(
+                f"{path}: schema_version {version['input']!r} is not one this kitsune reads ({SCHEMA_VERSION}){by}: "
+                f"re-save the profile with kitsune {__version__}, or read it with the version that wrote it"
+            ) from exc
+        where = ".".join(str(part) for part in first["loc"]) or "top level"
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        raise ValueError(f"{path} is not a kitsune profile: {where}: {first['msg']}{more}") from exc

@@ -94,5 +94,5 @@ def export_chrome_trace(source: Profile | Profiler | KitsuneOptimizer, path: str
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     data = {"traceEvents": trace_events(steps, timing, nvml), "displayTimeUnit": "ms"}
-    out.write_text(json.dumps(data))
+    out.write_text(json.dumps(data), encoding="utf-8")
     return out
