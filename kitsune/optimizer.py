@@ -63,15 +63,18 @@ class _ParamList(list):
     def __deepcopy__(self, memo: dict) -> list:
         import copy
 
-        return copy.deepcopy(list(self), memo)
+        out: list = []
+        memo[id(self)] = out  # a list reached twice is copied once, as for a plain list
+        out.extend(copy.deepcopy(item, memo) for item in self)
+        return out
 
 
 def _noting(name: str) -> Callable[..., Any]:
     base = getattr(list, name)
 
-    def method(self: _ParamList, *args: Any) -> Any:
+    def method(self: _ParamList, *args: Any, **kwargs: Any) -> Any:  # sort(key=..., reverse=...) takes keywords
         self.changed = True
-        return base(self, *args)
+        return base(self, *args, **kwargs)
 
     method.__name__ = name
     return method

@@ -134,13 +134,19 @@ def _new_list(opt: Any, params: list, spare: torch.nn.Parameter) -> None:
     group["params"] = [spare, group["params"][1]]
 
 
+def _sorted(opt: Any, params: list, spare: torch.nn.Parameter) -> None:
+    group = opt.param_groups[0]["params"]
+    group[1] = spare
+    group.sort(key=lambda p: -p.numel())  # keywords reach list.sort
+
+
 def _through_a_reference(opt: Any, params: list, spare: torch.nn.Parameter) -> None:
     held = opt.param_groups[0]["params"]  # as code that keeps the list it was given does
     del held[1]
     held += [spare]
 
 
-CHANGES = [_swap, _move, _slice, _pop_append, _new_list, _through_a_reference]
+CHANGES = [_swap, _move, _slice, _pop_append, _new_list, _sorted, _through_a_reference]
 
 
 @pytest.mark.parametrize("change", CHANGES, ids=lambda f: f.__name__.strip("_"))
@@ -190,6 +196,8 @@ def test_groups_params_lists_stay_lists_and_copy_as_plain_ones(device):
     opt.step()
     for copied in (copy.copy(held), copy.deepcopy(opt.param_groups)[0]["params"], pickle.loads(pickle.dumps(held))):
         assert type(copied) is list and len(copied) == len(params)
+    twice = copy.deepcopy([held, held])
+    assert twice[0] is twice[1] and type(twice[0]) is list  # one object copied once, as for plain lists
     plain = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in params], lr=0.01)
     plain.load_state_dict(opt.state_dict())
     assert type(plain.param_groups[0]["params"]) is list
