@@ -421,12 +421,19 @@ class FusionSubsystem(Subsystem):
                     for p in unit.created:
                         state.pop(p, None)
                 g = odd[0].grad
+                fix = (
+                    "give that layer dense grads (nn.Embedding(sparse=False)), or build the optimizer with "
+                    "enable_fusion=False (float16 scaling then unscales sparse grads as GradScaler does; clipping "
+                    "needs dense grads)"
+                    if g.is_sparse
+                    else "keep the grads in the params' dtype (p.grad_dtype = None)"
+                )
                 raise ValueError(
                     f"kitsune: {len(odd)} param(s) got grads the fused kernels cannot read (the first: a "
                     f"{tuple(odd[0].shape)} {odd[0].dtype} param with a {g.layout} {g.dtype} grad). With float16 loss "
                     "scaling or max_grad_norm, kitsune unscales and clips inside those kernels, so every grad must "
-                    "be dense and of its param's dtype: keep the grads in the params' dtype (p.grad_dtype = None), "
-                    "or turn off max_grad_norm and float16 scaling. Nothing was updated."
+                    f"be dense and of its param's dtype: {fix}, or turn off max_grad_norm and float16 scaling. "
+                    "Nothing was updated."
                 )
         if live:
             self.refresh_contexts()

@@ -5,6 +5,7 @@ twice in the groups."""
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -24,14 +25,20 @@ def _regression(device: torch.device, seed: int = 0) -> tuple[torch.nn.Module, t
     return model.to(device), x.to(device), y.to(device)
 
 
+class _LBFGSWithOptionalClosure(torch.optim.LBFGS):
+    def step(self, closure: Any = None) -> Any:  # the signature no longer says the closure is needed
+        return super().step(closure)
+
+
 @pytest.mark.parametrize(
     "settings",
     [{"max_grad_norm": 1.0}, FP16, {"max_grad_norm": 1.0, **FP16}],
     ids=["clip", "fp16", "clip+fp16"],
 )
-def test_lbfgs_refuses_passes_that_would_run_between_its_evaluations(settings, device):
+@pytest.mark.parametrize("cls", [torch.optim.LBFGS, _LBFGSWithOptionalClosure], ids=["lbfgs", "subclass"])
+def test_lbfgs_refuses_passes_that_would_run_between_its_evaluations(settings, cls, device):
     model, _, _ = _regression(device)
-    inner = torch.optim.LBFGS(model.parameters(), lr=0.5)
+    inner = cls(model.parameters(), lr=0.5)
     with pytest.raises(ValueError, match="evaluates its closure several times inside one step") as err:
         KitsuneOptimizer(inner, **settings)
     assert "clip_grad_norm_" in str(err.value) and "bfloat16" in str(err.value)

@@ -181,26 +181,66 @@ def test_params_changed_in_a_groups_list_re_plan(change, device):
     assert opt.plan.fused_tensors == len(params)
 
 
-def test_groups_params_lists_stay_lists_and_copy_as_plain_ones(device):
-    """The groups' lists note in-place changes, yet they are lists to everything else: isinstance, equality,
-    copies, pickles (plain lists come back) and the state dict that plain torch loads."""
-    import copy
-    import pickle
+@pytest.mark.parametrize("how", ["held_before_wrapping", "assigned_after_wrapping"])
+def test_lists_the_user_holds_stay_the_groups_lists(how, device):
+    """The groups keep the user's list objects (kitsune does not swap them for its own), so a list taken before
+    wrapping, or assigned to ``group["params"]`` and kept, still changes the group when it is edited in place."""
+    params = make_params([(4, 3), 16, 5], torch.float32, device)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    spare = make_params([16], torch.float32, device, seed=9)[0]
+    spare_twin = torch.nn.Parameter(spare.detach().clone())
+    inner, ref = (torch.optim.AdamW(ps[:2], lr=0.02, weight_decay=0.01) for ps in (params, twins))
+    held, held_ref = inner.param_groups[0]["params"], ref.param_groups[0]["params"]
+    opt = KitsuneOptimizer(inner, enable_fusion=True)
+    if how == "assigned_after_wrapping":
+        held = opt.param_groups[0]["params"] = list(held)
+        held_ref = ref.param_groups[0]["params"] = list(held_ref)
+    assert opt.param_groups[0]["params"] is held and type(held) is list
+    everything, everything_twin = [*params, spare], [*twins, spare_twin]
+    for step in range(8):
+        for p, t, g in zip(everything, everything_twin, random_grads(everything, step), strict=True):
+            p.grad, t.grad = g.clone(), g.clone()
+        if step == 3:
+            held.append(params[2])
+            held_ref.append(twins[2])
+        if step == 5:
+            held[1], held_ref[1] = spare, spare_twin
+        opt.step()
+        ref.step()
+        for i, (p, t) in enumerate(zip(everything, everything_twin, strict=True)):
+            torch.testing.assert_close(p, t, rtol=1e-5, atol=1e-6, msg=lambda m, i=i, step=step: f"{step}/{i}: {m}")
+    assert opt.plan.fused_tensors == 3
 
+
+def test_two_wrappers_of_one_optimizer_each_see_a_change(device):
+    """Each wrapper keeps its own record of the params it planned for: one re-planning does not hide the change
+    from the other (two wrappers over one torch optimizer, as copy.copy of a KitsuneOptimizer makes)."""
+    params = make_params([(4, 3), 16], torch.float32, device)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    inner, ref = (torch.optim.SGD(ps[:1], lr=0.1) for ps in (params, twins))
+    first, second = (KitsuneOptimizer(inner, enable_fusion=True) for _ in range(2))
+    for p, t, g in zip(params, twins, random_grads(params, 0), strict=True):
+        p.grad, t.grad = g.clone(), g.clone()
+    inner.param_groups[0]["params"].append(params[1])
+    ref.param_groups[0]["params"].append(twins[1])
+    for opt in (first, second):
+        opt.step()
+        ref.step()
+    for p, t in zip(params, twins, strict=True):
+        torch.testing.assert_close(p, t, rtol=1e-6, atol=1e-7)
+
+
+def test_saved_param_groups_load_with_torchs_default_weights_only(device, tmp_path):
+    """``torch.save(optimizer.param_groups)`` loads with ``torch.load``'s default (weights_only): the groups hold
+    plain lists, nothing of kitsune's."""
     params = make_params(SIZES, torch.float32, device)
     opt = KitsuneOptimizer(torch.optim.AdamW(params, lr=0.01), enable_fusion=True)
-    held = opt.param_groups[0]["params"]
-    assert isinstance(held, list) and held == params and held is opt.base_optimizer.param_groups[0]["params"]
     for p, g in zip(params, random_grads(params, 0), strict=True):
         p.grad = g
     opt.step()
-    for copied in (copy.copy(held), copy.deepcopy(opt.param_groups)[0]["params"], pickle.loads(pickle.dumps(held))):
-        assert type(copied) is list and len(copied) == len(params)
-    twice = copy.deepcopy([held, held])
-    assert twice[0] is twice[1] and type(twice[0]) is list  # one object copied once, as for plain lists
-    plain = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in params], lr=0.01)
-    plain.load_state_dict(opt.state_dict())
-    assert type(plain.param_groups[0]["params"]) is list
+    torch.save(opt.param_groups, tmp_path / "groups.pt")
+    groups = torch.load(tmp_path / "groups.pt")
+    assert type(groups[0]["params"]) is list and len(groups[0]["params"]) == len(params)
 
 
 def test_grads_of_another_dtype_go_to_the_optimizers_own_step(device):
