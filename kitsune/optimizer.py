@@ -655,9 +655,8 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         return [(id(g), g._version) for g in self._grads()]
 
     def _grads(self) -> list[torch.Tensor]:
-        if self._repeated:  # a param listed twice: its grad is unscaled and clipped once, as for model.parameters()
-            return list({id(p.grad): p.grad for p in self._params() if p.grad is not None}.values())
-        return [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        """Each param's grad once (a param listed twice is unscaled and clipped once, as for model.parameters())."""
+        return [p.grad for p in self._params() if p.grad is not None]
 
     def _params(self) -> list[torch.Tensor]:
         """Every param once, in the groups' order (a param listed twice is counted once)."""
@@ -668,9 +667,6 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         """The dense tensors that unscaling divides: each grad, or a sparse grad's values. As torch's GradScaler
         does, a float16 sparse grad is coalesced first (``p.grad`` replaced), so that duplicate indices are summed
         and an overflow in that sum is found."""
-        grads = self._grads()
-        if not any(g.is_sparse for g in grads):
-            return grads
         out = []
         for p in self._params():
             g = p.grad

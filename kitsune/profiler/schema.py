@@ -167,13 +167,13 @@ def load_profile(path: str | Path) -> Profile:
         raise ValueError(f"{path} is a directory, not {what}")
     data = path.read_bytes()
     try:
-        data.decode("utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ValueError(
             f"{path} is not UTF-8 text (byte {exc.start} is 0x{data[exc.start]:02x}), so not {what}"
         ) from None
     try:
-        return Profile.model_validate_json(data)
+        return Profile.model_validate_json(text)
     except ValidationError as exc:
         errors = exc.errors(include_url=False)
         first = errors[0]
@@ -186,7 +186,7 @@ def load_profile(path: str | Path) -> Profile:
         if version is not None:
             from kitsune import __version__
 
-            writer = json.loads(data).get("environment")
+            writer = json.loads(text).get("environment")
             writer = writer.get("kitsune") if isinstance(writer, dict) else None
             by = f"; written by kitsune {writer}" if isinstance(writer, str) else ""
             raise ValueError(
