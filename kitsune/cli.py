@@ -7,25 +7,13 @@ import sys
 
 
 def _demo_device(text: str) -> str:
-    """``--device`` of the demo: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``; CUDA only where torch sees that GPU."""
-    if text == "auto":
-        return text
-    import torch
+    """``--device`` of the demo through :func:`kitsune._device.parse_device`: its ValueError as an argparse error."""
+    from kitsune._device import parse_device
 
     try:
-        device = torch.device(text)
-    except RuntimeError:
-        device = None
-    if device is None or device.type not in ("cpu", "cuda"):
-        raise argparse.ArgumentTypeError(f"choose auto, cpu or cuda (or cuda:N), got {text!r}")
-    if device.type == "cuda":
-        fix = "use --device cpu, or --device auto to take a GPU only when there is one"
-        if not torch.cuda.is_available():
-            raise argparse.ArgumentTypeError(f"{text} asked for, but torch {torch.__version__} sees no CUDA GPU: {fix}")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            last = torch.cuda.device_count() - 1
-            raise argparse.ArgumentTypeError(f"{text} asked for, but torch sees cuda:0 to cuda:{last} only")
-    return text
+        return str(parse_device(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -48,7 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="train a tiny GPT with torch and with kitsune, side by side")
     demo.add_argument("--steps", type=int, default=100, help="training steps per run (default 100)")
-    demo.add_argument("--device", type=_demo_device, default="auto", help="auto (GPU when there is one), cpu or cuda")
+    demo.add_argument(
+        "--device", type=_demo_device, default="auto", help="auto (GPU when there is one), cpu, cuda or cuda:N"
+    )
     demo.add_argument("--profile-out", default="kitsune-profile.json", help="where to write the profile JSON")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=_demo)

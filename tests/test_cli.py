@@ -61,7 +61,7 @@ def test_demo_refuses_cuda_without_a_gpu(monkeypatch, capsys):
     with pytest.raises(SystemExit) as info:
         main(["demo", "--device", "gpu"])
     assert info.value.code == 2
-    assert "choose auto, cpu or cuda" in capsys.readouterr().err
+    assert "choose auto, cpu, cuda or cuda:N" in capsys.readouterr().err
 
 
 def _write_bytes(path, data: bytes):

@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--scale", type=_scale, default=None, help="fraction of each tensor's elements (default 1; CPU 0.001)"
     )
-    parser.add_argument("--device", default="auto", help="auto (GPU when there is one), cuda or cpu")
+    parser.add_argument("--device", default="auto", help="auto (GPU when there is one), cpu, cuda or cuda:N")
     parser.add_argument("--phase", action="store_true", help="also time the AMP + clipping phase (gpt2 set)")
     parser.add_argument(
         "--e2e", action="store_true", help="also time whole training steps of a GPT-2 124M-shaped model"

@@ -27,6 +27,7 @@ from rich.table import Table
 from triton.testing import do_bench
 
 from kitsune import KitsuneOptimizer
+from kitsune._device import parse_device
 from kitsune.bench.timing import percentile, time_steps
 from kitsune.kernels.newton_schulz import MUON_COEFFICIENTS, newton_schulz
 from kitsune.optim import Muon
@@ -131,10 +132,7 @@ def run_muon_bench(device: torch.device | str, console: Console | None = None, s
     Returns the numbers (ms, TFLOP/s, speedups) as a dict and prints a table on ``console``. GPU only: another
     device, or none where torch sees no GPU, raises a ValueError.
     """
-    try:
-        device = torch.device(device)
-    except RuntimeError:  # "auto", "gpu", ...: torch's message lists every device type it knows
-        raise ValueError(f"unknown device {device!r}: the Muon benchmark runs on cuda or cuda:N") from None
+    device = parse_device(str(device))  # an unknown name, CUDA without a GPU, cuda:N past the GPUs: its ValueError
     if device.type != "cuda" or not torch.cuda.is_available():
         seen = "" if torch.cuda.is_available() else f", and torch {torch.__version__} sees none"
         raise ValueError(f"the Muon benchmark needs a CUDA GPU (it times Triton kernels); got device '{device}'{seen}")

@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kitsune._device import parse_device
 from kitsune.bench.e2e import E2EResult, run_e2e
 from kitsune.bench.params import ParamSet, get_param_set, make_params, refill_grads
 from kitsune.bench.timing import Stats, StepTimes, copy_bandwidth, time_steps
@@ -438,17 +439,12 @@ def _ratios(variants: list[VariantResult]) -> dict[str, float]:
 
 
 def _resolve_device(device: str | torch.device | None) -> torch.device:
-    if device is None or device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    """``device`` (None: ``auto``) through :func:`kitsune._device.parse_device`, a CUDA device with its index."""
     try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise ValueError(f"--device: choose auto, cuda (or cuda:N) or cpu, got {device!r}") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda was asked for but torch sees no CUDA GPU")
-    if dev.type not in ("cuda", "cpu"):
-        raise ValueError(f"the benchmark runs on cuda or cpu, not {dev.type}")
-    if dev.type == "cuda" and dev.index is None:
+        dev = parse_device("auto" if device is None else str(device))
+    except ValueError as exc:
+        raise ValueError(f"--device: {exc}") from None
+    if dev.type == "cuda" and dev.index is None:  # torch.cuda.set_device and the allocator's counters need an index
         dev = torch.device("cuda", torch.cuda.current_device())
     return dev
 
