@@ -6,6 +6,7 @@ goes through the wrapped torch optimizer, which is what makes the bit-identical 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -22,6 +23,16 @@ FUSION_OFF_ON_CPU = pytest.mark.filterwarnings("ignore:kitsune. fusion was asked
 LIGHTNING_PYTREE = pytest.mark.filterwarnings(
     "ignore:`isinstance.treespec, LeafSpec.` is deprecated"
 )  # Lightning's own
+
+
+def needs(package: str) -> pytest.MarkDecorator:
+    """Skip, with the install line as the reason, where an integration example's package is not installed
+    (``make test`` installs both: they are in the ``dev`` extra)."""
+    missing = importlib.util.find_spec(package) is None
+    return pytest.mark.skipif(missing, reason=f"{package} is not installed: pip install -e '.[dev]' (or {package})")
+
+
+NEEDS_LIGHTNING, NEEDS_ACCELERATE = needs("lightning"), needs("accelerate")
 
 
 def first_last_loss(out: str) -> tuple[float, float]:
@@ -198,35 +209,42 @@ CASES = [
         ["--steps", "10", "--device", "cpu"],
         check_lightning_fp32,
         id="lightning",
-        marks=LIGHTNING_PYTREE,
+        marks=[LIGHTNING_PYTREE, NEEDS_LIGHTNING],
     ),
     pytest.param(
         "lightning_example.py",
         ["--steps", "10", "--device", "cpu", "--precision", "16-mixed", "--clip", "hook"],
         check_lightning_fp16,
         id="lightning-fp16-clip-hook",
-        marks=LIGHTNING_PYTREE,
+        marks=[LIGHTNING_PYTREE, NEEDS_LIGHTNING],
     ),
     pytest.param(
         "lightning_example.py",
         ["--steps", "10", "--device", "cpu", "--precision", "16-mixed", "--clip", "kitsune"],
         check_lightning_fp16_kitsune_clip,
         id="lightning-fp16-clip-kitsune",
-        marks=LIGHTNING_PYTREE,
+        marks=[LIGHTNING_PYTREE, NEEDS_LIGHTNING],
     ),
     pytest.param(
         "lightning_example.py",
         ["--steps", "10", "--device", "cpu", "--precision", "16-mixed"],
         check_lightning_fp16,
         id="lightning-fp16-clip-lightning",
-        marks=[LIGHTNING_CLIP_UNDER_AMP, LIGHTNING_PYTREE],
+        marks=[LIGHTNING_CLIP_UNDER_AMP, LIGHTNING_PYTREE, NEEDS_LIGHTNING],
     ),
-    pytest.param("accelerate_example.py", ["--steps", "12", "--device", "cpu"], check_accelerate, id="accelerate"),
+    pytest.param(
+        "accelerate_example.py",
+        ["--steps", "12", "--device", "cpu"],
+        check_accelerate,
+        id="accelerate",
+        marks=NEEDS_ACCELERATE,
+    ),
     pytest.param(
         "accelerate_example.py",
         ["--steps", "12", "--device", "cpu", "--mixed-precision", "bf16"],
         check_accelerate,
         id="accelerate-bf16",
+        marks=NEEDS_ACCELERATE,
     ),
 ]
 
