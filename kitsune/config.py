@@ -123,8 +123,6 @@ class StreamConfig(_Config):
     """Indices (< num_streams) of streams created with high priority."""
     compute_streams: list[int] = Field(default_factory=list)
     """Indices of streams for compute-bound work (Newton-Schulz matmuls); empty means all streams."""
-    memory_streams: list[int] = Field(default_factory=list)
-    """Indices of streams for memory-bound work (elementwise updates); empty means all streams."""
     step_in_backward: bool = False
     """Launch each fused bucket's update on a side stream as soon as backward has produced its grads, overlapping
     the rest of backward (off under max_grad_norm, float16 loss scaling and LAMB/LARS)."""
@@ -140,7 +138,7 @@ class StreamConfig(_Config):
 
     @model_validator(mode="after")
     def _indices_in_range(self) -> StreamConfig:
-        for name in ("priority_streams", "compute_streams", "memory_streams"):
+        for name in ("priority_streams", "compute_streams"):
             indices = getattr(self, name)
             bad = [i for i in indices if not 0 <= i < self.num_streams]
             if bad:
