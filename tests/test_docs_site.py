@@ -183,3 +183,15 @@ def test_api_reference_page_renders_the_docstrings(server: str, tmp_path: Path):
     params = inspect.signature(kitsune.KitsuneOptimizer).parameters
     assert all(name in text for name in params), "the Args table lists every constructor argument"
     check_not_blank(png)
+
+
+def test_read_the_docs_installs_the_docs_extra():
+    """docs/requirements.txt (what .readthedocs.yaml installs) lists exactly pyproject.toml's ``docs`` extra."""
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    extra = re.search(r"^docs = \[(.*)\]\s*$", pyproject, re.M)  # one line; greedy: an extra has [ ] too
+    assert extra, "pyproject.toml has no docs extra"
+    wanted = set(re.findall(r'"([^"]+)"', extra[1]))
+    lines = (DOCS / "requirements.txt").read_text().splitlines()
+    listed = {line.strip() for line in lines if line.strip() and not line.startswith("#")}
+    assert wanted and listed == wanted
+    assert "requirements: docs/requirements.txt" in (ROOT / ".readthedocs.yaml").read_text()

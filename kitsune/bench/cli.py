@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--variants",
         type=_names(VARIANTS),
         default=list(VARIANTS),
-        help="comma-separated: foreach,fused,graph,kitsune (graph is CUDA only)",
+        help=f"comma-separated, of {','.join(VARIANTS)} (graph is CUDA only; default: all)",
     )
     # dest is not "steps": the top-level CLI reads args.steps as an int, and this one may be None
     parser.add_argument(
