@@ -171,6 +171,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         self._repeated = False
         """Whether a param is listed twice in the groups (torch warns; each listing is a step's update)."""
         self._subsystems: list[Subsystem] = self._build_subsystems()
+        self._fusion: Any = self._subsystem("fusion")
         self._replan()
         self._warn_requested_but_inactive()
 
@@ -303,14 +304,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         self._needs_grads = any(s.name == "amp" and getattr(s, "scaling", False) for s in self._active)
         fusion = self._subsystem("fusion")
         self._fused_grads = fusion.active and getattr(fusion, "grad_pass", "") is None and not self._leftover
-        graphs = self._subsystem("graphs")
-        self._graphs = graphs if graphs.active and self._graph_ready(fusion) else None
-        if graphs.active and self._graphs is None:
-            why = getattr(fusion, "grad_pass", None) or "see the plan"
-            graphs.deactivate(f"the grads' passes are not fused: {why}")
-        if self._graphs is not None and self._subsystem("shard").active:
-            graphs.deactivate("sharded optimizer state: the step's collectives are not captured")
-            self._graphs = None
+        self._pick_graphs(fusion)
         self._plan_version = getattr(fusion, "plan_version", 0)
         self._in_backward = getattr(self._subsystem("streams"), "in_backward", False)
         self._steady = None
@@ -409,9 +403,15 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
             closure = None
+        fusion = self._fusion
+        if fusion.active and fusion.needs_replan(self.param_groups):
+            # a switch changed or a param's storage moved: the new plan may route params differently, which decides
+            # below how the grads are clipped and unscaled
+            self._replan()
         self._step_count += 1
         self._zeroed = None
         ctx = StepContext(step=self._step_count, baseline=self._baseline_now())
+        ctx.extra["structure_checked"] = True  # the fusion subsystem's switches and param storages, just above
         fused = ctx.extra["fused_grads"] = self._fused_grads and not ctx.baseline
         if self._needs_grads and not fused:
             ctx.extra["grads"] = self._grads_to_unscale()
@@ -451,6 +451,8 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             else:
                 self._stepped_without_base()
         except BaseException:
+            if fusion.active:
+                fusion.forget_checks()  # a retry checks the params' storages again
             self._step_count -= 1  # not a step: the count (saved in checkpoints) stays that of steps taken
             norm = ctx.extra.get("grad_norm")
             self._clipped_before = None if norm is None or fused else (self._grad_versions(), norm)
@@ -472,6 +474,19 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         grads = list(map(_GRAD, zeroed))
         self._zeroed = (zeroed, list(map(id, grads)), _versions(grads))
 
+    def _pick_graphs(self, fusion: Any) -> None:
+        """Whether steps go through the graph subsystem (``self._graphs``): where it is active, the grads' passes
+        allow a captured step and the state is not sharded; otherwise the graph subsystem is switched off with the
+        reason, so the summary never shows it active while the steps run eagerly."""
+        graphs = self._subsystem("graphs")
+        self._graphs = graphs if graphs.active and self._graph_ready(fusion) else None
+        if graphs.active and self._graphs is None:
+            why = getattr(fusion, "grad_pass", None) or "see the plan"
+            graphs.deactivate(f"the grads' passes are not fused: {why}")
+        if self._graphs is not None and self._subsystem("shard").active:
+            graphs.deactivate("sharded optimizer state: the step's collectives are not captured")
+            self._graphs = None
+
     def _graph_ready(self, fusion: Any) -> bool:
         """Whether the grads' passes allow a captured step: fused into the step's kernels, or none to run (no
         clipping, no loss scaling: Muon's momentum kernel reads the grads as backward left them)."""
@@ -488,8 +503,8 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             # prepare re-planned (a param's storage moved, a kernel switch changed): the graph holds old buffers;
             # this step runs eagerly and the graph subsystem decides afresh whether the new plan can be captured
             self._plan_version = fusion.plan_version
-            self._graphs.plan(self)
-            self._graphs = graphs if graphs.active and self._graph_ready(fusion) else None
+            graphs.plan(self)
+            self._pick_graphs(fusion)
             fusion.launch(ctx, live)
             fusion.finish(ctx, live)
             return

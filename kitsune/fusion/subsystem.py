@@ -400,7 +400,7 @@ class FusionSubsystem(Subsystem):
         step's grads, create missing state, refresh the hyperparameter buffer. Returns the units with a live grad."""
         opt = self._opt
         groups = opt.param_groups
-        if self._switches_changed(groups):
+        if not ctx.extra.get("structure_checked") and self._switches_changed(groups):
             self.plan(opt)  # a switch changed (e.g. momentum set to 0, amsgrad turned on): new kernel variants
         state = opt.state
         done = ctx.extra.get("updated_in_backward") or ()  # units the stream scheduler updated inside backward
@@ -414,6 +414,7 @@ class FusionSubsystem(Subsystem):
             if any(unit.stale for unit in self._muon):
                 self.plan(opt)
                 live = [unit for unit in (*self._units, *self._muon) if unit.prepare(state, groups)]
+        self.forget_checks()
         if ctx.extra.get("fused_grads") and (self._needs_norm(ctx) or ctx.extra.get("grad_scale") is not None):
             odd = [p for unit in (*self._units, *self._muon) for p in unit.unhandled]
             if odd:
@@ -440,6 +441,19 @@ class FusionSubsystem(Subsystem):
             if self._needs_norm(ctx):
                 self._bind_norm()
         return live
+
+    def needs_replan(self, groups: list[dict[str, Any]]) -> bool:
+        """Before a step decides how the grads are clipped and unscaled: whether a switch changed or a param's
+        storage moved, either of which re-plans (and may send params to another route, which changes that). Every
+        unit is asked, so that each one's :meth:`FusedUnit.prepare` skips the param check this step."""
+        if self._switches_changed(groups):
+            return True
+        return any([unit.moved() for units in (self._units, self._muon) for unit in units])  # a list: ask them all
+
+    def forget_checks(self) -> None:
+        """:meth:`needs_replan`'s finding holds for one step: after its prepare, or a step that raised."""
+        for unit in (*self._units, *self._muon):
+            unit.params_checked = False
 
     def unchanged(self) -> bool:
         """Whether every unit's grads and params sit where the last step found them, with no copies, lazy state or

@@ -97,6 +97,9 @@ class FusedUnit:
         """Steps that checked every address again because a watched grad or storage had been freed."""
         self._state_intact = _Intact()
         self._state_refs: list[weakref.ref] = []
+        self.params_checked = False
+        """Set by :meth:`moved` when it found every param where planned: this step's :meth:`prepare` skips that
+        check (the fusion subsystem clears it after each step's prepare)."""
         self.bind(state)
 
     # -- per step ----------------------------------------------------------------------------------------------
@@ -106,6 +109,22 @@ class FusedUnit:
         if self.still():
             return True
         return self._prepare(state, groups)
+
+    def moved(self) -> bool:
+        """Whether a param's storage moved since the plan (``p.data = ...``, ``model.half()``, a device move). The
+        optimizer asks before a step decides how the grads are clipped and unscaled, as the re-plan a move calls
+        for can change that (a param that now falls back takes the grads' passes out of the kernels)."""
+        if self._intact is not None and self._intact.ok:
+            moved = False  # static addresses: the watch holds the params' storages
+        elif self._fast and self._grad_ptrs is not None:  # a step that :meth:`_unchanged` would check in C++
+            try:
+                moved = not _PTRS_EQUAL(self.params, self._param_ptrs, self._every)  # type: ignore[misc]
+            except (TypeError, RuntimeError, ValueError):
+                moved = True
+        else:
+            moved = self._addresses(self.params) != self._param_ptrs
+        self.params_checked = not moved
+        return moved
 
     def still(self) -> bool:
         """Whether the last step's tables hold for this one: the watch is intact (static addresses), or every grad
@@ -159,8 +178,8 @@ class FusedUnit:
             return False
         grads = list(map(_GRAD, self.params))
         try:  # a grad that is None (or sparse, or without storage) raises: the full check sorts it out
-            return _PTRS_EQUAL(grads, self._grad_ptrs, self._every) and _PTRS_EQUAL(  # type: ignore[misc]
-                self.params, self._param_ptrs, self._every
+            return _PTRS_EQUAL(grads, self._grad_ptrs, self._every) and (  # type: ignore[misc]
+                self.params_checked or _PTRS_EQUAL(self.params, self._param_ptrs, self._every)  # type: ignore[misc]
             )
         except (TypeError, RuntimeError, ValueError):
             return False
@@ -181,7 +200,7 @@ class FusedUnit:
             grads = self._grads()
             ptrs = self._slow_ptrs(grads)
             dead = ptrs.count(DEAD)
-        if self._addresses(self.params) != self._param_ptrs:
+        if not self.params_checked and self._addresses(self.params) != self._param_ptrs:
             # p.data was replaced (model.half(), an EMA swap, a device move): the param table would point at
             # freed memory, and the grads may well sit at their old addresses, so this is checked every step
             self.stale = True

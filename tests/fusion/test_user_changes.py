@@ -334,3 +334,43 @@ def test_adagrad_group_added_later_starts_from_the_defaults_accumulator(device):
             torch.testing.assert_close(
                 p, t, rtol=1e-5, atol=1e-6, msg=lambda m, i=i, step=step: f"step {step}, param {i}: {m}"
             )
+
+
+@pytest.mark.parametrize("path", ["graph", "eager", "eager_cpp_check"])
+def test_a_storage_that_sends_a_param_to_another_route_changes_how_the_grads_are_clipped(path, device, monkeypatch):
+    """``p.data = `` a non-contiguous tensor mid-run, with max_grad_norm: the re-plan sends that param to torch's
+    foreach path, so the grads must now be clipped by torch ops before the updates, not inside the kernel (the
+    step used to find the move only after deciding that, and clipped the fused params alone from then on: off by
+    0.1 after one step). Against torch's AdamW with clip_grad_norm_, 12 steps; the graph path (a recording stand-in
+    for CUDA graphs) must say why it stopped capturing."""
+    from kitsune.fusion import units
+
+    from ._util import record_graphs
+
+    if path == "eager_cpp_check":  # the units' fast address check (torch's C++ one on CUDA builds)
+        monkeypatch.setattr(units, "_PTRS_EQUAL", units._PTRS_EQUAL or ptrs_equal_stand_in)
+    params = make_params([5, (4, 6), 3], torch.float32, device)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = KitsuneOptimizer(
+        torch.optim.AdamW(params, lr=0.1), enable_fusion=True, max_grad_norm=0.5, capture_graph=path == "graph"
+    )
+    ref = torch.optim.AdamW(twins, lr=0.1, foreach=False)
+    if path == "graph":
+        record_graphs(opt)
+    for step in range(12):
+        if step == 4:
+            for p in (params[1], twins[1]):
+                p.data = p.data.t().contiguous().t()  # the same values, laid out transposed
+        for p, t, g in zip(params, twins, random_grads(params, step), strict=True):
+            p.grad, t.grad = g * 4, g * 4  # a norm well above 0.5: every step clips
+        opt.step()
+        torch.nn.utils.clip_grad_norm_(twins, 0.5)
+        ref.step()
+        for i, (p, t) in enumerate(zip(params, twins, strict=True)):
+            torch.testing.assert_close(
+                p, t, rtol=1e-5, atol=1e-6, msg=lambda m, i=i, step=step: f"step {step}, param {i}: {m}"
+            )
+    assert [b.route.value for b in opt.plan.buckets] == ["triton", "torch_foreach"]
+    graphs = opt._subsystem("graphs")
+    if path == "graph":
+        assert not graphs.active and "not all fused" in graphs.reason, graphs.reason
