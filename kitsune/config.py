@@ -234,7 +234,18 @@ class ProfilerConfig(_Config):
     host syncs (CUDA only; 0 turns the probe off). Their times are left out of the statistics."""
     compare_steps: int = Field(10, ge=0)
     """Length of the live comparison: this many steps of kitsune, then this many of the wrapped optimizer's own
-    step on the same params, timed alike; the summary reports the speedup measured. 0 turns it off."""
+    step on the same params, timed alike; the summary reports the speedup measured. 0 turns it off; otherwise at
+    least 2 (the first step of each half settles and is left out)."""
+
+    @field_validator("compare_steps")
+    @classmethod
+    def _compare_steps(cls, value: int) -> int:
+        if value == 1:
+            raise ValueError(
+                "compare_steps=1 would measure nothing (the first step of each half settles and is left out): use 2 "
+                "or more (10 by default), or 0 to turn the comparison off"
+            )
+        return value
 
 
 class KitsuneConfig(_Config):
