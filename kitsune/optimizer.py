@@ -167,6 +167,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         self._steady: _Steady | None = None
         """Set after a step that replayed the graph, for the next steps to replay it again after a few C++ checks."""
         self._may_steady = False
+        self._precheck = False
         self._leftover = True
         self._repeated = False
         """Whether a param is listed twice in the groups (torch warns; each listing is a step's update)."""
@@ -307,6 +308,12 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         self._pick_graphs(fusion)
         self._plan_version = getattr(fusion, "plan_version", 0)
         self._in_backward = getattr(self._subsystem("streams"), "in_backward", False)
+        # a step asks the fusion subsystem for moved storages and changed switches before it decides how to clip
+        # and unscale (a re-plan may change that), except: with ZeRO one rank alone may see a move (its units hold
+        # only the params it owns), and a re-plan there runs collectives the other ranks do not; with updates
+        # inside backward (never with clipping or float16 scaling) the units updated there must not be updated
+        # again. Those re-plan inside the fused step, as the move is found.
+        self._precheck = not self._in_backward and not self._subsystem("shard").active
         self._steady = None
         # the steady replay below skips the subsystems' step hooks: only where the active ones do nothing in them
         self._may_steady = (
@@ -404,14 +411,16 @@ class KitsuneOptimizer(torch.optim.Optimizer):
                 loss = closure()
             closure = None
         fusion = self._fusion
-        if fusion.active and fusion.needs_replan(self.param_groups):
+        checked = self._precheck and fusion.active
+        if checked and fusion.needs_replan(self.param_groups):
             # a switch changed or a param's storage moved: the new plan may route params differently, which decides
             # below how the grads are clipped and unscaled
             self._replan()
         self._step_count += 1
         self._zeroed = None
         ctx = StepContext(step=self._step_count, baseline=self._baseline_now())
-        ctx.extra["structure_checked"] = True  # the fusion subsystem's switches and param storages, just above
+        if checked:
+            ctx.extra["structure_checked"] = True  # the fusion subsystem's switches and param storages, just above
         fused = ctx.extra["fused_grads"] = self._fused_grads and not ctx.baseline
         if self._needs_grads and not fused:
             ctx.extra["grads"] = self._grads_to_unscale()
@@ -451,7 +460,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             else:
                 self._stepped_without_base()
         except BaseException:
-            if fusion.active:
+            if checked:
                 fusion.forget_checks()  # a retry checks the params' storages again
             self._step_count -= 1  # not a step: the count (saved in checkpoints) stays that of steps taken
             norm = ctx.extra.get("grad_norm")

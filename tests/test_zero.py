@@ -33,8 +33,12 @@ CASES = {
     # (SGD: AdamW's m / sqrt(v) turns the float16 rounding of near-zero grads into whole lr-sized differences)
     "zero2_fp16_overflow": {"stage": 2, "opt": "sgd", "amp": True},
     "zero1_fp16_overflow_clip_fused": {"stage": 1, "opt": "sgd", "amp": True, "max_grad_norm": 0.05, "fused": True},
+    # p.data = ... on one param before step MOVE_STEP, on every rank: only its owner's fused units hold it, so only
+    # that rank sees the move; its re-plan must not run a collective the other rank does not (gloo aborted)
+    "zero1_adamw_fused_storage_moved": {"stage": 1, "opt": "adamw", "fused": True, "move": True},
 }
 OVERFLOW_STEP = 2
+MOVE_STEP = 2
 
 
 def _free_port() -> int:
@@ -74,6 +78,9 @@ def _train(model, opt, steps, rank: int, world: int, case: dict, first: int = 0)
     k = case.get("accumulate", 1)
     for step in range(first, first + steps):
         x, y = _batch(step)
+        if case.get("move") and step == MOVE_STEP:
+            first = next(iter(model.parameters()))
+            first.data = first.data.clone()  # the same values in a new storage
         if case.get("amp") and step == OVERFLOW_STEP:
             x[-1, 0] = float("inf")  # in the last row: rank 1's half
         lo, hi = rank * len(x) // world, (rank + 1) * len(x) // world

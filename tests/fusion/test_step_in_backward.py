@@ -272,3 +272,22 @@ def test_graphs_off_without_capture_or_on_cpu(device):
     if device.type == "cpu":
         opt = KitsuneOptimizer(torch.optim.AdamW(net.parameters()), config=in_backward())
         assert opt.scheduler.graph_reason == "needs CUDA params"
+
+
+@pytest.mark.parametrize("switch", ["maximize", "amsgrad"])
+def test_a_switch_changed_mid_run_updates_each_param_once(switch, device):
+    """A kernel switch turned on between steps: the units the hooks updated inside backward are not updated again in
+    step() (the new kernels take over from the next backward). Each param's step count is the steps taken."""
+    net, _ = twins(device)
+    opt = KitsuneOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-2), config=in_backward())
+    assert opt.scheduler.in_backward and len(opt._subsystem("fusion").units) > 1
+    gen = torch.Generator().manual_seed(7)
+    for step in range(6):
+        if step == 3:
+            opt.param_groups[0][switch] = True
+        x, y = torch.randn(8, 6, generator=gen).to(device), torch.randn(8, 3, generator=gen).to(device)
+        nn.functional.mse_loss(net(x, use_branch=True), y).backward()
+        opt.step()
+        opt.zero_grad()
+    assert {float(opt.state[p]["step"]) for p in net.parameters()} == {6.0}
+    assert all(torch.isfinite(p).all() for p in net.parameters())
