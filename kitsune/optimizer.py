@@ -303,7 +303,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         self._active = [s for s in self._subsystems if s.active]
         self._executes = any(getattr(s, "executes", False) for s in self._active)
         self._needs_grads = any(s.name == "amp" and getattr(s, "scaling", False) for s in self._active)
-        fusion = self._subsystem("fusion")
+        fusion = self._fusion
         self._fused_grads = fusion.active and getattr(fusion, "grad_pass", "") is None and not self._leftover
         self._pick_graphs(fusion)
         self._plan_version = getattr(fusion, "plan_version", 0)
