@@ -7,14 +7,15 @@ version is the reference a fused kernel must reproduce; the class docstring give
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.optim.optimizer import ParamsT
 
+from kitsune.optim.base import EagerOptimizer
 
-class LAMB(torch.optim.Optimizer):
+
+class LAMB(EagerOptimizer):
     """Layer-wise adaptive Adam with decoupled weight decay.
 
     Per param with a grad (a param whose grad is None gets no state, no update and no step count), in order:
@@ -102,43 +103,35 @@ class LAMB(torch.optim.Optimizer):
         }
         super().__init__(params, defaults)
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("LAMB does not support sparse gradients")
-                grad = -p.grad if group["maximize"] else p.grad
-                state = self.state[p]
-                if len(state) == 0:
-                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                step_t, exp_avg, exp_avg_sq = state["step"], state["exp_avg"], state["exp_avg_sq"]
-                step_t += 1
-                exp_avg.lerp_(grad, 1 - beta1)
-                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                if group["bias_correction"]:
-                    step = float(step_t)
-                    bc1, bc2 = 1 - beta1**step, 1 - beta2**step
-                else:
-                    bc1 = bc2 = 1.0
-                update = (exp_avg / bc1).div_((exp_avg_sq / bc2).sqrt_().add_(eps))
-                if wd != 0:
-                    update.add_(p, alpha=wd)
-                if group["layer_adaptation"]:
-                    p.sub_(update.mul_(lr * _trust_ratio(p, update, group["max_trust_ratio"])))
-                else:
-                    p.sub_(update.mul_(lr))
-        return loss
+    def _init_state(self, p: torch.Tensor, group: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        state = self.state[p]
+        if len(state) == 0:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state["step"], state["exp_avg"], state["exp_avg_sq"]
+
+    def _update(
+        self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor], states: list[tuple]
+    ) -> None:
+        beta1, beta2 = group["betas"]
+        lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
+        for p, grad, (step_t, exp_avg, exp_avg_sq) in zip(params, grads, states, strict=True):
+            step_t += 1
+            exp_avg.lerp_(grad, 1 - beta1)
+            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            if group["bias_correction"]:
+                step = float(step_t)
+                bc1, bc2 = 1 - beta1**step, 1 - beta2**step
+            else:
+                bc1 = bc2 = 1.0
+            update = (exp_avg / bc1).div_((exp_avg_sq / bc2).sqrt_().add_(eps))
+            if wd != 0:
+                update.add_(p, alpha=wd)
+            if group["layer_adaptation"]:
+                p.sub_(update.mul_(lr * _trust_ratio(p, update, group["max_trust_ratio"])))
+            else:
+                p.sub_(update.mul_(lr))
 
 
 def _trust_ratio(p: torch.Tensor, update: torch.Tensor, max_trust_ratio: float | None) -> torch.Tensor:

@@ -8,16 +8,16 @@ version is the reference a fused kernel must reproduce; the class docstring give
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.optim.optimizer import ParamsT
 
+from kitsune.optim.base import EagerOptimizer
 from kitsune.optim.lamb import tensor_norm
 
 
-class LARS(torch.optim.Optimizer):
+class LARS(EagerOptimizer):
     """SGD with a layer-wise (per-tensor) trust ratio.
 
     Per param with a grad (a param whose grad is None gets no state and no update), in order:
@@ -109,36 +109,28 @@ class LARS(torch.optim.Optimizer):
         }
         super().__init__(params, defaults)
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            lr, wd, momentum = float(group["lr"]), group["weight_decay"], group["momentum"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("LARS does not support sparse gradients")
-                grad = -p.grad if group["maximize"] else p.grad
-                if group["layer_adaptation"]:
-                    w_norm, g_norm = tensor_norm(p), tensor_norm(grad)
-                    ratio = group["trust_coefficient"] * w_norm / (g_norm + wd * w_norm + group["eps"])
-                    trust = torch.where((w_norm > 0) & (g_norm > 0), ratio, 1.0)
-                # the rest is torch.optim.SGD's _single_tensor_sgd op for op, plus the trust multiply
-                if wd != 0:
-                    grad = grad.add(p, alpha=wd)
-                if group["layer_adaptation"]:
-                    grad = grad.mul(trust)
-                if momentum != 0:
-                    state = self.state[p]
-                    buf = state.get("momentum_buffer")
-                    if buf is None:
-                        state["momentum_buffer"] = buf = grad.detach().clone()
-                    else:
-                        buf.mul_(momentum).add_(grad, alpha=1 - group["dampening"])
-                    grad = grad.add(buf, alpha=momentum) if group["nesterov"] else buf
-                p.add_(grad, alpha=-lr)
-        return loss
+    def _init_state(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor | None:
+        # torch SGD's: no state without momentum, and a missing buffer starts from the first update
+        return self.state[p].get("momentum_buffer") if group["momentum"] != 0 else None
+
+    def _update(
+        self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor], states: list[Any]
+    ) -> None:
+        lr, wd, momentum = float(group["lr"]), group["weight_decay"], group["momentum"]
+        for p, grad, buf in zip(params, grads, states, strict=True):
+            if group["layer_adaptation"]:
+                w_norm, g_norm = tensor_norm(p), tensor_norm(grad)
+                ratio = group["trust_coefficient"] * w_norm / (g_norm + wd * w_norm + group["eps"])
+                trust = torch.where((w_norm > 0) & (g_norm > 0), ratio, 1.0)
+            # the rest is torch.optim.SGD's _single_tensor_sgd op for op, plus the trust multiply
+            if wd != 0:
+                grad = grad.add(p, alpha=wd)
+            if group["layer_adaptation"]:
+                grad = grad.mul(trust)
+            if momentum != 0:
+                if buf is None:
+                    self.state[p]["momentum_buffer"] = buf = grad.detach().clone()
+                else:
+                    buf.mul_(momentum).add_(grad, alpha=1 - group["dampening"])
+                grad = grad.add(buf, alpha=momentum) if group["nesterov"] else buf
+            p.add_(grad, alpha=-lr)

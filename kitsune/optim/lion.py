@@ -8,14 +8,15 @@ fusion planner runs it as one multi-tensor launch.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.optim.optimizer import ParamsT
 
+from kitsune.optim.base import EagerOptimizer
 
-class Lion(torch.optim.Optimizer):
+
+class Lion(EagerOptimizer):
     """Sign-momentum optimizer with decoupled weight decay.
 
     Args:
@@ -43,26 +44,18 @@ class Lion(torch.optim.Optimizer):
         defaults = {"lr": lr, "betas": betas, "weight_decay": weight_decay, "maximize": maximize}
         super().__init__(params, defaults)
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            lr = float(group["lr"])
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("Lion does not support sparse gradients")
-                grad = -p.grad if group["maximize"] else p.grad
-                state = self.state[p]
-                if len(state) == 0:
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                exp_avg = state["exp_avg"]
-                p.mul_(1 - lr * group["weight_decay"])
-                p.add_(exp_avg.lerp(grad, 1 - beta1).sign_(), alpha=-lr)
-                exp_avg.lerp_(grad, 1 - beta2)
-        return loss
+    def _init_state(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        state = self.state[p]
+        if len(state) == 0:
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state["exp_avg"]
+
+    def _update(
+        self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor], states: list[torch.Tensor]
+    ) -> None:
+        beta1, beta2 = group["betas"]
+        lr = float(group["lr"])
+        for p, grad, exp_avg in zip(params, grads, states, strict=True):
+            p.mul_(1 - lr * group["weight_decay"])
+            p.add_(exp_avg.lerp(grad, 1 - beta1).sign_(), alpha=-lr)
+            exp_avg.lerp_(grad, 1 - beta2)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -32,6 +32,7 @@ from torch.optim.adamw import adamw
 from torch.optim.optimizer import ParamsT
 
 from kitsune.kernels.coefficients import MUON_COEFFICIENTS, Coefficients, schedule
+from kitsune.optim.base import EagerOptimizer
 
 try:  # Triton is optional: without it every step takes the torch path
     from kitsune.kernels import newton_schulz as _ns
@@ -78,8 +79,12 @@ def _use_triton(device: torch.device) -> bool:
     return device.type == "cpu" and _ns.INTERPRETED and os.environ.get("TRITON_INTERPRET") == "1"
 
 
-class Muon(torch.optim.Optimizer):
+class Muon(EagerOptimizer):
     """MomentUm Orthogonalized by Newton-Schulz for matrix params, AdamW for the rest.
+
+    A group's ``use_muon`` may change between steps: each algorithm creates the state keys it needs where they are
+    missing (zeros, and a zero ``step``) and leaves the other algorithm's keys as they are, so a flipped group starts
+    its new algorithm from fresh state (and one flipped back picks up the state it left).
 
     Args:
         params: params or param groups; a group's ``use_muon`` (default True) picks Muon or AdamW for it.
@@ -179,55 +184,59 @@ class Muon(torch.optim.Optimizer):
             if not 0.0 <= beta1 < 1.0 or not 0.0 <= beta2 < 1.0:
                 raise ValueError(f"Invalid betas in {where}: {group['betas']} (each in [0, 1))")
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            if group["use_muon"]:
-                self._muon_group(group)
-            else:
-                self._adamw_group(group)
-        return loss
+    def _algorithm(self, group: dict[str, Any]) -> str:
+        return "Muon" if group["use_muon"] else "AdamW"
 
-    def _muon_group(self, group: dict[str, Any]) -> None:
+    def _init_state(self, p: torch.Tensor, group: dict[str, Any]) -> Any:
+        state = self.state[p]
+        if group["use_muon"]:
+            if torch.is_complex(p):
+                raise RuntimeError("Muon does not support complex parameters")
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+            return state["momentum_buffer"]
+        if "step" not in state:  # torch.optim.AdamW's state: a CPU float step, moments like the param
+            scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+            state["step"] = torch.tensor(0.0, dtype=scalar)
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key not in state:
+                state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state["step"], state["exp_avg"], state["exp_avg_sq"]
+
+    def _update(
+        self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor], states: list[Any]
+    ) -> None:
+        if group["use_muon"]:
+            self._muon_group(group, params, grads, states)
+        else:
+            self._adamw_group(group, params, grads, states)
+
+    def _muon_group(
+        self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor], bufs: list[torch.Tensor]
+    ) -> None:
         lr = float(group["lr"])
         momentum = group["momentum"]
         plan = schedule(group["ns_coefficients"], group["ns_steps"])
+        sharded = getattr(self, "process_group", None) is not None  # distributed Muon batches every matrix
         # same-shape matrices on one device go through the Triton kernels together
-        batches: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            if torch.is_complex(p):
-                raise RuntimeError("Muon does not support complex parameters")
-            if p.grad.is_sparse:
-                raise RuntimeError("Muon does not support sparse gradients")
-            grad = p.grad
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
-            buf = state["momentum_buffer"]
+        batches: dict[tuple, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        for p, grad, buf in zip(params, grads, bufs, strict=True):
             buf.lerp_(grad, 1 - momentum)
-            sharded = getattr(self, "process_group", None) is not None  # distributed Muon batches every matrix
             if group["ns_steps"] > 0 and (sharded or (grad.dtype in _TRITON_DTYPES and _use_triton(p.device))):
-                batches.setdefault((p.shape, grad.dtype, p.device), []).append((p, grad))
+                batches.setdefault((p.shape, grad.dtype, p.device), []).append((p, grad, buf))
                 continue
             update = grad.lerp(buf, momentum) if group["nesterov"] else buf
             ortho = zeropower_via_newtonschulz(update.reshape(len(update), -1), plan, group["eps"])
             self._apply(p, ortho, group, lr)
         for (shape, dtype, device), members in batches.items():
             updates = torch.empty((len(members), shape[0], math.prod(shape[1:])), dtype=dtype, device=device)
-            for u, (p, grad) in zip(updates, members, strict=True):
-                buf = self.state[p]["momentum_buffer"]
+            for u, (_, grad, buf) in zip(updates, members, strict=True):
                 if group["nesterov"]:
                     torch.lerp(grad, buf, momentum, out=u.view(shape))
                 else:
                     u.view(shape).copy_(buf)
             ortho = self._orthogonalize(updates, group, plan)
-            for o, (p, _) in zip(ortho, members, strict=True):
+            for o, (p, _, _) in zip(ortho, members, strict=True):
                 self._apply(p, o, group, lr)
 
     def _orthogonalize(self, updates: torch.Tensor, group: dict[str, Any], plan: list[Coefficients]) -> torch.Tensor:
@@ -251,26 +260,11 @@ class Muon(torch.optim.Optimizer):
         p.mul_(1 - lr * group["weight_decay"])
         p.add_(ortho.view(p.shape), alpha=-adjust_lr(lr, group["adjust_lr_fn"], ortho.shape))
 
-    def _adamw_group(self, group: dict[str, Any]) -> None:
-        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            if p.grad.is_sparse:
-                raise RuntimeError("AdamW does not support sparse gradients")
-            state = self.state[p]
-            if len(state) == 0:  # torch.optim.AdamW's state: a CPU float step, moments like the param
-                scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-                state["step"] = torch.tensor(0.0, dtype=scalar)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            params.append(p)
-            grads.append(p.grad)
-            exp_avgs.append(state["exp_avg"])
-            exp_avg_sqs.append(state["exp_avg_sq"])
-            steps.append(state["step"])
-        if not params:
-            return
+    @staticmethod
+    def _adamw_group(
+        group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor], states: list[tuple]
+    ) -> None:
+        steps, exp_avgs, exp_avg_sqs = (list(s) for s in zip(*states, strict=True))
         beta1, beta2 = group["betas"]
         adamw(
             params, grads, exp_avgs, exp_avg_sqs, [], steps,

@@ -228,3 +228,60 @@ def test_gpu_step_over_same_shape_matrices_matches_torch():
         opt_theirs.step()
     for p, q in zip(ours, theirs, strict=True):
         assert (p - q).norm().item() < _drift_bound(10, 0.02, p.shape, None)
+
+
+def test_flipping_use_muon_mid_run_starts_the_new_algorithm_fresh(device):
+    """A group flipped from Muon to AdamW follows torch.optim.AdamW from fresh state, one flipped from AdamW to Muon
+    follows a fresh Muon, and each keeps the state keys of the algorithm it left untouched."""
+    gen = torch.Generator().manual_seed(3)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 6)
+    )
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+    model.to(device)
+    to_adamw = [model[0].weight, model[2].weight]
+    to_muon = [model[4].weight]
+    biases = [model[0].bias, model[2].bias, model[4].bias]
+    opt = Muon(
+        [{"params": to_adamw}, {"params": to_muon, "use_muon": False}, {"params": biases, "use_muon": False}],
+        lr=0.02,
+    )
+
+    def backward():
+        opt.zero_grad()
+        model(torch.randn(8, 12, generator=gen).to(device)).square().mean().backward()
+
+    for _ in range(3):
+        backward()
+        opt.step()
+    left = {p: {k: v.clone() for k, v in opt.state[p].items()} for p in to_adamw + to_muon}
+    opt.param_groups[0]["use_muon"] = False
+    opt.param_groups[1]["use_muon"] = True
+    adamw_twins = [torch.nn.Parameter(p.detach().clone()) for p in to_adamw]
+    muon_twins = [torch.nn.Parameter(p.detach().clone()) for p in to_muon]
+    group = opt.param_groups[0]
+    torch_adamw = torch.optim.AdamW(
+        adamw_twins, lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"]
+    )
+    fresh_muon = Muon([{**opt.param_groups[1], "params": muon_twins}])
+    for _ in range(4):
+        backward()
+        for p, twin in zip(to_adamw + to_muon, adamw_twins + muon_twins, strict=True):
+            twin.grad = p.grad.clone()
+        opt.step()
+        torch_adamw.step()
+        fresh_muon.step()
+        for p, twin in zip(to_adamw + to_muon, adamw_twins + muon_twins, strict=True):
+            torch.testing.assert_close(p.detach(), twin.detach())
+    for p, twin in zip(to_adamw, adamw_twins, strict=True):
+        assert list(opt.state[p]) == ["momentum_buffer", "step", "exp_avg", "exp_avg_sq"]
+        assert torch.equal(opt.state[p]["momentum_buffer"], left[p]["momentum_buffer"])
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(opt.state[p][key], torch_adamw.state[twin][key])
+    for p, twin in zip(to_muon, muon_twins, strict=True):
+        assert list(opt.state[p]) == ["step", "exp_avg", "exp_avg_sq", "momentum_buffer"]
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.state[p][key], left[p][key])
+        torch.testing.assert_close(opt.state[p]["momentum_buffer"], fresh_muon.state[twin]["momentum_buffer"])

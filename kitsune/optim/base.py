@@ -1,0 +1,59 @@
+"""The step the kitsune.optim optimizers share: check and gather every group first, then one group's math at a time."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+class EagerOptimizer(torch.optim.Optimizer):
+    """A torch.optim.Optimizer whose ``step`` does the bookkeeping, so that a subclass holds only its own math.
+
+    ``step(closure)`` evaluates the closure with grad enabled, refuses sparse grads in any group, gathers every
+    group (its params with a grad, their grads, and what :meth:`_init_state` returns for each), then calls
+    :meth:`_update` group by group with the grads negated where the group has ``maximize``, and returns the
+    closure's loss. Whatever can raise does so before the first update of any group (torch.optim checks one group
+    at a time): a step that raises leaves every param as it was, and one refusing a sparse grad every state too.
+    """
+
+    def _algorithm(self, group: dict[str, Any]) -> str:
+        """The name a refusal gives for ``group``'s algorithm."""
+        return type(self).__name__
+
+    def _init_state(self, p: torch.Tensor, group: dict[str, Any]) -> Any:
+        """Create ``p``'s missing state in ``self.state[p]`` and return what :meth:`_update` reads from it; a check
+        that can raise (a missing state key: KeyError) belongs here."""
+        raise NotImplementedError
+
+    def _update(
+        self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor], states: list[Any]
+    ) -> None:
+        """One group's math over its params with a grad (at least one), their grads and ``_init_state``'s values."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if any(p.grad is not None and p.grad.is_sparse for p in group["params"]):
+                raise RuntimeError(f"{self._algorithm(group)} does not support sparse gradients")
+        gathered = [self._init_group(group) for group in self.param_groups]
+        for group, (params, grads, states) in zip(self.param_groups, gathered, strict=True):
+            if params:
+                grads = [-g for g in grads] if group.get("maximize", False) else grads
+                self._update(group, params, grads, states)
+        return loss
+
+    def _init_group(self, group: dict[str, Any]) -> tuple[list[torch.Tensor], list[torch.Tensor], list[Any]]:
+        params, grads, states = [], [], []
+        for p in group["params"]:
+            if p.grad is not None:  # no grad: no state, no update
+                params.append(p)
+                grads.append(p.grad)
+                states.append(self._init_state(p, group))
+        return params, grads, states

@@ -1,0 +1,83 @@
+"""The step kitsune.optim's optimizers share: everything that can raise does so before any param or state changes."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from kitsune.optim import LAMB, LARS, Lion, Muon
+
+SHAPES = ((4, 5), (6, 3), (5, 4))  # matrices, so that Muon takes every one
+
+OPTIMIZERS = {
+    "Lion": lambda groups: Lion(groups, lr=0.01, weight_decay=0.1),
+    "LAMB": lambda groups: LAMB(groups, lr=0.01, weight_decay=0.1),
+    "LARS": lambda groups: LARS(groups, lr=1.0, weight_decay=0.1, trust_coefficient=0.02),
+    "Muon": lambda groups: Muon(groups, lr=0.02),
+    "Muon+AdamW": lambda groups: Muon([groups[0], {**groups[1], "use_muon": False}], lr=0.02),
+}
+
+
+def _params(seed: int) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(shape, generator=gen)) for shape in SHAPES]
+
+
+def _set_grads(params: list[torch.nn.Parameter], seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+
+
+def _assert_same_state(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for index, state in want.items():
+        assert got[index].keys() == state.keys()
+        for key, value in state.items():
+            assert torch.equal(got[index][key], value), (index, key)
+
+
+@pytest.mark.parametrize("warmup", [0, 3])
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_sparse_grad_in_a_later_group_changes_nothing(name, warmup):
+    params = _params(seed=0)
+    opt = OPTIMIZERS[name]([{"params": params[:2]}, {"params": params[2:]}])
+    for step in range(warmup):
+        _set_grads(params, seed=1 + step)
+        opt.step()
+    _set_grads(params, seed=100)
+    params[2].grad = params[2].grad.to_sparse()
+    before = [p.detach().clone() for p in params]
+    state = copy.deepcopy(opt.state_dict()["state"])
+    algorithm = "AdamW" if name == "Muon+AdamW" else type(opt).__name__  # Muon names the group's algorithm
+    with pytest.raises(RuntimeError, match=f"^{algorithm} does not support sparse gradients$"):
+        opt.step()
+    for p, want in zip(params, before, strict=True):
+        assert torch.equal(p, want)
+    _assert_same_state(opt.state_dict()["state"], state)
+    assert len(opt.state) == (len(params) if warmup else 0)
+
+
+@pytest.mark.parametrize(("cls", "key"), [(Lion, "exp_avg"), (LAMB, "step"), (LAMB, "exp_avg"), (LAMB, "exp_avg_sq")])
+def test_state_missing_a_key_raises_key_error_before_any_update(cls, key):
+    """As torch.optim.Adam: a param's non-empty state is read, not completed; the step raises and moves nothing."""
+    params = _params(seed=1)
+    groups = [{"params": params[:2]}, {"params": params[2:]}]
+    opt = cls(groups, lr=0.01)
+    for step in range(3):
+        _set_grads(params, seed=10 + step)
+        opt.step()
+    checkpoint = copy.deepcopy(opt.state_dict())
+    last = checkpoint["state"][2]  # the last param, in the last group: its state is not empty, but lacks the key
+    last["momentum_buffer"] = last.pop(key)
+    resumed = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = cls([{"params": resumed[:2]}, {"params": resumed[2:]}], lr=0.01)
+    opt.load_state_dict(checkpoint)
+    _set_grads(resumed, seed=100)
+    before = [p.detach().clone() for p in resumed]
+    with pytest.raises(KeyError, match=key):
+        opt.step()
+    for p, want in zip(resumed, before, strict=True):
+        assert torch.equal(p, want)
