@@ -6,22 +6,11 @@
 
 from kitsune.bench.cli import add_arguments, main, register, run_from_args
 from kitsune.bench.params import PARAM_SETS, ParamSet, get_param_set, make_params
-from kitsune.bench.runner import (
-    ADAMW,
-    ADAMW_BYTES_PER_PARAM,
-    PHASE_BYTES_PER_PARAM,
-    VARIANTS,
-    BenchResult,
-    KitsuneInfo,
-    SetResult,
-    VariantResult,
-    make_variant,
-    print_results,
-    run_bench,
-    run_phase,
-    run_variant,
-)
+from kitsune.bench.results import BenchResult, KitsuneInfo, SetResult, VariantResult
+from kitsune.bench.runner import ADAMW_BYTES_PER_PARAM, PHASE_BYTES_PER_PARAM, run_bench, run_phase, run_variant
+from kitsune.bench.table import print_results
 from kitsune.bench.timing import Stats, copy_bandwidth, time_steps
+from kitsune.bench.variants import ADAMW, VARIANTS, make_variant
 
 __all__ = [
     "ADAMW",

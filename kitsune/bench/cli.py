@@ -8,7 +8,8 @@ from collections.abc import Callable
 from typing import Any
 
 from kitsune.bench.params import PARAM_SETS
-from kitsune.bench.runner import VARIANTS, run_bench
+from kitsune.bench.runner import run_bench
+from kitsune.bench.variants import VARIANTS
 
 
 def _names(choices: dict[str, Any]) -> Callable[[str], list[str]]:

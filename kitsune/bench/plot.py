@@ -12,7 +12,7 @@ import sys
 from html import escape
 from pathlib import Path
 
-from kitsune.bench.runner import BenchResult, SetResult
+from kitsune.bench.results import BenchResult, SetResult
 
 _ROW = 22  # px per variant row
 _LABEL = 250  # px for the variant names

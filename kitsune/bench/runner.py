@@ -1,47 +1,27 @@
-"""The variants, the run over parameter sets, the results (pydantic models, JSON) and their table."""
+"""The run over parameter sets: each variant timed on fresh params, the AMP + clipping phase, the JSON."""
 
 from __future__ import annotations
 
 import gc
-import json
 import shlex
 import sys
-import warnings
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import BaseModel
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from kitsune._device import parse_device
-from kitsune.bench.e2e import E2EResult, run_e2e
+from kitsune.bench.e2e import run_e2e
 from kitsune.bench.params import ParamSet, get_param_set, make_params, refill_grads
+from kitsune.bench.results import BenchResult, KitsuneInfo, SetResult, VariantResult
+from kitsune.bench.table import default_console, print_results
 from kitsune.bench.timing import Stats, StepTimes, copy_bandwidth, time_steps
-from kitsune.profiler.schema import Environment, collect_environment
-
-ADAMW = {"lr": 1e-3, "weight_decay": 0.01, "betas": (0.9, 0.999), "eps": 1e-8}
-"""The AdamW hyperparameters every variant uses (betas and eps are torch's defaults)."""
-
-VARIANTS: dict[str, str] = {
-    "foreach": "torch foreach",
-    "fused": "torch fused",
-    "graph": "torch graph",
-    "kitsune": "kitsune",
-    "eager": "kitsune, capture_graph=False",
-    "static": "kitsune, static_addresses=True",
-    "profiled": "kitsune, profile=True",
-}
-"""Variant name (what ``--variants`` takes) -> label in the table. ``graph`` is fused + capturable AdamW replayed
-from a CUDA graph; ``kitsune`` is kitsune as it comes (on CUDA its phase is captured in a CUDA graph after
-warm-up), ``eager`` the same with ``capture_graph=False``, ``static`` the same with
-``GraphConfig(static_addresses=True)`` (the grads stay in place, as in every variant here, so the per-step address
-checks are skipped); ``profiled`` is kitsune with the profiler on outside its sampled windows (probe and live
-comparison off), which measures the profiler's own cost per step."""
+from kitsune.bench.variants import ADAMW, VARIANTS, make_variant
+from kitsune.profiler.schema import collect_environment
 
 FP32_BYTES = 4
 # An fp32 AdamW step touches each parameter's four tensors once: it reads param, grad, exp_avg and exp_avg_sq,
@@ -52,228 +32,6 @@ ADAMW_BYTES_PER_PARAM = FP32_BYTES * (4 + 3)  # 28
 PHASE_BYTES_PER_PARAM = FP32_BYTES * (1 + 4 + 3 + 1)  # 36
 
 
-class KitsuneInfo(BaseModel):
-    """What the kitsune variant ran with, from ``opt.subsystem_status()`` after the timed steps."""
-
-    active_subsystems: list[str]
-    fusion_active: bool
-    fusion_reason: str | None
-    """Why fusion is inactive (None when active)."""
-    fused_params: int | None
-    """Params the fused Triton kernels update (the fusion report's ``params_fused``; None when it has none)."""
-    total_params: int
-    fused_all: bool | None
-    """True when the fusion plan sends every param to the fused kernels (nothing falls back to torch)."""
-    fallbacks: list[str]
-    """Each plan bucket that is not fused: ``"<tensors> tensors -> <route>: <reason>"``."""
-    launches_per_step: int | None
-    """Fused kernel launches in the last step, as the fusion report counts them."""
-    subsystems: list[dict[str, Any]]
-    """``opt.subsystem_status()`` verbatim (the fusion plan is in the fusion entry's report)."""
-    warnings: list[str]
-    """Warnings kitsune raised while building the optimizer and during warm-up."""
-
-
-class VariantResult(BaseModel):
-    variant: str
-    label: str
-    status: Literal["ok", "skipped", "failed", "not_available"]
-    reason: str | None = None
-    """Why the variant was skipped, failed or is not available."""
-    device_ms: Stats | None = None
-    """Device time per step (CUDA events; wall time on a CPU)."""
-    host_ms: Stats | None = None
-    """Host time of the ``step()`` call alone, started with the device idle, no synchronize inside."""
-    pct_of_floor: float | None = None
-    """100 * floor_ms / median device ms: how close the step comes to the memory's copy rate."""
-    device_ms_steps: list[float] = []
-    host_ms_steps: list[float] = []
-    kitsune: KitsuneInfo | None = None
-
-
-class SetResult(BaseModel):
-    name: str
-    workload: Literal["adamw_step", "amp_clip_phase"]
-    description: str
-    n_tensors: int
-    n_elements: int
-    scale: float
-    bytes_per_param: int
-    bytes_per_step: int
-    floor_ms: float
-    """bytes_per_step / measured copy bandwidth."""
-    steps: int
-    warmup: int
-    variants: list[VariantResult]
-    ratio_to_kitsune: dict[str, float]
-    """Per torch variant: its median device ms / kitsune's (above 1: kitsune is faster)."""
-
-
-class BenchResult(BaseModel):
-    schema_version: Literal["1"] = "1"
-    created: datetime
-    command: str
-    environment: Environment
-    device: str
-    timer: Literal["cuda_events", "perf_counter"]
-    copy_bandwidth_gbs: float
-    """Measured device-to-device copy rate, read + write bytes, in GB/s (1e9)."""
-    copy_buffer_bytes: int
-    adamw: dict[str, Any]
-    sets: list[SetResult]
-    phase: SetResult | None
-    e2e: E2EResult | None = None
-    """Whole training steps of a GPT-2 124M-shaped model (``--e2e``)."""
-    complete: bool
-    """False while the run is still going (the JSON is rewritten after every set)."""
-
-    def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(self.model_dump_json(indent=2))
-        return path
-
-    @classmethod
-    def load(cls, path: str | Path) -> BenchResult:
-        return cls.model_validate_json(Path(path).read_text())
-
-
-# -- variants ---------------------------------------------------------------------------------------------------
-class _TorchVariant:
-    """A torch AdamW; ``step`` is its bound ``step`` so the timers see nothing else."""
-
-    def __init__(self, params: list[torch.nn.Parameter], **flags: bool) -> None:
-        self.opt: torch.optim.Optimizer = torch.optim.AdamW(params, **ADAMW, **flags)
-        self.step = self.opt.step
-
-    def warmup(self, n: int) -> None:
-        for _ in range(n):
-            self.step()
-
-    def info(self) -> KitsuneInfo | None:
-        return None
-
-    def close(self) -> None:
-        del self.opt, self.step
-
-
-class _GraphVariant(_TorchVariant):
-    """Fused capturable AdamW captured once in a CUDA graph, then replayed."""
-
-    def __init__(self, params: list[torch.nn.Parameter]) -> None:
-        if params and params[0].device.type != "cuda":
-            raise ValueError("the graph variant needs CUDA params")
-        super().__init__(params, fused=True, capturable=True)
-        self.graph: torch.cuda.CUDAGraph | None = None
-
-    def warmup(self, n: int) -> None:
-        # Eager steps on a side stream first (torch's recipe: state is allocated and kernels are loaded outside
-        # the capture), then capture one step, then replay the rest: n steps in all, as the other variants run.
-        eager = max(1, min(3, n))
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), warnings.catch_warnings():
-            # torch warns that capturable=True runs uncaptured: true, and intended, for these steps only
-            warnings.filterwarnings("ignore", message=".*capturable=True.*")
-            for _ in range(eager):
-                self.opt.step()
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.opt.step()  # recorded, not run
-        self.step = self.graph.replay
-        for _ in range(n - eager):
-            self.step()
-
-    def close(self) -> None:
-        if self.graph is not None:
-            self.graph.reset()  # gives its private memory pool back
-            self.graph = None
-        super().close()
-
-
-class _KitsuneVariant(_TorchVariant):
-    def __init__(
-        self, params: list[torch.nn.Parameter], profile: bool = False, graph: bool = True, static: bool = False
-    ) -> None:
-        from kitsune.config import FusionConfig, GraphConfig, KitsuneConfig, ProfilerConfig
-        from kitsune.optimizer import KitsuneOptimizer
-
-        self.params = params
-        self.warnings: list[str] = []
-        # profiled: the profiler's per-step cost only; its sampled windows would replace steps with other work
-        profiler = ProfilerConfig(enabled=profile, probe_steps=0, compare_steps=0)
-        config = KitsuneConfig(
-            fusion=FusionConfig(enabled=True),
-            profiler=profiler,
-            graphs=GraphConfig(enabled=graph, static_addresses=static),
-        )
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            self.opt = KitsuneOptimizer(torch.optim.AdamW(params, **ADAMW), config=config)
-        self._keep(caught)
-        self.step = self.opt.step
-
-    def _keep(self, caught: list[warnings.WarningMessage]) -> None:
-        for w in caught:
-            if str(w.message) not in self.warnings:
-                self.warnings.append(str(w.message))
-
-    def warmup(self, n: int) -> None:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            super().warmup(n)
-        self._keep(caught)
-
-    def info(self) -> KitsuneInfo:
-        status = json.loads(json.dumps(self.opt.subsystem_status(), default=str))  # reports must stay JSON-able
-        fusion = next((s for s in status if s["name"] == "fusion"), {"active": False, "reason": "no fusion subsystem"})
-        report = fusion.get("report") or {}
-        fused = report.get("params_fused") if fusion["active"] else 0
-        buckets = (report.get("plan") or {}).get("buckets") or []
-        fallbacks = [
-            f"{b.get('tensors')} tensors -> {b.get('route')}: {b.get('reason')}"
-            for b in buckets
-            if b.get("route") != "triton"
-        ]
-        return KitsuneInfo(
-            active_subsystems=[s["name"] for s in status if s["active"]],
-            fusion_active=fusion["active"],
-            fusion_reason=fusion.get("reason"),
-            fused_params=fused,
-            total_params=len(self.params),
-            fused_all=None if fused is None else fused == len(self.params),
-            fallbacks=fallbacks,
-            launches_per_step=report.get("fused_launches_per_step"),
-            subsystems=status,
-            warnings=self.warnings,
-        )
-
-    def close(self) -> None:
-        del self.params
-        super().close()
-
-
-def make_variant(name: str, params: list[torch.nn.Parameter]) -> _TorchVariant:
-    """Build variant ``name`` over ``params``: call ``warmup(n)`` once, then ``step()``; ``close()`` at the end."""
-    if name == "foreach":
-        return _TorchVariant(params, foreach=True)
-    if name == "fused":
-        return _TorchVariant(params, fused=True)
-    if name == "graph":
-        return _GraphVariant(params)
-    if name == "kitsune":
-        return _KitsuneVariant(params)
-    if name == "eager":
-        return _KitsuneVariant(params, graph=False)
-    if name == "static":
-        return _KitsuneVariant(params, static=True)
-    if name == "profiled":
-        return _KitsuneVariant(params, profile=True)
-    raise ValueError(f"unknown variant {name!r}: choose from {', '.join(VARIANTS)}")
-
-
-# -- running ----------------------------------------------------------------------------------------------------
 def _free(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -449,12 +207,6 @@ def _resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
-def _console() -> Console:
-    console = Console()
-    # a log file gets rich's 80 columns unless told otherwise: too narrow for the table
-    return console if console.is_terminal else Console(width=max(console.width, 120))
-
-
 def _command_line() -> str:
     return shlex.join(getattr(sys, "orig_argv", [sys.executable, *sys.argv]))
 
@@ -517,7 +269,7 @@ def run_bench(
         raise ValueError(f"e2e_steps must be at least 1, got {e2e_steps}")
     if e2e_batch is not None and e2e_batch < 1:
         raise ValueError(f"e2e_batch must be at least 1, got {e2e_batch}")
-    console = console or _console()
+    console = console or default_console()
     if cuda:
         torch.cuda.set_device(dev)
 
@@ -620,88 +372,3 @@ def run_bench(
     if json_path is not None:
         console.print(f"results written to {json_path}")
     return result
-
-
-# -- the table --------------------------------------------------------------------------------------------------
-def _note(v: VariantResult) -> str | None:
-    if v.status != "ok":
-        return f"{v.status}: {v.reason}"
-    k = v.kitsune
-    if k is None:
-        return None
-    active = f"active subsystems: {', '.join(k.active_subsystems) or 'none'}"
-    if not k.fusion_active:
-        return f"fusion inactive: {k.fusion_reason}; {active}"
-    fused = "?" if k.fused_params is None else str(k.fused_params)
-    launches = "" if k.launches_per_step is None else f" in {k.launches_per_step} launch(es)/step"
-    fallbacks = "".join(f"; fallback: {f}" for f in k.fallbacks)
-    return f"fused {fused}/{k.total_params} params{launches}{fallbacks}; {active}"
-
-
-def _pct(value: float | None) -> str:
-    if value is None:
-        return ""
-    return f"{value:.0f}%" if value >= 10 else f"{value:.1f}%" if value >= 1 else f"{value:.2f}%"
-
-
-def print_results(result: BenchResult, console: Console | None = None) -> None:
-    """The results as one rich table (a section per set, a row per variant), then the notes it refers to."""
-    console = console or _console()
-    table = Table(title=f"AdamW fp32, {result.environment.device_name}, copy {result.copy_bandwidth_gbs:,.0f} GB/s")
-    for name in ("set", "variant", "ms/step", "p10-p90", "host ms", "floor ms", "% floor", "t / kitsune"):
-        text = name in ("set", "variant")
-        table.add_column(name, justify="left" if text else "right", no_wrap=not text, min_width=7 if text else None)
-    notes: list[str] = []
-    for entry in [*result.sets, *([result.phase] if result.phase is not None else [])]:
-        head = entry.name if entry.workload == "adamw_step" else f"{entry.name} phase"
-        for i, v in enumerate(entry.variants):
-            ok = v.status == "ok"
-            ratio = entry.ratio_to_kitsune.get(v.variant)
-            note = _note(v)
-            if note is not None:
-                notes.append(f"[{len(notes) + 1}] {head} / {v.label}: {note}")
-            table.add_row(
-                head if i == 0 else "",
-                v.label + (f" [{len(notes)}]" if note is not None else ""),
-                f"{v.device_ms.median:.3f}" if ok else {"not_available": "n/a"}.get(v.status, v.status),
-                f"{v.device_ms.p10:.3f}-{v.device_ms.p90:.3f}" if ok else "",
-                f"{v.host_ms.median:.3f}" if ok else "",
-                f"{entry.floor_ms:.3f}" if i == 0 else "",
-                _pct(v.pct_of_floor) if ok else "",
-                "" if ratio is None else f"{ratio:.2f}x" if ratio >= 0.1 else f"{ratio:.2g}x",
-                end_section=i == len(entry.variants) - 1,
-            )
-    console.print(table)
-    for line in notes:
-        console.print(line, highlight=False)
-    if result.e2e is not None:
-        print_e2e(result.e2e, console)
-
-
-def print_e2e(e2e: E2EResult, console: Console) -> None:
-    m = e2e.model
-    table = Table(
-        title=f"end to end: GPT ({e2e.n_params / 1e6:.3g}M params, {m.layers} layers, {m.dim} wide"
-        f"{f', torch.compile {e2e.compile_backend}' if e2e.compile_backend else ''}), bf16 autocast, "
-        f"batch {e2e.batch} x {e2e.seq}, AdamW, clip {e2e.max_grad_norm:g}; {e2e.steps} steps a side in turns of "
-        f"{e2e.block}"
-    )
-    for name in ("side", "ms/step", "p10-p90", "tokens/s", "peak memory", "last loss"):
-        table.add_column(name, justify="left" if name == "side" else "right")
-    for side in e2e.sides:
-        table.add_row(
-            side.label,
-            f"{side.step_ms.median:.2f}",
-            f"{side.step_ms.p10:.2f}-{side.step_ms.p90:.2f}",
-            f"{side.tokens_per_s:,.0f}",
-            f"{side.peak_memory_bytes / 2**30:.2f} GiB",
-            f"{side.last_loss:.4f}",
-        )
-    console.print(table)
-    console.print(
-        f"kitsune's tokens/s over torch's: {e2e.ratio:.3f}x with clipping; without, {e2e.ratio_noclip:.3f}x with the "
-        f"updates inside backward ({e2e.ratio_noclip_current:.3f}x on backward's stream) and "
-        f"{e2e.ratio_noclip_step:.3f}x with the step after backward; the clipped sides' losses over the first 10 "
-        f"steps differ by at most {e2e.max_loss_diff_first_10:.2g}",
-        highlight=False,
-    )

@@ -1,7 +1,7 @@
 """What the steady replay's per-step checks cost per tensor on this host, each read timed alone.
 
-python scripts/address-check-cost.py                # on a GPU: the 148- and 2000-tensor sizes of the bench
-python scripts/address-check-cost.py --device cpu   # the same reads of CPU tensors (torch's C++ check: CUDA only)
+python benchmarks/address-check-cost.py                # on a GPU: the 148- and 2000-tensor sizes of the bench
+python benchmarks/address-check-cost.py --device cpu   # the same reads of CPU tensors (torch's C++ check: CUDA only)
 
 Before it replays its graph, a checked step reads every param's grad and compares the grads' and the params'
 addresses with the ones the graph was captured with (see ``FusedUnit._unchanged``). This times those three reads

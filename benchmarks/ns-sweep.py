@@ -1,8 +1,8 @@
 """Sweep the Newton-Schulz tile configs on a GPU: each variant of the Gram (syrk) and ``a X + B X`` (poly) kernels
 timed as a whole 5-iteration call, one kernel varied at a time around the current table's pick, then the best pair.
 
-python scripts/ns-sweep.py --json $OUT/ns-sweep.json            # 4096^2 and 8 x 2048^2
-python scripts/ns-sweep.py --shapes 1x4096x4096 --quick         # fewer variants
+python benchmarks/ns-sweep.py --json $OUT/ns-sweep.json            # 4096^2 and 8 x 2048^2
+python benchmarks/ns-sweep.py --shapes 1x4096x4096 --quick         # fewer variants
 """
 
 from __future__ import annotations

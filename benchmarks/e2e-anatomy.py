@@ -1,7 +1,7 @@
 """How long the end-to-end GPT-2 step keeps the host and the GPU busy, part by part, eager and compiled.
 
-python scripts/e2e-anatomy.py                      # on a GPU: GPT-2 124M, bf16 autocast, batch 4 x 512
-python scripts/e2e-anatomy.py --device cpu --steps 2 --compile ''   # a dry run on the tiny model (host times only)
+python benchmarks/e2e-anatomy.py                      # on a GPU: GPT-2 124M, bf16 autocast, batch 4 x 512
+python benchmarks/e2e-anatomy.py --device cpu --steps 2 --compile eager  # dry run: tiny model, host times only
 
 For forward + backward and for each side's optimizer phase it measures two things in one process:
 

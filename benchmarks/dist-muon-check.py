@@ -1,7 +1,7 @@
 """Distributed Muon on GPUs: each rank orthogonalises its share of every shape's matrices, against one GPU.
 
-torchrun --nproc_per_node=2 scripts/dist-muon-check.py --out dist-muon.json
-torchrun --nproc_per_node=2 scripts/dist-muon-check.py --out /tmp/dm.json --device cpu --dim 32 --steps 3   # dry run
+torchrun --nproc_per_node=2 benchmarks/dist-muon-check.py --out dist-muon.json
+torchrun --nproc_per_node=2 benchmarks/dist-muon-check.py --out /tmp/dm.json --device cpu --dim 32 --steps 3   # dry run
 
 Every rank builds the same stack of ``--layers`` square linear layers (hidden matrices of ``--dim`` on a side, so one
 Newton-Schulz batch per step) and trains it twice on the same batches: alone, with ``kitsune.optim.Muon`` as one
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=5)
     args = parser.parse_args(argv)
     if "RANK" not in os.environ:
-        parser.error("run it with torchrun: torchrun --nproc_per_node=2 scripts/dist-muon-check.py --out FILE")
+        parser.error("run it with torchrun: torchrun --nproc_per_node=2 benchmarks/dist-muon-check.py --out FILE")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if args.device == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))

@@ -2,8 +2,8 @@
 per launch against the floor of reading every grad once, for a few block sizes and warp counts; with ``--clip``
 also the clip launch (``MultiTensorNorm.clip_``, a read and a write of every grad) against its floor.
 
-python scripts/norm-sweep.py --set gpt2                 # on a GPU
-python scripts/norm-sweep.py --set gpt2 --device cpu    # a dry run (TRITON_INTERPRET=1 is set for you)
+python benchmarks/norm-sweep.py --set gpt2                 # on a GPU
+python benchmarks/norm-sweep.py --set gpt2 --device cpu    # a dry run (TRITON_INTERPRET=1 is set for you)
 """
 
 from __future__ import annotations

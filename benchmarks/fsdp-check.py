@@ -1,6 +1,7 @@
 """FSDP2 on GPUs: kitsune's fused step on the local shards against torch's fused AdamW, and against one GPU.
 
-torchrun --nproc_per_node=2 scripts/fsdp-check.py --out fsdp-check
+torchrun --nproc_per_node=2 benchmarks/fsdp-check.py --out fsdp-check
+torchrun --nproc_per_node=2 benchmarks/fsdp-check.py --out /tmp/fsdp --device cpu --steps 2 --warmup 1   # gloo dry run
 
 Each rank builds the same small GPT-style model twice, shards both with ``fully_shard`` over a 1-D mesh (NCCL), and
 trains one with ``torch.optim.AdamW(fused=True)`` + ``torch.nn.utils.clip_grad_norm_`` and the other with
@@ -181,7 +182,7 @@ def main() -> int:
     )
     args = parser.parse_args()
     if "LOCAL_RANK" not in os.environ:
-        parser.error("run it with torchrun: torchrun --nproc_per_node=2 scripts/fsdp-check.py --out DIR")
+        parser.error("run it with torchrun: torchrun --nproc_per_node=2 benchmarks/fsdp-check.py --out DIR")
     if args.device == "cuda":
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)

@@ -3,8 +3,8 @@ position in the iteration), next to cuBLAS doing the same products (``torch.bmm`
 without the ``a I``), with TFLOP/s of the work each product does (the Gram products count their symmetric half).
 With ``--syrk``/``--poly``, other kernel configs are timed against the picked ones in rotating turns.
 
-python scripts/ns-breakdown.py --json $OUT/ns-breakdown.json     # 8 x 2048^2 and 4096^2
-python scripts/ns-breakdown.py --shapes 1x4096x4096 --poly 'cublas;triton'   # B' X in cuBLAS against Triton, in turns
+python benchmarks/ns-breakdown.py --json $OUT/ns-breakdown.json     # 8 x 2048^2 and 4096^2
+python benchmarks/ns-breakdown.py --shapes 1x4096x4096 --poly 'cublas;triton'  # B' X: cuBLAS against Triton, in turns
 """
 
 from __future__ import annotations

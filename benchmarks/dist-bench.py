@@ -1,7 +1,7 @@
 """Sharded optimizer state on several GPUs: step time and memory per rank against one GPU.
 
-torchrun --nproc_per_node=2 scripts/dist-bench.py --out dist-bench.json
-torchrun --nproc_per_node=2 scripts/dist-bench.py --out /tmp/dist.json --device cpu --scale 0.001 --steps 3   # dry run
+torchrun --nproc_per_node=2 benchmarks/dist-bench.py --out dist-bench.json
+torchrun --nproc_per_node=2 benchmarks/dist-bench.py --out /tmp/d.json --device cpu --scale 0.001 --steps 3  # dry run
 
 Two measurements, each on kitsune's parameter sets (``--sets``, default GPT-2 124M and the 1.2B Llama-style set):
 
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=4096)
     args = parser.parse_args(argv)
     if "LOCAL_RANK" not in os.environ:
-        parser.error("run it with torchrun: torchrun --nproc_per_node=2 scripts/dist-bench.py --out dist-bench.json")
+        parser.error("run it with torchrun: torchrun --nproc_per_node=2 benchmarks/dist-bench.py --out dist-bench.json")
     local_rank = int(os.environ["LOCAL_RANK"])
     if args.device == "cuda":
         device = torch.device("cuda", local_rank)

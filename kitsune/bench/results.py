@@ -1,0 +1,99 @@
+"""What ``kitsune bench`` records: pydantic models of a run's results, written to and read from JSON."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from kitsune.bench.e2e import E2EResult
+from kitsune.bench.timing import Stats
+from kitsune.profiler.schema import Environment
+
+
+class KitsuneInfo(BaseModel):
+    """What the kitsune variant ran with, from ``opt.subsystem_status()`` after the timed steps."""
+
+    active_subsystems: list[str]
+    fusion_active: bool
+    fusion_reason: str | None
+    """Why fusion is inactive (None when active)."""
+    fused_params: int | None
+    """Params the fused Triton kernels update (the fusion report's ``params_fused``; None when it has none)."""
+    total_params: int
+    fused_all: bool | None
+    """True when the fusion plan sends every param to the fused kernels (nothing falls back to torch)."""
+    fallbacks: list[str]
+    """Each plan bucket that is not fused: ``"<tensors> tensors -> <route>: <reason>"``."""
+    launches_per_step: int | None
+    """Fused kernel launches in the last step, as the fusion report counts them."""
+    subsystems: list[dict[str, Any]]
+    """``opt.subsystem_status()`` verbatim (the fusion plan is in the fusion entry's report)."""
+    warnings: list[str]
+    """Warnings kitsune raised while building the optimizer and during warm-up."""
+
+
+class VariantResult(BaseModel):
+    variant: str
+    label: str
+    status: Literal["ok", "skipped", "failed", "not_available"]
+    reason: str | None = None
+    """Why the variant was skipped, failed or is not available."""
+    device_ms: Stats | None = None
+    """Device time per step (CUDA events; wall time on a CPU)."""
+    host_ms: Stats | None = None
+    """Host time of the ``step()`` call alone, started with the device idle, no synchronize inside."""
+    pct_of_floor: float | None = None
+    """100 * floor_ms / median device ms: how close the step comes to the memory's copy rate."""
+    device_ms_steps: list[float] = []
+    host_ms_steps: list[float] = []
+    kitsune: KitsuneInfo | None = None
+
+
+class SetResult(BaseModel):
+    name: str
+    workload: Literal["adamw_step", "amp_clip_phase"]
+    description: str
+    n_tensors: int
+    n_elements: int
+    scale: float
+    bytes_per_param: int
+    bytes_per_step: int
+    floor_ms: float
+    """bytes_per_step / measured copy bandwidth."""
+    steps: int
+    warmup: int
+    variants: list[VariantResult]
+    ratio_to_kitsune: dict[str, float]
+    """Per torch variant: its median device ms / kitsune's (above 1: kitsune is faster)."""
+
+
+class BenchResult(BaseModel):
+    schema_version: Literal["1"] = "1"
+    created: datetime
+    command: str
+    environment: Environment
+    device: str
+    timer: Literal["cuda_events", "perf_counter"]
+    copy_bandwidth_gbs: float
+    """Measured device-to-device copy rate, read + write bytes, in GB/s (1e9)."""
+    copy_buffer_bytes: int
+    adamw: dict[str, Any]
+    sets: list[SetResult]
+    phase: SetResult | None
+    e2e: E2EResult | None = None
+    """Whole training steps of a GPT-2 124M-shaped model (``--e2e``)."""
+    complete: bool
+    """False while the run is still going (the JSON is rewritten after every set)."""
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.model_dump_json(indent=2))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> BenchResult:
+        return cls.model_validate_json(Path(path).read_text())

@@ -1,0 +1,163 @@
+"""The AdamW variants ``kitsune bench`` times: torch's foreach, fused and CUDA-graph steps, and kitsune's."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import torch
+
+from kitsune.bench.results import KitsuneInfo
+
+ADAMW = {"lr": 1e-3, "weight_decay": 0.01, "betas": (0.9, 0.999), "eps": 1e-8}
+"""The AdamW hyperparameters every variant uses (betas and eps are torch's defaults)."""
+
+VARIANTS: dict[str, str] = {
+    "foreach": "torch foreach",
+    "fused": "torch fused",
+    "graph": "torch graph",
+    "kitsune": "kitsune",
+    "eager": "kitsune, capture_graph=False",
+    "static": "kitsune, static_addresses=True",
+    "profiled": "kitsune, profile=True",
+}
+"""Variant name (what ``--variants`` takes) -> label in the table. ``graph`` is fused + capturable AdamW replayed
+from a CUDA graph; ``kitsune`` is kitsune as it comes (on CUDA its phase is captured in a CUDA graph after
+warm-up), ``eager`` the same with ``capture_graph=False``, ``static`` the same with
+``GraphConfig(static_addresses=True)`` (the grads stay in place, as in every variant here, so the per-step address
+checks are skipped); ``profiled`` is kitsune with the profiler on outside its sampled windows (probe and live
+comparison off), which measures the profiler's own cost per step."""
+
+
+class _TorchVariant:
+    """A torch AdamW; ``step`` is its bound ``step`` so the timers see nothing else."""
+
+    def __init__(self, params: list[torch.nn.Parameter], **flags: bool) -> None:
+        self.opt: torch.optim.Optimizer = torch.optim.AdamW(params, **ADAMW, **flags)
+        self.step = self.opt.step
+
+    def warmup(self, n: int) -> None:
+        for _ in range(n):
+            self.step()
+
+    def info(self) -> KitsuneInfo | None:
+        return None
+
+    def close(self) -> None:
+        del self.opt, self.step
+
+
+class _GraphVariant(_TorchVariant):
+    """Fused capturable AdamW captured once in a CUDA graph, then replayed."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        if params and params[0].device.type != "cuda":
+            raise ValueError("the graph variant needs CUDA params")
+        super().__init__(params, fused=True, capturable=True)
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def warmup(self, n: int) -> None:
+        # Eager steps on a side stream first (torch's recipe: state is allocated and kernels are loaded outside
+        # the capture), then capture one step, then replay the rest: n steps in all, as the other variants run.
+        eager = max(1, min(3, n))
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), warnings.catch_warnings():
+            # torch warns that capturable=True runs uncaptured: true, and intended, for these steps only
+            warnings.filterwarnings("ignore", message=".*capturable=True.*")
+            for _ in range(eager):
+                self.opt.step()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.opt.step()  # recorded, not run
+        self.step = self.graph.replay
+        for _ in range(n - eager):
+            self.step()
+
+    def close(self) -> None:
+        if self.graph is not None:
+            self.graph.reset()  # gives its private memory pool back
+            self.graph = None
+        super().close()
+
+
+class _KitsuneVariant(_TorchVariant):
+    def __init__(
+        self, params: list[torch.nn.Parameter], profile: bool = False, graph: bool = True, static: bool = False
+    ) -> None:
+        from kitsune.config import FusionConfig, GraphConfig, KitsuneConfig, ProfilerConfig
+        from kitsune.optimizer import KitsuneOptimizer
+
+        self.params = params
+        self.warnings: list[str] = []
+        # profiled: the profiler's per-step cost only; its sampled windows would replace steps with other work
+        profiler = ProfilerConfig(enabled=profile, probe_steps=0, compare_steps=0)
+        config = KitsuneConfig(
+            fusion=FusionConfig(enabled=True),
+            profiler=profiler,
+            graphs=GraphConfig(enabled=graph, static_addresses=static),
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            self.opt = KitsuneOptimizer(torch.optim.AdamW(params, **ADAMW), config=config)
+        self._keep(caught)
+        self.step = self.opt.step
+
+    def _keep(self, caught: list[warnings.WarningMessage]) -> None:
+        for w in caught:
+            if str(w.message) not in self.warnings:
+                self.warnings.append(str(w.message))
+
+    def warmup(self, n: int) -> None:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            super().warmup(n)
+        self._keep(caught)
+
+    def info(self) -> KitsuneInfo:
+        status = json.loads(json.dumps(self.opt.subsystem_status(), default=str))  # reports must stay JSON-able
+        fusion = next((s for s in status if s["name"] == "fusion"), {"active": False, "reason": "no fusion subsystem"})
+        report = fusion.get("report") or {}
+        fused = report.get("params_fused") if fusion["active"] else 0
+        buckets = (report.get("plan") or {}).get("buckets") or []
+        fallbacks = [
+            f"{b.get('tensors')} tensors -> {b.get('route')}: {b.get('reason')}"
+            for b in buckets
+            if b.get("route") != "triton"
+        ]
+        return KitsuneInfo(
+            active_subsystems=[s["name"] for s in status if s["active"]],
+            fusion_active=fusion["active"],
+            fusion_reason=fusion.get("reason"),
+            fused_params=fused,
+            total_params=len(self.params),
+            fused_all=None if fused is None else fused == len(self.params),
+            fallbacks=fallbacks,
+            launches_per_step=report.get("fused_launches_per_step"),
+            subsystems=status,
+            warnings=self.warnings,
+        )
+
+    def close(self) -> None:
+        del self.params
+        super().close()
+
+
+def make_variant(name: str, params: list[torch.nn.Parameter]) -> _TorchVariant:
+    """Build variant ``name`` over ``params``: call ``warmup(n)`` once, then ``step()``; ``close()`` at the end."""
+    if name == "foreach":
+        return _TorchVariant(params, foreach=True)
+    if name == "fused":
+        return _TorchVariant(params, fused=True)
+    if name == "graph":
+        return _GraphVariant(params)
+    if name == "kitsune":
+        return _KitsuneVariant(params)
+    if name == "eager":
+        return _KitsuneVariant(params, graph=False)
+    if name == "static":
+        return _KitsuneVariant(params, static=True)
+    if name == "profiled":
+        return _KitsuneVariant(params, profile=True)
+    raise ValueError(f"unknown variant {name!r}: choose from {', '.join(VARIANTS)}")
