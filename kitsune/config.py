@@ -69,6 +69,11 @@ class AMPConfig(_Config):
     growth_interval: int = Field(2000, ge=1)
     """Clean steps needed before the scale grows."""
 
+    @property
+    def scales_loss(self) -> bool:
+        """Whether the step unscales the grads and checks them for inf/nan: float16 AMP, switched on."""
+        return self.enabled and self.dtype == torch.float16
+
 
 class FusionConfig(_Config):
     """The fusion planner: which fused Triton kernels it may use and when fusing is worth it."""

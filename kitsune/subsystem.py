@@ -1,55 +1,91 @@
-"""The one small interface every kitsune subsystem implements.
+"""What every kitsune subsystem shares, and the typed state one step hands from stage to stage.
 
-The orchestrator (:class:`kitsune.KitsuneOptimizer`) owns no math. Each step it walks its subsystems through a
-fixed lifecycle:
+The orchestrator (:class:`kitsune.KitsuneOptimizer`) owns no math; its ``step()`` is a short pipeline (see
+kitsune/optimizer.py) over subsystems with narrow roles, each built with its own config and planned over the
+wrapped optimizer's param groups and state, never over the orchestrator:
 
-1. ``plan(opt)``         after construction and after any structural change (new param group, loaded state,
-                         a param's grad appearing or disappearing, a dtype/device move);
-2. ``before_step(ctx)``  e.g. the profiler starts its clock, the AMP scaler unscales;
-3. ``step(ctx)``         subsystems that execute updates (fusion) update the params they own and mark them
-                         in ``ctx.handled``; the orchestrator then runs the wrapped optimizer's own step for
-                         every param left over;
-4. ``after_step(ctx)``   e.g. the scaler updates its scale, the profiler stops its clock;
-5. ``state_dict()`` / ``load_state_dict()``  what the subsystem needs to survive a checkpoint, stored under
-                         the ``"kitsune"`` key of the optimizer's state dict.
+* the grad pass (:mod:`kitsune.grads`): shard reduce, unscale and inf check, clip; it alone decides whether those
+  run inside the fused kernels or as passes of their own;
+* the executors: the fused one (:mod:`kitsune.fusion`), the graphed one wrapping it (:mod:`kitsune.graphs`), the
+  updates inside backward (:mod:`kitsune.streams`), and the wrapped optimizer's own step for whatever none owns;
+* the allocator the fused executor is handed (:mod:`kitsune.memory`), and the profiler, an observer.
 
-A subsystem that cannot run here (no CUDA, no Triton, not built yet) stays in the list with ``active=False``
-and a ``reason``; the summary and the profile show that reason. It never raises for being unavailable.
+A subsystem that cannot run here (no CUDA, no Triton, switched off) stays in the list with ``active=False`` and a
+``reason``; the summary and the profile show that reason. It never raises for being unavailable.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from operator import is_
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from kitsune.optimizer import KitsuneOptimizer
+from kitsune.config import KitsuneConfig
 
 
-@dataclass
-class StepContext:
-    """What one call of ``KitsuneOptimizer.step`` carries between subsystems."""
+class PhaseMarks(Protocol):
+    """The profiler's probe steps time each phase of a step: ``mark(name)`` ends phase ``name``."""
+
+    def mark(self, name: str) -> None: ...
+
+
+@dataclass(eq=False)
+class StepState:
+    """What one call of ``KitsuneOptimizer.step`` carries from stage to stage (one object per step)."""
 
     step: int
-    """1-based index of this step call on the wrapper."""
-    handled: set[torch.Tensor] = field(default_factory=set)
-    """Params already updated this step by a subsystem; the wrapped optimizer's step skips them."""
-    unhandled: list[torch.Tensor] = field(default_factory=list)
-    """Params an executor planned to own but could not update this step (e.g. a grad that turned sparse); the
-    wrapped optimizer's step runs for them even when the plan had no leftover params."""
+    """1-based index of this step on the wrapper (the count it will have once the step succeeds)."""
     baseline: bool = False
-    """The profiler's live comparison: the wrapped optimizer's own step updates every param this step, and
-    subsystems that execute updates stand aside."""
-    skip_base_step: bool = False
-    """Set by a subsystem that has taken over the whole update (e.g. a replayed CUDA graph)."""
-    extra: dict[str, Any] = field(default_factory=dict)
-    """Free-form values one subsystem leaves for another (documented where they are written)."""
+    """The profiler's live comparison: the wrapped optimizer's own step updates every param this step, and the
+    executors stand aside."""
+    phases: PhaseMarks | None = None
+    """Set on the profiler's probe steps: each stage marks where its phase ends."""
+
+    # -- the grad pass (kitsune.grads) decides and fills these ------------------------------------------------------
+    fused_grads: bool = False
+    """Unscaling, the inf/nan check and clipping run inside the fused norm and update kernels."""
+    grads: list[torch.Tensor] = field(default_factory=list)
+    """The dense grads the separate passes unscale (when not ``fused_grads``)."""
+    grad_scale: torch.Tensor | None = None
+    """The fused kernels divide the grads by this loss scale (``fused_grads`` only)."""
+    found_inf: torch.Tensor | None = None
+    """AMP's overflow flag on the device: a nonzero value skips the update (the kernels read it there)."""
+    check_inf: bool = False
+    """The fused norm pass finds inf/nan grads and sets ``found_inf`` from them (float16 AMP, ``fused_grads``)."""
+    max_norm: float | None = None
+    """Clip inside the fused update kernels to this global norm (``fused_grads`` with ``max_grad_norm``)."""
+    grad_norm: torch.Tensor | None = None
+    """The global norm of the (unscaled) grads this step clipped, on the device."""
+    grad_write: int = 0
+    """What the fused update writes into the grads it read: 0 nothing, 1 the unscaled and clipped values it used,
+    2 zeros (``GradConfig(zero_in_step=True)``)."""
+    reduce: Any = None
+    """Sharded grads (ZeRO): combines every rank's grad norm and overflow flag on the device,
+    ``reduce(total_norm | None, found_inf | None)``."""
+
+    # -- the executors fill these ---------------------------------------------------------------------------------
+    structure_checked: bool = False
+    """The fused executor's switches and param storages were checked before the grad pass (no re-plan inside)."""
+    updated_in_backward: frozenset[int] = frozenset()
+    """Fused units the stream scheduler already updated inside backward."""
+    handled: set[torch.Tensor] = field(default_factory=set)
+    """Params an executor updates this step; the wrapped optimizer's step skips them."""
+    unhandled: list[torch.Tensor] = field(default_factory=list)
+    """Params an executor planned to own but cannot update this step (a grad that turned sparse): the wrapped
+    optimizer's step takes them."""
+    graphed: bool = False
+    """The fused device work runs as a CUDA graph's (its warm-up, capture or replay): outputs go to buffers that
+    outlive the step, and the loss-scale update is part of that work."""
+    zeroed: list[torch.Tensor] = field(default_factory=list)
+    """Params whose grads the fused update zeroed (``zero_in_step``)."""
+    external_scaler: bool = False
+    """A user's ``torch.amp.GradScaler`` handed this step its ``grad_scale`` and ``found_inf``."""
 
 
 class Subsystem:
-    """Base class: every hook is a no-op, so a subsystem overrides only what it does."""
+    """Name, whether it runs and why not, what it reports, and what it keeps in checkpoints."""
 
     name: str = "subsystem"
 
@@ -65,25 +101,15 @@ class Subsystem:
         self.active = True
         self.reason = None
 
-    # lifecycle -------------------------------------------------------------------------------------------------
-    def plan(self, opt: KitsuneOptimizer) -> None:
-        """(Re)build whatever depends on the param groups. Called once at start and after structural changes."""
-
-    def before_step(self, ctx: StepContext) -> None:
-        """Runs before any update of this step."""
-
-    def step(self, ctx: StepContext) -> None:
-        """Update the params this subsystem owns and add them to ``ctx.handled``."""
-
-    def after_step(self, ctx: StepContext) -> None:
-        """Runs after every update of this step (also after the wrapped optimizer's own step)."""
-
     def state_dict(self) -> dict[str, Any]:
         """Subsystem state kept in checkpoints, under ``state_dict()["kitsune"]["subsystems"][name]``."""
         return {}
 
+    def check_state_dict(self, state: dict[str, Any]) -> None:
+        """Raise if :meth:`load_state_dict` cannot take ``state`` (nothing may change here)."""
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
+        """Restore what :meth:`state_dict` returned (checked by :meth:`check_state_dict` first)."""
 
     def report(self) -> dict[str, Any]:
         """JSON-able facts for the summary and the profile (what it did, not what it could do)."""
@@ -94,7 +120,7 @@ class Subsystem:
 
 
 class PlaceholderSubsystem(Subsystem):
-    """A subsystem the project has not built yet: always inactive, with that reason, never pretending."""
+    """A subsystem switched off or unavailable here: always inactive, with that reason, never pretending."""
 
     def __init__(self, name: str, requested: bool, reason: str) -> None:
         super().__init__()
@@ -102,5 +128,65 @@ class PlaceholderSubsystem(Subsystem):
         self.requested = requested
         self.deactivate(reason)
 
-    def plan(self, opt: KitsuneOptimizer) -> None:  # stays inactive
+
+class PlannedGroups:
+    """What a plan was made for: the groups list, the state dict and each group's params, in order. A param swapped
+    into a list, moved between groups, added or removed, or a groups list or state dict replaced, calls for a new
+    plan; :meth:`fits` compares the params by identity in C (``map(operator.is_, ...)``), tens of ns a param."""
+
+    def __init__(self, groups: list[dict[str, Any]], state: Any) -> None:
+        self.groups, self.state = groups, state
+        self.params = [list(g["params"]) for g in groups]
+
+    def fits(self, groups: list[dict[str, Any]], state: Any) -> bool:
+        if groups is not self.groups or state is not self.state or len(groups) != len(self.params):
+            return False
+        for group, planned in zip(groups, self.params, strict=True):
+            params = group["params"]
+            if len(params) != len(planned) or not all(map(is_, params, planned)):
+                return False
+        return True
+
+
+def unique_params(groups: list[dict[str, Any]]) -> list[torch.Tensor]:
+    """Every param once, in the groups' order (a param listed twice is counted once)."""
+    return list({id(p): p for g in groups for p in g["params"]}.values())
+
+
+class NoFusion(PlaceholderSubsystem):
+    """The fused executor where fusion is off or cannot run here: it owns no param and runs nothing."""
+
+    executes = False
+    trust = False
+    consumes_found_inf = True
+    plan_version = 0
+    current_plan = None
+    units: tuple = ()
+    launch_units: tuple = ()
+
+    def __init__(self, requested: bool, reason: str) -> None:
+        super().__init__("fusion", requested, reason)
+        self.grad_pass: str | None = reason
+
+    def plan(self, base: torch.optim.Optimizer, remote: Any = (), backward_bytes: int | None = None) -> None:
         pass
+
+    def owned_params(self) -> list[torch.Tensor]:
+        return []
+
+    def needs_replan(self) -> bool:
+        return False
+
+    def check_loaded(self) -> None:
+        pass
+
+
+def make_fusion(cfg: KitsuneConfig, pool: Any) -> Any:
+    """The fused executor for ``cfg`` (handed the memory ``pool``), or :class:`NoFusion` with the reason."""
+    if not cfg.fusion.enabled:
+        return NoFusion(requested=False, reason="enable_fusion=False")
+    try:
+        from kitsune.fusion import FusionSubsystem
+    except ImportError as exc:  # triton missing, or a platform without it
+        return NoFusion(requested=True, reason=f"cannot import the fusion engine: {exc}")
+    return FusionSubsystem(cfg.fusion, cfg.grads, cfg.streams, cfg.graphs.static_addresses, pool)

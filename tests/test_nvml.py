@@ -172,17 +172,13 @@ def test_report_round_trips_through_json():
     assert NvmlReport.model_validate_json(gone.model_dump_json()) == gone
 
 
-class _FakeOpt(SimpleNamespace):
-    """Enough of an optimizer for Profiler.plan (a subclass, so the profiler can hold a weak reference)."""
-
-
 def _cuda_profiler(interval_s: float) -> Profiler:
     return Profiler(ProfilerConfig(enabled=True, max_step_records=100, nvml_interval_s=interval_s))
 
 
 def test_profiler_on_cpu_reports_why_there_is_no_telemetry():
     prof = _cuda_profiler(0.5)
-    prof.plan(_FakeOpt(param_groups=[{"params": [torch.zeros(2)]}]))
+    prof.plan([torch.zeros(2)], "torch.optim.sgd.SGD.step", None)
     assert prof.nvml.model_dump(mode="json") == {"available": False, "reason": "params are not on a CUDA device"}
 
 

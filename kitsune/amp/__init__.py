@@ -21,15 +21,13 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from kitsune.config import AMPConfig
-from kitsune.subsystem import StepContext, Subsystem
-
-if TYPE_CHECKING:
-    from kitsune.optimizer import KitsuneOptimizer
+from kitsune.distributed.fsdp import all_reduce_found_inf_, local, mesh_groups
+from kitsune.subsystem import Subsystem
 
 
 def unscale_and_check(grads: list[torch.Tensor], inv_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
@@ -58,7 +56,7 @@ class AMPSubsystem(Subsystem):
     def __init__(self, config: AMPConfig) -> None:
         super().__init__()
         self.config = config
-        self.scaling = config.dtype == torch.float16
+        self.scaling = config.scales_loss
         self.device = torch.device("cpu")
         self._scale: torch.Tensor | None = None
         self._growth_tracker: torch.Tensor | None = None
@@ -73,11 +71,14 @@ class AMPSubsystem(Subsystem):
         self.deactivate("not planned yet")
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
-    def plan(self, opt: KitsuneOptimizer) -> None:
-        params = [p for g in opt.param_groups for p in g["params"]]
+    def plan(self, params: list[torch.Tensor]) -> None:
+        """Put the scaler's device state where the params are (it follows a move); with AMP off (``enabled=False``)
+        only note the device, for a disabled :meth:`autocast`."""
         device = params[0].device if params else torch.device("cpu")
-        from kitsune.distributed.fsdp import mesh_groups
-
+        if not self.config.enabled:
+            self.device = device
+            self.deactivate("enable_amp=False")
+            return
         self._groups = mesh_groups(params) if self.scaling else []
         if self._scale is None:
             self._scale = torch.full((1,), self.config.init_scale, dtype=torch.float32, device=device)
@@ -93,51 +94,49 @@ class AMPSubsystem(Subsystem):
         for name in ("_scale", "_growth_tracker", "_found_inf", "_skipped"):
             setattr(self, name, getattr(self, name).to(device))
 
-    def before_step(self, ctx: StepContext) -> None:
-        if not self.scaling:
-            return
+    # -- the step (float16 only; kitsune.grads calls these) ---------------------------------------------------------
+    def check_scaled(self) -> None:
+        """Raise, before the step changes anything, when this step's loss was not scaled."""
         if not self._loss_scaled:
             raise RuntimeError(
                 "kitsune AMP with float16 scales the loss: call optimizer.backward(loss) instead of loss.backward() "
                 "(or use AMPConfig(dtype=torch.bfloat16), which needs no scaling)"
             )
-        if ctx.extra.get("fused_grads"):
-            # the fusion subsystem's norm pass finds inf/nan (into ctx.extra["found_inf"]) and its update kernel
-            # divides by the scale: the grads are read twice in all, never unscaled in a pass of their own
-            ctx.extra["grad_scale"] = self._scale
-            ctx.extra["check_inf"] = True
-            return
-        if self._unscaled:  # a retry of a step that raised after unscaling: found_inf still holds its result
-            ctx.extra["found_inf"] = self._found_inf
-            return
-        grads = ctx.extra["grads"]
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """The loss scale on the device, ``(1,)`` float32 (the fused kernels divide the grads by it)."""
+        assert self._scale is not None
+        return self._scale
+
+    def unscale(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """Divide ``grads`` by the scale in place and return the device flag of inf/nan among them (as GradScaler's
+        ``unscale_``); a retry of a step that raised after this returns the same flag without dividing again."""
+        if self._unscaled:
+            return self._found_inf
         self._found_inf.zero_()
         if self._groups:  # FSDP2: check the local shards (torch's DTensor op would all-reduce per dtype), then reduce
-            from kitsune.distributed.fsdp import all_reduce_found_inf_, local
-
             grads = [local(g) for g in grads]
         unscale_and_check(grads, self._scale.double().reciprocal().float(), self._found_inf)
         if self._groups:
             all_reduce_found_inf_(self._found_inf, self._groups)
-        ctx.extra["found_inf"] = self._found_inf
         self._unscaled = True
+        return self._found_inf
 
-    def after_step(self, ctx: StepContext) -> None:
-        if not self.scaling:
-            return
-        if not ctx.extra.get("graphed"):  # a replayed CUDA graph has run update_scale already
-            self.update_scale(ctx)
+    def finish(self, found_inf: torch.Tensor | None, scale_updated: bool) -> None:
+        """After the step: update the scale (unless a CUDA graph's work did) and expect a newly scaled loss."""
+        if not scale_updated:
+            self.update_scale(found_inf)
         self._loss_scaled = self._unscaled = False
 
     def take_scaled_loss(self) -> bool:
-        """For a step that skips :meth:`before_step` and :meth:`after_step` (the steady replay, whose graph updates the
+        """For a step that skips :meth:`check_scaled` and :meth:`finish` (the steady replay, whose graph updates the
         scale): whether this step's loss was scaled; if so, the next step needs a scaled loss again."""
         scaled, self._loss_scaled = self._loss_scaled, False
         return scaled
 
-    def update_scale(self, ctx: StepContext) -> None:
-        """The device half of :meth:`after_step`: count a skipped step and update the scale (capturable)."""
-        found_inf = ctx.extra.get("found_inf")
+    def update_scale(self, found_inf: torch.Tensor | None) -> None:
+        """Count a skipped step and update the scale, on the device (capturable in a CUDA graph)."""
         if found_inf is None:  # no grad at all this step (the fused path launched nothing): a clean step
             found_inf = self._found_inf.zero_()
         self._skipped.add_(found_inf.to(torch.int64))
@@ -152,7 +151,8 @@ class AMPSubsystem(Subsystem):
 
     # -- the user's side ----------------------------------------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        return torch.autocast(device_type=self.device.type, dtype=self.config.dtype)
+        """Autocast in the AMP dtype on the params' device type (a disabled autocast with AMP off)."""
+        return torch.autocast(device_type=self.device.type, dtype=self.config.dtype, enabled=self.config.enabled)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         if not self.scaling:
@@ -179,6 +179,19 @@ class AMPSubsystem(Subsystem):
             "growth_tracker": int(self._growth_tracker.item()),
             "skipped_steps": self.skipped_steps,
         }
+
+    def check_state_dict(self, state: dict[str, Any]) -> None:
+        if not self.scaling or not state:
+            return
+        try:
+            scale, tracker = float(state["scale"]), int(state["growth_tracker"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(
+                f"the loss scaler's saved state is unreadable ({type(exc).__name__}: {exc}): it needs a numeric "
+                "'scale' and 'growth_tracker', as state_dict() writes them"
+            ) from None
+        if not 0 < scale < float("inf") or tracker < 0:
+            raise ValueError(f"the loss scaler's saved state holds scale={scale}, growth_tracker={tracker}")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not self.scaling or not state:

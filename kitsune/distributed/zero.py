@@ -32,24 +32,23 @@ owned params' grads at the shard. With ``overlap=False``, or for backward passes
 ``optimizer.accumulating()``, the grads are reduced at the start of ``step()`` instead.
 
 The global grad norm (``max_grad_norm``) and AMP's inf/nan flag are computed over this rank's grads and combined
-with one on-device all-reduce (``ctx.extra["reduce_norm"]``), so no rank reads a value back to the host.
+with one on-device all-reduce (``StepState.reduce``), so no rank reads a value back to the host.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import defaultdict, deque
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from kitsune.config import ShardConfig
-from kitsune.subsystem import StepContext, Subsystem
-
-if TYPE_CHECKING:
-    from kitsune.optimizer import KitsuneOptimizer
+from kitsune.distributed import fsdp
+from kitsune.subsystem import StepState, Subsystem
 
 ALIGN_BYTES = 128
 """Every param's slot in a bucket starts on a 128-byte boundary (vectorised loads in the fused kernels)."""
@@ -153,7 +152,6 @@ class ShardSubsystem(Subsystem):
         self._owners: list[int] = []
         self._key: tuple | None = None
         self._hooks: list[Any] = []
-        self._loader: Any = None
         self._broadcast = False
         self._next = 0
         self._queued = False
@@ -166,7 +164,8 @@ class ShardSubsystem(Subsystem):
         self.deactivate("zero_stage=0")
 
     # -- planning ------------------------------------------------------------------------------------------------
-    def plan(self, opt: KitsuneOptimizer) -> None:
+    def plan(self, groups: list[dict[str, Any]], base: torch.optim.Optimizer, norm_type: float) -> None:
+        """Partition the trainable params of ``groups`` (the wrapped optimizer ``base``'s) over the ranks."""
         cfg = self.config
         if not cfg.stage:
             self._drop("zero_stage=0")  # as the other switches read: enable_amp=False, profile=False
@@ -177,7 +176,7 @@ class ShardSubsystem(Subsystem):
                 "process group is initialised: call torch.distributed.init_process_group() before building the "
                 "KitsuneOptimizer (or use zero_stage=0)"
             )
-        if getattr(opt.base_optimizer, "process_group", None) is not None:
+        if getattr(base, "process_group", None) is not None:
             raise ValueError(
                 "distributed Muon (process_group=...) under ShardConfig(stage>0): sharded state already gives each "
                 "rank whole matrices to orthogonalise; drop Muon's process_group"
@@ -187,7 +186,7 @@ class ShardSubsystem(Subsystem):
         if self.world == 1:
             self._drop("world size 1: one rank holds all of the state, nothing to shard")
             return
-        params = [p for g in opt.param_groups for p in g["params"]]
+        params = [p for g in groups for p in g["params"]]
         signature = [(tuple(p.shape), str(p.dtype), p.device.type, p.requires_grad) for p in params]
         everyone: list[Any] = [None] * self.world
         dist.all_gather_object(everyone, signature, group=self.group)
@@ -201,7 +200,7 @@ class ShardSubsystem(Subsystem):
         if not trainable:
             self._drop("no param requires grad: nothing to update")
             return
-        self._opt, self._norm_type = opt, opt.config.grads.norm_type
+        self._norm_type = norm_type
         self._device = trainable[0].device
         key = (self.world, self.rank, cfg.bucket_bytes, tuple(map(id, params)), tuple(signature))
         if key != self._key:  # a re-plan that changed nothing keeps the buffers (and grads already reduced)
@@ -220,8 +219,6 @@ class ShardSubsystem(Subsystem):
             self._broadcast_params(params)
             self._broadcast = True
         self._hook_params(trainable if cfg.overlap else [])
-        if self._loader is None:
-            self._loader = opt.register_load_state_dict_pre_hook(_load_hook(self))
         self.executes = True
         self.activate()
 
@@ -259,7 +256,8 @@ class ShardSubsystem(Subsystem):
             )
 
     # -- inside backward -------------------------------------------------------------------------------------------
-    def _ready(self, bi: int) -> None:
+    def grad_ready(self, bi: int) -> None:
+        """A grad of bucket ``bi`` is complete (its post-accumulate-grad hook): start the buckets that are ready."""
         if self._accumulating:
             return
         if not self._queued:
@@ -347,7 +345,9 @@ class ShardSubsystem(Subsystem):
         b.pending = []
 
     # -- the step --------------------------------------------------------------------------------------------------
-    def before_step(self, ctx: StepContext) -> None:
+    def begin(self, s: StepState) -> None:
+        """The step's first stage: every grad reduced across the ranks (those a backward did not reduce yet), the
+        owned params' grads pointing at this rank's share, the others' None; ``s.reduce`` combines norms and flags."""
         if self._accumulating:
             raise RuntimeError(
                 "optimizer.step() inside `with optimizer.accumulating()`: step after the block, on the micro-step "
@@ -365,22 +365,22 @@ class ShardSubsystem(Subsystem):
             else:  # the other ranks update their params: their grads must not reach this rank's update
                 for i in b.theirs:
                     b.params[i].grad = None
-        if "grads" in ctx.extra:  # AMP unscales what this rank updates
-            ctx.extra["grads"] = [p.grad for p in self._mine if p.grad is not None]
-        ctx.extra["reduce_norm"] = self.reduce_norm
+        s.reduce = self.reduce_norm
+
+    def owned_grads(self) -> list[torch.Tensor]:
+        """The grads this rank updates (and so unscales)."""
+        return [p.grad for p in self._mine if p.grad is not None]
 
     def reduce_norm(self, total: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
         """Combine the ranks' grad norms (each over its own params' grads) and inf/nan flags, in place, on the
         device: one all-reduce (the sum of the squared 2-norms, or the max for the inf-norm; the max of the flags)."""
-        from kitsune.distributed import fsdp
-
         if total is not None:
             fsdp.all_reduce_norm_(total, found_inf, self._norm_type, [self.group])
         elif found_inf is not None:
             fsdp.all_reduce_found_inf_(found_inf, [self.group])
 
     @torch.no_grad()
-    def after_step(self, ctx: StepContext) -> None:
+    def finish(self) -> None:
         """All-gather the params: each rank's segment of every bucket holds its updated params."""
         inflight: deque[tuple[Bucket, torch.Tensor, Any]] = deque()
         for b in self.buckets:
@@ -406,8 +406,33 @@ class ShardSubsystem(Subsystem):
             b.reduced = False
         self._reduced = False
 
-    def accumulating(self) -> Any:
-        return _Accumulating(self)
+    @contextlib.contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """Backward passes inside it leave their grads unreduced (gradient accumulation's micro-steps)."""
+        self._accumulating += 1
+        try:
+            yield
+        finally:
+            self._accumulating -= 1
+
+    def filter_load(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """The part of a consolidated (or plain torch) state dict this rank keeps: its own params' state; raises on
+        another rank's shard. Pure: ``state_dict`` is not changed."""
+        if not self.active:
+            return state_dict
+        saved = state_dict.get("kitsune", {}).get("subsystems", {}).get("shard")
+        if saved and not saved.get("consolidated"):
+            layout = (saved.get("world_size"), saved.get("rank"), saved.get("owners"))
+            if layout != (self.world, self.rank, self._owners):
+                raise ValueError(
+                    f"this state dict is rank {saved.get('rank')}'s shard of a {saved.get('world_size')}-rank sharded "
+                    f"run, not this rank's ({self.rank} of {self.world}): load the consolidated state dict "
+                    "(kitsune.distributed.consolidated_state_dict(optimizer)) instead"
+                )
+        keep = {i for i, o in enumerate(self._owners) if o in (self.rank, -1)}
+        out = dict(state_dict)
+        out["state"] = {k: v for k, v in state_dict["state"].items() if k in keep}
+        return out
 
     # -- checkpoints and reports -------------------------------------------------------------------------------------
     def owned_params(self) -> list[torch.Tensor]:
@@ -445,49 +470,13 @@ class ShardSubsystem(Subsystem):
         }
 
 
-class _Accumulating:
-    def __init__(self, shard: ShardSubsystem) -> None:
-        self.shard = shard
-
-    def __enter__(self) -> None:
-        self.shard._accumulating += 1
-
-    def __exit__(self, *exc: object) -> None:
-        self.shard._accumulating -= 1
-
-
 def _ready_hook(ref: weakref.ref, bi: int) -> Callable[[torch.Tensor], None]:
     def ready(_: torch.Tensor) -> None:
         shard = ref()
         if shard is not None and shard.active:
-            shard._ready(bi)
+            shard.grad_ready(bi)
 
     return ready
-
-
-def _load_hook(shard: ShardSubsystem) -> Callable[[Any, dict[str, Any]], dict[str, Any] | None]:
-    ref = weakref.ref(shard)
-
-    def keep_own_state(_: Any, state_dict: dict[str, Any]) -> dict[str, Any] | None:
-        """Load only this rank's share of a consolidated (or plain torch) state dict: the rest is other ranks'."""
-        self = ref()
-        if self is None or not self.active:
-            return None
-        saved = state_dict.get("kitsune", {}).get("subsystems", {}).get("shard")
-        if saved and not saved.get("consolidated"):
-            layout = (saved.get("world_size"), saved.get("rank"), saved.get("owners"))
-            if layout != (self.world, self.rank, self._owners):
-                raise ValueError(
-                    f"this state dict is rank {saved.get('rank')}'s shard of a {saved.get('world_size')}-rank sharded "
-                    f"run, not this rank's ({self.rank} of {self.world}): load the consolidated state dict "
-                    "(kitsune.distributed.consolidated_state_dict(optimizer)) instead"
-                )
-        keep = {i for i, o in enumerate(self._owners) if o in (self.rank, -1)}
-        out = dict(state_dict)
-        out["state"] = {k: v for k, v in state_dict["state"].items() if k in keep}
-        return out
-
-    return keep_own_state
 
 
 @torch.no_grad()

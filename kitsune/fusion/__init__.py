@@ -1,6 +1,7 @@
-"""The fusion planner: optimizer class + group options + dtype/device -> fused kernel or fallback, with reasons."""
+"""The fusion planner and the fused executor: optimizer class + group options + dtype/device -> fused kernel or
+fallback, with reasons (:mod:`kitsune.fusion.planner`), run every step (:mod:`kitsune.fusion.executor`)."""
 
+from kitsune.fusion.executor import FusionSubsystem
 from kitsune.fusion.plan import BucketPlan, CostModel, Plan, Route
-from kitsune.fusion.subsystem import FusionSubsystem
 
 __all__ = ["BucketPlan", "CostModel", "FusionSubsystem", "Plan", "Route"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -41,6 +41,10 @@ class AlgoInfo:
     torch_fused_devices: tuple[str, ...] = ()
     """Device types with a ``fused=True`` implementation in torch; empty when there is none."""
     torch_foreach: bool = True
+    per_key_init: bool = False
+    """How the optimizer's own step creates state, which the fused path follows: False, as torch.optim.Adam and most
+    others, creates every key when a param's state is empty and raises ``KeyError`` for a key missing from a state
+    that is not; True, as torch.optim.SGD (``momentum_buffer``) and Muon, creates each missing key on its own."""
     aux: AlgoInfo | None = None
     """The algorithm of the groups whose spec is an :class:`UpdateSpec` in an optimizer that is mostly something
     else (kitsune.optim.Muon's ``use_muon=False`` groups run AdamW): their fused units use it."""
@@ -94,6 +98,7 @@ ALGOS: dict[type, AlgoInfo] = {
         lambda s: 5 if s.momentum else 3,
         4,
         _FUSED_DEVICES,
+        per_key_init=True,
     ),
     torch.optim.Adagrad: AlgoInfo(
         "Adagrad",
@@ -153,6 +158,7 @@ ALGOS: dict[type, AlgoInfo] = {
         lambda s: (5 if s.momentum else 3) + 2,  # + the norm pass over param and grad
         0,
         torch_foreach=False,
+        per_key_init=True,
     ),
     LAMB: AlgoInfo(
         "LAMB",
@@ -220,7 +226,8 @@ ALGOS[Muon] = AlgoInfo(
     _muon_bytes,  # type: ignore[arg-type]
     12,  # the AdamW groups run torch's functional AdamW, foreach on CUDA
     torch_foreach=False,
-    aux=ALGOS[torch.optim.AdamW],
+    per_key_init=True,  # a group whose use_muon flips starts the other algorithm's state from zero
+    aux=replace(ALGOS[torch.optim.AdamW], per_key_init=True),
 )
 if hasattr(torch.optim, "Muon"):  # torch >= 2.9
     ALGOS[torch.optim.Muon] = AlgoInfo(
@@ -232,12 +239,20 @@ if hasattr(torch.optim, "Muon"):  # torch >= 2.9
         _muon_bytes,  # type: ignore[arg-type]
         0,
         torch_foreach=False,
+        per_key_init=True,
     )
 
 
 def scalar_dtype() -> torch.dtype:
     """The dtype torch gives ``state['step']`` (float64 only under ``torch.set_default_dtype(torch.float64)``)."""
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def missing_key(info: AlgoInfo, spec: UpdateSpec, state: dict) -> str | None:
+    """The first key the optimizer's step reads that a param's (non-empty) ``state`` lacks, in torch's reading order
+    (the state tensors, then ``step``), or None."""
+    keys = [k for k in info.state_keys(spec) if k] + (["step"] if info.step_in_state else [])
+    return next((k for k in keys if k not in state), None)
 
 
 def init_state(
@@ -264,3 +279,10 @@ def init_state(
         elif info.name not in ("SGD", "LARS"):  # those write it from the grad on the first step (torch's clone)
             t.zero_()
         state[key] = t
+
+
+def trust_ratios(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` scales updates by per-tensor trust ratios (LAMB, LARS): those need one norm pass over
+    every grad before the first update."""
+    info = ALGOS.get(type(optimizer))
+    return info is not None and any(info.spec(g).trust for g in optimizer.param_groups)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from kitsune.distributed import fsdp
-from kitsune.fusion.algos import AlgoInfo, init_state
+from kitsune.fusion.algos import AlgoInfo, init_state, missing_key
 from kitsune.fusion.plan import Route
 from kitsune.kernels.multi_tensor import DEAD, DEFAULT_BLOCK, TensorTables
 from kitsune.kernels.spec import UpdateSpec
@@ -103,6 +103,33 @@ class FusedUnit:
         self.bind(state)
 
     # -- per step ----------------------------------------------------------------------------------------------
+    def check_state(self, state: Any) -> None:
+        """Raise ``KeyError`` as the optimizer's own step would, before anything changes, when a param about to get
+        its first fused update has a state that is not empty but misses a key the step reads (a checkpoint without
+        ``exp_avg``; amsgrad, momentum or centered switched on mid-run). Optimizers that create each missing key on
+        its own (SGD's momentum buffer, Muon) start it instead. Costs nothing once every param has its state."""
+        if self.info.per_key_init:
+            return
+        for i in self.uninit:
+            p = self.params[i]
+            s = state.get(p)
+            if s and p.grad is not None:
+                key = missing_key(self.info, self.spec, s)
+                if key is not None:
+                    raise KeyError(key)
+
+    @property
+    def state_freed(self) -> bool:
+        """Whether a state tensor the tables point at was freed (``state.clear()``, a tensor replaced by hand): the
+        unit must be planned again before it launches."""
+        return not self._state_intact.ok
+
+    @property
+    def copies_grads(self) -> bool:
+        """Whether this step's grads stand in as contiguous copies (non-contiguous grads): new every step, so the
+        launch cannot be replayed from a CUDA graph."""
+        return bool(self._copied)
+
     def prepare(self, state: Any, groups: Sequence[dict[str, Any]]) -> bool:
         """Point the tables at this step's grads and create missing state; False if no grad is live."""
         self.created = []  # this step's, whatever path it takes
@@ -358,6 +385,8 @@ class _Intact:
 
 
 def _has_state(state: Any, p: torch.Tensor, info: AlgoInfo, spec: UpdateSpec) -> bool:
+    if not info.step_in_state and not any(info.state_keys(spec)):
+        return True  # nothing to keep (SGD without momentum: torch stores no state for it either)
     s = state.get(p)
     if not s:
         return False

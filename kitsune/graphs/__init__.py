@@ -16,66 +16,49 @@ switch changed, a dtype or device move) and starts the warm-up again. A step tha
 baseline steps, a user's GradScaler handing a new ``found_inf`` each step, non-contiguous grads that need copies)
 runs eagerly without dropping the graph. A capture that fails falls back to eager for good, with the reason in
 the summary.
+
+The steady replay: once a step has replayed the graph, the next steps replay it after a few checks only (the same
+groups with the same values, every grad and param where the last step found them, a scaled loss) without the
+step's full host path; anything else sends the step through the full path, which checks everything again.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from kitsune.config import GraphConfig
-from kitsune.subsystem import StepContext, Subsystem
+from kitsune.graphs.backend import CudaGraphBackend
+from kitsune.subsystem import StepState, Subsystem
 
-if TYPE_CHECKING:
-    from kitsune.optimizer import KitsuneOptimizer
-
-
-class CudaGraphBackend:
-    """torch.cuda.CUDAGraph: capture on torch's capture stream, eager warm-up on a side stream."""
-
-    def supports(self, device: torch.device) -> str | None:
-        if device.type != "cuda":
-            return "needs CUDA params"
-        if not torch.cuda.is_available():
-            return "CUDA is not available"
-        return None
-
-    def eager(self, fn: Callable[[], None], device: torch.device) -> None:
-        current = torch.cuda.current_stream(device)
-        side = torch.cuda.Stream(device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            fn()
-        current.wait_stream(side)
-
-    def capture(self, fn: Callable[[], None], device: torch.device) -> Any:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.device(device), torch.cuda.graph(graph):
-            fn()
-        return graph
-
-    def replay(self, graph: Any) -> None:
-        graph.replay()
+__all__ = ["CudaGraphBackend", "GraphSubsystem"]
 
 
 class GraphSubsystem(Subsystem):
-    """Captures the fused phase in a CUDA graph after warm-up and replays it; see the module docstring."""
+    """The graphed executor: wraps the fused executor (``fusion``) and owns capture, replay and the steady replay;
+    with float16 AMP the loss scaler's (``scaler``) scale update joins the captured work. See the module docstring."""
 
     name = "graphs"
 
-    def __init__(self, config: GraphConfig, backend: Any = None) -> None:
+    def __init__(self, config: GraphConfig, backend: Any = None, *, fusion: Any = None, scaler: Any = None) -> None:
         super().__init__()
         self.config = config
         self.backend = backend or CudaGraphBackend()
+        self._fusion = fusion
+        self._scaler = scaler
         self._graph: Any = None
         self._key: tuple | None = None
-        self._saved: dict[str, Any] = {}
+        self._saved: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+        """What the captured work leaves for the steps that replay it: the overflow flag and the grad-norm buffer."""
         self._warm = 0
         self._device = torch.device("cpu")
         self._broken: str | None = None
+        self._version = -1
+        self._steady: _Steady | None = None
+        self._may_steady = False
         self.captures = 0
         self.replays = 0
         self.steady_replays = 0
@@ -87,27 +70,37 @@ class GraphSubsystem(Subsystem):
         self._capture_ms = 0.0
         self.deactivate("not planned yet")
 
-    # -- lifecycle ----------------------------------------------------------------------------------------------
-    def plan(self, opt: KitsuneOptimizer) -> None:
+    # -- planning -----------------------------------------------------------------------------------------------
+    def plan(self, *, leftover: bool, grad_passes: bool, in_backward: bool, sharded: bool, steady: bool) -> None:
+        """Decide whether the steps go through a graph, after the fused executor planned: ``leftover``, some params
+        are the wrapped optimizer's; ``grad_passes``, the step clips or scales the grads; ``in_backward``, updates
+        run inside backward; ``sharded``, ZeRO; ``steady``, nothing but the executors acts in a step (no profiler)."""
         self.invalidate("re-planned (param groups, state or storage changed)")
-        reason = self._why_not(opt)
+        self._steady = None
+        fusion = self._fusion
+        self._version = fusion.plan_version if fusion is not None and fusion.active else -1
+        reason = self._why_not(in_backward)
+        if reason is None and (leftover or (fusion.grad_pass is not None and grad_passes)):
+            reason = f"the grads' passes are not fused: {fusion.grad_pass or 'see the plan'}"
+        if reason is None and sharded:
+            reason = "sharded optimizer state: the step's collectives are not captured"
         if reason:
             self.deactivate(reason)
         else:
             self.activate()
+        self._may_steady = self.active and self.config.steady_replay and steady
 
-    def _why_not(self, opt: KitsuneOptimizer) -> str | None:
+    def _why_not(self, in_backward: bool) -> str | None:
         if not self.config.enabled:
             return "capture_graph=False"
         if self._broken:
             return f"capture failed, running eagerly: {self._broken}"
-        fusion = next((s for s in opt.subsystems if s.name == "fusion"), None)
+        fusion = self._fusion
         if fusion is None or not fusion.active:
             return "nothing to capture: fusion is inactive" + (f" ({fusion.reason})" if fusion is not None else "")
-        streams = next((s for s in opt.subsystems if s.name == "streams"), None)
-        if streams is not None and getattr(streams, "in_backward", False):
+        if in_backward:
             return "step_in_backward: the updates run inside backward, bucket by bucket"
-        why = getattr(fusion, "graphable", "fusion cannot be captured")
+        why = fusion.graphable
         if why:
             return f"the phase is not all fused kernels: {why}"
         self._device = fusion.launch_units[0].device
@@ -122,24 +115,58 @@ class GraphSubsystem(Subsystem):
         self._warm = 0
 
     # -- the step -----------------------------------------------------------------------------------------------
-    def run(self, ctx: StepContext, key: tuple, device_work: Callable[[], None]) -> str:
+    def execute(self, s: StepState, live: list[Any]) -> None:
+        """The fused step's device work (prepared by the fused executor): warmed up, captured or replayed; eagerly,
+        without dropping the graph, where this step cannot replay it."""
+        fusion = self._fusion
+        why = None
+        if fusion.plan_version != self._version:  # the optimizer plans this subsystem again after the step
+            self.invalidate("the fused executor re-planned inside the step")
+            why = "the fused executor re-planned inside the step"
+        elif not live:
+            why = "no param has a grad this step"
+        elif s.phases is not None:
+            why = "the profiler's probe times each phase"
+        elif s.baseline:
+            why = "the profiler's baseline step"
+        elif s.external_scaler:
+            why = "a user's GradScaler hands a new found_inf every step"
+        elif any(unit.copies_grads for unit in live):
+            why = "non-contiguous grads are copied every step"
+        if why is not None:
+            self.note_eager(why)
+            fusion.execute(s, live)
+            return
+        scaler = self._scaler
+        units = fusion.launch_units
+        s.graphed = True  # warm-up, capture and replay make the same launches, the scale update included
+
+        def device_work() -> None:
+            fusion.launch(s, units)
+            if scaler is not None:
+                scaler.update_scale(s.found_inf)
+
+        key = (fusion.plan_version, id(s.grad_scale), s.check_inf, scaler is not None)
+        how = self._run(s, key, device_work)
+        fusion.finish(s, units, launches=1 if how == "replay" else None)
+        if how == "replay" and self._may_steady and not s.unhandled:
+            self._arm(fusion.param_groups, s.zeroed)
+
+    def _run(self, s: StepState, key: tuple, device_work: Callable[[], None]) -> str:
         """Do this step's device work: eagerly while warming up, by capturing it once, then by replaying.
 
         ``key`` names everything the captured work depends on beyond the device buffers' contents (the plan's
         version, the identity of the scale tensor, the step's switches); a new key means capture again. Returns
-        how the work ran: ``"warmup"``, ``"capture"`` or ``"replay"``.
+        how the work ran: ``"warmup"``, ``"capture"``, ``"replay"`` or ``"failed"``.
         """
         if self._graph is not None and key != self._key:
             self.invalidate("the step's inputs changed (loss scaler, clipping or AMP switches)")
-        ctx.extra["static_outputs"] = True  # outputs (the grad norm) go to buffers that outlive the step
         if self._graph is None and self._warm < self.config.warmup_steps:
             self.backend.eager(device_work, self._device)
             self._warm += 1
             self.eager_steps += 1
-            self._mark_static_outputs(ctx)
             return "warmup"
         if self._graph is None:
-            keys = set(ctx.extra)
             start = time.perf_counter()
             try:
                 self._graph = self.backend.capture(device_work, self._device)
@@ -153,33 +180,63 @@ class GraphSubsystem(Subsystem):
             self._key = key
             self.captures += 1
             self.backend.replay(self._graph)
-            # what the captured work left in ctx (the found_inf and grad-norm buffers), for the replays to come
-            self._saved = {k: ctx.extra[k] for k in ctx.extra.keys() - keys}
+            self._saved = (s.found_inf, s.grad_norm)  # the buffers the captured work writes, for the replays to come
         else:
-            ctx.extra.update(self._saved)
+            s.found_inf, s.grad_norm = self._saved
             self.backend.replay(self._graph)
         self.replays += 1
-        self._mark_static_outputs(ctx)
         return "replay"
-
-    def replay_again(self) -> dict[str, Any]:
-        """Replay the captured work for a step the orchestrator found unchanged since the last replay (see
-        ``KitsuneOptimizer._replay_again``); returns what the capture left in the step context (the norm buffer)."""
-        self.backend.replay(self._graph)
-        self.replays += 1
-        self.steady_replays += 1
-        return self._saved
-
-    @staticmethod
-    def _mark_static_outputs(ctx: StepContext) -> None:
-        norm = ctx.extra.get("grad_norm")
-        if isinstance(norm, torch.Tensor):  # the static buffer is overwritten by the next replay: the optimizer
-            ctx.extra["static_grad_norm"] = True  # copies it out only when someone reads last_grad_norm
 
     def note_eager(self, reason: str) -> None:
         """This step ran without the graph (which stays valid), for ``reason``."""
         self.eager_steps += 1
         self.last_eager_reason = reason
+
+    # -- the steady replay --------------------------------------------------------------------------------------
+    def _arm(self, groups: list[dict[str, Any]], zeroed: list[torch.Tensor]) -> None:
+        """After a replayed step: let the next steps replay straight away while nothing they depend on changed."""
+        values = _group_values(groups)
+        if not _has_tensor(values):  # tensor hyperparameters change in place: the full step compares their values
+            self._steady = _Steady(groups, values, self._fusion.plan_version, list(zeroed))
+
+    def disarm(self) -> None:
+        """A step through the full path: the steady replay waits for that path to replay the graph again."""
+        self._steady = None
+
+    def replay_steady(self, step: int, groups: list[dict[str, Any]], fits: Callable[[], bool]) -> StepState | None:
+        """The steady step: the same groups (``fits()``: holding the same params), every grad and param where the
+        last step found them, a scaled loss: refresh the hyperparameters if a value changed (an LR scheduler's new
+        LR), replay the graph and return the step's state. None (nothing done) sends the step through the full path,
+        which checks and refreshes everything and arms this again."""
+        steady, self._steady = self._steady, None
+        fusion = self._fusion
+        if steady is None or groups is not steady.groups or fusion.plan_version != steady.plan_version:
+            return None
+        if not fits():
+            return None  # a group's params list replaced or grown: re-plan (and the values below compare safely)
+        values = _group_values(groups)
+        try:
+            changed = values != steady.values
+        except (RuntimeError, ValueError, TypeError):  # a value became a tensor or an array: no single truth value
+            return None
+        if changed:
+            if _has_tensor(values):
+                return None  # a hyperparameter became a tensor: the full step handles it
+            if not fusion.refresh_values(groups):
+                return None  # a switch changed (amsgrad, nesterov, ...): new kernels, through the full path
+            steady.values = values
+        if not fusion.unchanged():
+            return None
+        scaler = self._scaler
+        if scaler is not None and not scaler.take_scaled_loss():
+            return None  # a loss not scaled by optimizer.backward: the full path says so
+        self.backend.replay(self._graph)  # with float16 AMP, the scale update too
+        self.replays += 1
+        self.steady_replays += 1
+        fusion.count_replay()
+        self._steady = steady
+        found_inf, norm = self._saved
+        return StepState(step, graphed=True, found_inf=found_inf, grad_norm=norm, zeroed=list(steady.zeroed))
 
     def report(self) -> dict[str, Any]:
         return {
@@ -192,3 +249,22 @@ class GraphSubsystem(Subsystem):
             "last_eager_reason": self.last_eager_reason,
             "capture_ms": round(self._capture_ms, 3),
         }
+
+
+class _Steady:
+    """What the steady replay compares a step against (the groups object and the values the last step used) and
+    what it books afterwards (the params whose grads the captured work zeroed)."""
+
+    __slots__ = ("groups", "plan_version", "values", "zeroed")
+
+    def __init__(self, groups: list, values: tuple, plan_version: int, zeroed: list[torch.Tensor]) -> None:
+        self.groups, self.values, self.plan_version, self.zeroed = groups, values, plan_version, zeroed
+
+
+def _group_values(groups: list[dict[str, Any]]) -> tuple:
+    """Each group's values (its params list, the same object while the structure key holds, compares by identity)."""
+    return tuple(tuple(g.values()) for g in groups)
+
+
+def _has_tensor(values: tuple) -> bool:
+    return any(isinstance(v, torch.Tensor) for row in values for v in row)

@@ -29,7 +29,6 @@ from kitsune.subsystem import Subsystem
 
 if TYPE_CHECKING:
     from kitsune.fusion.units import FusedUnit
-    from kitsune.optimizer import KitsuneOptimizer
 
 ALIGN_BYTES = 256
 """Every slot starts on a 256-byte boundary, as the CUDA caching allocator aligns its blocks."""
@@ -132,7 +131,8 @@ class UnitSlots:
 
 
 class MemoryPool(Subsystem):
-    """Flat arenas for the state (and optionally the grads) of the params the fused kernel updates."""
+    """Flat arenas for the state (and optionally the grads) of the params the fused kernel updates: an allocator the
+    fused executor is handed, which lays out its units in :meth:`assign` at every plan."""
 
     name = "memory"
 
@@ -143,10 +143,6 @@ class MemoryPool(Subsystem):
         self._layout: tuple = ()
         self._units: list[FusedUnit] = []
         self._outside: list[FusedUnit] = []
-
-    def plan(self, opt: KitsuneOptimizer) -> None:
-        # the fusion subsystem plans after this one and hands its units to assign(); without it nothing is pooled
-        self._opt = opt
         self.deactivate("fusion is off: optimizer state stays in the wrapped optimizer's own tensors")
 
     def assign(self, units: list[FusedUnit]) -> None:

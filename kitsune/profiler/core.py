@@ -16,9 +16,8 @@ After ``sample_after`` steps come two sampled windows, and their steps stay out 
 from __future__ import annotations
 
 import time
-import weakref
 from collections import deque
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 from pydantic import BaseModel
@@ -26,10 +25,7 @@ from pydantic import BaseModel
 from kitsune.config import ProfilerConfig
 from kitsune.profiler.nvml import NvmlReport, NvmlSampler
 from kitsune.profiler.probe import Probe, ProbeReport
-from kitsune.subsystem import StepContext, Subsystem
-
-if TYPE_CHECKING:
-    from kitsune.optimizer import KitsuneOptimizer
+from kitsune.subsystem import StepState, Subsystem
 
 
 class StepRecord(BaseModel):
@@ -154,7 +150,8 @@ class Profiler(Subsystem):
         self._anchor: tuple[torch.cuda.Event, float] | None = None
         self._sampler: NvmlSampler | None = None
         self._nvml_reason = "params are not on a CUDA device"
-        self._opt: weakref.ref[KitsuneOptimizer] | None = None
+        self._baseline_name: str | None = None
+        self._bytes_per_step: int | None = None
         self._reset_windows()
         if config.enabled:
             self.activate()
@@ -168,11 +165,11 @@ class Profiler(Subsystem):
         self._probe = Probe(self.config.probe_steps)
         self._compared: dict[str, list[StepRecord]] = {"reference": [], "baseline": []}
         self._comparable: bool | None = None
-        self._baseline_name: str | None = None
 
-    def plan(self, opt: KitsuneOptimizer) -> None:
-        self._opt = weakref.ref(opt)
-        params = [p for g in opt.param_groups for p in g["params"]]
+    def plan(self, params: list[torch.Tensor], baseline: str, bytes_per_step: int | None) -> None:
+        """Time steps over ``params``; ``baseline`` names the step the live comparison runs (:func:`describe_step`),
+        ``bytes_per_step`` is what the plan's updates must move (the bandwidth floor's numerator)."""
+        self._baseline_name, self._bytes_per_step = baseline, bytes_per_step
         self._cuda = bool(params) and params[0].is_cuda and torch.cuda.is_available()
         self._device = params[0].device if params else torch.device("cpu")
         if not self.active:
@@ -241,19 +238,19 @@ class Profiler(Subsystem):
         phase = self._phase(self._index + 1)
         if phase in ("reference", "baseline"):
             self._comparable = comparable if self._comparable is None else self._comparable and comparable
-            opt = self._opt() if self._opt is not None else None
-            if opt is not None and self._baseline_name is None:
-                self._baseline_name = describe_step(opt.base_optimizer)
         return phase == "baseline" and bool(self._comparable)
 
-    def before_step(self, ctx: StepContext) -> None:
+    def start(self, s: StepState) -> None:
+        """The step begins: first of all (the whole step, fallbacks included, is timed)."""
+        if not self.active:
+            return
         self._index += 1
         phase = self._phase(self._index)
-        self._mode = "baseline" if ctx.baseline else ("probe" if phase == "probe" else "kitsune")
+        self._mode = "baseline" if s.baseline else ("probe" if phase == "probe" else "kitsune")
         self._window = phase if phase in ("reference", "baseline") and self._comparable else None
         if self._mode == "probe":
             self._probe.begin(self._device)
-            ctx.extra["phases"] = self._probe.timer  # the orchestrator and fusion mark the phase boundaries
+            s.phases = self._probe.timer  # the stages mark the phase boundaries
         if self._cuda:
             self._start_event = self._event()
             self._start_event.record()
@@ -263,28 +260,31 @@ class Profiler(Subsystem):
         # events are reused once read: creating two per step costs more host time than recording them
         return self._free_events.pop() if self._free_events else torch.cuda.Event(enable_timing=True)
 
-    def after_step(self, ctx: StepContext) -> None:
+    def stop(self, s: StepState) -> None:
+        """The step is done: last of all."""
+        if not self.active:
+            return
         host_ms = (time.perf_counter_ns() - self._t0) / 1e6
         start_us = (self._t0 - self._origin_ns) / 1e3
         self._timed += 1
         if self._cuda and self._start_event is not None:
             end = self._event()
             end.record()
-            self._pending.append((ctx.step, self._start_event, end, host_ms, start_us, self._mode, self._window))
+            self._pending.append((s.step, self._start_event, end, host_ms, start_us, self._mode, self._window))
             if len(self._pending) > 64:
                 self._collect(block=False)
         else:
             # model_construct: the values are ours and typed, so skip validation on the training path
             record = StepRecord.model_construct(
-                step=ctx.step, step_ms=host_ms, host_ms=host_ms, host_start_us=start_us, mode=self._mode
+                step=s.step, step_ms=host_ms, host_ms=host_ms, host_start_us=start_us, mode=self._mode
             )
             self._keep(record, self._window)
         if self._mode == "probe":
             self._probe.complete()
 
     def abandon_step(self) -> None:
-        """The step raised between ``before_step`` and ``after_step``: undo what the probe changed."""
-        if self._mode == "probe":
+        """The step raised between :meth:`start` and :meth:`stop`: undo what the probe changed."""
+        if self.active and self._mode == "probe":
             self._probe.abandon()
 
     def _keep(self, record: StepRecord, window: str | None) -> None:
@@ -369,9 +369,7 @@ class Profiler(Subsystem):
         records = [r for r in self.records if r.mode == "kitsune"]
         step_time = TimeStats.of([r.step_ms for r in records])
         probe = self.probe_report()
-        opt = self._opt() if self._opt is not None else None
-        plan = opt.plan if opt is not None else None
-        nbytes = getattr(plan, "bytes_per_step", None)
+        nbytes = self._bytes_per_step
         floor_ms = pct = None
         if nbytes and probe.copy_bandwidth_gbs:
             floor_ms = nbytes / (probe.copy_bandwidth_gbs * 1e9) * 1e3

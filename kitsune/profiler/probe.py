@@ -165,7 +165,7 @@ class Probe:
     def complete(self) -> None:
         """The step finished: count what it did."""
         if self.timer is not None:
-            self.timer.mark("scale_update")  # the last phase: AMP's after_step has run
+            self.timer.mark("scale_update")  # the last phase: the loss scale was updated
             self._timers.append(self.timer)
         caught, tp = self._stop()
         syncs = [w for w in caught if SYNC_MESSAGE in str(w.message)]

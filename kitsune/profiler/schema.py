@@ -12,7 +12,7 @@ import platform
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 from pydantic import BaseModel, Field, ValidationError
@@ -21,7 +21,30 @@ from kitsune.profiler.core import ProfilerMetrics, StepRecord
 from kitsune.profiler.nvml import NvmlReport
 
 if TYPE_CHECKING:
-    from kitsune.optimizer import KitsuneOptimizer
+    from kitsune.profiler.core import Profiler
+
+
+class Profiled(Protocol):
+    """What a profile is built from (``KitsuneOptimizer`` is one): its groups, profiler, plan, config and
+    subsystems' status."""
+
+    param_groups: list[dict[str, Any]]
+    config: Any
+
+    @property
+    def profiler(self) -> Profiler | None: ...
+
+    @property
+    def plan(self) -> Any: ...
+
+    @property
+    def base_optimizer(self) -> torch.optim.Optimizer: ...
+
+    @property
+    def step_count(self) -> int: ...
+
+    def subsystem_status(self) -> list[dict[str, Any]]: ...
+
 
 SCHEMA_VERSION = "1.0"
 
@@ -111,7 +134,7 @@ def collect_environment(device: torch.device | str | None = None) -> Environment
     )
 
 
-def _device_of(opt: KitsuneOptimizer) -> torch.device:
+def _device_of(opt: Profiled) -> torch.device:
     for group in opt.param_groups:
         for p in group["params"]:
             return p.device
@@ -130,7 +153,7 @@ def collect_memory(device: torch.device) -> MemoryInfo | None:
     )
 
 
-def build_profile(opt: KitsuneOptimizer) -> Profile:
+def build_profile(opt: Profiled) -> Profile:
     """A snapshot of ``opt``: what ``save_profile`` writes and what ``print_summary`` renders."""
     prof = opt.profiler
     plan = opt.plan
@@ -150,6 +173,14 @@ def build_profile(opt: KitsuneOptimizer) -> Profile:
         nvml=prof.nvml if prof is not None else None,
         memory=collect_memory(device),
     )
+
+
+def save_profile(opt: Profiled, path: str | Path) -> Path:
+    """Write :func:`build_profile` of ``opt`` to ``path`` as JSON (UTF-8), creating its folder."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(build_profile(opt).model_dump_json(indent=2), encoding="utf-8")
+    return path
 
 
 def load_profile(path: str | Path) -> Profile:

@@ -18,7 +18,7 @@ from kitsune.profiler.nvml import FIELDS, NvmlReport
 from kitsune.profiler.schema import MemoryInfo, Profile, SubsystemStatus, build_profile
 
 if TYPE_CHECKING:
-    from kitsune.optimizer import KitsuneOptimizer
+    from kitsune.profiler.schema import Profiled
 
 
 def format_bytes(n: float) -> str:
@@ -248,5 +248,5 @@ def render_summary(profile: Profile, console: Console | None = None) -> None:
         console.print(item)
 
 
-def print_summary(opt: KitsuneOptimizer, console: Console | None = None) -> None:
+def print_summary(opt: Profiled, console: Console | None = None) -> None:
     render_summary(build_profile(opt), console)

@@ -16,7 +16,7 @@ from kitsune.profiler.nvml import FIELDS, NvmlReport
 from kitsune.profiler.schema import Profile
 
 if TYPE_CHECKING:
-    from kitsune.optimizer import KitsuneOptimizer
+    from kitsune.profiler.schema import Profiled
 
 PID_STEPS, PID_GPU = 1, 2
 TID_DEVICE, TID_HOST = 1, 2
@@ -78,7 +78,7 @@ def trace_events(steps: list[StepRecord], timing: str, nvml: NvmlReport | None) 
     return events
 
 
-def export_chrome_trace(source: Profile | Profiler | KitsuneOptimizer, path: str | Path) -> Path:
+def export_chrome_trace(source: Profile | Profiler | Profiled, path: str | Path) -> Path:
     """Write ``source``'s steps (and NVML samples) as a Chrome trace JSON file; returns the path."""
     if isinstance(source, Profile):
         steps, timing, nvml = source.steps, source.metrics.timing if source.metrics else "host_clock", source.nvml

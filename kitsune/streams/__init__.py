@@ -36,65 +36,57 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
 from kitsune.config import GraphConfig, StreamConfig
-from kitsune.subsystem import StepContext, Subsystem
-
-if TYPE_CHECKING:
-    from kitsune.optimizer import KitsuneOptimizer
-
-
-def why_not_in_backward(opt: KitsuneOptimizer, trust: bool = False) -> str | None:
-    """Why the fused updates cannot run inside backward under ``opt``'s config (None when they can)."""
-    cfg = opt.config
-    if not cfg.streams.step_in_backward:
-        return "step_in_backward=False: every update runs in step(), on the current stream"
-    if cfg.grads.max_norm is not None:
-        return "max_grad_norm: the global clip needs every grad before the first update"
-    if cfg.amp.enabled and cfg.amp.dtype == torch.float16:
-        return "float16 loss scaling: the overflow check needs every grad before the first update"
-    if trust:
-        return "LAMB/LARS trust ratios come from one norm pass over every grad"
-    from kitsune.distributed.fsdp import is_dtensor
-
-    if any(is_dtensor(p) for g in opt.param_groups for p in g["params"]):
-        return "FSDP2 params: FSDP2 sets the sharded grads after its reduce-scatter, past the per-param grad hooks"
-    return None
-
+from kitsune.distributed.fsdp import is_dtensor
+from kitsune.graphs.backend import CudaGraphBackend
+from kitsune.subsystem import StepState, Subsystem
 
 TIMED_EVERY = 16
 """Steps between two whose launches inside backward are timed with CUDA events (the first step is timed)."""
 
 
 class StreamScheduler(Subsystem):
-    """Runs the fused updates of each bucket as soon as backward has produced its grads (see the module doc)."""
+    """Runs the fused updates of each bucket as soon as backward has produced its grads (see the module doc).
+
+    Built with what decides whether updates may run inside backward: ``clip`` (a global ``max_grad_norm``) and
+    ``scaling`` (float16 loss scaling) forbid it; ``fusion`` is the fused executor whose units it launches, and
+    ``step_state`` makes the step state of those launches (the grad pass's: what the kernels write into the grads).
+    """
 
     name = "streams"
 
-    def __init__(self, config: StreamConfig, graphs: GraphConfig | None = None, backend: Any = None) -> None:
+    def __init__(
+        self,
+        config: StreamConfig,
+        graphs: GraphConfig | None = None,
+        backend: Any = None,
+        *,
+        fusion: Any = None,
+        clip: bool = False,
+        scaling: bool = False,
+        step_state: Callable[[], StepState] = lambda: StepState(0, fused_grads=True),
+    ) -> None:
         super().__init__()
         self.config = config
         self.graph_config = graphs or GraphConfig()
-        if backend is None:
-            from kitsune.graphs import CudaGraphBackend
-
-            backend = CudaGraphBackend()
-        self.backend = backend
+        self.backend = backend or CudaGraphBackend()
         """Captures and replays the units' graphs (:class:`kitsune.graphs.CudaGraphBackend`; tests swap it)."""
+        self._fusion = fusion
+        self._clip, self._scaling = clip, scaling
+        self._step_state = step_state
+        self._version = -1
         self._graphs: dict[int, Any] = {}
         self._eager: dict[int, int] = {}
-        self._plan_version = -1
         self.captures = 0
         self.replays = 0
         self.graph_reason: str | None = None
         """Why the units' updates are not replayed from CUDA graphs, or None when they are (or will be)."""
         self._handles: list[Any] = []
-        self._fusion: Any = None
-        self._opt: Any = None
         self._counts: list[int] = []
         self._launched: set[int] = set()
         self._accumulating = 0
@@ -105,6 +97,7 @@ class StreamScheduler(Subsystem):
         self._event_device: torch.device | None = None
         """The device of the last timed launch: ``step()`` marks the end of backward on its current stream."""
         self._events: list[tuple[Any, Any]] = []
+        self._last_events: list[tuple[Any, Any]] = []
         self._step_event: Any = None
         self.in_backward = False
         """Whether updates run inside backward (the graph subsystem and the profiler's comparison step aside)."""
@@ -113,7 +106,6 @@ class StreamScheduler(Subsystem):
         self._units_total = 0
         self._bytes_in_backward = 0
         self._bytes_total = 0
-        self._misuse: str | None = None
         self.deactivate("not planned yet")
 
     @property
@@ -126,22 +118,40 @@ class StreamScheduler(Subsystem):
         return list(self.config.priority_streams)
 
     # -- planning ------------------------------------------------------------------------------------------------
-    def plan(self, opt: KitsuneOptimizer) -> None:
+    def why_not(self, groups: list[dict[str, Any]], trust: bool) -> str | None:
+        """Why the fused updates of ``groups``' params cannot run inside backward (None when they can); ``trust``:
+        the optimizer scales updates by trust ratios (LAMB, LARS)."""
+        if not self.config.step_in_backward:
+            return "step_in_backward=False: every update runs in step(), on the current stream"
+        if self._clip:
+            return "max_grad_norm: the global clip needs every grad before the first update"
+        if self._scaling:
+            return "float16 loss scaling: the overflow check needs every grad before the first update"
+        if trust:
+            return "LAMB/LARS trust ratios come from one norm pass over every grad"
+        if any(is_dtensor(p) for g in groups for p in g["params"]):
+            return "FSDP2 params: FSDP2 sets the sharded grads after its reduce-scatter, past the per-param grad hooks"
+        return None
+
+    def unit_bytes(self, groups: list[dict[str, Any]], trust: bool) -> int | None:
+        """The fused units' size in bytes of params when their updates run inside backward, else None."""
+        return self.config.bucket_bytes if self.why_not(groups, trust) is None else None
+
+    def plan(self, groups: list[dict[str, Any]]) -> None:
+        """Hook every param of the fused executor's units (planned over ``groups``), or say why not."""
         for h in self._handles:
             h.remove()
         self._handles = []
-        self._opt = opt
         self.in_backward = False
-        fusion = next((s for s in opt.subsystems if s.name == "fusion"), None)
-        units = getattr(fusion, "units", []) if fusion is not None and fusion.active else []
-        why = why_not_in_backward(opt, trust=any(getattr(u.spec, "trust", False) for u in units))
+        fusion = self._fusion
+        units = fusion.units if fusion is not None and fusion.active else []
+        why = self.why_not(groups, trust=fusion is not None and fusion.trust)
         if why is None and not units:
             why = "no param takes the fused kernel, so every update runs in step()"
         if why is not None:
             self.deactivate(why)
             return
-        self._fusion = fusion
-        self._plan_version = fusion.plan_version
+        self._version = fusion.plan_version
         self._counts = [0] * len(units)
         self._launched = set()
         self._graphs, self._eager = {}, {}
@@ -149,14 +159,13 @@ class StreamScheduler(Subsystem):
         self.graph_reason = self._why_no_graphs(units)
         for index, unit in enumerate(units):
             for p in unit.params:
-                self._handles.append(p.register_post_accumulate_grad_hook(self._hook(index)))
+                self._handles.append(p.register_post_accumulate_grad_hook(self._hook(index, len(unit.params))))
         weakref.finalize(self, _remove, list(self._handles))
         self.in_backward = True
         self.activate()
 
-    def _hook(self, index: int) -> Any:
+    def _hook(self, index: int, need: int) -> Any:
         ref = weakref.ref(self)  # the params must not keep a dropped optimizer alive, nor let it update them
-        need = len(self._fusion.units[index].params)
         counts = self._counts  # replaced (not cleared) by each plan: a hook of an older plan counts into its own
 
         def ready(_: torch.Tensor) -> None:
@@ -188,14 +197,14 @@ class StreamScheduler(Subsystem):
 
     # -- inside backward -----------------------------------------------------------------------------------------
     def _launch(self, index: int) -> None:
-        fusion, opt = self._fusion, self._opt
+        fusion = self._fusion
         unit = fusion.units[index]
         if not self._refreshed:  # hyperparameters (an LR scheduler's last change) once per backward
             fusion.refresh_contexts()
             self._refreshed = True
-        if not unit.prepare(opt.state, opt.param_groups) or unit.stale:
+        if not fusion.prepare_unit(unit):
             return  # no grad after all, or a param's storage moved: step() re-plans and updates it
-        ctx = self._context(opt)
+        ctx = self._step_state()
         graph = self._graphs.get(index)
         if unit.device.type == "cuda":
             timed = self._steps % TIMED_EVERY == 0
@@ -221,18 +230,13 @@ class StreamScheduler(Subsystem):
                 self._event_device = unit.device
         else:
             self._run(index, unit, ctx, graph)
-        if fusion._grad_write(ctx):
+        if ctx.grad_write:
             unit.copy_back()
         self._launched.add(index)
 
-    def _context(self, opt: KitsuneOptimizer) -> StepContext:
-        ctx = StepContext(step=opt.step_count + 1)
-        ctx.extra["fused_grads"] = True
-        return ctx
-
-    def _run(self, index: int, unit: Any, ctx: StepContext, graph: Any) -> None:
+    def _run(self, index: int, unit: Any, ctx: StepState, graph: Any) -> None:
         """One unit's update: its graph's replay once captured, else the launch itself (counted towards warm-up)."""
-        if graph is not None and not unit._copied:  # non-contiguous grads are new copies every step: run eagerly
+        if graph is not None and not unit.copies_grads:  # non-contiguous grads are new copies every step: run eagerly
             self.backend.replay(graph)
             self.replays += 1
             return
@@ -246,9 +250,9 @@ class StreamScheduler(Subsystem):
             if index in self._graphs or count < self.graph_config.warmup_steps:
                 continue
             unit = fusion.units[index]
-            if unit._copied:
+            if unit.copies_grads:
                 continue
-            ctx = self._context(self._opt)
+            ctx = self._step_state()
             try:
                 self._graphs[index] = self.backend.capture(lambda u=unit, c=ctx: fusion.launch(c, [u]), unit.device)
             except Exception as exc:  # a capture that fails must not stop training: launch eagerly from now on
@@ -265,13 +269,17 @@ class StreamScheduler(Subsystem):
         return s
 
     # -- step ------------------------------------------------------------------------------------------------------
-    def before_step(self, ctx: StepContext) -> None:
+    def begin(self, s: StepState) -> None:
+        """In the step's checks (it raises before anything changes): make the step wait for the updates launched
+        inside backward and tell it which units those were (nothing while updates run in step())."""
+        if not self.active:
+            return
         if self._accumulating:
             raise RuntimeError(
                 "optimizer.step() inside `with optimizer.accumulating()`: step after the block, on the micro-step "
                 "whose backward ran outside it"
             )
-        if self._launched and ctx.extra.get("grad_scale") is not None:
+        if self._launched and s.grad_scale is not None:
             raise RuntimeError(
                 "a GradScaler's scaled grads were used by updates inside backward (step_in_backward=True): the "
                 "updates cannot wait for its overflow check. Use bfloat16 autocast, kitsune's own scaler with "
@@ -282,7 +290,7 @@ class StreamScheduler(Subsystem):
             self._step_event.record(torch.cuda.current_stream(self._event_device))
         for device, side in self._streams.items():
             torch.cuda.current_stream(device).wait_stream(side)
-        ctx.extra["updated_in_backward"] = set(self._launched)
+        s.updated_in_backward = frozenset(self._launched)
         units = self._fusion.units
         self._units_total += len(units)
         self._units_in_backward += len(self._launched)
@@ -290,25 +298,25 @@ class StreamScheduler(Subsystem):
         self._bytes_total += sum(sizes)
         self._bytes_in_backward += sum(sizes[i] for i in self._launched)
 
-    def after_step(self, ctx: StepContext) -> None:
+    def finish(self) -> None:
+        """After the step: count it, reset the units' grad counts and capture the units warmed up enough (the
+        optimizer re-plans this scheduler when the fused executor re-planned inside the step)."""
+        if not self.active:
+            return
         self._steps += 1
         self._counts[:] = [0] * len(self._counts)  # in place: the hooks hold this list
         self._launched = set()
         self._refreshed = False
         if self._events:
             self._last_events, self._events = self._events, []
-        if self._fusion.plan_version != self._plan_version:
-            # the fusion subsystem re-planned inside this step (a param's storage moved): new units, so new hooks,
-            # counts and graphs before the next backward
-            self.plan(self._opt)
-        elif self.graph_reason is None:
+        if self.graph_reason is None and self._fusion.plan_version == self._version:
             self._capture()
 
     # -- what the summary reads --------------------------------------------------------------------------------------
     def overlap(self) -> dict[str, float] | None:
         """Of the last step's updates inside backward: their GPU time and how much of it finished before the
         step began (that is, hidden behind backward). Reads CUDA events: one sync, only when asked."""
-        events = getattr(self, "_last_events", [])
+        events = self._last_events
         if not events or self._step_event is None:
             return None
         self._step_event.synchronize()

@@ -200,9 +200,9 @@ def test_a_param_listed_twice_steps_as_torch_steps_it(device):
             torch.testing.assert_close(p, t, rtol=1e-5, atol=1e-6, msg=lambda m, i=i, step=step: f"{step}/{i}: {m}")
 
 
-def test_amsgrad_switched_on_mid_run_starts_its_maximum_from_zeros(device):
-    """torch raises KeyError('max_exp_avg_sq') when amsgrad is switched on after the first step; the fused path
-    creates the maximum as zeros, which is torch's own step with that state added by hand (tested as such)."""
+def test_amsgrad_switched_on_mid_run_raises_as_torch_then_follows_a_maximum_added_by_hand(device):
+    """torch raises KeyError('max_exp_avg_sq') when amsgrad is switched on after the first step, and so does the
+    fused path, before anything changes; with the maximum added by hand as zeros, both go on alike."""
     params = make_params([(4, 3), 9], torch.float32, device)
     twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
     opt = KitsuneOptimizer(torch.optim.AdamW(params, lr=0.01, weight_decay=0.1), enable_fusion=True)
@@ -214,8 +214,17 @@ def test_amsgrad_switched_on_mid_run_starts_its_maximum_from_zeros(device):
         if step == 4:
             for o in (opt, ref):
                 o.param_groups[0]["amsgrad"] = True
-            for t in twins:
-                ref.state[t]["max_exp_avg_sq"] = torch.zeros_like(t)
+            before = [p.detach().clone() for p in params], [dict(opt.state[p]) for p in params]
+            for o in (opt, ref):
+                with pytest.raises(KeyError, match="max_exp_avg_sq"):
+                    o.step()
+            assert opt.step_count == 4 and opt.plan.fused_tensors == 2
+            for p, b, st in zip(params, *before, strict=True):
+                assert torch.equal(p, b) and opt.state[p].keys() == st.keys()
+                assert all(opt.state[p][k] is v or torch.equal(opt.state[p][k], v) for k, v in st.items())
+            for o, ps in ((opt, params), (ref, twins)):
+                for p in ps:
+                    o.state[p]["max_exp_avg_sq"] = torch.zeros_like(p)
         opt.step()
         ref.step()
         for p, t in zip(params, twins, strict=True):

@@ -9,11 +9,11 @@ import pytest
 import torch
 from rich.console import Console
 
-import kitsune.fusion.subsystem as fusion_subsystem
+import kitsune.fusion.planner as fusion_planner
 from kitsune import FusionConfig, KitsuneOptimizer
 from kitsune.fusion import Route
 from kitsune.optim import Lion
-from kitsune.subsystem import StepContext
+from kitsune.subsystem import StepState
 
 from ._util import assert_close_params, make_params, random_grads, trajectory
 
@@ -134,7 +134,7 @@ def test_float64_goes_to_torch(make, route, device):
 
 
 def test_triton_not_importable(monkeypatch, device):
-    monkeypatch.setattr(fusion_subsystem, "triton_error", lambda: "Triton is not importable (test)")
+    monkeypatch.setattr(fusion_planner, "triton_error", lambda: "Triton is not importable (test)")
     for make, route in ((_adamw, Route.TORCH_FUSED), (lambda ps: Lion(ps), Route.BASE_STEP)):
         params, opt = trajectory(make, SIZES, torch.float32, device, steps=3, fused=True)
         assert _only_bucket(opt).route is route
@@ -184,8 +184,8 @@ def test_sparse_grad_at_step_time_is_left_to_torch(device):
     assert opt.plan.fused_tensors == 2  # no grads yet: nothing says sparse
     emb(torch.tensor([1, 2], device=device)).sum().backward()
     dense.grad = torch.ones_like(dense)
-    ctx = StepContext(step=1)
-    _fusion(opt).step(ctx)
+    ctx = StepState(step=1)
+    _fusion(opt).prepare(ctx)
     assert ctx.unhandled == [emb.weight]
     assert dense in ctx.handled and emb.weight not in ctx.handled
 

@@ -1,0 +1,545 @@
+"""The fused executor: runs the plan's fused units (and torch's fused/foreach fallbacks) every step.
+
+A step goes through it in stages (kitsune/optimizer.py calls them in this order):
+
+1. :meth:`FusionSubsystem.check`: what can raise before anything changes (a checkpoint's state missing a key the
+   optimizer reads, where torch raises ``KeyError``);
+2. :meth:`FusionSubsystem.prepare`: host work: each unit's tables pointed at this step's grads, lazy state created
+   (removed again by :meth:`FusionSubsystem.undo` when the step raises later), hyperparameters refreshed;
+3. :meth:`FusionSubsystem.run_fallbacks`: torch's own fused/foreach steps for the buckets routed there (torch's
+   checks can raise: they run before any fused launch);
+4. :meth:`FusionSubsystem.launch`: device work only (the norm pass, then one update launch per unit), so a CUDA
+   graph can capture it; :meth:`FusionSubsystem.finish` books what it did.
+
+The plan itself comes from :class:`kitsune.fusion.planner.Planner`; state lives in the wrapped optimizer's
+``state`` (or the memory pool's arenas, when one is handed over).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection
+from typing import Any
+
+import torch
+
+from kitsune.config import FusionConfig, GradConfig, StreamConfig
+from kitsune.distributed import fsdp
+from kitsune.fusion.algos import AlgoInfo
+from kitsune.fusion.context import DeviceContext
+from kitsune.fusion.muon_unit import MuonUnit
+from kitsune.fusion.plan import CostModel, Plan, Route
+from kitsune.fusion.planner import Planner, unit_info
+from kitsune.fusion.units import FusedUnit, TorchShadow
+from kitsune.kernels.multi_tensor import DEFAULT_BLOCK
+from kitsune.memory import MemoryPool
+from kitsune.subsystem import StepState, Subsystem
+
+logger = logging.getLogger("kitsune.fusion")
+
+
+class FusionSubsystem(Subsystem):
+    """Fused multi-tensor optimizer updates; see the module docstring for the stages."""
+
+    name = "fusion"
+
+    def __init__(
+        self,
+        config: FusionConfig,
+        grads: GradConfig | None = None,
+        streams: StreamConfig | None = None,
+        static_addresses: bool = False,
+        pool: MemoryPool | None = None,
+        cost_model: CostModel | None = None,
+        block: int = DEFAULT_BLOCK,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self._grads = grads or GradConfig()
+        self._planner = Planner(config, self._grads, streams or StreamConfig(), cost_model, block)
+        self._static = static_addresses
+        self.pool = pool
+        """The memory pool (:class:`kitsune.memory.MemoryPool`): it places the fused units' state in its arenas."""
+        self.current_plan: Plan | None = None
+        """The plan of the last :meth:`plan` call (``KitsuneOptimizer.plan`` returns it)."""
+        self.executes = False
+        """Whether this subsystem updates any param itself (the orchestrator then evaluates closures first)."""
+        self.grad_pass: str | None = None
+        """Why the grads' own passes (unscale, inf check, clip) cannot fuse into the norm and update kernels, or
+        None when they can: every param on one device, updated by the fused kernel."""
+        self._base: Any = None
+        self._plan_args: tuple[Collection[torch.Tensor], int | None] = (frozenset(), None)
+        self._units: list[FusedUnit] = []
+        self._shadows: list[TorchShadow] = []
+        self._muon: list[MuonUnit] = []
+        self._contexts: dict[torch.device, DeviceContext] = {}
+        self._specs: tuple[Any, ...] = ()
+        self._info: AlgoInfo | None = None
+        self._logged: set[str] = set()
+        self._steps = 0
+        self._launches_last_step = 0
+        self._launches_total = 0
+        self._launches_last_norm = 0
+        self._launches_last_launch = 0
+        self._plan_version = 0
+        self._handed_over: list[tuple[dict[str, Any], torch.device]] = []
+        self._prepared: list[FusedUnit] = []
+        """The units this step's :meth:`prepare` went through (whose lazy state :meth:`undo` removes)."""
+        self._trust = False
+        self._offsets: list[int] = []
+        self._norm: Any = None
+        self._norm_out: torch.Tensor | None = None
+        self._norm_dtypes: list[torch.dtype] = []
+        self._norm_groups: list[Any] = []
+        """FSDP2: the process groups the norm pass's results are all-reduced over (empty without DTensor params)."""
+
+    # -- planning ------------------------------------------------------------------------------------------------
+    def plan(
+        self,
+        base: torch.optim.Optimizer,
+        remote: Collection[torch.Tensor] = frozenset(),
+        backward_bytes: int | None = None,
+    ) -> None:
+        """Plan ``base``'s params (all but ``remote``, which other ranks update) and build the units; with
+        ``backward_bytes`` the units are cut for updates inside backward."""
+        self._plan_version += 1
+        self._base, self._plan_args = base, (remote, backward_bytes)
+        planned = self._planner.plan(base, remote, backward_bytes)
+        self._info, self._specs = planned.info, planned.specs
+        self._units, self._muon, self._shadows = planned.units, planned.muon, planned.shadows
+        self.current_plan = plan = planned.plan
+        if self.pool is not None:  # the memory pool places the units' state in its arenas
+            pooled = [u for u in self._units if not u.sharded]
+            self.pool.assign(pooled)
+            if self._units and not pooled:
+                self.pool.deactivate("FSDP2 (DTensor) params: their state stays per-shard DTensors, as torch keeps it")
+            for unit in self._units:
+                if unit.slots is not None:
+                    unit.bind(base.state)
+        self._contexts = {}
+        for unit in (*self._units, *self._muon):
+            unit.static = self._static
+            unit.defaults = base.defaults
+            self._contexts.setdefault(unit.device, DeviceContext(unit.device, self._info.row))  # type: ignore[union-attr]
+        self.executes = bool(self._units or self._shadows or self._muon)
+        # FSDP2: the norm pass covers this rank's shards; an all-reduce over the mesh makes it global
+        self._norm_groups = fsdp.mesh_groups(p for u in self._units if u.sharded for p in u.params[:1])
+        self._norm = None
+        self._norm_out = None
+        self._trust = any(u.spec.trust for u in self._units)
+        self._offsets = [sum(len(u.params) for u in self._units[:i]) for i in range(len(self._units))]
+        self._norm_dtypes = [u.dtype for u in self._units for _ in u.params]
+        if self._trust:  # trust ratios need each param's norm too: the norm pass reads grads, then params
+            self._norm_dtypes += self._norm_dtypes
+        self.grad_pass = self._planner.grad_pass(planned)
+        for b in plan.buckets:
+            if not b.route.fused:
+                self._note_once(f"{b.tensors} {b.optimizer} tensor(s) on {b.route.value}: {b.reason}", b.reason)
+        if self.executes:
+            self.activate()
+        else:
+            reasons = "; ".join(sorted({b.reason for b in plan.buckets})) or "no params"
+            self.deactivate(f"nothing to fuse: {reasons}")
+
+    def _replan(self) -> None:
+        self.plan(self._base, *self._plan_args)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's param groups, which the plan was made over."""
+        return self._base.param_groups
+
+    def check_loaded(self) -> None:
+        """After the wrapped optimizer loaded a state dict and before anything binds it: raise where a fused unit
+        could not take the loaded state (a tensor of another shape than its param: a checkpoint of another model,
+        or of the same params in another order). Changes nothing."""
+        info = self._info
+        if info is None:
+            return
+        groups, state = self._base.param_groups, self._base.state
+        for unit in (*self._units, *self._muon):
+            for i, p in enumerate(unit.params):
+                s = state.get(p)
+                if not s:
+                    continue
+                spec = info.spec(groups[unit.group_index[i]])
+                algo = unit_info(info, spec)
+                for key in algo.state_keys(spec):  # type: ignore[union-attr]
+                    t = s.get(key) if key else None
+                    if isinstance(t, torch.Tensor) and t.shape != p.shape:
+                        raise ValueError(
+                            f"this state dict's {key!r} for a param of shape {tuple(p.shape)} has shape "
+                            f"{tuple(t.shape)}: it was saved for another model or another param order. Nothing was "
+                            "loaded: the optimizer keeps its state"
+                        )
+
+    @property
+    def trust(self) -> bool:
+        """Whether a unit scales its update by a trust ratio (LAMB, LARS): one norm pass over every grad."""
+        return self._trust
+
+    # -- the step --------------------------------------------------------------------------------------------------
+    def check(self, s: StepState) -> None:
+        """What can make this step raise, checked before anything changes: a param about to get its first update
+        whose state misses a key the optimizer reads (torch raises ``KeyError`` there too)."""
+        self._prepared = []
+        state = self._base.state
+        for unit in (*self._units, *self._muon):
+            unit.check_state(state)
+
+    def prepare(self, s: StepState) -> list[FusedUnit]:
+        """The host half of a step: re-plan if a switch or a param's storage changed (where the step did not check
+        before), point the tables at this step's grads, create missing state, refresh the hyperparameter buffer.
+        Fills ``s.handled`` and ``s.unhandled``; returns the units with a live grad."""
+        groups, state = self._base.param_groups, self._base.state
+        if not s.structure_checked and self._switches_changed(groups):
+            self._replan()  # a switch changed (e.g. momentum set to 0, amsgrad turned on): new kernel variants
+        done = s.updated_in_backward  # units the stream scheduler updated inside backward
+        todo = [unit for i, unit in enumerate(self._units) if i not in done] if done else self._units
+        live = [unit for unit in todo if unit.prepare(state, groups)]
+        if any(unit.stale for unit in todo):
+            self._replan()  # a param's storage moved or a state tensor was freed; rebind everything and scan again
+            todo = self._units
+            live = [unit for unit in todo if unit.prepare(state, groups)]
+        self._prepared = [*todo, *self._muon]
+        if self._muon:
+            live += [unit for unit in self._muon if unit.prepare(state, groups)]
+            if any(unit.stale for unit in self._muon):
+                self._replan()
+                self._prepared = [*self._units, *self._muon]
+                live = [unit for unit in self._prepared if unit.prepare(state, groups)]
+        self.forget_checks()
+        units = (*self._units, *self._muon)
+        unhandled = [p for unit in units for p in unit.unhandled]
+        if unhandled and s.fused_grads and (self._needs_norm(s) or s.grad_scale is not None):
+            self.undo()
+            g = unhandled[0].grad
+            fix = (
+                "give that layer dense grads (nn.Embedding(sparse=False)), or build the optimizer with "
+                "enable_fusion=False (float16 scaling then unscales sparse grads as GradScaler does; clipping "
+                "needs dense grads)"
+                if g.is_sparse
+                else "keep the grads in the params' dtype (p.grad_dtype = None)"
+            )
+            raise ValueError(
+                f"kitsune: {len(unhandled)} param(s) got grads the fused kernels cannot read (the first: a "
+                f"{tuple(unhandled[0].shape)} {unhandled[0].dtype} param with a {g.layout} {g.dtype} grad). With "
+                "float16 loss scaling or max_grad_norm, kitsune unscales and clips inside those kernels, so every "
+                f"grad must be dense and of its param's dtype: {fix}, or turn off max_grad_norm and float16 scaling. "
+                "Nothing was updated."
+            )
+        for unit in units:
+            s.handled.update(unit.param_set)  # a param whose grad is None is skipped by every route anyway
+        for shadow in self._shadows:
+            s.handled.update(shadow.param_set)
+        if unhandled:  # sparse grads met at step time: the wrapped optimizer's own step must take them
+            s.handled.difference_update(unhandled)
+            s.unhandled += unhandled
+            self._note_once(
+                f"{len(unhandled)} param(s) got sparse grads, or grads of another dtype than the param's: left to "
+                "the optimizer's own step"
+            )
+        if live:
+            self.refresh_contexts()
+            if self._needs_norm(s):
+                self._bind_norm()
+        return live
+
+    def prepare_unit(self, unit: FusedUnit) -> bool:
+        """One unit's host work for an update inside backward: False when it has no grad or a param moved."""
+        return unit.prepare(self._base.state, self._base.param_groups) and not unit.stale
+
+    def undo(self) -> None:
+        """A step that raised after :meth:`prepare`: remove the state it created (a failed step creates none), and
+        check the params' storages again on the retry."""
+        state = self._base.state
+        for unit in self._prepared:
+            for p in unit.created:
+                state.pop(p, None)
+        self._prepared = []
+        self.forget_checks()
+
+    def run_fallbacks(self, s: StepState) -> None:
+        """torch's fused/foreach steps for the buckets routed to them (``found_inf`` skips the fused route on the
+        device)."""
+        if not self._shadows:
+            return
+        groups = self._base.param_groups
+        for shadow in self._shadows:
+            shadow.step(groups, s.found_inf)
+        if s.phases is not None:
+            s.phases.mark("fallback")
+
+    def execute(self, s: StepState, live: list[FusedUnit]) -> None:
+        """This step's launches run eagerly, then booked."""
+        self.launch(s, live)
+        self.finish(s, live)
+
+    def needs_replan(self) -> bool:
+        """Before a step decides how the grads are clipped and unscaled: whether a switch changed, a param's storage
+        moved or a state tensor the tables point at was freed, each of which re-plans (and may send params to
+        another route, which changes that). Every unit is asked, so that each one's :meth:`FusedUnit.prepare` skips
+        the param check this step."""
+        if self._switches_changed(self._base.param_groups):
+            return True
+        units = (*self._units, *self._muon)
+        return any([unit.moved() for unit in units]) or any(unit.state_freed for unit in units)
+
+    def forget_checks(self) -> None:
+        """:meth:`needs_replan`'s finding holds for one step: after its prepare, or a step that raised."""
+        for unit in (*self._units, *self._muon):
+            unit.params_checked = False
+
+    def unchanged(self) -> bool:
+        """Whether every unit's grads and params sit where the last step found them, with no copies, lazy state or
+        sparse grads pending: then the last step's tables, norm binding and launches hold for this one as well (the
+        caller has checked that the groups' values are those the last step used). C++ checks (or, with static
+        addresses, the units' watches) only, no uploads."""
+        return all(u.still() for units in (self._units, self._muon) for u in units)
+
+    def refresh_values(self, groups: list[dict[str, Any]]) -> bool:
+        """A group's values changed between two steady replays: refresh the hyperparameter buffers, or return False
+        when a switch changed (the kernels must be planned again, through :meth:`prepare`)."""
+        if self._switches_changed(groups):
+            return False
+        self.refresh_contexts()
+        return True
+
+    def refresh_contexts(self) -> None:
+        """Copy changed hyperparameters into each device's buffer (host work; at most one copy per device)."""
+        for context in self._contexts.values():
+            context.refresh(self._base.param_groups)
+
+    def _switches_changed(self, groups: list[dict[str, Any]]) -> bool:
+        """Whether a group's kernel switches differ from the plan's (another compiled variant is needed)."""
+        return self._info is not None and tuple(self._info.spec(g) for g in groups) != self._specs
+
+    def count_replay(self) -> None:
+        """Book a step that replayed the captured launches without coming through :meth:`prepare`."""
+        self._count_step(1)
+
+    def _count_step(self, launches: int) -> None:
+        self._steps += 1
+        self._launches_last_step = launches
+        self._launches_total += launches
+
+    def _needs_norm(self, s: StepState) -> bool:
+        return self._trust or s.max_norm is not None or s.check_inf
+
+    def _bind_norm(self) -> None:
+        """Point the norm pass at this step's grads (and the params, for trust ratios): host work, before launch."""
+        if self._norm is None:
+            from kitsune.kernels.norms import MultiTensorNorm
+
+            numels = [n for u in self._units for n in u.numels]
+            norm_type = 2.0 if self._trust else self._grads.norm_type
+            self._norm = MultiTensorNorm(numels * (2 if self._trust else 1), self._units[0].device, norm_type)
+        addresses = [a for u in self._units for a in u.grad_addresses]
+        if self._trust:
+            addresses += [a for u in self._units for a in u.param_addresses]
+        self._norm.bind_addresses(addresses, self._norm_dtypes)
+
+    def launch(self, s: StepState, units: list[FusedUnit]) -> None:
+        """The device half of a step: the norm pass when the step needs one, then one update launch per unit in
+        ``units``. Only device work, so a CUDA graph can capture it (then over every unit: a unit whose grads
+        are all None this step does nothing, as its grad table says)."""
+        if not units:
+            return
+        from kitsune.kernels.update import multi_tensor_update
+
+        total = norms = None
+        if self._needs_norm(s):
+            total, norms = self._norm_pass(s)
+            if s.phases is not None:
+                s.phases.mark("norm")
+        found_inf = s.found_inf  # AMP's overflow flag: the kernel skips on the device
+        n_norm = len(self._norm_dtypes) // 2 if self._trust else None
+        for unit, offset in zip(self._units, self._offsets, strict=True):
+            if unit not in units:
+                continue
+            multi_tensor_update(
+                unit.tables,
+                self._contexts[unit.device].buffer,
+                unit.spec,
+                unit.dtype,
+                _on(found_inf, unit.device),
+                grad_scale=s.grad_scale,
+                total_norm=total if s.max_norm is not None else None,
+                max_norm=s.max_norm,
+                grad_write=s.grad_write,
+                tensor_norms=norms if unit.spec.trust else None,
+                norm_offset=offset,
+                n_norm=n_norm,
+            )
+        muon = [unit for unit in self._muon if unit in units]
+        for unit in muon:  # momentum, Newton-Schulz by shape, update
+            hyper = self._contexts[unit.device].buffer
+            unit.launch(hyper, _on(found_inf, unit.device), s.grad_write == 2, graphed=s.graphed)
+        if s.phases is not None:
+            s.phases.mark("update")
+        muon_launches = sum(unit.launches for unit in muon)
+        self._launches_last_launch = len(units) - len(muon) + muon_launches + self._launches_last_norm
+        self._launches_last_norm = 0
+
+    def finish(self, s: StepState, live: list[FusedUnit], launches: int | None = None) -> None:
+        """After the launches: write back grads that stood in as contiguous copies and book the step (which grads
+        were zeroed, how many launches ran)."""
+        grad_write = s.grad_write if live else 0
+        for unit in live:
+            if grad_write:
+                unit.copy_back()
+            if grad_write == 2:
+                s.zeroed += unit.params
+        if launches is None:
+            launches, self._launches_last_launch = (self._launches_last_launch if live else 0), 0
+        self._count_step(launches)
+
+    @property
+    def units(self) -> list[FusedUnit]:
+        """The fused launch units of the current plan."""
+        return list(self._units)
+
+    @property
+    def plan_version(self) -> int:
+        """Bumped by every :meth:`plan`: device buffers a captured graph holds may have been replaced."""
+        return self._plan_version
+
+    @property
+    def launch_units(self) -> list[FusedUnit]:
+        """Every unit a step launches: the multi-tensor units, then the Muon units."""
+        return [*self._units, *self._muon]
+
+    @property
+    def graphable(self) -> str | None:
+        """Why this plan cannot be captured in a CUDA graph, or None when it can: every param in a fused unit (the
+        multi-tensor kernels or Muon's, whose Newton-Schulz calls join the capture)."""
+        if not self._units and not self._muon:
+            return "no param takes the fused kernel"
+        fused = (Route.TRITON, Route.TRITON_MATMUL)
+        if self._shadows or any(b.route not in fused for b in self.current_plan.buckets):  # type: ignore[union-attr]
+            return "some params fall back to torch or the optimizer's own step (see the plan)"
+        if len({u.device for u in self.launch_units}) > 1:
+            return "params on several devices"
+        if self._norm_groups:
+            return "FSDP2 params: the grad norm's all-reduce runs outside a CUDA graph"
+        return None
+
+    def _norm_pass(self, s: StepState) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pass one: every fused grad's norm (divided by the loss scale) in one launch, then each param's when trust
+        ratios need them; returns the global grad norm, in a fresh device scalar, and the per-tensor norms.
+
+        With the grads' passes fused into this step the global norm becomes ``s.grad_norm`` when clipping, and the
+        inf/nan flag ``s.found_inf`` for AMP."""
+        norm = self._norm  # bound to this step's addresses by prepare()
+        fused = s.fused_grads
+        n_grads = len(self._norm_dtypes) // 2 if self._trust else len(self._norm_dtypes)
+        if s.graphed:  # a CUDA graph writes the norm into the same buffer every replay
+            if self._norm_out is None:
+                self._norm_out = torch.zeros((), dtype=torch.float32, device=norm.device)
+            out = self._norm_out
+        else:
+            out = torch.empty((), dtype=torch.float32, device=norm.device)
+        result = norm.launch(s.grad_scale if fused else None, invert_scale=True, num_global=n_grads, out=out)
+        find_inf = fused and s.check_inf and s.found_inf is None
+        if fused and self._norm_groups:  # FSDP2: this rank's shards only; reduce over the mesh, on the device
+            fsdp.all_reduce_norm_(out, result.found_inf if find_inf else None, norm.norm_type, self._norm_groups)
+        if fused and s.reduce is not None:  # sharded grads: combine every rank's norm and overflow flag
+            s.reduce(out, result.found_inf if s.check_inf else None)
+        if find_inf:
+            s.found_inf = result.found_inf
+        if fused and s.max_norm is not None:
+            s.grad_norm = out
+        self._launches_last_norm = 1
+        return out, result.per_tensor
+
+    def _note_once(self, message: str, key: str | None = None) -> None:
+        if (key or message) not in self._logged:
+            self._logged.add(key or message)
+            logger.info("kitsune fusion: %s", message)
+
+    # -- the profiler's live comparison ---------------------------------------------------------------------------
+    def hand_over(self) -> None:
+        """Prepare for steps in which the wrapped optimizer's own step updates every param (the profiler's live
+        comparison): put each ``state["step"]`` where that step keeps it.
+
+        The fused path keeps step counts on the device, as torch's fused and capturable paths do; torch's other
+        paths read them on the host, which on device tensors costs one sync per param and would time a step the
+        user never runs. Moving them costs one sync here, before the timed steps begin.
+        """
+        state = self._base.state
+        moved = []
+        for g in self._base.param_groups:
+            if g.get("capturable") or g.get("fused"):
+                continue  # torch keeps these on the device too
+            for p in g["params"]:
+                t = state[p].get("step") if p in state else None
+                if isinstance(t, torch.Tensor) and t.device.type != "cpu":
+                    moved.append((state[p], t.device, t))
+        if moved:
+            host = torch.stack([t for _, _, t in moved]).cpu()
+            for (st, _, _), value in zip(moved, host, strict=True):
+                st["step"] = value.clone()
+        self._handed_over = [(st, device) for st, device, _ in moved]
+
+    def take_back(self) -> None:
+        """Undo :meth:`hand_over`: step counts back on the device and the kernels' tables rebound to them."""
+        for st, device in self._handed_over:
+            t = st.get("step")
+            if isinstance(t, torch.Tensor):
+                st["step"] = t.to(device)
+        self._handed_over = []
+        for unit in (*self._units, *self._muon):
+            unit.bind(self._base.state)
+
+    # -- what the orchestrator and the summary read ----------------------------------------------------------------
+    def owned_params(self) -> list[torch.Tensor]:
+        """Params this subsystem updates (the orchestrator skips the wrapped step when it owns them all)."""
+        units = (*self._units, *self._muon)
+        return [p for u in units for p in u.params] + [p for s in self._shadows for p in s.params]
+
+    @property
+    def consumes_found_inf(self) -> bool:
+        """Whether every update this subsystem runs skips an AMP overflow on the device (no host sync): the fused
+        kernel and torch's fused path do; torch's foreach path cannot."""
+        return all(s.route is Route.TORCH_FUSED for s in self._shadows)
+
+    @property
+    def launches_last_step(self) -> int:
+        """Fused Triton launches of the last step (units whose grads were all None launch nothing)."""
+        return self._launches_last_step
+
+    def report(self) -> dict[str, Any]:
+        plan = self.current_plan
+        tables = sum(u.tables.uploads for u in (*self._units, *self._muon))
+        contexts = sum(c.uploads for c in self._contexts.values())
+        return {
+            "plan": plan.to_dict() if plan else None,
+            "fused_launches_per_step": self._launches_last_step,
+            "fused_launches_total": self._launches_total,
+            "params_fused": plan.fused_tensors if plan else 0,
+            "params_fallen_back": plan.fallback_tensors if plan else 0,
+            "grad_pass": "fused into the norm and update kernels" if self.grad_pass is None else self.grad_pass,
+            "table_uploads": tables,
+            "context_uploads": contexts,
+            "steps": self._steps,
+            "static_addresses": self._static_report(),
+        }
+
+    def _static_report(self) -> dict[str, Any] | None:
+        """With ``GraphConfig(static_addresses=True)``: how many units watch their addresses, the steps that
+        checked them again (a watched grad or storage freed) and why a unit stopped watching."""
+        units = [*self._units, *self._muon]
+        if not any(u.static for u in units):
+            return None
+        off = sorted({u.static_off for u in units if u.static_off})
+        return {
+            "units_watching": sum(u.watching for u in units),
+            "units": len(units),
+            "rechecks": sum(u.rechecks for u in units),
+            "stopped": off,
+        }
+
+
+def _on(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """``t`` on ``device`` (None stays None)."""
+    return t if t is None or t.device == device else t.to(device)

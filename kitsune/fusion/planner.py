@@ -1,0 +1,376 @@
+"""The fusion planner: every param of the wrapped optimizer onto the fused kernel or a fallback, with the reason.
+
+Bucketing: params are grouped by (device, dtype, the kernel's compile-time switches); param groups that differ only
+in hyperparameter values share a bucket (each tensor reads its own group's row of the device-resident
+hyperparameter buffer). A bucket takes the first route that can run it:
+
+1. the fused Triton kernel (one launch per ``max_fusion_size`` tensors);
+2. torch's ``fused=True`` implementation, then ``foreach=True``: for buckets Triton cannot or should not take
+   (no Triton, float64, a non-contiguous param, a predicted speedup under ``min_fusion_benefit``);
+3. the wrapped optimizer's own step: for everything kitsune must not touch (unknown optimizer class,
+   ``differentiable=True``, complex or sparse grads, state of another dtype than its param for torch's fused and
+   foreach paths, fusion disabled) and for every CPU param unless ``TRITON_INTERPRET=1``, so that on a CPU-only
+   machine results stay bit-identical to the unwrapped optimizer.
+
+:func:`Planner.plan` only decides and builds the executors' units; it changes no param, grad or state.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import Counter, defaultdict
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kitsune.config import FusionConfig, GradConfig, StreamConfig
+from kitsune.distributed import fsdp
+from kitsune.fusion import muon_unit
+from kitsune.fusion.algos import ALGOS, AlgoInfo
+from kitsune.fusion.plan import BucketPlan, CostModel, Plan, Route
+from kitsune.fusion.units import FusedUnit, TorchShadow
+from kitsune.kernels.multi_tensor import DEFAULT_BLOCK
+from kitsune.kernels.spec import MuonSpec, UpdateSpec
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_TORCH_DTYPES = (*_KERNEL_DTYPES, torch.float64)
+_TORCH = Route.TORCH_FUSED
+"""A reason's level "some torch route": the bucket then takes torch fused, else foreach (see _torch_route)."""
+_REPEATED = (
+    Route.BASE_STEP,
+    "a param listed more than once in the param groups: torch's step updates it once per listing (and warns), "
+    "so the optimizer's own step keeps that; list each param once to fuse it",
+)
+
+Members = list[tuple[int, torch.Tensor]]  # (group index, param)
+
+
+def triton_error() -> str | None:
+    """Why the Triton kernels cannot be imported here, or None when they can."""
+    try:
+        import kitsune.kernels.update  # noqa: F401
+    except ImportError as exc:
+        return f"Triton is not importable ({exc})"
+    return None
+
+
+def interpreting() -> bool:
+    """TRITON_INTERPRET=1: Triton runs kernels on CPU tensors (how CI tests them)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@dataclass
+class Planned:
+    """What one plan decided: the plan shown to users and the executors' units."""
+
+    plan: Plan
+    info: AlgoInfo | None
+    specs: tuple[Any, ...]
+    """Each group's compile-time switches (a change of any re-plans)."""
+    units: list[FusedUnit] = field(default_factory=list)
+    muon: list[muon_unit.MuonUnit] = field(default_factory=list)
+    shadows: list[TorchShadow] = field(default_factory=list)
+
+
+class Planner:
+    """Routes buckets of params; see the module docstring. Holds only its settings between plans."""
+
+    def __init__(
+        self,
+        config: FusionConfig,
+        grads: GradConfig,
+        streams: StreamConfig,
+        cost_model: CostModel | None = None,
+        block: int = DEFAULT_BLOCK,
+    ) -> None:
+        self.config = config
+        self.grads = grads
+        self.streams = streams
+        self.cost_model = cost_model or CostModel()
+        self.block = block
+
+    def plan(
+        self, base: torch.optim.Optimizer, remote: Collection[torch.Tensor], backward_bytes: int | None
+    ) -> Planned:
+        """Plan every param of ``base`` except ``remote`` (other ranks update those); ``backward_bytes``: the
+        units' size in bytes of params when updates run inside backward, else None."""
+        groups = base.param_groups
+        info = ALGOS.get(type(base))
+        specs = tuple(info.spec(g) for g in groups) if info else ()
+        whole = self._optimizer_reason(base, info)
+        mesh: list[Any] = []  # the one device mesh of the FSDP2 params the fused kernel takes
+        buckets: dict[tuple, Members] = defaultdict(list)
+        notes: dict[tuple, set[str]] = defaultdict(set)
+        listed = Counter(id(p) for g in groups for p in g["params"])
+        for gi, g in enumerate(groups):
+            spec = specs[gi] if info else None
+            group_reason = whole or _group_reason(g)
+            if not group_reason and isinstance(spec, MuonSpec):
+                group_reason = muon_unit.group_reason(spec, self.config)
+            for p in g["params"]:
+                if p in remote:
+                    continue
+                if group_reason:
+                    route, reason = group_reason
+                elif listed[id(p)] > 1:
+                    route, reason = _REPEATED
+                else:
+                    route, reason = _param_reason(p)
+                if route is None and fsdp.is_dtensor(p):
+                    route, reason = _shard_route(p, spec, mesh)
+                key = (str(p.device), p.dtype, spec if route is not Route.BASE_STEP else None, route, reason)
+                buckets[key].append((gi, p))
+                notes[key] |= _group_notes(g)
+
+        out = Planned(Plan(), info, specs)
+        for key, members in buckets.items():
+            device, dtype, spec, route, reason = key
+            bp = self._plan_bucket(base, info, specs, device, dtype, spec, route, reason, members)
+            bp.notes = sorted(notes[key]) if bp.route.fused else []
+            out.plan.buckets.append(bp)
+            self._build(out, base, info, bp, spec, members, backward_bytes)
+        return out
+
+    def _optimizer_reason(self, base: torch.optim.Optimizer, info: AlgoInfo | None) -> tuple[Route, str] | None:
+        """A reason that sends every param to the wrapped optimizer's own step, or None."""
+        if not self.config.enabled:
+            return Route.BASE_STEP, "fusion disabled (enable_fusion=False)"
+        if not self.config.enable_elementwise:
+            return Route.BASE_STEP, "fusion disabled by enable_elementwise=False"
+        if info is None:
+            names = ", ".join(i.name for i in ALGOS.values())
+            return Route.BASE_STEP, (
+                f"unknown optimizer class {type(base).__qualname__}: only exactly {names} are fused "
+                "(a subclass may change the math), so it keeps its own step"
+            )
+        if torch.get_default_dtype() == torch.float64:
+            return Route.BASE_STEP, "torch.set_default_dtype(torch.float64): torch keeps step counts in float64"
+        if getattr(base, "process_group", None) is not None:
+            return Route.BASE_STEP, (
+                "distributed Muon (process_group=...): its own step shares the Newton-Schulz work across the ranks"
+            )
+        return None
+
+    def _plan_bucket(
+        self,
+        base: torch.optim.Optimizer,
+        info: AlgoInfo | None,
+        specs: tuple[Any, ...],
+        device: str,
+        dtype: torch.dtype,
+        spec: UpdateSpec | MuonSpec | None,
+        route: Route | None,
+        reason: str,
+        members: Members,
+    ) -> BucketPlan:
+        tensors = len(members)
+        elements = sum(fsdp.local(p).numel() for _, p in members)  # per rank, for FSDP2 shards
+        aux = unit_info(info, spec)
+        bp = BucketPlan(
+            device=device,
+            dtype=str(dtype).removeprefix("torch."),
+            optimizer=type(base).__name__ + (f"/{aux.name}" if aux is not info else ""),  # type: ignore[union-attr]
+            options=spec.describe() if spec else "-",
+            route=Route.BASE_STEP,
+            reason=reason,
+            tensors=tensors,
+            elements=elements,
+            launches=0,
+            groups=sorted({gi for gi, _ in members}),
+        )
+        if info is not None and specs:  # a known algorithm moves known bytes, whichever route runs it
+            bp.bytes_per_step = sum(
+                fsdp.local(p).numel() * p.element_size() * info.bytes_per_element(specs[gi]) for gi, p in members
+            )
+        if route is Route.BASE_STEP:
+            return bp
+        assert info is not None and spec is not None
+        fallback = _torch_route(info, torch.device(device), dtype)
+        if route is Route.TORCH_FOREACH and fallback is Route.TORCH_FUSED:
+            fallback = Route.TORCH_FOREACH  # a non-contiguous param: torch's fused path misreads other grad layouts
+        if route is None and isinstance(spec, MuonSpec):
+            muon_unit.plan_bucket(bp, members, spec, self.config, self.cost_model)
+            return bp
+        if route is None:  # fusable: does it pay?
+            nbytes = elements * dtype.itemsize * info.bytes_per_element(spec)
+            launches = math.ceil(tensors / self.config.max_fusion_size) if self.config.max_fusion_size else 1
+            fused = self.cost_model.triton(tensors, nbytes, launches)
+            if fallback is Route.TORCH_FUSED:
+                other = self.cost_model.torch_fused(tensors, nbytes)
+            else:  # foreach, or the optimizer's own per-tensor loop, which is slower still
+                other = self.cost_model.torch_foreach(tensors, nbytes, max(info.foreach_launches, 1))
+            bp.predicted_speedup = round(other / fused, 3)
+            if bp.predicted_speedup >= self.config.min_fusion_benefit:
+                bp.route, bp.launches = Route.TRITON, launches
+                return bp
+            bp.reason = (
+                f"predicted speedup {bp.predicted_speedup:.2f}x is below min_fusion_benefit="
+                f"{self.config.min_fusion_benefit:g}"
+            )
+        bp.route = fallback
+        if fallback is Route.BASE_STEP:
+            bp.reason += f"; {bp.optimizer} has no torch fused/foreach path on {device}"
+            return bp
+        foreign = _foreign_state(members, base.state)
+        if foreign:  # torch's fused and foreach kernels take state only in their param's dtype and device
+            bp.route = Route.BASE_STEP
+            bp.reason += f"; {foreign}, which torch's {fallback.value} path refuses: the optimizer's own step runs"
+        return bp
+
+    def _build(
+        self,
+        out: Planned,
+        base: torch.optim.Optimizer,
+        info: AlgoInfo | None,
+        bp: BucketPlan,
+        spec: UpdateSpec | MuonSpec | None,
+        members: Members,
+        backward_bytes: int | None,
+    ) -> None:
+        """Create the executors' units for one planned bucket."""
+        if bp.route is Route.TRITON:
+            assert info is not None and isinstance(spec, UpdateSpec)
+            algo = unit_info(info, spec)
+            for chunk in self._chunks(members, backward_bytes):
+                params, gis = [p for _, p in chunk], [gi for gi, _ in chunk]
+                out.units.append(FusedUnit(params, gis, algo, spec, base.state, self.block))  # type: ignore[arg-type]
+        elif bp.route is Route.TRITON_MATMUL:
+            assert info is not None and isinstance(spec, MuonSpec)
+            for chunk in muon_unit.chunks(members, self.config.max_fusion_size):
+                params, gis = [p for _, p in chunk], [gi for gi, _ in chunk]
+                out.muon.append(muon_unit.MuonUnit(params, gis, info, spec, base.state, self.streams, self.block))
+        elif bp.route in (Route.TORCH_FUSED, Route.TORCH_FOREACH):
+            by_group: dict[int, list[torch.Tensor]] = defaultdict(list)
+            for gi, p in members:
+                by_group[gi].append(p)
+            try:
+                out.shadows.append(TorchShadow(base, bp.route, dict(by_group)))
+            except Exception as exc:  # torch refused the flags: the optimizer's own step still works
+                bp.reason += f"; torch {bp.route.value} unavailable ({exc})"
+                bp.route = Route.BASE_STEP
+
+    def _chunks(self, members: Members, backward_bytes: int | None) -> list[Members]:
+        """A bucket's launch units: at most ``max_fusion_size`` tensors each; with updates in backward, also at most
+        about ``backward_bytes`` of params each, in reverse registration order (the order backward finishes grads)."""
+        size = self.config.max_fusion_size or max(len(members), 1)
+        if backward_bytes is None:
+            return [members[start : start + size] for start in range(0, len(members), size)]
+        chunks: list[Members] = [[]]
+        nbytes = 0
+        for gi, p in reversed(members):
+            if chunks[-1] and (nbytes >= backward_bytes or len(chunks[-1]) >= size):
+                chunks.append([])
+                nbytes = 0
+            chunks[-1].append((gi, p))
+            nbytes += p.numel() * p.element_size()
+        return chunks
+
+    def grad_pass(self, planned: Planned) -> str | None:
+        """Why the grads' own passes (unscale, inf check, clip) cannot fuse into the norm and update kernels of
+        ``planned``, or None when they can: every param on one device, updated by the fused kernel."""
+        units = planned.units
+        trust = any(u.spec.trust for u in units)
+        if planned.muon:
+            return "Muon's momentum kernel reads the grads outside the norm pass: torch ops unscale and clip"
+        if not units:
+            return "no param takes the fused kernel"
+        if planned.shadows or any(b.route is not Route.TRITON for b in planned.plan.buckets):
+            return "some params fall back (see the plan), so the grads are unscaled and clipped by torch ops"
+        if len({u.device for u in units}) > 1:
+            return "params on several devices: the global norm is computed per device by torch ops"
+        if len({u.sharded for u in units}) > 1:
+            return "FSDP2 (DTensor) and plain params mixed: the global norm is computed by torch ops"
+        if not self.config.enable_reduction:
+            return "enable_reduction=False: the grads are unscaled and clipped by torch ops"
+        if trust and self.grads.max_norm is not None and self.grads.norm_type != 2.0:
+            return "inf-norm clipping with trust ratios (2-norms): the clip runs as its own pass"
+        return None
+
+
+def _param_reason(p: torch.Tensor) -> tuple[Route | None, str]:
+    """(None, reason) when the fused kernel can take ``p``; else the fallback level and why."""
+    if p.is_complex():
+        return Route.BASE_STEP, "complex params: the fused kernels are real-only"
+    if p.grad is not None and p.grad.layout != torch.strided:
+        return Route.BASE_STEP, "sparse grads: only the optimizer's own step handles them"
+    if p.device.type == "cpu" and not interpreting():
+        return Route.BASE_STEP, (
+            "CPU tensors: fused Triton kernels need CUDA (with TRITON_INTERPRET=1 they run on CPU, as in CI); "
+            "the wrapped optimizer's own step keeps results bit-identical"
+        )
+    if p.device.type not in ("cuda", "cpu"):
+        return Route.BASE_STEP, f"{p.device.type} tensors: the fused Triton kernels run on CUDA"
+    err = triton_error()
+    if err:
+        return _TORCH, err
+    if p.dtype not in _KERNEL_DTYPES:
+        return (_TORCH if p.dtype in _TORCH_DTYPES else Route.BASE_STEP), (
+            f"{str(p.dtype).removeprefix('torch.')} params: the fused kernel takes fp32/bf16/fp16 (math in fp32)"
+        )
+    if not p.is_contiguous():
+        return Route.TORCH_FOREACH, (
+            "non-contiguous param: the fused kernel addresses flat memory (torch's foreach path takes it: "
+            "torch's fused kernels need each grad laid out as its param)"
+        )
+    return None, "fused Triton multi-tensor kernel"
+
+
+def _shard_route(p: torch.Tensor, spec: Any, mesh: list[Any]) -> tuple[Route | None, str]:
+    """For a DTensor param the fused kernel could otherwise take: (None, reason) when it runs on the local shard
+    (FSDP2); else the wrapped optimizer's own step and why (see :mod:`kitsune.distributed.fsdp`). ``mesh`` holds
+    the one device mesh the fused kernel takes (the first met)."""
+    why = fsdp.shard_reason(p)
+    if why is None and isinstance(spec, MuonSpec):
+        why = "Muon orthogonalises whole matrices, not FSDP2 shards: the wrapped optimizer's own step updates it"
+    elif why is None and getattr(spec, "trust", None):
+        why = "LAMB/LARS trust ratios need whole-tensor norms, not a shard's: the optimizer's own step updates it"
+    elif why is None and mesh and p.device_mesh != mesh[0]:
+        why = "DTensor on a second device mesh: the global grad norm is all-reduced over one FSDP2 mesh"
+    if why is not None:
+        return Route.BASE_STEP, why
+    if not mesh:
+        mesh.append(p.device_mesh)
+    return None, "fused Triton multi-tensor kernel on the local FSDP2 shards"
+
+
+def _foreign_state(members: Members, state: Any) -> str | None:
+    """The first state tensor of ``members`` not in its param's dtype and device, described, or None."""
+    for _, p in members:
+        for key, t in (state.get(p) or {}).items():
+            if isinstance(t, torch.Tensor) and t.dim() and (t.dtype != p.dtype or t.device != p.device):
+                return (
+                    f"state {key!r} is {str(t.dtype).removeprefix('torch.')} on {t.device} for a "
+                    f"{str(p.dtype).removeprefix('torch.')} param on {p.device}"
+                )
+    return None
+
+
+def _torch_route(info: AlgoInfo, device: torch.device, dtype: torch.dtype) -> Route:
+    if device.type in info.torch_fused_devices and dtype in _TORCH_DTYPES:
+        return Route.TORCH_FUSED
+    return Route.TORCH_FOREACH if info.torch_foreach else Route.BASE_STEP
+
+
+def unit_info(info: AlgoInfo | None, spec: Any) -> AlgoInfo | None:
+    """The algorithm a bucket's units run: the optimizer's, or its auxiliary one (kitsune.optim.Muon's AdamW)."""
+    return info.aux if info is not None and info.aux is not None and isinstance(spec, UpdateSpec) else info
+
+
+def _group_reason(g: dict[str, Any]) -> tuple[Route, str] | None:
+    if g.get("differentiable"):
+        return Route.BASE_STEP, "differentiable=True: the update must stay in autograd, so torch's own step runs"
+    return None
+
+
+def _group_notes(g: dict[str, Any]) -> set[str]:
+    notes = set()
+    if g.get("foreach"):
+        notes.add("foreach=True ignored: the fused kernel replaces it")
+    if g.get("fused"):
+        notes.add("fused=True ignored: kitsune's fused kernel replaces torch's")
+    if g.get("capturable"):
+        notes.add("capturable=True is fine: step counts and lr stay on the device")
+    return notes

@@ -1,0 +1,304 @@
+"""The grad pass: what a step does to the grads besides using them, and the one place that decides how.
+
+In step order: the shard reduce (ZeRO: the ranks' grads averaged, each rank keeping its own), the unscale and
+inf/nan check (float16 loss scaling: kitsune's scaler, or a user's ``torch.amp.GradScaler`` handing its scale over),
+the clip to ``max_grad_norm``. Where the fused executor owns every param and its kernels can take these passes
+(``FusionSubsystem.grad_pass is None``), they run inside its norm and update kernels (``StepState.fused_grads``):
+the grads are read twice in all. Otherwise they run here, in place, as passes of their own, before any update.
+
+Everything that can make them fail is checked in :meth:`GradPass.begin`, before any grad changes. A step that raises
+after the passes of their own ran (the wrapped optimizer's step refusing something) leaves the grads unscaled and
+clipped, as torch's ``scaler.unscale_(opt); clip_grad_norm_(...); scaler.step(opt)`` does; a retry on the same grads
+does not apply them again.
+
+It also owns zeroing: ``GradConfig(zero_in_step=True)`` has the update kernel write zeros into the grads it used,
+and :meth:`GradPass.zero_grad` then leaves those alone.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from operator import attrgetter
+from typing import Any
+
+import torch
+
+from kitsune.amp import AMPSubsystem, unscale_and_check
+from kitsune.clip import clip_grad_norm_
+from kitsune.config import GradConfig
+from kitsune.distributed import fsdp
+from kitsune.distributed.zero import ShardSubsystem, clip_sharded_grads_
+from kitsune.memory import MemoryPool
+from kitsune.subsystem import StepState
+
+_GRAD = attrgetter("grad")
+_VERSION = attrgetter("_version")
+_BASE_ZERO_GRAD = torch.optim.Optimizer.zero_grad
+
+
+class GradPass:
+    """Shard reduce -> unscale and inf check -> clip, fused into the kernels or run here; see the module docstring.
+
+    ``scaler``: kitsune's AMP subsystem when it scales the loss (float16), else None; ``kernels``: the separate
+    clip may use kitsune's two-launch ``clip_grad_norm_`` (fusion with reductions on), else torch's.
+    """
+
+    def __init__(
+        self,
+        config: GradConfig,
+        shard: ShardSubsystem,
+        pool: MemoryPool,
+        scaler: AMPSubsystem | None = None,
+        kernels: bool = False,
+    ) -> None:
+        self.config = config
+        self._shard, self._pool, self._scaler = shard, pool, scaler
+        self._kernels = kernels
+        self._fusable = False
+        self._repeated = False
+        self._clipped_before: tuple[list[tuple[int, int]], torch.Tensor] | None = None
+        """After a step that raised once it had clipped the grads: their versions and the norm, for the retry."""
+        self._last_norm: torch.Tensor | None = None
+        self._norm_is_static = False
+        """Whether ``_last_norm`` is a CUDA graph's static buffer, which the next replay overwrites."""
+        self._zeroed: tuple[list[torch.Tensor], list[int], list[int]] | None = None
+        self.host_syncs = 0
+        """Host syncs made inside ``step()`` so far (reading found_inf for a step the device cannot skip)."""
+
+    @property
+    def passes(self) -> bool:
+        """Whether a step has passes to run over the grads before the update (clip or loss scaling), so that a
+        closure must run first."""
+        return self.config.max_norm is not None or self._scaler is not None
+
+    def plan(self, groups: list[dict[str, Any]], fusable: bool) -> None:
+        """``fusable``: the fused executor updates every param and its kernels can take the passes."""
+        listed = [id(p) for g in groups for p in g["params"]]
+        self._repeated = len(set(listed)) != len(listed)
+        self._fusable = fusable
+
+    # -- the step ----------------------------------------------------------------------------------------------
+    def begin(
+        self, s: StepState, groups: list[dict[str, Any]], handoff: tuple[torch.Tensor | None, torch.Tensor] | None
+    ) -> None:
+        """Reduce sharded grads, decide how this step treats the grads and check everything that could make the
+        passes fail, changing no grad. ``handoff``: a user's GradScaler's ``(grad_scale, found_inf)``, where it
+        hands them to the step (``grad_scale`` None once it unscaled the grads itself)."""
+        self._zeroed = None
+        if self._shard.active:
+            self._shard.begin(s)
+        fused = s.fused_grads = self._fusable and not s.baseline
+        if self._scaler is not None:
+            self._scaler.check_scaled()
+        clip = self.config.max_norm
+        if clip is not None and not fused:
+            _refuse_sparse(self._params(groups))
+        if handoff is not None:
+            s.external_scaler = True
+            s.found_inf = handoff[1]
+        if fused:
+            s.max_norm = clip
+            if self._scaler is not None:
+                s.grad_scale, s.check_inf = self._scaler.scale, True
+            elif handoff is not None:
+                s.grad_scale = handoff[0]
+        s.grad_write = 2 if self.config.zero_in_step else int(fused and (s.grad_scale is not None or clip is not None))
+
+    def backward_state(self) -> StepState:
+        """The step state of an update launched inside backward (no clip, no loss scaling there)."""
+        return StepState(0, fused_grads=True, grad_write=2 if self.config.zero_in_step else 0)
+
+    def apply(self, s: StepState, groups: list[dict[str, Any]], handoff_scale: torch.Tensor | None) -> None:
+        """The passes of their own (the grads are not fused): unscale and check, combine across ranks, clip; in
+        place, before any update."""
+        if s.fused_grads:
+            if s.phases is not None:
+                s.phases.mark("unscale")
+            return
+        if handoff_scale is not None:  # a user's GradScaler: its found_inf holds the check already
+            unscale_and_check(
+                self._dense_grads(groups), handoff_scale.double().reciprocal().float(), s.found_inf.clone()
+            )
+        if self._scaler is not None:
+            grads = self._shard.owned_grads() if self._shard.active else self._dense_grads(groups)
+            s.found_inf = self._scaler.unscale(grads)
+        if s.reduce is not None and s.found_inf is not None:  # an overflow on any rank skips the step on all
+            s.reduce(None, s.found_inf)
+        if s.phases is not None:
+            s.phases.mark("unscale")
+        if self.config.max_norm is None:
+            return
+        retry = self._clipped_before
+        if retry is not None and retry[0] == self._versions(groups):
+            s.grad_norm = retry[1]  # a retry of a step that raised after clipping these grads
+        else:
+            s.grad_norm = self._clip(self._params(groups), s.reduce)
+        if s.phases is not None:
+            s.phases.mark("clip")
+
+    def skip_on_host(self, s: StepState, device_side: bool) -> bool:
+        """Whether this step found inf/nan grads, read on the host only where a device-side skip is impossible
+        (``device_side``: every update of this step reads ``found_inf`` on the device; the wrapped optimizer's own
+        step cannot, so when it has params to update this costs one sync, as ``GradScaler.step`` does)."""
+        if s.found_inf is None or (device_side and not s.baseline):
+            return False
+        self.host_syncs += 1
+        return bool(s.found_inf.item())
+
+    def abandon(self, s: StepState, groups: list[dict[str, Any]]) -> None:
+        """The step raised: remember the clip for a retry on the same grads."""
+        norm = s.grad_norm
+        self._clipped_before = None if norm is None or s.fused_grads else (self._versions(groups), norm)
+
+    def finish(self, s: StepState) -> None:
+        """After a step (full or steady): keep its norm and which grads the kernel zeroed."""
+        self._clipped_before = None
+        self._last_norm = s.grad_norm
+        self._norm_is_static = s.graphed and s.grad_norm is not None
+        if s.zeroed:
+            grads = list(map(_GRAD, s.zeroed))
+            self._zeroed = (s.zeroed, list(map(id, grads)), _versions(grads))
+        else:
+            self._zeroed = None
+
+    @property
+    def last_norm(self) -> torch.Tensor | None:
+        """The global norm the last step clipped (see ``KitsuneOptimizer.last_grad_norm``)."""
+        norm = self._last_norm
+        if self._norm_is_static and norm is not None:
+            # copied out on first read (a clone queued behind the step that wrote it), not every step: the copy
+            # costs a launch and tens of microseconds of host time that most steps never need
+            norm = self._last_norm = norm.clone()
+            self._norm_is_static = False
+        return norm
+
+    # -- helpers -----------------------------------------------------------------------------------------------
+    def _params(self, groups: list[dict[str, Any]]) -> list[torch.Tensor]:
+        """Every param once, in the groups' order (a param listed twice is unscaled and clipped once, as for
+        model.parameters())."""
+        params = [p for g in groups for p in g["params"]]
+        return list({id(p): p for p in params}.values()) if self._repeated else params
+
+    def _versions(self, groups: list[dict[str, Any]]) -> list[tuple[int, int]]:
+        """Each grad's identity and version counter: equal only while no backward or in-place op touched them."""
+        return [(id(g), g._version) for p in self._params(groups) if (g := p.grad) is not None]
+
+    def _dense_grads(self, groups: list[dict[str, Any]]) -> list[torch.Tensor]:
+        """The dense tensors that unscaling divides: each grad, or a sparse grad's values. As torch's GradScaler
+        does, a float16 sparse grad is coalesced first (``p.grad`` replaced), so that duplicate indices are summed
+        and an overflow in that sum is found."""
+        out = []
+        for p in self._params(groups):
+            g = p.grad
+            if g is None:
+                continue
+            if g.is_sparse:
+                if g.dtype == torch.float16:
+                    p.grad = g = g.coalesce()
+                g = g._values()
+            out.append(g)
+        return out
+
+    def _clip(self, params: list[torch.Tensor], reduce: Any) -> torch.Tensor:
+        """Clipping as a pass of its own: kitsune's two-launch clip_grad_norm_ when reductions are enabled, else
+        torch's; with sharded grads (``reduce``) torch ops and a norm all-reduced."""
+        cfg = self.config
+        if reduce is not None:
+            return clip_sharded_grads_(params, cfg.max_norm, cfg.norm_type, reduce)  # type: ignore[arg-type]
+        clip = clip_grad_norm_ if self._kernels else torch.nn.utils.clip_grad_norm_
+        # FSDP2 grads: torch returns a replicated DTensor; its local value is the global norm
+        return fsdp.local(clip(params, cfg.max_norm, cfg.norm_type))  # type: ignore[arg-type]
+
+    # -- zeroing -------------------------------------------------------------------------------------------------
+    def zero_grad(self, base: torch.optim.Optimizer, set_to_none: bool, label: str) -> None:
+        """``base``'s grads reset as ``torch.optim.Optimizer.zero_grad`` does: set to None, or with
+        ``set_to_none=False`` detached and zeroed in place, one ``_foreach_zero_`` per (device, dtype) as torch's
+        foreach and fused optimizers do, whatever the wrapped optimizer (one that defines its own ``zero_grad`` is
+        left to it).
+        ``label``: the name torch's zero_grad gives a profiler trace.
+
+        With ``GradConfig(zero_in_step=True)`` the fused update has already written zeros into the grads it used:
+        those are left as they are (allocated, ``set_to_none`` notwithstanding) unless something changed them
+        since (a backward pass bumps a grad's version counter), so the step's zeroing is the only pass over them.
+        With ``MemoryConfig(flat_grads=True)`` the pool's grad arenas are zeroed in one fill each."""
+        groups = base.param_groups
+        self._shard.zero_grad()  # sharded grads already reduced are discarded too
+        zeroed, self._zeroed = self._zeroed, None
+        skip: set[torch.Tensor] = set()
+        pool = self._pool
+        flat = pool.flat_grads
+        n_params = sum(len(g["params"]) for g in groups)
+        if zeroed is not None:
+            params, ids, versions = zeroed
+            grads = list(map(_GRAD, params))
+            if not flat and len(params) == n_params and list(map(id, grads)) == ids and _versions(grads) == versions:
+                return  # the step zeroed every param's grad, and nothing wrote to them since: nothing to do
+            skip = {
+                p
+                for p, g, i, v in zip(params, grads, ids, versions, strict=True)
+                if g is not None and id(g) == i and g._version == v
+            }
+        if flat:  # grads in the pool's arena: zeroed in place, kept (not set to None)
+            skip |= pool.zero_grads(already_zero=skip)
+            if len(skip) == n_params:
+                return  # every grad is an arena view: the fill zeroed them all
+        elif zeroed is None and type(base).zero_grad is not _BASE_ZERO_GRAD:
+            base.zero_grad(set_to_none=set_to_none)  # an optimizer's own zero_grad is kept
+            return
+        if torch.autograd._profiler_enabled():  # the label torch's zero_grad gives a trace
+            with torch.autograd.profiler.record_function(label):
+                _zero_grads(groups, skip, set_to_none)
+        else:
+            _zero_grads(groups, skip, set_to_none)
+
+
+def _refuse_sparse(params: list[torch.Tensor]) -> None:
+    sparse = next((i for i, p in enumerate(params) if p.grad is not None and p.grad.is_sparse), None)
+    if sparse is not None:
+        raise ValueError(
+            f"max_grad_norm: param {sparse} (in the groups' order) has a sparse grad, and the global norm cannot "
+            "be clipped over sparse grads (torch.nn.utils.clip_grad_norm_ cannot either): give that layer dense "
+            "grads (nn.Embedding(sparse=False)) or leave max_grad_norm unset. Nothing was updated."
+        )
+
+
+def _zero_grads(groups: list[dict[str, Any]], skip: set[torch.Tensor], set_to_none: bool) -> None:
+    """torch.optim's ``zero_grad`` for every param not in ``skip``, in plain loops: torch's own (a profiler label,
+    the dynamo guard, two reads of each grad) took 0.43-0.49 ms of host time for GPT-2's 148 grads where setting
+    them to None takes 0.29-0.32 ms (an H100 host; docs/benchmarks.md)."""
+    params = [p for g in groups for p in g["params"]]
+    if skip:  # (a tensor's hash is a Python call: only when something is skipped)
+        params = [p for p in params if p not in skip]
+    if set_to_none:
+        for p in params:
+            p.grad = None  # a no-op where it is None already
+    else:
+        _zero_in_place([g for g in map(_GRAD, params) if g is not None])
+
+
+def _zero_in_place(grads: list[torch.Tensor]) -> None:
+    """Detach and zero ``grads`` as torch.optim's foreach ``zero_grad(set_to_none=False)`` does: one
+    ``_foreach_zero_`` per (device, dtype) rather than a launch per grad (148 launches cost 1.5 ms of host time on
+    GPT-2), sparse grads one by one."""
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+    for g in grads:
+        if g.requires_grad:  # a grad of backward(create_graph=True); the common grad needs no call here
+            if g.grad_fn is not None:
+                g.detach_()
+            else:
+                g.requires_grad_(False)
+        if g.layout is torch.strided:
+            by_kind[g.device, g.dtype].append(g)
+        else:
+            g.zero_()
+    for tensors in by_kind.values():
+        torch._foreach_zero_(tensors)
+
+
+def _versions(grads: Sequence[torch.Tensor | None]) -> list[int]:
+    """Each grad's version counter (-1 for None): one C-level pass when every grad is there."""
+    try:
+        return list(map(_VERSION, grads))
+    except AttributeError:  # a None grad
+        return [-1 if g is None else g._version for g in grads]

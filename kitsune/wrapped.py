@@ -1,0 +1,99 @@
+"""The wrapped optimizer's own step: the executor of every param no kitsune executor owns, and its step hooks."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
+
+import torch
+from torch.optim.optimizer import _global_optimizer_post_hooks as _global_post
+from torch.optim.optimizer import _global_optimizer_pre_hooks as _global_pre
+
+
+def run_hooked(
+    opt: torch.optim.Optimizer,
+    body: Callable[..., Any],
+    closure: Callable[[], Any] | None,
+    pre_hooks: Mapping[int, Callable[..., Any]],
+    post_hooks: Mapping[int, Callable[..., Any]],
+) -> Any:
+    """``body(closure)`` between ``opt``'s step hooks, as torch's hook runner does: the global pre-hooks, then
+    ``opt``'s ``pre_hooks`` (each may return new ``(args, kwargs)``), the body under the profiler label torch gives
+    a step, then ``opt``'s ``post_hooks`` and the global ones."""
+    args, kwargs = (opt,) if closure is None else (opt, closure), {}
+    for hook in (*_global_pre.values(), *pre_hooks.values()):
+        result = hook(opt, args, kwargs)
+        if result is not None:
+            if not (isinstance(result, tuple) and len(result) == 2):
+                raise RuntimeError(f"a step pre-hook must return None or (args, kwargs), got {result!r}")
+            args, kwargs = result
+    with torch.autograd.profiler.record_function(f"Optimizer.step#{type(opt).__name__}.step"):
+        out = body(*args[1:], **kwargs)
+    for hook in (*post_hooks.values(), *_global_post.values()):
+        hook(opt, args, kwargs)
+    return out
+
+
+class WrappedStep:
+    """Runs ``base``'s own step beneath torch's hook runner, so each hook runs once per step at torch's place: the
+    wrapped optimizer's step pre-hooks before kitsune changes anything, its post-hooks after everything."""
+
+    def __init__(self, base: torch.optim.Optimizer) -> None:
+        self.base = base
+        self.steps = 0
+        """Steps in which the wrapped optimizer's own step ran."""
+
+    def pre_hooks(self) -> None:
+        """The wrapped optimizer's step pre-hooks (registered on it, not on the wrapper), as its step would run them."""
+        base = self.base
+        for hook in list(base._optimizer_step_pre_hooks.values()):
+            hook(base, (base,), {})
+
+    def post_hooks(self) -> None:
+        """Its step post-hooks; and the mark LR schedulers built on the wrapped optimizer look for."""
+        base = self.base
+        base._opt_called = True  # type: ignore[attr-defined]
+        for hook in list(base._optimizer_step_post_hooks.values()):
+            hook(base, (base,), {})
+
+    def run(self, handled: Collection[torch.Tensor], closure: Callable[[], Any] | None) -> Any:
+        """The wrapped step for every param not in ``handled`` (their grads are hidden from it meanwhile)."""
+        base = self.base
+        fn = type(base).step
+        # torch wraps every Optimizer.step with its hook runner; call beneath it (the hooks run from the wrapper)
+        raw = fn.__wrapped__ if getattr(fn, "hooked", False) and hasattr(fn, "__wrapped__") else fn
+        hidden = [(p, p.grad) for g in base.param_groups for p in g["params"] if p in handled] if handled else []
+        for p, _ in hidden:
+            p.grad = None
+        try:
+            out = raw(base, closure) if closure is not None else raw(base)
+        finally:
+            for p, grad in hidden:
+                p.grad = grad
+        self.steps += 1
+        return out
+
+
+def refuse_per_evaluation_passes(optimizer: torch.optim.Optimizer, clip: bool, scaling: bool) -> None:
+    """An optimizer whose step needs its closure (LBFGS) evaluates it several times inside one step: clipping and
+    float16 unscaling, which kitsune runs once on the grads before the step, cannot run between those evaluations."""
+    if not isinstance(optimizer, torch.optim.LBFGS):  # LBFGS and its subclasses, whatever their signature says
+        try:
+            closure = inspect.signature(optimizer.step).parameters.get("closure")
+        except (TypeError, ValueError):
+            return
+        if closure is None or closure.default is not inspect.Parameter.empty:
+            return
+    passes = []
+    if clip:
+        passes.append("max_grad_norm")
+    if scaling:
+        passes.append("float16 loss scaling (enable_amp with AMPConfig(dtype=torch.float16))")
+    if passes:
+        raise ValueError(
+            f"{type(optimizer).__name__} evaluates its closure several times inside one step, so kitsune cannot "
+            f"clip or unscale the grads between those evaluations: {' and '.join(passes)} cannot wrap it. Clip "
+            "inside the closure (torch.nn.utils.clip_grad_norm_) and use AMPConfig(dtype=torch.bfloat16), which "
+            "needs no loss scaling."
+        )

@@ -1,0 +1,480 @@
+"""torch's promises at the seams of the step, on the fused path: a step that raises changes nothing, hooks run where
+torch runs them, a rejected load keeps the old state, missing state keys raise as torch does, copies carry every
+piece of state, a dropped optimizer is freed at once, state dicts have exactly torch's keys, and a param moved to
+float64 mid-run keeps training as plain torch does."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import io
+import pickle
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from kitsune import AMPConfig, GradConfig, KitsuneOptimizer, StreamConfig
+from kitsune.optim import LAMB, Lion, Muon
+
+from ._util import make_params, random_grads, record_graphs
+
+
+def _snapshot(opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """Every param, grad and state value of ``opt`` (copies), and its step count."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+
+    def grad(p: torch.Tensor) -> Any:
+        g = p.grad
+        return None if g is None else (id(g), g.to_dense().clone() if g.is_sparse else g.clone())
+
+    state = {
+        i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt.state[p].items()}
+        for i, p in enumerate(params)
+        if p in opt.state
+    }
+    return {
+        "params": [p.detach().clone() for p in params],
+        "grads": [grad(p) for p in params],
+        "state": state,
+        "step_count": getattr(opt, "step_count", None),
+    }
+
+
+def _assert_unchanged(before: dict[str, Any], opt: torch.optim.Optimizer) -> None:
+    after = _snapshot(opt)
+    assert after["step_count"] == before["step_count"]
+    for a, b in zip(after["params"], before["params"], strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(after["grads"], before["grads"], strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a[0] == b[0] and torch.equal(a[1], b[1])  # the same grad tensor, the same values
+    assert after["state"].keys() == before["state"].keys()
+    for i, st in before["state"].items():
+        assert after["state"][i].keys() == st.keys(), i
+        for k, v in st.items():
+            w = after["state"][i][k]
+            assert torch.equal(w, v) if isinstance(v, torch.Tensor) else w == v, (i, k)
+
+
+# -- 1. a step that raises changes no param, grad, state or step count --------------------------------------------
+def _linear_and_sparse_embedding(device: torch.device) -> tuple[torch.nn.Module, torch.nn.Embedding]:
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 3).to(device), torch.nn.Embedding(6, 3, sparse=True).to(device)
+
+
+@pytest.mark.parametrize("warm", [0, 3], ids=["first_step", "after_three_steps"])
+def test_a_step_refused_by_the_wrapped_step_changes_nothing(warm, device):
+    """AdamW over a Linear (fused) and a sparse Embedding (the wrapped AdamW's own step, which refuses sparse grads):
+    the refusal leaves the Linear, every grad and all state as they were, and a retry after the fix steps once."""
+    lin, emb = _linear_and_sparse_embedding(device)
+    params = [*lin.parameters(), emb.weight]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params[:2]]
+    opt = KitsuneOptimizer(torch.optim.AdamW(params, lr=0.1), enable_fusion=True)
+    ref = torch.optim.AdamW(twins, lr=0.1)
+    for step in range(warm):  # the embedding gets no grad: it is skipped
+        for p, t, g in zip(params[:2], twins, random_grads(params[:2], step), strict=True):
+            p.grad, t.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+    for p, t, g in zip(params[:2], twins, random_grads(params[:2], 99), strict=True):
+        p.grad, t.grad = g.clone(), g.clone()
+    emb(torch.tensor([1, 2], device=device)).sum().backward()  # a sparse grad
+    before = _snapshot(opt)
+    with pytest.raises(RuntimeError, match="does not support sparse gradients"):
+        opt.step()
+    _assert_unchanged(before, opt)
+    emb.weight.grad = None  # the fix: no sparse grad for AdamW; the retry updates the Linear once
+    opt.step()
+    ref.step()
+    assert opt.step_count == warm + 1
+    for p, t in zip(params[:2], twins, strict=True):
+        torch.testing.assert_close(p, t, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("where", ["wrapper", "wrapped"])
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_a_step_whose_pre_hook_raises_changes_nothing(where, graphs, device):
+    params = make_params([(4, 3), 5], torch.float32, device)
+    opt = KitsuneOptimizer(torch.optim.AdamW(params, lr=0.1), enable_fusion=True)
+    if graphs:
+        record_graphs(opt)
+    fail = [False]
+
+    def hook(*_: Any) -> None:
+        if fail[0]:
+            raise RuntimeError("refused by a hook")
+
+    (opt if where == "wrapper" else opt.base_optimizer).register_step_pre_hook(hook)
+    for step in range(8):  # past warm-up and capture: the steady replay on the graphs side
+        for p, g in zip(params, random_grads(params, step), strict=True):
+            p.grad = g
+        opt.step()
+    fail[0] = True
+    before = _snapshot(opt)
+    with pytest.raises(RuntimeError, match="refused by a hook"):
+        opt.step()
+    _assert_unchanged(before, opt)
+
+
+def test_a_step_refusing_to_clip_sparse_grads_changes_nothing(device):
+    """max_grad_norm over a sparse grad is refused before any grad, param or state changes."""
+    lin, emb = _linear_and_sparse_embedding(device)
+    params = [*lin.parameters(), emb.weight]
+    opt = KitsuneOptimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9), enable_fusion=True, max_grad_norm=1.0)
+    lin(torch.randn(2, 4, device=device)).sum().backward()
+    emb(torch.tensor([1, 2], device=device)).sum().backward()
+    before = _snapshot(opt)
+    with pytest.raises(ValueError, match="sparse"):
+        opt.step()
+    _assert_unchanged(before, opt)
+
+
+# -- 2. hooks run where torch runs them ---------------------------------------------------------------------------
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_a_wrapped_optimizers_pre_hook_runs_before_the_update(graphs, device):
+    """SGD with lr 1 from p = 0 with grad 1 and a pre-hook (on the wrapped optimizer) halving the grads: p is -0.5,
+    as torch gives, step after step (the steady replay included)."""
+    p = torch.nn.Parameter(torch.zeros(4, device=device))
+    opt = KitsuneOptimizer(torch.optim.SGD([p], lr=1.0), enable_fusion=True)
+    if graphs:
+        record_graphs(opt)
+    opt.base_optimizer.register_step_pre_hook(lambda o, *_: [q.grad.mul_(0.5) for q in o.param_groups[0]["params"]])
+    for step in range(8):
+        p.grad = torch.ones_like(p)
+        with torch.no_grad():
+            p.zero_()
+        opt.step()
+        assert torch.equal(p.detach(), torch.full_like(p, -0.5)), step
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_hooks_run_in_torchs_order_around_the_update(graphs, device):
+    params = make_params([3, (2, 2)], torch.float32, device)
+    opt = KitsuneOptimizer(torch.optim.AdamW(params, lr=0.1), enable_fusion=True)
+    if graphs:
+        record_graphs(opt)
+    seen: list[tuple[str, bool]] = []
+    start: list[torch.Tensor] = []
+
+    def note(name: str) -> Callable[..., None]:
+        def hook(*_: Any) -> None:  # whether the params moved since the step began
+            seen.append((name, not all(torch.equal(p, s) for p, s in zip(params, start, strict=True))))
+
+        return hook
+
+    handles = [
+        register_optimizer_step_pre_hook(note("global pre")),
+        opt.register_step_pre_hook(note("pre")),
+        opt.base_optimizer.register_step_pre_hook(note("wrapped pre")),
+        opt.base_optimizer.register_step_post_hook(note("wrapped post")),
+        opt.register_step_post_hook(note("post")),
+        register_optimizer_step_post_hook(note("global post")),
+    ]
+    try:
+        for step in range(8):
+            for p, g in zip(params, random_grads(params, step), strict=True):
+                p.grad = g
+            start[:] = [p.detach().clone() for p in params]
+            seen.clear()
+            opt.step()
+            assert seen == [
+                ("global pre", False),
+                ("pre", False),
+                ("wrapped pre", False),
+                ("wrapped post", True),
+                ("post", True),
+                ("global post", True),
+            ], step
+    finally:
+        for h in handles:
+            h.remove()
+
+
+# -- 3. a rejected load_state_dict leaves the old state working ---------------------------------------------------
+@pytest.mark.parametrize("pool", [True, False], ids=["pool", "no_pool"])
+def test_a_rejected_load_keeps_the_old_state(pool, device):
+    params = make_params([(4, 3), 5], torch.float32, device)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    kw = {"enable_fusion": True, "memory_pool_size": 512 * 2**20 if pool else 0}
+    opt = KitsuneOptimizer(torch.optim.AdamW(params, lr=0.1), **kw)
+    ref = KitsuneOptimizer(torch.optim.AdamW(twins, lr=0.1), **kw)
+    other = make_params([(3, 4), 7], torch.float32, device)  # another model: as many params, other shapes
+    other_opt = torch.optim.AdamW(other, lr=0.1)
+    for step in range(3):
+        for ps, o in ((params, opt), (twins, ref), (other, other_opt)):
+            for p, g in zip(ps, random_grads(ps, step), strict=True):
+                p.grad = g
+            o.step()
+    before = _snapshot(opt)
+    with pytest.raises(ValueError, match="shape"):
+        opt.load_state_dict(other_opt.state_dict())
+    _assert_unchanged(before, opt)
+    for step in range(3, 8):  # and it goes on as its twin that never tried
+        for ps, o in ((params, opt), (twins, ref)):
+            for p, g in zip(ps, random_grads(ps, step), strict=True):
+                p.grad = g
+            o.step()
+    for p, t in zip(params, twins, strict=True):
+        assert torch.equal(p, t)
+
+
+def test_load_of_a_file_path_names_the_fix(device):
+    opt = KitsuneOptimizer(torch.optim.AdamW(make_params([3], torch.float32, device)), enable_fusion=True)
+    with pytest.raises(TypeError, match="torch.load"):
+        opt.load_state_dict("ckpt.pt")  # type: ignore[arg-type]
+
+
+# -- 4. missing state keys raise as torch does --------------------------------------------------------------------
+def _drop(sd: dict[str, Any], key: str) -> dict[str, Any]:
+    sd = copy.deepcopy(sd)
+    for st in sd["state"].values():
+        st.pop(key, None)
+    return sd
+
+
+@pytest.mark.parametrize(
+    ("make", "key"),
+    [
+        (lambda ps: torch.optim.AdamW(ps, lr=0.1), "exp_avg"),
+        (lambda ps: torch.optim.Adam(ps, lr=0.1), "exp_avg_sq"),
+        (lambda ps: torch.optim.RMSprop(ps, lr=0.01), "square_avg"),
+        (lambda ps: torch.optim.Adagrad(ps, lr=0.1), "sum"),
+        (lambda ps: LAMB(ps, lr=0.01), "exp_avg"),
+    ],
+    ids=["adamw", "adam", "rmsprop", "adagrad", "lamb"],
+)
+def test_a_checkpoint_missing_a_key_raises_as_torch(make, key, device):
+    params = make_params([(4, 3), 5], torch.float32, device)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt, ref = KitsuneOptimizer(make(params), enable_fusion=True), make(twins)
+    assert opt.plan.fused_tensors == 2
+    for ps, o in ((params, opt), (twins, ref)):
+        for p, g in zip(ps, random_grads(ps, 0), strict=True):
+            p.grad = g
+        o.step()
+    sd = _drop(ref.state_dict(), key)
+    ref.load_state_dict(sd)
+    opt.load_state_dict(sd)
+    before = _snapshot(opt)
+    with pytest.raises(KeyError, match=key):
+        ref.step()
+    with pytest.raises(KeyError, match=key):
+        opt.step()
+    _assert_unchanged(before, opt)
+
+
+@pytest.mark.parametrize(
+    ("make", "switch", "key"),
+    [
+        (lambda ps: torch.optim.RMSprop(ps, lr=0.01), ("momentum", 0.9), "momentum_buffer"),
+        (lambda ps: torch.optim.RMSprop(ps, lr=0.01), ("centered", True), "grad_avg"),
+        (lambda ps: torch.optim.Adam(ps, lr=0.01), ("amsgrad", True), "max_exp_avg_sq"),
+    ],
+    ids=["rmsprop_momentum", "rmsprop_centered", "adam_amsgrad"],
+)
+def test_a_switch_turned_on_mid_run_raises_as_torch(make, switch, key, device):
+    params = make_params([(4, 3), 5], torch.float32, device)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt, ref = KitsuneOptimizer(make(params), enable_fusion=True), make(twins)
+    for step in range(2):
+        for ps, o in ((params, opt), (twins, ref)):
+            for p, g in zip(ps, random_grads(ps, step), strict=True):
+                p.grad = g
+            o.step()
+    for o in (opt, ref):
+        o.param_groups[0][switch[0]] = switch[1]
+    before = _snapshot(opt)
+    with pytest.raises(KeyError, match=key):
+        ref.step()
+    with pytest.raises(KeyError, match=key):
+        opt.step()
+    _assert_unchanged(before, opt)
+
+
+def test_sgd_momentum_switched_on_mid_run_starts_from_the_grad_as_torch(device):
+    params = make_params([(4, 3), 5], torch.float32, device)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = KitsuneOptimizer(torch.optim.SGD(params, lr=0.1), enable_fusion=True)
+    ref = torch.optim.SGD(twins, lr=0.1)
+    for step in range(6):
+        if step == 3:
+            for o in (opt, ref):
+                o.param_groups[0]["momentum"] = 0.9
+        for ps, o in ((params, opt), (twins, ref)):
+            for p, g in zip(ps, random_grads(ps, step), strict=True):
+                p.grad = g
+            o.step()
+        for p, t in zip(params, twins, strict=True):
+            torch.testing.assert_close(p, t, rtol=1e-6, atol=1e-6)
+
+
+def test_muon_groups_flipping_use_muon_follow_the_eager_muon(device):
+    """kitsune.optim.Muon starts the other algorithm's state from zero when a group's use_muon flips; the fused
+    path does the same (the eager step is its reference, run on twins)."""
+    params = make_params([(8, 6), (6, 8), 6], torch.float32, device)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+
+    def make(ps: list[torch.nn.Parameter]) -> Muon:
+        return Muon([{"params": ps[:2]}, {"params": ps[2:], "use_muon": False}], lr=0.02)
+
+    opt, ref = KitsuneOptimizer(make(params), enable_fusion=True), make(twins)
+    assert opt.plan.fused_tensors == 3
+    for step in range(8):
+        if step == 3:
+            for o in (opt, ref):
+                o.param_groups[0]["use_muon"] = False
+        if step == 5:
+            for o in (opt, ref):
+                o.param_groups[0]["use_muon"] = True
+        for ps, o in ((params, opt), (twins, ref)):
+            for p, g in zip(ps, random_grads(ps, step), strict=True):
+                p.grad = g
+            o.step()
+        for p, t in zip(params, twins, strict=True):
+            torch.testing.assert_close(p, t, rtol=2e-2, atol=2e-3)  # Newton-Schulz in bf16: kernels vs torch
+    assert sorted(opt.state[params[0]]) == sorted(ref.state[twins[0]])
+
+
+# -- 5. copies and pickles carry every piece of state --------------------------------------------------------------
+def _fp16_run(device: torch.device) -> tuple[torch.nn.Module, KitsuneOptimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)).to(device)
+    opt = KitsuneOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=0.01),
+        enable_fusion=True,
+        enable_amp=True,
+        amp_config=AMPConfig(dtype=torch.float16, growth_interval=1000),
+        max_grad_norm=1.0,
+    )
+    x = torch.randn(3, 5, device=device)
+    for step in range(5):  # three overflows back the scale off from 65536 to 8192
+        scale = float("inf") if step in (1, 2, 4) else 1.0
+        opt.backward(model(x).sum() * scale)
+        opt.step()
+        opt.zero_grad()
+    assert opt.loss_scale == 8192 and opt.skipped_steps == 3
+    return model, opt
+
+
+def _train(model: torch.nn.Module, opt: KitsuneOptimizer, steps: int) -> None:
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(steps):
+        x = torch.randn(3, 5, generator=gen).to(next(model.parameters()).device)
+        opt.backward(model(x).square().sum())
+        opt.step()
+        opt.zero_grad()
+
+
+def _torch_save_round_trip(obj: Any) -> Any:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+@pytest.mark.parametrize(
+    "copier",
+    [copy.deepcopy, lambda o: pickle.loads(pickle.dumps(o)), _torch_save_round_trip],
+    ids=["deepcopy", "pickle", "torch_save"],
+)
+def test_a_copy_carries_the_loss_scaler_and_continues_bit_identically(copier, device):
+    model, opt = _fp16_run(device)
+    twin = copier({"model": model, "opt": opt})
+    assert twin["opt"].loss_scale == 8192 and twin["opt"].skipped_steps == 3
+    assert twin["opt"].step_count == opt.step_count
+    _train(model, opt, 6)
+    _train(twin["model"], twin["opt"], 6)
+    for p, q in zip(model.parameters(), twin["model"].parameters(), strict=True):
+        assert torch.equal(p, q)
+    assert twin["opt"].loss_scale == opt.loss_scale
+
+
+# -- 6. a dropped optimizer is freed at once ------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"max_grad_norm": 1.0, "enable_amp": True},
+        {"profile": True},
+        {"stream_config": StreamConfig(step_in_backward=True)},
+        {"grad_config": GradConfig(zero_in_step=True)},
+    ],
+    ids=["fused", "amp_clip", "profile", "in_backward", "zero_in_step"],
+)
+def test_del_frees_the_optimizer_and_its_state_without_the_cycle_collector(kw, device):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 4).to(device)
+    opt = KitsuneOptimizer(torch.optim.AdamW(model.parameters(), lr=0.1), enable_fusion=True, **kw)
+    for _ in range(3):
+        opt.backward(model(torch.randn(2, 6, device=device)).sum())
+        opt.step()
+        opt.zero_grad()
+    refs = [weakref.ref(opt), weakref.ref(opt.base_optimizer)]
+    refs += [weakref.ref(t) for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+    assert len(refs) > 2
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        del opt
+        assert all(r() is None for r in refs)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+# -- 7. state dicts have exactly torch's keys ------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: torch.optim.SGD(ps, lr=0.1),
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+        lambda ps: torch.optim.AdamW(ps, lr=0.1),
+        lambda ps: torch.optim.Adam(ps, lr=0.1, amsgrad=True),
+        lambda ps: torch.optim.Adagrad(ps, lr=0.1),
+        lambda ps: torch.optim.RMSprop(ps, lr=0.01, momentum=0.9, centered=True),
+        lambda ps: Lion(ps, lr=0.01),
+    ],
+    ids=["sgd", "sgd_momentum", "adamw", "adam_amsgrad", "adagrad", "rmsprop", "lion"],
+)
+def test_fused_state_dicts_have_exactly_torchs_keys(make, device):
+    params = make_params([(4, 3), 5, 2], torch.float32, device)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt, ref = KitsuneOptimizer(make(params), enable_fusion=True), make(twins)
+    assert opt.plan.fused_tensors == 3
+    for step in range(3):
+        for ps, o in ((params, opt), (twins, ref)):
+            for i, (p, g) in enumerate(zip(ps, random_grads(ps, step), strict=True)):
+                p.grad = None if i == 2 else g  # the last param never gets a grad
+            o.step()
+    ours, theirs = opt.state_dict(), ref.state_dict()
+    assert ours.keys() - {"kitsune"} == theirs.keys()
+    assert ours["state"].keys() == theirs["state"].keys()
+    for k, st in theirs["state"].items():
+        assert ours["state"][k].keys() == st.keys(), k
+    assert [g.keys() for g in ours["param_groups"]] == [g.keys() for g in theirs["param_groups"]]
+
+
+# -- 8. a param moved to float64 mid-run keeps training as plain torch does ----------------------------------------
+def test_sgd_momentum_with_a_layer_moved_to_float64_mid_run_matches_torch(device):
+    params = make_params([(4, 3), 5, (2, 3)], torch.float32, device)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = KitsuneOptimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9), enable_fusion=True)
+    ref = torch.optim.SGD(twins, lr=0.1, momentum=0.9)
+    for step in range(8):
+        if step == 3:
+            for p in (params[1], twins[1]):
+                p.data = p.data.double()
+        for ps, o in ((params, opt), (twins, ref)):
+            for p, g in zip(ps, random_grads(ps, step), strict=True):
+                p.grad = g.to(p.dtype)
+            o.step()
+        for p, t in zip(params, twins, strict=True):
+            torch.testing.assert_close(p, t, rtol=1e-6, atol=1e-6)
+    assert params[1].dtype == torch.float64
+    fallback = [b for b in opt.plan.buckets if b.dtype == "float64"]
+    assert len(fallback) == 1 and not fallback[0].route.fused and "momentum_buffer" in fallback[0].reason
