@@ -1,9 +1,69 @@
-"""Triton helpers the update and norm kernels share: rounding to a storage dtype, and a fixed-order reduction."""
+"""Triton helpers the kernels share: the multi-tensor prologue, the dtype table, the hyperparameter columns, lerp,
+rounding to a storage dtype and a fixed-order reduction."""
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+from kitsune.kernels import spec
+
+TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+"""The storage dtypes the kernels read and write."""
+
+# The columns of spec's hyperparameter buffer: a @triton.jit function may read a global only if it is a constexpr
+LR, B1, B2, EPS, WD, EXTRA, TRUST_A, ADAPT, NUM_FIELDS = map(
+    tl.constexpr, (spec.LR, spec.B1, spec.B2, spec.EPS, spec.WD, spec.EXTRA, spec.TRUST_A, spec.ADAPT, spec.NUM_FIELDS)
+)
+
+
+@triton.jit
+def _program_block(block_tensor, block_start, numel_tab, addr_tab):
+    """``(pid, t, start, n, addr)``: this program works on tensor ``t`` from element ``start``, as the block map of a
+    multi-tensor launch says; ``addr`` is the tensor's entry in ``addr_tab`` and ``n`` its numel, 0 when ``addr`` is
+    -1 (skip the tensor), so masks built on ``n`` cover nothing."""
+    pid = tl.program_id(0)
+    t = tl.load(block_tensor + pid)
+    addr = tl.load(addr_tab + t)
+    return pid, t, tl.load(block_start + pid), tl.where(addr != -1, tl.load(numel_tab + t), 0), addr
+
+
+@triton.jit
+def _update_masks(start, n, g_addr, found_inf, HAS_FOUND_INF: tl.constexpr, BLOCK: tl.constexpr):
+    """``(live, offs, mask, gmask)`` of an update's block (``start``, ``n``, ``g_addr`` from :func:`_program_block`
+    over the grad table). A tensor whose grad is None (-1) is skipped as torch skips it (no state change, no step);
+    with HAS_FOUND_INF, a nonzero ``found_inf`` (AMP's overflow flag) skips every tensor, step counts included.
+    ``gmask`` still covers the grads: they are unscaled or zeroed on a skipped step too."""
+    live = g_addr != -1
+    if HAS_FOUND_INF:
+        live = live & (tl.load(found_inf) == 0.0)
+    offs = start + tl.arange(0, BLOCK).to(tl.int64)
+    return live, offs, offs < tl.where(live, n, 0), offs < n
+
+
+@triton.jit
+def _hyper_row(hyper, group_tab, t):
+    """Tensor ``t``'s row of the (n_groups, NUM_FIELDS) float64 hyperparameter buffer: read it as ``row + LR``."""
+    return hyper + tl.load(group_tab + t).to(tl.int64) * NUM_FIELDS
+
+
+@triton.jit
+def _ptr(addr, offs, DTYPE: tl.constexpr):
+    """Elements ``offs`` of the DTYPE tensor at the int64 address ``addr``."""
+    return addr.to(tl.pointer_type(DTYPE)) + offs
+
+
+@triton.jit
+def _role_ptr(tab, t, offs, DTYPE: tl.constexpr):
+    """Elements ``offs`` of tensor ``t`` of a role, through the role's (T,) int64 address table."""
+    return _ptr(tl.load(tab + t), offs, DTYPE)
+
+
+@triton.jit
+def _lerp(a, b, w):
+    """torch.lerp's formula: ``a + w (b - a)`` for ``|w| < 0.5``, else ``b - (b - a)(1 - w)`` (exact at w = 1)."""
+    return tl.where(tl.abs(w) < 0.5, a + w * (b - a), b - (b - a) * (1.0 - w))
 
 
 @triton.jit

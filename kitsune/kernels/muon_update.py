@@ -23,18 +23,23 @@ import torch
 import triton
 import triton.language as tl
 
-from kitsune.kernels.common import _cast
+from kitsune.kernels.common import (
+    B1,
+    LR,
+    TL_DTYPES,
+    WD,
+    _cast,
+    _hyper_row,
+    _lerp,
+    _program_block,
+    _ptr,
+    _role_ptr,
+    _update_masks,
+)
 from kitsune.kernels.multi_tensor import TensorTables
-from kitsune.kernels.spec import B1, LR, NUM_FIELDS, WD, MuonSpec
+from kitsune.kernels.spec import NUM_FIELDS, MuonSpec
 
-_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-SUPPORTED_DTYPES = tuple(_TL_DTYPES)
-
-
-@triton.jit
-def _torch_lerp(a, b, w):
-    """torch.lerp's formula: ``a + w (b - a)`` for ``|w| < 0.5``, else ``b - (b - a)(1 - w)`` (exact at w = 1)."""
-    return tl.where(tl.abs(w) < 0.5, a + w * (b - a), b - (b - a) * (1.0 - w))
+SUPPORTED_DTYPES = tuple(TL_DTYPES)
 
 
 @triton.jit
@@ -57,44 +62,30 @@ def _muon_kernel(
     HAS_FOUND_INF: tl.constexpr,
     ZERO_GRAD: tl.constexpr,  # stage 0 stores zeros into the grads it read (GradConfig.zero_in_step)
     RNE_BF16: tl.constexpr,
-    NUM_FIELDS: tl.constexpr,
-    LR: tl.constexpr,
-    B1: tl.constexpr,
-    WD: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    t = tl.load(block_tensor + pid)
-    start = tl.load(block_start + pid)
-    g_addr = tl.load(grad_tab + t)
-    numel = tl.load(numel_tab + t)
-    has_grad = g_addr != -1
-    live = has_grad
-    if HAS_FOUND_INF:
-        live = live & (tl.load(found_inf) == 0.0)
-    offs = start + tl.arange(0, BLOCK).to(tl.int64)
-    mask = offs < tl.where(live, numel, 0)
-    row = hyper + tl.load(group_tab + t).to(tl.int64) * NUM_FIELDS
+    _, t, start, numel, g_addr = _program_block(block_tensor, block_start, numel_tab, grad_tab)
+    _, offs, mask, gmask = _update_masks(start, numel, g_addr, found_inf, HAS_FOUND_INF, BLOCK)
+    row = _hyper_row(hyper, group_tab, t)
 
     if STAGE == 0:
-        gmask = offs < tl.where(has_grad, numel, 0)  # zeroed even on a skipped step, as zero_grad would
-        g_ptr = g_addr.to(tl.pointer_type(DTYPE)) + offs
-        buf_ptr = tl.load(buf_tab + t).to(tl.pointer_type(DTYPE)) + offs
-        u_ptr = tl.load(update_tab + t).to(tl.pointer_type(tl.bfloat16)) + offs
+        g_ptr = _ptr(g_addr, offs, DTYPE)
+        buf_ptr = _role_ptr(buf_tab, t, offs, DTYPE)
+        u_ptr = _role_ptr(update_tab, t, offs, tl.bfloat16)
         g = tl.load(g_ptr, mask=gmask if ZERO_GRAD else mask, other=0.0).to(tl.float32)
         momentum = tl.load(row + B1)
         buf = tl.load(buf_ptr, mask=mask, other=0.0).to(tl.float32)
-        buf = _cast(_torch_lerp(buf, g, (1.0 - momentum).to(tl.float32)), DTYPE, RNE_BF16)
+        buf = _cast(_lerp(buf, g, (1.0 - momentum).to(tl.float32)), DTYPE, RNE_BF16)
         tl.store(buf_ptr, buf, mask=mask)
         u = buf.to(tl.float32)
         if NESTEROV:
-            u = _cast(_torch_lerp(g, u, momentum.to(tl.float32)), DTYPE, RNE_BF16).to(tl.float32)
+            u = _cast(_lerp(g, u, momentum.to(tl.float32)), DTYPE, RNE_BF16).to(tl.float32)
         tl.store(u_ptr, _cast(u, tl.bfloat16, RNE_BF16), mask=mask)
         if ZERO_GRAD:
             tl.store(g_ptr, tl.zeros_like(g).to(DTYPE), mask=gmask)
     else:
-        p_ptr = tl.load(param_tab + t).to(tl.pointer_type(DTYPE)) + offs
-        o_ptr = tl.load(ortho_tab + t).to(tl.pointer_type(tl.bfloat16)) + offs
+        p_ptr = _role_ptr(param_tab, t, offs, DTYPE)
+        o_ptr = _role_ptr(ortho_tab, t, offs, tl.bfloat16)
         lr = tl.load(row + LR)
         wd = tl.load(row + WD)
         p = tl.load(p_ptr, mask=mask, other=0.0).to(tl.float32)
@@ -127,7 +118,7 @@ def muon_update(
     tensor of the adjust_lr factors. ``found_inf`` (a float32 scalar) skips the whole update when nonzero, decided
     on the device; ``zero_grad`` makes stage 0 store zeros into the grads it read (on a skipped step too).
     """
-    if dtype not in _TL_DTYPES:
+    if dtype not in TL_DTYPES:
         raise ValueError(f"muon_update supports {SUPPORTED_DTYPES}, got {dtype}")
     if stage not in (0, 1):
         raise ValueError(f"stage must be 0 (momentum) or 1 (apply), got {stage}")
@@ -157,15 +148,11 @@ def muon_update(
         hyper,
         found_inf if found_inf is not None else hyper,
         STAGE=stage,
-        DTYPE=_TL_DTYPES[dtype],
+        DTYPE=TL_DTYPES[dtype],
         NESTEROV=spec.nesterov,
         HAS_FOUND_INF=found_inf is not None,
         ZERO_GRAD=zero_grad and stage == 0,
         RNE_BF16=_INTERPRETED,
-        NUM_FIELDS=NUM_FIELDS,
-        LR=LR,
-        B1=B1,
-        WD=WD,
         BLOCK=tables.block,
         num_warps=num_warps,
     )

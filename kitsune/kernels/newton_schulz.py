@@ -47,7 +47,7 @@ from kitsune.kernels.coefficients import (
     Coefficients,
     schedule,
 )
-from kitsune.kernels.common import _cast
+from kitsune.kernels.common import TL_DTYPES, _cast
 
 try:  # host-side TMA descriptors (Triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
@@ -57,7 +57,6 @@ except ImportError:  # pragma: no cover - older Triton: pointer loads only
 __all__ = ["MUON_COEFFICIENTS", "POLAR_EXPRESS_COEFFICIENTS", "newton_schulz", "newton_schulz_launch", "schedule"]
 
 SUPPORTED_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 COMPUTE_DTYPES = (torch.bfloat16, torch.float32)
 """Operand dtypes of the products (and of the result); fp32 multiplies in true fp32 (``input_precision="ieee"``)."""
 
@@ -347,7 +346,7 @@ def pick_configs(m: int, n: int, batch: int, dtype: torch.dtype, device: torch.d
 
     The interpreter takes the smallest tiles ``tl.dot`` allows there (16; Gram tiles two blocks wide), so small test
     matrices still span several tiles, partial ones included. On a GPU, the best of sweeps on an H100 (Triton 3.6,
-    ``scripts/ns-sweep.py``) once a launch has about a wave of tiles: Gram 128 x 128 (4 warps, 3 stages),
+    ``benchmarks/ns-sweep.py``) once a launch has about a wave of tiles: Gram 128 x 128 (4 warps, 3 stages),
     ``B' X`` 128 x 256 (8 warps, 3 stages, groups of 16 row blocks), 778 TFLOP/s at 4096^2 (cuBLAS: 747), where TMA
     loads and a persistent grid measured no faster. Where the k loops are short (m <= 2048) and there are several
     waves of tiles (a batch, as Muon's same-shape matrices are), the per-tile epilogue weighs more: TMA loads and a
@@ -421,7 +420,7 @@ def newton_schulz_launch(
     so = out.stride()
     out_strides = (so[0], so[2], so[1]) if tall else so
     syrk, poly = configs or pick_configs(m, n, batch, dtype, x.device)
-    tl_dtype = _TL_DTYPES[dtype]
+    tl_dtype = TL_DTYPES[dtype]
     precision = "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for bf16 operands
 
     numel = m * n

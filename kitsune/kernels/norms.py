@@ -27,13 +27,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kitsune.kernels.common import _cast, _max_keep_nan, _reduce
+from kitsune.kernels.common import TL_DTYPES, _cast, _max_keep_nan, _program_block, _ptr, _reduce
 from kitsune.kernels.multi_tensor import DEAD, TensorTables
 
 _CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 """Per-tensor dtype codes: one launch reads tensors of several dtypes."""
 SUPPORTED_DTYPES = tuple(_CODES)
-_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 _DATA_PTR = torch.Tensor.data_ptr
 _NUMEL = torch.Tensor.numel
 _IS_CONTIGUOUS = torch.Tensor.is_contiguous
@@ -41,7 +40,7 @@ _DTYPE = attrgetter("dtype")
 _DEVICE = attrgetter("device")
 NORM_BLOCK = 8192
 """Elements per program, read ``NORM_TILE`` at a time: each program ends with a counter atomic (a memory fence), so
-fewer, longer programs spend less of the launch there. On an H100 (``scripts/norm-sweep.py``, GPT-2 124M grads in
+fewer, longer programs spend less of the launch there. On an H100 (``benchmarks/norm-sweep.py``, GPT-2 124M grads in
 fp32, unscaled by a loss scale): 0.21 ms a launch against 0.31 ms with one 4096-element tile a program."""
 NORM_TILE = 2048
 """Elements a program holds in registers at a time; 4096-element tiles in 8192-element blocks ran slower."""
@@ -53,11 +52,11 @@ REDUCE_BLOCK = 1024
 def _load_f32(addr, offs, mask, code):
     """Elements ``offs`` of the tensor at ``addr`` (dtype code ``code``) as fp32, 0 where masked."""
     if code == 0:
-        x = tl.load(addr.to(tl.pointer_type(tl.float32)) + offs, mask=mask, other=0.0)
+        x = tl.load(_ptr(addr, offs, tl.float32), mask=mask, other=0.0)
     elif code == 1:
-        x = tl.load(addr.to(tl.pointer_type(tl.bfloat16)) + offs, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(_ptr(addr, offs, tl.bfloat16), mask=mask, other=0.0).to(tl.float32)
     else:
-        x = tl.load(addr.to(tl.pointer_type(tl.float16)) + offs, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(_ptr(addr, offs, tl.float16), mask=mask, other=0.0).to(tl.float32)
     return x
 
 
@@ -65,11 +64,11 @@ def _load_f32(addr, offs, mask, code):
 def _store_f32(addr, offs, mask, code, x, RNE_BF16: tl.constexpr):
     """Store fp32 ``x`` into the tensor at ``addr``, rounded to its dtype (code ``code``)."""
     if code == 0:
-        tl.store(addr.to(tl.pointer_type(tl.float32)) + offs, x, mask=mask)
+        tl.store(_ptr(addr, offs, tl.float32), x, mask=mask)
     elif code == 1:
-        tl.store(addr.to(tl.pointer_type(tl.bfloat16)) + offs, _cast(x, tl.bfloat16, RNE_BF16), mask=mask)
+        tl.store(_ptr(addr, offs, tl.bfloat16), _cast(x, tl.bfloat16, RNE_BF16), mask=mask)
     else:
-        tl.store(addr.to(tl.pointer_type(tl.float16)) + offs, x.to(tl.float16), mask=mask)
+        tl.store(_ptr(addr, offs, tl.float16), x.to(tl.float16), mask=mask)
 
 
 @triton.jit
@@ -106,12 +105,8 @@ def _norm_kernel(
     TILE: tl.constexpr,
     RBLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    t = tl.load(block_tensor + pid)
-    addr = tl.load(addr_tab + t)
+    pid, t, start, n, addr = _program_block(block_tensor, block_start, numel_tab, addr_tab)
     code = tl.load(code_tab + t)
-    start = tl.load(block_start + pid)
-    n = tl.where(addr != -1, tl.load(numel_tab + t), 0)
     scale = 1.0
     if HAS_SCALE:
         scale = tl.load(scale_ptr)
@@ -183,18 +178,14 @@ def _clip_kernel(
     BLOCK: tl.constexpr,
     TILE: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    pid, t, start, n, addr = _program_block(block_tensor, block_start, numel_tab, addr_tab)
+    code = tl.load(code_tab + t)
     norm = tl.load(total)
     if pid == 0:
         tl.store(out, _cast(norm, OUT_DTYPE, RNE_BF16))
     # torch: clamp(max_norm / (norm + 1e-6), max=1), where a float divided by a tensor is reciprocal() * max_norm
     coef = tl.math.div_rn(1.0, norm + 1e-6) * max_norm
     coef = tl.where(coef > 1.0, 1.0, coef)  # a nan coefficient stays nan, as with torch.clamp
-    t = tl.load(block_tensor + pid)
-    addr = tl.load(addr_tab + t)
-    code = tl.load(code_tab + t)
-    start = tl.load(block_start + pid)
-    n = tl.where(addr != -1, tl.load(numel_tab + t), 0)
     for i in tl.static_range(BLOCK // TILE):
         if start + i * TILE < n:
             offs = start + i * TILE + tl.arange(0, TILE).to(tl.int64)
@@ -406,7 +397,7 @@ class MultiTensorNorm:
         The coefficient is computed in fp32 as torch computes it for fp32 grads; each value is multiplied in fp32
         and rounded once to its tensor's dtype.
         """
-        if out.dtype not in _TL_DTYPES or out.numel() != 1 or out.device != self.device:
+        if out.dtype not in TL_DTYPES or out.numel() != 1 or out.device != self.device:
             raise ValueError(f"out must be one {SUPPORTED_DTYPES} value on {self.device}, got {out.dtype}")
         tables = self.tables
         if not tables.has_role("x"):
@@ -424,7 +415,7 @@ class MultiTensorNorm:
                 self.total,
                 out,
                 float(max_norm),
-                OUT_DTYPE=_TL_DTYPES[out.dtype],
+                OUT_DTYPE=TL_DTYPES[out.dtype],
                 RNE_BF16=INTERPRETED,
                 BLOCK=tables.block,
                 TILE=self.tile,

@@ -22,17 +22,29 @@ import torch
 import triton
 import triton.language as tl
 
-from kitsune.kernels.common import _cast, _reduce
+from kitsune.kernels.common import (
+    ADAPT,
+    B1,
+    B2,
+    EPS,
+    EXTRA,
+    LR,
+    TL_DTYPES,
+    TRUST_A,
+    WD,
+    _cast,
+    _hyper_row,
+    _lerp,
+    _program_block,
+    _ptr,
+    _reduce,
+    _role_ptr,
+    _update_masks,
+)
 from kitsune.kernels.multi_tensor import TensorTables
 from kitsune.kernels.spec import NUM_FIELDS, Trust, UpdateSpec
 
-_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-SUPPORTED_DTYPES = tuple(_TL_DTYPES)
-
-
-@triton.jit
-def _lerp(a, b, w):
-    return a + w * (b - a)  # torch's lerp for weight < 0.5 (all the betas optimizers use)
+SUPPORTED_DTYPES = tuple(TL_DTYPES)
 
 
 @triton.jit
@@ -80,42 +92,30 @@ def _update_kernel(
     TRUST: tl.constexpr,  # 0: none, 1: LARS, 2: LAMB stage 1 (moments, ||update||), 3: LAMB stage 2 (params)
     RBLOCK: tl.constexpr,
     RNE_BF16: tl.constexpr,
-    NUM_FIELDS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    t = tl.load(block_tensor + pid)
-    start = tl.load(block_start + pid)
-    g_addr = tl.load(grad_tab + t)
-    numel = tl.load(numel_tab + t)
-    has_grad = g_addr != -1  # -1: grad is None this step, skip like torch (no state change, no step)
-    live = has_grad
-    if HAS_FOUND_INF:  # inf/nan grads this step: nothing changes, not even the step count (GradScaler's skip)
-        live = live & (tl.load(found_inf) == 0.0)
-    offs = start + tl.arange(0, BLOCK).to(tl.int64)
-    mask = offs < tl.where(live, numel, 0)
-    gmask = offs < tl.where(has_grad, numel, 0)  # the grads are unscaled or zeroed even on a skipped step
-
-    row = hyper + tl.load(group_tab + t).to(tl.int64) * NUM_FIELDS
-    lr = tl.load(row + 0)
-    b1 = tl.load(row + 1)
-    b2 = tl.load(row + 2)
-    eps = tl.load(row + 3).to(tl.float32)
-    wd = tl.load(row + 4)
-    extra = tl.load(row + 5)
-    trust_a = tl.load(row + 6)
-    adapt = tl.load(row + 7) != 0.0
+    pid, t, start, numel, g_addr = _program_block(block_tensor, block_start, numel_tab, grad_tab)
+    live, offs, mask, gmask = _update_masks(start, numel, g_addr, found_inf, HAS_FOUND_INF, BLOCK)
+    row = _hyper_row(hyper, group_tab, t)
+    lr = tl.load(row + LR)
+    b1 = tl.load(row + B1)
+    b2 = tl.load(row + B2)
+    eps = tl.load(row + EPS).to(tl.float32)
+    wd = tl.load(row + WD)
+    extra = tl.load(row + EXTRA)
+    trust_a = tl.load(row + TRUST_A)
+    adapt = tl.load(row + ADAPT) != 0.0
 
     step = 0.0
     if HAS_STEP:
         step_ptr = tl.load(step_tab + t).to(tl.pointer_type(tl.float32))
         step = tl.load(step_ptr, mask=live, other=0.0).to(tl.float64) + 1.0
 
-    p_ptr = tl.load(param_tab + t).to(tl.pointer_type(DTYPE)) + offs
-    g_ptr = g_addr.to(tl.pointer_type(DTYPE)) + offs
-    s1_ptr = tl.load(s1_tab + t).to(tl.pointer_type(DTYPE)) + offs
-    s2_ptr = tl.load(s2_tab + t).to(tl.pointer_type(DTYPE)) + offs
-    s3_ptr = tl.load(s3_tab + t).to(tl.pointer_type(DTYPE)) + offs
+    p_ptr = _role_ptr(param_tab, t, offs, DTYPE)
+    g_ptr = _ptr(g_addr, offs, DTYPE)
+    s1_ptr = _role_ptr(s1_tab, t, offs, DTYPE)
+    s2_ptr = _role_ptr(s2_tab, t, offs, DTYPE)
+    s3_ptr = _role_ptr(s3_tab, t, offs, DTYPE)
     p = tl.load(p_ptr, mask=mask, other=0.0).to(tl.float32)
     coef = 1.0
     if TRUST != 3:  # LAMB's stage 2 reads no grad: stage 1 has stored the moments
@@ -290,7 +290,7 @@ def multi_tensor_update(
     of a norm pass over ``n_norm`` grads followed by the ``n_norm`` params in the same order; this launch's tensors
     start at ``norm_offset``. LAMB runs two launches (see :class:`~kitsune.kernels.spec.Trust`).
     """
-    if dtype not in _TL_DTYPES:
+    if dtype not in TL_DTYPES:
         raise ValueError(f"multi_tensor_update supports {SUPPORTED_DTYPES}, got {dtype}")
     if hyper.dtype != torch.float64 or hyper.dim() != 2 or hyper.shape[1] != NUM_FIELDS:
         raise ValueError(
@@ -366,7 +366,7 @@ def _launch(
         partials,
         update_norm,
         ALGO=int(spec.algo),
-        DTYPE=_TL_DTYPES[dtype],
+        DTYPE=TL_DTYPES[dtype],
         MAXIMIZE=spec.maximize,
         DECOUPLED=spec.decoupled_wd,
         AMSGRAD=spec.amsgrad,
@@ -381,7 +381,6 @@ def _launch(
         TRUST=stage,
         RBLOCK=1024,
         RNE_BF16=_INTERPRETED,
-        NUM_FIELDS=NUM_FIELDS,
         BLOCK=tables.block,
         num_warps=num_warps,
     )

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kitsune.kernels import DEAD, NUM_FIELDS, Algo, TensorTables, UpdateSpec, block_map, multi_tensor_update
+from kitsune.kernels.spec import B1, B2, EPS, LR
 
 
 def test_block_map_odd_sizes():
@@ -41,7 +42,7 @@ def _sgd_launch(params, grads, bufs, steps, device, lr=0.5, momentum=0.9, block=
     tables.set_role("state1", [b.data_ptr() for b in bufs])
     tables.set_role("step", [s.data_ptr() for s in steps])
     hyper = torch.zeros(1, NUM_FIELDS, dtype=torch.float64, device=device)
-    hyper[0, 0], hyper[0, 1] = lr, momentum
+    hyper[0, LR], hyper[0, B1] = lr, momentum
     multi_tensor_update(tables, hyper, UpdateSpec(Algo.SGD, momentum=True), params[0].dtype)
     return tables
 
@@ -65,6 +66,21 @@ def test_dead_and_empty_tensors_and_step_counts(device):
     _sgd_launch(params, grads, bufs, steps, device)  # second step: momentum applies
     assert [s.item() for s in steps] == [2.0, 2.0, 2.0, 0.0]
     torch.testing.assert_close(bufs[2], grads[2] * 1.9)
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")  # the interpreter's log2(beta1 = 0) = -inf
+def test_adam_moment_lerps_like_torch_at_weight_one(device):
+    """beta1 = 0: torch's ``exp_avg.lerp_(grad, 1)`` is the grad exactly, which ``a + w * (b - a)`` may miss."""
+    gen = torch.Generator().manual_seed(0)
+    p, g, m = (torch.randn(257, generator=gen).to(device) for _ in range(3))
+    v, step = torch.ones(257, device=device), torch.zeros((), device=device)
+    tables = TensorTables(device, [257], [0], block=64)
+    for role, t in (("param", p), ("grad", g), ("state1", m), ("state2", v), ("step", step)):
+        tables.set_role(role, [t.data_ptr()])
+    hyper = torch.zeros(1, NUM_FIELDS, dtype=torch.float64, device=device)
+    hyper[0, LR], hyper[0, B1], hyper[0, B2], hyper[0, EPS] = 1e-3, 0.0, 0.999, 1e-8
+    multi_tensor_update(tables, hyper, UpdateSpec(Algo.ADAM), torch.float32)
+    assert torch.equal(m, g)
 
 
 def test_launch_checks_its_inputs():
