@@ -58,13 +58,15 @@ else
 fi
 echo "cuda tests exit code: $tests_rc"
 
-# the CPU-interpreter suites of the kernels and the fusion subsystem, on the GPU (their `device` fixture is CUDA
-# here): the same trajectories through the compiled kernels (test_live_compare checks the CPU profiler's windows).
+# the CPU-interpreter suites of the kernels and the fused executor (fusion, graphs, memory, streams), on the GPU (their
+# `device` fixture is CUDA here): the same trajectories through the compiled kernels (test_live_compare checks the CPU
+# profiler's windows).
 # About 90 s once Triton's cache holds the kernels; compiling them all on a fresh machine with a slow host took
 # over 300 s, so after the CUDA tests (which compile some) this stage may need a call of its own (STAGES=suites)
 gpu_suites_rc=0
 if stage suites && python3 -c "import pytest" 2>/dev/null; then
-    timeout 420 python3 -m pytest -q tests/kernels tests/fusion tests/optim --ignore tests/fusion/test_live_compare.py 2>&1 | tee "$OUT/gpu-suites.log" \
+    timeout 420 python3 -m pytest -q tests/kernels tests/fusion tests/graphs tests/memory tests/streams tests/optim \
+        --ignore tests/fusion/test_live_compare.py 2>&1 | tee "$OUT/gpu-suites.log" \
         || gpu_suites_rc=$?
 fi
 

@@ -2,8 +2,9 @@
 
 Without a GPU, the Triton kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1), as in CI. Triton picks
 interpreter or compiler when a kernel is decorated, so the kernels are imported here with the switch on and the
-environment is then restored: tests outside tests/kernels and tests/fusion (the CPU bit-identical promise) see the
-environment they expect, and the planner sends CPU params to the fused kernels only inside those folders.
+environment is then restored: tests outside the folders of the kernels and the fused executor (kernels, fusion,
+graphs, memory, streams; elsewhere the CPU bit-identical promise holds) see the environment they expect, and the
+planner sends CPU params to the fused kernels only inside those folders.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 CPU_ONLY = not torch.cuda.is_available()
-INTERPRETED_DIRS = {"kernels", "fusion"}
+INTERPRETED_DIRS = {"kernels", "fusion", "graphs", "memory", "streams"}
 
 if CPU_ONLY:
     _saved = os.environ.get("TRITON_INTERPRET")

@@ -7,15 +7,11 @@ inside the ranks (TRITON_INTERPRET=1), so the fused path is what is checked, not
 
 from __future__ import annotations
 
-import os
-import socket
 import sys
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from ranks import run_ranks
 
 STEPS = 6
 FEATURES = {
@@ -23,12 +19,6 @@ FEATURES = {
     "fused_clip_zero": {"enable_fusion": True, "max_grad_norm": 0.5, "zero_in_step": True},
     "fused_bf16_profile": {"enable_fusion": True, "amp": "bf16", "profile": True, "max_grad_norm": 1.0},
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model() -> torch.nn.Module:
@@ -61,41 +51,28 @@ def _train(model, opt, batches, rank: int, world: int) -> None:
         opt.zero_grad()
 
 
-def _rank(rank: int, world: int, port: int, features: dict, out: str) -> None:
-    os.environ["TRITON_INTERPRET"] = "1"  # before kitsune's kernels are imported in this process
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+def _features(rank: int, world: int) -> dict:
+    """Every feature set, trained on this rank's half of each batch under DDP."""
+    out = {}
+    for name, features in FEATURES.items():
         model = torch.nn.parallel.DistributedDataParallel(_model())
         opt = _optimizer(model.parameters(), features)
         _train(model, opt, _batches(), rank, world)
         fusion = next(s for s in opt.subsystem_status() if s["name"] == "fusion")
-        torch.save(
-            {"params": [p.detach() for p in model.module.parameters()], "fused": fusion["report"]["params_fused"]},
-            Path(out) / f"rank{rank}.pt",
-        )
-    finally:
-        dist.destroy_process_group()
+        params = [p.detach() for p in model.module.parameters()]
+        out[name] = {"params": params, "fused": fusion["report"]["params_fused"]}
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained() -> list[dict]:
+    return run_ranks(_features, world=2, timeout_s=120)
 
 
 @pytest.mark.parametrize("name", list(FEATURES))
-def test_ddp_two_ranks_equal_one_process(name, monkeypatch):
+def test_ddp_two_ranks_equal_one_process(name, trained, monkeypatch):
     features = FEATURES[name]
-    with tempfile.TemporaryDirectory() as out:
-        ctx = mp.start_processes(
-            _rank, args=(2, _free_port(), features, out), nprocs=2, join=False, start_method="spawn"
-        )
-        for _ in range(240):  # a hung collective must fail the test, not the CI job
-            if ctx.join(timeout=0.5):
-                break
-        else:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("the DDP ranks did not finish within 120 s")
-        ranks = [torch.load(Path(out) / f"rank{r}.pt") for r in range(2)]
-
+    ranks = [r[name] for r in trained]
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     if "kitsune.kernels.update" not in sys.modules:
         pytest.skip("the interpreted kernels are imported by tests/conftest.py on CPU-only machines")

@@ -8,17 +8,12 @@ one spawn (spawning and importing costs more than the steps); each test then che
 
 from __future__ import annotations
 
-import gc
 import math
-import os
-import tempfile
 import traceback
-from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from test_distributed import _free_port
+from ranks import run_ranks
 
 STEPS = 5
 WORLD = 2
@@ -247,46 +242,29 @@ def _found_inf_on_one_rank(mesh, rank: int, fused: bool) -> dict:
     }
 
 
-def _rank(rank: int, port: int, out: str) -> None:
-    os.environ["TRITON_INTERPRET"] = "1"  # before kitsune's kernels are imported in this process
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    import torch.distributed as dist
+def _scenarios(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     results: dict = {}
-    try:
-        mesh = init_device_mesh("cpu", (WORLD,))
-        jobs = {name: (lambda sc=sc: _fused_training(sc, mesh, rank)) for name, sc in SCENARIOS.items()}
-        jobs["state_dict"] = lambda: _state_dict_parity(mesh, rank)
-        jobs["mixed"] = lambda: _mixed_placements(mesh, rank)
-        jobs["mesh_2d"] = lambda: _two_d_mesh(rank)
-        jobs["found_inf_fused"] = lambda: _found_inf_on_one_rank(mesh, rank, fused=True)
-        jobs["found_inf_unfused"] = lambda: _found_inf_on_one_rank(mesh, rank, fused=False)
-        for name, job in jobs.items():
-            try:
-                results[name] = job()
-            except Exception:  # the other scenarios still run; the test of this one shows the traceback
-                results[name] = {"error": traceback.format_exc()}
-            dist.barrier()
-    finally:
-        torch.save(results, Path(out) / f"rank{rank}.pt")
-        gc.collect()  # the FSDP2 modules before the process group (gloo may abort at exit otherwise)
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (world,))
+    jobs = {name: (lambda sc=sc: _fused_training(sc, mesh, rank)) for name, sc in SCENARIOS.items()}
+    jobs["state_dict"] = lambda: _state_dict_parity(mesh, rank)
+    jobs["mixed"] = lambda: _mixed_placements(mesh, rank)
+    jobs["mesh_2d"] = lambda: _two_d_mesh(rank)
+    jobs["found_inf_fused"] = lambda: _found_inf_on_one_rank(mesh, rank, fused=True)
+    jobs["found_inf_unfused"] = lambda: _found_inf_on_one_rank(mesh, rank, fused=False)
+    for name, job in jobs.items():
+        try:
+            results[name] = job()
+        except Exception:  # the other scenarios still run; the test of this one shows the traceback
+            results[name] = {"error": traceback.format_exc()}
+        torch.distributed.barrier()
+    return results
 
 
 @pytest.fixture(scope="module")
 def ranks() -> list[dict]:
-    with tempfile.TemporaryDirectory() as out:
-        ctx = mp.start_processes(_rank, args=(_free_port(), out), nprocs=WORLD, join=False, start_method="spawn")
-        for _ in range(TIMEOUT_S * 2):  # a hung collective must fail the tests, not the CI job
-            if ctx.join(timeout=0.5):
-                break
-        else:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"the FSDP2 ranks did not finish within {TIMEOUT_S} s")
-        return [torch.load(Path(out) / f"rank{r}.pt") for r in range(WORLD)]
+    return run_ranks(_scenarios, world=WORLD, timeout_s=TIMEOUT_S)
 
 
 def _results(ranks: list[dict], name: str) -> list[dict]:

@@ -10,13 +10,10 @@ sharded).
 from __future__ import annotations
 
 import os
-import socket
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from ranks import run_ranks
 
 STEPS = 3
 MATRICES = {(16, 12): 1, (16, 16): 4, (4, 16): 1}  # per shape; padded to 2 matrices per rank
@@ -25,12 +22,6 @@ CASES = {
     "triton": {"triton": True},
     "zero1": {"triton": False, "zero": True},
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model() -> torch.nn.Module:
@@ -101,34 +92,13 @@ def _run_case(case: dict) -> dict:
     }
 
 
-def _rank(rank: int, world: int, port: int, out: str) -> None:
-    os.environ["TRITON_INTERPRET"] = "1"  # kitsune's kernels are interpreted in this process, whatever a case sets
-    import kitsune.kernels.newton_schulz  # noqa: F401
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        results = {name: _run_case(case) for name, case in CASES.items()}
-        torch.save(results, Path(out) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+def _cases(rank: int, world: int) -> dict:
+    return {name: _run_case(case) for name, case in CASES.items()}
 
 
 @pytest.fixture(scope="module")
 def ranks() -> list[dict]:
-    with tempfile.TemporaryDirectory() as out:
-        ctx = mp.start_processes(_rank, args=(2, _free_port(), out), nprocs=2, join=False, start_method="spawn")
-        for _ in range(240):  # a hung collective must fail the tests, not the CI job
-            if ctx.join(timeout=0.5):
-                break
-        else:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("the distributed Muon ranks did not finish within 120 s")
-        return [torch.load(Path(out) / f"rank{r}.pt") for r in range(2)]
+    return run_ranks(_cases, world=2, timeout_s=120)
 
 
 @pytest.mark.parametrize("name", list(CASES))

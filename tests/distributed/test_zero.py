@@ -11,13 +11,10 @@ are saved, the tests below read them); cases that name ``fused`` run the fused k
 from __future__ import annotations
 
 import os
-import socket
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from ranks import run_ranks
 
 STEPS = 4
 BUCKET_BYTES = 1024  # several buckets even for this small model, so some reduce during backward
@@ -39,12 +36,6 @@ CASES = {
 }
 OVERFLOW_STEP = 2
 MOVE_STEP = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model() -> torch.nn.Module:
@@ -163,35 +154,13 @@ def _run_case(name: str, case: dict, rank: int, world: int) -> dict:
     return out
 
 
-def _rank(rank: int, world: int, port: int, out: str) -> None:
-    os.environ["TRITON_INTERPRET"] = "1"  # kitsune's kernels are interpreted in this process, whatever a case sets
-    import kitsune.kernels.norms
-    import kitsune.kernels.update  # noqa: F401
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        results = {name: _run_case(name, case, rank, world) for name, case in CASES.items()}
-        torch.save(results, Path(out) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+def _cases(rank: int, world: int) -> dict:
+    return {name: _run_case(name, case, rank, world) for name, case in CASES.items()}
 
 
 @pytest.fixture(scope="module")
 def ranks() -> list[dict]:
-    with tempfile.TemporaryDirectory() as out:
-        ctx = mp.start_processes(_rank, args=(2, _free_port(), out), nprocs=2, join=False, start_method="spawn")
-        for _ in range(360):  # a hung collective must fail the tests, not the CI job
-            if ctx.join(timeout=0.5):
-                break
-        else:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("the sharded ranks did not finish within 180 s")
-        return [torch.load(Path(out) / f"rank{r}.pt") for r in range(2)]
+    return run_ranks(_cases, world=2, timeout_s=180)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from twins import assert_close_params, make_params, ptrs_equal_stand_in, random_grads
 
 from kitsune import KitsuneOptimizer
 from kitsune.fusion import units
-
-from ._util import assert_close_params, make_params, ptrs_equal_stand_in, random_grads
 
 SIZES = [(7, 3), 16, (4, 4), 5, (2, 2, 3)]
 

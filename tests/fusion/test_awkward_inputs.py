@@ -9,10 +9,9 @@ from typing import Any
 
 import pytest
 import torch
+from twins import make_params, random_grads
 
 from kitsune import AMPConfig, KitsuneOptimizer
-
-from ._util import make_params, random_grads
 
 FP16 = {"enable_amp": True, "amp_config": AMPConfig(dtype=torch.float16, init_scale=2.0**10)}
 

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from streams.test_step_in_backward import run, twins
 
 from kitsune import KitsuneOptimizer
 from kitsune.config import FusionConfig, GradConfig, KitsuneConfig, StreamConfig
-
-from .test_step_in_backward import run, twins
 
 MAX_NORM = 0.5
 

@@ -7,11 +7,10 @@ import math
 
 import pytest
 import torch
+from twins import make_params, random_grads
 
 from kitsune import KitsuneOptimizer
 from kitsune.optim import LARS, Lion
-
-from ._util import make_params, random_grads
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy, interpreted
 

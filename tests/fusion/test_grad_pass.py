@@ -9,10 +9,9 @@ import pytest
 import torch
 from helpers import batches, small_model
 from torch import nn
+from twins import make_params, random_grads
 
 from kitsune import AMPConfig, GradConfig, KitsuneOptimizer
-
-from ._util import make_params, random_grads
 
 SIZES = [(7, 5), 33, 1, (4, 4097 // 4), 0]
 

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from twins import assert_close_params, assert_same_state, trajectory
 
 from kitsune import FusionConfig, KitsuneConfig, ProfilerConfig
-
-from ._util import assert_close_params, assert_same_state, trajectory
 
 SIZES = [(7, 3), 16, 5]
 

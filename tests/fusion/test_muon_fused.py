@@ -26,6 +26,7 @@ from io import StringIO
 import pytest
 import torch
 from rich.console import Console
+from twins import TOL, make_params, random_grads, trajectory
 
 from kitsune import FusionConfig, GradConfig, KitsuneOptimizer, StreamConfig
 from kitsune.fusion import Route, muon_unit
@@ -33,8 +34,6 @@ from kitsune.fusion.muon_unit import matrix_shape
 from kitsune.kernels.newton_schulz import POLAR_EXPRESS_COEFFICIENTS
 from kitsune.optim import Muon
 from kitsune.optim.muon import adjust_lr
-
-from ._util import TOL, make_params, random_grads, trajectory
 
 if not hasattr(torch.optim, "Muon"):  # torch < 2.9
     pytest.skip("torch.optim.Muon needs torch >= 2.9", allow_module_level=True)

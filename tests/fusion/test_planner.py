@@ -8,14 +8,13 @@ import logging
 import pytest
 import torch
 from rich.console import Console
+from twins import assert_close_params, make_params, random_grads, trajectory
 
 import kitsune.fusion.planner as fusion_planner
 from kitsune import FusionConfig, KitsuneOptimizer
 from kitsune.fusion import Route
 from kitsune.optim import Lion
 from kitsune.subsystem import StepState
-
-from ._util import assert_close_params, make_params, random_grads, trajectory
 
 SIZES = [(4, 3), 5, 1]
 

@@ -16,11 +16,10 @@ from typing import Any
 import pytest
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from twins import make_params, random_grads, record_graphs
 
 from kitsune import AMPConfig, GradConfig, KitsuneOptimizer, StreamConfig
 from kitsune.optim import LAMB, Lion, Muon
-
-from ._util import make_params, random_grads, record_graphs
 
 
 def _snapshot(opt: torch.optim.Optimizer) -> dict[str, Any]:

@@ -6,11 +6,10 @@ import copy
 
 import pytest
 import torch
+from twins import assert_close_params, assert_same_state, make_params, random_grads
 
 from kitsune import KitsuneOptimizer
 from kitsune.optim import Lion
-
-from ._util import assert_close_params, assert_same_state, make_params, random_grads
 
 SIZES = [(4, 3), 5, 1]
 MAKERS = {

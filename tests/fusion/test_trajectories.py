@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from twins import assert_close_params, assert_same_state, trajectory
 
 from kitsune.fusion import Route
 from kitsune.optim import Lion
-
-from ._util import assert_close_params, assert_same_state, trajectory
 
 SIZES = [(7, 3), 16, 5, 1]  # one block each: the interpreter's cost is per block
 
@@ -148,7 +147,7 @@ def test_lr_schedules(device):
     assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in ref.param_groups]
 
     # OneCycleLR mid-run on the already-trained optimizers (it writes lr and betas / momentum every step)
-    from ._util import random_grads
+    from twins import random_grads
 
     for make in (CASES["adamw"], CASES["sgd_momentum_dampening_wd"]):
         runs = []
@@ -180,7 +179,7 @@ def test_switch_change_mid_run_replans(device):
     ref_params, ref = trajectory(CASES["sgd"], SIZES, torch.float32, device, steps=2)
     for o in (opt, ref):
         o.param_groups[0]["momentum"] = 0.9
-    from ._util import random_grads
+    from twins import random_grads
 
     for step in range(2, 8):
         for ps in (params, ref_params):

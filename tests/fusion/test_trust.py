@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from twins import assert_close_params, assert_same_state, make_params, random_grads, trajectory
 
 from kitsune import AMPConfig, KitsuneOptimizer
 from kitsune.fusion import Route
 from kitsune.optim import LAMB, LARS
-
-from ._util import assert_close_params, assert_same_state, make_params, random_grads, trajectory
 
 SIZES = [(7, 3), 16, 5, 1, 0]
 

@@ -10,10 +10,9 @@ from typing import Any
 
 import pytest
 import torch
+from twins import make_params, ptrs_equal_stand_in, random_grads
 
 from kitsune import KitsuneOptimizer
-
-from ._util import make_params, ptrs_equal_stand_in, random_grads
 
 SIZES = [(7, 3), 16, 5]
 
@@ -343,9 +342,9 @@ def test_a_storage_that_sends_a_param_to_another_route_changes_how_the_grads_are
     step used to find the move only after deciding that, and clipped the fused params alone from then on: off by
     0.1 after one step). Against torch's AdamW with clip_grad_norm_, 12 steps; the graph path (a recording stand-in
     for CUDA graphs) must say why it stopped capturing."""
-    from kitsune.fusion import units
+    from twins import record_graphs
 
-    from ._util import record_graphs
+    from kitsune.fusion import units
 
     if path == "eager_cpp_check":  # the units' fast address check (torch's C++ one on CUDA builds)
         monkeypatch.setattr(units, "_PTRS_EQUAL", units._PTRS_EQUAL or ptrs_equal_stand_in)

@@ -8,12 +8,11 @@ import copy
 
 import pytest
 import torch
+from twins import RecordingBackend, make_params, ptrs_equal_stand_in, random_grads, record_graphs
 
 from kitsune import AMPConfig, FusionConfig, GradConfig, GraphConfig, KitsuneConfig, KitsuneOptimizer
 from kitsune.fusion import units
 from kitsune.optim import Muon
-
-from ._util import RecordingBackend, make_params, ptrs_equal_stand_in, random_grads, record_graphs
 
 SIZES = [(7, 3), 16, 5, 1]
 

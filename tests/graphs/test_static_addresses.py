@@ -1,17 +1,13 @@
 """``GraphConfig(static_addresses=True)``: the units watch their grads and their params' storages through weak
 references instead of checking every address each step. Every change that frees a watched tensor must send the
 next step through the full check, and every step must stay torch's. On the CPU the graph is the recording
-stand-in (tests/fusion/_util.py); real captures: tests/fusion/test_cuda.py."""
+stand-in (tests/twins.py); real captures: tests/fusion/test_cuda.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-
-from kitsune import GradConfig, GraphConfig, KitsuneConfig, KitsuneOptimizer, MemoryConfig
-from kitsune.fusion import units
-
-from ._util import (
+from twins import (
     assert_close_params,
     grads_in_place,
     graphed_twins,
@@ -20,6 +16,9 @@ from ._util import (
     record_graphs,
     structural_change,
 )
+
+from kitsune import GradConfig, GraphConfig, KitsuneConfig, KitsuneOptimizer, MemoryConfig
+from kitsune.fusion import units
 
 SIZES = [(7, 3), 16, (4, 5), 9]
 

@@ -2,17 +2,13 @@
 it after a few checks (the groups and their values, every grad and param where the last step found them, no
 GradScaler) without the step's full host path. On the CPU the graph is the recording stand-in and torch's C++
 address check a Python stand-in; every change that must leave the steady replay is made here, and every step is
-compared with torch's own optimizer. Float16 AMP with zeroing in the step through it: tests/fusion/test_graphs.py."""
+compared with torch's own optimizer. Float16 AMP with zeroing in the step through it: tests/graphs/test_graphs.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-
-from kitsune import FusionConfig, GraphConfig, KitsuneConfig, KitsuneOptimizer
-from kitsune.fusion import units
-
-from ._util import (
+from twins import (
     assert_close_params,
     grads_in_place,
     graphed_twins,
@@ -21,6 +17,9 @@ from ._util import (
     record_graphs,
     structural_change,
 )
+
+from kitsune import FusionConfig, GraphConfig, KitsuneConfig, KitsuneOptimizer
+from kitsune.fusion import units
 
 SIZES = [(7, 3), 16, (4, 5), 9]
 

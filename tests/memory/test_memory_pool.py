@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from twins import TOL, make_params, random_grads, trajectory
 
 from kitsune import KitsuneOptimizer
 from kitsune.config import FusionConfig, KitsuneConfig, MemoryConfig
-
-from ._util import TOL, make_params, random_grads, trajectory
 
 SIZES = [7, (5, 3), 1, 300, (4, 4, 2)]
 

@@ -117,7 +117,7 @@ def test_profile_without_profiling_has_no_timings(tmp_path):
 def test_profile_json_schema_is_published():
     schema = Profile.model_json_schema()
     assert {"schema_version", "environment", "config", "subsystems", "steps"} <= set(schema["properties"])
-    published = Path(__file__).resolve().parent.parent / "docs" / "profile-schema.json"
+    published = Path(__file__).resolve().parents[2] / "docs" / "profile-schema.json"
     expected = json.dumps(schema, indent=2, sort_keys=True) + "\n"
     assert published.read_text() == expected, "docs/profile-schema.json is stale: regenerate it (see docs/profiler.md)"
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from twins import RecordingBackend
 
 from kitsune import KitsuneOptimizer
 from kitsune.config import FusionConfig, KitsuneConfig, StreamConfig
-
-from ._util import RecordingBackend
 
 
 class Net(nn.Module):

@@ -1,0 +1,71 @@
+"""The multi-rank harness: a job run on several gloo ranks, each a spawned process, each rank's results returned.
+
+Every rank interprets kitsune's kernels on the CPU (as CI does), uses one thread, and saves what the job returns; a
+job that raises on a rank fails the test with that rank's traceback, and ranks that hang (a collective one rank
+never joined) fail it after ``timeout_s`` instead of the CI job.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import socket
+import tempfile
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+Job = Callable[[int, int], dict[str, Any]]
+"""``job(rank, world)``: a module-level function (the spawned processes import it by name)."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, out: str, job: Job) -> None:
+    os.environ["TRITON_INTERPRET"] = "1"  # before kitsune's kernels are imported in this process
+    import kitsune.kernels.newton_schulz
+    import kitsune.kernels.norms
+    import kitsune.kernels.update  # noqa: F401
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        results: dict[str, Any] = job(rank, world)
+    except Exception:
+        results = {"__error__": traceback.format_exc()}
+    finally:
+        gc.collect()  # FSDP2 modules before the process group (gloo may abort at exit otherwise)
+        dist.destroy_process_group()
+    torch.save(results, Path(out) / f"rank{rank}.pt")
+
+
+def run_ranks(job: Job, world: int = 2, timeout_s: int = 120) -> list[dict[str, Any]]:
+    """Run ``job`` on ``world`` ranks; return each rank's results, in rank order."""
+    with tempfile.TemporaryDirectory() as out:
+        ctx = mp.start_processes(
+            _entry, args=(world, free_port(), out, job), nprocs=world, join=False, start_method="spawn"
+        )
+        for _ in range(timeout_s * 2):
+            if ctx.join(timeout=0.5):
+                break
+        else:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"{job.__module__}.{job.__name__}: the {world} ranks did not finish within {timeout_s} s")
+        results = [torch.load(Path(out) / f"rank{r}.pt") for r in range(world)]
+    for r, res in enumerate(results):
+        if "__error__" in res:
+            pytest.fail(f"rank {r} of {job.__module__}.{job.__name__} raised:\n{res['__error__']}")
+    return results
