@@ -22,6 +22,14 @@ from kitsune import AMPConfig, GradConfig, KitsuneOptimizer, StreamConfig
 from kitsune.optim import LAMB, Lion, Muon
 
 
+def _graphs_on(opt: KitsuneOptimizer, device: torch.device) -> None:
+    """CUDA graphs for ``opt``'s step: real ones on a GPU, the recording stand-in on the CPU."""
+    if device.type == "cuda":
+        assert opt._subsystem("graphs").active, opt._subsystem("graphs").reason
+    else:
+        record_graphs(opt)
+
+
 def _snapshot(opt: torch.optim.Optimizer) -> dict[str, Any]:
     """Every param, grad and state value of ``opt`` (copies), and its step count."""
     params = [p for g in opt.param_groups for p in g["params"]]
@@ -99,9 +107,9 @@ def test_a_step_refused_by_the_wrapped_step_changes_nothing(warm, device):
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 def test_a_step_whose_pre_hook_raises_changes_nothing(where, graphs, device):
     params = make_params([(4, 3), 5], torch.float32, device)
-    opt = KitsuneOptimizer(torch.optim.AdamW(params, lr=0.1), enable_fusion=True)
+    opt = KitsuneOptimizer(torch.optim.AdamW(params, lr=0.1), enable_fusion=True, capture_graph=graphs)
     if graphs:
-        record_graphs(opt)
+        _graphs_on(opt, device)
     fail = [False]
 
     def hook(*_: Any) -> None:
@@ -139,9 +147,9 @@ def test_a_wrapped_optimizers_pre_hook_runs_before_the_update(graphs, device):
     """SGD with lr 1 from p = 0 with grad 1 and a pre-hook (on the wrapped optimizer) halving the grads: p is -0.5,
     as torch gives, step after step (the steady replay included)."""
     p = torch.nn.Parameter(torch.zeros(4, device=device))
-    opt = KitsuneOptimizer(torch.optim.SGD([p], lr=1.0), enable_fusion=True)
+    opt = KitsuneOptimizer(torch.optim.SGD([p], lr=1.0), enable_fusion=True, capture_graph=graphs)
     if graphs:
-        record_graphs(opt)
+        _graphs_on(opt, device)
     opt.base_optimizer.register_step_pre_hook(lambda o, *_: [q.grad.mul_(0.5) for q in o.param_groups[0]["params"]])
     for step in range(8):
         p.grad = torch.ones_like(p)
@@ -154,9 +162,9 @@ def test_a_wrapped_optimizers_pre_hook_runs_before_the_update(graphs, device):
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 def test_hooks_run_in_torchs_order_around_the_update(graphs, device):
     params = make_params([3, (2, 2)], torch.float32, device)
-    opt = KitsuneOptimizer(torch.optim.AdamW(params, lr=0.1), enable_fusion=True)
+    opt = KitsuneOptimizer(torch.optim.AdamW(params, lr=0.1), enable_fusion=True, capture_graph=graphs)
     if graphs:
-        record_graphs(opt)
+        _graphs_on(opt, device)
     seen: list[tuple[str, bool]] = []
     start: list[torch.Tensor] = []
 
@@ -421,6 +429,31 @@ def test_del_frees_the_optimizer_and_its_state_without_the_cycle_collector(kw, d
     try:
         del opt
         assert all(r() is None for r in refs)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@pytest.mark.cuda
+def test_del_gives_the_gpu_memory_back():
+    """The optimizer's state, its arena, its CUDA graph and its buffers go when the last reference does."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, 1024).cuda()
+    opt = KitsuneOptimizer(torch.optim.AdamW(model.parameters(), lr=0.1), enable_fusion=True, max_grad_norm=1.0)
+    for _ in range(8):  # past warm-up: the step is a captured graph replayed
+        model(torch.randn(4, 1024, device="cuda")).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert opt._subsystem("graphs").report()["replays"] > 0
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated()
+    state_bytes = sum(p.numel() * p.element_size() * 2 for p in model.parameters())  # exp_avg, exp_avg_sq
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        del opt
+        torch.cuda.synchronize()
+        assert held - torch.cuda.memory_allocated() >= state_bytes
     finally:
         if enabled:
             gc.enable()
