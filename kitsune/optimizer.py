@@ -275,19 +275,24 @@ class KitsuneOptimizer(torch.optim.Optimizer):
     step.hooked = True  # type: ignore[attr-defined]  # torch's hook runner leaves it alone: it runs them itself
 
     def _step(self, closure: _Closure | None = None) -> Any:
-        self._wrapped.pre_hooks()
-        s = None
-        if closure is None and self._graphs.active and "found_inf" not in self.__dict__:
-            s = self._graphs.replay_steady(self._step_count + 1, self.param_groups, self._plan_fits)
-        loss = None
-        if s is None:
-            s, loss = self._pipeline(closure)
+        s = StepState(self._step_count + 1, baseline=self._baseline_now())
+        self._profiler.start(s)  # the whole step is timed, the wrapped optimizer's hooks included
+        try:
+            self._wrapped.pre_hooks()  # before anything changes, as the wrapped optimizer's own step runs them
+            steady = closure is None and "found_inf" not in self.__dict__ and self._graphs.active
+            loss = None
+            if not (steady and self._graphs.replay_steady(s, self.param_groups, self._plan_fits)):
+                loss = self._pipeline(s, closure)
+        except BaseException:
+            self._profiler.abandon_step()
+            raise
         self._step_count = s.step
         self._grads.finish(s)
         self._wrapped.post_hooks()
+        self._profiler.stop(s)
         return loss
 
-    def _pipeline(self, closure: _Closure | None) -> tuple[StepState, Any]:
+    def _pipeline(self, s: StepState, closure: _Closure | None) -> Any:
         """plan current? -> prepare and check -> grad pass -> execute -> finish. Raises before the first param or
         state tensor changes (a pass of the grads' own may have run: see kitsune.grads)."""
         self._graphs.disarm()
@@ -301,11 +306,10 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         fusion, groups = self._fusion, self.param_groups
         if self._precheck and fusion.needs_replan():
             self._replan()  # a switch changed or a storage moved: the new plan may route params differently
-        s = StepState(self._step_count + 1, baseline=self._baseline_now(), structure_checked=self._precheck)
+        s.structure_checked = self._precheck
         found_inf = self.__dict__.get("found_inf")  # a user's GradScaler hands these over (see torch.amp)
         handoff = None if found_inf is None else (self.__dict__.get("grad_scale"), found_inf)
         executes = fusion.executes and not s.baseline  # baseline: the wrapped optimizer's step updates everything
-        self._profiler.start(s)
         try:
             self._grads.begin(s, groups, handoff)  # shard reduce, and the checks of the grads' passes
             self._streams.begin(s)  # updates inside backward: their checks, then the step waits for them
@@ -326,10 +330,9 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             if executes:
                 fusion.undo()
             self._grads.abandon(s, groups)
-            self._profiler.abandon_step()
             raise
         self._finish(s)
-        return s, loss
+        return loss
 
     def _finish(self, s: StepState) -> None:
         if self.config.amp.scales_loss:
@@ -339,7 +342,6 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         self._streams.finish()
         if self._fusion.plan_version != self._plan_version:
             self._follow_fusion()  # the fused executor re-planned inside the step (ZeRO, updates inside backward)
-        self._profiler.stop(s)
 
     def _baseline_now(self) -> bool:
         """Whether the profiler's live comparison wants the wrapped optimizer's own step for this one; moves the

@@ -203,40 +203,40 @@ class GraphSubsystem(Subsystem):
         """A step through the full path: the steady replay waits for that path to replay the graph again."""
         self._steady = None
 
-    def replay_steady(self, step: int, groups: list[dict[str, Any]], fits: Callable[[], bool]) -> StepState | None:
+    def replay_steady(self, s: StepState, groups: list[dict[str, Any]], fits: Callable[[], bool]) -> bool:
         """The steady step: the same groups (``fits()``: holding the same params), every grad and param where the
         last step found them, a scaled loss: refresh the hyperparameters if a value changed (an LR scheduler's new
-        LR), replay the graph and return the step's state. None (nothing done) sends the step through the full path,
-        which checks and refreshes everything and arms this again."""
+        LR), replay the graph and fill ``s``. False (nothing done) sends the step through the full path, which
+        checks and refreshes everything and arms this again."""
         steady, self._steady = self._steady, None
         fusion = self._fusion
         if steady is None or groups is not steady.groups or fusion.plan_version != steady.plan_version:
-            return None
+            return False
         if not fits():
-            return None  # a group's params list replaced or grown: re-plan (and the values below compare safely)
+            return False  # a group's params list replaced or grown: re-plan (and the values below compare safely)
         values = _group_values(groups)
         try:
             changed = values != steady.values
         except (RuntimeError, ValueError, TypeError):  # a value became a tensor or an array: no single truth value
-            return None
+            return False
         if changed:
             if _has_tensor(values):
-                return None  # a hyperparameter became a tensor: the full step handles it
+                return False  # a hyperparameter became a tensor: the full step handles it
             if not fusion.refresh_values(groups):
-                return None  # a switch changed (amsgrad, nesterov, ...): new kernels, through the full path
+                return False  # a switch changed (amsgrad, nesterov, ...): new kernels, through the full path
             steady.values = values
         if not fusion.unchanged():
-            return None
+            return False
         scaler = self._scaler
         if scaler is not None and not scaler.take_scaled_loss():
-            return None  # a loss not scaled by optimizer.backward: the full path says so
+            return False  # a loss not scaled by optimizer.backward: the full path says so
         self.backend.replay(self._graph)  # with float16 AMP, the scale update too
         self.replays += 1
         self.steady_replays += 1
         fusion.count_replay()
         self._steady = steady
-        found_inf, norm = self._saved
-        return StepState(step, graphed=True, found_inf=found_inf, grad_norm=norm, zeroed=list(steady.zeroed))
+        s.graphed, (s.found_inf, s.grad_norm), s.zeroed = True, self._saved, list(steady.zeroed)
+        return True
 
     def report(self) -> dict[str, Any]:
         return {
