@@ -304,9 +304,10 @@ class KitsuneOptimizer(torch.optim.Optimizer):
                 loss = closure()
             closure = None
         fusion, groups = self._fusion, self.param_groups
-        if self._precheck and fusion.needs_replan():
+        # the fused executor stands aside on the comparison's baseline steps (its step counts handed over to the host)
+        s.structure_checked = self._precheck and not s.baseline
+        if s.structure_checked and fusion.needs_replan():
             self._replan()  # a switch changed or a storage moved: the new plan may route params differently
-        s.structure_checked = self._precheck
         found_inf = self.__dict__.get("found_inf")  # a user's GradScaler hands these over (see torch.amp)
         handoff = None if found_inf is None else (self.__dict__.get("grad_scale"), found_inf)
         executes = fusion.executes and not s.baseline  # baseline: the wrapped optimizer's step updates everything
