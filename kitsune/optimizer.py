@@ -17,8 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.optim.optimizer import _global_optimizer_post_hooks as _global_post
-from torch.optim.optimizer import _global_optimizer_pre_hooks as _global_pre
 
 from kitsune import checkpoint
 from kitsune.amp import AMPSubsystem
@@ -38,6 +36,19 @@ from kitsune.subsystem import PlannedGroups, StepState, Subsystem, make_fusion, 
 from kitsune.wrapped import WrappedStep, refuse_per_evaluation_passes, run_hooked
 
 _Closure = Callable[[], Any]
+
+
+class _Shared:
+    """An attribute of the wrapped optimizer, read and written through the wrapper: one object under two names."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        return self if obj is None else getattr(obj._optimizer, self.name)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        setattr(obj._optimizer, self.name, value)
 
 
 class KitsuneOptimizer(torch.optim.Optimizer):
@@ -131,30 +142,10 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             self._profiler, self._shard, amp, pool, fusion, self._streams, self._graphs,
         ]  # fmt: skip
 
-    # -- the shared objects -------------------------------------------------------------------------------------
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self._optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self._optimizer.param_groups = value
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        return self._optimizer.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self._optimizer.state = value
-
-    @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        return self._optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, value: dict[str, Any]) -> None:
-        self._optimizer.defaults = value
+    # the wrapped optimizer's own objects, read and written through the wrapper
+    param_groups: list[dict[str, Any]] = _Shared()  # type: ignore[assignment]
+    state: Any = _Shared()
+    defaults: dict[str, Any] = _Shared()  # type: ignore[assignment]
 
     # -- public properties --------------------------------------------------------------------------------------
     @property
@@ -267,8 +258,6 @@ class KitsuneOptimizer(torch.optim.Optimizer):
     def step(self, closure: _Closure | None = None) -> Any:  # type: ignore[override]
         """One optimizer step; torch's hook order around it: global and then this optimizer's pre-hooks, the
         wrapped optimizer's pre-hooks, the update, its post-hooks, this optimizer's and then the global post-hooks."""
-        if not (self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks or _global_pre or _global_post):
-            return self._step(closure)
         pre, post = self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks
         return run_hooked(self, self._step, closure, pre, post)
 
