@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.optim.optimizer import _global_optimizer_post_hooks as _global_post
+from torch.optim.optimizer import _global_optimizer_pre_hooks as _global_pre
 
 from kitsune import checkpoint
 from kitsune.amp import AMPSubsystem
@@ -116,7 +118,6 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         self._warned_capturable_if_run_uncaptured = True
         self._step_count = 0
         self._handed_over = False
-        self._planned: PlannedGroups | None = None
         self._build(optimizer)
         self._replan()
         self._warn_requested_but_inactive()
@@ -212,7 +213,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
     # -- planning -----------------------------------------------------------------------------------------------
     def _plan_fits(self) -> bool:
         """Whether the plan still fits the groups (see :class:`kitsune.subsystem.PlannedGroups`)."""
-        return self._planned is not None and self._planned.fits(self.param_groups, self._optimizer.state)
+        return self._planned.fits(self._optimizer.param_groups, self._optimizer.state)
 
     def _replan(self) -> None:
         base, groups = self._optimizer, self.param_groups
@@ -259,13 +260,17 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         """One optimizer step; torch's hook order around it: global and then this optimizer's pre-hooks, the
         wrapped optimizer's pre-hooks, the update, its post-hooks, this optimizer's and then the global post-hooks."""
         pre, post = self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks
+        if not (pre or post or _global_pre or _global_post):
+            return self._step(closure)  # torch's hook runner costs a profiler label (about 50 us of host time)
         return run_hooked(self, self._step, closure, pre, post)
 
     step.hooked = True  # type: ignore[attr-defined]  # torch's hook runner leaves it alone: it runs them itself
 
     def _step(self, closure: _Closure | None = None) -> Any:
-        s = StepState(self._step_count + 1, baseline=self._baseline_now())
-        self._profiler.start(s)  # the whole step is timed, the wrapped optimizer's hooks included
+        profiling = self._profiler.active
+        s = StepState(self._step_count + 1, baseline=profiling and self._baseline_now())
+        if profiling:
+            self._profiler.start(s)  # the whole step is timed, the wrapped optimizer's hooks included
         try:
             self._wrapped.pre_hooks()  # before anything changes, as the wrapped optimizer's own step runs them
             steady = closure is None and "found_inf" not in self.__dict__ and self._graphs.active
@@ -278,7 +283,8 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         self._step_count = s.step
         self._grads.finish(s)
         self._wrapped.post_hooks()
-        self._profiler.stop(s)
+        if profiling:
+            self._profiler.stop(s)
         return loss
 
     def _pipeline(self, s: StepState, closure: _Closure | None) -> Any:
@@ -336,8 +342,6 @@ class KitsuneOptimizer(torch.optim.Optimizer):
     def _baseline_now(self) -> bool:
         """Whether the profiler's live comparison wants the wrapped optimizer's own step for this one; moves the
         fused executor's step counts to where that step keeps them when a baseline stretch begins or ends."""
-        if not self._profiler.active:
-            return False
         # with updates inside backward there is no step of kitsune's to time against the wrapped optimizer's
         baseline = self._profiler.wants_baseline(self._executes and not self._streams.in_backward)
         if baseline != self._handed_over and self._fusion.executes:

@@ -16,7 +16,8 @@ A subsystem that cannot run here (no CUDA, no Triton, switched off) stays in the
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from operator import is_
 from typing import Any, Protocol
 
@@ -31,7 +32,7 @@ class PhaseMarks(Protocol):
     def mark(self, name: str) -> None: ...
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class StepState:
     """What one call of ``KitsuneOptimizer.step`` carries from stage to stage (one object per step)."""
 
@@ -46,8 +47,6 @@ class StepState:
     # -- the grad pass (kitsune.grads) decides and fills these ------------------------------------------------------
     fused_grads: bool = False
     """Unscaling, the inf/nan check and clipping run inside the fused norm and update kernels."""
-    grads: list[torch.Tensor] = field(default_factory=list)
-    """The dense grads the separate passes unscale (when not ``fused_grads``)."""
     grad_scale: torch.Tensor | None = None
     """The fused kernels divide the grads by this loss scale (``fused_grads`` only)."""
     found_inf: torch.Tensor | None = None
@@ -70,15 +69,15 @@ class StepState:
     """The fused executor's switches and param storages were checked before the grad pass (no re-plan inside)."""
     updated_in_backward: frozenset[int] = frozenset()
     """Fused units the stream scheduler already updated inside backward."""
-    handled: set[torch.Tensor] = field(default_factory=set)
+    handled: Collection[torch.Tensor] = frozenset()
     """Params an executor updates this step; the wrapped optimizer's step skips them."""
-    unhandled: list[torch.Tensor] = field(default_factory=list)
+    unhandled: Sequence[torch.Tensor] = ()
     """Params an executor planned to own but cannot update this step (a grad that turned sparse): the wrapped
     optimizer's step takes them."""
     graphed: bool = False
     """The fused device work runs as a CUDA graph's (its warm-up, capture or replay): outputs go to buffers that
     outlive the step, and the loss-scale update is part of that work."""
-    zeroed: list[torch.Tensor] = field(default_factory=list)
+    zeroed: Sequence[torch.Tensor] = ()
     """Params whose grads the fused update zeroed (``zero_in_step``)."""
     external_scaler: bool = False
     """A user's ``torch.amp.GradScaler`` handed this step its ``grad_scale`` and ``found_inf``."""

@@ -228,13 +228,15 @@ class FusionSubsystem(Subsystem):
                 f"grad must be dense and of its param's dtype: {fix}, or turn off max_grad_norm and float16 scaling. "
                 "Nothing was updated."
             )
+        handled: set[torch.Tensor] = set()
         for unit in units:
-            s.handled.update(unit.param_set)  # a param whose grad is None is skipped by every route anyway
+            handled.update(unit.param_set)  # a param whose grad is None is skipped by every route anyway
         for shadow in self._shadows:
-            s.handled.update(shadow.param_set)
+            handled.update(shadow.param_set)
+        s.handled = handled
         if unhandled:  # sparse grads met at step time: the wrapped optimizer's own step must take them
-            s.handled.difference_update(unhandled)
-            s.unhandled += unhandled
+            handled.difference_update(unhandled)
+            s.unhandled = unhandled
             self._note_once(
                 f"{len(unhandled)} param(s) got sparse grads, or grads of another dtype than the param's: left to "
                 "the optimizer's own step"
@@ -388,8 +390,8 @@ class FusionSubsystem(Subsystem):
         for unit in live:
             if grad_write:
                 unit.copy_back()
-            if grad_write == 2:
-                s.zeroed += unit.params
+        if grad_write == 2:
+            s.zeroed = [p for unit in live for p in unit.params]
         if launches is None:
             launches, self._launches_last_launch = (self._launches_last_launch if live else 0), 0
         self._count_step(launches)

@@ -25,7 +25,7 @@ step's full host path; anything else sends the step through the full path, which
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -193,11 +193,11 @@ class GraphSubsystem(Subsystem):
         self.last_eager_reason = reason
 
     # -- the steady replay --------------------------------------------------------------------------------------
-    def _arm(self, groups: list[dict[str, Any]], zeroed: list[torch.Tensor]) -> None:
+    def _arm(self, groups: list[dict[str, Any]], zeroed: Sequence[torch.Tensor]) -> None:
         """After a replayed step: let the next steps replay straight away while nothing they depend on changed."""
         values = _group_values(groups)
         if not _has_tensor(values):  # tensor hyperparameters change in place: the full step compares their values
-            self._steady = _Steady(groups, values, self._fusion.plan_version, list(zeroed))
+            self._steady = _Steady(groups, values, self._fusion.plan_version, tuple(zeroed))
 
     def disarm(self) -> None:
         """A step through the full path: the steady replay waits for that path to replay the graph again."""
@@ -235,7 +235,7 @@ class GraphSubsystem(Subsystem):
         self.steady_replays += 1
         fusion.count_replay()
         self._steady = steady
-        s.graphed, (s.found_inf, s.grad_norm), s.zeroed = True, self._saved, list(steady.zeroed)
+        s.graphed, (s.found_inf, s.grad_norm), s.zeroed = True, self._saved, steady.zeroed
         return True
 
     def report(self) -> dict[str, Any]:
@@ -257,7 +257,7 @@ class _Steady:
 
     __slots__ = ("groups", "plan_version", "values", "zeroed")
 
-    def __init__(self, groups: list, values: tuple, plan_version: int, zeroed: list[torch.Tensor]) -> None:
+    def __init__(self, groups: list, values: tuple, plan_version: int, zeroed: tuple[torch.Tensor, ...]) -> None:
         self.groups, self.values, self.plan_version, self.zeroed = groups, values, plan_version, zeroed
 
 
