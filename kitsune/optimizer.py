@@ -34,7 +34,7 @@ from kitsune.profiler.schema import save_profile
 from kitsune.profiler.summary import print_summary
 from kitsune.profiler.trace import export_chrome_trace
 from kitsune.streams import StreamScheduler
-from kitsune.subsystem import PlannedGroups, StepState, Subsystem, make_fusion, unique_params
+from kitsune.subsystem import Accumulation, PlannedGroups, StepState, Subsystem, make_fusion, unique_params
 from kitsune.wrapped import WrappedStep, refuse_per_evaluation_passes, run_hooked
 
 _Closure = Callable[[], Any]
@@ -126,7 +126,8 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         """The roles of the pipeline, each handed its own config and what it works with (never this object)."""
         cfg = self.config
         self._profiler = Profiler(cfg.profiler)
-        self._shard = ShardSubsystem(cfg.shard)
+        self._accumulation = accumulation = Accumulation()
+        self._shard = ShardSubsystem(cfg.shard, accumulation)
         self._amp = amp = AMPSubsystem(cfg.amp)
         scaler = amp if cfg.amp.scales_loss else None
         self._pool = pool = MemoryPool(cfg.memory)
@@ -135,7 +136,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         self._grads = GradPass(cfg.grads, self._shard, pool, scaler, kernels)
         self._streams = StreamScheduler(
             cfg.streams, cfg.graphs, fusion=fusion, clip=cfg.grads.max_norm is not None,
-            scaling=scaler is not None, step_state=self._grads.backward_state,
+            scaling=scaler is not None, step_state=self._grads.backward_state, accumulation=accumulation,
         )  # fmt: skip
         self._graphs = GraphSubsystem(cfg.graphs, fusion=fusion, scaler=scaler)
         self._wrapped = WrappedStep(base)
@@ -370,7 +371,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         micro-step that steps runs outside it. Without step_in_backward it changes nothing, so loops can always use it.
         With sharded state (``zero_stage``) the grads of those micro-steps are not reduced across ranks either.
         """
-        with self._shard.accumulating(), self._streams.accumulating():
+        with self._accumulation:
             yield
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -83,6 +83,33 @@ class StepState:
     """A user's ``torch.amp.GradScaler`` handed this step its ``grad_scale`` and ``found_inf``."""
 
 
+class Accumulation:
+    """Whether backward passes now belong to gradient accumulation's micro-steps that do not step (inside
+    ``KitsuneOptimizer.accumulating()``): one object, which the subsystems acting inside backward are handed."""
+
+    __slots__ = ("depth",)
+
+    def __init__(self) -> None:
+        self.depth = 0
+
+    def __bool__(self) -> bool:
+        return self.depth > 0
+
+    def __enter__(self) -> None:
+        self.depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.depth -= 1
+
+    def refuse_step(self) -> None:
+        """A step taken inside the block: its grads are one micro-step's, not the sum."""
+        if self.depth:
+            raise RuntimeError(
+                "optimizer.step() inside `with optimizer.accumulating()`: step after the block, on the micro-step "
+                "whose backward ran outside it"
+            )
+
+
 class Subsystem:
     """Name, whether it runs and why not, what it reports, and what it keeps in checkpoints."""
 

@@ -37,10 +37,9 @@ with one on-device all-reduce (``StepState.reduce``), so no rank reads a value b
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from collections import defaultdict, deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -48,7 +47,7 @@ import torch.distributed as dist
 
 from kitsune.config import ShardConfig
 from kitsune.distributed import fsdp
-from kitsune.subsystem import StepState, Subsystem
+from kitsune.subsystem import Accumulation, StepState, Subsystem
 
 ALIGN_BYTES = 128
 """Every param's slot in a bucket starts on a 128-byte boundary (vectorised loads in the fused kernels)."""
@@ -137,9 +136,11 @@ class ShardSubsystem(Subsystem):
 
     name = "shard"
 
-    def __init__(self, config: ShardConfig) -> None:
+    def __init__(self, config: ShardConfig, accumulation: Accumulation | None = None) -> None:
         super().__init__()
         self.config = config
+        self._accumulating = accumulation if accumulation is not None else Accumulation()
+        """Set inside ``optimizer.accumulating()``: backward passes there leave their grads unreduced."""
         self.remote: frozenset[torch.Tensor] = frozenset()
         """Params other ranks own and update (the fusion planner leaves them out; the all-gather writes them)."""
         self.executes = False
@@ -156,7 +157,6 @@ class ShardSubsystem(Subsystem):
         self._next = 0
         self._queued = False
         self._reduced = False
-        self._accumulating = 0
         self._norm_type = 2.0
         self._device = torch.device("cpu")
         self._in_backward = self._in_step = 0
@@ -348,11 +348,7 @@ class ShardSubsystem(Subsystem):
     def begin(self, s: StepState) -> None:
         """The step's first stage: every grad reduced across the ranks (those a backward did not reduce yet), the
         owned params' grads pointing at this rank's share, the others' None; ``s.reduce`` combines norms and flags."""
-        if self._accumulating:
-            raise RuntimeError(
-                "optimizer.step() inside `with optimizer.accumulating()`: step after the block, on the micro-step "
-                "whose backward ran outside it"
-            )
+        self._accumulating.refuse_step()
         if not self._reduced:  # no backward reduced the grads: overlap=False, accumulating(), or grads set by hand
             for b in self.buckets:
                 self._launch(b)
@@ -405,15 +401,6 @@ class ShardSubsystem(Subsystem):
             self._drain(b)
             b.reduced = False
         self._reduced = False
-
-    @contextlib.contextmanager
-    def accumulating(self) -> Iterator[None]:
-        """Backward passes inside it leave their grads unreduced (gradient accumulation's micro-steps)."""
-        self._accumulating += 1
-        try:
-            yield
-        finally:
-            self._accumulating -= 1
 
     def filter_load(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """The part of a consolidated (or plain torch) state dict this rank keeps: its own params' state; raises on

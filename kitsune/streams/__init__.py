@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -44,7 +44,7 @@ import torch
 from kitsune.config import GraphConfig, StreamConfig
 from kitsune.distributed.fsdp import is_dtensor
 from kitsune.graphs.backend import CudaGraphBackend
-from kitsune.subsystem import StepState, Subsystem
+from kitsune.subsystem import Accumulation, StepState, Subsystem
 
 TIMED_EVERY = 16
 """Steps between two whose launches inside backward are timed with CUDA events (the first step is timed)."""
@@ -70,6 +70,7 @@ class StreamScheduler(Subsystem):
         clip: bool = False,
         scaling: bool = False,
         step_state: Callable[[], StepState] = lambda: StepState(0, fused_grads=True),
+        accumulation: Accumulation | None = None,
     ) -> None:
         super().__init__()
         self.config = config
@@ -89,7 +90,8 @@ class StreamScheduler(Subsystem):
         self._handles: list[Any] = []
         self._counts: list[int] = []
         self._launched: set[int] = set()
-        self._accumulating = 0
+        self._accumulating = accumulation if accumulation is not None else Accumulation()
+        """Set inside ``optimizer.accumulating()``: backward passes there launch no updates."""
         self._refreshed = False
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._ready: dict[int, Any] = {}
@@ -187,14 +189,6 @@ class StreamScheduler(Subsystem):
                 return why
         return None
 
-    @contextlib.contextmanager
-    def accumulating(self) -> Iterator[None]:
-        self._accumulating += 1
-        try:
-            yield
-        finally:
-            self._accumulating -= 1
-
     # -- inside backward -----------------------------------------------------------------------------------------
     def _launch(self, index: int) -> None:
         fusion = self._fusion
@@ -274,11 +268,7 @@ class StreamScheduler(Subsystem):
         inside backward and tell it which units those were (nothing while updates run in step())."""
         if not self.active:
             return
-        if self._accumulating:
-            raise RuntimeError(
-                "optimizer.step() inside `with optimizer.accumulating()`: step after the block, on the micro-step "
-                "whose backward ran outside it"
-            )
+        self._accumulating.refuse_step()
         if self._launched and s.grad_scale is not None:
             raise RuntimeError(
                 "a GradScaler's scaled grads were used by updates inside backward (step_in_backward=True): the "
