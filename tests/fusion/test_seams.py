@@ -30,6 +30,21 @@ def _graphs_on(opt: KitsuneOptimizer, device: torch.device) -> None:
         record_graphs(opt)
 
 
+def _twins(make: Callable, sizes: list, device: torch.device) -> tuple[list, list, KitsuneOptimizer, Any]:
+    """Two copies of the same params: ``KitsuneOptimizer(make(params), enable_fusion=True)`` and ``make(twins)``."""
+    params = make_params(sizes, torch.float32, device)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    return params, twins, KitsuneOptimizer(make(params), enable_fusion=True), make(twins)
+
+
+def _step(pairs: list[tuple[list, Any]], step: int, skip: int | None = None) -> None:
+    """Fresh grads of ``step`` on each ``(params, optimizer)`` pair (param ``skip`` gets none), then each steps."""
+    for ps, o in pairs:
+        for i, (p, g) in enumerate(zip(ps, random_grads(ps, step), strict=True)):
+            p.grad = None if i == skip else g.to(p.dtype)
+        o.step()
+
+
 def _snapshot(opt: torch.optim.Optimizer) -> dict[str, Any]:
     """Every param, grad and state value of ``opt`` (copies), and its step count."""
     params = [p for g in opt.param_groups for p in g["params"]]
@@ -213,19 +228,13 @@ def test_a_rejected_load_keeps_the_old_state(pool, device):
     other = make_params([(3, 4), 7], torch.float32, device)  # another model: as many params, other shapes
     other_opt = torch.optim.AdamW(other, lr=0.1)
     for step in range(3):
-        for ps, o in ((params, opt), (twins, ref), (other, other_opt)):
-            for p, g in zip(ps, random_grads(ps, step), strict=True):
-                p.grad = g
-            o.step()
+        _step([(params, opt), (twins, ref), (other, other_opt)], step)
     before = _snapshot(opt)
     with pytest.raises(ValueError, match="shape"):
         opt.load_state_dict(other_opt.state_dict())
     _assert_unchanged(before, opt)
     for step in range(3, 8):  # and it goes on as its twin that never tried
-        for ps, o in ((params, opt), (twins, ref)):
-            for p, g in zip(ps, random_grads(ps, step), strict=True):
-                p.grad = g
-            o.step()
+        _step([(params, opt), (twins, ref)], step)
     for p, t in zip(params, twins, strict=True):
         assert torch.equal(p, t)
 
@@ -256,14 +265,9 @@ def _drop(sd: dict[str, Any], key: str) -> dict[str, Any]:
     ids=["adamw", "adam", "rmsprop", "adagrad", "lamb"],
 )
 def test_a_checkpoint_missing_a_key_raises_as_torch(make, key, device):
-    params = make_params([(4, 3), 5], torch.float32, device)
-    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    opt, ref = KitsuneOptimizer(make(params), enable_fusion=True), make(twins)
+    params, twins, opt, ref = _twins(make, [(4, 3), 5], device)
     assert opt.plan.fused_tensors == 2
-    for ps, o in ((params, opt), (twins, ref)):
-        for p, g in zip(ps, random_grads(ps, 0), strict=True):
-            p.grad = g
-        o.step()
+    _step([(params, opt), (twins, ref)], 0)
     sd = _drop(ref.state_dict(), key)
     ref.load_state_dict(sd)
     opt.load_state_dict(sd)
@@ -285,14 +289,9 @@ def test_a_checkpoint_missing_a_key_raises_as_torch(make, key, device):
     ids=["rmsprop_momentum", "rmsprop_centered", "adam_amsgrad"],
 )
 def test_a_switch_turned_on_mid_run_raises_as_torch(make, switch, key, device):
-    params = make_params([(4, 3), 5], torch.float32, device)
-    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    opt, ref = KitsuneOptimizer(make(params), enable_fusion=True), make(twins)
+    params, twins, opt, ref = _twins(make, [(4, 3), 5], device)
     for step in range(2):
-        for ps, o in ((params, opt), (twins, ref)):
-            for p, g in zip(ps, random_grads(ps, step), strict=True):
-                p.grad = g
-            o.step()
+        _step([(params, opt), (twins, ref)], step)
     for o in (opt, ref):
         o.param_groups[0][switch[0]] = switch[1]
     before = _snapshot(opt)
@@ -304,18 +303,12 @@ def test_a_switch_turned_on_mid_run_raises_as_torch(make, switch, key, device):
 
 
 def test_sgd_momentum_switched_on_mid_run_starts_from_the_grad_as_torch(device):
-    params = make_params([(4, 3), 5], torch.float32, device)
-    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    opt = KitsuneOptimizer(torch.optim.SGD(params, lr=0.1), enable_fusion=True)
-    ref = torch.optim.SGD(twins, lr=0.1)
+    params, twins, opt, ref = _twins(lambda ps: torch.optim.SGD(ps, lr=0.1), [(4, 3), 5], device)
     for step in range(6):
         if step == 3:
             for o in (opt, ref):
                 o.param_groups[0]["momentum"] = 0.9
-        for ps, o in ((params, opt), (twins, ref)):
-            for p, g in zip(ps, random_grads(ps, step), strict=True):
-                p.grad = g
-            o.step()
+        _step([(params, opt), (twins, ref)], step)
         for p, t in zip(params, twins, strict=True):
             torch.testing.assert_close(p, t, rtol=1e-6, atol=1e-6)
 
@@ -323,13 +316,11 @@ def test_sgd_momentum_switched_on_mid_run_starts_from_the_grad_as_torch(device):
 def test_muon_groups_flipping_use_muon_follow_the_eager_muon(device):
     """kitsune.optim.Muon starts the other algorithm's state from zero when a group's use_muon flips; the fused
     path does the same (the eager step is its reference, run on twins)."""
-    params = make_params([(8, 6), (6, 8), 6], torch.float32, device)
-    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
 
     def make(ps: list[torch.nn.Parameter]) -> Muon:
         return Muon([{"params": ps[:2]}, {"params": ps[2:], "use_muon": False}], lr=0.02)
 
-    opt, ref = KitsuneOptimizer(make(params), enable_fusion=True), make(twins)
+    params, twins, opt, ref = _twins(make, [(8, 6), (6, 8), 6], device)
     assert opt.plan.fused_tensors == 3
     for step in range(8):
         if step == 3:
@@ -338,10 +329,7 @@ def test_muon_groups_flipping_use_muon_follow_the_eager_muon(device):
         if step == 5:
             for o in (opt, ref):
                 o.param_groups[0]["use_muon"] = True
-        for ps, o in ((params, opt), (twins, ref)):
-            for p, g in zip(ps, random_grads(ps, step), strict=True):
-                p.grad = g
-            o.step()
+        _step([(params, opt), (twins, ref)], step)
         for p, t in zip(params, twins, strict=True):
             torch.testing.assert_close(p, t, rtol=2e-2, atol=2e-3)  # Newton-Schulz in bf16: kernels vs torch
     assert sorted(opt.state[params[0]]) == sorted(ref.state[twins[0]])
@@ -474,15 +462,10 @@ def test_del_gives_the_gpu_memory_back():
     ids=["sgd", "sgd_momentum", "adamw", "adam_amsgrad", "adagrad", "rmsprop", "lion"],
 )
 def test_fused_state_dicts_have_exactly_torchs_keys(make, device):
-    params = make_params([(4, 3), 5, 2], torch.float32, device)
-    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    opt, ref = KitsuneOptimizer(make(params), enable_fusion=True), make(twins)
+    params, twins, opt, ref = _twins(make, [(4, 3), 5, 2], device)
     assert opt.plan.fused_tensors == 3
     for step in range(3):
-        for ps, o in ((params, opt), (twins, ref)):
-            for i, (p, g) in enumerate(zip(ps, random_grads(ps, step), strict=True)):
-                p.grad = None if i == 2 else g  # the last param never gets a grad
-            o.step()
+        _step([(params, opt), (twins, ref)], step, skip=2)  # the last param never gets a grad
     ours, theirs = opt.state_dict(), ref.state_dict()
     assert ours.keys() - {"kitsune"} == theirs.keys()
     assert ours["state"].keys() == theirs["state"].keys()
@@ -493,18 +476,13 @@ def test_fused_state_dicts_have_exactly_torchs_keys(make, device):
 
 # -- 8. a param moved to float64 mid-run keeps training as plain torch does ----------------------------------------
 def test_sgd_momentum_with_a_layer_moved_to_float64_mid_run_matches_torch(device):
-    params = make_params([(4, 3), 5, (2, 3)], torch.float32, device)
-    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    opt = KitsuneOptimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9), enable_fusion=True)
-    ref = torch.optim.SGD(twins, lr=0.1, momentum=0.9)
+    make = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
+    params, twins, opt, ref = _twins(make, [(4, 3), 5, (2, 3)], device)
     for step in range(8):
         if step == 3:
             for p in (params[1], twins[1]):
                 p.data = p.data.double()
-        for ps, o in ((params, opt), (twins, ref)):
-            for p, g in zip(ps, random_grads(ps, step), strict=True):
-                p.grad = g.to(p.dtype)
-            o.step()
+        _step([(params, opt), (twins, ref)], step)
         for p, t in zip(params, twins, strict=True):
             torch.testing.assert_close(p, t, rtol=1e-6, atol=1e-6)
     assert params[1].dtype == torch.float64
