@@ -1,0 +1,142 @@
+"""Two kitsune commits side by side in one process, in alternating rounds: is the step as fast as before?
+
+Host times move by up to 2x between processes on the same machine, so a regression check compares the commits in
+one process. The other commit's package is loaded under another name (``kitsune_other``, its imports rewritten), and
+each case builds one optimizer per commit over the same seeded params, warms both up, then times rounds of steps,
+alternating which commit goes first: ms per step back to back (CUDA events) and host ms of ``step()`` (the GPU
+synchronised before each step), medians over the rounds. Run it twice with ``--other-first`` and without: the
+optimizer built first can be the slower one on the ``many`` set, whichever commit it is.
+
+    git archive 9668348 kitsune | tar -x -C /tmp/other        # the commit to compare against
+    python3 benchmarks/ab.py --other /tmp/other/kitsune --json ab.json
+    python3 benchmarks/ab.py --other /tmp/other/kitsune --other-first --json ab-other-first.json
+
+GPU only. Cases: AdamW on gpt2, many and llama1b (``KitsuneOptimizer(..., enable_fusion=True)``), gpt2 and many with
+``GraphConfig(static_addresses=True)``, and gpt2's float16 AMP + clip 1.0 + zero-in-step phase with fresh grads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+CASES = [("gpt2", "default"), ("gpt2", "static"), ("many", "default"), ("many", "static"), ("gpt2", "phase"),
+         ("llama1b", "default")]  # fmt: skip
+
+
+def load_other(path: Path) -> ModuleType:
+    """The kitsune package at ``path`` (another commit's), imported as ``kitsune_other``."""
+    root = Path(tempfile.mkdtemp())
+    shutil.copytree(path, root / "kitsune_other")
+    for f in (root / "kitsune_other").rglob("*.py"):
+        text = re.sub(r"\b(from|import) kitsune\b", r"\1 kitsune_other", f.read_text())
+        f.write_text(re.sub(r'"kitsune\.(fusion|clip)"', r'"kitsune_other.\1"', text))  # logger names
+    sys.path.append(str(root))
+    return importlib.import_module("kitsune_other")
+
+
+def make(mod: ModuleType, params: list[torch.nn.Parameter], variant: str) -> Any:
+    adamw = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+    if variant == "static":
+        graphs = mod.GraphConfig(static_addresses=True)
+        return mod.KitsuneOptimizer(adamw, config=mod.KitsuneConfig(fusion=mod.FusionConfig(), graphs=graphs))
+    if variant == "phase":
+        amp, grads = mod.AMPConfig(dtype=torch.float16), mod.GradConfig(max_norm=1.0, zero_in_step=True)
+        return mod.KitsuneOptimizer(adamw, enable_fusion=True, enable_amp=True, amp_config=amp, grad_config=grads)
+    return mod.KitsuneOptimizer(adamw, enable_fusion=True)
+
+
+def case(sides: dict[str, ModuleType], set_name: str, variant: str, rounds: int, steps: int) -> dict[str, Any]:
+    from kitsune.bench.params import get_param_set, make_params
+
+    device = torch.device("cuda")
+    pset = get_param_set(set_name)
+    step_of = {}
+    for name, mod in sides.items():
+        params = make_params(pset, device, 0)
+        opt = make(mod, params, variant)
+        one = torch.ones((), device=device)
+        gen = torch.Generator(device=device).manual_seed(1)
+
+        def step(opt: Any = opt, params: list = params, one: torch.Tensor = one, gen: Any = gen) -> None:
+            if variant == "phase":  # fresh grads, and the scaled loss optimizer.backward would have made
+                for p in params:
+                    p.grad.normal_(generator=gen)
+                opt.scale_loss(one)
+            opt.step()
+            if variant == "phase":
+                opt.zero_grad(set_to_none=False)
+
+        for _ in range(12):  # warm-up, capture, then the steady replay
+            step()
+        step_of[name] = step
+    times: dict[str, dict[str, list[float]]] = {name: {"ms": [], "host_ms": []} for name in sides}
+    names = list(sides)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            step = step_of[name]
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(steps):
+                step()
+            end.record()
+            torch.cuda.synchronize()
+            times[name]["ms"].append(start.elapsed_time(end) / steps)
+            host = []
+            for _ in range(steps):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                step()
+                host.append((time.perf_counter() - t0) * 1e3)
+            times[name]["host_ms"].append(statistics.median(host))
+    out = {name: {k: statistics.median(v) for k, v in t.items()} for name, t in times.items()}
+    del step_of
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--other", type=Path, required=True, help="the other commit's kitsune package folder")
+    parser.add_argument("--other-first", action="store_true", help="build the other commit's optimizer first")
+    parser.add_argument("--sets", default="gpt2,many,llama1b", help="comma-separated: gpt2,many,llama1b")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=20, help="steps a round")
+    parser.add_argument("--json", type=Path, help="write the medians here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU")
+    import kitsune
+
+    other = load_other(args.other)
+    sides = {"other": other, "this": kitsune} if args.other_first else {"this": kitsune, "other": other}
+    results = {}
+    for set_name, variant in CASES:
+        if set_name not in args.sets.split(","):
+            continue
+        r = results[f"{set_name}/{variant}"] = case(sides, set_name, variant, args.rounds, args.steps)
+        this, them = r["this"], r["other"]
+        print(
+            f"{set_name:8s} {variant:8s} other {them['ms']:.3f} ms (host {them['host_ms']:.3f})  this {this['ms']:.3f}"
+            f" ms (host {this['host_ms']:.3f})  this/other {this['ms'] / them['ms']:.3f}",
+            flush=True,
+        )
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
