@@ -88,7 +88,8 @@ class StreamScheduler(Subsystem):
         self.graph_reason: str | None = None
         """Why the units' updates are not replayed from CUDA graphs, or None when they are (or will be)."""
         self._handles: list[Any] = []
-        self._counts: list[int] = []
+        self._seen: list[set[int]] = []
+        """Per unit, the params whose grads this backward finished (a second backward before step() is refused)."""
         self._launched: set[int] = set()
         self._accumulating = accumulation if accumulation is not None else Accumulation()
         """Set inside ``optimizer.accumulating()``: backward passes there launch no updates."""
@@ -154,7 +155,7 @@ class StreamScheduler(Subsystem):
             self.deactivate(why)
             return
         self._version = fusion.plan_version
-        self._counts = [0] * len(units)
+        self._seen = [set() for _ in units]
         self._launched = set()
         self._graphs, self._eager = {}, {}
         self._ready = {}
@@ -168,14 +169,22 @@ class StreamScheduler(Subsystem):
 
     def _hook(self, index: int, need: int) -> Any:
         ref = weakref.ref(self)  # the params must not keep a dropped optimizer alive, nor let it update them
-        counts = self._counts  # replaced (not cleared) by each plan: a hook of an older plan counts into its own
+        seen = self._seen[index]  # replaced (not cleared) by each plan: a hook of an older plan counts into its own
 
-        def ready(_: torch.Tensor) -> None:
+        def ready(p: torch.Tensor) -> None:
             self = ref()
             if self is None or self._accumulating:
                 return
-            counts[index] += 1
-            if counts[index] == need:
+            if id(p) in seen:
+                raise RuntimeError(
+                    "a second backward before optimizer.step() with StreamConfig(step_in_backward=True): the updates "
+                    "inside backward already ran on the first backward's grads, so the grads added now would never be "
+                    "used. For gradient accumulation, run the backward passes of the micro-steps that do not step "
+                    "inside `with optimizer.accumulating():` (the grads just add up there; the last backward, outside "
+                    "it, updates), or turn step_in_backward off"
+                )
+            seen.add(id(p))
+            if len(seen) == need:
                 self._launch(index)
 
         return ready
@@ -294,7 +303,8 @@ class StreamScheduler(Subsystem):
         if not self.active:
             return
         self._steps += 1
-        self._counts[:] = [0] * len(self._counts)  # in place: the hooks hold this list
+        for seen in self._seen:  # in place: the hooks hold these sets
+            seen.clear()
         self._launched = set()
         self._refreshed = False
         if self._events:
@@ -321,7 +331,7 @@ class StreamScheduler(Subsystem):
             out.update(
                 graphs={"captures": self.captures, "replays": self.replays, "reason": self.graph_reason},
                 steps=self._steps,
-                units=len(self._counts),
+                units=len(self._seen),
                 units_updated_in_backward=self._units_in_backward,
                 units_updated_in_step=self._units_total - self._units_in_backward,
                 bytes_fraction_in_backward=(self._bytes_in_backward / self._bytes_total) if self._bytes_total else 0.0,

@@ -168,6 +168,22 @@ def test_trust_ratio_optimizers_keep_the_normal_step(device):
     assert not opt.scheduler.active and "trust ratios" in opt.scheduler.reason
 
 
+def test_accumulating_without_the_context_is_refused_at_the_second_backward(device):
+    """Micro-batches accumulated without ``optimizer.accumulating()``: the first backward already updated, and a
+    second backward before step() would add grads no update ever reads. It raises, naming the fix; with the
+    context the same loop trains as torch does (test_equals_torch_adamw_with_onecycle[accumulate-3])."""
+    net, _ = twins(device)
+    opt = KitsuneOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), config=in_backward())
+    x, y = torch.randn(4, 6, device=device), torch.randn(4, 3, device=device)
+    nn.functional.mse_loss(net(x, True), y).backward()
+    with pytest.raises(RuntimeError, match="optimizer.accumulating"):
+        nn.functional.mse_loss(net(x, True), y).backward()
+    opt.step()  # the step after the refusal still works, and the next backward starts a fresh count
+    opt.zero_grad()
+    nn.functional.mse_loss(net(x, True), y).backward()
+    opt.step()
+
+
 def test_step_inside_accumulating_is_an_error(device):
     net, _ = twins(device)
     opt = KitsuneOptimizer(torch.optim.AdamW(net.parameters()), config=in_backward())
