@@ -1,18 +1,34 @@
 """Configuration: one frozen pydantic model per subsystem, and :class:`KitsuneConfig` holding them all.
 
 Every field has a default and a docstring; invalid values raise :class:`pydantic.ValidationError` naming the
-field and the allowed range. The keyword arguments of :class:`kitsune.KitsuneOptimizer` are shorthand for
-these models (see :func:`resolve_config`).
+field and the allowed range. Fields are strict, so a slip is refused rather than read as something else: a bool
+field takes only True or False, an int field only an int (not a bool, float or str), a float field an int or a
+float (not a bool or str). The deliberate exceptions are :attr:`AMPConfig.dtype` (also ``"float16"``/``"bfloat16"``)
+and :attr:`GradConfig.norm_type` (also ``"inf"``). The keyword arguments of :class:`kitsune.KitsuneOptimizer` are
+shorthand for these models (see :func:`resolve_config`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic.functional_validators import BeforeValidator
+from pydantic_core import PydanticCustomError
 
 MiB = 1024 * 1024
 
@@ -56,17 +72,17 @@ class _Config(BaseModel):
 class AMPConfig(_Config):
     """Mixed precision: autocast dtype and the device-resident dynamic loss scaler (fp16 only)."""
 
-    enabled: bool = True
+    enabled: StrictBool = True
     """Use mixed precision when the optimizer has AMP on (``enable_amp=True``)."""
     dtype: AmpDtype = torch.float16
     """Autocast dtype: torch.float16 (with dynamic loss scaling) or torch.bfloat16 (autocast only, no scaler)."""
-    init_scale: float = Field(2.0**16, gt=0, le=_FP32_MAX, allow_inf_nan=False)
+    init_scale: StrictFloat = Field(2.0**16, gt=0, le=_FP32_MAX, allow_inf_nan=False)
     """Loss scale at the first step (fp16)."""
-    growth_factor: float = Field(2.0, gt=1.0, allow_inf_nan=False)
+    growth_factor: StrictFloat = Field(2.0, gt=1.0, allow_inf_nan=False)
     """Multiply the scale by this after ``growth_interval`` consecutive steps without inf/nan grads."""
-    backoff_factor: float = Field(0.5, gt=0.0, lt=1.0)
+    backoff_factor: StrictFloat = Field(0.5, gt=0.0, lt=1.0)
     """Multiply the scale by this when a step finds inf/nan grads (the step is skipped)."""
-    growth_interval: int = Field(2000, ge=1)
+    growth_interval: StrictInt = Field(2000, ge=1)
     """Clean steps needed before the scale grows."""
 
     @property
@@ -78,30 +94,30 @@ class AMPConfig(_Config):
 class FusionConfig(_Config):
     """The fusion planner: which fused Triton kernels it may use and when fusing is worth it."""
 
-    enabled: bool = True
+    enabled: StrictBool = True
     """Use fused kernels when the optimizer has fusion on (``enable_fusion=True``)."""
-    enable_elementwise: bool = True
+    enable_elementwise: StrictBool = True
     """Fused multi-tensor update kernels (AdamW/Adam, SGD, Adagrad, RMSprop, Lion, LAMB, LARS)."""
-    enable_reduction: bool = True
+    enable_reduction: StrictBool = True
     """Fused multi-tensor norm kernels (grad clipping, inf/nan checks, trust ratios)."""
-    enable_matmul: bool = True
+    enable_matmul: StrictBool = True
     """The ``triton_matmul`` route for Muon (torch.optim.Muon, kitsune.optim.Muon): fused momentum and update kernels
     around Newton-Schulz calls batched by shape; False leaves Muon groups to the optimizer's own step."""
-    max_fusion_size: int | None = Field(None, ge=1)
+    max_fusion_size: StrictInt | None = Field(None, ge=1)
     """Most tensors one launch covers; ``None`` means no limit (one launch per bucket)."""
-    min_fusion_benefit: float = Field(1.0, ge=0.0, allow_inf_nan=False)
+    min_fusion_benefit: StrictFloat = Field(1.0, ge=0.0, allow_inf_nan=False)
     """Fuse a bucket only if the cost model predicts at least this speedup over the fallback (1.0 = any gain)."""
 
 
 class GradConfig(_Config):
     """What the step does to the grads besides using them: clipping by global norm, and zeroing them."""
 
-    max_norm: float | None = Field(None, gt=0, allow_inf_nan=False)
+    max_norm: StrictFloat | None = Field(None, gt=0, allow_inf_nan=False)
     """Clip the grads to this global norm inside the step (``None``: no clipping). The norm of the last step stays
     on the device as ``optimizer.last_grad_norm``; with fusion the clip is applied inside the update kernel."""
     norm_type: float = 2.0
     """Norm for ``max_norm``: 2 or ``inf`` (``float("inf")`` or ``"inf"``), as in torch.nn.utils.clip_grad_norm_."""
-    zero_in_step: bool = False
+    zero_in_step: StrictBool = False
     """The fused update writes zeros into each grad it used, so no separate zeroing pass is needed; the grads of
     fused params stay allocated (``zero_grad()`` then leaves them alone, ``set_to_none`` included). So, as with
     torch's ``zero_grad(set_to_none=False)``, a param that gets no grad in a later step is updated with a zero
@@ -110,10 +126,15 @@ class GradConfig(_Config):
     @field_validator("norm_type", mode="before")
     @classmethod
     def _norm_type(cls, value: Any) -> float:
-        try:
-            norm = float(value)
-        except (TypeError, ValueError):
-            norm = None
+        # "inf" is the one string taken, as torch's clip_grad_norm_ documents it; a bool is never a norm
+        norm = None
+        if isinstance(value, str):
+            norm = math.inf if value.lower() == "inf" else None
+        elif not isinstance(value, bool):
+            try:
+                norm = float(value)
+            except (TypeError, ValueError):
+                pass
         if norm not in (2.0, math.inf):
             raise ValueError(f"norm_type must be 2 or inf, got {value!r}: other norms are not supported in the step")
         return norm
@@ -122,16 +143,16 @@ class GradConfig(_Config):
 class StreamConfig(_Config):
     """CUDA streams the optimizer phase may spread work over."""
 
-    num_streams: int = Field(4, ge=1, le=64)
+    num_streams: StrictInt = Field(4, ge=1, le=64)
     """Side streams available to the scheduler."""
-    priority_streams: list[int] = Field(default_factory=list)
+    priority_streams: list[StrictInt] = Field(default_factory=list)
     """Indices (< num_streams) of streams created with high priority."""
-    compute_streams: list[int] = Field(default_factory=list)
+    compute_streams: list[StrictInt] = Field(default_factory=list)
     """Indices of streams for compute-bound work (Newton-Schulz matmuls); empty means all streams."""
-    step_in_backward: bool = False
+    step_in_backward: StrictBool = False
     """Launch each fused bucket's update on a side stream as soon as backward has produced its grads, overlapping
     the rest of backward (off under max_grad_norm, float16 loss scaling and LAMB/LARS)."""
-    bucket_bytes: int = Field(32 * MiB, ge=1)
+    bucket_bytes: StrictInt = Field(32 * MiB, ge=1)
     """With ``step_in_backward``: bytes of params per update launched during backward (smaller buckets start
     sooner, larger ones launch less often)."""
     backward_stream: Literal["side", "current"] = "side"
@@ -159,15 +180,15 @@ class StreamConfig(_Config):
 class GraphConfig(_Config):
     """CUDA graph capture of the optimizer phase."""
 
-    enabled: bool = True
+    enabled: StrictBool = True
     """Capture the phase into a CUDA graph and replay it (CUDA only)."""
-    warmup_steps: int = Field(3, ge=1, le=1000)
+    warmup_steps: StrictInt = Field(3, ge=1, le=1000)
     """Eager steps (on a side stream) before the first capture."""
-    steady_replay: bool = True
+    steady_replay: StrictBool = True
     """After a replayed step, replay the next steps after the address checks and a comparison of the groups' values
     only, without the step's full host path, while nothing else changed (see the CUDA graphs guide). False runs
     every step through the full path (for comparing the two)."""
-    static_addresses: bool = False
+    static_addresses: StrictBool = False
     """Promise that grads stay the same tensors from step to step (zeroed in place: ``zero_grad(set_to_none=False)``,
     ``MemoryConfig(flat_grads=True)`` or ``GradConfig(zero_in_step=True)``) and params keep their storage, as
     torch's own CUDA graph recipe requires of its static inputs. kitsune then skips the per-step check of every
@@ -180,10 +201,10 @@ class GraphConfig(_Config):
 class MemoryConfig(_Config):
     """The memory pool: flat per-(device, dtype) arenas for the state of the params the fused kernel updates."""
 
-    pool_size: int = Field(512 * MiB, ge=0)
+    pool_size: StrictInt = Field(512 * MiB, ge=0)
     """Most bytes of arena per device (state, step counts and, with ``flat_grads``, grads). Fused units are pooled
     whole, in plan order, while they fit; the rest keep one allocation per tensor. 0 turns the pool off."""
-    flat_grads: bool = False
+    flat_grads: StrictBool = False
     """Also keep the pooled params' grads in a flat arena: backward accumulates into it in place and
     ``zero_grad()`` zeroes it in one fill instead of freeing the grads (torch's ``set_to_none=False``)."""
 
@@ -215,29 +236,37 @@ class ShardConfig(_Config):
     the params are all-gathered. 2: as 1, but grads are reduce-scattered, so each rank keeps only its own grads."""
     process_group: ProcessGroupField = None
     """The ranks that share the state (``None``: the default group, initialised before the optimizer is built)."""
-    bucket_bytes: int = Field(25 * MiB, ge=1)
+    bucket_bytes: StrictInt = Field(25 * MiB, ge=1)
     """Bytes of grads per collective: smaller buckets start during backward sooner, larger ones launch less often."""
-    overlap: bool = True
+    overlap: StrictBool = True
     """Launch each bucket's collective from backward as soon as its grads are ready (False: all of them in
     ``step()``, after backward)."""
+
+    @field_validator("stage", mode="before")
+    @classmethod
+    def _stage_is_an_int(cls, value: Any) -> Any:
+        # the Literal alone takes True as 1 and 1.0 as 1
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise PydanticCustomError("int_type", "Input should be a valid integer")
+        return value
 
 
 class ProfilerConfig(_Config):
     """What the profiler records."""
 
-    enabled: bool = False
+    enabled: StrictBool = False
     """Record per-step timings (CUDA events on GPU, a monotonic clock on CPU)."""
-    max_step_records: int = Field(100_000, ge=1)
+    max_step_records: StrictInt = Field(100_000, ge=1)
     """Per-step timings kept for the profile; older ones are dropped (summary counts still cover all steps)."""
-    nvml_interval_s: float = Field(0.5, ge=0.0, allow_inf_nan=False)
+    nvml_interval_s: StrictFloat = Field(0.5, ge=0.0, allow_inf_nan=False)
     """Seconds between NVML samples of the GPU while profiling CUDA params; 0 turns the sampler off."""
-    sample_after: int = Field(10, ge=0)
+    sample_after: StrictInt = Field(10, ge=0)
     """Steps before the sampled windows (probe, then comparison) begin: Triton compiles, state is created and
     clocks settle in them."""
-    probe_steps: int = Field(3, ge=0)
+    probe_steps: StrictInt = Field(3, ge=0)
     """Steps run under ``torch.profiler`` and torch.cuda's sync debug mode to count kitsune's kernel launches and
     host syncs (CUDA only; 0 turns the probe off). Their times are left out of the statistics."""
-    compare_steps: int = Field(10, ge=0)
+    compare_steps: StrictInt = Field(10, ge=0)
     """Length of the live comparison: this many steps of kitsune, then this many of the wrapped optimizer's own
     step on the same params, timed alike; the summary reports the speedup measured. 0 turns it off; otherwise at
     least 2 (the first step of each half settles and is left out)."""
@@ -288,17 +317,61 @@ class KitsuneConfig(_Config):
         return self
 
 
-# keyword argument -> (section, field, seed default)
-_KWARGS: dict[str, tuple[str, str, Any]] = {
-    "enable_amp": ("amp", "enabled", False),
-    "enable_fusion": ("fusion", "enabled", False),
-    "num_streams": ("streams", "num_streams", 4),
-    "profile": ("profiler", "enabled", False),
-    "memory_pool_size": ("memory", "pool_size", 512 * MiB),
-    "capture_graph": ("graphs", "enabled", True),
-    "max_grad_norm": ("grads", "max_norm", None),
-    "zero_stage": ("shard", "stage", 0),
+class _Shorthand(NamedTuple):
+    section: str
+    field: str
+    default: Any
+    takes: str
+    """What the keyword takes, for the message that refuses a value."""
+    fix: str
+    """How to write it instead."""
+
+
+_BOOL = "True or False"
+_KWARGS: dict[str, _Shorthand] = {
+    "enable_amp": _Shorthand("amp", "enabled", False, _BOOL, "enable_amp=True or enable_amp=False"),
+    "enable_fusion": _Shorthand("fusion", "enabled", False, _BOOL, "enable_fusion=True or enable_fusion=False"),
+    "num_streams": _Shorthand("streams", "num_streams", 4, "an int from 1 to 64", "e.g. num_streams=4"),
+    "profile": _Shorthand("profiler", "enabled", False, _BOOL, "profile=True or profile=False"),
+    "memory_pool_size": _Shorthand(
+        "memory",
+        "pool_size",
+        512 * MiB,
+        "an int number of bytes, 0 or more (0 turns the pool off)",
+        "e.g. memory_pool_size=512 * 1024 * 1024",
+    ),
+    "capture_graph": _Shorthand("graphs", "enabled", True, _BOOL, "capture_graph=True or capture_graph=False"),
+    "max_grad_norm": _Shorthand(
+        "grads",
+        "max_norm",
+        None,
+        "a positive finite number or None (no clipping)",
+        "the norm to clip to, e.g. max_grad_norm=1.0, or leave it out",
+    ),
+    "zero_stage": _Shorthand("shard", "stage", 0, "the int 0, 1 or 2", "e.g. zero_stage=1"),
 }
+
+
+def _from_shorthand(kwarg: str, value: Any) -> _Config:
+    """The section one keyword shorthand stands for; a refused value is reported under the keyword the user wrote,
+    not the field inside the section."""
+    short = _KWARGS[kwarg]
+    section = KitsuneConfig.model_fields[short.section].annotation
+    try:
+        return section(**{short.field: value})
+    except ValidationError as exc:
+        error = exc.errors()[0]
+    fix = short.fix
+    if isinstance(value, float) and value.is_integer() and type(short.default) is int:
+        with contextlib.suppress(ValidationError):  # 4.0 for a count, 1e9 for bytes: the int it means, when valid
+            section(**{short.field: int(value)})
+            fix = f"{kwarg}={int(value)}"
+    if error["type"].endswith("_type"):
+        name = type(value).__name__
+        what = "None" if value is None else f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+        raise ValueError(f"{kwarg}={value!r} is refused: {kwarg} takes {short.takes}, not {what}; write {fix}")
+    raise ValueError(f"{kwarg}={value!r} is refused: {kwarg} takes {short.takes}; write {fix}")
+
 
 _SECTION_ARGS = {
     "amp_config": "amp",
@@ -312,9 +385,16 @@ _SECTION_ARGS = {
 def resolve_config(config: KitsuneConfig | None, sections: dict[str, Any], kwargs: dict[str, Any]) -> KitsuneConfig:
     """Merge ``config=``, the ``*_config`` objects and the keyword shorthands into one :class:`KitsuneConfig`.
 
-    Raises ``ValueError`` when two of them disagree, naming both and the fix.
+    Raises ``ValueError`` when a keyword shorthand is refused, for its type (``max_grad_norm=True``,
+    ``enable_fusion="no"``, ``num_streams=4.0``) or its range (``num_streams=0``): the message names the keyword as
+    written, what it takes and the fix. It is a plain ``ValueError``, not the ``pydantic.ValidationError`` about the
+    field inside the section, which the config classes raise when built directly. Raises ``ValueError`` too when two
+    settings disagree, naming both and the fix, and ``TypeError`` when ``config=`` or a ``*_config`` argument is not
+    the config class it names.
     """
-    changed = {k: v for k, v in kwargs.items() if v != _KWARGS[k][2]}
+    # every keyword is checked, also where config= or a section makes it moot: a slip there is still a slip
+    seeds = {kwarg: _from_shorthand(kwarg, value) for kwarg, value in kwargs.items()}
+    changed = {k: v for k, v in kwargs.items() if v != _KWARGS[k].default}
     given_sections = {k: v for k, v in sections.items() if v is not None}
     if config is not None:
         if not isinstance(config, KitsuneConfig):
@@ -351,7 +431,7 @@ def resolve_config(config: KitsuneConfig | None, sections: dict[str, Any], kwarg
         if section is not None and not section.enabled and switch:
             raise ValueError(f"{kwarg}=True contradicts {arg}.enabled=False: drop one of them")
         if section is None:
-            parts[_SECTION_ARGS[arg]] = (AMPConfig if kwarg == "enable_amp" else FusionConfig)(enabled=switch)
+            parts[_SECTION_ARGS[arg]] = seeds[kwarg]
 
     streams = parts.get("streams")
     if streams is not None and "num_streams" in changed and streams.num_streams != kwargs["num_streams"]:
@@ -360,7 +440,7 @@ def resolve_config(config: KitsuneConfig | None, sections: dict[str, Any], kwarg
             "set it in one place"
         )
     if streams is None:
-        parts["streams"] = StreamConfig(num_streams=kwargs["num_streams"])
+        parts["streams"] = seeds["num_streams"]
 
     grads = parts.get("grads")
     if grads is not None and "max_grad_norm" in changed and grads.max_norm != kwargs["max_grad_norm"]:
@@ -369,7 +449,7 @@ def resolve_config(config: KitsuneConfig | None, sections: dict[str, Any], kwarg
             "set it in one place"
         )
     if grads is None:
-        parts["grads"] = GradConfig(max_norm=kwargs["max_grad_norm"])
+        parts["grads"] = seeds["max_grad_norm"]
 
     shard = parts.get("shard")
     if shard is not None and "zero_stage" in changed and shard.stage != kwargs["zero_stage"]:
@@ -377,9 +457,9 @@ def resolve_config(config: KitsuneConfig | None, sections: dict[str, Any], kwarg
             f"zero_stage={kwargs['zero_stage']} contradicts shard_config.stage={shard.stage}: set it in one place"
         )
     if shard is None:
-        parts["shard"] = ShardConfig(stage=kwargs["zero_stage"])
+        parts["shard"] = seeds["zero_stage"]
 
-    parts["profiler"] = ProfilerConfig(enabled=kwargs["profile"])
-    parts["memory"] = MemoryConfig(pool_size=kwargs["memory_pool_size"])
-    parts["graphs"] = GraphConfig(enabled=kwargs["capture_graph"])
+    parts["profiler"] = seeds["profile"]
+    parts["memory"] = seeds["memory_pool_size"]
+    parts["graphs"] = seeds["capture_graph"]
     return KitsuneConfig(**parts)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import re
+
 import pytest
 import torch
 from pydantic import ValidationError
@@ -15,6 +18,7 @@ from kitsune import (
     KitsuneOptimizer,
     MemoryConfig,
     ProfilerConfig,
+    ShardConfig,
     StreamConfig,
 )
 
@@ -69,7 +73,8 @@ def test_configs_are_frozen():
 
 
 def test_every_field_has_a_default_and_a_docstring():
-    for model in (AMPConfig, FusionConfig, StreamConfig, GraphConfig, MemoryConfig, ProfilerConfig, KitsuneConfig):
+    for model in (AMPConfig, FusionConfig, GradConfig, StreamConfig, GraphConfig, MemoryConfig, ProfilerConfig,
+                  ShardConfig, KitsuneConfig):  # fmt: skip
         model()  # all defaults valid
         for name, info in model.model_fields.items():
             assert info.description, f"{model.__name__}.{name} has no docstring"
@@ -104,8 +109,8 @@ CONTRADICTIONS = [
     (dict(fusion_config=FusionConfig()), ValueError, "pass enable_fusion=True"),
     (dict(enable_amp=True, amp_config=AMPConfig(enabled=False)), ValueError, "contradicts amp_config.enabled=False"),
     (dict(num_streams=8, stream_config=StreamConfig(num_streams=4)), ValueError, "set it in one place"),
-    (dict(num_streams=0), ValidationError, "num_streams"),
-    (dict(memory_pool_size=-5), ValidationError, "pool_size"),
+    (dict(num_streams=0), ValueError, "num_streams=0 is refused: num_streams takes an int from 1 to 64"),
+    (dict(memory_pool_size=-5), ValueError, r"memory_pool_size=-5 is refused: memory_pool_size takes an int number"),
     (dict(config={"profiler": {"enabled": True}}), TypeError, "config must be a KitsuneConfig"),
     (dict(amp_config=FusionConfig(), enable_amp=True), TypeError, "amp_config must be an instance of AMPConfig"),
 ]
@@ -130,3 +135,190 @@ def test_section_passed_with_switch_on():
     opt = KitsuneOptimizer(_opt(), enable_amp=True, amp_config=AMPConfig(dtype=torch.bfloat16, growth_interval=10))
     assert opt.config.amp.enabled and opt.config.amp.growth_interval == 10
     assert next(s for s in opt.subsystem_status() if s["name"] == "amp")["active"]
+
+
+# -- strictness: a slip is refused, not read as something else ------------------------------------------------------
+
+
+def _tiny_sgd():
+    return torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+
+
+# keyword shorthand -> the field it stands for
+SHORTHANDS = {
+    "enable_amp": "enabled",
+    "enable_fusion": "enabled",
+    "num_streams": "num_streams",
+    "profile": "enabled",
+    "memory_pool_size": "pool_size",
+    "capture_graph": "enabled",
+    "max_grad_norm": "max_norm",
+    "zero_stage": "stage",
+}
+
+KEYWORD_SLIPS = [
+    ("enable_amp", "yes", "not a str"),
+    ("enable_amp", 1, "not an int"),
+    ("enable_fusion", "no", "not a str"),
+    ("enable_fusion", 0, "not an int"),
+    ("profile", "True", "not a str"),
+    ("profile", 1, "not an int"),
+    ("capture_graph", "off", "not a str"),
+    ("capture_graph", None, "not None"),
+    ("num_streams", True, "not a bool"),
+    ("num_streams", "4", "not a str"),
+    ("num_streams", 4.0, "not a float"),
+    ("memory_pool_size", True, "not a bool"),
+    ("memory_pool_size", "1GB", "not a str"),
+    ("memory_pool_size", 1e9, "not a float"),
+    ("max_grad_norm", True, "not a bool"),
+    ("max_grad_norm", "1.0", "not a str"),
+    ("zero_stage", True, "not a bool"),
+    ("zero_stage", "1", "not a str"),
+    ("zero_stage", 1.0, "not a float"),
+]
+
+
+@pytest.mark.parametrize("keyword, value, got", KEYWORD_SLIPS, ids=[f"{k}={v!r}" for k, v, _ in KEYWORD_SLIPS])
+def test_keyword_of_the_wrong_type_is_refused_under_its_own_name(keyword, value, got):
+    with pytest.raises(ValueError) as info:
+        KitsuneOptimizer(_tiny_sgd(), **{keyword: value})
+    assert type(info.value) is ValueError  # not pydantic's error about the field inside the section
+    text = str(info.value)
+    assert text.startswith(f"{keyword}={value!r} is refused: {keyword} takes ") and got in text
+    assert f"write {keyword}=" in text or f"e.g. {keyword}=" in text
+    field = SHORTHANDS[keyword]
+    if field != keyword:
+        assert not re.search(rf"\b{field}\b", text), text
+
+
+def test_keyword_messages_say_what_it_takes_and_the_fix():
+    def refusal(**kwargs):
+        with pytest.raises(ValueError) as info:
+            KitsuneOptimizer(_tiny_sgd(), **kwargs)
+        return str(info.value)
+
+    assert refusal(max_grad_norm=True) == (
+        "max_grad_norm=True is refused: max_grad_norm takes a positive finite number or None (no clipping), not a "
+        "bool; write the norm to clip to, e.g. max_grad_norm=1.0, or leave it out"
+    )
+    bools = "takes True or False, not a str; write enable_fusion=True or enable_fusion=False"
+    assert refusal(enable_fusion="no").endswith(bools)
+    assert refusal(zero_stage=True).endswith("takes the int 0, 1 or 2, not a bool; write e.g. zero_stage=1")
+    # a whole float is the int it means, when that int is valid
+    assert refusal(num_streams=4.0).endswith("write num_streams=4")
+    assert refusal(memory_pool_size=1e9).endswith("write memory_pool_size=1000000000")
+    assert refusal(num_streams=100.0).endswith("write e.g. num_streams=4")
+    # out of range: no type to blame
+    assert refusal(max_grad_norm=float("inf")).startswith("max_grad_norm=inf is refused: max_grad_norm takes a")
+    stage = "zero_stage=3 is refused: zero_stage takes the int 0, 1 or 2; write e.g. zero_stage=1"
+    assert refusal(zero_stage=3) == stage
+
+
+MOOT_SLIPS = [
+    (dict(config=KitsuneConfig(), profile=0), "profile=0 is refused"),
+    (dict(num_streams=4.0, stream_config=StreamConfig(num_streams=4)), "num_streams=4.0 is refused"),
+    (dict(zero_stage=False, shard_config=ShardConfig()), "zero_stage=False is refused"),
+    (dict(max_grad_norm=True, grad_config=GradConfig(max_norm=1.0)), "max_grad_norm=True is refused"),
+    (dict(enable_amp="yes", amp_config=AMPConfig()), "enable_amp='yes' is refused"),
+]
+
+
+@pytest.mark.parametrize("kwargs, message", MOOT_SLIPS)
+def test_keyword_slips_are_refused_where_config_or_a_section_would_hide_them(kwargs, message):
+    """0 == False and 4.0 == 4, so these once passed the checks for contradictions unseen."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        KitsuneOptimizer(_tiny_sgd(), **kwargs)
+
+
+# every field, by what it takes; the fields left out are the deliberate coercions (see LENIENT)
+STRICT_FIELDS = {
+    AMPConfig: {"enabled": "bool", "init_scale": "float", "growth_factor": "float", "backoff_factor": "float",
+                "growth_interval": "int"},
+    FusionConfig: {"enabled": "bool", "enable_elementwise": "bool", "enable_reduction": "bool",
+                   "enable_matmul": "bool", "max_fusion_size": "int", "min_fusion_benefit": "float"},
+    GradConfig: {"max_norm": "float", "zero_in_step": "bool"},
+    StreamConfig: {"num_streams": "int", "priority_streams": "ints", "compute_streams": "ints",
+                   "step_in_backward": "bool", "bucket_bytes": "int"},
+    GraphConfig: {"enabled": "bool", "warmup_steps": "int", "steady_replay": "bool", "static_addresses": "bool"},
+    MemoryConfig: {"pool_size": "int", "flat_grads": "bool"},
+    ShardConfig: {"stage": "int", "bucket_bytes": "int", "overlap": "bool"},
+    ProfilerConfig: {"enabled": "bool", "max_step_records": "int", "nvml_interval_s": "float", "sample_after": "int",
+                     "probe_steps": "int", "compare_steps": "int"},
+}  # fmt: skip
+LENIENT = {
+    AMPConfig: {"dtype"},  # also "float16"/"bfloat16" and the other names in _DTYPE_NAMES
+    GradConfig: {"norm_type"},  # also "inf", as torch's clip_grad_norm_
+    StreamConfig: {"backward_stream"},  # a Literal of two strings: nothing else gets through
+    ShardConfig: {"process_group"},  # a ProcessGroup or None, checked by isinstance
+    KitsuneConfig: set(KitsuneConfig.model_fields),  # the sections: an instance, or a dict validated strictly
+}
+# values a lax model would coerce into something valid
+SLIPS = {
+    "bool": [1, 0, "yes", "false", None],
+    "int": [True, 2.0, "2"],
+    "float": [True, "0.5"],
+    "ints": ["0", [True], ["0"], [0.0]],
+}
+FIELD_SLIPS = [
+    (model, name, value)
+    for model, fields in STRICT_FIELDS.items()
+    for name, kind in fields.items()
+    for value in SLIPS[kind]
+]
+
+
+def test_every_field_is_strict_or_a_listed_coercion():
+    for model in (*STRICT_FIELDS, KitsuneConfig):
+        assert set(model.model_fields) == set(STRICT_FIELDS.get(model, {})) | LENIENT.get(model, set()), model
+
+
+@pytest.mark.parametrize("model, name, value", FIELD_SLIPS, ids=[f"{m.__name__}.{n}={v!r}" for m, n, v in FIELD_SLIPS])
+def test_field_of_the_wrong_type_is_refused_by_pydantic_naming_the_field(model, name, value):
+    with pytest.raises(ValidationError) as info:
+        model(**{name: value})
+    (error,) = info.value.errors()
+    assert error["loc"][0] == name and error["type"] in ("bool_type", "int_type", "float_type", "list_type")
+    assert name in str(info.value)
+
+
+def test_direct_config_keeps_pydantic_errors_naming_the_field():
+    with pytest.raises(ValidationError, match="max_norm"):
+        GradConfig(max_norm=True)
+    with pytest.raises(ValidationError, match="num_streams") as info:
+        KitsuneConfig(streams={"num_streams": "4"})  # a section as a dict is validated as strictly
+    assert info.value.errors()[0]["loc"] == ("streams", "num_streams")
+    with pytest.raises(ValidationError, match="amp"):
+        KitsuneConfig(amp=True)
+
+
+@pytest.mark.parametrize("value", ["2", True, False, "two", "-inf"])
+def test_norm_type_takes_no_other_string_and_no_bool(value):
+    with pytest.raises(ValidationError, match="norm_type must be 2 or inf"):
+        GradConfig(norm_type=value)
+
+
+def test_documented_coercions_still_work():
+    assert AMPConfig(dtype="float16").dtype is torch.float16
+    assert AMPConfig(dtype="bfloat16").dtype is torch.bfloat16
+    for value in ("inf", "INF", float("inf")):
+        assert GradConfig(norm_type=value).norm_type == math.inf
+    for value in (2, 2.0):
+        assert GradConfig(norm_type=value).norm_type == 2.0
+    assert ShardConfig(process_group=None).process_group is None
+    # an int where a float is meant is a number all the same
+    ints = [
+        (AMPConfig, "init_scale", 65536),
+        (AMPConfig, "growth_factor", 4),
+        (GradConfig, "max_norm", 1),
+        (FusionConfig, "min_fusion_benefit", 2),
+        (ProfilerConfig, "nvml_interval_s", 1),
+    ]
+    for model, name, value in ints:
+        got = getattr(model(**{name: value}), name)
+        assert got == value and type(got) is float, (model, name)
+    # a tuple of indices is as good as a list
+    assert StreamConfig(priority_streams=(0, 1)).priority_streams == [0, 1]
+    opt = KitsuneOptimizer(_tiny_sgd(), max_grad_norm=1, num_streams=2, memory_pool_size=0, zero_stage=0)
+    assert opt.config.grads.max_norm == 1.0 and type(opt.config.grads.max_norm) is float
+    assert opt.config.streams.num_streams == 2 and opt.config.memory.pool_size == 0
