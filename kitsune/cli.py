@@ -6,6 +6,32 @@ import argparse
 import sys
 
 
+def positive_int(text: str) -> int:
+    """An argparse ``type``: a whole number of at least 1 (a step count, a batch size), else argparse's error."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _version() -> str:
+    """``kitsune --version``: kitsune's version, and torch's and Triton's, which decide what runs."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    import kitsune
+
+    try:
+        triton = f"triton {version('triton')}"  # the metadata, not the import: importing Triton takes a second
+    except PackageNotFoundError:
+        triton = "triton not installed"
+    return f"kitsune {kitsune.__version__} (torch {torch.__version__}, {triton})"
+
+
 def _demo_device(text: str) -> str:
     """``--device`` of the demo through :func:`kitsune._device.parse_device`: its ValueError as an argparse error."""
     from kitsune._device import parse_device
@@ -17,6 +43,14 @@ def _demo_device(text: str) -> str:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    from kitsune._paths import check_output_path
+
+    try:  # before the run: a bad path would otherwise fail only at its end, when the profile is saved
+        check_output_path(args.profile_out)
+    except ValueError as exc:
+        print(f"kitsune demo: --profile-out {exc}", file=sys.stderr)
+        return 2
+
     from kitsune.demo import run_demo
 
     run_demo(steps=args.steps, device=args.device, profile_path=args.profile_out, seed=args.seed)
@@ -32,15 +66,19 @@ def _doctor(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kitsune", description="A fast optimizer phase for PyTorch training.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=_version())
+    # not required=True: argparse would then report a missing command before an unknown option (`kitsune --bogus`)
+    sub = parser.add_subparsers(dest="command")
 
     demo = sub.add_parser("demo", help="train a tiny GPT with torch and with kitsune, side by side")
-    demo.add_argument("--steps", type=int, default=100, help="training steps per run (default 100)")
+    demo.add_argument("--steps", type=positive_int, default=100, help="training steps per run (default 100)")
     demo.add_argument(
         "--device", type=_demo_device, default="auto", help="auto (GPU when there is one), cpu, cuda or cuda:N"
     )
     demo.add_argument("--profile-out", default="kitsune-profile.json", help="where to write the profile JSON")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument(
+        "--seed", type=int, default=0, help="seed of the model's init and the synthetic batches (default 0)"
+    )
     demo.set_defaults(func=_demo)
 
     doctor = sub.add_parser("doctor", help="report what this machine supports")
@@ -57,10 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if getattr(args, "steps", 1) < 1:
-        print("kitsune: --steps must be at least 1", file=sys.stderr)
-        return 2
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.error("the following arguments are required: command")
     return args.func(args)
 
 

@@ -1,10 +1,13 @@
-"""The `kitsune` command: demo, doctor and report end to end, and what each refuses (one error line, exit code 2)."""
+"""The `kitsune` command: demo, doctor, report and bench end to end, and what each refuses (one error line, exit 2)."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
 import pytest
 
@@ -29,9 +32,81 @@ def test_demo_command_line(tmp_path, capsys):
     assert "subsystems" in text and out.exists()
 
 
-def test_demo_rejects_zero_steps(capsys):
-    assert main(["demo", "--steps", "0"]) == 2
-    assert "--steps must be at least 1" in capsys.readouterr().err
+def _argparse_error(capsys, argv: list[str]) -> str:
+    """``kitsune ARGV`` refused by argparse: exit code 2; its stderr."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "Traceback" not in captured.err
+    return captured.err
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("0", "must be at least 1, got 0"),
+        ("-3", "must be at least 1, got -3"),
+        ("x", "expected a whole number of at least 1, got 'x'"),
+    ],
+)
+def test_demo_steps_is_checked_by_argparse(capsys, value, expected):
+    err = _argparse_error(capsys, ["demo", "--steps", value])
+    assert err.splitlines()[-1] == f"kitsune demo: error: argument --steps: {expected}"
+
+
+@pytest.mark.parametrize("flag", ["--steps", "--warmup", "--e2e-steps", "--e2e-batch"])
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_bench_counts_are_checked_by_argparse(capsys, flag, value):
+    err = _argparse_error(capsys, ["bench", flag, value])
+    assert err.splitlines()[-1] == f"kitsune bench: error: argument {flag}: must be at least 1, got {value}"
+
+
+def test_bench_scale_that_is_not_a_number_is_an_argparse_error(capsys):
+    err = _argparse_error(capsys, ["bench", "--scale", "half"])
+    assert err.splitlines()[-1] == "kitsune bench: error: argument --scale: expected a number in (0, 1], got 'half'"
+
+
+def test_demo_help_describes_every_option(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["demo", "--help"])
+    assert info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--seed SEED seed of the model's init and the synthetic batches (default 0)" in text
+
+
+def test_version_names_kitsune_torch_and_triton(capsys):
+    import torch
+
+    import kitsune
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    try:
+        triton = f"triton {version('triton')}"
+    except PackageNotFoundError:
+        triton = "triton not installed"
+    assert capsys.readouterr().out == f"kitsune {kitsune.__version__} (torch {torch.__version__}, {triton})\n"
+
+
+@pytest.mark.parametrize("argv", [["--bogus"], ["--bogus", "doctor"], ["doctor", "--bogus"]])
+def test_an_unknown_option_is_named(capsys, argv):
+    """``kitsune --bogus``: argparse names the option, before and after the command, not a missing command."""
+    err = _argparse_error(capsys, argv)
+    assert err.splitlines()[-1] == "kitsune: error: unrecognized arguments: --bogus"
+
+
+def test_no_command_is_still_an_error(capsys):
+    err = _argparse_error(capsys, [])
+    assert err.splitlines()[-1] == "kitsune: error: the following arguments are required: command"
+
+
+def test_commands_print_no_numpy_warning():
+    """torch warns "Failed to initialize NumPy" on import when NumPy is missing, so NumPy is a dependency."""
+    for argv in (["--help"], ["--version"]):
+        proc = subprocess.run([sys.executable, "-m", "kitsune", *argv], capture_output=True, text=True, check=True)
+        assert "NumPy" not in proc.stderr and "Warning" not in proc.stderr, proc.stderr
 
 
 def test_doctor_reports_machine_and_subsystems(capsys):
@@ -93,3 +168,90 @@ def test_report_names_what_is_wrong_with_the_file(tmp_path, capsys, make, expect
     assert captured.out == ""
     assert captured.err.startswith(f"kitsune report: {path}") and captured.err.count("\n") == 1
     assert expected in captured.err
+
+
+@pytest.fixture
+def profile_json(tmp_path):
+    """A saved profile of three CPU steps."""
+    import torch
+
+    from kitsune import KitsuneOptimizer
+
+    model = torch.nn.Linear(4, 2)
+    opt = KitsuneOptimizer(torch.optim.AdamW(model.parameters()), profile=True)
+    for _ in range(3):
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return opt.save_profile(tmp_path / "p.json")
+
+
+def _deny_writes_to(monkeypatch, directory: Path) -> None:
+    """``directory`` read-only: chmod, and os.access emulating it (root passes every permission check)."""
+    directory.chmod(0o500)
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != directory)
+
+
+BAD_OUTPUTS = {
+    "directory": ("adir", None, "{p}: is a directory, not a file"),
+    "under-a-file": ("afile/out.json", None, "{p}: {d}/afile is a file, not a directory"),
+    "deep-under-a-file": ("afile/sub/out.json", None, "{p}: {d}/afile is a file, not a directory"),
+    "file-not-writable": ("afile", "afile", "{p}: is not writable (permission denied)"),
+    "parent-not-writable": ("adir/out.json", "adir", "{p}: cannot create it in {d}/adir (permission denied)"),
+    "parents-not-writable": (
+        "adir/new/out.json",
+        "adir",
+        "{p}: cannot create its directories in {d}/adir (permission denied)",
+    ),
+}
+"""kind -> (the output path, the path made read-only or None, the problem), paths under the work directory."""
+COMMANDS = {
+    "demo": (["demo", "--steps", "1", "--device", "cpu", "--profile-out"], "kitsune demo: --profile-out"),
+    "report-html": (["report", "{profile}", "--html"], "kitsune report: --html"),
+    "report-trace": (["report", "{profile}", "--trace"], "kitsune report: --trace"),
+    "bench": (["bench", "--device", "cpu", "--sets", "gpt2", "--steps", "1", "--json"], "kitsune bench: --json"),
+    "bench-muon": (["bench", "--muon", "--json"], "kitsune bench: --json"),
+}
+
+
+@pytest.mark.parametrize("kind", BAD_OUTPUTS)
+@pytest.mark.parametrize("command", COMMANDS)
+def test_a_bad_output_path_is_one_line_before_any_work(tmp_path, profile_json, capsys, monkeypatch, command, kind):
+    """Every output path is checked first: one line naming the option, the path and the problem; exit code 2."""
+    work = tmp_path / "work"
+    (work / "adir").mkdir(parents=True)
+    (work / "afile").write_text("")
+    name, read_only, problem = BAD_OUTPUTS[kind]
+    path = work / name
+    if read_only is not None:
+        _deny_writes_to(monkeypatch, work / read_only)
+    argv, prefix = COMMANDS[command]
+    assert main([a.format(profile=profile_json) for a in argv] + [str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""  # nothing ran: no demo banner, no bench table, no summary
+    assert captured.err == f"{prefix} {problem.format(p=path, d=work)}\n"
+    assert sorted(p.name for p in work.iterdir()) == ["adir", "afile"] and not any((work / "adir").iterdir())
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--html", "{profile}"], "--html {profile}: is the profile itself: name another file"),
+        (["--trace", "{profile}"], "--trace {profile}: is the profile itself: name another file"),
+        (["--html", "{dir}/r", "--trace", "{dir}/r"], "--trace {dir}/r: is the --html file too: name another file"),
+    ],
+    ids=["html-over-profile", "trace-over-profile", "trace-over-html"],
+)
+def test_report_writes_no_file_over_another(profile_json, capsys, argv, expected):
+    before = profile_json.read_text()
+    fill = {"profile": profile_json, "dir": profile_json.parent}
+    assert main(["report", str(profile_json), *(a.format(**fill) for a in argv)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == f"kitsune report: {expected.format(**fill)}\n"
+    assert profile_json.read_text() == before and not (profile_json.parent / "r").exists()
+
+
+def test_report_makes_missing_directories_of_its_outputs(profile_json, capsys):
+    html, trace = profile_json.parent / "a" / "b" / "r.html", profile_json.parent / "c" / "t.json"
+    assert main(["report", str(profile_json), "--html", str(html), "--trace", str(trace)]) == 0
+    assert html.read_text().startswith("<!DOCTYPE html>") and json.loads(trace.read_text())

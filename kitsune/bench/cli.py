@@ -7,9 +7,11 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from kitsune._paths import check_output_path
 from kitsune.bench.params import PARAM_SETS
 from kitsune.bench.runner import run_bench
 from kitsune.bench.variants import VARIANTS
+from kitsune.cli import positive_int
 
 
 def _names(choices: dict[str, Any]) -> Callable[[str], list[str]]:
@@ -27,15 +29,11 @@ def _names(choices: dict[str, Any]) -> Callable[[str], list[str]]:
     return parse
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def _scale(text: str) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
     return value
@@ -52,11 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=list(VARIANTS),
         help=f"comma-separated, of {','.join(VARIANTS)} (graph is CUDA only; default: all)",
     )
-    # dest is not "steps": the top-level CLI reads args.steps as an int, and this one may be None
     parser.add_argument(
-        "--steps", dest="timed_steps", type=_positive_int, default=None, help="timed steps (default 50/50/20; CPU 3)"
+        "--steps", dest="timed_steps", type=positive_int, default=None, help="timed steps (default 50/50/20; CPU 3)"
     )
-    parser.add_argument("--warmup", type=_positive_int, default=None, help="untimed steps first (default 10; CPU 1)")
+    parser.add_argument("--warmup", type=positive_int, default=None, help="untimed steps first (default 10; CPU 1)")
     parser.add_argument(
         "--scale", type=_scale, default=None, help="fraction of each tensor's elements (default 1; CPU 0.001)"
     )
@@ -66,10 +63,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--e2e", action="store_true", help="also time whole training steps of a GPT-2 124M-shaped model"
     )
     parser.add_argument(
-        "--e2e-steps", type=_positive_int, default=None, help="with --e2e: timed steps a side (default 50; CPU 2)"
+        "--e2e-steps", type=positive_int, default=None, help="with --e2e: timed steps a side (default 50; CPU 2)"
     )
     parser.add_argument(
-        "--e2e-batch", type=_positive_int, default=None, help="with --e2e: sequences of 512 tokens a step (default 4)"
+        "--e2e-batch", type=positive_int, default=None, help="with --e2e: sequences of 512 tokens a step (default 4)"
     )
     parser.add_argument(
         "--compile",
@@ -87,6 +84,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_from_args(args: argparse.Namespace) -> int:
     """``func`` of the ``bench`` subcommand: run it, return the exit code."""
+    if args.json_path is not None:
+        try:  # before the run: the JSON is first written after the first set is timed
+            check_output_path(args.json_path)
+        except ValueError as exc:
+            print(f"kitsune bench: --json {exc}", file=sys.stderr)
+            return 2
     if args.muon:
         return _run_muon(args)
     try:

@@ -8,14 +8,36 @@ from pathlib import Path
 
 from rich.console import Console
 
+from kitsune._paths import check_output_path
 from kitsune.profiler.html import write_html
 from kitsune.profiler.schema import load_profile
 from kitsune.profiler.summary import render_summary
 from kitsune.profiler.trace import export_chrome_trace
 
 
+def _output_problem(args: argparse.Namespace) -> str | None:
+    """The first output (``--html``, ``--trace``) that cannot be written, as one line; None when all can."""
+    taken = {args.profile.resolve(): "the profile itself"}
+    for flag, path in (("--html", args.html), ("--trace", args.trace)):
+        if path is None:
+            continue
+        try:
+            check_output_path(path)
+        except ValueError as exc:
+            return f"{flag} {exc}"
+        where = path.resolve()
+        if where in taken:  # the later write would replace the earlier file, or the profile itself
+            return f"{flag} {path}: is {taken[where]}: name another file"
+        taken[where] = f"the {flag} file too"
+    return None
+
+
 def run_report(args: argparse.Namespace, console: Console | None = None) -> int:
     console = console or Console()
+    problem = _output_problem(args)  # before anything is read or printed
+    if problem is not None:
+        print(f"kitsune report: {problem}", file=sys.stderr)
+        return 2
     try:
         profile = load_profile(args.profile)
     except FileNotFoundError:
