@@ -1,6 +1,6 @@
 """``kitsune.clip_grad_norm_``: torch.nn.utils.clip_grad_norm_ in two launches, with no host sync.
 
-Launch 1 is :class:`~kitsune.kernels.norms.MultiTensorNorm` (every grad's norm and the global norm, deterministic);
+Launch 1 is `MultiTensorNorm` (every grad's norm and the global norm, deterministic);
 launch 2 multiplies every grad by ``min(max_norm / (total + 1e-6), 1)``, reading the global norm on the device.
 One launch for both would need every program to wait for the global norm, a grid-wide barrier: it deadlocks when
 the grid has more programs than the GPU runs at once, and cannot run in Triton's CPU interpreter, which runs
@@ -69,7 +69,7 @@ def _route(grads: list[torch.Tensor], norm_type: float) -> tuple[tuple | None, s
     (device,) = devices
     if device.type == "cpu":
         if not (norms.INTERPRETED and os.environ.get("TRITON_INTERPRET") == "1"):
-            return None, "CPU grads: the kernels need CUDA (or TRITON_INTERPRET=1, as in CI)"
+            return None, "CPU grads: the kernels need CUDA"
     elif device.type != "cuda":
         return None, f"{device.type} grads: the kernels need CUDA"
     dtypes = tuple(map(_DTYPE, grads))

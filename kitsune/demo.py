@@ -1,8 +1,15 @@
-"""``kitsune demo``: train a tiny GPT twice, plain torch vs kitsune, and show both side by side."""
+"""``kitsune demo``: train a tiny GPT with plain torch and with kitsune, and say what the comparison shows.
+
+Both sides train the same model from the same seed on the same batches. Their steps are interleaved in blocks
+(torch then kitsune, then kitsune then torch, ...) with the profiler off on both, and both are timed the same way,
+so a ratio compares like with like and drifts of the machine (clocks, other work) hit both sides alike; the spread
+across blocks says how far to trust it. A third run, kitsune with ``profile=True``, gives the summary and the saved
+profile. Where kitsune is a pass-through (it updates no param itself, as on a CPU) both sides run the same step:
+the demo says so and shows no ratio, since any difference would be noise.
+"""
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -12,11 +19,14 @@ import torch
 import torch.nn.functional as F
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from torch import nn
 
+from kitsune.fusion import Route
 from kitsune.optimizer import KitsuneOptimizer
+from kitsune.profiler.core import quantile
+from kitsune.profiler.summary import Prose, times
 
 
 class Block(nn.Module):
@@ -77,7 +87,38 @@ class RunResult:
     step_ms: list[float] = field(default_factory=list)
     """Time of each ``optimizer.step()`` (CUDA events on GPU, wall clock on CPU)."""
     iter_ms: list[float] = field(default_factory=list)
-    """Time of each whole training iteration."""
+    """Time of each whole training iteration (forward, backward, step, zero_grad and reading the loss)."""
+
+
+@dataclass
+class Spread:
+    """A median with its 10th and 90th percentiles."""
+
+    p50: float
+    p10: float
+    p90: float
+
+    @classmethod
+    def of(cls, values: list[float]) -> Spread:
+        ordered = sorted(values)
+        return cls(quantile(ordered, 0.5), quantile(ordered, 0.1), quantile(ordered, 0.9))
+
+
+@dataclass
+class Timing:
+    """torch against kitsune over the timed blocks (the first block of each side warms up and is left out)."""
+
+    block: int
+    """Steps per block."""
+    blocks: int
+    """Timed blocks per side."""
+    step: dict[str, Spread]
+    """``optimizer.step()`` ms per side ("torch", "kitsune"), over every step of the timed blocks."""
+    iteration: dict[str, Spread]
+    """Whole-iteration ms per side."""
+    step_speedup: Spread
+    """torch's median step / kitsune's, one ratio per block: above 1, kitsune's step is faster."""
+    iteration_speedup: Spread
 
 
 @dataclass
@@ -85,17 +126,17 @@ class DemoResult:
     baseline: RunResult
     kitsune: RunResult
     optimizer: KitsuneOptimizer
+    """The optimizer whose profile was saved (kitsune with ``profile=True``)."""
     profile_path: Path
     device: torch.device
+    pass_through: bool = False
+    """kitsune updated no param itself: both sides ran the wrapped optimizer's own step, and nothing was timed."""
+    timing: Timing | None = None
+    """The comparison, when there was one and enough blocks to give a spread."""
 
     @property
     def max_loss_diff(self) -> float:
         return max(abs(a - b) for a, b in zip(self.baseline.losses, self.kitsune.losses, strict=True))
-
-
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2] if ordered else math.nan
 
 
 def _timer(device: torch.device) -> Callable[[Callable[[], None]], float]:
@@ -117,31 +158,65 @@ def _timer(device: torch.device) -> Callable[[Callable[[], None]], float]:
 def best_settings(device: torch.device) -> dict[str, bool]:
     """The kitsune options this machine supports: GPU-only features only where there is a GPU."""
     cuda = device.type == "cuda"
-    return {"enable_fusion": cuda, "capture_graph": cuda, "profile": True}
+    return {"enable_fusion": cuda, "capture_graph": cuda}
 
 
-def _train(
-    name: str,
-    model: nn.Module,
-    opt: torch.optim.Optimizer,
-    batches: list[tuple[torch.Tensor, torch.Tensor]],
-    device: torch.device,
-    progress: Progress,
-) -> RunResult:
-    result = RunResult(name)
-    timed = _timer(device)
-    task = progress.add_task(name, total=len(batches))
-    for x, y in batches:
-        t0 = time.perf_counter()
-        logits = model(x)
-        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-        loss.backward()
-        result.step_ms.append(timed(opt.step))
-        opt.zero_grad(set_to_none=True)
-        result.losses.append(loss.item())
-        result.iter_ms.append((time.perf_counter() - t0) * 1e3)
-        progress.advance(task)
-    return result
+@dataclass
+class _Side:
+    """One optimizer training its own copy of the model through the shared batches."""
+
+    result: RunResult
+    model: nn.Module
+    opt: torch.optim.Optimizer
+    task: TaskID
+    done: int = 0
+
+    def train(
+        self, batches: list[tuple[torch.Tensor, torch.Tensor]], n: int, device: torch.device, progress: Progress
+    ) -> None:
+        timed = _timer(device)
+        for x, y in batches[self.done : self.done + n]:
+            t0 = time.perf_counter()
+            logits = self.model(x)
+            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+            loss.backward()
+            self.result.step_ms.append(timed(self.opt.step))
+            self.opt.zero_grad(set_to_none=True)
+            self.result.losses.append(loss.item())
+            self.result.iter_ms.append((time.perf_counter() - t0) * 1e3)
+            progress.advance(self.task)
+        self.done = min(self.done + n, len(batches))
+
+
+def block_size(steps: int) -> int:
+    """Steps per block: 10, or fewer so that a short run still has several blocks."""
+    return max(1, min(10, steps // 5))
+
+
+def _timing(torch_run: RunResult, kitsune_run: RunResult, block: int) -> Timing | None:
+    """Per-side spreads and per-block ratios, the first block left out; None with fewer than 3 timed blocks."""
+    steps = len(torch_run.step_ms)
+    blocks = [(lo, min(lo + block, steps)) for lo in range(block, steps, block)]
+    if len(blocks) < 3:
+        return None
+
+    def ratio(attr: str) -> Spread:
+        per_block = []
+        for lo, hi in blocks:
+            t, k = (Spread.of(getattr(r, attr)[lo:hi]).p50 for r in (torch_run, kitsune_run))
+            per_block.append(t / k)
+        return Spread.of(per_block)
+
+    def sides(attr: str) -> dict[str, Spread]:
+        return {r.name: Spread.of(getattr(r, attr)[block:]) for r in (torch_run, kitsune_run)}
+
+    return Timing(block, len(blocks), sides("step_ms"), sides("iter_ms"), ratio("step_ms"), ratio("iter_ms"))
+
+
+def _updates_params(opt: KitsuneOptimizer) -> bool:
+    """Whether kitsune's plan sends any param to a step of its own choosing (not the wrapped optimizer's)."""
+    plan = opt.plan
+    return plan is not None and any(b.route is not Route.BASE_STEP for b in plan.buckets)
 
 
 def run_demo(
@@ -151,7 +226,7 @@ def run_demo(
     seed: int = 0,
     console: Console | None = None,
 ) -> DemoResult:
-    """Train the tiny GPT with the plain torch AdamW and with KitsuneOptimizer; print and return both."""
+    """Train the tiny GPT with the plain torch AdamW and with KitsuneOptimizer; print what that shows and return it."""
     console = console or Console()
     dev = torch.device(
         "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
@@ -167,44 +242,122 @@ def run_demo(
         return model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
 
     settings = best_settings(dev)
+    # without fusion kitsune is a pass-through: nothing to time, so the kitsune side itself can carry the profiler;
+    # with it, the timed sides both run without the profiler and a third run carries it
+    timed = settings["enable_fusion"]
     n_params = sum(p.numel() for p in fresh()[0].parameters())
+    flags = ", ".join(f"{k}={v}" for k, v in settings.items())
     console.print(
-        f"[bold]kitsune demo[/]: TinyGPT ({n_params / 1e6:.2f}M params) on {dev.type}, {steps} steps, AdamW; "
-        f"kitsune settings: {', '.join(f'{k}={v}' for k, v in settings.items())}"
+        f"[bold]kitsune demo[/]: TinyGPT ({n_params / 1e6:.2f}M params) on {dev.type}, {steps} steps, "
+        f"AdamW(lr=3e-3, weight_decay=0.1), same seed and batches on every side"
     )
+    if timed:
+        console.print(
+            Prose(
+                f"kitsune: KitsuneOptimizer(AdamW, {flags}), timed against torch in alternating blocks with the "
+                "profiler off on both sides; a third run with profile=True gives the summary and the profile"
+            )
+        )
+    else:
+        console.print(Prose(f"kitsune: KitsuneOptimizer(AdamW, {flags}, profile=True)"))
     columns = (TextColumn("{task.description:>8}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as progress:
-        model, opt = fresh()
-        baseline = _train("torch", model, opt, batches, dev, progress)
-        model, opt = fresh()
-        kopt = KitsuneOptimizer(opt, **settings)
-        ours = _train("kitsune", model, kopt, batches, dev, progress)
 
-    result = DemoResult(baseline, ours, kopt, Path(profile_path), dev)
+        def side(name: str, **kwargs: bool) -> _Side:
+            model, opt = fresh()
+            if kwargs:
+                opt = KitsuneOptimizer(opt, **settings, **kwargs)
+            return _Side(RunResult(name), model, opt, progress.add_task(name, total=steps))
+
+        torch_side, kitsune_side = side("torch"), side("kitsune", profile=not timed)
+        n = block_size(steps)
+        for i in range((steps + n - 1) // n):  # torch first in even blocks, kitsune first in odd ones
+            for s in (torch_side, kitsune_side) if i % 2 == 0 else (kitsune_side, torch_side):
+                s.train(batches, n, dev, progress)
+        profiled = side("profiled", profile=True) if timed else kitsune_side
+        if timed:
+            profiled.train(batches, steps, dev, progress)
+
+    assert isinstance(kitsune_side.opt, KitsuneOptimizer) and isinstance(profiled.opt, KitsuneOptimizer)
+    pass_through = not _updates_params(kitsune_side.opt)
+    timing = None if pass_through else _timing(torch_side.result, kitsune_side.result, n)
+    result = DemoResult(
+        torch_side.result, kitsune_side.result, profiled.opt, Path(profile_path), dev, pass_through, timing
+    )
     _print_comparison(result, console)
-    kopt.print_summary(console=console)
-    path = kopt.save_profile(profile_path)
+    profiled.opt.print_summary(console=console)
+    path = profiled.opt.save_profile(profile_path)
     console.print(f"profile written to [bold]{escape(str(path))}[/]", soft_wrap=True)
     return result
 
 
 def _print_comparison(result: DemoResult, console: Console) -> None:
-    table = Table(title="torch vs kitsune (medians)", title_justify="left")
-    for col in ("run", "first loss", "final loss", "optimizer.step ms", "iteration ms"):
-        table.add_column(col, justify="right" if col != "run" else "left")
-    for run in (result.baseline, result.kitsune):
-        table.add_row(
-            run.name,
-            f"{run.losses[0]:.4f}",
-            f"{run.losses[-1]:.4f}",
-            f"{_median(run.step_ms):.3f}",
-            f"{_median(run.iter_ms):.2f}",
-        )
-    console.print(table)
+    torch_run, ours = result.baseline, result.kitsune
+    steps = len(torch_run.losses)
+    console.print(f"[bold]torch vs kitsune[/] ({steps} steps each)")
+    facts = Table.grid(padding=(0, 2))
+    facts.add_column(no_wrap=True)
+    facts.add_column()
     diff = result.max_loss_diff
     if diff == 0.0:
-        console.print("loss curves: [green]bit-identical[/] at every step")
+        loss = f"{torch_run.losses[0]:.4f} -> {torch_run.losses[-1]:.4f} on both sides: bit-identical at every step"
     else:
-        console.print(f"loss curves: largest difference {diff:.3e} over {len(result.baseline.losses)} steps")
-    ratio = _median(result.baseline.step_ms) / _median(result.kitsune.step_ms)
-    console.print(f"optimizer.step: kitsune/torch speedup {ratio:.2f}x (medians of this run)")
+        loss = (
+            f"torch {torch_run.losses[0]:.4f} -> {torch_run.losses[-1]:.4f}, kitsune {ours.losses[0]:.4f} -> "
+            f"{ours.losses[-1]:.4f}; the largest difference at any step is {diff:.3e}"
+        )
+    facts.add_row("loss", Prose(loss))
+    timing = result.timing
+    if result.pass_through:
+        speed = (
+            "not compared: kitsune was a pass-through here (see the summary below), so both sides ran AdamW's own "
+            "step and a ratio would only measure noise"
+        )
+        facts.add_row("speed", Prose(speed))
+    elif timing is None:
+        few = f"not compared: {steps} steps are too few for 3 timed blocks after the warm-up (try --steps 40)"
+        facts.add_row("speed", Prose(few))
+    else:
+        source = "CUDA events" if result.device.type == "cuda" else "wall clock"
+        how = (
+            f"{timing.blocks} blocks of {timing.block} steps a side, alternating, after one warm-up block left "
+            f"out; the profiler off on both sides; optimizer.step() timed with {source}"
+        )
+        facts.add_row("timed", Prose(how))
+    console.print(facts)
+    if timing is None:
+        return
+    table = Table(title="median (p10-p90); speed-up: torch's time / kitsune's, per block", title_justify="left")
+    table.add_column("")
+    table.add_column("optimizer.step() ms", justify="right")
+    table.add_column("whole iteration ms", justify="right")
+    for side in ("torch", "kitsune"):
+        table.add_row(
+            side, *(f"{_ms(s.p50)} ({_ms(s.p10)}-{_ms(s.p90)})" for s in (timing.step[side], timing.iteration[side]))
+        )
+    ratios = (timing.step_speedup, timing.iteration_speedup)
+    table.add_row("kitsune speed-up", *(f"{times(r.p50)} ({times(r.p10)}-{times(r.p90)})" for r in ratios))
+    console.print(table)
+    console.print(Prose(_verdict(timing)))
+
+
+def _ms(value: float) -> str:
+    return f"{value:.4g}"
+
+
+def _verdict(timing: Timing) -> str:
+    """The one-line reading of the table: only what the spread supports."""
+
+    def reading(ratio: Spread) -> str:
+        if ratio.p10 > 1.0:
+            return f"kitsune {times(ratio.p50)} as fast"
+        if ratio.p90 < 1.0:
+            return f"kitsune slower ({times(ratio.p50)})"
+        return f"no difference this run can tell apart ({times(ratio.p50)}, and the spread spans 1x)"
+
+    share = timing.step["torch"].p50 / timing.iteration["torch"].p50
+    return (
+        f"optimizer.step(): {reading(timing.step_speedup)}; whole iteration: {reading(timing.iteration_speedup)}. "
+        f"torch's step is {share:.0%} of its iteration here; forward and backward are the rest, and kitsune leaves "
+        "them alone."
+    )

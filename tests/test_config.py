@@ -54,7 +54,7 @@ INVALID = [
     (lambda: GradConfig(norm_type=[2]), "norm_type", "must be 2 or inf"),
     (lambda: FusionConfig(min_fusion_benefit=float("inf")), "min_fusion_benefit", "finite number"),
     (lambda: ProfilerConfig(nvml_interval_s=float("inf")), "nvml_interval_s", "finite number"),
-    (lambda: ProfilerConfig(compare_steps=1), "compare_steps", "use 2 or more (10 by default), or 0"),
+    (lambda: ProfilerConfig(compare_steps=1), "compare_steps", "use 2 or more (10 is a good length), or 0"),
 ]
 
 

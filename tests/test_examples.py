@@ -55,7 +55,7 @@ def check_amp_float16(out: str, tmp: Path) -> None:
     assert "update skipped (params unchanged: True), loss scale 65536 -> 32768" in out
     assert re.search(r"loss scale 32768, skipped steps 1, host syncs in step\(\) \d+", out)
     assert "on CPU:" in out and "reads the inf/nan flag on the host once per step" in out
-    assert "kitsune summary" in out and "dtype=float16" in out
+    assert "kitsune summary" in out and "dtype: float16" in out
 
 
 def check_amp_bfloat16(out: str, tmp: Path) -> None:
@@ -63,7 +63,7 @@ def check_amp_bfloat16(out: str, tmp: Path) -> None:
     assert last < 0.5 * first
     assert "forward output dtype torch.bfloat16" in out
     assert "loss scale 1, skipped steps 0, host syncs in step() 0" in out
-    assert "kitsune summary" in out and "dtype=bfloat16" in out
+    assert "kitsune summary" in out and "dtype: bfloat16" in out
 
 
 def check_checkpoint_resume(out: str, tmp: Path) -> None:

@@ -12,7 +12,7 @@ hyperparameter buffer). A bucket takes the first route that can run it:
    foreach paths, fusion disabled) and for every CPU param unless ``TRITON_INTERPRET=1``, so that on a CPU-only
    machine results stay bit-identical to the unwrapped optimizer.
 
-:func:`Planner.plan` only decides and builds the executors' units; it changes no param, grad or state.
+`Planner.plan` only decides and builds the executors' units; it changes no param, grad or state.
 """
 
 from __future__ import annotations
@@ -298,8 +298,8 @@ def _param_reason(p: torch.Tensor) -> tuple[Route | None, str]:
         return Route.BASE_STEP, "sparse grads: only the optimizer's own step handles them"
     if p.device.type == "cpu" and not interpreting():
         return Route.BASE_STEP, (
-            "CPU tensors: fused Triton kernels need CUDA (with TRITON_INTERPRET=1 they run on CPU, as in CI); "
-            "the wrapped optimizer's own step keeps results bit-identical"
+            "CPU tensors: kitsune's fused kernels need CUDA; the wrapped optimizer's own step updates these, "
+            "bit-identical to it without kitsune"
         )
     if p.device.type not in ("cuda", "cpu"):
         return Route.BASE_STEP, f"{p.device.type} tensors: the fused Triton kernels run on CUDA"
@@ -320,7 +320,7 @@ def _param_reason(p: torch.Tensor) -> tuple[Route | None, str]:
 
 def _shard_route(p: torch.Tensor, spec: Any, mesh: list[Any]) -> tuple[Route | None, str]:
     """For a DTensor param the fused kernel could otherwise take: (None, reason) when it runs on the local shard
-    (FSDP2); else the wrapped optimizer's own step and why (see :mod:`kitsune.distributed.fsdp`). ``mesh`` holds
+    (FSDP2); else the wrapped optimizer's own step and why (see `kitsune.distributed.fsdp`). ``mesh`` holds
     the one device mesh the fused kernel takes (the first met)."""
     why = fsdp.shard_reason(p)
     if why is None and isinstance(spec, MuonSpec):

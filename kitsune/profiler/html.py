@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 from html import escape
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,19 @@ from typing import Any
 from kitsune.profiler.core import TimeStats, quantile
 from kitsune.profiler.nvml import FIELDS
 from kitsune.profiler.schema import Profile
-from kitsune.profiler.summary import format_bytes, headline, plan_rows, probe_lines, subsystem_detail
+from kitsune.profiler.summary import (
+    Explained,
+    bucket_label,
+    comparison_text,
+    explain,
+    format_bytes,
+    headline,
+    plan_rows,
+    predicted_speedup,
+    probe_lines,
+    readable_value,
+    times,
+)
 
 STEP_COLOR, HOST_COLOR, P50_COLOR, P90_COLOR, GPU_COLOR = "#d9480f", "#1971c2", "#2b8a3e", "#e67700", "#6741d9"
 
@@ -19,12 +32,14 @@ body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; color: 
        max-width: 1100px; margin: 24px auto; padding: 0 16px; }
 h1 { font-size: 22px; margin-bottom: 4px; } h2 { font-size: 17px; margin-top: 28px; border-bottom: 1px solid #dee2e6; }
 .sub { color: #6c757d; margin-top: 0; }
-table { border-collapse: collapse; margin: 8px 0 12px; }
+table { border-collapse: collapse; margin: 8px 0 12px; max-width: 100%; }
 th, td { border: 1px solid #dee2e6; padding: 3px 10px; text-align: left; vertical-align: top; }
+td { overflow-wrap: break-word; } p { overflow-wrap: anywhere; }
 th { background: #f1f3f5; } tr:nth-child(even) td { background: #f8f9fa; }
-td.num { text-align: right; font-variant-numeric: tabular-nums; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
 .active { color: #2b8a3e; font-weight: 600; } .inactive { color: #e67700; font-weight: 600; }
-.grid { display: flex; gap: 24px; flex-wrap: wrap; } .note { color: #6c757d; }
+.grid { display: flex; gap: 24px; flex-wrap: wrap; } .grid > div { flex: 1 1 320px; min-width: 0; }
+.note { color: #6c757d; } .lead { font-weight: 600; }
 svg.plot { display: block; width: 100%; height: auto; margin: 8px 0 16px; }
 svg.plot text { font: 12px system-ui, sans-serif; fill: #495057; }
 """
@@ -158,20 +173,36 @@ class _Raw(str):
     """Markup already escaped."""
 
 
-def _flatten(d: dict[str, Any], prefix: str = "") -> list[list[Any]]:
+def _flatten(d: dict[str, Any], prefix: str = "", in_bytes: bool = False) -> list[list[Any]]:
+    """Nested dicts as ``a.b.c`` rows, each value for people (byte counts in KiB/MiB/GiB)."""
     rows = []
     for key, value in d.items():
         if isinstance(value, dict) and value:
-            rows.extend(_flatten(value, f"{prefix}{key}."))
+            rows.extend(_flatten(value, f"{prefix}{key}.", in_bytes or "bytes" in key))
         else:
-            rows.append([f"{prefix}{key}", value])
+            rows.append([f"{prefix}{key}", readable_value(key, value, in_bytes)])
     return rows
 
 
 def _stats_rows(label: str, stats: TimeStats | None) -> list[list[Any]]:
     if stats is None:
         return []
-    return [[label, *(f"{v:.4f}" for v in (stats.p50_ms, stats.p90_ms, stats.mean_ms, stats.min_ms, stats.max_ms))]]
+    values = (stats.p50_ms, stats.p90_ms, stats.mean_ms, stats.min_ms, stats.max_ms)
+    return [[label, stats.count, *(f"{v:.4f}" for v in values)]]
+
+
+def _counts(profile: Profile) -> str:
+    """How many steps were timed and how many the statistics and plots use: the probe's and the comparison's
+    baseline steps are left out, and so are records beyond ``max_step_records``."""
+    metrics = profile.metrics
+    assert metrics is not None and metrics.step_time is not None
+    modes = Counter(r.mode for r in profile.steps)
+    kinds = (("probe", "probe"), ("baseline", "comparison baseline"))
+    left_out = [f"{modes[mode]} {what}" for mode, what in kinds if modes[mode]]
+    if metrics.steps_timed > len(profile.steps):
+        left_out.append(f"{metrics.steps_timed - len(profile.steps)} older than the kept records")
+    text = f"{metrics.steps_timed} steps timed; {metrics.step_time.count} in the statistics and plots below"
+    return text + (f" (left out: {', '.join(left_out)})" if left_out else "")
 
 
 def _timing_section(profile: Profile) -> list[str]:
@@ -182,10 +213,10 @@ def _timing_section(profile: Profile) -> list[str]:
     if metrics.step_time is None or not profile.steps:
         return [*out, '<p class="note">No step was timed.</p>']
     source = "CUDA events" if metrics.timing == "cuda_events" else "host clock"
-    out.append(f'<p class="sub">{metrics.steps_timed} steps timed ({source}); {len(profile.steps)} kept.</p>')
-    header = ["ms/step", "p50", "p90", "mean", "min", "max"]
+    out.append(f'<p class="sub" id="step-counts">{escape(_counts(profile))}; timed with {source}.</p>')
+    header = ["ms/step", "steps", "p50", "p90", "mean", "min", "max"]
     rows = _stats_rows("step", metrics.step_time) + _stats_rows("host", metrics.host_time)
-    out.append(_table(header, rows, numeric={1, 2, 3, 4, 5}))
+    out.append(_table(header, rows, numeric={1, 2, 3, 4, 5, 6}))
     kept = [r for r in profile.steps if r.mode == "kitsune"]  # probe and baseline steps are not kitsune's times
     steps = [float(r.step) for r in kept]
     for svg_id, title, values, stats, color in (
@@ -207,7 +238,7 @@ def _timing_section(profile: Profile) -> list[str]:
     return out
 
 
-def _comparison_section(profile: Profile) -> list[str]:
+def _comparison_section(profile: Profile, explained: Explained) -> list[str]:
     metrics = profile.metrics
     if metrics is None:
         return []
@@ -216,8 +247,8 @@ def _comparison_section(profile: Profile) -> list[str]:
     if cmp is not None and cmp.status == "measured":
         assert cmp.kitsune and cmp.baseline_time and cmp.kitsune_host and cmp.baseline_host
         out.append(
-            f'<p class="sub">Against {escape(cmp.baseline or "?")}: kitsune\'s step {cmp.speedup:.2f}x as fast '
-            f"(spread {cmp.speedup_low:.2f}x-{cmp.speedup_high:.2f}x; host time {cmp.host_speedup:.2f}x), "
+            f'<p class="sub">Against {escape(cmp.baseline or "?")}: kitsune\'s step {times(cmp.speedup)} as fast '
+            f"(spread {times(cmp.speedup_low)}-{times(cmp.speedup_high)}; host time {times(cmp.host_speedup)}), "
             "measured on this run.</p>"
         )
         rows = [
@@ -228,8 +259,8 @@ def _comparison_section(profile: Profile) -> list[str]:
             )
         ]
         out.append(_table(["step", "steps", "p50 ms", "p10-p90 ms", "host p50 ms"], rows, numeric={1, 2, 3, 4}))
-    elif cmp is not None:
-        out.append(f'<p class="note">Speedup: {escape(cmp.status)}: {escape(cmp.reason or "")}</p>')
+    elif cmp is not None and not (explained.pass_through and cmp.status == "not_applicable"):  # said at the top
+        out.append(f'<p class="note">{escape(comparison_text(cmp))}</p>')
     out.extend(f'<p class="note">{escape(line.strip())}</p>' for line in probe_lines(metrics))
     return out
 
@@ -290,14 +321,41 @@ def _memory_section(profile: Profile) -> list[str]:
     return out
 
 
+def _plan_section(plan: dict[str, Any], explained: Explained) -> list[str]:
+    facts, tables = plan_rows(plan)
+    out = ['<h2 id="plan">Plan</h2>']
+    if facts:
+        out.append(_table(None, [list(f) for f in facts]))
+    for name, rows in tables.items():
+        out.append(f"<h3>{escape(name)}</h3>")
+        if name == "buckets":
+            out.append('<p class="note">speedup: the cost model\'s prediction, not a measurement.</p>')
+            header = ["bucket", "route", "tensors", "elements", "launches", "speedup", "reason"]
+            cells = [
+                [bucket_label(b), b.get("route", ""), b.get("tensors", ""), f"{b.get('elements', 0):,}"]
+                + [b.get("launches", ""), predicted_speedup(b), explained.notes[n - 1]]
+                for b, n in zip(rows, explained.bucket_notes, strict=False)
+            ]
+            out.append(_table(header, cells, numeric={2, 3, 4, 5}))
+            continue
+        columns = list(dict.fromkeys(k for row in rows for k in row))
+        out.append(_table(columns, [[readable_value(c, row.get(c, "")) for c in columns] for row in rows]))
+    return out
+
+
 def render_html(profile: Profile) -> str:
     """The report page as one string."""
     env = profile.environment
+    explained = explain(profile)
     title = f"kitsune profile: {headline(profile)}"
     body = [
         f"<h1>{escape(title)}</h1>",
         f'<p class="sub">recorded {escape(profile.created.strftime("%Y-%m-%d %H:%M:%S %Z"))}, '
         f"schema {escape(profile.schema_version)}</p>",
+    ]
+    if explained.pass_through:
+        body.append(f'<p class="lead" id="pass-through">{escape(explained.pass_through)}</p>')
+    body += [
         '<div class="grid"><div><h2>Environment</h2>',
         _table(None, [[k, "" if v is None else v] for k, v in env.model_dump().items()]),
         "</div><div><h2>Config</h2>",
@@ -313,22 +371,16 @@ def render_html(profile: Profile) -> str:
                         f'<span class="{"active" if s.active else "inactive"}">'
                         f"{'active' if s.active else 'inactive'}</span>"
                     ),
-                    subsystem_detail(s),
+                    explained.details.get(s.name, ""),
                 ]
                 for s in profile.subsystems
             ],
         ),
     ]
     if profile.plan:
-        facts, tables = plan_rows(profile.plan)
-        body.append('<h2 id="plan">Plan</h2>')
-        if facts:
-            body.append(_table(None, [list(f) for f in facts]))
-        for name, rows in tables.items():
-            columns = list(dict.fromkeys(k for row in rows for k in row))
-            body.append(f"<h3>{escape(name)}</h3>")
-            body.append(_table(columns, [[row.get(c, "") for c in columns] for row in rows]))
-    body += _timing_section(profile) + _comparison_section(profile) + _nvml_section(profile) + _memory_section(profile)
+        body += _plan_section(profile.plan, explained)
+    body += _timing_section(profile) + _comparison_section(profile, explained)
+    body += _nvml_section(profile) + _memory_section(profile)
     return "\n".join(
         [
             "<!DOCTYPE html>",

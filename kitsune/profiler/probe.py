@@ -8,11 +8,16 @@ During each probe step (``ProfilerConfig.probe_steps``, after ``sample_after`` w
   counted with its message;
 * once, the device's copy bandwidth is measured, the denominator of the bandwidth floor.
 
+The probe leaves the run as it found it: it draws no random numbers and takes its copy buffers from the CUDA driver,
+not from torch's caching allocator (see `measure_copy_bandwidth`).
+
 Profiling, the debug mode and the copies slow those steps down, so their times stay out of the statistics.
 """
 
 from __future__ import annotations
 
+import ctypes
+import sys
 import warnings
 from typing import Any, Literal
 
@@ -63,19 +68,63 @@ def _is_copy(name: str) -> bool:
     return name.startswith(("cudaMemcpy", "cudaMemset", "cuMemcpy", "cuMemset"))
 
 
+class _DriverMemory:
+    """``nbytes`` of device memory straight from the CUDA driver (``cuMemAlloc``), outside torch's caching allocator,
+    seen by torch as a float32 tensor through ``__cuda_array_interface__``. Freed by `free`, after the device
+    is done with it."""
+
+    def __init__(self, device: torch.device, nbytes: int) -> None:
+        self._driver = ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")
+        self.device = device
+        ptr = ctypes.c_uint64(0)
+        with torch.cuda.device(device):  # makes the device's primary context, torch's, current for the driver call
+            err = self._driver.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(nbytes))
+        if err == 2:  # CUDA_ERROR_OUT_OF_MEMORY
+            raise torch.OutOfMemoryError(f"cuMemAlloc of {nbytes} bytes: out of memory")
+        if err:
+            raise RuntimeError(f"cuMemAlloc of {nbytes} bytes failed (CUresult {err})")
+        self._ptr = ptr.value
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes // 4,),
+            "typestr": "<f4",
+            "data": (self._ptr, False),
+            "version": 2,
+            "strides": None,
+        }
+
+    def tensor(self) -> torch.Tensor:
+        return torch.as_tensor(self, device=self.device)
+
+    def free(self) -> None:
+        torch.cuda.synchronize(self.device)
+        self._driver.cuMemFree_v2(ctypes.c_uint64(self._ptr))
+
+
 def measure_copy_bandwidth(device: torch.device, nbytes: int = 128 * 1024 * 1024, repeats: int = 5) -> float:
-    """Device copy rate in GB/s: the median of ``repeats`` copies of ``nbytes``, counting reads and writes."""
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # warm
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+    """Device copy rate in GB/s: the median of ``repeats`` copies of ``nbytes``, counting reads and writes.
+
+    The profiler must leave the user's run as it found it, so the two buffers come from the CUDA driver, not from
+    torch's caching allocator (whose peak statistics, cached segments and tensor addresses the user can see), and
+    are not filled: a copy moves the same bytes whatever they hold, and random numbers would be drawn from the
+    global CUDA generator, changing the user's dropout masks and every later random draw.
+    """
+    memory: list[_DriverMemory] = []
+    try:
+        memory += [_DriverMemory(device, nbytes), _DriverMemory(device, nbytes)]
+        src, dst = (m.tensor() for m in memory)
+        dst.copy_(src)  # warm
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        del src, dst
+    finally:
+        for m in memory:
+            m.free()
     times.sort()
     return 2 * nbytes / (times[len(times) // 2] * 1e-3) / 1e9
 
@@ -133,6 +182,8 @@ class Probe:
                 self._bandwidth = measure_copy_bandwidth(device)
             except torch.OutOfMemoryError:
                 self._errors.append("copy bandwidth not measured: no free GPU memory for a 256 MiB copy test")
+            except (OSError, RuntimeError) as exc:  # no CUDA driver library to load, or its call failed
+                self._errors.append(f"copy bandwidth not measured: {exc}")
         try:
             from torch.profiler import ProfilerActivity, profile
 

@@ -1,15 +1,20 @@
 """The summary: rich tables of the subsystems, the plan, the step timings, GPU telemetry and memory.
 
 A live optimizer and a saved profile render through the same code: ``print_summary(opt)`` builds the
-:class:`~kitsune.profiler.schema.Profile` that ``save_profile`` would write and renders that.
+[`Profile`][kitsune.profiler.schema.Profile] that ``save_profile`` would write and renders that. It reads at any width:
+long text (reasons, notes) wraps in full-width rows or in a numbered list under its table, each reason is printed
+once and referred to after that, and byte counts and nested reports are written out for people.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import textwrap
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rich.console import Console, Group, RenderableType
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
@@ -29,22 +34,165 @@ def format_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def subsystem_detail(status: SubsystemStatus) -> str:
-    """The reason when inactive, else what the subsystem reported (the plan has its own table)."""
-    if not status.active:
-        return status.reason or ""
-    return ", ".join(f"{k}={v}" for k, v in status.report.items() if k != "plan")
+def _counts_bytes(key: str) -> bool:
+    return "bytes" in key or key == "pool_size"  # pool_size: MemoryConfig's, in bytes
 
 
-def subsystem_table(statuses: Sequence[SubsystemStatus | dict[str, Any]]) -> Table:
+def readable_value(key: str, value: Any, in_bytes: bool = False) -> str:
+    """One report or config value for people: byte counts (keys naming bytes, and what is nested under them) in
+    KiB/MiB/GiB, floats to 4 digits, nested dicts as ``name (key: value, ...)``, lists comma-separated."""
+    in_bytes = in_bytes or _counts_bytes(key)
+    if isinstance(value, Mapping):
+        items = [
+            f"{k} ({text})" if isinstance(v, Mapping) else f"{k}: {text}"
+            for k, v, text in ((k, v, readable_value(k, v, in_bytes)) for k, v in value.items())
+        ]
+        return ", ".join(items) or "none"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(readable_value(key, v, in_bytes) for v in value) or "none"
+    if isinstance(value, bool) or value is None:
+        return str(value)
+    if isinstance(value, int) and in_bytes:
+        return format_bytes(value)
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def readable(report: Mapping[str, Any]) -> str:
+    """A subsystem's report as ``key: value; key: value`` text (None values left out)."""
+    return "; ".join(f"{k}: {readable_value(k, v)}" for k, v in report.items() if v is not None)
+
+
+def wrap(text: str, width: int, indent: str = "") -> list[str]:
+    """``text`` in lines of at most ``width``, continuation lines indented, and never one word alone on the last line
+    when the line above can give it a neighbour."""
+    lines = textwrap.wrap(text, max(width, 1), subsequent_indent=indent, break_on_hyphens=False) or [""]
+    if len(lines) > 1 and len(lines[-1].split()) == 1 and len(lines[-2].split()) > 2:
+        head, _, word = lines[-2].rpartition(" ")
+        last = f"{indent}{word} {lines[-1].strip()}"
+        if len(last) <= width:
+            lines[-2:] = [head, last]
+    return lines
+
+
+class Prose:
+    """Plain text (no markup) that wraps at words with `wrap`: in a table cell or as a full-width row."""
+
+    def __init__(self, text: str, indent: str = "", style: str = "") -> None:
+        self.text, self.indent, self.style = text, indent, style
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        yield Text("\n".join(wrap(self.text, options.max_width, self.indent)), style=self.style, no_wrap=True)
+
+    def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
+        longest = max((len(w) for w in self.text.split()), default=0) + len(self.indent)
+        return Measurement(min(longest, options.max_width), min(len(self.text), options.max_width))
+
+
+# -- what the summary says in words ------------------------------------------------------------------------------
+CPU_FALLBACK = "CPU tensors:"
+"""How the planner's reason for CPU params begins (they go to the wrapped optimizer's own step)."""
+CPU_REASON = (
+    "CPU params: kitsune's fused kernels need CUDA, so the wrapped optimizer's own step updates these, "
+    "bit-identical to the optimizer without kitsune"
+)
+
+
+@dataclass
+class Explained:
+    """The summary's words, each reason once: the pass-through line, each subsystem's detail and the plan's notes.
+    The terminal summary and the HTML report both show these."""
+
+    pass_through: str | None = None
+    """Set when kitsune updated no param itself: what that means for the results and for speed."""
+    details: dict[str, str] = field(default_factory=dict)
+    """Subsystem name -> what it reported (active) or why it is inactive, a reason printed before referred to."""
+    notes: list[str] = field(default_factory=list)
+    """The plan's distinct reasons, numbered from 1 in the summary."""
+    bucket_notes: list[int] = field(default_factory=list)
+    """Each bucket's note number."""
+
+
+def pass_through_line(profile: Profile) -> str | None:
+    """What a run in which kitsune updated no param itself means, or None when kitsune did update params."""
+    active = {s.name for s in profile.subsystems if s.active}
+    if active & {"fusion", "shard", "amp"} or (profile.config.get("grads") or {}).get("max_norm") is not None:
+        return None
+    if any(b.get("route") != "base_step" for b in (profile.plan or {}).get("buckets") or []):
+        return None
+    name = profile.optimizer
+    line = (
+        f"pass-through: {name}'s own step updated every param, so the results are bit-identical to {name} without "
+        "kitsune."
+    )
+    if profile.environment.device == "cpu":
+        return f"{line} kitsune's fused kernels need CUDA params: on CPU it has no faster step to offer."
+    return f"{line} kitsune's kernels did not run (the fusion row below says why), so there is no speed-up to measure."
+
+
+def _refer(text: str, said: list[tuple[str, str]]) -> str:
+    """``text`` with every reason printed before replaced by how to find it (longest first: reasons nest)."""
+    for before, ref in sorted(said, key=lambda s: -len(s[0])):
+        if before and before in text:
+            text = text.replace(before, ref)
+    return text
+
+
+def subsystem_details(
+    statuses: Sequence[SubsystemStatus | dict[str, Any]], said: list[tuple[str, str]] | None = None
+) -> dict[str, str]:
+    """Subsystem name -> what it reported (active) or why it is inactive; a reason another row (or ``said``) has
+    given already is referred to, not repeated."""
+    said = [] if said is None else said
+    out = {}
+    for s in statuses:
+        status = s if isinstance(s, SubsystemStatus) else SubsystemStatus(**s)
+        if status.active:
+            out[status.name] = readable({k: v for k, v in status.report.items() if k != "plan"})
+            continue
+        out[status.name] = _refer(status.reason or "", said)
+        if status.reason and len(status.reason) >= 20:
+            said.append((status.reason, f"see {status.name}"))
+    return out
+
+
+def explain(profile: Profile) -> Explained:
+    """The words of the summary of ``profile``: the plan's reasons first (the subsystems' reasons quote them)."""
+    out = Explained(pass_through=pass_through_line(profile))
+    said: list[tuple[str, str]] = []  # (a reason as its source wrote it, how later text refers to it)
+    for b in (profile.plan or {}).get("buckets") or []:
+        reason = str(b.get("reason", ""))
+        cpu = b.get("device") == "cpu" and b.get("route") == "base_step" and reason.startswith(CPU_FALLBACK)
+        if cpu and out.pass_through:
+            shown = ref = "CPU params (see pass-through above)"
+        else:
+            # the planner's CPU reason names Triton's interpreter, a test mode far slower than torch: not advice
+            shown = "; ".join([CPU_REASON if cpu else reason, *b.get("notes", [])])
+            ref = ""
+        if shown not in out.notes:
+            out.notes.append(shown)
+        n = out.notes.index(shown) + 1
+        out.bucket_notes.append(n)
+        if len(reason) >= 20:
+            said.append((reason, ref or f"see the plan's note [{n}]"))
+    out.details = subsystem_details(profile.subsystems, said)
+    return out
+
+
+# -- the tables ---------------------------------------------------------------------------------------------------
+def subsystem_table(
+    statuses: Sequence[SubsystemStatus | dict[str, Any]], details: Mapping[str, str] | None = None
+) -> Table:
+    details = subsystem_details(statuses) if details is None else details
     table = Table(title="subsystems", title_justify="left")
     table.add_column("subsystem")
     table.add_column("state")
-    table.add_column("detail", overflow="fold")
+    table.add_column("detail")
     for s in statuses:
         status = s if isinstance(s, SubsystemStatus) else SubsystemStatus(**s)
         state = "[green]active[/]" if status.active else "[yellow]inactive[/]"
-        table.add_row(status.name, state, subsystem_detail(status))
+        table.add_row(status.name, state, Prose(details.get(status.name, "")))
     return table
 
 
@@ -56,53 +204,63 @@ def plan_rows(plan: dict[str, Any]) -> tuple[list[tuple[str, str]], dict[str, li
         if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
             tables[key] = value
         else:
-            facts.append((key, str(value)))
+            facts.append((key, readable_value(key, value)))
     return facts, tables
 
 
-def bucket_table(rows: list[dict[str, Any]]) -> Table:
-    """The plan's buckets, one row each: what runs where and why (the columns of ``rich.print(opt.plan)``)."""
-    table = Table(title="plan: buckets", title_justify="left")
-    table.add_column("bucket", overflow="fold")
-    table.add_column("route")
-    for col in ("tensors", "elements", "launches", "speedup"):
-        table.add_column(col, justify="right")
-    table.add_column("reason", overflow="fold")
-    for b in rows:
-        options = "" if b.get("options") in (None, "-") else f" ({b['options']})"
-        speedup = b.get("predicted_speedup")
+def bucket_label(b: Mapping[str, Any]) -> str:
+    options = "" if b.get("options") in (None, "-", "") else f" ({b['options']})"
+    return f"{b.get('optimizer', '?')}{options} {b.get('dtype', '')} {b.get('device', '')}".strip()
+
+
+def predicted_speedup(b: Mapping[str, Any]) -> str:
+    speedup = b.get("predicted_speedup")
+    return "-" if speedup is None else f"{speedup:.1f}x"
+
+
+def bucket_table(rows: list[dict[str, Any]], explained: Explained) -> Group:
+    """The plan's buckets, one row each (the columns of ``rich.print(opt.plan)``); the reasons, each once, numbered
+    in a list under the table, where they wrap at the full width."""
+    title = "plan: buckets (speedup: the cost model's prediction, not a measurement)"
+    table = Table(title=title, title_justify="left")
+    table.add_column("bucket")
+    table.add_column("route", no_wrap=True)
+    for col in ("tensors", "elements", "launches", "speedup", "note"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for b, n in zip(rows, explained.bucket_notes, strict=False):
         table.add_row(
-            f"{b.get('optimizer', '?')}{options} {b.get('dtype', '')} {b.get('device', '')}",
+            Prose(bucket_label(b)),
             str(b.get("route", "")),
             str(b.get("tensors", "")),
             f"{b['elements']:,}" if isinstance(b.get("elements"), int) else "",
             str(b.get("launches", "")),
-            "-" if speedup is None else f"{speedup:.1f}x (model)",
-            "; ".join([str(b.get("reason", "")), *b.get("notes", [])]),
+            predicted_speedup(b),
+            f"[{n}]",
         )
-    return table
+    notes = [Prose(f"[{i}] {text}", indent="    ") for i, text in enumerate(explained.notes, 1)]
+    return Group(table, *notes)
 
 
-def plan_tables(plan: dict[str, Any]) -> list[Table]:
+def plan_tables(plan: dict[str, Any], explained: Explained) -> list[RenderableType]:
     facts, tables = plan_rows(plan)
-    out = []
+    out: list[RenderableType] = []
     if facts:
         table = Table(title="plan", title_justify="left", show_header=False)
         table.add_column("key")
-        table.add_column("value", overflow="fold")
+        table.add_column("value")
         for key, value in facts:
-            table.add_row(key, value)
+            table.add_row(key, Prose(value))
         out.append(table)
     for name, rows in tables.items():
         if name == "buckets":
-            out.append(bucket_table(rows))
+            out.append(bucket_table(rows, explained))
             continue
         columns = list(dict.fromkeys(k for row in rows for k in row))
         table = Table(title=f"plan: {name}", title_justify="left")
         for col in columns:
-            table.add_column(col, overflow="fold")
+            table.add_column(col)
         for row in rows:
-            table.add_row(*(str(row.get(col, "")) for col in columns))
+            table.add_row(*(Prose(readable_value(col, row.get(col, ""))) for col in columns))
         out.append(table)
     return out
 
@@ -126,18 +284,36 @@ def timing_table(metrics: ProfilerMetrics) -> Table:
     return table
 
 
+def times(ratio: float | None) -> str:
+    """A speed ratio: two decimals, or two significant digits below 0.1 (``0.0042x``, not ``0.00x``)."""
+    if ratio is None:
+        return "-"
+    return f"{ratio:.2f}x" if ratio >= 0.1 else f"{ratio:.2g}x"
+
+
 def _spread(stats: TimeStats) -> str:
     return f"{stats.p10_ms:.4f}-{stats.p90_ms:.4f}" if stats.p10_ms is not None else f"-{stats.p90_ms:.4f}"
+
+
+COMPARISON_STATUS = {"off": "off", "pending": "not run yet", "not_applicable": "not applicable"}
+"""The live comparison's status in words (the profile keeps the field's value)."""
+PROBE_STATUS = {"off": "off", "pending": "not run yet", "unavailable": "not available"}
+
+
+def comparison_text(cmp: Comparison) -> str:
+    """Why there is no measured speedup, in one line."""
+    status = COMPARISON_STATUS.get(cmp.status, cmp.status)
+    return f"live comparison with the wrapped optimizer's own step: {status}: {cmp.reason}"
 
 
 def comparison_renderable(cmp: Comparison) -> RenderableType:
     """The live-measured speedup, or why there is none (a figure appears only when it was measured)."""
     if cmp.status != "measured":
-        return f"speedup over the wrapped optimizer's own step: {cmp.status}: {cmp.reason}"
+        return Prose(comparison_text(cmp))
     assert cmp.kitsune and cmp.baseline_time and cmp.kitsune_host and cmp.baseline_host
     title = (
-        f"live comparison with {cmp.baseline}: kitsune's step {cmp.speedup:.2f}x as fast "
-        f"(spread {cmp.speedup_low:.2f}x-{cmp.speedup_high:.2f}x; host time {cmp.host_speedup:.2f}x)"
+        f"live comparison with {cmp.baseline}: kitsune's step {times(cmp.speedup)} as fast "
+        f"(spread {times(cmp.speedup_low)}-{times(cmp.speedup_high)}; host time {times(cmp.host_speedup)})"
     )
     table = Table(title=title, title_justify="left")
     table.add_column("step")
@@ -155,7 +331,7 @@ def probe_lines(metrics: ProfilerMetrics) -> list[str]:
     if probe is None:
         return []
     if probe.status != "measured":
-        return [f"probe (launches, syncs, bandwidth): {probe.status}: {probe.reason}"]
+        return [f"probe (launches, syncs, bandwidth): {PROBE_STATUS.get(probe.status, probe.status)}: {probe.reason}"]
     counts = [f"{probe.syncs_per_step:g} host sync(s)"]
     if probe.launches_per_step is not None:
         counts = [f"{probe.launches_per_step:g} kernel launch(es)", f"{probe.copies_per_step:g} copy(ies)", *counts]
@@ -187,7 +363,7 @@ def nvml_table(report: NvmlReport) -> Group:
         stats = report.stats.get(name)
         if stats is not None:
             table.add_row(label, unit, f"{stats.mean:.1f}", f"{stats.max:.1f}")
-    return Group(Text(title, style="italic"), table)
+    return Group(Prose(title, style="italic"), table)
 
 
 def memory_table(memory: MemoryInfo) -> Table:
@@ -213,13 +389,16 @@ def headline(profile: Profile) -> str:
 
 def summary_renderables(profile: Profile) -> list[RenderableType]:
     env = profile.environment
+    explained = explain(profile)
     out: list[RenderableType] = [
         f"[bold]kitsune[/] summary: {headline(profile)}",
-        f"[dim]{env.device} ({env.device_name}), torch {env.torch}, kitsune {env.kitsune}[/]",
-        subsystem_table(profile.subsystems),
+        Prose(f"{env.device} ({env.device_name}), torch {env.torch}, kitsune {env.kitsune}", style="dim"),
     ]
+    if explained.pass_through:
+        out.append(Prose(explained.pass_through, style="bold"))
+    out.append(subsystem_table(profile.subsystems, explained.details))
     if profile.plan:
-        out.extend(plan_tables(profile.plan))
+        out.extend(plan_tables(profile.plan, explained))
     metrics = profile.metrics
     if metrics is None:
         out.append("step timings: profiling is off (pass profile=True to record them)")
@@ -228,14 +407,15 @@ def summary_renderables(profile: Profile) -> list[RenderableType]:
     else:
         out.append(timing_table(metrics))
     if metrics is not None:
-        if metrics.comparison is not None:
-            out.append(comparison_renderable(metrics.comparison))
-        out.extend(probe_lines(metrics))
+        cmp = metrics.comparison
+        if cmp is not None and not (explained.pass_through and cmp.status == "not_applicable"):  # said above
+            out.append(comparison_renderable(cmp))
+        out.extend(Prose(line, indent="    ") for line in probe_lines(metrics))
     if profile.nvml is not None:
         if profile.nvml.available:
             out.append(nvml_table(profile.nvml))
         else:
-            out.append(f"GPU telemetry (NVML): unavailable: {profile.nvml.reason}")
+            out.append(Prose(f"GPU telemetry (NVML): unavailable: {profile.nvml.reason}"))
     if profile.memory is not None:
         out.append(memory_table(profile.memory))
     return out

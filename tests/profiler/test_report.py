@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import html
 import io
 import json
 import math
+import re
 import subprocess
 from pathlib import Path
 
@@ -19,11 +21,12 @@ from rich.console import Console
 
 from kitsune import KitsuneOptimizer
 from kitsune.cli import main as kitsune_main
-from kitsune.profiler.core import TimeStats
+from kitsune.fusion.plan import BucketPlan, Plan, Route
+from kitsune.profiler.core import Comparison, TimeStats
 from kitsune.profiler.html import STEP_COLOR, render_html, write_html
 from kitsune.profiler.nvml import NvmlReport, NvmlSample, field_stats
 from kitsune.profiler.report import register
-from kitsune.profiler.schema import MemoryInfo, Profile, build_profile, load_profile
+from kitsune.profiler.schema import MemoryInfo, Profile, SubsystemStatus, build_profile, load_profile
 from kitsune.profiler.summary import render_summary
 from kitsune.profiler.trace import export_chrome_trace
 
@@ -251,6 +254,94 @@ def test_html_renders_in_headless_chromium(gpu_profile, tmp_path):
     assert colours > 100, f"only {colours} distinct colours"
     step_rgb = np.array([int(STEP_COLOR[i : i + 2], 16) for i in (1, 3, 5)])
     assert (np.abs(rgb.astype(int) - step_rgb).max(axis=-1) < 40).sum() > 100, "the step-time line is not drawn"
+
+
+def _fused_profile(gpu_profile: Profile) -> Profile:
+    """The fake GPU profile as a fused run's: probe and comparison-baseline steps among its records (left out of the
+    statistics), a plan of long buckets and reasons, and the memory pool's nested report of byte counts."""
+    modes = {**dict.fromkeys(range(11, 14), "probe"), **dict.fromkeys(range(24, 31), "baseline")}
+    steps = [
+        s.model_copy(update={"mode": modes.get(s.step, "kitsune"), "step_ms": 1 + 0.05 * (s.step % 7), "host_ms": 0.5})
+        for s in gpu_profile.steps
+    ]
+    kept = [s for s in steps if s.mode == "kitsune"]
+    stats = {"step_time": TimeStats.of([s.step_ms for s in kept]), "host_time": TimeStats.of([s.host_ms for s in kept])}
+    long_reason = (
+        "non-contiguous param: the fused kernel addresses flat memory (torch's foreach path takes it: torch's fused "
+        "kernels need each grad laid out as its param)"
+    )
+    plan = Plan(
+        [
+            BucketPlan("cuda:0", "bfloat16", "AdamW", "decoupled_wd, amsgrad, maximize", Route.TRITON,
+                       "fused Triton multi-tensor kernel", 148, 123_456_789, 3, 1_975_308_624, 2.93, [0, 1]),
+            BucketPlan("cuda:0", "float32", "AdamW", "decoupled_wd", Route.TORCH_FOREACH, long_reason, 2, 4096, 0,
+                       114_688, 1.4, [0], ["foreach=True ignored: kitsune picks the route per bucket"]),
+        ]
+    ).to_dict()  # fmt: skip
+    pool = {
+        "pool_size_bytes": 512 * 2**20,
+        "arenas": 2,
+        "bytes_per_device": {"cuda:0": {"reserved": 1_234_567_890, "allocated": 987_654_321}},
+        "params_pooled": 148,
+    }
+    subsystems = [
+        SubsystemStatus(name=s.name, active=True, reason=None, report=pool) if s.name == "memory" else s
+        for s in gpu_profile.subsystems
+    ]
+    metrics = gpu_profile.metrics.model_copy(update={"steps_timed": 30, **stats})
+    return gpu_profile.model_copy(update={"steps": steps, "metrics": metrics, "plan": plan, "subsystems": subsystems})
+
+
+def test_html_counts_formats_and_words(gpu_profile):
+    profile = _fused_profile(gpu_profile)
+    reason = "kitsune ran the wrapped optimizer's own step on every param: there is nothing to compare"
+    comparison = Comparison(status="not_applicable", reason=reason)  # a status whose field value is not a word
+    profile = profile.model_copy(update={"metrics": profile.metrics.model_copy(update={"comparison": comparison})})
+    page = render_html(profile)
+    counts = r'id="step-counts">(\d+) steps timed; (\d+) in the statistics and plots below \(left out: (.*?)\)'
+    m = re.search(counts, page)
+    assert m and m[1] == "30" and m[2] == "20" and m[3] == "3 probe, 7 comparison baseline", page
+    assert re.search(r"<td>step</td>\s*<td class=\"num\">20</td>", page)  # the statistics' own count
+    text = html.unescape(re.sub(r"<svg.*?</svg>|<style>.*?</style>|<[^>]+>", " ", page, flags=re.S))
+    assert not re.search(r"(?<![\d.,])\d{7,}(?![\d.,])", text), "a raw byte count"
+    assert "512.0 MiB" in text and "1.1 GiB" in text and "1.8 GiB" in text and "123,456,789" in text
+    assert "not_applicable" not in text
+    assert "live comparison with the wrapped optimizer's own step: not applicable: kitsune ran" in text
+    assert "{'" not in text and "2.9x" in text and text.count(" foreach path takes it") == 1
+
+
+def test_html_fits_a_laptop_screen_in_headless_chromium(gpu_profile, tmp_path):
+    """At 1280 px nothing is wider than the window, and the header's counts are the statistics' counts."""
+    chromium()
+    page = render_html(_fused_profile(gpu_profile))
+    measure = (
+        '<pre id="measure"></pre><script>const r = Math.max(...[...document.querySelectorAll("body *")]'
+        '.map(e => e.getBoundingClientRect().right)); document.getElementById("measure").textContent = '
+        "JSON.stringify({scroll: document.documentElement.scrollWidth, right: r});</script></body>"
+    )
+    (tmp_path / "measured.html").write_text(page.replace("</body>", measure), encoding="utf-8")
+    report = write_html(_fused_profile(gpu_profile), tmp_path / "report.html")
+    png = tmp_path / "laptop.png"
+    dom = launch_chromium((tmp_path / "measured.html").as_uri(), tmp_path / "chromium-dom", "--window-size=1280,900",
+                          "--dump-dom")  # fmt: skip
+    dom_html, _ = dom.communicate(timeout=60)
+    shot = launch_chromium(report.as_uri(), tmp_path / "chromium-shot", f"--screenshot={png}",
+                           "--window-size=1280,2400", "--hide-scrollbars")  # fmt: skip
+    shot.communicate(timeout=60)
+    assert dom.returncode == 0 and shot.returncode == 0
+
+    sizes = json.loads(re.search(r'<pre id="measure">(.*?)</pre>', dom_html)[1])
+    assert sizes["scroll"] <= 1280 and sizes["right"] <= 1280, sizes
+    counts = re.search(r"(\d+) steps timed; (\d+) in the statistics", dom_html)
+    assert counts and int(counts[2]) == 20 and re.search(r"<td>step</td>\s*<td class=\"num\">20</td>", dom_html)
+    points = re.search(r'id="plot-step-time".*?<polyline class="series" points="([^"]+)"', dom_html, re.S)[1]
+    assert len(points.split()) == 20  # the plot shows the counted steps
+
+    rgb = png_rgb(png)
+    assert rgb.shape == (2400, 1280, 3)
+    assert (rgb < 235).any(axis=-1).mean() > 0.02, "the screenshot is almost blank"
+    margin = rgb[:, 1280 - 60 :]  # the page is 1132 px wide and centred: nothing is drawn in the right margin
+    assert (margin.min(axis=-1) > 235).all(), "something runs past the page into the right margin"
 
 
 def test_load_profile_names_what_is_wrong(opt, tmp_path):
