@@ -33,7 +33,7 @@ def _version() -> str:
 
 
 def _demo_device(text: str) -> str:
-    """``--device`` of the demo through :func:`kitsune._device.parse_device`: its ValueError as an argparse error."""
+    """``--device`` of the demo through `kitsune._device.parse_device`: its ValueError as an argparse error."""
     from kitsune._device import parse_device
 
     try:

@@ -6,13 +6,13 @@ the clip to ``max_grad_norm``. Where the fused executor owns every param and its
 (``FusionSubsystem.grad_pass is None``), they run inside its norm and update kernels (``StepState.fused_grads``):
 the grads are read twice in all. Otherwise they run here, in place, as passes of their own, before any update.
 
-Everything that can make them fail is checked in :meth:`GradPass.begin`, before any grad changes. A step that raises
+Everything that can make them fail is checked in `GradPass.begin`, before any grad changes. A step that raises
 after the passes of their own ran (the wrapped optimizer's step refusing something) leaves the grads unscaled and
 clipped, as torch's ``scaler.unscale_(opt); clip_grad_norm_(...); scaler.step(opt)`` does; a retry on the same grads
 does not apply them again.
 
 It also owns zeroing: ``GradConfig(zero_in_step=True)`` has the update kernel write zeros into the grads it used,
-and :meth:`GradPass.zero_grad` then leaves those alone.
+and `GradPass.zero_grad` then leaves those alone.
 """
 
 from __future__ import annotations

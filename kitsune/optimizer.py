@@ -3,7 +3,7 @@
 It shares the wrapped optimizer's ``param_groups``, ``state`` and ``defaults`` objects (they are properties that
 read and write the wrapped optimizer's attributes), so an LR scheduler built on either drives both, checkpoints
 have torch's layout, and ``isinstance(opt, torch.optim.Optimizer)`` holds for Lightning, Accelerate and torch's
-schedulers. ``step()`` is one pipeline over narrow roles (:mod:`kitsune.subsystem` lists them): nothing is written
+schedulers. ``step()`` is one pipeline over narrow roles (`kitsune.subsystem` lists them): nothing is written
 before everything that can fail has been checked, and hooks run where torch runs them.
 """
 
@@ -58,22 +58,23 @@ class KitsuneOptimizer(torch.optim.Optimizer):
 
     Args:
         optimizer: the torch optimizer to wrap (any ``torch.optim.Optimizer``).
-        enable_amp: mixed precision with a device-resident loss scaler (see :class:`AMPConfig`).
+        enable_amp: mixed precision with a device-resident loss scaler (see [`AMPConfig`][kitsune.AMPConfig]).
         enable_fusion: fused Triton multi-tensor kernels where the planner can use them.
         num_streams: CUDA side streams the scheduler may use.
-        profile: record per-step timings for :meth:`print_summary` and :meth:`save_profile`.
+        profile: record per-step timings for [`print_summary`][kitsune.KitsuneOptimizer.print_summary] and
+            [`save_profile`][kitsune.KitsuneOptimizer.save_profile].
         amp_config: AMP settings; needs ``enable_amp=True``.
         fusion_config: fusion settings; needs ``enable_fusion=True``.
         stream_config: stream settings; its ``num_streams`` must agree with ``num_streams`` if both are set.
         memory_pool_size: most bytes per device of flat arena for the fused params' optimizer state (0: off).
         capture_graph: capture the optimizer phase in a CUDA graph (CUDA only).
-        max_grad_norm: clip the grads to this global 2-norm inside the step (see :class:`GradConfig`).
+        max_grad_norm: clip the grads to this global 2-norm inside the step (see [`GradConfig`][kitsune.GradConfig]).
         grad_config: clipping (norm type) and zeroing of the grads in the step.
         zero_stage: shard the optimizer state over torch.distributed's ranks: 1 or 2 (ZeRO), 0 off (see
-            :class:`ShardConfig`).
+            [`ShardConfig`][kitsune.ShardConfig]).
         shard_config: sharding settings (process group, bucket size, overlap); its ``stage`` must agree with
             ``zero_stage`` if both are set.
-        config: all of the above in one :class:`KitsuneConfig`; exclusive with the other settings.
+        config: all of the above in one [`KitsuneConfig`][kitsune.KitsuneConfig]; exclusive with the other settings.
     """
 
     _step_supports_amp_scaling = True
@@ -180,7 +181,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
 
     @property
     def step_count(self) -> int:
-        """Calls of :meth:`step` that completed (restored from checkpoints)."""
+        """Calls of [`step`][kitsune.KitsuneOptimizer.step] that completed (restored from checkpoints)."""
         return self._step_count
 
     @property
@@ -213,7 +214,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
 
     # -- planning -----------------------------------------------------------------------------------------------
     def _plan_fits(self) -> bool:
-        """Whether the plan still fits the groups (see :class:`kitsune.subsystem.PlannedGroups`)."""
+        """Whether the plan still fits the groups (see `kitsune.subsystem.PlannedGroups`)."""
         return self._planned.fits(self._optimizer.param_groups, self._optimizer.state)
 
     def _replan(self) -> None:
@@ -361,7 +362,8 @@ class KitsuneOptimizer(torch.optim.Optimizer):
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the current loss scale (float16 AMP; otherwise ``loss`` itself), for a loop that runs its
-        own backward (``accelerator.backward(optimizer.scale_loss(loss))``); :meth:`backward` calls it."""
+        own backward (``accelerator.backward(optimizer.scale_loss(loss))``);
+        [`backward`][kitsune.KitsuneOptimizer.backward] calls it."""
         return self._amp.scale_loss(loss)
 
     @contextlib.contextmanager
@@ -376,7 +378,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the grads of every param as ``torch.optim.Optimizer.zero_grad`` does (see
-        :meth:`kitsune.grads.GradPass.zero_grad` for ``GradConfig(zero_in_step=True)`` and flat grads)."""
+        `kitsune.grads.GradPass.zero_grad` for ``GradConfig(zero_in_step=True)`` and flat grads)."""
         self._grads.zero_grad(self._optimizer, set_to_none, self._zero_grad_profile_name)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

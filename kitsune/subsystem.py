@@ -1,14 +1,14 @@
 """What every kitsune subsystem shares, and the typed state one step hands from stage to stage.
 
-The orchestrator (:class:`kitsune.KitsuneOptimizer`) owns no math; its ``step()`` is a short pipeline (see
-kitsune/optimizer.py) over subsystems with narrow roles, each built with its own config and planned over the
-wrapped optimizer's param groups and state, never over the orchestrator:
+The orchestrator ([`kitsune.KitsuneOptimizer`][kitsune.KitsuneOptimizer]) owns no math; its ``step()`` is a short
+pipeline (see kitsune/optimizer.py) over subsystems with narrow roles, each built with its own config and planned over
+the wrapped optimizer's param groups and state, never over the orchestrator:
 
-* the grad pass (:mod:`kitsune.grads`): shard reduce, unscale and inf check, clip; it alone decides whether those
+* the grad pass (`kitsune.grads`): shard reduce, unscale and inf check, clip; it alone decides whether those
   run inside the fused kernels or as passes of their own;
-* the executors: the fused one (:mod:`kitsune.fusion`), the graphed one wrapping it (:mod:`kitsune.graphs`), the
-  updates inside backward (:mod:`kitsune.streams`), and the wrapped optimizer's own step for whatever none owns;
-* the allocator the fused executor is handed (:mod:`kitsune.memory`), and the profiler, an observer.
+* the executors: the fused one (`kitsune.fusion`), the graphed one wrapping it (`kitsune.graphs`), the
+  updates inside backward (`kitsune.streams`), and the wrapped optimizer's own step for whatever none owns;
+* the allocator the fused executor is handed (`kitsune.memory`), and the profiler, an observer.
 
 A subsystem that cannot run here (no CUDA, no Triton, switched off) stays in the list with ``active=False`` and a
 ``reason``; the summary and the profile show that reason. It never raises for being unavailable.
@@ -132,10 +132,12 @@ class Subsystem:
         return {}
 
     def check_state_dict(self, state: dict[str, Any]) -> None:
-        """Raise if :meth:`load_state_dict` cannot take ``state`` (nothing may change here)."""
+        """Raise if [`load_state_dict`][kitsune.subsystem.Subsystem.load_state_dict] cannot take ``state`` (nothing may
+        change here)."""
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned (checked by :meth:`check_state_dict` first)."""
+        """Restore what [`state_dict`][kitsune.subsystem.Subsystem.state_dict] returned (checked by
+        [`check_state_dict`][kitsune.subsystem.Subsystem.check_state_dict] first)."""
 
     def report(self) -> dict[str, Any]:
         """JSON-able facts for the summary and the profile (what it did, not what it could do)."""
@@ -158,7 +160,7 @@ class PlaceholderSubsystem(Subsystem):
 class PlannedGroups:
     """What a plan was made for: the groups list, the state dict and each group's params, in order. A param swapped
     into a list, moved between groups, added or removed, or a groups list or state dict replaced, calls for a new
-    plan; :meth:`fits` compares the params by identity in C (``map(operator.is_, ...)``), tens of ns a param."""
+    plan; `fits` compares the params by identity in C (``map(operator.is_, ...)``), tens of ns a param."""
 
     def __init__(self, groups: list[dict[str, Any]], state: Any) -> None:
         self.groups, self.state = groups, state
@@ -208,7 +210,7 @@ class NoFusion(PlaceholderSubsystem):
 
 
 def make_fusion(cfg: KitsuneConfig, pool: Any) -> Any:
-    """The fused executor for ``cfg`` (handed the memory ``pool``), or :class:`NoFusion` with the reason."""
+    """The fused executor for ``cfg`` (handed the memory ``pool``), or `NoFusion` with the reason."""
     if not cfg.fusion.enabled:
         return NoFusion(requested=False, reason="enable_fusion=False")
     try:

@@ -3,7 +3,10 @@
 The link check reads the Markdown sources (docs/*.md and README.md, which GitHub renders and mkdocs does not
 build) and needs nothing installed. The site tests build it with ``mkdocs build --strict`` (whose ``validation:``
 settings in mkdocs.yml fail the build on a broken link or anchor too), serve it from a local ``http.server`` and
-open pages in headless Chromium, as a reader's browser would; they skip without mkdocs or Chromium.
+open pages in headless Chromium, as a reader's browser would; they skip without mkdocs or Chromium. The pages
+that render docstrings are read for markup mkdocstrings does not render (Sphinx roles, pydantic's ``Field(...)``
+calls), and the main pages are laid out at 1280 px: nothing wider than the window, no inline code in a table cell
+broken in the middle of a word.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import functools
 import html
 import http.server
 import inspect
+import io
+import json
 import os
 import pydoc
 import re
@@ -23,7 +28,9 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 import pytest
+import torch
 from headless import chromium, distinct_colours, launch, png_rgb
+from pydantic import BaseModel
 
 import kitsune
 
@@ -183,6 +190,151 @@ def test_api_reference_page_renders_the_docstrings(server: str, tmp_path: Path):
     params = inspect.signature(kitsune.KitsuneOptimizer).parameters
     assert all(name in text for name in params), "the Args table lists every constructor argument"
     check_not_blank(png)
+
+
+ROLE = re.compile(r":(?:py:)?(?:class|meth|func|data|mod|attr|obj|exc|const):`?")
+DOCSTRING_PAGES = sorted(path.stem for path in DOCS.glob("*.md") if AUTODOC.search(path.read_text()))
+
+
+@pytest.mark.parametrize("page", DOCSTRING_PAGES)
+def test_docstrings_render_without_sphinx_roles(site: Path, page: str):
+    """mkdocstrings renders Markdown: a docstring's cross-reference is [`X`][kitsune.X] or `X`, never :class:`X`."""
+    text = text_of((site / page / "index.html").read_text())
+    found = sorted({match.group(0) for match in re.finditer(r".{0,40}" + ROLE.pattern + r"\S*", text)})
+    assert not found, f"docs/{page}.md renders Sphinx roles as text:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("page", DOCSTRING_PAGES)
+def test_config_models_render_defaults_not_field_calls(site: Path, page: str):
+    """griffe-pydantic (mkdocs.yml) shows each field with its default; configuration.md hides the private base."""
+    text = text_of((site / page / "index.html").read_text())
+    assert "Field(" not in text, f"docs/{page}.md shows pydantic Field(...) calls"
+    assert not re.search(r"Bases: _\w", text), f"docs/{page}.md shows a private base class"
+    if page == "configuration":
+        models = [pydoc.locate(path) for path in AUTODOC.findall((DOCS / f"{page}.md").read_text())]
+        assert len(models) == 9 and all(models)
+        for model in models:
+            for name, field in model.model_fields.items():
+                # griffe-pydantic reads the source: it shows no default for a default_factory, nor for a default
+                # that is a call (KitsuneConfig's sections, `amp: AMPConfig = AMPConfig(enabled=False)`)
+                if field.default_factory is None and not isinstance(field.default, BaseModel):
+                    assert f"{name} = " in text, f"{model.__name__}.{name} is shown without its default"
+
+
+# -- layout at 1280 px ----------------------------------------------------------------------------------------------
+WIDTH = 1280
+# Loads the page (?page=/api/) in a same-origin iframe 1280 px wide and writes what it measured into <pre id="out">,
+# which --dump-dom returns (an iframe in the page holds back the load event that the dump waits for). Inline code in
+# a table cell is broken mid-word when two of its characters on either side of a line break are not spaces.
+LAYOUT_CHECK = """<!doctype html>
+<html><head><meta charset="utf-8"></head><body style="margin:0"><pre id="out">pending</pre><script>
+function brokenCode(doc) {
+  const out = [];
+  for (const code of doc.querySelectorAll("td code, th code")) {
+    if (code.closest("pre") || code.getClientRects().length < 2) continue;
+    const walker = doc.createTreeWalker(code, NodeFilter.SHOW_TEXT), range = doc.createRange();
+    let prev = null, broken = false;
+    for (let node = walker.nextNode(); node && !broken; node = walker.nextNode()) {
+      for (let i = 0; i < node.length && !broken; i++) {
+        range.setStart(node, i);
+        range.setEnd(node, i + 1);
+        const rect = range.getClientRects()[0], ch = node.data[i];
+        if (!rect) continue;
+        broken = prev !== null && rect.top > prev.top + prev.height / 2 && !/\\s/.test(ch) && !/\\s/.test(prev.ch);
+        prev = {top: rect.top, height: rect.height, ch};
+      }
+    }
+    if (broken) out.push(code.textContent);
+  }
+  return out;
+}
+const frame = document.createElement("iframe");
+frame.style.cssText = "width:WIDTHpx;height:1600px;border:0;display:block";
+frame.onload = () => {
+  const doc = frame.contentDocument;
+  document.getElementById("out").textContent = JSON.stringify({
+    title: doc.title, scrollWidth: doc.documentElement.scrollWidth, brokenCode: brokenCode(doc),
+  });
+};
+frame.src = new URLSearchParams(location.search).get("page");
+document.body.appendChild(frame);
+</script></body></html>
+""".replace("WIDTH", str(WIDTH))
+
+
+def layout(server: str, site: Path, page: str, tmp: Path) -> dict:
+    """What the layout check measured on ``page`` (a path under the site: "" for the home page, "api/")."""
+    chromium()
+    (site / "_layout-check.html").write_text(LAYOUT_CHECK)
+    args = ("--dump-dom", f"--window-size={WIDTH},1600", "--hide-scrollbars")
+    proc = launch(f"{server}_layout-check.html?page=/{page}", tmp / "chromium-layout", *args)
+    dom_html, _ = proc.communicate(timeout=90)
+    assert proc.returncode == 0
+    out = re.search(r'<pre id="out">(.*?)</pre>', dom_html, re.S)
+    assert out and out[1] != "pending", f"the layout check did not run:\n{dom_html[:2000]}"
+    return json.loads(html.unescape(out[1]))
+
+
+def test_the_layout_check_sees_a_wide_page_and_code_broken_mid_word(server: str, site: Path, tmp_path: Path):
+    sample = (
+        '<!doctype html><html><body><div style="width:2000px">wide</div><table><tr><td style="width:40px">'
+        '<code style="word-break:break-all">a_long_identifier_that_cannot_fit</code></td>'
+        "<td><code>short</code></td></tr></table></body></html>"
+    )
+    (site / "_layout-sample.html").write_text(sample)
+    measured = layout(server, site, "_layout-sample.html", tmp_path)
+    assert measured["scrollWidth"] > WIDTH
+    assert measured["brokenCode"] == ["a_long_identifier_that_cannot_fit"]
+
+
+@pytest.mark.parametrize(
+    "page", ["", "quickstart/", "configuration/", "api/"], ids=["home", "quickstart", "configuration", "api"]
+)
+def test_page_fits_1280_px(server: str, site: Path, page: str, tmp_path: Path):
+    """Nothing is wider than a 1280 px window, and no table cell breaks inline code mid-word (a screenshot of the
+    page stays in the test's tmp dir, shot.png)."""
+    png = tmp_path / "shot.png"
+    args = (f"--screenshot={png}", f"--window-size={WIDTH},1600", "--hide-scrollbars")
+    shot = launch(server + page, tmp_path / "chromium-shot", *args)
+    measured = layout(server, site, page, tmp_path)
+    shot.communicate(timeout=90)
+    assert shot.returncode == 0 and png.is_file()
+    check_not_blank(png)
+    assert measured["scrollWidth"] <= WIDTH, f"/{page} is {measured['scrollWidth']} px wide at {WIDTH} px"
+    assert not measured["brokenCode"], f"/{page}: table cells break inline code mid-word: {measured['brokenCode']}"
+
+
+# -- what the pages say ---------------------------------------------------------------------------------------------
+def test_memory_page_one_pooled_state_tensor_saves_its_arena(monkeypatch: pytest.MonkeyPatch):
+    """docs/memory.md#saving-one-state-tensor: torch.save of one pooled state tensor writes its whole arena; its
+    clone, the state dict saved whole and a state tensor with the pool off are the size of the tensors."""
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # the fused kernel, and so the pool, on CPU params
+    device = "cuda" if cuda else "cpu"
+
+    def saved_bytes(obj: object) -> int:
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        return buf.tell()
+
+    def trained(**kwargs: object) -> tuple[kitsune.KitsuneOptimizer, torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)).to(device)
+        optimizer = kitsune.KitsuneOptimizer(torch.optim.AdamW(model.parameters()), enable_fusion=True, **kwargs)
+        model(torch.randn(8, 64, device=device)).sum().backward()
+        optimizer.step()
+        return optimizer, optimizer.state[model[0].weight]["exp_avg"]
+
+    optimizer, exp_avg = trained()
+    arena = exp_avg.untyped_storage().nbytes()
+    own = exp_avg.nbytes  # 64 * 64 * 4 = 16 KB
+    assert arena > 2 * own, "the state tensor is not a view of an arena: is the pool on?"
+    assert saved_bytes(exp_avg) > arena  # 68 KB
+    assert saved_bytes(exp_avg.clone()) < own + 4096  # 18 KB
+    assert saved_bytes(optimizer.state_dict()) < arena + 8192  # each arena once
+    _, unpooled = trained(memory_pool_size=0)
+    assert unpooled.untyped_storage().nbytes() == own and saved_bytes(unpooled) < own + 4096
 
 
 def test_read_the_docs_installs_the_docs_extra():

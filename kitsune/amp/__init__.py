@@ -73,7 +73,7 @@ class AMPSubsystem(Subsystem):
     # -- lifecycle ----------------------------------------------------------------------------------------------
     def plan(self, params: list[torch.Tensor]) -> None:
         """Put the scaler's device state where the params are (it follows a move); with AMP off (``enabled=False``)
-        only note the device, for a disabled :meth:`autocast`."""
+        only note the device, for a disabled [`autocast`][kitsune.amp.AMPSubsystem.autocast]."""
         device = params[0].device if params else torch.device("cpu")
         if not self.config.enabled:
             self.device = device
@@ -130,8 +130,9 @@ class AMPSubsystem(Subsystem):
         self._loss_scaled = self._unscaled = False
 
     def take_scaled_loss(self) -> bool:
-        """For a step that skips :meth:`check_scaled` and :meth:`finish` (the steady replay, whose graph updates the
-        scale): whether this step's loss was scaled; if so, the next step needs a scaled loss again."""
+        """For a step that skips [`check_scaled`][kitsune.amp.AMPSubsystem.check_scaled] and
+        [`finish`][kitsune.amp.AMPSubsystem.finish] (the steady replay, whose graph updates the scale): whether this
+        step's loss was scaled; if so, the next step needs a scaled loss again."""
         scaled, self._loss_scaled = self._loss_scaled, False
         return scaled
 

@@ -1,4 +1,4 @@
-"""The ``bench`` command: ``kitsune bench`` (through :func:`register`) and ``python -m kitsune.bench``."""
+"""The ``bench`` command: ``kitsune bench`` (through `register`) and ``python -m kitsune.bench``."""
 
 from __future__ import annotations
 

@@ -97,7 +97,7 @@ STEP_ROUNDS = 6
 
 
 def _muon_step(device: torch.device, steps: int, rounds: int = STEP_ROUNDS) -> dict[str, Any]:
-    """Time each optimizer of :data:`STEP_VARIANTS` over ``STEP_SHAPES``: ``rounds`` rounds, each optimizer in each
+    """Time each optimizer of `STEP_VARIANTS` over ``STEP_SHAPES``: ``rounds`` rounds, each optimizer in each
     place of a round's order alike, each timed after as many untimed steps of its own (a GPU's clocks follow the power
     drawn just before: a step timed right after torch.optim.Muon's host-bound steps ran ~10% faster on an H100 than
     one timed after another kitsune step). ``steps`` timed steps per optimizer in all."""

@@ -197,7 +197,7 @@ def _ratios(variants: list[VariantResult]) -> dict[str, float]:
 
 
 def _resolve_device(device: str | torch.device | None) -> torch.device:
-    """``device`` (None: ``auto``) through :func:`kitsune._device.parse_device`, a CUDA device with its index."""
+    """``device`` (None: ``auto``) through `kitsune._device.parse_device`, a CUDA device with its index."""
     try:
         dev = parse_device("auto" if device is None else str(device))
     except ValueError as exc:

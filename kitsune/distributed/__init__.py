@@ -1,5 +1,5 @@
-"""kitsune over torch.distributed: sharded optimizer state (ZeRO stages 1 and 2, :mod:`kitsune.distributed.zero`),
-FSDP2/DTensor params (:mod:`kitsune.distributed.fsdp`) and distributed Muon (:mod:`kitsune.distributed.muon`).
+"""kitsune over torch.distributed: sharded optimizer state (ZeRO stages 1 and 2, `kitsune.distributed.zero`),
+FSDP2/DTensor params (`kitsune.distributed.fsdp`) and distributed Muon (`kitsune.distributed.muon`).
 
 Everything here runs on torch.distributed's own collectives (NCCL on GPUs, gloo on CPUs).
 """

@@ -4,11 +4,11 @@ An FSDP2 param is a DTensor sharded on dim 0 over a 1-D device mesh; its grad (a
 the optimizer state torch creates for it (``zeros_like(p)``) are DTensors with the same placements. The update is
 elementwise, so each rank runs the fused kernel over the memory of its own shards (``p._local_tensor``) and the
 state stays DTensors, as torch's optimizers keep it. The only values of a step that need every rank are the global
-grad norm (clipping) and AMP's inf/nan flag: :func:`all_reduce_norm_` and :func:`all_reduce_found_inf_` reduce them
+grad norm (clipping) and AMP's inf/nan flag: `all_reduce_norm_` and `all_reduce_found_inf_` reduce them
 over the mesh with on-device collectives, so no rank reads a value back to the host.
 
 Anything else (a Replicate or Partial placement, a 2-D mesh for HSDP or tensor parallelism, DTensors on a second
-mesh) is left to the wrapped optimizer's own step, with the reason from :func:`shard_reason` in the plan.
+mesh) is left to the wrapped optimizer's own step, with the reason from `shard_reason` in the plan.
 """
 
 from __future__ import annotations

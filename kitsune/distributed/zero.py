@@ -10,7 +10,8 @@ the new values. The partition is by whole params, so
   they do not run; the params other ranks own have no grad during the step, so nothing updates them or creates
   their state;
 * each rank's ``state_dict()`` is torch's layout holding the state of its own params, and the consolidated state
-  dict (:func:`consolidated_state_dict`) is the union of the ranks' states: it loads into the plain torch optimizer.
+  dict ([`consolidated_state_dict`][kitsune.distributed.consolidated_state_dict]) is the union of the ranks' states: it
+  loads into the plain torch optimizer.
 
 Buckets. Trainable params are cut, in reverse registration order (the order backward finishes grads), into
 buckets of one (device, dtype) and about ``bucket_bytes``. Within a bucket the params are dealt to the ranks

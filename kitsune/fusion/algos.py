@@ -1,8 +1,8 @@
 """What the planner knows about each supported optimizer class: switches, hyperparameters, state, fallbacks.
 
 Only these exact classes are fused; a subclass may change the math, so it keeps its own step. Each entry maps a
-param group to the kernel's compile-time :class:`UpdateSpec`, to its row of the hyperparameter buffer
-(columns in :mod:`kitsune.kernels.update`), and to torch's state keys in the kernel's slots ``state1..3``.
+param group to the kernel's compile-time `UpdateSpec`, to its row of the hyperparameter buffer
+(columns in `kitsune.kernels.update`), and to torch's state keys in the kernel's slots ``state1..3``.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class AlgoInfo:
     others, creates every key when a param's state is empty and raises ``KeyError`` for a key missing from a state
     that is not; True, as torch.optim.SGD (``momentum_buffer``) and Muon, creates each missing key on its own."""
     aux: AlgoInfo | None = None
-    """The algorithm of the groups whose spec is an :class:`UpdateSpec` in an optimizer that is mostly something
+    """The algorithm of the groups whose spec is an `UpdateSpec` in an optimizer that is mostly something
     else (kitsune.optim.Muon's ``use_muon=False`` groups run AdamW): their fused units use it."""
 
 

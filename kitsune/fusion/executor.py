@@ -2,16 +2,16 @@
 
 A step goes through it in stages (kitsune/optimizer.py calls them in this order):
 
-1. :meth:`FusionSubsystem.check`: what can raise before anything changes (a checkpoint's state missing a key the
+1. `FusionSubsystem.check`: what can raise before anything changes (a checkpoint's state missing a key the
    optimizer reads, where torch raises ``KeyError``);
-2. :meth:`FusionSubsystem.prepare`: host work: each unit's tables pointed at this step's grads, lazy state created
-   (removed again by :meth:`FusionSubsystem.undo` when the step raises later), hyperparameters refreshed;
-3. :meth:`FusionSubsystem.run_fallbacks`: torch's own fused/foreach steps for the buckets routed there (torch's
+2. `FusionSubsystem.prepare`: host work: each unit's tables pointed at this step's grads, lazy state created
+   (removed again by `FusionSubsystem.undo` when the step raises later), hyperparameters refreshed;
+3. `FusionSubsystem.run_fallbacks`: torch's own fused/foreach steps for the buckets routed there (torch's
    checks can raise: they run before any fused launch);
-4. :meth:`FusionSubsystem.launch`: device work only (the norm pass, then one update launch per unit), so a CUDA
-   graph can capture it; :meth:`FusionSubsystem.finish` books what it did.
+4. `FusionSubsystem.launch`: device work only (the norm pass, then one update launch per unit), so a CUDA
+   graph can capture it; `FusionSubsystem.finish` books what it did.
 
-The plan itself comes from :class:`kitsune.fusion.planner.Planner`; state lives in the wrapped optimizer's
+The plan itself comes from `kitsune.fusion.planner.Planner`; state lives in the wrapped optimizer's
 ``state`` (or the memory pool's arenas, when one is handed over).
 """
 
@@ -59,9 +59,9 @@ class FusionSubsystem(Subsystem):
         self._planner = Planner(config, self._grads, streams or StreamConfig(), cost_model, block)
         self._static = static_addresses
         self.pool = pool
-        """The memory pool (:class:`kitsune.memory.MemoryPool`): it places the fused units' state in its arenas."""
+        """The memory pool (`kitsune.memory.MemoryPool`): it places the fused units' state in its arenas."""
         self.current_plan: Plan | None = None
-        """The plan of the last :meth:`plan` call (``KitsuneOptimizer.plan`` returns it)."""
+        """The plan of the last `plan` call (``KitsuneOptimizer.plan`` returns it)."""
         self.executes = False
         """Whether this subsystem updates any param itself (the orchestrator then evaluates closures first)."""
         self.grad_pass: str | None = None
@@ -84,7 +84,7 @@ class FusionSubsystem(Subsystem):
         self._plan_version = 0
         self._handed_over: list[tuple[dict[str, Any], torch.device]] = []
         self._prepared: list[FusedUnit] = []
-        """The units this step's :meth:`prepare` went through (whose lazy state :meth:`undo` removes)."""
+        """The units this step's `prepare` went through (whose lazy state `undo` removes)."""
         self._trust = False
         self._offsets: list[int] = []
         self._norm: Any = None
@@ -252,7 +252,7 @@ class FusionSubsystem(Subsystem):
         return unit.prepare(self._base.state, self._base.param_groups) and not unit.stale
 
     def undo(self) -> None:
-        """A step that raised after :meth:`prepare`: remove the state it created (a failed step creates none), and
+        """A step that raised after `prepare`: remove the state it created (a failed step creates none), and
         check the params' storages again on the retry."""
         state = self._base.state
         for unit in self._prepared:
@@ -280,7 +280,7 @@ class FusionSubsystem(Subsystem):
     def needs_replan(self) -> bool:
         """Before a step decides how the grads are clipped and unscaled: whether a switch changed, a param's storage
         moved or a state tensor the tables point at was freed, each of which re-plans (and may send params to
-        another route, which changes that). Every unit is asked, so that each one's :meth:`FusedUnit.prepare` skips
+        another route, which changes that). Every unit is asked, so that each one's `FusedUnit.prepare` skips
         the param check this step."""
         if self._switches_changed(self._base.param_groups):
             return True
@@ -288,7 +288,7 @@ class FusionSubsystem(Subsystem):
         return any([unit.moved() for unit in units]) or any(unit.state_freed for unit in units)
 
     def forget_checks(self) -> None:
-        """:meth:`needs_replan`'s finding holds for one step: after its prepare, or a step that raised."""
+        """`needs_replan`'s finding holds for one step: after its prepare, or a step that raised."""
         for unit in (*self._units, *self._muon):
             unit.params_checked = False
 
@@ -301,7 +301,7 @@ class FusionSubsystem(Subsystem):
 
     def refresh_values(self, groups: list[dict[str, Any]]) -> bool:
         """A group's values changed between two steady replays: refresh the hyperparameter buffers, or return False
-        when a switch changed (the kernels must be planned again, through :meth:`prepare`)."""
+        when a switch changed (the kernels must be planned again, through `prepare`)."""
         if self._switches_changed(groups):
             return False
         self.refresh_contexts()
@@ -317,7 +317,7 @@ class FusionSubsystem(Subsystem):
         return self._info is not None and tuple(self._info.spec(g) for g in groups) != self._specs
 
     def count_replay(self) -> None:
-        """Book a step that replayed the captured launches without coming through :meth:`prepare`."""
+        """Book a step that replayed the captured launches without coming through `prepare`."""
         self._count_step(1)
 
     def _count_step(self, launches: int) -> None:
@@ -403,7 +403,7 @@ class FusionSubsystem(Subsystem):
 
     @property
     def plan_version(self) -> int:
-        """Bumped by every :meth:`plan`: device buffers a captured graph holds may have been replaced."""
+        """Bumped by every `plan`: device buffers a captured graph holds may have been replaced."""
         return self._plan_version
 
     @property
@@ -484,7 +484,7 @@ class FusionSubsystem(Subsystem):
         self._handed_over = [(st, device) for st, device, _ in moved]
 
     def take_back(self) -> None:
-        """Undo :meth:`hand_over`: step counts back on the device and the kernels' tables rebound to them."""
+        """Undo `hand_over`: step counts back on the device and the kernels' tables rebound to them."""
         for st, device in self._handed_over:
             t = st.get("step")
             if isinstance(t, torch.Tensor):

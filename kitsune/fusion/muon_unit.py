@@ -1,13 +1,13 @@
-"""Muon on the fusion planner: the ``triton_matmul`` route, its cost, and its executor :class:`MuonUnit`.
+"""Muon on the fusion planner: the ``triton_matmul`` route, its cost, and its executor `MuonUnit`.
 
 A Muon bucket (params of one device and dtype whose groups share the Newton-Schulz settings, nesterov and
 ``adjust_lr_fn``) runs per step as
 
-1. one multi-tensor launch (:func:`kitsune.kernels.muon_update.muon_update`, stage 0): the momentum buffers, and
+1. one multi-tensor launch (`kitsune.kernels.muon_update.muon_update`, stage 0): the momentum buffers, and
    each param's update, in bf16, into its slot of a ``(batch, rows, cols)`` buffer per matrix shape;
-2. one :func:`kitsune.kernels.newton_schulz.newton_schulz` call per shape, each ``1 + 3 * ns_steps`` launches
-   over all of that shape's matrices; with several shapes on CUDA the calls run on side streams
-   (``StreamConfig.compute_streams``, else all ``num_streams``), the largest first on the least loaded stream;
+2. one [`kitsune.kernels.newton_schulz.newton_schulz`][kitsune.kernels.newton_schulz.newton_schulz] call per shape, each
+   ``1 + 3 * ns_steps`` launches over all of that shape's matrices; with several shapes on CUDA the calls run on side
+   streams (``StreamConfig.compute_streams``, else all ``num_streams``), the largest first on the least loaded stream;
 3. one multi-tensor launch (stage 1): decoupled weight decay and ``p -= lr * ratio * O``.
 
 State is torch's: ``momentum_buffer`` in the wrapped optimizer's ``state`` (zeros on a param's first grad, as
@@ -128,7 +128,7 @@ class MuonUnit(FusedUnit):
     """Up to ``max_fusion_size`` params of a Muon bucket: two multi-tensor launches around one Newton-Schulz call
     per matrix shape (see the module docstring).
 
-    The grad, param and state bookkeeping is :class:`FusedUnit`'s (None grads skip a param, state is created on a
+    The grad, param and state bookkeeping is `FusedUnit`'s (None grads skip a param, state is created on a
     param's first grad, a moved param's storage re-plans); the Newton-Schulz buffers are this unit's own.
     """
 
@@ -187,7 +187,7 @@ class MuonUnit(FusedUnit):
         self, hyper: torch.Tensor, found_inf: torch.Tensor | None = None, zero_grad: bool = False, graphed: bool = False
     ) -> None:
         """This step's device work: momentum, the Newton-Schulz calls, the update (``hyper``: the device context).
-        ``graphed``: the work of a CUDA graph's steps (warm-up, capture, replay), which make :attr:`graph_calls`."""
+        ``graphed``: the work of a CUDA graph's steps (warm-up, capture, replay), which make `graph_calls`."""
         from kitsune.kernels.muon_update import muon_update
 
         muon_update(self.tables, hyper, self.spec, self.dtype, 0, self.ratio, found_inf, zero_grad)  # type: ignore[arg-type]

@@ -29,14 +29,14 @@ class FusedUnit:
     """Up to ``max_fusion_size`` tensors of one bucket, updated by one launch of the generic kernel.
 
     Per step, the only per-tensor Python work is reading each ``p.grad``; its address and the param's address are
-    compared with the last step's in C++ (:data:`_PTRS_EQUAL`, or C-level ``map`` calls where torch lacks it).
+    compared with the last step's in C++ (`_PTRS_EQUAL`, or C-level ``map`` calls where torch lacks it).
     Everything else happens only when something changed: the grad addresses (one table upload; grad layouts are
     re-checked then), a param's storage (a re-plan), or a param's grad appearing for the first time (lazy state
     creation and one upload per state table).
 
     With ``static`` (``GraphConfig(static_addresses=True)``) a unit whose every grad was there at the last full
     check skips even those reads: it holds weak references to its grads and its params' storages, and a step
-    checks everything again only after one of them was freed (see :meth:`_watch`).
+    checks everything again only after one of them was freed (see `_watch`).
     """
 
     def __init__(
@@ -69,7 +69,7 @@ class FusedUnit:
         self.unhandled: list[torch.Tensor] = []
         """Params skipped this step because their grad is one the kernel cannot take (sparse, another dtype)."""
         self.created: list[torch.Tensor] = []
-        """Params whose state this step's :meth:`prepare` created (lazily, on their first grad)."""
+        """Params whose state this step's `prepare` created (lazily, on their first grad)."""
         self.stale = False
         """Set when a param's storage moved (``p.data = ...``): the subsystem re-plans before launching."""
         # SGD keeps no step in torch's state: count privately, only to spot each buffer's first step
@@ -80,7 +80,7 @@ class FusedUnit:
         self.uninit = [i for i, p in enumerate(params) if not _has_state(state, p, info, spec)]
         self._every = list(range(len(params)))
         self._fast = _PTRS_EQUAL is not None and not self.sharded
-        """Whether :meth:`prepare` may check addresses with :data:`_PTRS_EQUAL` (not on FSDP2's local shards)."""
+        """Whether `prepare` may check addresses with `_PTRS_EQUAL` (not on FSDP2's local shards)."""
         self.slots: Any = None
         """The memory pool's arena slots for this unit's state (and grads), or None: torch's own allocations."""
         self.defaults: dict[str, Any] = {}
@@ -98,7 +98,7 @@ class FusedUnit:
         self._state_intact = _Intact()
         self._state_refs: list[weakref.ref] = []
         self.params_checked = False
-        """Set by :meth:`moved` when it found every param where planned: this step's :meth:`prepare` skips that
+        """Set by `moved` when it found every param where planned: this step's `prepare` skips that
         check (the fusion subsystem clears it after each step's prepare)."""
         self.bind(state)
 
@@ -143,7 +143,7 @@ class FusedUnit:
         for can change that (a param that now falls back takes the grads' passes out of the kernels)."""
         if self._intact is not None and self._intact.ok:
             moved = False  # static addresses: the watch holds the params' storages
-        elif self._fast and self._grad_ptrs is not None:  # a step that :meth:`_unchanged` would check in C++
+        elif self._fast and self._grad_ptrs is not None:  # a step that `_unchanged` would check in C++
             try:
                 moved = not _PTRS_EQUAL(self.params, self._param_ptrs, self._every)  # type: ignore[misc]
             except (TypeError, RuntimeError, ValueError):
@@ -155,7 +155,7 @@ class FusedUnit:
 
     def still(self) -> bool:
         """Whether the last step's tables hold for this one: the watch is intact (static addresses), or every grad
-        and param sits where the last step found them with nothing pending (:meth:`_unchanged`)."""
+        and param sits where the last step found them with nothing pending (`_unchanged`)."""
         if not self._state_intact.ok:
             return False
         if self._intact is None:

@@ -1,6 +1,6 @@
 """CUDA graph capture of the optimizer phase: capture the device work of a step once, replay it every step.
 
-What a step does splits cleanly in two (see :meth:`kitsune.fusion.FusionSubsystem.prepare` and ``launch``):
+What a step does splits cleanly in two (see `kitsune.fusion.FusionSubsystem.prepare` and ``launch``):
 
 * host work, every step, outside the graph: checking the grads' and params' addresses and copying changed ones
   into the device-side address tables, creating state for params that got their first grad, copying changed

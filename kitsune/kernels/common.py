@@ -31,7 +31,7 @@ def _program_block(block_tensor, block_start, numel_tab, addr_tab):
 
 @triton.jit
 def _update_masks(start, n, g_addr, found_inf, HAS_FOUND_INF: tl.constexpr, BLOCK: tl.constexpr):
-    """``(live, offs, mask, gmask)`` of an update's block (``start``, ``n``, ``g_addr`` from :func:`_program_block`
+    """``(live, offs, mask, gmask)`` of an update's block (``start``, ``n``, ``g_addr`` from `_program_block`
     over the grad table). A tensor whose grad is None (-1) is skipped as torch skips it (no state change, no step);
     with HAS_FOUND_INF, a nonzero ``found_inf`` (AMP's overflow flag) skips every tensor, step counts included.
     ``gmask`` still covers the grads: they are unscaled or zeroed on a skipped step too."""

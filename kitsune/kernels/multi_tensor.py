@@ -12,7 +12,7 @@ A launch over T tensors needs, on the device:
   ``counter`` the kernel uses to find the last block of a tensor.
 
 Everything but the grad table is built once per plan. Grads may be re-allocated every step
-(``zero_grad(set_to_none=True)``), so :meth:`TensorTables.set_role` compares the new address list with the cached
+(``zero_grad(set_to_none=True)``), so `TensorTables.set_role` compares the new address list with the cached
 one (a C-speed list compare) and uploads one small table only when it changed.
 """
 

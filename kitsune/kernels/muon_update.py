@@ -1,7 +1,7 @@
 """Muon's elementwise stages as multi-tensor launches, before and after its Newton-Schulz calls.
 
 One kernel, two stages (``STAGE`` constexpr), each one launch over every tensor of a unit, through the same device
-tables as :mod:`kitsune.kernels.update` (roles ``param``, ``grad``, ``state1`` = ``momentum_buffer``, plus
+tables as `kitsune.kernels.update` (roles ``param``, ``grad``, ``state1`` = ``momentum_buffer``, plus
 ``update`` and ``ortho``: each param's slot in its shape's Newton-Schulz input and output, bf16)::
 
     stage 0   buf = buf.lerp(g, 1 - momentum)                 # state["momentum_buffer"]
@@ -13,7 +13,7 @@ tables as :mod:`kitsune.kernels.update` (roles ``param``, ``grad``, ``state1`` =
 torch.optim.Muon's order and roundings, per element: ``lerp`` with torch's two-sided formula, the buffer and the
 nesterov update rounded to the param dtype as torch stores them, the update then rounded to bf16 (the first thing
 torch's orthogonalisation does), the param rounded after the decay and after the add. lr, momentum and weight decay
-are read from the device-resident hyperparameter buffer (columns of :mod:`kitsune.kernels.spec`); ``ratio`` is a
+are read from the device-resident hyperparameter buffer (columns of `kitsune.kernels.spec`); ``ratio`` is a
 float64 per-tensor table, so ``lr * ratio`` is the double product torch forms on the host.
 """
 

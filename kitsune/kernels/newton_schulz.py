@@ -4,12 +4,12 @@ One iteration is ``X <- a X + (b A + c A A) X`` with ``A = X X^T``, on ``X`` of 
 input is transposed first, through strides, so the Gram matrices are the small side). Three launches per iteration
 cover the whole batch, grid (tiles, batch):
 
-1. ``A = X X^T`` (:func:`_syrk_kernel`): only the tiles ``(i, j)`` with ``i <= j`` are computed, each stored at
+1. ``A = X X^T`` (`_syrk_kernel`): only the tiles ``(i, j)`` with ``i <= j`` are computed, each stored at
    ``(i, j)`` and, transposed, at ``(j, i)``. Half the FLOPs of a plain matmul.
 2. ``B' = b A + c A A + a I``, the same kernel: ``A`` is symmetric, so ``A A = A A^T`` is a Gram matrix too; the
    ``b A + a I`` is its epilogue (the ``(i, j)`` tile of ``A`` read once more, ``a`` added on the diagonal). Half
    the FLOPs again.
-3. ``X <- B' X`` (:func:`_poly_kernel`), which is ``a X + B X``: a plain tiled matmul with nothing left in its
+3. ``X <- B' X`` (`_poly_kernel`), which is ``a X + B X``: a plain tiled matmul with nothing left in its
    epilogue (the ``a X`` term used to be added there, reading ``X`` once more: 0.211 against 0.177 ms at 4096^2
    on an H100); the last iteration writes the caller's output directly, transposed back through its strides.
 
@@ -20,7 +20,7 @@ rounding: the relative error against float64 stays within the same band as torch
 
 The Frobenius normalisation ``X / max(||X||_F, eps)`` (torch.optim.Muon's clamp; Keller Jordan's original adds
 ``eps`` instead, which differs only for norms near ``eps``) is folded into the first iteration's epilogues. One
-prologue launch (:func:`_prologue_kernel`) rounds the input to the operand dtype (skipped when it already is) and
+prologue launch (`_prologue_kernel`) rounds the input to the operand dtype (skipped when it already is) and
 sums its squares per matrix into a few partials; the first ``A = X X^T`` runs on that unnormalised ``X`` and scales
 its fp32 accumulator by ``s^2``, ``s = 1 / max(sqrt(sum), eps)``, before rounding; the first ``B'`` is scaled by
 ``s``, so its product with the unnormalised ``X`` is the normalised iteration. So the normalised ``X`` is never
@@ -171,7 +171,7 @@ def _syrk_tile(
     RNE_BF16: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, P_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """One tile of :func:`_syrk_kernel`: tile ``pid`` of the upper triangle of matrix ``b``."""
+    """One tile of `_syrk_kernel`: tile ``pid`` of the upper triangle of matrix ``b``."""
     ti = tl.load(tiles + 2 * pid)
     tj = tl.load(tiles + 2 * pid + 1)
     rows = ti * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -269,7 +269,7 @@ def _poly_tile(
     M, N, DTYPE: tl.constexpr, PRECISION: tl.constexpr, RNE_BF16: tl.constexpr, EVEN_K: tl.constexpr,
     TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
-    """One tile of :func:`_poly_kernel`: tile ``pid`` of matrix ``b``."""
+    """One tile of `_poly_kernel`: tile ``pid`` of matrix ``b``."""
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
     # groups of GROUP_M row blocks run together and share their columns of X in L2
@@ -337,7 +337,7 @@ class PolyConfig(NamedTuple):
     persistent: bool = False
     flatten: bool = False
     cublas: bool = False
-    """Hand the product ``B' X`` to cuBLAS (``torch.bmm``) instead of :func:`_poly_kernel`: it has no epilogue
+    """Hand the product ``B' X`` to cuBLAS (``torch.bmm``) instead of `_poly_kernel`: it has no epilogue
     left to fuse (``a`` sits on ``B'``'s diagonal). bf16 only: fp32 would follow torch's TF32 switch."""
 
 
@@ -412,8 +412,9 @@ def newton_schulz_launch(
     configs: tuple[SyrkConfig, PolyConfig] | None = None,
 ) -> None:
     """Run ``len(coefficients)`` (>= 1) iterations on ``x`` (batch, m, n), contiguous, any float dtype, writing
-    ``out`` (batch, m, n) of ``dtype``. Shapes, dtypes and devices are checked by :func:`newton_schulz`; this picks
-    tiles (unless ``configs`` says) and launches ``1 + 3 * steps`` kernels."""
+    ``out`` (batch, m, n) of ``dtype``. Shapes, dtypes and devices are checked by
+    [`newton_schulz`][kitsune.kernels.newton_schulz.newton_schulz]; this picks tiles (unless ``configs`` says) and
+    launches ``1 + 3 * steps`` kernels."""
     batch, m_in, n_in = x.shape
     tall = m_in > n_in
     m, n = (n_in, m_in) if tall else (m_in, n_in)  # the iteration runs on X = x^T for a tall x: A is (m, m)
@@ -526,7 +527,7 @@ def newton_schulz_launch(
 
 
 class _Graph:
-    """One captured :func:`newton_schulz_launch` with its own input and output buffers (and memory pool)."""
+    """One captured `newton_schulz_launch` with its own input and output buffers (and memory pool)."""
 
     def __init__(self, x: torch.Tensor, dtype: torch.dtype, plan: list[Coefficients], eps: float) -> None:
         # the input buffer holds X0 in the operand dtype: the copy in rounds it (to nearest even, as the prologue
@@ -563,7 +564,7 @@ GRAPH_MAX_ELEMENTS = 2**22
 replayed, 0.69 ms launched). Larger calls launch directly: the launches hide behind the GPU work, while a graph's
 copies in and out would cost more than they save (4096^2: 2.40 ms replayed, 2.28-2.35 ms launched) and hold memory."""
 GRAPH_CACHE_BYTES = 512 * 2**20
-"""Memory the captured graphs may keep in all (see :func:`graph_bytes`), least recently used dropped first."""
+"""Memory the captured graphs may keep in all (see `graph_bytes`), least recently used dropped first."""
 _graphs: OrderedDict[tuple, tuple[_Graph, int]] = OrderedDict()
 
 
@@ -600,7 +601,7 @@ def newton_schulz(
             ``TRITON_INTERPRET=1``). Each matrix is normalised by its own Frobenius norm.
         steps: iterations (0 returns the normalised input).
         coefficients: ``(a, b, c)`` of ``X <- a X + b (X X^T) X + c (X X^T)^2 X``, or one triple per iteration
-            (the last repeats), e.g. :data:`POLAR_EXPRESS_COEFFICIENTS`.
+            (the last repeats), e.g. `POLAR_EXPRESS_COEFFICIENTS`.
         eps: the norm is clamped to at least ``eps`` (a zero matrix stays zero).
         dtype: the operand dtype of the products and of the result: bf16 (as torch.optim.Muon) or fp32.
         out: where to write the result (``X``'s shape, ``dtype``, contiguous); a new tensor when None.

@@ -1,6 +1,6 @@
 """Multi-tensor norms: one launch computes every tensor's norm, the global norm and a found-inf/nan flag.
 
-The launch runs over the block map of :class:`~kitsune.kernels.multi_tensor.TensorTables` (any number of tensors,
+The launch runs over the block map of `TensorTables` (any number of tensors,
 int64 offsets, empty tensors, ``-1`` for a tensor to skip). Each program reduces its block, in fp32 whatever the
 input dtype, to one partial (the sum of squares for the 2-norm, the largest ``|x|`` for the inf-norm) and stores it
 in a per-block buffer. Then it bumps its tensor's counter with an acq_rel atomic; the block that finishes a tensor
@@ -199,7 +199,7 @@ INTERPRETED = type(_norm_kernel).__name__ == "InterpretedFunction"
 
 
 class Norms(NamedTuple):
-    """The results of one :class:`MultiTensorNorm` launch, in buffers that the next launch overwrites."""
+    """The results of one `MultiTensorNorm` launch, in buffers that the next launch overwrites."""
 
     per_tensor: torch.Tensor
     """(T,) fp32: each tensor's norm (0 for an empty or skipped tensor)."""
@@ -284,14 +284,15 @@ class MultiTensorNorm:
         the device) is given to receive it.
 
         ``checked=True``: the caller has already checked that ``tensors`` (no None) are dense, on this device, of
-        supported dtypes and of this instance's sizes (:func:`kitsune.clip_grad_norm_` does, for its cache key).
+        supported dtypes and of this instance's sizes ([`kitsune.clip_grad_norm_`][kitsune.clip_grad_norm_] does, for
+        its cache key).
         """
         self._bind(tensors, checked)
         return self.launch(scale, invert_scale=invert_scale, out=out)
 
     def bind_addresses(self, addresses: list[int], dtypes: list[torch.dtype]) -> None:
         """Point the tables at tensors by address (``-1``: skip), for callers that have already checked them
-        (the fusion subsystem's units have); uploads only what changed. Then :meth:`launch`."""
+        (the fusion subsystem's units have); uploads only what changed. Then `launch`."""
         if dtypes != self._dtypes:
             self.tables.set_role("dtype", [_CODES[d] for d in dtypes])
             self._dtypes = dtypes
@@ -305,7 +306,7 @@ class MultiTensorNorm:
         num_global: int | None = None,
         out: torch.Tensor | None = None,
     ) -> Norms:
-        """Launch over the tensors last bound (see :meth:`__call__`); ``num_global``: only the first this many
+        """Launch over the tensors last bound (see `__call__`); ``num_global``: only the first this many
         tensors are scaled and make the global norm and the inf/nan flag (the others, e.g. params, get their
         per-tensor norms only)."""
         if scale is not None and (scale.dtype != torch.float32 or scale.numel() != 1 or scale.device != self.device):

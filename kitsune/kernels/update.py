@@ -281,14 +281,14 @@ def multi_tensor_update(
 
     Pass two of a step that unscales and clips: ``grad_scale`` (a float32 scalar: the grads hold grad times it)
     divides every grad first; with ``max_norm``, ``total_norm`` (the float32 global norm of the unscaled grads,
-    from :class:`~kitsune.kernels.norms.MultiTensorNorm`) gives the clip coefficient ``min(max_norm / (total_norm
+    from `MultiTensorNorm`) gives the clip coefficient ``min(max_norm / (total_norm
     + 1e-6), 1)``, read on the device. ``grad_write`` 1 stores the unscaled, clipped grads back (what torch's
     unscale_ and clip_grad_norm_ leave in them), 2 stores zeros (the grads are about to be zeroed); either happens
     on a skipped step too, as it would in torch's loop.
 
     Trust ratios (``spec.trust``: LARS, LAMB) read per-tensor norms from ``tensor_norms``, the ``per_tensor`` output
     of a norm pass over ``n_norm`` grads followed by the ``n_norm`` params in the same order; this launch's tensors
-    start at ``norm_offset``. LAMB runs two launches (see :class:`~kitsune.kernels.spec.Trust`).
+    start at ``norm_offset``. LAMB runs two launches (see `Trust`).
     """
     if dtype not in TL_DTYPES:
         raise ValueError(f"multi_tensor_update supports {SUPPORTED_DTYPES}, got {dtype}")

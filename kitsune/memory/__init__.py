@@ -74,7 +74,7 @@ class UnitSlots:
         self.grad_offsets = [grad_arena.reserve(n) for n in numels] if grad_arena is not None else []
         self._views: dict[tuple[str, int], weakref.ref] = {}
         """Weak, like the grads': a state view the user replaced in ``optimizer.state`` is freed, which the unit
-        watching its state sees (:meth:`kitsune.fusion.units.FusedUnit.bind`)."""
+        watching its state sees (`kitsune.fusion.units.FusedUnit.bind`)."""
         self._grad_refs: dict[int, weakref.ref] = {}
         self.adoptions = 0
         """Grads copied into the grad arena (counted by the unit)."""
@@ -109,7 +109,7 @@ class UnitSlots:
         return ref is not None and ref() is grad
 
     def alloc(self, i: int) -> Any:
-        """An allocator for :func:`kitsune.fusion.algos.init_state`: state key -> this param's arena view."""
+        """An allocator for `kitsune.fusion.algos.init_state`: state key -> this param's arena view."""
         return lambda key: self.view(key, i)
 
     def adopt(self, state: dict, i: int, key: str) -> torch.Tensor:
@@ -132,7 +132,7 @@ class UnitSlots:
 
 class MemoryPool(Subsystem):
     """Flat arenas for the state (and optionally the grads) of the params the fused kernel updates: an allocator the
-    fused executor is handed, which lays out its units in :meth:`assign` at every plan."""
+    fused executor is handed, which lays out its units in `assign` at every plan."""
 
     name = "memory"
 

@@ -12,8 +12,8 @@ class EagerOptimizer(torch.optim.Optimizer):
     """A torch.optim.Optimizer whose ``step`` does the bookkeeping, so that a subclass holds only its own math.
 
     ``step(closure)`` evaluates the closure with grad enabled, refuses sparse grads in any group, gathers every
-    group (its params with a grad, their grads, and what :meth:`_init_state` returns for each), then calls
-    :meth:`_update` group by group with the grads negated where the group has ``maximize``, and returns the
+    group (its params with a grad, their grads, and what `_init_state` returns for each), then calls
+    `_update` group by group with the grads negated where the group has ``maximize``, and returns the
     closure's loss. Whatever can raise does so before the first update of any group (torch.optim checks one group
     at a time): a step that raises leaves every param as it was, and one refusing a sparse grad every state too.
     """
@@ -23,7 +23,7 @@ class EagerOptimizer(torch.optim.Optimizer):
         return type(self).__name__
 
     def _init_state(self, p: torch.Tensor, group: dict[str, Any]) -> Any:
-        """Create ``p``'s missing state in ``self.state[p]`` and return what :meth:`_update` reads from it; a check
+        """Create ``p``'s missing state in ``self.state[p]`` and return what `_update` reads from it; a check
         that can raise (a missing state key: KeyError) belongs here."""
         raise NotImplementedError
 

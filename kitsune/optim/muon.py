@@ -16,8 +16,9 @@ functional AdamW, so they match torch.optim.AdamW to the bit. State keys are tor
 params, ``step``, ``exp_avg`` and ``exp_avg_sq`` for AdamW params, so checkpoints move between the two.
 
 On CUDA (or on the CPU under ``TRITON_INTERPRET=1``) the Newton-Schulz step runs in kitsune's Triton kernels
-(:func:`kitsune.kernels.newton_schulz.newton_schulz`), one call per group for all of its matrices of one shape;
-elsewhere it is torch's own bf16 iteration, op for op. The two agree to bf16 rounding, not bit for bit.
+([`kitsune.kernels.newton_schulz.newton_schulz`][kitsune.kernels.newton_schulz.newton_schulz]), one call per group for
+all of its matrices of one shape; elsewhere it is torch's own bf16 iteration, op for op. The two agree to bf16 rounding,
+not bit for bit.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ class Muon(EagerOptimizer):
         momentum: Muon's momentum (an EMA: ``buf.lerp_(grad, 1 - momentum)``).
         nesterov: orthogonalise ``grad.lerp(buf, momentum)`` instead of ``buf``.
         ns_coefficients: ``(a, b, c)`` of the quintic iteration, or one triple per iteration (the last repeats),
-            e.g. :data:`kitsune.kernels.newton_schulz.POLAR_EXPRESS_COEFFICIENTS`.
+            e.g. `kitsune.kernels.newton_schulz.POLAR_EXPRESS_COEFFICIENTS`.
         eps: the Frobenius norm is clamped to at least this before the iteration (AdamW groups: their eps, 1e-8
             by default).
         ns_steps: Newton-Schulz iterations (fewer than 100, as torch).
@@ -102,7 +103,7 @@ class Muon(EagerOptimizer):
         betas: AdamW's betas for the ``use_muon=False`` groups.
         process_group: distributed Muon for a replicated (DDP) model: the ranks of this torch.distributed group
             (``torch.distributed.group.WORLD`` for all) each orthogonalise a share of the matrices and exchange the
-            results (:mod:`kitsune.distributed.muon`); the grads must be equal on every rank. None: every rank
+            results (`kitsune.distributed.muon`); the grads must be equal on every rank. None: every rank
             orthogonalises every matrix.
     """
 

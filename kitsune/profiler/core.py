@@ -1,11 +1,11 @@
 """Step timing. Nothing here synchronises the device during training: CUDA events are read lazily.
 
-On CUDA the profiler also runs the NVML sampler (:mod:`kitsune.profiler.nvml`) for GPU telemetry.
+On CUDA the profiler also runs the NVML sampler (`kitsune.profiler.nvml`) for GPU telemetry.
 
 After ``sample_after`` steps come two sampled windows, and their steps stay out of the step-time statistics:
 
 1. the probe (CUDA only, ``probe_steps``): launches, copies and host syncs inside ``step()`` are counted and the
-   copy bandwidth is measured (:mod:`kitsune.profiler.probe`);
+   copy bandwidth is measured (`kitsune.profiler.probe`);
 2. the live comparison (``compare_steps`` = N): N steps of kitsune (the reference), then N steps in which the
    wrapped optimizer's own step updates every param (the baseline; training stays exact, the same optimizer
    math runs on the same params and state). The first step of each half settles (the GPU may be idle after the
@@ -106,7 +106,7 @@ class Comparison(BaseModel):
 
 
 class ProfilerMetrics(BaseModel):
-    """What :meth:`Profiler.get_metrics` returns."""
+    """What [`Profiler.get_metrics`][kitsune.profiler.Profiler.get_metrics] returns."""
 
     steps_timed: int
     """Steps timed since the profiler started (including any no longer kept in ``records``)."""
@@ -167,7 +167,7 @@ class Profiler(Subsystem):
         self._comparable: bool | None = None
 
     def plan(self, params: list[torch.Tensor], baseline: str, bytes_per_step: int | None) -> None:
-        """Time steps over ``params``; ``baseline`` names the step the live comparison runs (:func:`describe_step`),
+        """Time steps over ``params``; ``baseline`` names the step the live comparison runs (`describe_step`),
         ``bytes_per_step`` is what the plan's updates must move (the bandwidth floor's numerator)."""
         self._baseline_name, self._bytes_per_step = baseline, bytes_per_step
         self._cuda = bool(params) and params[0].is_cuda and torch.cuda.is_available()
@@ -283,7 +283,8 @@ class Profiler(Subsystem):
             self._probe.complete()
 
     def abandon_step(self) -> None:
-        """The step raised between :meth:`start` and :meth:`stop`: undo what the probe changed."""
+        """The step raised between [`start`][kitsune.profiler.Profiler.start] and
+        [`stop`][kitsune.profiler.Profiler.stop]: undo what the probe changed."""
         if self.active and self._mode == "probe":
             self._probe.abandon()
 

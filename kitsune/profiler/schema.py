@@ -176,7 +176,7 @@ def build_profile(opt: Profiled) -> Profile:
 
 
 def save_profile(opt: Profiled, path: str | Path) -> Path:
-    """Write :func:`build_profile` of ``opt`` to ``path`` as JSON (UTF-8), creating its folder."""
+    """Write `build_profile` of ``opt`` to ``path`` as JSON (UTF-8), creating its folder."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(build_profile(opt).model_dump_json(indent=2), encoding="utf-8")

@@ -76,7 +76,7 @@ class StreamScheduler(Subsystem):
         self.config = config
         self.graph_config = graphs or GraphConfig()
         self.backend = backend or CudaGraphBackend()
-        """Captures and replays the units' graphs (:class:`kitsune.graphs.CudaGraphBackend`; tests swap it)."""
+        """Captures and replays the units' graphs (`kitsune.graphs.CudaGraphBackend`; tests swap it)."""
         self._fusion = fusion
         self._clip, self._scaling = clip, scaling
         self._step_state = step_state
