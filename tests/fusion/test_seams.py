@@ -245,6 +245,26 @@ def test_load_of_a_file_path_names_the_fix(device):
         opt.load_state_dict("ckpt.pt")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("entry", "match"),
+    [([1, 2], "'kitsune' entry must be a dict"), ({"subsystems": {"amp": {"scale": "x"}}}, "loss scaler")],
+    ids=["list", "bad_scaler"],
+)
+def test_a_malformed_kitsune_entry_names_the_problem_and_loads_nothing(entry, match, device):
+    params = make_params([(4, 3), 5], torch.float32, device)
+    opt = KitsuneOptimizer(torch.optim.AdamW(params, lr=0.1), enable_fusion=True, enable_amp=True)
+    opt.backward(sum(p.sum() for p in params))
+    opt.step()
+    sd = opt.state_dict()
+    sd["kitsune"] = entry
+    sd["param_groups"][0]["lr"] = 0.5
+    before = _snapshot(opt)
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(sd)
+    _assert_unchanged(before, opt)
+    assert opt.param_groups[0]["lr"] == 0.1
+
+
 # -- 4. missing state keys raise as torch does --------------------------------------------------------------------
 def _drop(sd: dict[str, Any], key: str) -> dict[str, Any]:
     sd = copy.deepcopy(sd)
