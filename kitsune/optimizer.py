@@ -270,14 +270,15 @@ class KitsuneOptimizer(torch.optim.Optimizer):
 
     def _step(self, closure: _Closure | None = None) -> Any:
         profiling = self._profiler.active
-        s = StepState(self._step_count + 1, baseline=profiling and self._baseline_now())
+        s = StepState(self._step_count + 1, profiling and self._baseline_now())
         if profiling:
             self._profiler.start(s)  # the whole step is timed, the wrapped optimizer's hooks included
         try:
             self._wrapped.pre_hooks()  # before anything changes, as the wrapped optimizer's own step runs them
             steady = closure is None and "found_inf" not in self.__dict__ and self._graphs.active
             loss = None
-            if not (steady and self._graphs.replay_steady(s, self.param_groups, self._plan_fits)):
+            base = self._optimizer
+            if not (steady and self._graphs.replay_steady(s, base.param_groups, base.state, self._planned)):
                 loss = self._pipeline(s, closure)
         except BaseException:
             self._profiler.abandon_step()

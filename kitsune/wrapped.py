@@ -47,15 +47,19 @@ class WrappedStep:
     def pre_hooks(self) -> None:
         """The wrapped optimizer's step pre-hooks (registered on it, not on the wrapper), as its step would run them."""
         base = self.base
-        for hook in list(base._optimizer_step_pre_hooks.values()):
-            hook(base, (base,), {})
+        hooks = base._optimizer_step_pre_hooks
+        if hooks:  # (no list to copy on the common step)
+            for hook in list(hooks.values()):
+                hook(base, (base,), {})
 
     def post_hooks(self) -> None:
         """Its step post-hooks; and the mark LR schedulers built on the wrapped optimizer look for."""
         base = self.base
         base._opt_called = True  # type: ignore[attr-defined]
-        for hook in list(base._optimizer_step_post_hooks.values()):
-            hook(base, (base,), {})
+        hooks = base._optimizer_step_post_hooks
+        if hooks:
+            for hook in list(hooks.values()):
+                hook(base, (base,), {})
 
     def run(self, handled: Collection[torch.Tensor], closure: Callable[[], Any] | None) -> Any:
         """The wrapped step for every param not in ``handled`` (their grads are hidden from it meanwhile)."""

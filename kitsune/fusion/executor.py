@@ -318,7 +318,9 @@ class FusionSubsystem(Subsystem):
 
     def count_replay(self) -> None:
         """Book a step that replayed the captured launches without coming through `prepare`."""
-        self._count_step(1)
+        self._steps += 1
+        self._launches_last_step = 1
+        self._launches_total += 1
 
     def _count_step(self, launches: int) -> None:
         self._steps += 1

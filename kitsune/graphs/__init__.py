@@ -32,7 +32,7 @@ import torch
 
 from kitsune.config import GraphConfig
 from kitsune.graphs.backend import CudaGraphBackend
-from kitsune.subsystem import StepState, Subsystem
+from kitsune.subsystem import PlannedGroups, StepState, Subsystem
 
 __all__ = ["CudaGraphBackend", "GraphSubsystem"]
 
@@ -203,16 +203,16 @@ class GraphSubsystem(Subsystem):
         """A step through the full path: the steady replay waits for that path to replay the graph again."""
         self._steady = None
 
-    def replay_steady(self, s: StepState, groups: list[dict[str, Any]], fits: Callable[[], bool]) -> bool:
-        """The steady step: the same groups (``fits()``: holding the same params), every grad and param where the
-        last step found them, a scaled loss: refresh the hyperparameters if a value changed (an LR scheduler's new
-        LR), replay the graph and fill ``s``. False (nothing done) sends the step through the full path, which
-        checks and refreshes everything and arms this again."""
+    def replay_steady(self, s: StepState, groups: list[dict[str, Any]], state: Any, planned: PlannedGroups) -> bool:
+        """The steady step: the same groups (holding the params ``planned`` was made for, over the same ``state``),
+        every grad and param where the last step found them, a scaled loss: refresh the hyperparameters if a value
+        changed (an LR scheduler's new LR), replay the graph and fill ``s``. False (nothing done) sends the step
+        through the full path, which checks and refreshes everything and arms this again."""
         steady, self._steady = self._steady, None
         fusion = self._fusion
         if steady is None or groups is not steady.groups or fusion.plan_version != steady.plan_version:
             return False
-        if not fits():
+        if not planned.fits(groups, state):
             return False  # a group's params list replaced or grown: re-plan (and the values below compare safely)
         values = _group_values(groups)
         try:
