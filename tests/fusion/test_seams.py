@@ -266,6 +266,16 @@ def test_a_malformed_kitsune_entry_names_the_problem_and_loads_nothing(entry, ma
 
 
 # -- 4. missing state keys raise as torch does --------------------------------------------------------------------
+def _both_raise_key_error(ref: torch.optim.Optimizer, opt: KitsuneOptimizer, key: str) -> None:
+    """torch's step raises ``KeyError(key)``, and so does kitsune's, changing nothing."""
+    before = _snapshot(opt)
+    with pytest.raises(KeyError, match=key):
+        ref.step()
+    with pytest.raises(KeyError, match=key):
+        opt.step()
+    _assert_unchanged(before, opt)
+
+
 def _drop(sd: dict[str, Any], key: str) -> dict[str, Any]:
     sd = copy.deepcopy(sd)
     for st in sd["state"].values():
@@ -291,12 +301,7 @@ def test_a_checkpoint_missing_a_key_raises_as_torch(make, key, device):
     sd = _drop(ref.state_dict(), key)
     ref.load_state_dict(sd)
     opt.load_state_dict(sd)
-    before = _snapshot(opt)
-    with pytest.raises(KeyError, match=key):
-        ref.step()
-    with pytest.raises(KeyError, match=key):
-        opt.step()
-    _assert_unchanged(before, opt)
+    _both_raise_key_error(ref, opt, key)
 
 
 @pytest.mark.parametrize(
@@ -314,12 +319,7 @@ def test_a_switch_turned_on_mid_run_raises_as_torch(make, switch, key, device):
         _step([(params, opt), (twins, ref)], step)
     for o in (opt, ref):
         o.param_groups[0][switch[0]] = switch[1]
-    before = _snapshot(opt)
-    with pytest.raises(KeyError, match=key):
-        ref.step()
-    with pytest.raises(KeyError, match=key):
-        opt.step()
-    _assert_unchanged(before, opt)
+    _both_raise_key_error(ref, opt, key)
 
 
 def test_sgd_momentum_switched_on_mid_run_starts_from_the_grad_as_torch(device):
