@@ -30,7 +30,7 @@ from kitsune.config import GradConfig
 from kitsune.distributed import fsdp
 from kitsune.distributed.zero import ShardSubsystem, clip_sharded_grads_
 from kitsune.memory import MemoryPool
-from kitsune.subsystem import StepState
+from kitsune.subsystem import StepState, unique_params
 
 _GRAD = attrgetter("grad")
 _VERSION = attrgetter("_version")
@@ -130,7 +130,7 @@ class GradPass:
         if self.config.max_norm is None:
             return
         retry = self._clipped_before
-        if retry is not None and retry[0] == self._versions(groups):
+        if retry is not None and retry[0] == self._grad_marks(groups):
             s.grad_norm = retry[1]  # a retry of a step that raised after clipping these grads
         else:
             s.grad_norm = self._clip(self._params(groups), s.reduce)
@@ -149,7 +149,7 @@ class GradPass:
     def abandon(self, s: StepState, groups: list[dict[str, Any]]) -> None:
         """The step raised: remember the clip for a retry on the same grads."""
         norm = s.grad_norm
-        self._clipped_before = None if norm is None or s.fused_grads else (self._versions(groups), norm)
+        self._clipped_before = None if norm is None or s.fused_grads else (self._grad_marks(groups), norm)
 
     def finish(self, s: StepState) -> None:
         """After a step (full or steady): keep its norm and which grads the kernel zeroed."""
@@ -177,10 +177,9 @@ class GradPass:
     def _params(self, groups: list[dict[str, Any]]) -> list[torch.Tensor]:
         """Every param once, in the groups' order (a param listed twice is unscaled and clipped once, as for
         model.parameters())."""
-        params = [p for g in groups for p in g["params"]]
-        return list({id(p): p for p in params}.values()) if self._repeated else params
+        return unique_params(groups) if self._repeated else [p for g in groups for p in g["params"]]
 
-    def _versions(self, groups: list[dict[str, Any]]) -> list[tuple[int, int]]:
+    def _grad_marks(self, groups: list[dict[str, Any]]) -> list[tuple[int, int]]:
         """Each grad's identity and version counter: equal only while no backward or in-place op touched them."""
         return [(id(g), g._version) for p in self._params(groups) if (g := p.grad) is not None]
 
