@@ -99,7 +99,8 @@ class FusionConfig(_Config):
     enabled: StrictBool = True
     """Use fused kernels when the optimizer has fusion on (``enable_fusion=True``)."""
     enable_elementwise: StrictBool = True
-    """Fused multi-tensor update kernels (AdamW/Adam, SGD, Adagrad, RMSprop, Lion, LAMB, LARS)."""
+    """Fused multi-tensor update kernels (AdamW/Adam, SGD, Adagrad, RMSprop, NAdam, RAdam, Adamax, Adadelta, Rprop,
+    ASGD, Lion, LAMB, LARS)."""
     enable_reduction: StrictBool = True
     """Fused multi-tensor norm kernels (grad clipping, inf/nan checks, trust ratios)."""
     enable_matmul: StrictBool = True

@@ -38,6 +38,9 @@ class AlgoInfo:
     """Reads + writes per element, in units of the param dtype size (for the cost model)."""
     foreach_launches: int
     """Roughly how many foreach kernels torch's foreach path runs per step (for the cost model)."""
+    loop_launches: int = 0
+    """Roughly how many kernels the optimizer's own per-param loop runs per param (for the cost model, when torch
+    has no fused or foreach path for it: its own step is then the route the fused kernel is weighed against)."""
     torch_fused_devices: tuple[str, ...] = ()
     """Device types with a ``fused=True`` implementation in torch; empty when there is none."""
     torch_foreach: bool = True
@@ -45,6 +48,16 @@ class AlgoInfo:
     """How the optimizer's own step creates state, which the fused path follows: False, as torch.optim.Adam and most
     others, creates every key when a param's state is empty and raises ``KeyError`` for a key missing from a state
     that is not; True, as torch.optim.SGD (``momentum_buffer``) and Muon, creates each missing key on its own."""
+    scalar_keys: tuple[str, ...] = ()
+    """torch's per-tensor 0-dim state besides ``step``, in kernel slot order (``scalar1``, ``scalar2``): NAdam's
+    ``mu_product``, ASGD's ``eta`` and ``mu``. Kept as ``step`` is: float32 on the param's device (torch's capturable
+    layout), in the memory pool's step arena; every block reads it, the tensor's last block writes it."""
+    fills: tuple[tuple[str, Callable[[dict[str, Any]], Any]], ...] = ()
+    """State torch's lazy init does not start at zero: ``(key, its value from the param group)`` (Rprop's
+    ``step_size`` and ASGD's ``eta``: the group's lr, a tensor lr included)."""
+    host_scalars: tuple[str, ...] = ("step",)
+    """The 0-dim state torch's own step keeps on the host unless ``capturable``: the profiler's live comparison moves
+    it there for its baseline steps (ASGD keeps its scalars on the param's device either way)."""
     aux: AlgoInfo | None = None
     """The algorithm of the groups whose spec is an `UpdateSpec` in an optimizer that is mostly something
     else (kitsune.optim.Muon's ``use_muon=False`` groups run AdamW): their fused units use it."""
@@ -75,14 +88,43 @@ def _rmsprop_keys(s: UpdateSpec) -> tuple[str | None, ...]:
     return keys[: s.state_slots]
 
 
+def _spec(algo: Algo) -> Callable[[dict[str, Any]], UpdateSpec]:
+    """The switches of the algorithms that have only ``maximize`` and (NAdam, RAdam) ``decoupled_weight_decay``."""
+
+    def spec(g: dict[str, Any]) -> UpdateSpec:
+        return UpdateSpec(
+            algo,
+            maximize=bool(g.get("maximize", False)),
+            decoupled_wd=bool(g.get("decoupled_weight_decay", False)),
+        )
+
+    return spec
+
+
+_LOG2_096 = math.log2(0.96)
+"""NAdam's momentum schedule is ``0.96 ** (step * momentum_decay)``: the kernel takes ``exp2(step * EXTRA)``."""
 _FUSED_DEVICES = ("cuda", "cpu", "xpu", "mps")
 
 ALGOS: dict[type, AlgoInfo] = {
     torch.optim.Adam: AlgoInfo(
-        "Adam", _adam_spec(False), _adam_row, _adam_keys, True, lambda s: 9 if s.amsgrad else 7, 12, _FUSED_DEVICES
+        "Adam",
+        _adam_spec(False),
+        _adam_row,
+        _adam_keys,
+        True,
+        lambda s: 9 if s.amsgrad else 7,
+        12,
+        torch_fused_devices=_FUSED_DEVICES,
     ),
     torch.optim.AdamW: AlgoInfo(
-        "AdamW", _adam_spec(True), _adam_row, _adam_keys, True, lambda s: 9 if s.amsgrad else 7, 12, _FUSED_DEVICES
+        "AdamW",
+        _adam_spec(True),
+        _adam_row,
+        _adam_keys,
+        True,
+        lambda s: 9 if s.amsgrad else 7,
+        12,
+        torch_fused_devices=_FUSED_DEVICES,
     ),
     torch.optim.SGD: AlgoInfo(
         "SGD",
@@ -97,7 +139,7 @@ ALGOS: dict[type, AlgoInfo] = {
         False,
         lambda s: 5 if s.momentum else 3,
         4,
-        _FUSED_DEVICES,
+        torch_fused_devices=_FUSED_DEVICES,
         per_key_init=True,
     ),
     torch.optim.Adagrad: AlgoInfo(
@@ -108,7 +150,7 @@ ALGOS: dict[type, AlgoInfo] = {
         True,
         lambda s: 5,
         6,
-        ("cpu",),
+        torch_fused_devices=("cpu",),
     ),
     torch.optim.RMSprop: AlgoInfo(
         "RMSprop",
@@ -124,6 +166,67 @@ ALGOS: dict[type, AlgoInfo] = {
         lambda s: 3 + 2 * s.state_slots,
         9,
     ),
+    torch.optim.NAdam: AlgoInfo(
+        "NAdam",
+        _spec(Algo.NADAM),
+        lambda g: (g["lr"], g["betas"][0], g["betas"][1], g["eps"], g["weight_decay"], g["momentum_decay"] * _LOG2_096),
+        lambda s: ("exp_avg", "exp_avg_sq"),
+        True,
+        lambda s: 7,
+        10,  # step, lerp_, mul_, addcmul_, sqrt, mu_product mul_, div_, add_, two addcdiv_
+        scalar_keys=("mu_product",),
+        fills=(("mu_product", lambda g: 1.0),),
+        host_scalars=("step", "mu_product"),
+    ),
+    torch.optim.RAdam: AlgoInfo(
+        "RAdam",
+        _spec(Algo.RADAM),
+        lambda g: (g["lr"], g["betas"][0], g["betas"][1], g["eps"], g["weight_decay"], 0.0),
+        lambda s: ("exp_avg", "exp_avg_sq"),
+        True,
+        lambda s: 7,
+        10,  # step, lerp_, mul_, addcmul_, sqrt, add_, div_, reciprocal_, add_, addcmul_
+    ),
+    torch.optim.Adamax: AlgoInfo(
+        "Adamax",
+        _spec(Algo.ADAMAX),
+        lambda g: (g["lr"], g["betas"][0], g["betas"][1], g["eps"], g["weight_decay"], 0.0),
+        lambda s: ("exp_avg", "exp_inf"),
+        True,
+        lambda s: 7,
+        7,  # step, lerp_, mul_, abs, add_, maximum_, addcdiv_
+    ),
+    torch.optim.Adadelta: AlgoInfo(
+        "Adadelta",
+        _spec(Algo.ADADELTA),
+        lambda g: (g["lr"], 0.0, g["rho"], g["eps"], g["weight_decay"], 0.0),
+        lambda s: ("square_avg", "acc_delta"),
+        True,
+        lambda s: 7,
+        12,  # step, mul_, addcmul_, add, sqrt_, add, sqrt_, div_, mul_, mul_, addcmul_, add_
+    ),
+    torch.optim.Rprop: AlgoInfo(
+        "Rprop",
+        _spec(Algo.RPROP),
+        lambda g: (g["lr"], g["etas"][0], g["etas"][1], 0.0, 0.0, g["step_sizes"][0], g["step_sizes"][1]),
+        lambda s: ("prev", "step_size"),
+        True,
+        lambda s: 7,
+        17,  # 6 foreach ops, then per tensor: three masked fills, clamp_, where, copy_, sign (a lower bound)
+        fills=(("step_size", lambda g: g["lr"]),),
+    ),
+    torch.optim.ASGD: AlgoInfo(
+        "ASGD",
+        _spec(Algo.ASGD),
+        lambda g: (g["lr"], g["lambd"], g["alpha"], 0.0, g["weight_decay"], g["t0"]),
+        lambda s: ("ax",),
+        True,
+        lambda s: 5,
+        9,  # step, add, addcmul_, sub, addcmul_, two copies of eta and mu (made per tensor on the host)
+        scalar_keys=("eta", "mu"),
+        fills=(("eta", lambda g: g["lr"]), ("mu", lambda g: 1.0)),
+        host_scalars=(),
+    ),
     Lion: AlgoInfo(
         "Lion",
         lambda g: UpdateSpec(Algo.LION, maximize=bool(g.get("maximize", False))),
@@ -132,6 +235,7 @@ ALGOS: dict[type, AlgoInfo] = {
         False,
         lambda s: 5,
         0,
+        loop_launches=5,  # mul_, lerp, sign_, add_, lerp_
         torch_foreach=False,
     ),
     LARS: AlgoInfo(
@@ -157,6 +261,7 @@ ALGOS: dict[type, AlgoInfo] = {
         False,
         lambda s: (5 if s.momentum else 3) + 2,  # + the norm pass over param and grad
         0,
+        loop_launches=10,  # two norms, the ratio (div, add, mul, where), wd add, trust mul, momentum, add_
         torch_foreach=False,
         per_key_init=True,
     ),
@@ -177,9 +282,23 @@ ALGOS: dict[type, AlgoInfo] = {
         True,
         lambda s: 6 + 4 + 1,  # stage 1 (p, g, m, v in; m, v out), stage 2 (p, m, v in; p out), the norm of p
         0,
+        loop_launches=14,  # step, lerp_, mul_, addcmul_, two divs, sqrt_, add_, wd add_, two norms, ratio, mul_, sub_
         torch_foreach=False,
     ),
 }
+
+
+OWN_STEP: dict[type, str] = {
+    torch.optim.SparseAdam: (
+        "SparseAdam takes sparse grads only (its moments change only where a grad has entries), so it keeps its "
+        "own step"
+    ),
+    torch.optim.LBFGS: (
+        "LBFGS runs a closure-driven line search that evaluates the loss several times per step, so it keeps its "
+        "own step"
+    ),
+}
+"""torch optimizers the fused kernel cannot run, with the reason the plan gives."""
 
 
 def _muon_spec(schedules: bool) -> Callable[[dict[str, Any]], MuonSpec]:
@@ -249,9 +368,9 @@ def scalar_dtype() -> torch.dtype:
 
 
 def missing_key(info: AlgoInfo, spec: UpdateSpec, state: dict) -> str | None:
-    """The first key the optimizer's step reads that a param's (non-empty) ``state`` lacks, in torch's reading order
-    (the state tensors, then ``step``), or None."""
-    keys = [k for k in info.state_keys(spec) if k] + (["step"] if info.step_in_state else [])
+    """The first key the optimizer's step reads that a param's (non-empty) ``state`` lacks, in about torch's reading
+    order (the state tensors, the other scalars, then ``step``), or None."""
+    keys = [k for k in info.state_keys(spec) if k] + list(info.scalar_keys) + (["step"] if info.step_in_state else [])
     return next((k for k in keys if k not in state), None)
 
 
@@ -267,14 +386,20 @@ def init_state(
     """Create missing state for ``p`` as torch's lazy init would, with ``step`` on the param's device (as torch's
     fused and capturable paths keep it: the kernel reads it there). ``alloc(key)`` hands out the memory (the
     pool's arena views); without it each tensor is allocated on its own. ``defaults``: the optimizer's, where
-    torch's lazy init reads a value there rather than in the group (Adagrad's ``initial_accumulator_value``)."""
-    if info.step_in_state and "step" not in state:
-        state["step"] = alloc("step").zero_() if alloc else torch.zeros((), dtype=torch.float32, device=p.device)
+    torch's lazy init reads a value there rather than in the group (Adagrad's ``initial_accumulator_value``).
+    The other per-tensor scalars (`AlgoInfo.scalar_keys`) are float32 on the param's device, as ``step``."""
+    fills = dict(info.fills)
+    for key in (["step"] if info.step_in_state else []) + list(info.scalar_keys):
+        if key not in state:
+            t = alloc(key) if alloc else torch.empty((), dtype=torch.float32, device=p.device)
+            state[key] = t.fill_(fills[key](group)) if key in fills else t.zero_()
     for key in info.state_keys(spec):
         if key is None or state.get(key) is not None:  # None: set so by hand (SGD: start the buffer again)
             continue
         t = alloc(key) if alloc else torch.empty_like(p, memory_format=torch.preserve_format)
-        if key == "sum":  # Adagrad builds it in __init__; a group added later gets it here, from the defaults
+        if key in fills:  # Rprop's step_size starts at the group's lr
+            t.fill_(fills[key](group))
+        elif key == "sum":  # Adagrad builds it in __init__; a group added later gets it here, from the defaults
             t.fill_((defaults or {}).get("initial_accumulator_value", group["initial_accumulator_value"]))
         elif info.name not in ("SGD", "LARS"):  # those write it from the grad on the first step (torch's clone)
             t.zero_()

@@ -82,7 +82,7 @@ class FusionSubsystem(Subsystem):
         self._launches_last_norm = 0
         self._launches_last_launch = 0
         self._plan_version = 0
-        self._handed_over: list[tuple[dict[str, Any], torch.device]] = []
+        self._handed_over: list[tuple[dict[str, Any], str, torch.device]] = []
         self._prepared: list[FusedUnit] = []
         """The units this step's `prepare` went through (whose lazy state `undo` removes)."""
         self._trust = False
@@ -471,26 +471,28 @@ class FusionSubsystem(Subsystem):
         user never runs. Moving them costs one sync here, before the timed steps begin.
         """
         state = self._base.state
+        keys = self._info.host_scalars if self._info is not None else ("step",)  # NAdam's mu_product too
         moved = []
         for g in self._base.param_groups:
             if g.get("capturable") or g.get("fused"):
                 continue  # torch keeps these on the device too
             for p in g["params"]:
-                t = state[p].get("step") if p in state else None
-                if isinstance(t, torch.Tensor) and t.device.type != "cpu":
-                    moved.append((state[p], t.device, t))
+                for key in keys:
+                    t = state[p].get(key) if p in state else None
+                    if isinstance(t, torch.Tensor) and t.device.type != "cpu":
+                        moved.append((state[p], key, t.device, t))
         if moved:
-            host = torch.stack([t for _, _, t in moved]).cpu()
-            for (st, _, _), value in zip(moved, host, strict=True):
-                st["step"] = value.clone()
-        self._handed_over = [(st, device) for st, device, _ in moved]
+            host = torch.stack([t for *_, t in moved]).cpu()
+            for (st, key, _, _), value in zip(moved, host, strict=True):
+                st[key] = value.clone()
+        self._handed_over = [(st, key, device) for st, key, device, _ in moved]
 
     def take_back(self) -> None:
         """Undo `hand_over`: step counts back on the device and the kernels' tables rebound to them."""
-        for st, device in self._handed_over:
-            t = st.get("step")
+        for st, key, device in self._handed_over:
+            t = st.get(key)
             if isinstance(t, torch.Tensor):
-                st["step"] = t.to(device)
+                st[key] = t.to(device)
         self._handed_over = []
         for unit in (*self._units, *self._muon):
             unit.bind(self._base.state)

@@ -35,7 +35,9 @@ class CostModel:
     ``time = launches * launch_s + tensors * host_s_per_tensor + bytes / bandwidth``. The constants are rough
     H100-class figures; only their ratios matter for ``min_fusion_benefit``. torch's multi-tensor apply puts at
     most ``torch_tensors_per_launch`` tensors in one launch (its 4 KB kernel-argument limit) and its foreach path
-    runs ``AlgoInfo.foreach_launches`` kernels per chunk, each of which streams the data it touches again.
+    runs ``AlgoInfo.foreach_launches`` kernels per chunk, each of which streams the data it touches again. An
+    optimizer with neither (Lion, LAMB, LARS) is weighed against its own per-param loop: ``AlgoInfo.loop_launches``
+    kernels per param, each launched from Python.
     """
 
     launch_s: float = 5e-6
@@ -65,6 +67,21 @@ class CostModel:
             ops * chunks * self.launch_s + tensors * self.torch_host_s_per_tensor + ops * nbytes / 1.5 / self.bandwidth
         )
 
+    def per_param_loop(self, tensors: int, nbytes: int, ops: int) -> float:
+        # a Python loop over the params: every op is its own launch for every param
+        return (
+            ops * tensors * self.launch_s + tensors * self.torch_host_s_per_tensor + ops * nbytes / 1.5 / self.bandwidth
+        )
+
+
+def speedup_text(b: dict[str, Any]) -> str:
+    """A bucket's predicted speedup with the model's times behind it, e.g. ``"1.1x (1.76 vs 2 ms)"``."""
+    speedup = b.get("predicted_speedup")
+    if speedup is None:
+        return "-"
+    times = list((b.get("predicted_ms") or {}).values())
+    return f"{speedup:.1f}x ({times[0]:g} vs {times[1]:g} ms)" if len(times) == 2 else f"{speedup:.1f}x"
+
 
 @dataclass
 class BucketPlan:
@@ -90,6 +107,9 @@ class BucketPlan:
     groups: list[int] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     """Options that were looked at and are fine, e.g. ``foreach=True ignored``."""
+    predicted_ms: dict[str, float] = field(default_factory=dict)
+    """The cost model's time per step of the fused route and of the fallback it was weighed against, in ms, by
+    route (``{"triton": 0.41, "base_step": 3.7}``); empty when nothing was weighed."""
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -153,7 +173,7 @@ class Plan:
                 str(b.tensors),
                 f"{b.elements:,}",
                 str(b.launches),
-                "-" if b.predicted_speedup is None else f"{b.predicted_speedup:.1f}x",
+                speedup_text(b.to_dict()),
                 "; ".join([b.reason, *b.notes]),
             )
         return table

@@ -7,9 +7,9 @@ hyperparameter buffer). A bucket takes the first route that can run it:
 1. the fused Triton kernel (one launch per ``max_fusion_size`` tensors);
 2. torch's ``fused=True`` implementation, then ``foreach=True``: for buckets Triton cannot or should not take
    (no Triton, float64, a non-contiguous param, a predicted speedup under ``min_fusion_benefit``);
-3. the wrapped optimizer's own step: for everything kitsune must not touch (unknown optimizer class,
-   ``differentiable=True``, complex or sparse grads, state of another dtype than its param for torch's fused and
-   foreach paths, fusion disabled) and for every CPU param unless ``TRITON_INTERPRET=1``, so that on a CPU-only
+3. the wrapped optimizer's own step: for everything kitsune must not touch (unknown optimizer class, SparseAdam and
+   LBFGS, ``differentiable=True``, complex or sparse grads, state of another dtype than its param for torch's fused
+   and foreach paths, fusion disabled) and for every CPU param unless ``TRITON_INTERPRET=1``, so that on a CPU-only
    machine results stay bit-identical to the unwrapped optimizer.
 
 `Planner.plan` only decides and builds the executors' units; it changes no param, grad or state.
@@ -29,7 +29,7 @@ import torch
 from kitsune.config import FusionConfig, GradConfig, StreamConfig
 from kitsune.distributed import fsdp
 from kitsune.fusion import muon_unit
-from kitsune.fusion.algos import ALGOS, AlgoInfo
+from kitsune.fusion.algos import ALGOS, OWN_STEP, AlgoInfo
 from kitsune.fusion.plan import BucketPlan, CostModel, Plan, Route
 from kitsune.fusion.units import FusedUnit, TorchShadow
 from kitsune.kernels.multi_tensor import DEFAULT_BLOCK
@@ -38,7 +38,7 @@ from kitsune.kernels.spec import MuonSpec, UpdateSpec
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TORCH_DTYPES = (*_KERNEL_DTYPES, torch.float64)
 _TORCH = Route.TORCH_FUSED
-"""A reason's level "some torch route": the bucket then takes torch fused, else foreach (see _torch_route)."""
+"""A reason's level "some torch route": the bucket then takes torch fused, else foreach (see torch_route)."""
 _REPEATED = (
     Route.BASE_STEP,
     "a param listed more than once in the param groups: torch's step updates it once per listing (and warns), "
@@ -140,6 +140,8 @@ class Planner:
             return Route.BASE_STEP, "fusion disabled (enable_fusion=False)"
         if not self.config.enable_elementwise:
             return Route.BASE_STEP, "fusion disabled by enable_elementwise=False"
+        if info is None and type(base) in OWN_STEP:
+            return Route.BASE_STEP, OWN_STEP[type(base)]
         if info is None:
             names = ", ".join(i.name for i in ALGOS.values())
             return Route.BASE_STEP, (
@@ -188,7 +190,7 @@ class Planner:
         if route is Route.BASE_STEP:
             return bp
         assert info is not None and spec is not None
-        fallback = _torch_route(info, torch.device(device), dtype)
+        fallback = torch_route(info, torch.device(device), dtype)
         if route is Route.TORCH_FOREACH and fallback is Route.TORCH_FUSED:
             fallback = Route.TORCH_FOREACH  # a non-contiguous param: torch's fused path misreads other grad layouts
         if route is None and isinstance(spec, MuonSpec):
@@ -197,12 +199,9 @@ class Planner:
         if route is None:  # fusable: does it pay?
             nbytes = elements * dtype.itemsize * info.bytes_per_element(spec)
             launches = math.ceil(tensors / self.config.max_fusion_size) if self.config.max_fusion_size else 1
-            fused = self.cost_model.triton(tensors, nbytes, launches)
-            if fallback is Route.TORCH_FUSED:
-                other = self.cost_model.torch_fused(tensors, nbytes)
-            else:  # foreach, or the optimizer's own per-tensor loop, which is slower still
-                other = self.cost_model.torch_foreach(tensors, nbytes, max(info.foreach_launches, 1))
+            fused, other = weigh(self.cost_model, info, fallback, tensors, nbytes, launches)
             bp.predicted_speedup = round(other / fused, 3)
+            bp.predicted_ms = {Route.TRITON.value: _ms(fused), fallback.value: _ms(other)}
             if bp.predicted_speedup >= self.config.min_fusion_benefit:
                 bp.route, bp.launches = Route.TRITON, launches
                 return bp
@@ -348,7 +347,25 @@ def _foreign_state(members: Members, state: Any) -> str | None:
     return None
 
 
-def _torch_route(info: AlgoInfo, device: torch.device, dtype: torch.dtype) -> Route:
+def weigh(
+    cost: CostModel, info: AlgoInfo, fallback: Route, tensors: int, nbytes: int, launches: int
+) -> tuple[float, float]:
+    """The cost model's seconds a step for a bucket on the fused kernel and on ``fallback``: torch's fused path,
+    its foreach path, or, where torch has neither, the optimizer's own loop (one launch per op and param)."""
+    fused = cost.triton(tensors, nbytes, launches)
+    if fallback is Route.TORCH_FUSED:
+        return fused, cost.torch_fused(tensors, nbytes)
+    if fallback is Route.TORCH_FOREACH:
+        return fused, cost.torch_foreach(tensors, nbytes, max(info.foreach_launches, 1))
+    return fused, cost.per_param_loop(tensors, nbytes, max(info.loop_launches, 1))
+
+
+def _ms(seconds: float) -> float:
+    """Seconds as milliseconds, to three significant digits."""
+    return float(f"{seconds * 1e3:.3g}")
+
+
+def torch_route(info: AlgoInfo, device: torch.device, dtype: torch.dtype) -> Route:
     if device.type in info.torch_fused_devices and dtype in _TORCH_DTYPES:
         return Route.TORCH_FUSED
     return Route.TORCH_FOREACH if info.torch_foreach else Route.BASE_STEP

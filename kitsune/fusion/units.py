@@ -329,8 +329,9 @@ class FusedUnit:
         again from the state as it is then (as torch reads its state every step), instead of writing through the
         freed tensor's address."""
         keys = self.info.state_keys(self.spec)
+        scalars = (["step"] if self.info.step_in_state else []) + list(self.info.scalar_keys)
         tables: list[list[int]] = [[] for _ in keys]
-        steps: list[int] = []
+        scalar_tables: list[list[int]] = [[] for _ in scalars]  # step, then scalar1, scalar2
         bound: list[torch.Tensor] = []
         slots = self.slots
         for i, p in enumerate(self.params):
@@ -346,26 +347,29 @@ class FusedUnit:
                     tables[slot].append(fsdp.local(bound[-1]).data_ptr())
                 else:
                     tables[slot].append(0)
-            if self.info.step_in_state:
+            for slot, key in enumerate(scalars):
                 if ready and slots is not None:
-                    _conform_step(s, p)
-                    bound.append(slots.adopt(s, i, "step"))
-                    steps.append(bound[-1].data_ptr())
+                    _conform_scalar(s, key, p)
+                    bound.append(slots.adopt(s, i, key))
+                    scalar_tables[slot].append(bound[-1].data_ptr())
                 elif ready:
-                    bound.append(_conform_step(s, p))
-                    steps.append(bound[-1].data_ptr())
+                    bound.append(_conform_scalar(s, key, p))
+                    scalar_tables[slot].append(bound[-1].data_ptr())
                 else:
-                    steps.append(0)
+                    scalar_tables[slot].append(0)
         intact = _Intact()
         self._state_refs = [weakref.ref(t, intact) for t in bound]
         self._state_intact = intact
         for slot, addrs in enumerate(tables, 1):
             self.tables.set_role(f"state{slot}", addrs)
-        if self.spec.has_step:
-            if self._private_steps is not None:
-                base = self._private_steps.data_ptr()
-                steps = [base + 4 * i for i in range(len(self.params))]
-            self.tables.set_role("step", steps)
+        roles = (["step"] if self.info.step_in_state else []) + [
+            f"scalar{j}" for j, _ in enumerate(self.info.scalar_keys, 1)
+        ]
+        for role, addrs in zip(roles, scalar_tables, strict=True):
+            self.tables.set_role(role, addrs)
+        if self._private_steps is not None:
+            base = self._private_steps.data_ptr()
+            self.tables.set_role("step", [base + 4 * i for i in range(len(self.params))])
 
 
 _QUICK_BREAKS = 3
@@ -392,7 +396,7 @@ def _has_state(state: Any, p: torch.Tensor, info: AlgoInfo, spec: UpdateSpec) ->
         return False
     if info.step_in_state and "step" not in s:
         return False
-    return all(s.get(k) is not None for k in info.state_keys(spec) if k)
+    return all(s.get(k) is not None for k in (*info.state_keys(spec), *info.scalar_keys) if k)
 
 
 def _conform(s: dict, key: str, p: torch.Tensor) -> torch.Tensor:
@@ -411,13 +415,14 @@ def _conform(s: dict, key: str, p: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _conform_step(s: dict, p: torch.Tensor) -> torch.Tensor:
-    """``step`` as a float32 scalar on the param's device, as torch's fused and capturable paths keep it."""
-    t = s["step"]
+def _conform_scalar(s: dict, key: str, p: torch.Tensor) -> torch.Tensor:
+    """``step`` (or another per-tensor scalar: NAdam's ``mu_product``, ASGD's ``eta``, ``mu``) as a float32 scalar on
+    the param's device, as torch's fused and capturable paths keep it."""
+    t = s[key]
     if not isinstance(t, torch.Tensor):  # checkpoints from torch < 1.12 stored a number
-        t = torch.tensor(float(t))
+        t = s[key] = torch.tensor(float(t), device=p.device)
     if t.dtype != torch.float32 or t.device != p.device:
-        t = s["step"] = t.to(device=p.device, dtype=torch.float32)
+        t = s[key] = t.to(device=p.device, dtype=torch.float32)
     return t
 
 

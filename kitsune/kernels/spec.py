@@ -13,6 +13,12 @@ class Algo(IntEnum):
     ADAGRAD = 2
     RMSPROP = 3
     LION = 4
+    NADAM = 5
+    RADAM = 6
+    ADAMAX = 7
+    ADADELTA = 8
+    RPROP = 9
+    ASGD = 10
 
 
 class Trust(IntEnum):
@@ -27,9 +33,12 @@ class Trust(IntEnum):
 
 
 # Columns of the float64 hyperparameter buffer (one row per param group). Algorithms share columns:
-#   B1: Adam/Lion/LAMB beta1, SGD/RMSprop/LARS momentum.  B2: Adam/Lion/LAMB beta2, RMSprop alpha.
-#   EXTRA: SGD/LARS dampening, Adagrad lr_decay, LAMB bias_correction (1 or 0).
-#   TRUST_A: LARS trust_coefficient, LAMB max_trust_ratio (inf for none).  ADAPT: layer_adaptation (1 or 0).
+#   B1: Adam/NAdam/RAdam/Adamax/Lion/LAMB beta1, SGD/RMSprop/LARS momentum, Rprop etaminus, ASGD lambd.
+#   B2: Adam/NAdam/RAdam/Adamax/Lion/LAMB beta2, RMSprop alpha, Adadelta rho, Rprop etaplus, ASGD alpha.
+#   EXTRA: SGD/LARS dampening, Adagrad lr_decay, LAMB bias_correction (1 or 0), NAdam momentum_decay * log2(0.96),
+#     Rprop step_size_min, ASGD t0.
+#   TRUST_A: LARS trust_coefficient, LAMB max_trust_ratio (inf for none), Rprop step_size_max.
+#   ADAPT: LARS/LAMB layer_adaptation (1 or 0).
 LR, B1, B2, EPS, WD, EXTRA, TRUST_A, ADAPT = range(8)
 NUM_FIELDS = 8  # 64-byte rows
 
@@ -41,7 +50,7 @@ class UpdateSpec:
     algo: Algo
     maximize: bool = False
     decoupled_wd: bool = False
-    """Adam: AdamW's ``p *= 1 - lr * wd`` instead of L2 (``g += wd * p``). Lion always decouples."""
+    """Adam/NAdam/RAdam: AdamW's ``p *= 1 - lr * wd`` instead of L2 (``g += wd * p``). Lion always decouples."""
     amsgrad: bool = False
     momentum: bool = False
     """SGD ``momentum != 0`` / RMSprop ``momentum > 0``: a momentum_buffer exists."""
@@ -52,7 +61,13 @@ class UpdateSpec:
     @property
     def has_step(self) -> bool:
         """Whether the launch reads and advances a per-tensor step count (SGD: only to spot the first step)."""
-        return self.algo in (Algo.ADAM, Algo.ADAGRAD, Algo.RMSPROP) or (self.algo == Algo.SGD and self.momentum)
+        return self.algo not in (Algo.SGD, Algo.LION) or (self.algo == Algo.SGD and self.momentum)
+
+    @property
+    def scalar_slots(self) -> int:
+        """How many per-tensor float32 scalars besides ``step`` (roles ``scalar1``, ``scalar2``) the launch reads and
+        its tensors' last blocks write: NAdam's ``mu_product``, ASGD's ``eta`` and ``mu``."""
+        return {Algo.NADAM: 1, Algo.ASGD: 2}.get(self.algo, 0)
 
     @property
     def state_slots(self) -> int:
@@ -63,6 +78,8 @@ class UpdateSpec:
             return 3 if self.centered else (2 if self.momentum else 1)
         if self.algo == Algo.SGD:
             return 1 if self.momentum else 0
+        if self.algo in (Algo.NADAM, Algo.RADAM, Algo.ADAMAX, Algo.ADADELTA, Algo.RPROP):
+            return 2
         return 1
 
     def describe(self) -> str:
@@ -91,6 +108,7 @@ class MuonSpec:
 
     has_step = False
     """torch.optim.Muon keeps no step count."""
+    scalar_slots = 0
     state_slots = 1
     """``momentum_buffer``."""
     trust = Trust.NONE

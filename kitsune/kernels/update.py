@@ -1,10 +1,10 @@
 """One generic multi-tensor optimizer update kernel; constexpr switches pick the algorithm and its options.
 
-Adam, AdamW, SGD, Adagrad, RMSprop and Lion share the skeleton (load param and grad, maximize, weight decay,
-update the state, update the param); only the middle differs, so they are one kernel, and Triton compiles one
-variant per switch combination. Hyperparameters are never Python constants: each tensor's row of the
-device-resident buffer ``hyper`` (float64, ``(n_groups, NUM_FIELDS)``) is read through its group index, so an LR
-scheduler changes values without a recompile and a captured graph stays valid.
+Adam, AdamW, SGD, Adagrad, RMSprop, Lion, NAdam, RAdam, Adamax, Adadelta, Rprop and ASGD share the skeleton (load
+param and grad, maximize, weight decay, update the state, update the param); only the middle differs, so they are
+one kernel, and Triton compiles one variant per switch combination. Hyperparameters are never Python constants:
+each tensor's row of the device-resident buffer ``hyper`` (float64, ``(n_groups, NUM_FIELDS)``) is read through its
+group index, so an LR scheduler changes values without a recompile and a captured graph stays valid.
 
 Math runs in fp32 with per-tensor scalars (bias corrections) in fp64, as torch computes them on the host in
 double; params and state are loaded once, updated in registers and rounded once when stored, in the param's
@@ -13,7 +13,9 @@ eager per-op path, which rounds after every op (and on CPU even rounds ``alpha``
 
 Step counts: every block of a tensor reads ``step`` before it works and uses ``step + 1``; then it bumps the
 tensor's block counter with an acq_rel atomic; the block that finishes last (all others have read ``step`` by
-then) writes ``step + 1`` and resets the counter. So one launch both updates and counts, race-free.
+then) writes ``step + 1`` and resets the counter. So one launch both updates and counts, race-free. Per-tensor
+scalars besides the step (NAdam's ``mu_product``, ASGD's ``eta`` and ``mu``: roles ``scalar1``, ``scalar2``) go the
+same way: every block reads the old value, the last block writes the new one.
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ def _update_kernel(
     s2_tab,
     s3_tab,
     step_tab,
+    sc1_tab,  # (T,) int64 addresses of float32 scalars, read only with SCALARS >= 1 (>= 2 for sc2_tab)
+    sc2_tab,
     hyper,  # (n_groups, NUM_FIELDS) float64
     found_inf,  # float32 scalar: nonzero skips the whole update (AMP overflow), read only with HAS_FOUND_INF
     grad_scale,  # float32 scalar: the grads hold grad * grad_scale (a loss scale), read only with HAS_GRAD_SCALE
@@ -85,6 +89,7 @@ def _update_kernel(
     NESTEROV: tl.constexpr,
     CENTERED: tl.constexpr,
     HAS_STEP: tl.constexpr,
+    SCALARS: tl.constexpr,  # per-tensor scalars besides step: 0, 1 (NAdam) or 2 (ASGD)
     HAS_FOUND_INF: tl.constexpr,
     HAS_GRAD_SCALE: tl.constexpr,
     CLIP: tl.constexpr,
@@ -110,6 +115,16 @@ def _update_kernel(
     if HAS_STEP:
         step_ptr = tl.load(step_tab + t).to(tl.pointer_type(tl.float32))
         step = tl.load(step_ptr, mask=live, other=0.0).to(tl.float64) + 1.0
+    sc1 = 1.0
+    sc2 = 1.0
+    if SCALARS >= 1:
+        sc1_ptr = tl.load(sc1_tab + t).to(tl.pointer_type(tl.float32))
+        sc1 = tl.load(sc1_ptr, mask=live, other=1.0)
+    if SCALARS >= 2:
+        sc2_ptr = tl.load(sc2_tab + t).to(tl.pointer_type(tl.float32))
+        sc2 = tl.load(sc2_ptr, mask=live, other=1.0)
+    new1 = sc1  # what the tensor's last block writes back
+    new2 = sc2
 
     p_ptr = _role_ptr(param_tab, t, offs, DTYPE)
     g_ptr = _ptr(g_addr, offs, DTYPE)
@@ -225,13 +240,77 @@ def _update_kernel(
             p = p - lr.to(tl.float32) * buf
         else:
             p = p - lr.to(tl.float32) * (g / avg)
-    else:  # Lion: s1 exp_avg
+    elif ALGO == 4:  # Lion: s1 exp_avg
         p = p * (1.0 - lr * wd).to(tl.float32)
         m = tl.load(s1_ptr, mask=mask, other=0.0).to(tl.float32)
         c = _lerp(m, g, (1.0 - b1).to(tl.float32))
         sign = tl.where(c > 0, 1.0, tl.where(c < 0, -1.0, 0.0))  # torch.sign: 0 for 0 and for nan
         p = p - lr.to(tl.float32) * sign
         tl.store(s1_ptr, _cast(_lerp(m, g, (1.0 - b2).to(tl.float32)), DTYPE, RNE_BF16), mask=mask)
+    elif ALGO == 10:  # ASGD: s1 ax; scalar1 eta, scalar2 mu; B1 lambd, B2 alpha, EXTRA t0
+        g = _add_wd(g, wd, p)
+        p = p * (1.0 - b1 * sc1.to(tl.float64)).to(tl.float32)
+        p = p - sc1 * g
+        ax = tl.load(s1_ptr, mask=mask, other=0.0).to(tl.float32)
+        ax = tl.where(sc2 != 1.0, ax + (p - ax) * sc2, p)  # torch copies the param while mu is 1
+        tl.store(s1_ptr, _cast(ax, DTYPE, RNE_BF16), mask=mask)
+        # the next step's eta = lr / (1 + lambd lr t)^alpha and mu = 1 / max(1, t - t0), from this step's lr
+        new1 = (lr / tl.exp2(b2 * tl.log2(1.0 + b1 * lr * step))).to(tl.float32)
+        new2 = (1.0 / tl.maximum(step - extra, 1.0)).to(tl.float32)
+    elif ALGO == 9:  # Rprop: s1 prev, s2 step_size; B1/B2 etaminus/etaplus, EXTRA/TRUST_A step_size min/max
+        prev = tl.load(s1_ptr, mask=mask, other=0.0).to(tl.float32)
+        prod = g * prev  # nan: torch's sign is 0 there, so the factor is 1 and the grad is kept
+        size = tl.load(s2_ptr, mask=mask, other=0.0).to(tl.float32)
+        size = size * tl.where(prod > 0.0, b2.to(tl.float32), tl.where(prod < 0.0, b1.to(tl.float32), 1.0))
+        size = tl.maximum(size, extra.to(tl.float32), propagate_nan=tl.PropagateNan.ALL)  # torch.clamp keeps nan
+        size = tl.minimum(size, trust_a.to(tl.float32), propagate_nan=tl.PropagateNan.ALL)
+        g = tl.where(prod < 0.0, 0.0, g)  # a sign change: no step this time, and prev forgets the grad
+        p = p - tl.where(g > 0, 1.0, tl.where(g < 0, -1.0, 0.0)) * size
+        tl.store(s1_ptr, _cast(g, DTYPE, RNE_BF16), mask=mask)
+        tl.store(s2_ptr, _cast(size, DTYPE, RNE_BF16), mask=mask)
+    elif ALGO == 8:  # Adadelta: s1 square_avg, s2 acc_delta; B2 rho
+        g = _add_wd(g, wd, p)
+        rho = b2.to(tl.float32)
+        sq = tl.load(s1_ptr, mask=mask, other=0.0).to(tl.float32) * rho + (1.0 - b2).to(tl.float32) * g * g
+        acc = tl.load(s2_ptr, mask=mask, other=0.0).to(tl.float32)
+        delta = tl.sqrt(acc + eps) / tl.sqrt(sq + eps) * g
+        acc = acc * rho + (1.0 - b2).to(tl.float32) * delta * delta
+        tl.store(s1_ptr, _cast(sq, DTYPE, RNE_BF16), mask=mask)
+        tl.store(s2_ptr, _cast(acc, DTYPE, RNE_BF16), mask=mask)
+        p = p - lr.to(tl.float32) * delta
+    else:  # NAdam (5), RAdam (6), Adamax (7): s1 exp_avg, s2 exp_avg_sq (Adamax: exp_inf)
+        if DECOUPLED:
+            p = p * (1.0 - lr * wd).to(tl.float32)
+        else:
+            g = _add_wd(g, wd, p)
+        m = _lerp(tl.load(s1_ptr, mask=mask, other=0.0).to(tl.float32), g, (1.0 - b1).to(tl.float32))
+        v = tl.load(s2_ptr, mask=mask, other=0.0).to(tl.float32) * b2.to(tl.float32)
+        if ALGO == 7:
+            v = tl.maximum(v, tl.abs(g) + eps, propagate_nan=tl.PropagateNan.ALL)  # as torch.maximum
+        else:
+            v = v + (1.0 - b2).to(tl.float32) * g * g
+        tl.store(s1_ptr, _cast(m, DTYPE, RNE_BF16), mask=mask)
+        tl.store(s2_ptr, _cast(v, DTYPE, RNE_BF16), mask=mask)
+        bias1 = 1.0 - tl.exp2(step * tl.log2(b1))
+        beta2_t = tl.exp2(step * tl.log2(b2))
+        if ALGO == 5:  # NAdam: mu_t = beta1 (1 - 0.5 * 0.96^(t momentum_decay)); EXTRA = momentum_decay log2(0.96)
+            mu = b1 * (1.0 - 0.5 * tl.exp2(step * extra))
+            mu_next = b1 * (1.0 - 0.5 * tl.exp2((step + 1.0) * extra))
+            new1 = sc1 * mu.to(tl.float32)  # torch multiplies the float32 mu_product by mu rounded to float32
+            mu_product = new1.to(tl.float64)
+            denom = tl.sqrt(v) / tl.sqrt(1.0 - beta2_t).to(tl.float32) + eps
+            p = p - (lr * (1.0 - mu) / (1.0 - mu_product)).to(tl.float32) * (g / denom)
+            p = p - (lr * mu_next / (1.0 - mu_product * mu_next)).to(tl.float32) * (m / denom)
+        elif ALGO == 6:  # RAdam: rectify the adaptive step once the variance estimate is tractable (rho_t > 5)
+            bias2 = 1.0 - beta2_t
+            rho_inf = 2.0 / (1.0 - b2) - 1.0
+            rho_t = rho_inf - 2.0 * step * beta2_t / bias2
+            ratio = (rho_t - 4.0) * (rho_t - 2.0) * rho_inf / ((rho_inf - 4.0) * (rho_inf - 2.0) * rho_t)
+            rect = tl.sqrt(tl.where(rho_t > 5.0, ratio, 1.0))  # the other branch's ratio may be negative
+            adaptive = (lr * rect * tl.sqrt(bias2) / bias1).to(tl.float32) * (m / (tl.sqrt(v) + eps))
+            p = p - tl.where(rho_t > 5.0, adaptive, (lr / bias1).to(tl.float32) * m)
+        else:  # Adamax
+            p = p - (lr / bias1).to(tl.float32) * (m / v)
 
     if TRUST == 2:  # stage 1: the block that finishes a tensor reduces its ||update||; params wait for stage 2
         tl.debug_barrier()  # every thread's partial is stored before the release below
@@ -249,6 +328,10 @@ def _update_kernel(
             done = tl.atomic_add(counter_tab + t, 1)  # acq_rel: this block's read of step happened before
             if done == tl.maximum((numel + BLOCK - 1) // BLOCK, 1) - 1:
                 tl.store(step_ptr, step.to(tl.float32))
+                if SCALARS >= 1:
+                    tl.store(sc1_ptr, new1)
+                if SCALARS >= 2:
+                    tl.store(sc2_ptr, new2)
                 tl.store(counter_tab + t, 0)
 
 
@@ -274,7 +357,8 @@ def multi_tensor_update(
     """Launch one update over every tensor of ``tables``.
 
     ``tables`` needs the roles ``param`` and ``grad`` (``-1`` marks a tensor to skip this step), ``state1`` ..
-    ``state{spec.state_slots}`` and, when ``spec.has_step``, ``step`` (addresses of float32 scalars). ``hyper`` is
+    ``state{spec.state_slots}``, when ``spec.has_step``, ``step`` and ``scalar1`` .. ``scalar{spec.scalar_slots}``
+    (addresses of float32 scalars). ``hyper`` is
     the float64 ``(n_groups, NUM_FIELDS)`` buffer on the tables' device; ``dtype`` that of params, grads and state.
     ``found_inf``, a float32 scalar on the device (AMP's overflow flag), skips the whole update when nonzero,
     decided on the device: no host sync.
@@ -317,9 +401,10 @@ def multi_tensor_update(
     param = tables.role("param")
     roles = [tables.role(f"state{i}") if i <= spec.state_slots else param for i in (1, 2, 3)]
     step = tables.role("step") if spec.has_step else param
+    scalars = [tables.role(f"scalar{i}") if i <= spec.scalar_slots else param for i in (1, 2)]
     stages = (2, 3) if spec.trust == Trust.LAMB else (int(spec.trust),)
     for stage in stages:
-        _launch(tables, hyper, spec, dtype, num_warps, param, roles, step, found_inf, grad_scale, total_norm,
+        _launch(tables, hyper, spec, dtype, num_warps, param, roles, step, scalars, found_inf, grad_scale, total_norm,
                 max_norm, grad_write if stage != 3 else 0, tensor_norms, norm_offset, n_norm, partials, update_norm,
                 stage)  # fmt: skip
 
@@ -333,6 +418,7 @@ def _launch(
     param: torch.Tensor,
     roles: list[torch.Tensor],
     step: torch.Tensor,
+    scalars: list[torch.Tensor],
     found_inf: torch.Tensor | None,
     grad_scale: torch.Tensor | None,
     total_norm: torch.Tensor | None,
@@ -355,6 +441,7 @@ def _launch(
         tables.role("grad"),
         *roles,
         step,
+        *scalars,
         hyper,
         found_inf if found_inf is not None else hyper,
         grad_scale if grad_scale is not None else hyper,
@@ -374,6 +461,7 @@ def _launch(
         NESTEROV=spec.nesterov,
         CENTERED=spec.centered,
         HAS_STEP=spec.has_step,
+        SCALARS=spec.scalar_slots,
         HAS_FOUND_INF=found_inf is not None,
         HAS_GRAD_SCALE=grad_scale is not None,
         CLIP=max_norm is not None,

@@ -62,7 +62,8 @@ class Arena:
 
 
 class UnitSlots:
-    """Where one fused unit's tensors live: an offset per (state key, param), per step count, per grad."""
+    """Where one fused unit's tensors live: an offset per (state key, param), per (per-tensor scalar, param): the step
+    count and the others (`AlgoInfo.scalar_keys`) in the float32 step arena, and per grad."""
 
     def __init__(self, unit: FusedUnit, state_arena: Arena, step_arena: Arena | None, grad_arena: Arena | None):
         self.params = unit.params
@@ -70,7 +71,9 @@ class UnitSlots:
         self.state_arena, self.step_arena, self.grad_arena = state_arena, step_arena, grad_arena
         numels = [p.numel() for p in unit.params]
         self.offsets = {k: [state_arena.reserve(n) for n in numels] for k in self.keys}
-        self.step_offsets = [step_arena.reserve(1) for _ in numels] if step_arena is not None else []
+        self.scalar_offsets = (
+            {k: [step_arena.reserve(1) for _ in numels] for k in _scalar_keys(unit)} if step_arena is not None else {}
+        )
         self.grad_offsets = [grad_arena.reserve(n) for n in numels] if grad_arena is not None else []
         self._views: dict[tuple[str, int], weakref.ref] = {}
         """Weak, like the grads': a state view the user replaced in ``optimizer.state`` is freed, which the unit
@@ -80,13 +83,14 @@ class UnitSlots:
         """Grads copied into the grad arena (counted by the unit)."""
 
     def view(self, key: str, i: int) -> torch.Tensor:
-        """The arena view that holds ``state[params[i]][key]`` (``"step"``: a 0-dim float32 view)."""
+        """The arena view that holds ``state[params[i]][key]`` (``"step"`` and the other scalars: a 0-dim float32
+        view)."""
         ref = self._views.get((key, i))
         v = ref() if ref is not None else None
         if v is None:
-            if key == "step":
+            if key in self.scalar_offsets:
                 assert self.step_arena is not None
-                v = self.step_arena.view(self.step_offsets[i], torch.Size())
+                v = self.step_arena.view(self.scalar_offsets[key][i], torch.Size())
             else:
                 v = self.state_arena.view(self.offsets[key][i], self.params[i].shape)
             self._views[(key, i)] = weakref.ref(v)
@@ -117,7 +121,7 @@ class UnitSlots:
         v = self.view(key, i)
         t = state[key]
         if t is not v:
-            v.copy_(t.reshape(v.shape) if key == "step" else t)
+            v.copy_(t.reshape(v.shape) if key in self.scalar_offsets else t)
             state[key] = v
         return v
 
@@ -160,7 +164,7 @@ class MemoryPool(Subsystem):
             return
         layout = tuple(
             (str(u.device), u.dtype, u.info.name, tuple(k for k in u.info.state_keys(u.spec) if k),
-             u.info.step_in_state, tuple(map(id, u.params)), tuple(p.numel() for p in u.params))
+             tuple(_scalar_keys(u)), tuple(map(id, u.params)), tuple(p.numel() for p in u.params))
             for u in units
         )  # fmt: skip
         if layout == self._layout:
@@ -175,9 +179,7 @@ class MemoryPool(Subsystem):
             dev = unit.device
             state = arenas.get((dev, unit.dtype)) or Arena(dev, unit.dtype)
             step = (
-                (arenas.get((dev, torch.float32, "step")) or Arena(dev, torch.float32))
-                if unit.info.step_in_state
-                else None
+                (arenas.get((dev, torch.float32, "step")) or Arena(dev, torch.float32)) if _scalar_keys(unit) else None
             )
             grad = (arenas.get((dev, unit.dtype, "grad")) or Arena(dev, unit.dtype)) if cfg.flat_grads else None
             before = {id(a): a.nbytes for a in (state, step, grad) if a is not None}
@@ -255,8 +257,13 @@ class MemoryPool(Subsystem):
         }
 
 
+def _scalar_keys(unit: FusedUnit) -> list[str]:
+    """The unit's per-tensor scalars in torch's state: ``step`` (where torch keeps one) and `AlgoInfo.scalar_keys`."""
+    return (["step"] if unit.info.step_in_state else []) + list(unit.info.scalar_keys)
+
+
 def _unit_bytes(unit: FusedUnit, flat_grads: bool) -> int:
     """Bytes a unit's state (and grads) take, as the pool would lay them out."""
     probe = [Arena(unit.device, unit.dtype), Arena(unit.device, torch.float32), Arena(unit.device, unit.dtype)]
-    UnitSlots(unit, probe[0], probe[1] if unit.info.step_in_state else None, probe[2] if flat_grads else None)
+    UnitSlots(unit, probe[0], probe[1] if _scalar_keys(unit) else None, probe[2] if flat_grads else None)
     return sum(a.nbytes for a in probe)

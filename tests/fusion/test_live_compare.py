@@ -33,8 +33,10 @@ def _kitsune_trajectory(make_opt, steps: int, device: torch.device, **kwargs):
         lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
         lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True),
         lambda ps: torch.optim.RMSprop(ps, lr=1e-2, centered=True, momentum=0.5),
+        lambda ps: torch.optim.NAdam(ps, lr=1e-2),  # mu_product: on the host for torch's baseline steps
+        lambda ps: torch.optim.ASGD(ps, lr=1e-2, t0=3.0),  # eta, mu: torch keeps them on the param's device
     ],
-    ids=["adamw", "sgd_nesterov", "rmsprop_centered"],
+    ids=["adamw", "sgd_nesterov", "rmsprop_centered", "nadam", "asgd"],
 )
 def test_trajectory_through_the_comparison_window_equals_torch(make_opt, device):
     steps = 16  # warm-up 2, reference 3-6, baseline 7-10, then kitsune again

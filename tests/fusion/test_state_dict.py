@@ -18,6 +18,12 @@ MAKERS = {
     "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.1, lr_decay=0.01),
     "rmsprop_centered": lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.5, centered=True),
     "lion": lambda ps: Lion(ps, lr=1e-3, weight_decay=0.1),
+    "nadam": lambda ps: torch.optim.NAdam(ps, lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True),
+    "radam": lambda ps: torch.optim.RAdam(ps, lr=1e-2, weight_decay=0.1),
+    "adamax": lambda ps: torch.optim.Adamax(ps, lr=1e-2, weight_decay=0.1),
+    "adadelta": lambda ps: torch.optim.Adadelta(ps, weight_decay=0.1),
+    "rprop": lambda ps: torch.optim.Rprop(ps, lr=1e-2, etas=(0.4, 1.3)),
+    "asgd": lambda ps: torch.optim.ASGD(ps, lr=1e-2, t0=4.0, weight_decay=0.1),
 }
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kitsune.kernels import DEAD, NUM_FIELDS, Algo, TensorTables, UpdateSpec, block_map, multi_tensor_update
-from kitsune.kernels.spec import B1, B2, EPS, LR
+from kitsune.kernels.spec import B1, B2, EPS, EXTRA, LR
 
 
 def test_block_map_odd_sizes():
@@ -81,6 +81,37 @@ def test_adam_moment_lerps_like_torch_at_weight_one(device):
     hyper[0, LR], hyper[0, B1], hyper[0, B2], hyper[0, EPS] = 1e-3, 0.0, 0.999, 1e-8
     multi_tensor_update(tables, hyper, UpdateSpec(Algo.ADAM), torch.float32)
     assert torch.equal(m, g)
+
+
+def test_per_tensor_scalars_written_once_per_live_tensor(device):
+    """ASGD's eta and mu (roles scalar1, scalar2): every block of a tensor reads the old values, its last block writes
+    the next ones; a tensor without a grad keeps them, and a nonzero found_inf keeps every one."""
+    sizes = [5, 21, 3]  # 21 elements = 3 blocks of 8
+    params = [torch.randn(n, device=device) for n in sizes]
+    grads = [torch.randn(n, device=device) for n in sizes[:2]] + [None]
+    ax = [torch.zeros(n, device=device) for n in sizes]
+    steps, etas, mus = ([torch.full((), v, device=device) for _ in sizes] for v in (0.0, 0.5, 1.0))
+    tables = TensorTables(device, sizes, [0] * 3, block=8)
+    tables.set_role("param", [p.data_ptr() for p in params])
+    tables.set_role("grad", [DEAD if g is None else g.data_ptr() for g in grads])
+    for role, ts in (("state1", ax), ("step", steps), ("scalar1", etas), ("scalar2", mus)):
+        tables.set_role(role, [t.data_ptr() for t in ts])
+    hyper = torch.zeros(1, NUM_FIELDS, dtype=torch.float64, device=device)
+    hyper[0, LR], hyper[0, B1], hyper[0, B2], hyper[0, EXTRA] = 0.1, 1e-2, 0.75, 0.0  # lr, lambd, alpha, t0
+    before = [p.clone() for p in params]
+    flag = torch.ones((), device=device)
+    multi_tensor_update(tables, hyper, UpdateSpec(Algo.ASGD), torch.float32, found_inf=flag)
+    assert all(torch.equal(a, b) for a, b in zip(params, before, strict=True))
+    assert [s.item() for s in steps] == [0.0] * 3 and [e.item() for e in etas] == [0.5] * 3
+    multi_tensor_update(tables, hyper, UpdateSpec(Algo.ASGD), torch.float32, found_inf=flag.zero_())
+    eta = torch.tensor(0.1 / (1 + 1e-2 * 0.1) ** 0.75, dtype=torch.float32).item()
+    assert [s.item() for s in steps] == [1.0, 1.0, 0.0]
+    assert [e.item() for e in etas] == pytest.approx([eta, eta, 0.5], rel=1e-6)
+    assert [m.item() for m in mus] == [1.0, 1.0, 1.0]  # 1 / max(1, step - t0)
+    for i in (0, 1):  # p (1 - lambd eta) - eta g, with the old eta; ax copies p while mu is 1
+        torch.testing.assert_close(params[i], before[i] * (1 - 1e-2 * 0.5) - 0.5 * grads[i])
+        torch.testing.assert_close(ax[i], params[i])
+    assert torch.equal(params[2], before[2]) and not ax[2].any()
 
 
 def test_launch_checks_its_inputs():
