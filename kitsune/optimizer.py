@@ -237,10 +237,8 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         self._grads.plan(groups, fusable=fusion.active and fusion.grad_pass is None and not self._leftover)
         self._streams.plan(groups)
         in_backward, sharded = self._streams.in_backward, self._shard.active
-        steady = not self._profiler.active
         self._graphs.plan(
-            leftover=self._leftover, grad_passes=self._grads.passes, in_backward=in_backward, sharded=sharded,
-            steady=steady,
+            leftover=self._leftover, grad_passes=self._grads.passes, in_backward=in_backward, sharded=sharded
         )  # fmt: skip
         self._plan_version = fusion.plan_version
         # a step asks the fused executor for moved storages, freed state and changed switches before it decides

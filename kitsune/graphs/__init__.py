@@ -71,10 +71,10 @@ class GraphSubsystem(Subsystem):
         self.deactivate("not planned yet")
 
     # -- planning -----------------------------------------------------------------------------------------------
-    def plan(self, *, leftover: bool, grad_passes: bool, in_backward: bool, sharded: bool, steady: bool) -> None:
+    def plan(self, *, leftover: bool, grad_passes: bool, in_backward: bool, sharded: bool) -> None:
         """Decide whether the steps go through a graph, after the fused executor planned: ``leftover``, some params
         are the wrapped optimizer's; ``grad_passes``, the step clips or scales the grads; ``in_backward``, updates
-        run inside backward; ``sharded``, ZeRO; ``steady``, nothing but the executors acts in a step (no profiler)."""
+        run inside backward; ``sharded``, ZeRO."""
         self.invalidate("re-planned (param groups, state or storage changed)")
         self._steady = None
         fusion = self._fusion
@@ -88,7 +88,7 @@ class GraphSubsystem(Subsystem):
             self.deactivate(reason)
         else:
             self.activate()
-        self._may_steady = self.active and self.config.steady_replay and steady
+        self._may_steady = self.active and self.config.steady_replay
 
     def _why_not(self, in_backward: bool) -> str | None:
         if not self.config.enabled:
@@ -210,6 +210,8 @@ class GraphSubsystem(Subsystem):
         through the full path, which checks and refreshes everything and arms this again."""
         steady, self._steady = self._steady, None
         fusion = self._fusion
+        if s.phases is not None or s.baseline:
+            return False  # the profiler's probe and baseline steps take the full path (``execute`` says why)
         if steady is None or groups is not steady.groups or fusion.plan_version != steady.plan_version:
             return False
         if not planned.fits(groups, state):

@@ -11,13 +11,20 @@ After ``sample_after`` steps come two sampled windows, and their steps stay out 
    math runs on the same params and state). The first step of each half settles (the GPU may be idle after the
    window's set-up) and is not counted. The speedup shown is baseline median / reference median, with the
    spread from their 10th and 90th percentiles.
+
+Both windows run once (again after `Profiler.reset`), and the metrics say what share of the run's steps and time
+each took (`WindowShare`). Outside them a step costs the profiler O(1) host work and builds no pydantic model: two
+clock reads, one C call for the current stream, two CUDA events from a pool recorded, a tuple queued; every 64 steps
+the finished events are read in one batch (on one stream a bisection finds them). Records stay tuples until a report
+asks for them. Those steps take the graphed executor's steady replay, as unprofiled ones do; the windows' probe and
+baseline steps take the full path.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel
@@ -105,6 +112,22 @@ class Comparison(BaseModel):
     """The same ratio of the medians of host time inside ``step()``."""
 
 
+class WindowShare(BaseModel):
+    """How much of the run a sampled window took: its steps, and the host time it spanned."""
+
+    window: Literal["probe", "comparison"]
+    steps: int
+    """Steps of the window that ran (the comparison's reference and baseline halves together)."""
+    ms: float
+    """Host time from the start of the window's first step to the end of its last, everything in between included
+    (the probe's set-up and counting, and the training between the window's steps): an upper bound of what the
+    window cost the run."""
+    pct_of_steps: float
+    """100 x ``steps`` / the steps timed."""
+    pct_of_time: float | None = None
+    """100 x ``ms`` / the metrics' ``run_ms``."""
+
+
 class ProfilerMetrics(BaseModel):
     """What [`Profiler.get_metrics`][kitsune.profiler.Profiler.get_metrics] returns."""
 
@@ -126,6 +149,24 @@ class ProfilerMetrics(BaseModel):
     """``bytes_per_step`` / the measured copy bandwidth: the time of a step at the memory's copy rate."""
     pct_of_floor: float | None = None
     """100 x ``floor_ms`` / the median step time (an AMP unscale or a clip moves more bytes than counted)."""
+    run_ms: float | None = None
+    """Host time from the start of the first timed step to the end of the last, the training between them
+    included (None in old profiles)."""
+    windows: list[WindowShare] | None = None
+    """The share of the run each sampled window that ran took (None in old profiles)."""
+
+
+_ROW = ("step", "step_ms", "host_ms", "host_start_us", "device_start_us", "mode")
+"""A kept record is a plain tuple of these `StepRecord` fields, in this order, until a report asks for models."""
+
+_COLLECT_AFTER = 64
+"""Pending CUDA event pairs that trigger a non-blocking read of the finished ones."""
+
+
+def _current_stream_key(device_index: int | None) -> tuple[int, int, int]:
+    """``torch._C._cuda_getCurrentStream``'s answer through the public API."""
+    stream = torch.cuda.current_stream(device_index)
+    return stream.stream_id, stream.device_index, stream.device_type
 
 
 class Profiler(Subsystem):
@@ -136,15 +177,24 @@ class Profiler(Subsystem):
     def __init__(self, config: ProfilerConfig) -> None:
         super().__init__()
         self.config = config
-        self._records: deque[StepRecord] = deque(maxlen=config.max_step_records)
-        # (step, start event, end event, host_ms, host_start_us, mode, window) of steps whose events were not read
-        self._pending: deque[tuple[int, torch.cuda.Event, torch.cuda.Event, float, float, str, str | None]] = deque()
+        self._records: deque[tuple] = deque(maxlen=config.max_step_records)  # _ROW tuples
+        # (step, start event, end event, start ns, end ns, mode, window) of steps whose events were not read yet
+        self._pending: deque[tuple[int, torch.cuda.Event, torch.cuda.Event, int, int, str, str | None]] = deque()
         self._timed = 0
         self._cuda = False
         self._device = torch.device("cpu")
+        self._device_index: int | None = None
         self._t0 = 0
         self._start_event: torch.cuda.Event | None = None
         self._free_events: list[torch.cuda.Event] = []
+        # the stream the step runs on: torch.cuda.current_stream() costs microseconds of Python, so a step reads the
+        # current stream's identity with one C call and builds a Stream only when that changed
+        self._current_stream: Any = None
+        self._record: Any = None  # Event.record and Event.elapsed_time without their Python wrappers (see _bind_cuda)
+        self._elapsed: Any = None
+        self._stream_key: tuple[int, int, int] | None = None
+        self._stream: torch.cuda.Stream | None = None
+        self._mixed_streams = False  # some pending events were recorded on another stream than the newest
         self._origin_ns = time.perf_counter_ns()
         # a CUDA event recorded on an idle GPU at a known host time: maps device event times onto the host clock
         self._anchor: tuple[torch.cuda.Event, float] | None = None
@@ -163,17 +213,32 @@ class Profiler(Subsystem):
         self._mode = "kitsune"
         self._window: str | None = None  # "reference" or "baseline" inside the comparison
         self._probe = Probe(self.config.probe_steps)
-        self._compared: dict[str, list[StepRecord]] = {"reference": [], "baseline": []}
+        self._compared: dict[str, list[tuple]] = {"reference": [], "baseline": []}  # _ROW tuples
         self._comparable: bool | None = None
+        self._last_sampled = max(1, self._windows()[2] + self.config.compare_steps)  # later steps: the fast path
+        self._span: str | None = None  # the window ("probe" or "comparison") the step under way belongs to
+        self._span_t0 = 0
+        self._spans: dict[str, list[int]] = {}  # window -> [steps, first start ns, last end ns]
+        self._run_t0: int | None = None
+        self._run_t1 = 0
 
     def plan(self, params: list[torch.Tensor], baseline: str, bytes_per_step: int | None) -> None:
         """Time steps over ``params``; ``baseline`` names the step the live comparison runs (`describe_step`),
         ``bytes_per_step`` is what the plan's updates must move (the bandwidth floor's numerator)."""
         self._baseline_name, self._bytes_per_step = baseline, bytes_per_step
+        device = params[0].device if params else torch.device("cpu")
+        if device != self._device and self._cuda:
+            # events (and the anchor) belong to the device they were first recorded on
+            self._collect(block=True)
+            self._free_events.clear()
+            self._anchor, self._stream_key, self._stream = None, None, None
         self._cuda = bool(params) and params[0].is_cuda and torch.cuda.is_available()
-        self._device = params[0].device if params else torch.device("cpu")
+        self._device, self._device_index = device, device.index
+        self._last_sampled = max(1, self._windows()[2] + self.config.compare_steps)
         if not self.active:
             return
+        if self._cuda:
+            self._bind_cuda()
         if self._cuda and self._anchor is None and not torch.cuda.is_current_stream_capturing():
             # once, at construction (not during training): the GPU ran the anchor between record() and the end
             # of the sync; taking the later bound never shows a step on the device before the host launched it
@@ -185,6 +250,17 @@ class Profiler(Subsystem):
                 anchor_us = (time.perf_counter_ns() - self._origin_ns) / 1e3
             self._anchor = (anchor, anchor_us)
         self._plan_nvml(params[0].device.index if self._cuda else None)
+
+    def _bind_cuda(self) -> None:
+        """The C functions a CUDA step calls: ``torch.cuda.current_stream()`` costs microseconds of Python, and
+        ``Event.record``/``elapsed_time`` a Python call each on top of the C method they wrap."""
+        current = getattr(torch._C, "_cuda_getCurrentStream", None)  # -> (stream id, device index, device type)
+        if current is None:  # private: a torch without it takes the public call, a few microseconds more a step
+            current = _current_stream_key
+        self._current_stream = current
+        base = torch.cuda.Event.__base__  # torch._C._CudaEventBase: its C methods, if this torch has them
+        self._record = getattr(base, "record", torch.cuda.Event.record)
+        self._elapsed = getattr(base, "elapsed_time", torch.cuda.Event.elapsed_time)
 
     def _plan_nvml(self, device_index: int | None) -> None:
         interval = self.config.nvml_interval_s
@@ -235,92 +311,133 @@ class Profiler(Subsystem):
 
         ``comparable``: whether kitsune executes any update itself (otherwise both sides would be the same step).
         """
+        if self._index >= self._last_sampled:
+            return False  # past the windows
         phase = self._phase(self._index + 1)
         if phase in ("reference", "baseline"):
             self._comparable = comparable if self._comparable is None else self._comparable and comparable
         return phase == "baseline" and bool(self._comparable)
 
+    # -- the step ------------------------------------------------------------------------------------------------
     def start(self, s: StepState) -> None:
         """The step begins: first of all (the whole step, fallbacks included, is timed)."""
         if not self.active:
             return
         self._index += 1
+        if self._index > self._last_sampled:  # the common case: no window, nothing but the clocks
+            self._mode, self._window, self._span = "kitsune", None, None
+        else:
+            self._start_sampled(s)
+        if self._cuda:
+            key = self._current_stream(self._device_index)  # (stream id, device index, device type): one C call
+            if key != self._stream_key:  # the user switched streams (or the first step): time the one it runs on
+                self._mixed_streams = bool(self._pending)
+                self._stream_key = key
+                self._stream = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
+            event = self._free_events.pop() if self._free_events else torch.cuda.Event(enable_timing=True)
+            self._record(event, self._stream)
+            self._start_event = event
+        self._t0 = time.perf_counter_ns()
+
+    def _start_sampled(self, s: StepState) -> None:
+        """A step up to the end of the sampled windows: which window, and the probe's set-up."""
+        now = time.perf_counter_ns()
+        if self._index == 1:
+            self._run_t0 = now
         phase = self._phase(self._index)
         self._mode = "baseline" if s.baseline else ("probe" if phase == "probe" else "kitsune")
-        self._window = phase if phase in ("reference", "baseline") and self._comparable else None
+        compared = phase in ("reference", "baseline") and bool(self._comparable)
+        self._window = phase if compared else None
+        self._span = "probe" if phase == "probe" else ("comparison" if compared else None)
+        self._span_t0 = now
         if self._mode == "probe":
             self._probe.begin(self._device)
             s.phases = self._probe.timer  # the stages mark the phase boundaries
-        if self._cuda:
-            self._start_event = self._event()
-            self._start_event.record()
-        self._t0 = time.perf_counter_ns()
-
-    def _event(self) -> torch.cuda.Event:
-        # events are reused once read: creating two per step costs more host time than recording them
-        return self._free_events.pop() if self._free_events else torch.cuda.Event(enable_timing=True)
 
     def stop(self, s: StepState) -> None:
         """The step is done: last of all."""
         if not self.active:
             return
-        host_ms = (time.perf_counter_ns() - self._t0) / 1e6
-        start_us = (self._t0 - self._origin_ns) / 1e3
+        t1 = time.perf_counter_ns()
         self._timed += 1
-        if self._cuda and self._start_event is not None:
-            end = self._event()
-            end.record()
-            self._pending.append((s.step, self._start_event, end, host_ms, start_us, self._mode, self._window))
-            if len(self._pending) > 64:
+        self._run_t1 = t1
+        if self._start_event is not None:  # CUDA: the device time is read later, in a batch
+            end = self._free_events.pop() if self._free_events else torch.cuda.Event(enable_timing=True)
+            self._record(end, self._stream)  # the stream the step ran on
+            self._pending.append((s.step, self._start_event, end, self._t0, t1, self._mode, self._window))
+            self._start_event = None
+            if len(self._pending) > _COLLECT_AFTER:
                 self._collect(block=False)
         else:
-            # model_construct: the values are ours and typed, so skip validation on the training path
-            record = StepRecord.model_construct(
-                step=s.step, step_ms=host_ms, host_ms=host_ms, host_start_us=start_us, mode=self._mode
-            )
-            self._keep(record, self._window)
+            host_ms = (t1 - self._t0) / 1e6
+            row = (s.step, host_ms, host_ms, (self._t0 - self._origin_ns) / 1e3, None, self._mode)
+            self._keep(row, self._window)
+        if self._span is not None:
+            self._stop_sampled()
+
+    def _stop_sampled(self) -> None:
         if self._mode == "probe":
             self._probe.complete()
+        end = self._run_t1 = time.perf_counter_ns()  # the probe's counting is the window's time too
+        span = self._spans.setdefault(self._span, [0, self._span_t0, end])  # type: ignore[arg-type]
+        span[0] += 1
+        span[2] = end
 
     def abandon_step(self) -> None:
         """The step raised between [`start`][kitsune.profiler.Profiler.start] and
         [`stop`][kitsune.profiler.Profiler.stop]: undo what the probe changed."""
-        if self.active and self._mode == "probe":
+        if not self.active:
+            return
+        if self._start_event is not None:
+            self._free_events.append(self._start_event)
+            self._start_event = None
+        if self._mode == "probe":
             self._probe.abandon()
 
-    def _keep(self, record: StepRecord, window: str | None) -> None:
-        self._records.append(record)
+    def _keep(self, row: tuple, window: str | None) -> None:
+        self._records.append(row)
         if window is not None:
-            self._compared[window].append(record)
+            self._compared[window].append(row)
+
+    def _finished(self) -> int:
+        """How many pending steps, oldest first, the GPU has finished."""
+        pending = self._pending
+        if self._mixed_streams:  # events on several streams finish in any order: stop at the oldest unfinished
+            done = 0
+            while done < len(pending) and pending[done][2].query():
+                done += 1
+            return done
+        lo, hi = 0, len(pending)  # on one stream the finished steps are a prefix: bisect for its end
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if pending[mid][2].query():
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
 
     def _collect(self, block: bool) -> None:
         """Turn finished CUDA event pairs into records; with block=True wait for all of them."""
-        while self._pending:
-            step, start, end, host_ms, start_us, mode, window = self._pending[0]
-            if not block and not end.query():
-                break
-            end.synchronize()
+        pending, origin, elapsed, free = self._pending, self._origin_ns, self._elapsed, self._free_events
+        for _ in range(len(pending) if block else self._finished()):
+            step, start, end, t0, t1, mode, window = pending.popleft()
+            if block:
+                end.synchronize()
             device_us = None
             if self._anchor is not None:
                 anchor, anchor_us = self._anchor
-                device_us = anchor_us + anchor.elapsed_time(start) * 1e3
-            record = StepRecord.model_construct(
-                step=step,
-                step_ms=start.elapsed_time(end),
-                host_ms=host_ms,
-                host_start_us=start_us,
-                device_start_us=device_us,
-                mode=mode,  # type: ignore[arg-type]
-            )
-            self._keep(record, window)
-            self._pending.popleft()
-            self._free_events += (start, end)
+                device_us = anchor_us + elapsed(anchor, start) * 1e3
+            row = (step, elapsed(start, end), (t1 - t0) / 1e6, (t0 - origin) / 1e3, device_us, mode)
+            self._keep(row, window)
+            free += (start, end)
+        if not pending:
+            self._mixed_streams = False
 
     @property
     def records(self) -> list[StepRecord]:
         """The kept per-step records (waits for outstanding CUDA events)."""
         self._collect(block=True)
-        return list(self._records)
+        return [StepRecord.model_construct(**dict(zip(_ROW, row, strict=True))) for row in self._records]
 
     def comparison(self) -> Comparison:
         """The live comparison as far as it has run (waits for outstanding CUDA events)."""
@@ -342,8 +459,8 @@ class Profiler(Subsystem):
                 f"(sample_after={self.config.sample_after}); {self._index} step(s) so far",
                 baseline=self._baseline_name,
             )
-        k, b = TimeStats.of([r.step_ms for r in ref]), TimeStats.of([r.step_ms for r in base])
-        kh, bh = TimeStats.of([r.host_ms for r in ref]), TimeStats.of([r.host_ms for r in base])
+        k, b = TimeStats.of([r[1] for r in ref]), TimeStats.of([r[1] for r in base])
+        kh, bh = TimeStats.of([r[2] for r in ref]), TimeStats.of([r[2] for r in base])
         assert k is not None and b is not None and kh is not None and bh is not None
         return Comparison(
             status="measured",
@@ -365,10 +482,31 @@ class Profiler(Subsystem):
             return ProbeReport(status="unavailable", reason="the probe counts CUDA launches and syncs: no CUDA params")
         return self._probe.report()
 
+    def _run_ms(self) -> float | None:
+        return None if self._run_t0 is None else (self._run_t1 - self._run_t0) / 1e6
+
+    def window_shares(self) -> list[WindowShare]:
+        """The steps and host time each sampled window that ran took, as shares of the run."""
+        run_ms, out = self._run_ms(), []
+        for name, (steps, t0, t1) in self._spans.items():
+            ms = (t1 - t0) / 1e6
+            out.append(
+                WindowShare(
+                    window=name,  # type: ignore[arg-type]
+                    steps=steps,
+                    ms=ms,
+                    pct_of_steps=100 * steps / max(self._timed, 1),
+                    pct_of_time=100 * ms / run_ms if run_ms else None,
+                )
+            )
+        return out
+
     def get_metrics(self) -> ProfilerMetrics:
-        """Statistics of the steps timed so far (probe and baseline steps excluded), the probe and the comparison."""
-        records = [r for r in self.records if r.mode == "kitsune"]
-        step_time = TimeStats.of([r.step_ms for r in records])
+        """Statistics of the steps timed so far (probe and baseline steps excluded), the probe, the comparison and
+        the share of the run the sampled windows took."""
+        self._collect(block=True)
+        rows = [r for r in self._records if r[5] == "kitsune"]
+        step_time = TimeStats.of([r[1] for r in rows])
         probe = self.probe_report()
         nbytes = self._bytes_per_step
         floor_ms = pct = None
@@ -380,12 +518,14 @@ class Profiler(Subsystem):
             steps_timed=self._timed,
             timing="cuda_events" if self._cuda else "host_clock",
             step_time=step_time,
-            host_time=TimeStats.of([r.host_ms for r in records]),
+            host_time=TimeStats.of([r[2] for r in rows]),
             probe=probe,
             comparison=self.comparison(),
             bytes_per_step=nbytes,
             floor_ms=floor_ms,
             pct_of_floor=pct,
+            run_ms=self._run_ms(),
+            windows=self.window_shares(),
         )
 
     def reset(self) -> None:

@@ -1,8 +1,8 @@
 """The profile JSON: a versioned pydantic model (its JSON Schema is ``Profile.model_json_schema()``).
 
-Version "1.0". Fields added since (``nvml``, ``memory``, ``param_groups``, ``num_params``, and the step records'
-``host_start_us``/``device_start_us``) are optional, so files written before them still load and readers of
-1.0 ignore them; the version changes only when a required field does.
+Version "1.0". Fields added since (``nvml``, ``memory``, ``param_groups``, ``num_params``, the step records'
+``host_start_us``/``device_start_us``, the metrics' ``run_ms``/``windows``) are optional, so files written before
+them still load and readers of 1.0 ignore them; the version changes only when a required field does.
 """
 
 from __future__ import annotations

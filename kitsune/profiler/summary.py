@@ -18,6 +18,7 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
+from kitsune.fusion.plan import speedup_text
 from kitsune.profiler.core import Comparison, ProfilerMetrics, TimeStats
 from kitsune.profiler.nvml import FIELDS, NvmlReport
 from kitsune.profiler.schema import MemoryInfo, Profile, SubsystemStatus, build_profile
@@ -214,14 +215,13 @@ def bucket_label(b: Mapping[str, Any]) -> str:
 
 
 def predicted_speedup(b: Mapping[str, Any]) -> str:
-    speedup = b.get("predicted_speedup")
-    return "-" if speedup is None else f"{speedup:.1f}x"
+    return speedup_text(dict(b))
 
 
 def bucket_table(rows: list[dict[str, Any]], explained: Explained) -> Group:
     """The plan's buckets, one row each (the columns of ``rich.print(opt.plan)``); the reasons, each once, numbered
     in a list under the table, where they wrap at the full width."""
-    title = "plan: buckets (speedup: the cost model's prediction, not a measurement)"
+    title = "plan: buckets (speedup: the cost model's prediction, fused vs fallback ms, not a measurement)"
     table = Table(title=title, title_justify="left")
     table.add_column("bucket")
     table.add_column("route", no_wrap=True)
@@ -352,6 +352,31 @@ def probe_lines(metrics: ProfilerMetrics) -> list[str]:
     return lines
 
 
+def _duration(ms: float) -> str:
+    return f"{ms:.1f} ms" if ms < 1000 else f"{ms / 1000:.1f} s"
+
+
+def _pct(value: float) -> str:
+    return f"{value:.1f}%" if value >= 0.1 else f"{value:.2g}%"
+
+
+WINDOW_NAMES = {"probe": "probe", "comparison": "live comparison"}
+
+
+def window_line(metrics: ProfilerMetrics) -> str | None:
+    """What share of the run's steps and time the sampled windows took, or None when none ran."""
+    if not metrics.windows:
+        return None
+    parts = []
+    for w in metrics.windows:
+        part = f"{WINDOW_NAMES[w.window]} {w.steps} of {metrics.steps_timed} steps ({_pct(w.pct_of_steps)}), "
+        part += _duration(w.ms)
+        if w.pct_of_time is not None and metrics.run_ms is not None:
+            part += f" of the run's {_duration(metrics.run_ms)} ({_pct(w.pct_of_time)})"
+        parts.append(part)
+    return "sampled windows (their time includes the training between their steps): " + "; ".join(parts)
+
+
 def nvml_table(report: NvmlReport) -> Group:
     title = f"GPU telemetry (NVML): {report.device}, {len(report.samples)} samples every {report.interval_s} s"
     if report.dropped:
@@ -411,6 +436,9 @@ def summary_renderables(profile: Profile) -> list[RenderableType]:
         if cmp is not None and not (explained.pass_through and cmp.status == "not_applicable"):  # said above
             out.append(comparison_renderable(cmp))
         out.extend(Prose(line, indent="    ") for line in probe_lines(metrics))
+        windows = window_line(metrics)
+        if windows is not None:
+            out.append(Prose(windows, indent="    "))
     if profile.nvml is not None:
         if profile.nvml.available:
             out.append(nvml_table(profile.nvml))

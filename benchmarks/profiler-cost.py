@@ -1,0 +1,186 @@
+"""What ``profile=True`` costs a training step: the one-line AdamW with the profiler off and on, in one process.
+
+python benchmarks/profiler-cost.py --json profiler-cost.json     # on a GPU: the gpt2 and many sets, full size
+python benchmarks/profiler-cost.py --device cpu                  # a dry run at tiny scale (fusion inactive there)
+
+For each parameter set of ``kitsune bench`` (``--sets``) it builds four optimizers over copies of the same seeded
+params, ``KitsuneOptimizer(torch.optim.AdamW(params), enable_fusion=True)`` without, with, with and without
+``profile=True`` (its defaults: the NVML sampler on, the probe after ``sample_after`` steps), in that order: the
+optimizer built first can be the slower one on the ``many`` set whichever it is (benchmarks/ab.py saw the same), and
+the order off, on, on, off cancels that. Each is warmed up past the profiler's sampled windows, so the timed steps
+are the steady ones. Then ``--blocks`` rounds; in each, every optimizer runs ``--steps`` steps back to back, in an
+order that rotates from round to round: per run, ms per step between two CUDA events around it (host time included:
+a host-bound step keeps the GPU waiting) and host ms per step (the wall time of the ``step()`` calls alone); a
+round's figure for a side is the mean of its two optimizers. It prints, per side, the medians and the 10th-90th
+percentiles over the rounds, the overhead of the profiled side in % (the median of the rounds' ratios on/off, and
+their spread) and in host ms per step, and the graphs' steady replays of each side (both should take it). Last,
+the profiler alone: one more profiler over the same params times ``--blocks`` x 10 x ``--steps`` empty steps (what
+a steady step adds to the host: ``wants_baseline``, ``start``, ``stop`` and the batched reads of its events), the
+median over the blocks in microseconds a step.
+
+``--json PATH`` writes the numbers, the environment and the profiled side's sampled-window shares.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kitsune import KitsuneOptimizer, __version__
+from kitsune.bench.params import get_param_set, make_params
+from kitsune.bench.timing import percentile
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"p50": percentile(values, 50), "p10": percentile(values, 10), "p90": percentile(values, 90)}
+
+
+def build(set_name: str, scale: float, device: torch.device, profile: bool) -> KitsuneOptimizer:
+    params = make_params(get_param_set(set_name, scale), device, seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # on a CPU: "fusion was asked for but is inactive" (printed below)
+        return KitsuneOptimizer(torch.optim.AdamW(params), enable_fusion=True, profile=profile)
+
+
+def time_block(opt: KitsuneOptimizer, steps: int, device: torch.device) -> tuple[float, float]:
+    """(ms per step back to back, host ms per step of the ``step()`` calls) over ``steps`` steps."""
+    cuda = device.type == "cuda"
+    gc.collect()
+    if cuda:
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    host_ns = 0
+    wall = time.perf_counter_ns()
+    for _ in range(steps):
+        t0 = time.perf_counter_ns()
+        opt.step()
+        host_ns += time.perf_counter_ns() - t0
+    if cuda:
+        end.record()
+        end.synchronize()
+        ms = start.elapsed_time(end)
+    else:
+        ms = (time.perf_counter_ns() - wall) / 1e6
+    return ms / steps, host_ns / 1e6 / steps
+
+
+def profiler_alone_us(params: list[torch.Tensor], args: argparse.Namespace) -> dict[str, float]:
+    """Host microseconds a step of a profiler over ``params`` costs, with nothing inside the step."""
+    from kitsune.config import ProfilerConfig
+    from kitsune.profiler import Profiler
+    from kitsune.subsystem import StepState
+
+    prof = Profiler(ProfilerConfig(enabled=True, nvml_interval_s=0, sample_after=0, probe_steps=0))
+    prof.plan(params, "none", None)
+    per_block, step = [], 0
+    for _ in range(args.blocks):
+        gc.collect()
+        t0 = time.perf_counter_ns()
+        for _ in range(args.steps * 10):
+            step += 1
+            s = StepState(step, prof.wants_baseline(True))
+            prof.start(s)
+            prof.stop(s)
+        per_block.append((time.perf_counter_ns() - t0) / 1e3 / (args.steps * 10))
+    assert len(prof.records) == step  # every step was recorded
+    return spread(per_block)
+
+
+def measure(set_name: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    names = ("off", "on", "on", "off")  # built in this order: a build-order effect cancels
+    opts = [build(set_name, args.scale, device, name == "on") for name in names]
+    for opt in opts:
+        for _ in range(args.warmup):
+            opt.step()
+    times: dict[str, dict[str, list[float]]] = {name: {"ms": [], "host_ms": []} for name in ("off", "on")}
+    for block in range(args.blocks):
+        round_: dict[str, dict[str, list[float]]] = {name: {"ms": [], "host_ms": []} for name in times}
+        for i in range(len(opts)):
+            k = (i + block) % len(opts)  # the order rotates from round to round
+            ms, host_ms = time_block(opts[k], args.steps, device)
+            round_[names[k]]["ms"].append(ms)
+            round_[names[k]]["host_ms"].append(host_ms)
+        for name, r in round_.items():
+            for key, values in r.items():
+                times[name][key].append(sum(values) / len(values))
+    ratios = [on / off for on, off in zip(times["on"]["ms"], times["off"]["ms"], strict=True)]
+    host_deltas = [on - off for on, off in zip(times["on"]["host_ms"], times["off"]["host_ms"], strict=True)]
+    out: dict[str, Any] = {name: {k: spread(v) for k, v in t.items()} for name, t in times.items()}
+    out["overhead_pct"] = {k: 100 * (v - 1) for k, v in spread(ratios).items()}
+    out["host_overhead_ms"] = spread(host_deltas)
+    graphs = [opt._subsystem("graphs").report()["steady_replays"] for opt in opts]
+    out["steady_replays"] = {name: [n for n, side in zip(graphs, names, strict=True) if side == name] for name in times}
+    fusion = opts[0]._subsystem("fusion")
+    out["fusion"] = "active" if fusion.active else f"inactive: {fusion.reason}"
+    windows = []
+    for opt in opts[1:3]:
+        assert opt.profiler is not None
+        opt.profiler.close()  # the NVML sampler's thread
+        windows.append([w.model_dump() for w in opt.profiler.get_metrics().windows or []])
+    out["windows"] = windows[0]
+    out["profiler_alone_us"] = profiler_alone_us(opts[1].base_optimizer.param_groups[0]["params"], args)
+    out["raw"] = times
+    del opts
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--sets", default="gpt2,many", help="parameter sets of kitsune bench, comma-separated")
+    parser.add_argument("--scale", type=float, default=None, help="elements per tensor (default 1; 0.001 on a CPU)")
+    parser.add_argument("--blocks", type=int, default=None, help="timed rounds (default 30; 2 on a CPU)")
+    parser.add_argument("--steps", type=int, default=None, help="steps per optimizer a round (default 20; 3 on CPU)")
+    parser.add_argument("--warmup", type=int, default=30, help="steps before timing (past the sampled windows)")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    cpu = device.type == "cpu"
+    args.scale = args.scale if args.scale is not None else (0.001 if cpu else 1.0)
+    args.blocks = args.blocks if args.blocks is not None else (2 if cpu else 30)
+    args.steps = args.steps if args.steps is not None else (3 if cpu else 20)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("no CUDA device: pass --device cpu for a dry run")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    print(f"{name}, torch {torch.__version__}, kitsune {__version__}; {args.blocks} rounds of {args.steps} steps")
+    results: dict[str, Any] = {}
+    for set_name in args.sets.split(","):
+        r = results[set_name] = measure(set_name, args, device)
+        print(f"{set_name} (scale {args.scale:g}, fusion {r['fusion']}):")
+        for side in ("off", "on"):
+            ms, host = r[side]["ms"], r[side]["host_ms"]
+            print(
+                f"  profile {side:3s}  {ms['p50']:.4f} ms/step (p10-p90 {ms['p10']:.4f}-{ms['p90']:.4f}), "
+                f"host {host['p50']:.4f} ms (p10-p90 {host['p10']:.4f}-{host['p90']:.4f}), "
+                f"steady replays {r['steady_replays'][side]}"
+            )
+        pct, host = r["overhead_pct"], r["host_overhead_ms"]
+        print(
+            f"  overhead     {pct['p50']:+.2f}% of the step (p10 {pct['p10']:+.2f}%, p90 {pct['p90']:+.2f}%), "
+            f"host {host['p50']:+.4f} ms/step (p10 {host['p10']:+.4f}, p90 {host['p90']:+.4f})"
+        )
+        alone = r["profiler_alone_us"]
+        print(f"  profiler alone {alone['p50']:.2f} us/step (p10-p90 {alone['p10']:.2f}-{alone['p90']:.2f})")
+        for w in r["windows"]:
+            print(f"  window {w['window']}: {w['steps']} steps, {w['ms']:.1f} ms (in the warm-up, not timed)")
+    if args.json is not None:
+        env = {"device": name, "torch": torch.__version__, "kitsune": __version__, "cuda": torch.version.cuda}
+        config = {k: getattr(args, k) for k in ("scale", "blocks", "steps", "warmup")}
+        args.json.write_text(json.dumps({"environment": env, "config": config, "sets": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
