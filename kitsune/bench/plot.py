@@ -13,6 +13,7 @@ from html import escape
 from pathlib import Path
 
 from kitsune.bench.results import BenchResult, SetResult
+from kitsune.bench.table import SECTION_HEADS, sections
 
 _ROW = 22  # px per variant row
 _LABEL = 250  # px for the variant names
@@ -33,14 +34,14 @@ def _rows(s: SetResult) -> list[tuple[str, float | None, str]]:
 
 def bench_svg(result: BenchResult, title: str | None = None) -> str:
     """The SVG text (no scripts, fonts or external resources) for ``result``'s sets and phase."""
-    sets = [*result.sets, *([result.phase] if result.phase is not None else [])]
+    sets = sections(result)
     env = result.environment
     title = title or f"AdamW step, {env.device_name or result.device}: % of the bandwidth floor (higher is faster)"
     width = _LABEL + _BAR + 170
     y = 40
     parts: list[str] = []
     for s in sets:
-        name = f"{s.name} phase" if s.workload == "amp_clip_phase" else s.name
+        name = SECTION_HEADS[s.workload].format(s.name)
         parts.append(
             f'<text x="8" y="{y}" font-weight="bold">{escape(name)}: {s.n_tensors} tensors, '
             f"floor {s.floor_ms:.3f} ms</text>"

@@ -35,12 +35,53 @@ class KitsuneInfo(BaseModel):
     """Warnings kitsune raised while building the optimizer and during warm-up."""
 
 
+class PeerInfo(BaseModel):
+    """What a ``--peers`` row ran: the library, its settings, and what the runner did about its grads."""
+
+    package: str
+    """The import name (``bitsandbytes``, ``optimi``, ...; ``kitsune`` for kitsune's own rows in a Lion section)."""
+    pip: str
+    """What ``pip install`` takes."""
+    version: str | None
+    algorithm: Literal["adamw", "lion"]
+    settings: str
+    """The options it ran with, in words (e.g. ``optim_bits=32``, ``triton=True``)."""
+    warmup: int = 0
+    """Untimed steps it ran first (the set's, or more for a peer whose step is compiled)."""
+    reference: bool = False
+    """kitsune's own row in a peer section: its failure fails the run, as a variant's does; a peer's does not."""
+    grads: Literal["kept", "refilled", "reattached"] = "kept"
+    """What the first warm-up step did to the grads, and so what ran before each later step, outside the timers:
+    ``kept`` (nothing), ``refilled`` (the step zeroed or overwrote them: fresh random values in place), or
+    ``reattached`` (the step set ``p.grad`` to None or replaced it: the original tensors put back, refilled)."""
+    state_paged: bool = False
+    """Some state tensors live in paged (CUDA managed) memory (bitsandbytes' paged optimizers)."""
+    checked_steps: int = 0
+    """Steps whose move was checked: each host-timed step on its own, the device-timed ones together."""
+    warnings: list[str] = []
+    """Warnings the library raised while it was built and warmed up (the first few)."""
+
+
+class PeerStatus(BaseModel):
+    """A peer asked for with ``--peers``, whether or not it is installed."""
+
+    name: str
+    label: str
+    package: str
+    pip: str
+    installed: bool
+    version: str | None = None
+    skipped: str | None = None
+    """Why an installed peer did not run (``--peers`` without names on a CPU skips those that compile)."""
+
+
 class VariantResult(BaseModel):
     variant: str
     label: str
-    status: Literal["ok", "skipped", "failed", "not_available"]
+    status: Literal["ok", "skipped", "failed", "not_available", "not_timed"]
     reason: str | None = None
-    """Why the variant was skipped, failed or is not available."""
+    """Why the variant was skipped, failed, is not available, or was not timed (``not_timed``: its params did not
+    move on every step, so its times would be those of a step that does nothing)."""
     device_ms: Stats | None = None
     """Device time per step (CUDA events; wall time on a CPU)."""
     host_ms: Stats | None = None
@@ -50,11 +91,16 @@ class VariantResult(BaseModel):
     device_ms_steps: list[float] = []
     host_ms_steps: list[float] = []
     kitsune: KitsuneInfo | None = None
+    state_bytes: int | None = None
+    """Bytes of the optimizer's state tensors after warm-up (quantized codes and their scales included; each
+    distinct tensor once); recorded in ``--peers`` runs only."""
+    peer: PeerInfo | None = None
+    """Set on the rows of ``--peers`` (None on torch's and kitsune's AdamW variants)."""
 
 
 class SetResult(BaseModel):
     name: str
-    workload: Literal["adamw_step", "amp_clip_phase"]
+    workload: Literal["adamw_step", "amp_clip_phase", "lion_step"]
     description: str
     n_tensors: int
     n_elements: int
@@ -67,7 +113,8 @@ class SetResult(BaseModel):
     warmup: int
     variants: list[VariantResult]
     ratio_to_kitsune: dict[str, float]
-    """Per torch variant: its median device ms / kitsune's (above 1: kitsune is faster)."""
+    """Per torch variant or peer: its median device ms / kitsune's (above 1: kitsune is faster); in a ``lion_step``
+    set, over kitsune's fused Lion."""
 
 
 class BenchResult(BaseModel):
@@ -85,6 +132,10 @@ class BenchResult(BaseModel):
     phase: SetResult | None
     e2e: E2EResult | None = None
     """Whole training steps of a GPT-2 124M-shaped model (``--e2e``)."""
+    peers: list[PeerStatus] = []
+    """Every peer ``--peers`` asked for, installed or not (their rows are in ``sets`` and ``lion``)."""
+    lion: list[SetResult] = []
+    """Per set, with ``--peers`` and a Lion peer installed: kitsune's fused Lion against the Lion peers."""
     complete: bool
     """False while the run is still going (the JSON is rewritten after every set)."""
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import gc
 import shlex
 import sys
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from rich.console import Console
@@ -17,8 +18,19 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from kitsune._device import parse_device
 from kitsune.bench.e2e import run_e2e
 from kitsune.bench.params import ParamSet, get_param_set, make_params, refill_grads
-from kitsune.bench.results import BenchResult, KitsuneInfo, SetResult, VariantResult
-from kitsune.bench.table import default_console, print_results
+from kitsune.bench.peers import (
+    KITSUNE_LION,
+    PEERS,
+    MoveCheck,
+    ParamsDidNotMove,
+    Peer,
+    installed,
+    select_peers,
+    state_bytes,
+)
+from kitsune.bench.peers import version as peer_version
+from kitsune.bench.results import BenchResult, KitsuneInfo, PeerInfo, PeerStatus, SetResult, VariantResult
+from kitsune.bench.table import default_console, peer_lines, print_results
 from kitsune.bench.timing import Stats, StepTimes, copy_bandwidth, time_steps
 from kitsune.bench.variants import ADAMW, VARIANTS, make_variant
 from kitsune.profiler.schema import collect_environment
@@ -30,6 +42,10 @@ ADAMW_BYTES_PER_PARAM = FP32_BYTES * (4 + 3)  # 28
 # The AMP + clipping phase as kitsune's two passes do it: pass 1 reads the grad (norms, inf check); pass 2 is
 # the AdamW update above plus writing the grad back as zero (zero_grad(set_to_none=False)).
 PHASE_BYTES_PER_PARAM = FP32_BYTES * (1 + 4 + 3 + 1)  # 36
+COMPILED_WARMUP = 3
+"""The fewest warm-up steps of a peer whose step is compiled: compilation must end before the timers start."""
+# An fp32 Lion step reads param, grad and exp_avg and writes param and exp_avg back.
+LION_BYTES_PER_PARAM = FP32_BYTES * (3 + 2)  # 20
 
 
 def _free(device: torch.device) -> None:
@@ -64,6 +80,8 @@ def _measure(result: VariantResult, body: _Body, device: torch.device, floor_ms:
         result.device_ms_steps, result.host_ms_steps = times.device_ms, times.host_ms
         median = result.device_ms.median
         result.pct_of_floor = 100 * floor_ms / median if median > 0 else None
+    except ParamsDidNotMove as exc:  # its times are those of a step that does nothing: none are kept
+        result.status, result.reason = "not_timed", f"{exc}: not timed"
     except Exception as exc:  # one broken variant must not cost the others their numbers
         result.status, result.reason = "failed", f"{type(exc).__name__}: {exc}"
     try:
@@ -75,9 +93,20 @@ def _measure(result: VariantResult, body: _Body, device: torch.device, floor_ms:
 
 
 def run_variant(
-    name: str, pset: ParamSet, device: torch.device, steps: int, warmup: int, floor_ms: float, seed: int = 0
+    name: str,
+    pset: ParamSet,
+    device: torch.device,
+    steps: int,
+    warmup: int,
+    floor_ms: float,
+    seed: int = 0,
+    audit: bool = False,
 ) -> VariantResult:
-    """Time one variant on fresh params (seeded: every variant starts from the same values)."""
+    """Time one variant on fresh params (seeded: every variant starts from the same values).
+
+    ``audit`` (``--peers`` runs, where the variants sit next to the peers): also count the state's bytes after
+    warm-up and check, as a peer's, that the params moved on every checked step.
+    """
     result = VariantResult(variant=name, label=VARIANTS[name], status="ok")
     if name == "graph" and device.type != "cuda":
         result.status, result.reason = "skipped", "CUDA only: a CUDA graph captures GPU work"
@@ -88,15 +117,104 @@ def run_variant(
         return result
 
     def body() -> tuple[StepTimes, KitsuneInfo | None]:
-        variant = make_variant(name, make_params(pset, device, seed))
+        params = make_params(pset, device, seed)
+        variant = make_variant(name, params)
         try:
             variant.warmup(warmup)
-            times = time_steps(variant.step, steps, device)
+            check = None
+            if audit:
+                result.state_bytes, _ = state_bytes(variant.opt.state)
+                check = MoveCheck(params, [n for n, _ in pset.shapes])
+            times = time_steps(variant.step, steps, device, check=check)
+            if check is not None:
+                check.verify()
             return times, variant.info()
         finally:
             variant.close()
 
     return _measure(result, body, device, floor_ms)
+
+
+def run_peer(
+    peer: Peer, pset: ParamSet, device: torch.device, steps: int, warmup: int, floor_ms: float, seed: int = 0
+) -> VariantResult:
+    """Time one peer on fresh params (the variants' values), after checking what its step does to the grads.
+
+    The first warm-up step shows it: a step that leaves the grads alone gets nothing between steps, as the
+    variants; one that zeroes or overwrites them gets fresh random grads in place before each later step; one that
+    sets ``p.grad`` to None (or replaces it) gets the original grad tensors back, refilled. Either runs outside
+    the timers, and leaves each such step starting on an idle GPU. Then the steps are timed as a variant's, with
+    a `MoveCheck`: a peer whose params did not move on every checked step is reported as not timed. A peer that
+    compiles gets at least ``COMPILED_WARMUP`` warm-up steps (heavyball's ``compile_step`` runs its first step
+    eagerly and compiles on the second).
+    """
+    warmup = max(warmup, COMPILED_WARMUP) if peer.compiles else warmup
+    info = PeerInfo(
+        package=peer.package,
+        pip=peer.pip,
+        version=peer_version(peer),
+        algorithm=peer.algorithm,
+        settings=peer.settings(device),
+        reference=peer is KITSUNE_LION,
+        warmup=warmup,
+    )
+    result = VariantResult(variant=peer.name, label=peer.label, status="ok", peer=info)
+    shortfall = _memory_shortfall(pset, device)
+    if shortfall is not None:
+        result.status, result.reason = "skipped", shortfall
+        return result
+
+    def body() -> tuple[StepTimes, None]:
+        params = make_params(pset, device, seed)
+        grads = [p.grad for p in params]
+        gen = torch.Generator(device=device).manual_seed(seed + 1)
+
+        def refill() -> None:
+            refill_grads(params, gen)
+
+        def reattach() -> None:
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g
+            refill_grads(params, gen)
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            built = peer.build(params, device)
+            before = _norms(grads)
+            built.step()
+            if any(p.grad is not g for p, g in zip(params, grads, strict=True)):
+                info.grads, between = "reattached", reattach
+            elif not torch.equal(_norms(grads), before):
+                info.grads, between = "refilled", refill
+            else:
+                info.grads, between = "kept", None
+            for _ in range(warmup - 1):
+                if between is not None:
+                    between()
+                built.step()
+        for message in dict.fromkeys(str(w.message) for w in caught):
+            if len(info.warnings) < 5:
+                info.warnings.append(message)
+        result.state_bytes, info.state_paged = state_bytes(built.opt.state)
+        check = MoveCheck(params, [n for n, _ in pset.shapes])
+        times = time_steps(built.step, steps, device, between=between, check=check)
+        check.verify()
+        info.checked_steps = check.checked_steps
+        return times, None
+
+    def body_then_reset() -> tuple[StepTimes, None]:
+        try:
+            return body()
+        finally:
+            if peer.compiles:  # compiled code and its guards would keep this peer's params and state alive
+                torch._dynamo.reset()
+
+    return _measure(result, body_then_reset, device, floor_ms)
+
+
+def _norms(tensors: list[torch.Tensor]) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.stack(torch._foreach_norm(tensors)).cpu()
 
 
 def run_phase(
@@ -185,14 +303,14 @@ def _torch_clip(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tens
     return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
 
-def _ratios(variants: list[VariantResult]) -> dict[str, float]:
-    ours = next((v for v in variants if v.variant == "kitsune" and v.status == "ok"), None)
-    if ours is None or not ours.device_ms.median > 0:
+def _ratios(variants: list[VariantResult], ours: str = "kitsune") -> dict[str, float]:
+    mine = next((v for v in variants if v.variant == ours and v.status == "ok"), None)
+    if mine is None or not mine.device_ms.median > 0:
         return {}
     return {
-        v.variant: v.device_ms.median / ours.device_ms.median
+        v.variant: v.device_ms.median / mine.device_ms.median
         for v in variants
-        if v.variant != "kitsune" and v.status == "ok"
+        if v.variant != ours and v.status == "ok"
     }
 
 
@@ -227,6 +345,7 @@ def run_bench(
     compile_backend: str | None = None,
     e2e_steps: int | None = None,
     e2e_batch: int | None = None,
+    peers: Sequence[str] | Literal["all"] | None = None,
 ) -> BenchResult:
     """Time every variant on every set, print the table, and write JSON when ``json_path`` is given.
 
@@ -247,6 +366,10 @@ def run_bench(
         e2e_steps: with ``e2e``, timed steps a side; None: 50 on a GPU, 2 on a CPU.
         e2e_batch: with ``e2e``, sequences a step; None: 4 (a larger batch gives the GPU more work per step of host
             time: on a fast GPU, batch 4 leaves the step bound by the host).
+        peers: also time these peers (``PEERS`` names; ``"all"``: every one, except on a CPU those that compile
+            their step) after the variants on each set, each installed one in its row and the rest listed as not
+            installed; Lion peers in a Lion section per set, next to kitsune's fused Lion. The variants then also
+            record their state's bytes and have their moves checked, as the peers.
     """
     dev = _resolve_device(device)
     cuda = dev.type == "cuda"
@@ -269,6 +392,7 @@ def run_bench(
         raise ValueError(f"e2e_steps must be at least 1, got {e2e_steps}")
     if e2e_batch is not None and e2e_batch < 1:
         raise ValueError(f"e2e_batch must be at least 1, got {e2e_batch}")
+    chosen, skipped_peers = select_peers(peers, dev) if peers is not None else ([], {})
     console = console or default_console()
     if cuda:
         torch.cuda.set_device(dev)
@@ -291,6 +415,26 @@ def run_bench(
         f"kitsune bench on {result.environment.device_name} ({dev}): copy bandwidth {bandwidth / 1e9:,.0f} GB/s, "
         f"AdamW fp32 moves {ADAMW_BYTES_PER_PARAM} bytes/param"
     )
+    for peer in [p for p in PEERS.values() if p in chosen or p.name in skipped_peers]:
+        ok = installed(peer)
+        result.peers.append(
+            PeerStatus(
+                name=peer.name,
+                label=peer.label,
+                package=peer.package,
+                pip=peer.pip,
+                installed=ok,
+                version=peer_version(peer) if ok else None,
+                skipped=skipped_peers.get(peer.name) if ok else None,
+            )
+        )
+    ready = [PEERS[s.name] for s in result.peers if s.installed and s.skipped is None]
+    adamw_peers = [p for p in ready if p.algorithm == "adamw"]
+    lion_peers = [p for p in ready if p.algorithm == "lion"]
+    if lion_peers:  # a Lion section: kitsune's fused Lion first, what the Lion peers are compared with
+        lion_peers.insert(0, KITSUNE_LION)
+    for line in peer_lines(result.peers):
+        console.print(line, highlight=False)
 
     def set_steps(pset: ParamSet) -> int:
         return steps if steps is not None else (pset.default_steps if cuda else 3)
@@ -327,20 +471,41 @@ def run_bench(
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     # no auto-refresh: a refresh thread would compete for the GIL with the host time being measured
     with Progress(*columns, console=console, auto_refresh=False) as progress:
-        task = progress.add_task("bench", total=len(sets) * len(variants) + int(phase) + int(e2e))
+        per_set = len(variants) + len(adamw_peers) + len(lion_peers)
+        task = progress.add_task("bench", total=len(sets) * per_set + int(phase) + int(e2e))
         for name in sets:
             pset = get_param_set(name, scale)
             entry = new_set(pset, "adamw_step", ADAMW_BYTES_PER_PARAM)
+            audit = peers is not None
             for variant in variants:
                 progress.update(task, description=f"{name}: {VARIANTS[variant]}")
                 progress.refresh()
-                v = run_variant(variant, pset, dev, entry.steps, warmup, entry.floor_ms, seed)
+                v = run_variant(variant, pset, dev, entry.steps, warmup, entry.floor_ms, seed, audit=audit)
+                entry.variants.append(v)
+                report(name, v)
+                progress.advance(task)
+            for peer in adamw_peers:
+                progress.update(task, description=f"{name}: {peer.label}")
+                progress.refresh()
+                v = run_peer(peer, pset, dev, entry.steps, warmup, entry.floor_ms, seed)
                 entry.variants.append(v)
                 report(name, v)
                 progress.advance(task)
             entry.ratio_to_kitsune = _ratios(entry.variants)
             result.sets.append(entry)
             save()
+            if lion_peers:
+                lion = new_set(pset, "lion_step", LION_BYTES_PER_PARAM)
+                for peer in lion_peers:
+                    progress.update(task, description=f"{name}: {peer.label}")
+                    progress.refresh()
+                    v = run_peer(peer, pset, dev, lion.steps, warmup, lion.floor_ms, seed)
+                    lion.variants.append(v)
+                    report(f"{name} Lion", v)
+                    progress.advance(task)
+                lion.ratio_to_kitsune = _ratios(lion.variants, ours=KITSUNE_LION.name)
+                result.lion.append(lion)
+                save()
         if phase:
             pset = get_param_set("gpt2", scale)
             progress.update(task, description="gpt2: AMP + clipping phase")

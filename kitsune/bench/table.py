@@ -6,7 +6,16 @@ from rich.console import Console
 from rich.table import Table
 
 from kitsune.bench.e2e import E2EResult
-from kitsune.bench.results import BenchResult, VariantResult
+from kitsune.bench.results import BenchResult, PeerStatus, SetResult, VariantResult
+
+ADAMW_STATE_BYTES_PER_PARAM = 8
+"""fp32 AdamW's state: exp_avg and exp_avg_sq, 4 bytes each (the step counts are a few bytes per tensor)."""
+
+_GRADS = {
+    "kept": "",
+    "refilled": "; its step zeroes or overwrites the grads: refilled before each step, outside the timers",
+    "reattached": "; its step frees the grads: put back and refilled before each step, outside the timers",
+}
 
 
 def default_console() -> Console:
@@ -16,8 +25,17 @@ def default_console() -> Console:
 
 
 def _note(v: VariantResult) -> str | None:
+    if v.status == "not_timed":
+        return v.reason
     if v.status != "ok":
         return f"{v.status}: {v.reason}"
+    if v.peer is not None:
+        p = v.peer
+        paged = "; state paged" if p.state_paged else ""
+        return (
+            f"{p.pip} {p.version or '(version unknown)'}: {p.settings}{paged}{_GRADS[p.grads]}; "
+            f"params moved on each of {p.checked_steps} checks"
+        )
     k = v.kitsune
     if k is None:
         return None
@@ -36,16 +54,60 @@ def _pct(value: float | None) -> str:
     return f"{value:.0f}%" if value >= 10 else f"{value:.1f}%" if value >= 1 else f"{value:.2f}%"
 
 
+def _state(v: VariantResult, entry: SetResult) -> str:
+    if v.state_bytes is None:
+        return ""
+    fp32 = ADAMW_STATE_BYTES_PER_PARAM * entry.n_elements
+    paged = "paged " if v.peer is not None and v.peer.state_paged else ""
+    return f"{paged}{v.state_bytes / 2**20:,.1f} ({v.state_bytes / fp32:.2f}x)"
+
+
+def sections(result: BenchResult) -> list[SetResult]:
+    """Each set, its Lion section after it (``--peers``), then the phase."""
+    lion = {entry.name: entry for entry in result.lion}
+    entries = [e for entry in result.sets for e in (entry, lion.pop(entry.name, None)) if e is not None]
+    return [*entries, *lion.values(), *([result.phase] if result.phase is not None else [])]
+
+
+SECTION_HEADS = {"adamw_step": "{}", "amp_clip_phase": "{} phase", "lion_step": "{} Lion"}
+_STATUS = {"not_available": "n/a", "not_timed": "not timed"}
+
+
+def peer_lines(peers: list[PeerStatus]) -> list[str]:
+    """The peers that did not run, a line for those not installed (grouped by what ``pip install`` takes) and one
+    per reason for those skipped."""
+    lines = []
+    by_pip: dict[str, list[str]] = {}
+    for s in peers:
+        if not s.installed:
+            by_pip.setdefault(s.pip, []).append(s.label)
+    if by_pip:
+        lines.append("not installed: " + "; ".join(f"{', '.join(v)} (pip install {k})" for k, v in by_pip.items()))
+    by_reason: dict[str, list[str]] = {}
+    for s in peers:
+        if s.skipped is not None:
+            by_reason.setdefault(s.skipped, []).append(s.label)
+    lines += [f"skipped: {', '.join(labels)}: {reason}" for reason, labels in by_reason.items()]
+    return lines
+
+
 def print_results(result: BenchResult, console: Console | None = None) -> None:
-    """The results as one rich table (a section per set, a row per variant), then the notes it refers to."""
+    """The results as one rich table (a section per set, a row per variant), then the notes it refers to.
+
+    A ``--peers`` run adds a column of state memory, a Lion section per set, and the peers that are not installed.
+    """
     console = console or default_console()
-    table = Table(title=f"AdamW fp32, {result.environment.device_name}, copy {result.copy_bandwidth_gbs:,.0f} GB/s")
-    for name in ("set", "variant", "ms/step", "p10-p90", "host ms", "floor ms", "% floor", "t / kitsune"):
+    entries = sections(result)
+    with_state = any(v.state_bytes is not None for entry in entries for v in entry.variants)
+    title = f"AdamW fp32, {result.environment.device_name}, copy {result.copy_bandwidth_gbs:,.0f} GB/s"
+    table = Table(title=title + (" (Lion sections: fp32 Lion)" if result.lion else ""))
+    names = ["set", "variant", "ms/step", "p10-p90", "host ms", "floor ms", "% floor", "t / kitsune"]
+    for name in [*names, *(["state MiB"] if with_state else [])]:
         text = name in ("set", "variant")
         table.add_column(name, justify="left" if text else "right", no_wrap=not text, min_width=7 if text else None)
     notes: list[str] = []
-    for entry in [*result.sets, *([result.phase] if result.phase is not None else [])]:
-        head = entry.name if entry.workload == "adamw_step" else f"{entry.name} phase"
+    for entry in entries:
+        head = SECTION_HEADS[entry.workload].format(entry.name)
         for i, v in enumerate(entry.variants):
             ok = v.status == "ok"
             ratio = entry.ratio_to_kitsune.get(v.variant)
@@ -55,16 +117,26 @@ def print_results(result: BenchResult, console: Console | None = None) -> None:
             table.add_row(
                 head if i == 0 else "",
                 v.label + (f" [{len(notes)}]" if note is not None else ""),
-                f"{v.device_ms.median:.3f}" if ok else {"not_available": "n/a"}.get(v.status, v.status),
+                f"{v.device_ms.median:.3f}" if ok else _STATUS.get(v.status, v.status),
                 f"{v.device_ms.p10:.3f}-{v.device_ms.p90:.3f}" if ok else "",
                 f"{v.host_ms.median:.3f}" if ok else "",
                 f"{entry.floor_ms:.3f}" if i == 0 else "",
                 _pct(v.pct_of_floor) if ok else "",
                 "" if ratio is None else f"{ratio:.2f}x" if ratio >= 0.1 else f"{ratio:.2g}x",
+                *([_state(v, entry)] if with_state else []),
                 end_section=i == len(entry.variants) - 1,
             )
     console.print(table)
+    if with_state:
+        console.print(
+            f"state MiB: the optimizer's state tensors after warm-up (quantized codes and scales included); in "
+            f"brackets, over fp32 AdamW's {ADAMW_STATE_BYTES_PER_PARAM} bytes/param. % floor: of fp32 AdamW's (fp32 "
+            "Lion's in Lion sections) bytes at the copy rate: 8-bit and 4-bit state move fewer bytes and can pass 100%",
+            highlight=False,
+        )
     for line in notes:
+        console.print(line, highlight=False)
+    for line in peer_lines(result.peers):
         console.print(line, highlight=False)
     if result.e2e is not None:
         print_e2e(result.e2e, console)

@@ -76,7 +76,11 @@ def synchronize(device: torch.device) -> None:
 
 
 def time_steps(
-    step: Callable[[], object], steps: int, device: torch.device, between: Callable[[], object] | None = None
+    step: Callable[[], object],
+    steps: int,
+    device: torch.device,
+    between: Callable[[], object] | None = None,
+    check: Callable[[], object] | None = None,
 ) -> StepTimes:
     """Run ``step`` ``2 * steps`` times: ``steps`` for the device timer, then ``steps`` for the host timer.
 
@@ -84,6 +88,10 @@ def time_steps(
     step whose kernels wait for the host shows those gaps too. Host pass: a synchronize before each step (outside
     the timer) so a full launch queue never makes ``step()`` wait for the GPU; what remains is the CPU's cost of
     issuing the step. ``between`` runs before each step, outside both timers (e.g. refilling zeroed grads).
+
+    ``check`` runs with the device idle, outside both timers: before the device pass, before each host-pass step
+    and after the last one (``steps + 2`` calls), e.g. to snapshot the params and see that every step moved them.
+    The device pass's steps stay back to back: between its first and last step nothing else runs.
     """
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
@@ -93,6 +101,8 @@ def time_steps(
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(steps)]
     wall_ms: list[float] = []
     synchronize(device)
+    if check is not None:
+        check()
     for i in range(steps):
         if between is not None:
             between()
@@ -108,6 +118,9 @@ def time_steps(
 
     host_ms: list[float] = []
     for _ in range(steps):
+        if check is not None:
+            synchronize(device)
+            check()
         if between is not None:
             between()
         synchronize(device)
@@ -115,6 +128,8 @@ def time_steps(
         step()
         host_ms.append((time.perf_counter() - t0) * 1e3)
     synchronize(device)
+    if check is not None:
+        check()
     return StepTimes(device_ms=device_ms, host_ms=host_ms)
 
 
