@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -127,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
 def measure(sides: dict[str, Any], steps: int, blocks: int, device: Any) -> dict[str, Any]:
     import torch
 
+    from kitsune.bench.timing import percentile
+
     cuda = device.type == "cuda"
     times: dict[str, list[float]] = {side: [] for side in sides}
     for opt, _ in sides.values():
@@ -154,10 +155,8 @@ def measure(sides: dict[str, Any], steps: int, blocks: int, device: Any) -> dict
     for side, (opt, _) in sides.items():
         buckets = opt.plan.buckets
         row[f"{side}_route"] = "+".join(sorted({b.route.value for b in buckets}))
-        ordered = sorted(times[side])
-        row[f"{side}_ms"] = statistics.median(ordered)
-        row[f"{side}_p10"] = ordered[int(0.1 * (len(ordered) - 1))]
-        row[f"{side}_p90"] = ordered[round(0.9 * (len(ordered) - 1))]
+        for key, q in (("ms", 50), ("p10", 10), ("p90", 90)):
+            row[f"{side}_{key}"] = percentile(times[side], q)
     speedups = [b.predicted_speedup for b in sides["default"][0].plan.buckets if b.predicted_speedup]
     row["model_speedup"] = round(min(speedups), 2) if speedups else None
     return row

@@ -62,6 +62,12 @@ class AlgoInfo:
     """The algorithm of the groups whose spec is an `UpdateSpec` in an optimizer that is mostly something
     else (kitsune.optim.Muon's ``use_muon=False`` groups run AdamW): their fused units use it."""
 
+    @property
+    def scalars(self) -> tuple[str, ...]:
+        """Every per-tensor 0-dim float32 state key, in table order: ``step`` (where torch keeps one), then
+        `scalar_keys`."""
+        return ("step",) * self.step_in_state + self.scalar_keys
+
 
 def _adam_spec(decoupled: bool) -> Callable[[dict[str, Any]], UpdateSpec]:
     def spec(g: dict[str, Any]) -> UpdateSpec:
@@ -389,7 +395,7 @@ def init_state(
     torch's lazy init reads a value there rather than in the group (Adagrad's ``initial_accumulator_value``).
     The other per-tensor scalars (`AlgoInfo.scalar_keys`) are float32 on the param's device, as ``step``."""
     fills = dict(info.fills)
-    for key in (["step"] if info.step_in_state else []) + list(info.scalar_keys):
+    for key in info.scalars:
         if key not in state:
             t = alloc(key) if alloc else torch.empty((), dtype=torch.float32, device=p.device)
             state[key] = t.fill_(fills[key](group)) if key in fills else t.zero_()

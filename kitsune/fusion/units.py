@@ -329,7 +329,7 @@ class FusedUnit:
         again from the state as it is then (as torch reads its state every step), instead of writing through the
         freed tensor's address."""
         keys = self.info.state_keys(self.spec)
-        scalars = (["step"] if self.info.step_in_state else []) + list(self.info.scalar_keys)
+        scalars = self.info.scalars
         tables: list[list[int]] = [[] for _ in keys]
         scalar_tables: list[list[int]] = [[] for _ in scalars]  # step, then scalar1, scalar2
         bound: list[torch.Tensor] = []
@@ -362,9 +362,7 @@ class FusedUnit:
         self._state_intact = intact
         for slot, addrs in enumerate(tables, 1):
             self.tables.set_role(f"state{slot}", addrs)
-        roles = (["step"] if self.info.step_in_state else []) + [
-            f"scalar{j}" for j, _ in enumerate(self.info.scalar_keys, 1)
-        ]
+        roles = ["step"] * self.info.step_in_state + [f"scalar{j}" for j in range(1, len(self.info.scalar_keys) + 1)]
         for role, addrs in zip(roles, scalar_tables, strict=True):
             self.tables.set_role(role, addrs)
         if self._private_steps is not None:

@@ -72,7 +72,7 @@ class UnitSlots:
         numels = [p.numel() for p in unit.params]
         self.offsets = {k: [state_arena.reserve(n) for n in numels] for k in self.keys}
         self.scalar_offsets = (
-            {k: [step_arena.reserve(1) for _ in numels] for k in _scalar_keys(unit)} if step_arena is not None else {}
+            {k: [step_arena.reserve(1) for _ in numels] for k in unit.info.scalars} if step_arena is not None else {}
         )
         self.grad_offsets = [grad_arena.reserve(n) for n in numels] if grad_arena is not None else []
         self._views: dict[tuple[str, int], weakref.ref] = {}
@@ -164,7 +164,7 @@ class MemoryPool(Subsystem):
             return
         layout = tuple(
             (str(u.device), u.dtype, u.info.name, tuple(k for k in u.info.state_keys(u.spec) if k),
-             tuple(_scalar_keys(u)), tuple(map(id, u.params)), tuple(p.numel() for p in u.params))
+             u.info.scalars, tuple(map(id, u.params)), tuple(p.numel() for p in u.params))
             for u in units
         )  # fmt: skip
         if layout == self._layout:
@@ -179,7 +179,7 @@ class MemoryPool(Subsystem):
             dev = unit.device
             state = arenas.get((dev, unit.dtype)) or Arena(dev, unit.dtype)
             step = (
-                (arenas.get((dev, torch.float32, "step")) or Arena(dev, torch.float32)) if _scalar_keys(unit) else None
+                (arenas.get((dev, torch.float32, "step")) or Arena(dev, torch.float32)) if unit.info.scalars else None
             )
             grad = (arenas.get((dev, unit.dtype, "grad")) or Arena(dev, unit.dtype)) if cfg.flat_grads else None
             before = {id(a): a.nbytes for a in (state, step, grad) if a is not None}
@@ -257,13 +257,8 @@ class MemoryPool(Subsystem):
         }
 
 
-def _scalar_keys(unit: FusedUnit) -> list[str]:
-    """The unit's per-tensor scalars in torch's state: ``step`` (where torch keeps one) and `AlgoInfo.scalar_keys`."""
-    return (["step"] if unit.info.step_in_state else []) + list(unit.info.scalar_keys)
-
-
 def _unit_bytes(unit: FusedUnit, flat_grads: bool) -> int:
     """Bytes a unit's state (and grads) take, as the pool would lay them out."""
     probe = [Arena(unit.device, unit.dtype), Arena(unit.device, torch.float32), Arena(unit.device, unit.dtype)]
-    UnitSlots(unit, probe[0], probe[1] if _scalar_keys(unit) else None, probe[2] if flat_grads else None)
+    UnitSlots(unit, probe[0], probe[1] if unit.info.scalars else None, probe[2] if flat_grads else None)
     return sum(a.nbytes for a in probe)

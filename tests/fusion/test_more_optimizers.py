@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from twins import assert_close_params, assert_same_state, make_params, random_grads
+from twins import assert_close_params, assert_same_state, make_params, random_grads, trajectory
 
 from kitsune import KitsuneOptimizer
 from kitsune.fusion import Route
@@ -176,19 +176,10 @@ def test_tensor_lr(name, device):
 def test_foreach_and_capturable_are_noted(name, device):
     """foreach=True and capturable=True leave the math alone: noted in the plan, fused, same trajectory."""
     flags = {"foreach": True, "capturable": True}
-    runs = []
-    for fused in (True, False):
-        params = make_params(SIZES, torch.float32, device)
-        # torch's capturable path runs on accelerators only: the reference takes the default path on CPU
-        opt = one(name, params, **(flags if fused or device.type == "cuda" else {}))
-        opt = KitsuneOptimizer(opt, enable_fusion=True) if fused else opt
-        for step in range(12):
-            for p, g in zip(params, random_grads(params, step), strict=True):
-                p.grad = g
-            opt.step()
-            opt.zero_grad()
-        runs.append((params, opt))
-    (params, opt), (ref_params, ref) = runs
+    params, opt = trajectory(lambda ps: one(name, ps, **flags), SIZES, torch.float32, device, steps=12, fused=True)
+    # torch's capturable path runs on accelerators only: the reference takes the default path on CPU
+    ref_flags = flags if device.type == "cuda" else {}
+    ref_params, ref = trajectory(lambda ps: one(name, ps, **ref_flags), SIZES, torch.float32, device, steps=12)
     (bucket,) = opt.plan.buckets
     assert bucket.route is Route.TRITON
     assert any("foreach=True ignored" in n for n in bucket.notes) and any("capturable" in n for n in bucket.notes)
@@ -219,18 +210,8 @@ def test_odd_sizes_in_one_launch(name, device):
     """Empty, single-element, odd and multi-block tensors (4097 = 4 full blocks + 1): the per-tensor scalars are
     read by every block and written once, by the tensor's last."""
     sizes = [0, 1, 7, 4097]
-    runs = []
-    for fused in (True, False):
-        params = make_params(sizes, torch.float32, device)
-        opt = one(name, params)
-        opt = KitsuneOptimizer(opt, enable_fusion=True) if fused else opt
-        for step in range(6):
-            for p, g in zip(params, random_grads(params, step), strict=True):
-                p.grad = g
-            opt.step()
-            opt.zero_grad()
-        runs.append((params, opt))
-    (params, opt), (ref_params, ref) = runs
+    params, opt = trajectory(lambda ps: one(name, ps), sizes, torch.float32, device, steps=6, fused=True)
+    ref_params, ref = trajectory(lambda ps: one(name, ps), sizes, torch.float32, device, steps=6)
     assert opt.plan.fused_tensors == 4
     assert_close_params(params, ref_params, torch.float32)
     assert_same_state(ref, opt, torch.float32)

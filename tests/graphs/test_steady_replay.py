@@ -1,4 +1,4 @@
-"""The steady replay (``KitsuneOptimizer._replay_again``): once a step has replayed the graph, the next steps replay
+"""The steady replay (``GraphSubsystem.replay_steady``): once a step has replayed the graph, the next steps replay
 it after a few checks (the groups and their values, every grad and param where the last step found them, no
 GradScaler) without the step's full host path. On the CPU the graph is the recording stand-in and torch's C++
 address check a Python stand-in; every change that must leave the steady replay is made here, and every step is
