@@ -108,6 +108,13 @@ def case(sides: dict[str, ModuleType], set_name: str, variant: str, rounds: int,
     return out
 
 
+def _try_import(name: str) -> ModuleType | None:
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--other", type=Path, required=True, help="the other commit's kitsune package folder")
@@ -123,6 +130,13 @@ def main() -> None:
 
     other = load_other(args.other)
     sides = {"other": other, "this": kitsune} if args.other_first else {"this": kitsune, "other": other}
+    for name, mod in sides.items():  # a commit with the native address check: time it built, as users run it
+        native = sys.modules.get(f"{mod.__name__}._native") or _try_import(f"{mod.__name__}._native")
+        if native is not None:
+            t0 = time.perf_counter()
+            ready = native.wait(timeout=600) is not None
+            print(f"{name}: native address check {'ready' if ready else native.reason()} after "
+                  f"{time.perf_counter() - t0:.1f} s", flush=True)  # fmt: skip
     results = {}
     for set_name, variant in CASES:
         if set_name not in args.sets.split(","):

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import torch
 
+from kitsune import _native
 from kitsune.config import KitsuneConfig
 
 
@@ -169,9 +170,13 @@ class PlannedGroups:
     def fits(self, groups: list[dict[str, Any]], state: Any) -> bool:
         if groups is not self.groups or state is not self.state or len(groups) != len(self.params):
             return False
+        same = None if _native.CHECKS is None else _native.CHECKS.same  # one C loop, about 1 ns a param
         for group, planned in zip(groups, self.params, strict=True):
             params = group["params"]
-            if len(params) != len(planned) or not all(map(is_, params, planned)):
+            if same is not None and type(params) is list:
+                if not same(params, planned):
+                    return False
+            elif len(params) != len(planned) or not all(map(is_, params, planned)):
                 return False
         return True
 

@@ -58,3 +58,30 @@ def _interpret(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
 @pytest.fixture
 def device() -> torch.device:
     return torch.device("cpu") if CPU_ONLY else torch.device("cuda")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _native_checks() -> None:
+    """Build (or load from torch's cache) the native address check before any test runs, so that no test depends
+    on how fast a background build is. Where it cannot build, the tests run the Python checks and
+    tests/fusion/test_address_checks.py fails with the reason."""
+    from kitsune import _native
+
+    _native.wait(timeout=600)
+
+
+@pytest.fixture(params=["native", "torch"])
+def check_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test on each per-step address check: the native one (`kitsune._native`), and torch's C++ check that
+    units use while it builds (on a CPU build of torch, a Python stand-in with its contract)."""
+    from twins import ptrs_equal_stand_in
+
+    from kitsune import _native
+    from kitsune.fusion import units
+
+    if request.param == "native":
+        assert _native.CHECKS is not None, f"the native address check is unavailable: {_native.reason()}"
+    else:
+        monkeypatch.setattr(_native, "CHECKS", None)
+        monkeypatch.setattr(units, "_PTRS_EQUAL", units._PTRS_EQUAL or ptrs_equal_stand_in)
+    return request.param

@@ -15,6 +15,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from kitsune import _native
 from kitsune._device import parse_device
 from kitsune.bench.e2e import run_e2e
 from kitsune.bench.params import ParamSet, get_param_set, make_params, refill_grads
@@ -396,6 +397,10 @@ def run_bench(
     console = console or default_console()
     if cuda:
         torch.cuda.set_device(dev)
+        # time the steps as a run past its first minute has them: with the native address check built (once per
+        # machine and torch version, then loaded from torch's cache)
+        checks = _native.wait(timeout=600)
+        console.print(f"native address check: {'ready' if checks is not None else _native.reason()}")
 
     bandwidth, copy_bytes = copy_bandwidth(dev)
     result = BenchResult(

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from kitsune import _native
 from kitsune.config import FusionConfig, GradConfig, StreamConfig
 from kitsune.distributed import fsdp
 from kitsune.fusion.algos import AlgoInfo
@@ -119,9 +120,12 @@ class FusionSubsystem(Subsystem):
         self._contexts = {}
         for unit in (*self._units, *self._muon):
             unit.static = self._static
+            unit.native = self.config.native_checks
             unit.defaults = base.defaults
             self._contexts.setdefault(unit.device, DeviceContext(unit.device, self._info.row))  # type: ignore[union-attr]
         self.executes = bool(self._units or self._shadows or self._muon)
+        if self.config.native_checks and any(u._fast for u in (*self._units, *self._muon)):
+            _native.start()  # in the background, once per process; the Python checks run until it is ready
         # FSDP2: the norm pass covers this rank's shards; an all-reduce over the mesh makes it global
         self._norm_groups = fsdp.mesh_groups(p for u in self._units if u.sharded for p in u.params[:1])
         self._norm = None
@@ -529,7 +533,20 @@ class FusionSubsystem(Subsystem):
             "context_uploads": contexts,
             "steps": self._steps,
             "static_addresses": self._static_report(),
+            "address_checks": self._checks_report(),
         }
+
+    def _checks_report(self) -> str | None:
+        """How a step checks that its params and grads sit where the tables point (see `FusedUnit._unchanged`)."""
+        units = [u for u in (*self._units, *self._muon) if not u.watching]
+        if not units:
+            return None if not self._units and not self._muon else "static addresses: watched, not checked"
+        if not self.config.native_checks:
+            return "Python (FusionConfig.native_checks=False)"
+        if not any(u._fast for u in units):
+            return "Python (FSDP2 shards or tensor subclasses: read through their own Python code)"
+        why = _native.reason()
+        return "native (one C++ call per unit)" if not why else f"Python: native check {why}"
 
     def _static_report(self) -> dict[str, Any] | None:
         """With ``GraphConfig(static_addresses=True)``: how many units watch their addresses, the steps that

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from kitsune import _native
 from kitsune.distributed import fsdp
 from kitsune.fusion.algos import AlgoInfo, init_state, missing_key
 from kitsune.fusion.plan import Route
@@ -16,21 +17,31 @@ from kitsune.kernels.multi_tensor import DEAD, DEFAULT_BLOCK, TensorTables
 from kitsune.kernels.spec import UpdateSpec
 
 _GRAD = attrgetter("grad")
+_NO_TORCH_FUNCTION = torch._C._disabled_torch_function_impl
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """A tensor whose ``grad`` and storage C++ reads exactly as Python does: a plain tensor or a Parameter (or a
+    subclass of one that keeps torch functions off, as Parameter does), not a DTensor or another wrapper."""
+    return type(t) is torch.Tensor or getattr(type(t), "__torch_function__", None) is _NO_TORCH_FUNCTION
+
+
 _DTYPE = attrgetter("dtype")
 _DATA_PTR = torch.Tensor.data_ptr
 _IS_CONTIGUOUS = torch.Tensor.is_contiguous
 _PTRS_EQUAL = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 """torch's C++ check that tensors still sit at known addresses (CUDA builds; torch.compile's CUDA graphs use it for
-their static inputs): one call for a whole list, about a tenth of the cost of reading each ``data_ptr()`` in Python.
-Absent from CPU builds, where the Python path below runs."""
+their static inputs): the check while `kitsune._native` builds or where it cannot. One call for a whole list, but
+it converts its lists element by element (about 150 ns a tensor). Absent from CPU builds."""
 
 
 class FusedUnit:
     """Up to ``max_fusion_size`` tensors of one bucket, updated by one launch of the generic kernel.
 
-    Per step, the only per-tensor Python work is reading each ``p.grad``; its address and the param's address are
-    compared with the last step's in C++ (`_PTRS_EQUAL`, or C-level ``map`` calls where torch lacks it).
-    Everything else happens only when something changed: the grad addresses (one table upload; grad layouts are
+    Per step, one native call (`kitsune._native`) compares every param's and grad's address with the last step's,
+    15-40 ns a tensor with no per-tensor Python work (while it builds, or where it cannot: a read of each ``p.grad``
+    and torch's `_PTRS_EQUAL`, or C-level ``map`` calls where torch lacks it). Everything else happens only when
+    something changed: the grad addresses (one table upload; grad layouts are
     re-checked then), a param's storage (a re-plan), or a param's grad appearing for the first time (lazy state
     creation and one upload per state table).
 
@@ -63,6 +74,8 @@ class FusedUnit:
         self._param_ptrs = self.param_addresses = self._addresses(params)
         self.tables.set_role("param", self._param_ptrs)
         self._grad_ptrs: list[int] | None = None
+        self._table = torch.tensor(self._param_ptrs * 2, dtype=torch.int64)
+        """The native check's int64 table: the params' addresses, then the grads' as of `_grad_ptrs`."""
         self.grad_addresses: list[int] = [DEAD] * len(params)
         """The grad table as uploaded: what the kernels read this step (-1 for a grad that is None)."""
         self._copied: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -79,8 +92,12 @@ class FusedUnit:
             self._private_steps = torch.tensor(done, dtype=torch.float32).to(self.device)
         self.uninit = [i for i, p in enumerate(params) if not _has_state(state, p, info, spec)]
         self._every = list(range(len(params)))
-        self._fast = _PTRS_EQUAL is not None and not self.sharded
-        """Whether `prepare` may check addresses with `_PTRS_EQUAL` (not on FSDP2's local shards)."""
+        self._fast = not self.sharded and all(map(_plain, params))
+        """Whether a step may check the addresses in one native call (`kitsune._native`, or torch's `_PTRS_EQUAL`
+        while it builds): plain tensors and Parameters, not FSDP2's DTensors or other subclasses, whose ``grad``
+        and storage a C++ read could not see as Python does."""
+        self.native = True
+        """``FusionConfig.native_checks``: use the native check once it is built."""
         self.slots: Any = None
         """The memory pool's arena slots for this unit's state (and grads), or None: torch's own allocations."""
         self.defaults: dict[str, Any] = {}
@@ -143,9 +160,11 @@ class FusedUnit:
         for can change that (a param that now falls back takes the grads' passes out of the kernels)."""
         if self._intact is not None and self._intact.ok:
             moved = False  # static addresses: the watch holds the params' storages
-        elif self._fast and self._grad_ptrs is not None:  # a step that `_unchanged` would check in C++
+        elif self._fast and self._grad_ptrs is not None and self.native and _native.CHECKS is not None:
+            moved = not _native.CHECKS.unchanged(self.params, self._table, False)  # a step `_unchanged` checks
+        elif self._fast and self._grad_ptrs is not None and _PTRS_EQUAL is not None:
             try:
-                moved = not _PTRS_EQUAL(self.params, self._param_ptrs, self._every)  # type: ignore[misc]
+                moved = not _PTRS_EQUAL(self.params, self._param_ptrs, self._every)
             except (TypeError, RuntimeError, ValueError):
                 moved = True
         else:
@@ -199,9 +218,13 @@ class FusedUnit:
 
     def _unchanged(self) -> bool:
         """The common step: every grad present and where it was last step, every param where it was planned, no
-        copies or lazy state pending. Two C++ calls and one C-level read of the grads; False sends the step
-        through the full check."""
+        copies or lazy state pending. One native call (or, while it builds, two of torch's C++ calls and one C-level
+        read of the grads); False sends the step through the full check."""
         if self._grad_ptrs is None or self._copied or self.uninit or self.unhandled:
+            return False
+        if self.native and _native.CHECKS is not None:
+            return _native.CHECKS.unchanged(self.params, self._table, True)
+        if _PTRS_EQUAL is None:
             return False
         grads = list(map(_GRAD, self.params))
         try:  # a grad that is None (or sparse, or without storage) raises: the full check sorts it out
@@ -241,6 +264,7 @@ class FusedUnit:
             if self.slots is not None and self.slots.grad_arena is not None:
                 grads, ptrs = self._adopt_grads(grads, ptrs)
             self._grad_ptrs = upload = ptrs
+            self._table[len(ptrs) :] = torch.tensor(ptrs, dtype=torch.int64)
             live = [g for g in grads if g is not None and g.layout == torch.strided] if dead else grads
             self._copied = []
             if not all(map(_IS_CONTIGUOUS, live)):

@@ -1,28 +1,50 @@
-"""The per-step address check's fast path (``FusedUnit._unchanged``): torch's C++ ``data_ptr`` comparison.
+"""The per-step address check (``FusedUnit._unchanged``): whether every param and grad sits where the unit's tables
+point, so the step can skip the full check.
 
-CUDA builds of torch have ``torch._C._tensors_data_ptrs_at_indices_equal``; CPU builds do not, so on a CPU the
-tests put a Python stand-in with the same contract in its place (True when every listed tensor sits at its address,
-an error for an entry that is not a tensor). On a GPU they run against torch's own function. Every scenario that
-moves a grad or a param must leave the fast path and give torch's numbers.
+Two implementations answer it: the native one (`kitsune._native`, one C++ call per unit, compiled in the background)
+and, while that builds or where it cannot, torch's C++ ``data_ptr`` comparison (CUDA builds; on a CPU build a Python
+stand-in with its contract). Every scenario runs on both (the ``check_path`` fixture), and every change that moves a
+grad or a param must leave the fast path and give torch's numbers.
 """
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
-from twins import assert_close_params, make_params, ptrs_equal_stand_in, random_grads
+from torch.utils import cpp_extension
+from twins import assert_close_params, make_params, random_grads
 
-from kitsune import KitsuneOptimizer
+from kitsune import KitsuneOptimizer, _native
+from kitsune.config import FusionConfig, KitsuneConfig
 from kitsune.fusion import units
 
 SIZES = [(7, 3), 16, (4, 4), 5, (2, 2, 3)]
 
 
+class _Counting:
+    """The native module, counting the grads' checks it answered 'unchanged'."""
+
+    def __init__(self, real, hits: list[int]) -> None:
+        self.real, self.hits, self.same = real, hits, real.same
+
+    def unchanged(self, params, table, grads: bool) -> bool:
+        same = self.real.unchanged(params, table, grads)
+        if same and grads:
+            self.hits.append(1)
+        return same
+
+
 @pytest.fixture
-def fast_check(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Make sure the fast path exists here; count the steps it answered 'unchanged'."""
-    real = units._PTRS_EQUAL or ptrs_equal_stand_in
+def fast_check(check_path: str, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the steps the fast path answered 'unchanged', on the check ``check_path`` names."""
     hits: list[int] = []
+    if check_path == "native":
+        monkeypatch.setattr(_native, "CHECKS", _Counting(_native.CHECKS, hits))
+        return hits
+    real = units._PTRS_EQUAL
 
     def counting(tensors, ptrs, indices) -> bool:
         same = real(tensors, ptrs, indices)
@@ -50,7 +72,7 @@ def _train(ours, opt, ref, ref_opt, steps: int, in_place: bool) -> None:
         ref_opt.step()
 
 
-def test_steady_grads_take_the_fast_path_and_match_torch(device, fast_check):
+def test_steady_grads_take_the_fast_path_and_match_torch(device, fast_check, check_path):
     """Grads kept in place (zero_grad(set_to_none=False)): after the first step every step is answered by the fast
     check, and 30 steps give torch's trajectory."""
     ours, opt, ref, ref_opt = _twins(device)
@@ -58,6 +80,8 @@ def test_steady_grads_take_the_fast_path_and_match_torch(device, fast_check):
     _train(ours, opt, ref, ref_opt, 30, in_place=True)
     assert len(fast_check) == 29
     assert_close_params(ours, ref, torch.float32)
+    want = "native (one C++ call per unit)" if check_path == "native" else "Python: native check "
+    assert opt._subsystem("fusion").report()["address_checks"].startswith(want)
 
 
 def test_every_change_leaves_the_fast_path(device, fast_check):
@@ -87,17 +111,116 @@ def test_every_change_leaves_the_fast_path(device, fast_check):
     assert 0 < len(fast_check) < 29
 
 
-def test_fast_path_off_for_fsdp_shards_and_without_the_cpp_check(device, monkeypatch):
+def test_a_grad_swapped_for_a_sparse_one_or_a_view_leaves_the_fast_path(device, check_path):
+    """Changes the native check must see one by one: a grad moved to another buffer of the same size (a view into a
+    larger one), a param's storage replaced between steps, a sparse grad (the optimizer's own step takes it)."""
+    ours, opt, ref, ref_opt = _twins(device)
+    _train(ours, opt, ref, ref_opt, 3, in_place=True)
+    unit = opt._subsystem("fusion").units[0]
+    assert unit.still()
+    big = torch.empty(ours[1].numel() + 8, device=device)
+    ours[1].grad = big[8:].view_as(ours[1]).copy_(ours[1].grad)
+    assert not unit.still()
+    _train(ours, opt, ref, ref_opt, 1, in_place=True)  # the full check takes the view's address
+    assert unit.still()
+    ours[2].data = ours[2].data.clone()
+    assert not unit.still()
+    assert_close_params(ours, ref, torch.float32)
+
+
+def test_the_plan_check_sees_a_swapped_param_natively(device, check_path):
+    """The plan's identity check (`PlannedGroups.fits`): a param swapped into a group's list, or the list grown,
+    re-plans on either implementation."""
+    ours, opt, ref, ref_opt = _twins(device)
+    _train(ours, opt, ref, ref_opt, 2, in_place=False)
+    assert opt._plan_fits()
+    group = opt.param_groups[0]["params"]
+    group[0], group[1] = group[1], group[0]
+    assert not opt._plan_fits()
+    group[0], group[1] = group[1], group[0]
+    assert opt._plan_fits()
+    group.append(group[0])
+    assert not opt._plan_fits()
+
+
+def test_fast_path_off_without_any_cpp_check(device, monkeypatch):
+    """No native check and no torch C++ check (a CPU build of torch, a machine without a compiler): every step takes
+    the full check, with torch's numbers, and the report says why."""
+    monkeypatch.setattr(_native, "CHECKS", None)
     monkeypatch.setattr(units, "_PTRS_EQUAL", None)
     ours, opt, ref, ref_opt = _twins(device)
-    assert not any(u._fast for u in opt._subsystem("fusion").units)
+    assert all(u._fast for u in opt._subsystem("fusion").units)
     _train(ours, opt, ref, ref_opt, 5, in_place=False)
+    assert not opt._subsystem("fusion").units[0].still()
     assert_close_params(ours, ref, torch.float32)
+
+
+def test_native_checks_can_be_switched_off(device):
+    config = KitsuneConfig(fusion=FusionConfig(native_checks=False))
+    ours, ref = make_params(SIZES, torch.float32, device), make_params(SIZES, torch.float32, device)
+    opt, ref_opt = KitsuneOptimizer(torch.optim.AdamW(ours), config=config), torch.optim.AdamW(ref)
+    _train(ours, opt, ref, ref_opt, 3, in_place=True)
+    assert opt._subsystem("fusion").units and not any(u.native for u in opt._subsystem("fusion").units)
+    assert opt._subsystem("fusion").report()["address_checks"] == "Python (FusionConfig.native_checks=False)"
+    assert_close_params(ours, ref, torch.float32)
+
+
+def test_the_native_check_builds_here_and_refuses_what_it_cannot_read():
+    """CI has a compiler: the build must succeed there. Its contract: True by address, False (never an error or a
+    crash) for a None or sparse grad, a non-tensor, a table of the wrong size or dtype."""
+    checks = _native.wait(timeout=600)
+    assert checks is not None, _native.reason()
+    ps = [torch.nn.Parameter(torch.randn(4)) for _ in range(3)]
+    for p in ps:
+        p.grad = torch.randn(4)
+    table = torch.tensor([p.data_ptr() for p in ps] + [p.grad.data_ptr() for p in ps], dtype=torch.int64)
+    assert checks.unchanged(ps, table, True)
+    assert not checks.unchanged(ps, table[:5], True)
+    assert not checks.unchanged(ps, table.to(torch.int32), True)
+    ps[1].grad = torch.randn(4).to_sparse()
+    assert not checks.unchanged(ps, table, True) and checks.unchanged(ps, table, False)
+    ps[1].grad = None
+    assert not checks.unchanged(ps, table, True)
+    assert not checks.unchanged([ps[0], "x", ps[2]], table, False)
+    assert checks.same(ps, list(ps)) and not checks.same(ps, ps[::-1]) and not checks.same(ps, ps[:2])
+    assert _native.name().startswith("kitsune_native_" + torch.__version__.replace(".", "_").replace("+", "_"))
+
+
+def test_a_build_killed_midway_blocks_no_later_one(tmp_path, monkeypatch):
+    """Each build runs in a directory of its own and moves its library into place whole: what a process killed
+    mid-build leaves (its directory, torch's lock file in it) is never waited on, and a later process loads the
+    library without compiling. (torch's shared build directory kept such a lock, and every later build waited on it
+    for ever.)"""
+    built = _native.wait(timeout=600)
+    assert built is not None, _native.reason()
+    real = _native.cache_dir() / f"{_native.name()}.so"
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lib = _native.cache_dir() / f"{_native.name()}.so"
+    stale = lib.parent / f"{_native.name()}.build-killed"
+    stale.mkdir(parents=True)
+    (stale / "lock").touch()
+    dirs: list[str] = []
+
+    def load_inline(name, *, build_directory, **kwargs):  # a build that takes no compiler: the library built already
+        dirs.append(build_directory)
+        out = shutil.copy(real, f"{build_directory}/{name}.so")
+        return _native._load(Path(out))
+
+    monkeypatch.setattr(cpp_extension, "load_inline", load_inline)
+    module = _native._compile()
+    assert lib.is_file() and len(dirs) == 1 and dirs[0] != str(stale) and not Path(dirs[0]).exists()
+    assert module.same([real], [real])
+
+    def no_compiler(*args, **kwargs):
+        raise AssertionError("a built library is loaded, not compiled again")
+
+    monkeypatch.setattr(cpp_extension, "load_inline", no_compiler)
+    assert _native._compile().same([lib], [lib])
 
 
 @pytest.mark.cuda
 def test_torch_has_the_cpp_check_on_cuda_and_it_refuses_none():
-    """The contract the fast path relies on, on the torch this GPU runs: present, True/False by address, and an
+    """The contract the fallback relies on, on the torch this GPU runs: present, True/False by address, and an
     error (not a crash) for a None entry."""
     assert units._PTRS_EQUAL is not None
     ts = [torch.randn(4, device="cuda") for _ in range(3)]
@@ -106,3 +229,16 @@ def test_torch_has_the_cpp_check_on_cuda_and_it_refuses_none():
     assert not units._PTRS_EQUAL(ts, [*ptrs[:2], ptrs[2] + 4], [0, 1, 2])
     with pytest.raises((TypeError, RuntimeError, ValueError)):
         units._PTRS_EQUAL([ts[0], None, ts[2]], ptrs, [0, 1, 2])
+
+
+@pytest.mark.cuda
+def test_the_native_check_reads_cuda_tensors():
+    checks = _native.wait(timeout=600)
+    assert checks is not None, _native.reason()
+    ps = [torch.nn.Parameter(torch.randn(4, device="cuda")) for _ in range(3)]
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    table = torch.tensor([p.data_ptr() for p in ps] + [p.grad.data_ptr() for p in ps], dtype=torch.int64)
+    assert checks.unchanged(ps, table, True)
+    ps[2].grad = torch.randn_like(ps[2])
+    assert not checks.unchanged(ps, table, True)

@@ -14,6 +14,9 @@ from twins import make_params, ptrs_equal_stand_in, random_grads
 
 from kitsune import KitsuneOptimizer
 
+# every structural change must be seen by either per-step address check (tests/conftest.py, check_path)
+pytestmark = pytest.mark.usefixtures("check_path")
+
 SIZES = [(7, 3), 16, 5]
 
 

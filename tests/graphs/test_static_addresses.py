@@ -17,7 +17,7 @@ from twins import (
     structural_change,
 )
 
-from kitsune import GradConfig, GraphConfig, KitsuneConfig, KitsuneOptimizer, MemoryConfig
+from kitsune import GradConfig, GraphConfig, KitsuneConfig, KitsuneOptimizer, MemoryConfig, _native
 from kitsune.fusion import units
 
 SIZES = [(7, 3), 16, (4, 5), 9]
@@ -25,7 +25,8 @@ SIZES = [(7, 3), 16, (4, 5), 9]
 
 @pytest.fixture
 def checks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts the per-step C++ address checks (through torch's own function on CUDA builds, the stand-in on CPU)."""
+    """Counts the per-step C++ address checks: the native one's, and torch's own function's (the stand-in on CPU)
+    that units use while the native one builds."""
     calls: list[int] = []
     inner = units._PTRS_EQUAL or ptrs_equal_stand_in
 
@@ -33,7 +34,18 @@ def checks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         calls.append(len(indices))
         return inner(tensors, ptrs, indices)
 
+    class Native:
+        same = _native.CHECKS.same if _native.CHECKS is not None else None
+
+        @staticmethod
+        def unchanged(params, table, grads):
+            calls.append(len(params))
+            return _native_module.unchanged(params, table, grads)
+
+    _native_module = _native.CHECKS
     monkeypatch.setattr(units, "_PTRS_EQUAL", counted)
+    if _native_module is not None:
+        monkeypatch.setattr(_native, "CHECKS", Native)
     return calls
 
 

@@ -21,6 +21,9 @@ from twins import (
 from kitsune import FusionConfig, GraphConfig, KitsuneConfig, KitsuneOptimizer
 from kitsune.fusion import units
 
+# every structural change must be seen by either per-step address check (tests/conftest.py, check_path)
+pytestmark = pytest.mark.usefixtures("check_path")
+
 SIZES = [(7, 3), 16, (4, 5), 9]
 
 

@@ -235,7 +235,8 @@ def test_html_renders_in_headless_chromium(gpu_profile, tmp_path):
     def launch(*args: str) -> subprocess.Popen:
         return launch_chromium(page.as_uri(), tmp_path / f"chromium-{len(args)}", *args)  # a fresh user-data-dir
 
-    shot = launch(f"--screenshot={png}", "--window-size=1200,1800", "--hide-scrollbars")
+    # tall enough that the plots stay in the shot when the config table above them grows
+    shot = launch(f"--screenshot={png}", "--window-size=1200,2400", "--hide-scrollbars")
     dom = launch("--dump-dom")
     dom_html, _ = dom.communicate(timeout=60)
     shot.communicate(timeout=60)
@@ -247,7 +248,7 @@ def test_html_renders_in_headless_chromium(gpu_profile, tmp_path):
     assert dom_html.count("<polyline") == 5
 
     rgb = png_rgb(png)
-    assert rgb.shape == (1800, 1200, 3)
+    assert rgb.shape == (2400, 1200, 3)
     non_white = (rgb < 235).any(axis=-1).mean()
     colours = distinct_colours(rgb)
     assert non_white > 0.03, f"screenshot is almost blank ({non_white:.3%} non-white pixels)"
