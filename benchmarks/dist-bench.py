@@ -7,11 +7,12 @@ Two measurements, each on kitsune's parameter sets (``--sets``, default GPT-2 12
 
 * optimizer phase: fused AdamW (with ``max_grad_norm=1``) on params whose grads are filled in place, so every
   collective runs in ``step()``: ``one_gpu`` is rank 0 alone over the whole set; ``same_shard`` each rank alone over
-  the params it owns under sharding (the update a sharded step runs); ``ddp`` an all-reduce of the grads then the
+  plain tensors shaped as what it updates under ZeRO-2 (its whole params and its pieces of the split ones: the update
+  a sharded step runs); ``ddp`` an all-reduce of the grads then the
   whole fused step (what a DDP model's optimizer does); ``zero1``/``zero2`` the sharded step (reduction, update,
   all-gather). Per rank: median ms per step, peak memory, optimizer state bytes.
 * training step (``--train``): an MLP stack of the set's hidden size trained with forward, backward and step, DDP
-  against ZeRO stages 1 and 2 (reductions overlapping backward).
+  against ZeRO stages 1 and 2 (reductions overlapping backward), each run's final params compared with DDP's.
 
 Rank 0 writes every rank's numbers as JSON to ``--out``.
 """
@@ -31,8 +32,8 @@ import torch
 import torch.distributed as dist
 
 from kitsune import KitsuneOptimizer
-from kitsune.bench.params import get_param_set, make_params
-from kitsune.distributed.zero import state_numel
+from kitsune.bench.params import ParamSet, get_param_set, make_params
+from kitsune.distributed import state_numel
 
 
 def timed(fn: Callable[[], None], steps: int, warmup: int, device: torch.device) -> float:
@@ -90,12 +91,16 @@ def optimizer_phase(name: str, args: argparse.Namespace, device: torch.device) -
         params = make_params(pset, device)
         opt = adamw(params, device, zero_stage=stage)
         run(label, params, opt, lambda: None)
-        if stage == 2:  # the same update alone, on this rank's own params: the target is within 1.1x of it
+        if stage == 2:  # the same update alone, on plain tensors of what this rank updates (whole params, pieces)
             shard = next(s for s in opt.subsystems if s.name == "shard")
-            mine = [p for p in params if p not in shard.remote]
-            out[label]["elements_owned"] = sum(p.numel() for p in mine)
+            shapes = tuple(
+                (f"t{i}", tuple(t.shape)) for i, t in enumerate(t for b in shard.buckets for t in b.targets.values())
+            )
+            out[label]["elements_owned"] = shard.report()["elements_owned"]
+            out[label]["report"] = shard.report()
             del opt
             reset_memory(device)
+            mine = make_params(ParamSet("same_shard", "this rank's share", shapes, 0), device)
             run("same_shard", mine, adamw(mine, device), lambda: None)
         del params
 
@@ -176,10 +181,16 @@ def training_step(name: str, args: argparse.Namespace, device: torch.device) -> 
 
         ms = timed(step, args.steps, args.warmup, device)
         out[label] = {"ms": ms, "peak_bytes": peak_memory(device), "state_numel": state_numel(opt)}
+        # every run starts from the same weights and takes the same steps on the same batches: the params must agree
+        final = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+        if stage == 0:
+            ddp_params = final
+        else:
+            out[label]["max_abs_diff_vs_ddp"] = float((final - ddp_params).abs().max())
         shard = next(s for s in opt.subsystems if s.name == "shard")
         if shard.active:
             out[label]["report"] = shard.report()
-        del net, opt
+        del net, opt, final
     return out
 
 

@@ -4,6 +4,6 @@ FSDP2/DTensor params (`kitsune.distributed.fsdp`) and distributed Muon (`kitsune
 Everything here runs on torch.distributed's own collectives (NCCL on GPUs, gloo on CPUs).
 """
 
-from kitsune.distributed.zero import consolidated_state_dict
+from kitsune.distributed.shard_state import consolidated_state_dict, state_numel
 
-__all__ = ["consolidated_state_dict"]
+__all__ = ["consolidated_state_dict", "state_numel"]

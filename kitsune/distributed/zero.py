@@ -1,45 +1,68 @@
 """Sharded optimizer state for a replicated model: ZeRO stages 1 and 2 on torch.distributed's collectives.
 
-Every rank holds the whole model, not wrapped in DDP: this subsystem averages the grads itself. Each trainable
-param is owned by exactly one rank, which alone keeps its optimizer state and updates it; the other ranks receive
-the new values. The partition is by whole params, so
+Every rank holds the whole model, not wrapped in DDP: this subsystem averages the grads itself. The trainable params
+are cut into buckets (below); a bucket is one flat buffer of ``world`` equal segments, and rank r keeps the optimizer
+state of the elements in segment r, updates them, and hands them to the other ranks. The partition is by elements,
+so each rank holds ``1/world`` of the state to within a few 128-byte slots per bucket, however large the largest
+param (GPT-2's embedding is 31% of the model); a param may span two or more segments.
 
-* every optimizer works unchanged: per-param math (LAMB's trust ratio, Muon's orthogonalisation) sees whole
-  tensors, and ZeRO with ``kitsune.optim.Muon`` is distributed Muon with sharded momentum;
-* a rank's update goes through the normal step: the fused kernels on GPU, the wrapped optimizer's own step where
-  they do not run; the params other ranks own have no grad during the step, so nothing updates them or creates
-  their state;
-* each rank's ``state_dict()`` is torch's layout holding the state of its own params, and the consolidated state
-  dict ([`consolidated_state_dict`][kitsune.distributed.consolidated_state_dict]) is the union of the ranks' states: it
-  loads into the plain torch optimizer.
+A rank's share goes through the normal step:
 
-Buckets. Trainable params are cut, in reverse registration order (the order backward finishes grads), into
-buckets of one (device, dtype) and about ``bucket_bytes``. Within a bucket the params are dealt to the ranks
-largest first, each to the rank with the fewest elements in this bucket (ties: the fewest overall), which balances
-both each bucket and the whole model by numel. A bucket is one flat buffer of ``world`` equal segments; segment r
-holds rank r's params back to back (slots aligned to 128 bytes, segments padded to the longest)::
+* a param that lies wholly in this rank's segment is updated as itself;
+* a param this rank holds part of is replaced, in the wrapped optimizer's param groups, by a *shard param*: a 1-D
+  ``nn.Parameter`` viewing this rank's elements of the model param (the same memory: the update writes the model
+  param in place) whose grad is the matching slice of the reduced grads. The fused kernels, or the wrapped
+  optimizer's own step, update it as any param, and its state is created at its size;
+* a param with none of its elements here stays in the groups with no grad during the step, so nothing updates it
+  or creates its state.
+
+Math that needs the whole tensor (LAMB's and LARS's trust ratios, Muon's orthogonalisation, an optimizer kitsune
+does not know to be elementwise) cannot be cut by elements: `whole_reason`, the one place that decides, keeps those
+params whole, as it does a non-contiguous param. They go into buckets of their own, whose params are dealt whole to
+the ranks: largest first, each to the rank with the fewest elements in the bucket (ties: the fewest overall), each
+segment padded to the longest. The report counts them under ``whole_params``, by reason. ZeRO over
+``kitsune.optim.Muon`` is distributed Muon with sharded momentum: each rank orthogonalises the matrices it owns,
+and the ``use_muon=False`` (AdamW) groups are cut by elements.
+
+Buckets. Trainable params are cut, in reverse registration order (the order backward finishes grads), into buckets
+of one (device, dtype, whole or not) and about ``bucket_bytes``. Every param's slot and every segment start on a
+128-byte boundary (vectorised loads in the fused kernels), so shard params are aligned as well::
 
     stage 1: grads -> flat, / world, all_reduce       every param's grad becomes a view of the flat buffer
-             (one all_reduce per segment, of its params, not its padding)
-    stage 2: grads -> flat, / world, reduce_scatter   this rank's segment: its own params' grads (a flat shard);
+             (the elements that hold params: not the padding of short segments)
+    stage 2: grads -> flat, / world, reduce_scatter   this rank's segment of the reduced grads (a flat shard);
                                                       every local grad is freed as soon as it is in the bucket
-    after the update: own params -> own segment, all_gather -> copied into the params of the other ranks
+    step():  the grads of what this rank updates point into the flat buffer (stage 1) or the shard (stage 2),
+             every other grad is None
+    after the update: this rank's elements -> its segment, all_gather -> copied into the others' elements
+
+Grads that are None. A param with no grad on a rank counts as zeros in the average (as DDP's
+``find_unused_parameters`` does). It is updated where any rank had a grad for it, and skipped, as torch skips it,
+where none had: one small all-reduce per backward counts the ranks with a grad for each param, read back to the
+host (a sync) only on a rank that had no grad for a param it updates.
 
 Overlap. A post-accumulate-grad hook counts each bucket's grads; when a bucket is complete (and every bucket
 before it has started: all ranks must issue collectives in one order) its collective starts asynchronously while
 backward goes on. A callback at the end of backward starts the rest and waits for all of them, so after
-``loss.backward()`` stage 1's grads are averaged, as DDP's are; stage 2's are None until ``step()`` points the
-owned params' grads at the shard. With ``overlap=False``, or for backward passes inside
-``optimizer.accumulating()``, the grads are reduced at the start of ``step()`` instead.
+``loss.backward()`` stage 1's grads are averaged, as DDP's are; stage 2's are None until ``step()`` points them at
+the shard. With ``overlap=False``, or for backward passes inside ``optimizer.accumulating()``, the grads are
+reduced at the start of ``step()`` instead.
 
-The global grad norm (``max_grad_norm``) and AMP's inf/nan flag are computed over this rank's grads and combined
-with one on-device all-reduce (``StepState.reduce``), so no rank reads a value back to the host.
+The global grad norm (``max_grad_norm``) and AMP's inf/nan flag are computed over this rank's grads (its elements,
+each counted once) and combined with one on-device all-reduce (``StepState.reduce``), so no rank reads a value back
+to the host.
+
+Checkpoints. A rank's ``state_dict()`` is torch's layout holding this rank's state (a shard param's state tensors
+are its flat pieces); its ``"kitsune"`` entry records this rank's element range of every param, and it loads back
+into the same rank of the same layout only. [`consolidated_state_dict`][kitsune.distributed.consolidated_state_dict]
+joins the pieces into whole-param tensors: torch's layout, which the plain torch optimizer loads, and so does a
+sharded run on any number of ranks (each rank keeps its own elements, `ShardSubsystem.filter_load`).
 """
 
 from __future__ import annotations
 
 import weakref
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -48,88 +71,15 @@ import torch.distributed as dist
 
 from kitsune.config import ShardConfig
 from kitsune.distributed import fsdp
+from kitsune.distributed.layout import NOT_CONTIGUOUS, Bucket, partition, whole_reason
+from kitsune.distributed.shard_state import check_sizes, join_pieces, placed, slice_state, to_cpu
 from kitsune.subsystem import Accumulation, StepState, Subsystem
 
-ALIGN_BYTES = 128
-"""Every param's slot in a bucket starts on a 128-byte boundary (vectorised loads in the fused kernels)."""
 GATHERS_IN_FLIGHT = 2
 """Param all-gathers running at once after the update: each holds a bucket-sized buffer."""
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor", None)
 _all_gather = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
-
-
-class Bucket:
-    """One bucket's layout (which params, which rank owns each, where each sits in its segment) and its buffers."""
-
-    def __init__(self, params: list[torch.Tensor], owners: list[int], offsets: list[int], seg: int, rank: int):
-        self.params, self.owners, self.offsets, self.seg = params, owners, offsets, seg
-        self.rank = rank
-        self.device, self.dtype = params[0].device, params[0].dtype
-        self.mine = [i for i, o in enumerate(owners) if o == rank]
-        self.theirs = [i for i, o in enumerate(owners) if o != rank]
-        self.used = [0] * (max(owners) + 1)
-        """Per rank, the elements of its segment that hold params (the rest pads it to ``seg``)."""
-        for i, (o, off) in enumerate(zip(owners, offsets, strict=True)):
-            self.used[o] = max(self.used[o], off + params[i].numel())
-        self.flat: torch.Tensor | None = None
-        """Stage 1: the grads of every param in the bucket, ``world * seg`` elements, kept between steps."""
-        self.shard: torch.Tensor | None = None
-        """Stage 2: this rank's segment of the reduced grads, ``seg`` elements, kept between steps."""
-        self.pending: list[tuple[Any, torch.Tensor | None, torch.Tensor | None]] = []
-        self.ready = 0
-        self.reduced = False
-        """Reduced since the last step (stage 2 then adds a further reduction instead of overwriting it)."""
-
-    def view(self, buf: torch.Tensor, i: int, base: int | None = None) -> torch.Tensor:
-        """Param ``i``'s slot in ``buf``: a whole bucket (``base=None``: its owner's segment) or one segment."""
-        p = self.params[i]
-        start = (self.owners[i] * self.seg if base is None else base) + self.offsets[i]
-        return buf[start : start + p.numel()].view(p.shape)
-
-
-def partition(
-    params: list[torch.Tensor], world: int, bucket_bytes: int
-) -> list[tuple[list[int], list[int], list[int], int]]:
-    """Cut ``params`` (in the order given) into buckets and deal each bucket's params to ``world`` ranks.
-
-    Returns ``(indices, owners, offsets, seg)`` per bucket: positions in ``params``, the owning rank and the offset
-    in its segment of each, and the segment length in elements. Depends only on shapes, dtypes and devices, so
-    every rank computes the same partition.
-    """
-    open_: dict[tuple, list[int]] = {}
-    filled: dict[tuple, int] = defaultdict(int)
-    cut: list[list[int]] = []
-    for i, p in enumerate(params):
-        key = (p.device, p.dtype)
-        if key not in open_:
-            open_[key] = []
-            cut.append(open_[key])
-        open_[key].append(i)
-        filled[key] += p.numel() * p.element_size()
-        if filled[key] >= bucket_bytes:
-            del open_[key]
-            filled[key] = 0
-    total = [0] * world
-    out = []
-    for indices in cut:
-        p0 = params[indices[0]]
-        align = max(1, ALIGN_BYTES // p0.element_size())
-        load = [0] * world
-        owner: dict[int, int] = {}
-        for i in sorted(indices, key=lambda i: -params[i].numel()):
-            r = min(range(world), key=lambda r: (load[r], total[r], r))
-            owner[i] = r
-            n = params[i].numel()
-            load[r] += -(-max(n, 1) // align) * align
-            total[r] += n
-        fill = [0] * world
-        offsets = []
-        for i in indices:
-            offsets.append(fill[owner[i]])
-            fill[owner[i]] += -(-max(params[i].numel(), 1) // align) * align
-        out.append((indices, [owner[i] for i in indices], offsets, max(fill)))
-    return out
 
 
 class ShardSubsystem(Subsystem):
@@ -143,18 +93,33 @@ class ShardSubsystem(Subsystem):
         self._accumulating = accumulation if accumulation is not None else Accumulation()
         """Set inside ``optimizer.accumulating()``: backward passes there leave their grads unreduced."""
         self.remote: frozenset[torch.Tensor] = frozenset()
-        """Params other ranks own and update (the fusion planner leaves them out; the all-gather writes them)."""
+        """Params in the groups none of whose elements this rank updates (the fusion planner leaves them out; the
+        all-gather writes them)."""
         self.executes = False
         """Whether it changes params in the step (the all-gather): the orchestrator then runs closures first."""
         self.group: Any = None
         self.world = 1
         self.rank = 0
         self.buckets: list[Bucket] = []
+        self._base: torch.optim.Optimizer | None = None
+        self._params: list[torch.Tensor] = []
+        """The model's params, in the groups' order: position k is torch's state dict index k."""
+        self._ranges: list[tuple[int, int]] = []
+        """This rank's elements ``[lo, hi)`` of each of ``_params`` (a frozen param: all of them)."""
+        self._model_of: dict[int, torch.Tensor] = {}
+        """id(shard param) -> the model param it views."""
+        self._shards: list[tuple[torch.Tensor, torch.Tensor, int, int, int]] = []
+        """(model param, shard param, lo, hi, the model param's data_ptr when viewed): followed when it moves."""
         self._mine: list[torch.Tensor] = []
-        self._owners: list[int] = []
+        self._reasons: tuple[str | None, ...] = ()
+        self._whole: Counter[str] = Counter()
         self._key: tuple | None = None
         self._hooks: list[Any] = []
         self._broadcast = False
+        self._counts: torch.Tensor | None = None
+        """Per param (bucket order), the ranks that had a grad for it in the last reduction."""
+        self._counts_work: Any = None
+        self._ones: torch.Tensor | None = None
         self._next = 0
         self._queued = False
         self._reduced = False
@@ -164,9 +129,15 @@ class ShardSubsystem(Subsystem):
         self._last = {"buckets_reduced_in_backward": 0, "buckets_reduced_in_step": 0}
         self.deactivate("zero_stage=0")
 
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """The model's params in the groups' order, as planned: position k is torch's state dict index k."""
+        return self._params
+
     # -- planning ------------------------------------------------------------------------------------------------
     def plan(self, groups: list[dict[str, Any]], base: torch.optim.Optimizer, norm_type: float) -> None:
-        """Partition the trainable params of ``groups`` (the wrapped optimizer ``base``'s) over the ranks."""
+        """Partition the trainable params of ``groups`` (the wrapped optimizer ``base``'s) over the ranks, and put
+        the shard params in the groups in place of the params this rank updates part of."""
         cfg = self.config
         if not cfg.stage:
             self._drop("zero_stage=0")  # as the other switches read: enable_amp=False, profile=False
@@ -187,7 +158,7 @@ class ShardSubsystem(Subsystem):
         if self.world == 1:
             self._drop("world size 1: one rank holds all of the state, nothing to shard")
             return
-        params = [p for g in groups for p in g["params"]]
+        params = [self._model_of.get(id(p), p) for g in groups for p in g["params"]]
         signature = [(tuple(p.shape), str(p.dtype), p.device.type, p.requires_grad) for p in params]
         everyone: list[Any] = [None] * self.world
         dist.all_gather_object(everyone, signature, group=self.group)
@@ -199,42 +170,160 @@ class ShardSubsystem(Subsystem):
             )
         trainable = [p for p in params if p.requires_grad]
         if not trainable:
-            self._drop("no param requires grad: nothing to update")
+            self._drop("no param requires grad: nothing to update", base)
             return
         self._norm_type = norm_type
         self._device = trainable[0].device
-        key = (self.world, self.rank, cfg.bucket_bytes, tuple(map(id, params)), tuple(signature))
+        reasons = tuple(whole_reason(base, g) for g in groups)
+        key = (self.world, self.rank, cfg.bucket_bytes, tuple(map(id, params)), tuple(signature), reasons)
         if key != self._key:  # a re-plan that changed nothing keeps the buffers (and grads already reduced)
-            self._key = key
-            order = trainable[::-1]  # backward finishes the last layers' grads first
-            self.buckets = [
-                Bucket([order[i] for i in indices], owners, offsets, seg, self.rank)
-                for indices, owners, offsets, seg in partition(order, self.world, cfg.bucket_bytes)
-            ]
-            owner_of = {id(p): o for b in self.buckets for p, o in zip(b.params, b.owners, strict=True)}
-            self._owners = [owner_of.get(id(p), -1) for p in params]  # -1: frozen, every rank keeps its own
-            self._mine = [b.params[i] for b in self.buckets for i in b.mine]
-            self.remote = frozenset(b.params[i] for b in self.buckets for i in b.theirs)
-            self._reduced = False
+            whole_of: dict[int, str] = {}
+            for g, why in zip(groups, reasons, strict=True):
+                for p in g["params"]:
+                    p = self._model_of.get(id(p), p)
+                    if why or not p.is_contiguous():
+                        whole_of[id(p)] = why or NOT_CONTIGUOUS
+            self._repartition(base, params, trainable[::-1], whole_of)  # backward finishes the last layers first
+            self._key, self._reasons = key, reasons
+        self._base = base
         if not self._broadcast:  # every replica starts from rank 0's params, as DDP makes them
             self._broadcast_params(params)
             self._broadcast = True
-        self._hook_params(trainable if cfg.overlap else [])
+        self._hook_params(trainable)
         self.executes = True
         self.activate()
 
-    def _drop(self, reason: str) -> None:
+    def _repartition(
+        self,
+        base: torch.optim.Optimizer,
+        params: list[torch.Tensor],
+        order: list[torch.Tensor],
+        whole_of: dict[int, str],
+    ) -> None:
+        """Lay ``order`` out anew and move the state there: taken from the groups as torch keeps it on the first
+        plan, gathered from every rank's pieces (a collective) when a layout existed already."""
+        full = self._state_by_index(base, params, gather=self._key is not None)
+        self._restore_grads()
+        self._swap(base, self._model_of)  # the model params back in the groups, then the new shard params
+        layouts = partition(order, self.world, self.config.bucket_bytes, [id(p) in whole_of for p in order])
+        self.buckets = [Bucket([order[i] for i in L.indices], L, self.rank, self.world) for L in layouts]
+        self._model_of, self._shards, self._mine = {}, [], []
+        range_of: dict[int, tuple[int, int]] = {}
+        remote = []
+        for b in self.buckets:
+            for k, p in enumerate(b.params):
+                range_of[id(p)] = lo, hi = b.ranges[k]
+                if not b.layout.updates(k, self.rank):
+                    remote.append(p)
+                elif lo == 0 and hi == p.numel():
+                    b.targets[k] = p
+                else:  # a view of this rank's elements: the update writes the model param
+                    shard = torch.nn.Parameter(p.detach().view(-1)[lo:hi], requires_grad=True)
+                    b.targets[k] = shard
+                    self._model_of[id(shard)] = p
+                    self._shards.append((p, shard, lo, hi, p.data_ptr()))
+            self._mine += b.targets.values()
+        self._params = params
+        self._ranges = [range_of.get(id(p), (0, p.numel())) for p in params]
+        self.remote = frozenset(remote)
+        self._whole = Counter(whole_of[id(p)] for p in order if id(p) in whole_of)
+        self._swap(base, {id(p): s for s in self._mine if (p := self._model_of.get(id(s))) is not None})
+        self._place(base, full)
+        self._reduced = False
+        self._counts = self._ones = None
+
+    @torch.no_grad()
+    def _restore_grads(self) -> None:
+        """A re-partition between backward and step (``add_param_group``, a group's params changed): the grads the
+        old layout reduced go back into the params, every rank holding the average of each param any rank had a grad
+        for (stage 2 kept only this rank's segment: one all-gather per bucket), so the new layout reduces them again
+        to the same average. A collective, run by every rank's re-plan alike."""
+        if not any(b.reduced or b.pending for b in self.buckets):
+            return
+        self._wait()
+        present = self._presence(every=True)
+        at = 0
+        for b in self.buckets:
+            full = b.flat
+            if self.config.stage == 2:
+                full = torch.empty(self.world * b.seg, dtype=b.dtype, device=b.device)
+                _all_gather(full, b.shard, group=self.group)
+            for k, p in enumerate(b.params):
+                if present[at + k]:
+                    p.grad = b.view(full, k)
+            at += len(b.params)
+
+    def _state_by_index(
+        self, base: torch.optim.Optimizer, params: list[torch.Tensor], gather: bool
+    ) -> dict[int, dict[str, Any]]:
+        """The state of every trainable param as whole tensors, by index in ``params``, taken out of ``base.state``
+        (frozen params keep theirs). ``gather``: from every rank's pieces under the current layout (a collective);
+        else each rank's own state, which must be whole (torch's, loaded before the first plan)."""
+        index = {id(p): i for i, p in enumerate(params)}
+        if not gather:
+            out = {}
+            for i, p in enumerate(params):
+                if p.requires_grad and base.state.get(p):
+                    check_sizes(base.state[p], i, p.numel(), p)
+                    out[i] = base.state[p]
+            for i in out:
+                del base.state[params[i]]
+            return out
+        local = {}
+        for b in self.buckets:
+            for k, t in b.targets.items():
+                p = b.params[k]
+                if id(p) in index and base.state.get(t):
+                    local[index[id(p)]] = (*b.ranges[k], to_cpu(base.state[t]))
+        parts: list[Any] = [None] * self.world
+        dist.all_gather_object(parts, local, group=self.group)
+        full = join_pieces(parts, params)
+        for b in self.buckets:
+            for t in b.targets.values():
+                base.state.pop(t, None)
+        return full
+
+    def _place(self, base: torch.optim.Optimizer, full: dict[int, dict[str, Any]]) -> None:
+        """Give what this rank updates its part of ``full`` (whole states by index), as torch's load_state_dict
+        places state: floating tensors in the param's dtype and device, ``step`` where the group keeps it."""
+        target_of = {id(self._model_of.get(id(t), t)): t for t in self._mine}
+        group_of = {id(p): g for g in base.param_groups for p in g["params"]}
+        for i, st in full.items():
+            t = target_of.get(id(self._params[i]))
+            if t is None:
+                continue  # another rank's
+            lo, hi = self._ranges[i]
+            piece = slice_state(st, lo, hi) if t is not self._params[i] else st
+            base.state[t] = {name: placed(v, name, t, group_of[id(t)]) for name, v in piece.items()}
+
+    @staticmethod
+    def _swap(base: torch.optim.Optimizer, mapping: dict[int, torch.Tensor]) -> None:
+        for g in base.param_groups:
+            ps = g["params"]
+            for j, p in enumerate(ps):
+                q = mapping.get(id(p))
+                if q is not None:
+                    ps[j] = q
+
+    def _drop(self, reason: str, base: torch.optim.Optimizer | None = None) -> None:
         self._unhook()
-        self.remote, self.buckets, self._mine, self._owners, self._key = frozenset(), [], [], [], None
+        if base is not None and self._key is not None:  # every param whole again, on every rank
+            full = self._state_by_index(base, self._params, gather=True)
+            self._swap(base, dict(self._model_of))
+            self._mine, self._model_of = list(self._params), {}
+            self._ranges = [(0, p.numel()) for p in self._params]
+            self._place(base, full)
+        self.remote, self.buckets, self._mine, self._shards, self._key = frozenset(), [], [], [], None
+        self._model_of = {}
         self.executes = False
         self.deactivate(reason)
 
     def _hook_params(self, params: list[torch.Tensor]) -> None:
         self._unhook()
-        index = {id(p): bi for bi, b in enumerate(self.buckets) for p in b.params}
+        index = {id(p): (bi, k) for bi, b in enumerate(self.buckets) for k, p in enumerate(b.params)}
         ref = weakref.ref(self)  # the params must not keep a dropped optimizer alive
         for p in params:
-            self._hooks.append(p.register_post_accumulate_grad_hook(_ready_hook(ref, index[id(p)])))
+            self._hooks.append(p.register_post_accumulate_grad_hook(_ready_hook(ref, *index[id(p)])))
         weakref.finalize(self, _remove, self._hooks)
 
     def _unhook(self) -> None:
@@ -257,9 +346,11 @@ class ShardSubsystem(Subsystem):
             )
 
     # -- inside backward -------------------------------------------------------------------------------------------
-    def grad_ready(self, bi: int) -> None:
-        """A grad of bucket ``bi`` is complete (its post-accumulate-grad hook): start the buckets that are ready."""
-        if self._accumulating:
+    def grad_ready(self, bi: int, k: int) -> None:
+        """Param ``k`` of bucket ``bi`` has its grad of this backward (its post-accumulate-grad hook): note it, and
+        with ``overlap`` start the buckets that are complete."""
+        self.buckets[bi].present[k] = True
+        if self._accumulating or not self.config.overlap:
             return
         if not self._queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
@@ -278,47 +369,65 @@ class ShardSubsystem(Subsystem):
         self._next, self._queued = 0, False
         for b in self.buckets:
             b.ready = 0
+        self._count_grads()
         self._wait()
 
     @torch.no_grad()
     def _launch(self, b: Bucket) -> None:
         """Copy the bucket's grads into its flat buffer, divide by the world size and start the reduction."""
-        world = self.world
-        if self.config.stage == 1:
+        world, stage1 = self.world, self.config.stage == 1
+        if stage1:
             if b.pending:  # reduced once already and not waited for: the newer grads include the older ones
                 self._wait()
             if b.flat is None:
                 b.flat = torch.zeros(world * b.seg, dtype=b.dtype, device=b.device)
+                b.bind(b.flat)
             flat = b.flat
         else:
             flat = torch.zeros(world * b.seg, dtype=b.dtype, device=b.device)
         dst, src, empty = [], [], []
-        for i, p in enumerate(b.params):
-            v, g = b.view(flat, i), p.grad
-            if g is None:
-                empty.append(v)  # no grad here: counts as zeros in the average
-            elif g.data_ptr() != v.data_ptr():
+        for k, p in enumerate(b.params):
+            v, g = b.views[k] if stage1 else b.view(flat, k), p.grad
+            if g is not None and not b.present[k] and g is not (v if stage1 else b.grads.get(k)):
+                b.present[k] = True  # a grad set by hand (a backward's grads are noted by their hooks)
+            if g is None or not b.present[k]:  # no grad here since the last step: zeros in the average
+                empty.append(v)
+                continue
+            if g.data_ptr() != v.data_ptr():
                 dst.append(v)
                 src.append(g)
         if src:
             torch._foreach_copy_(dst, src)
-        if empty and self.config.stage == 1:
+        if empty and stage1:
             torch._foreach_zero_(empty)
         flat.div_(world)
-        if self.config.stage == 1:  # each segment's params only: a bucket of one large param is mostly padding
-            for r, used in enumerate(b.used):
-                if used:
-                    work = dist.all_reduce(flat[r * b.seg : r * b.seg + used], group=self.group, async_op=True)
-                    b.pending.append((work, None, None))
+        if stage1:  # the elements that hold params only: a bucket of whole params pads its short segments
+            for lo, hi in b.spans:
+                work = dist.all_reduce(flat[lo:hi], group=self.group, async_op=True)
+                b.pending.append((work, None, None))
             return
         for p in b.params:  # stage 2: the grads are in the bucket now; each rank keeps only its own, reduced
             p.grad = None
         first = not b.reduced and not b.pending
         if first and b.shard is None:
             b.shard = torch.empty(b.seg, dtype=b.dtype, device=b.device)
+            b.bind(b.shard, self.rank * b.seg)
         out = b.shard if first else torch.empty(b.seg, dtype=b.dtype, device=b.device)
         work = _reduce_scatter(out, flat, group=self.group, async_op=True)
         b.pending.append((work, flat, None if first else out))
+
+    def _count_grads(self) -> None:
+        """Start the all-reduce that counts, for every param, the ranks that had a grad for it (int32, in bucket
+        order): a param no rank had a grad for is skipped, as torch skips it."""
+        local = [x for b in self.buckets for x in b.present]
+        if all(local):  # the common step: a copy on the device, no host-to-device transfer
+            if self._ones is None or len(self._ones) != len(local):
+                self._ones = torch.ones(len(local), dtype=torch.int32, device=self._device)
+            counts = self._ones.clone()
+        else:
+            counts = torch.tensor(local, dtype=torch.int32, device=self._device)
+        self._counts = counts
+        self._counts_work = dist.all_reduce(counts, group=self.group, async_op=True)
 
     @torch.no_grad()
     def _wait(self) -> None:
@@ -332,44 +441,86 @@ class ShardSubsystem(Subsystem):
                 continue
             b.pending = []
             b.reduced = True
-            if self.config.stage == 1:  # every grad a view of the averaged bucket, as DDP's bucket views
-                for i, p in enumerate(b.params):
-                    v = b.view(b.flat, i)
-                    if p.grad is None or p.grad.data_ptr() != v.data_ptr():
-                        p.grad = v
+            if self.config.stage == 1:  # the grads a backward made here: views of the averaged bucket, as DDP's
+                for k, p in enumerate(b.params):
+                    if b.present[k] and p.grad is not b.views[k]:
+                        p.grad = b.views[k]
+        if self._counts_work is not None:
+            self._counts_work.wait()
+            self._counts_work = None
         self._reduced = True
 
-    @staticmethod
-    def _drain(b: Bucket) -> None:
+    def _drain(self, b: Bucket) -> None:
         for work, _, _ in b.pending:
             work.wait()
         b.pending = []
+        if self._counts_work is not None:
+            self._counts_work.wait()
+            self._counts_work = None
 
     # -- the step --------------------------------------------------------------------------------------------------
     def begin(self, s: StepState) -> None:
         """The step's first stage: every grad reduced across the ranks (those a backward did not reduce yet), the
-        owned params' grads pointing at this rank's share, the others' None; ``s.reduce`` combines norms and flags."""
+        grads of what this rank updates pointing at its share, the others None; ``s.reduce`` combines norms and
+        flags. Raises before anything changes when a group's partition no longer holds."""
         self._accumulating.refuse_step()
+        self._check_groups()
+        self._follow_storage()
         if not self._reduced:  # no backward reduced the grads: overlap=False, accumulating(), or grads set by hand
             for b in self.buckets:
                 self._launch(b)
                 self._in_step += 1
+            self._count_grads()
             self._wait()
+        present = self._presence()
+        at, stage1 = 0, self.config.stage == 1
         for b in self.buckets:
-            if self.config.stage == 2:  # the owned params' grads are views of the shard, the rest stay None
-                for i in b.mine:
-                    b.params[i].grad = b.view(b.shard, i, base=0)
-            else:  # the other ranks update their params: their grads must not reach this rank's update
-                for i in b.theirs:
-                    b.params[i].grad = None
+            for k, t in b.targets.items():
+                g = b.grads[k] if present[at + k] else None
+                if t.grad is not g:
+                    t.grad = g
+            if stage1:  # elements other ranks update: their grads must not reach this rank's update
+                for k in b.others:
+                    b.params[k].grad = None
+            at += len(b.params)
         s.reduce = self.reduce_norm
 
+    def _check_groups(self) -> None:
+        base = self._base
+        if base is None:
+            return
+        reasons = tuple(whole_reason(base, g) for g in base.param_groups)
+        if reasons != self._reasons:
+            i = next(i for i, (a, b) in enumerate(zip(reasons, self._reasons, strict=False)) if a != b)
+            was, now = self._reasons[i] or "cut by elements", reasons[i] or "cut by elements"
+            raise ValueError(
+                f"param group {i} changed since ZeRO partitioned it (planned: {was}; now: {now}; Muon's use_muon "
+                "flipped?): the partition is fixed when the optimizer plans, so build the KitsuneOptimizer again "
+                "after such a change. Nothing was updated."
+            )
+
+    def _follow_storage(self) -> None:
+        """Re-view a shard param whose model param got new storage (``p.data = ...``): a local change (the fused
+        executor re-plans its own units for it), no collective."""
+        for j, (p, shard, lo, hi, ptr) in enumerate(self._shards):
+            if p.data_ptr() != ptr:
+                shard.data = p.detach().view(-1)[lo:hi]
+                self._shards[j] = (p, shard, lo, hi, p.data_ptr())
+
+    def _presence(self, every: bool = False) -> list[bool]:
+        """Whether any rank had a grad for each param (bucket order), read back only where this rank's own grads do
+        not settle it (a param it updates had no grad here, or ``every`` param has to be known: one sync)."""
+        local = [x for b in self.buckets for x in b.present]
+        if self._counts is None or all(local if every else (b.present[k] for b in self.buckets for k in b.targets)):
+            return local
+        return [here or n > 0 for here, n in zip(local, self._counts.tolist(), strict=True)]
+
     def owned_grads(self) -> list[torch.Tensor]:
-        """The grads this rank updates (and so unscales)."""
-        return [p.grad for p in self._mine if p.grad is not None]
+        """The grads this rank updates with (and so unscales)."""
+        return [t.grad for t in self._mine if t.grad is not None]
 
     def reduce_norm(self, total: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
-        """Combine the ranks' grad norms (each over its own params' grads) and inf/nan flags, in place, on the
+        """Combine the ranks' grad norms (each over its own elements' grads) and inf/nan flags, in place, on the
         device: one all-reduce (the sum of the squared 2-norms, or the max for the inf-norm; the max of the flags)."""
         if total is not None:
             fsdp.all_reduce_norm_(total, found_inf, self._norm_type, [self.group])
@@ -378,54 +529,89 @@ class ShardSubsystem(Subsystem):
 
     @torch.no_grad()
     def finish(self) -> None:
-        """All-gather the params: each rank's segment of every bucket holds its updated params."""
+        """All-gather the params: each rank's segment of every bucket holds its updated elements."""
         inflight: deque[tuple[Bucket, torch.Tensor, Any]] = deque()
         for b in self.buckets:
             flat = torch.empty(self.world * b.seg, dtype=b.dtype, device=b.device)
-            mine = flat[self.rank * b.seg : (self.rank + 1) * b.seg]
-            if b.mine:
-                torch._foreach_copy_([b.view(mine, i, base=0) for i in b.mine], [b.params[i] for i in b.mine])
+            off = self.rank * b.seg
+            mine = flat[off : off + b.seg]
+            dst, src = [], []
+            for k, t in b.targets.items():
+                dst.append(b.view(mine, k, off) if t is b.params[k] else b.piece(mine, k, off))
+                src.append(t)
+            if src:
+                torch._foreach_copy_(dst, src)
             inflight.append((b, flat, _all_gather(flat, mine, group=self.group, async_op=True)))
             if len(inflight) >= GATHERS_IN_FLIGHT:
                 _scatter_back(*inflight.popleft())
         while inflight:
             _scatter_back(*inflight.popleft())
-        for b in self.buckets:
-            b.reduced = False
-        self._reduced = False
+        self._forget()
         self._last = {"buckets_reduced_in_backward": self._in_backward, "buckets_reduced_in_step": self._in_step}
         self._in_backward = self._in_step = 0
+
+    def _forget(self) -> None:
+        for b in self.buckets:
+            b.reduced = False
+            b.present = [False] * len(b.params)
+        self._reduced = False
+        self._counts = None
 
     def zero_grad(self) -> None:
         """Forget grads reduced since the last step (``optimizer.zero_grad()`` discards them, as it does grads)."""
         for b in self.buckets:
             self._drain(b)
-            b.reduced = False
-        self._reduced = False
+        for p, *_ in self._shards:  # not in the groups, so optimizer.zero_grad does not reach them
+            p.grad = None
+        self._forget()
 
     def filter_load(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """The part of a consolidated (or plain torch) state dict this rank keeps: its own params' state; raises on
-        another rank's shard. Pure: ``state_dict`` is not changed."""
+        """The part of a consolidated (or plain torch) state dict this rank keeps: its own elements of each param's
+        state; raises on another rank's shard, or on state that does not fit the params. Pure: ``state_dict`` is not
+        changed, and every check runs before the load changes anything."""
         if not self.active:
             return state_dict
         saved = state_dict.get("kitsune", {}).get("subsystems", {}).get("shard")
+        groups = state_dict.get("param_groups")
+        if not isinstance(groups, list) or sum(len(g.get("params", ())) for g in groups) != len(self._params):
+            return state_dict  # torch's load_state_dict refuses it, with its own message
         if saved and not saved.get("consolidated"):
-            layout = (saved.get("world_size"), saved.get("rank"), saved.get("owners"))
-            if layout != (self.world, self.rank, self._owners):
+            layout = (saved.get("world_size"), saved.get("rank"), saved.get("ranges"))
+            if layout != (self.world, self.rank, [list(r) for r in self._ranges]):
                 raise ValueError(
                     f"this state dict is rank {saved.get('rank')}'s shard of a {saved.get('world_size')}-rank sharded "
-                    f"run, not this rank's ({self.rank} of {self.world}): load the consolidated state dict "
-                    "(kitsune.distributed.consolidated_state_dict(optimizer)) instead"
+                    f"run, not this rank's ({self.rank} of {self.world}) under this layout: load the consolidated "
+                    "state dict (kitsune.distributed.consolidated_state_dict(optimizer)) instead"
                 )
-        keep = {i for i, o in enumerate(self._owners) if o in (self.rank, -1)}
+            for k, st in state_dict["state"].items():
+                if isinstance(k, int) and 0 <= k < len(self._params):
+                    check_sizes(st, k, self._ranges[k][1] - self._ranges[k][0], self._params[k])
+            return state_dict
+        keep = {}
+        for k, st in state_dict["state"].items():
+            if not (isinstance(k, int) and 0 <= k < len(self._params)):
+                keep[k] = st
+                continue
+            p, (lo, hi) = self._params[k], self._ranges[k]
+            check_sizes(st, k, p.numel(), p)
+            if lo == 0 and hi == p.numel():
+                keep[k] = st
+            elif hi > lo:
+                keep[k] = slice_state(st, lo, hi)
         out = dict(state_dict)
-        out["state"] = {k: v for k, v in state_dict["state"].items() if k in keep}
+        out["state"] = keep
         return out
 
     # -- checkpoints and reports -------------------------------------------------------------------------------------
     def owned_params(self) -> list[torch.Tensor]:
         """The params the all-gather updates (the orchestrator counts them as taken care of)."""
         return list(self.remote)
+
+    def pieces(self, state: dict[Any, dict[str, Any]]) -> dict[int, tuple[int, int, dict[str, Any]]]:
+        """This rank's entries of a state dict's ``state``, each with the element range it holds: ``(lo, hi,
+        state)`` by param index, tensors on the CPU (what `consolidated_state_dict` gathers)."""
+        n = len(self._ranges)
+        return {k: (*self._ranges[k], to_cpu(st)) for k, st in state.items() if isinstance(k, int) and 0 <= k < n}
 
     def state_dict(self) -> dict[str, Any]:
         if not self.active:
@@ -434,14 +620,13 @@ class ShardSubsystem(Subsystem):
             "stage": self.config.stage,
             "world_size": self.world,
             "rank": self.rank,
-            "owners": list(self._owners),
+            "ranges": [list(r) for r in self._ranges],
             "consolidated": False,
         }
 
     def report(self) -> dict[str, Any]:
         if not self.active:
             return {}
-        numel = [sum(b.params[i].numel() for i in b.mine) for b in self.buckets]
         total = sum(p.numel() for b in self.buckets for p in b.params)
         return {
             "stage": self.config.stage,
@@ -449,29 +634,46 @@ class ShardSubsystem(Subsystem):
             "rank": self.rank,
             "buckets": len(self.buckets),
             "params_owned": len(self._mine),
+            "params_split": len(self._shards),
             "params_total": sum(len(b.params) for b in self.buckets),
-            "elements_owned": sum(numel),
+            "elements_owned": sum(hi - lo for b in self.buckets for lo, hi in b.ranges),
             "elements_total": total,
             "padding_elements": sum(self.world * b.seg for b in self.buckets) - total,
+            "whole_params": dict(self._whole),
             "overlap": self.config.overlap,
             **self._last,
         }
 
 
-def _ready_hook(ref: weakref.ref, bi: int) -> Callable[[torch.Tensor], None]:
+def _ready_hook(ref: weakref.ref, bi: int, k: int) -> Callable[[torch.Tensor], None]:
     def ready(_: torch.Tensor) -> None:
         shard = ref()
         if shard is not None and shard.active:
-            shard.grad_ready(bi)
+            shard.grad_ready(bi, k)
 
     return ready
 
 
 @torch.no_grad()
 def _scatter_back(b: Bucket, flat: torch.Tensor, work: Any) -> None:
+    """The other ranks' elements of ``b``'s params, from the gathered ``flat``."""
     work.wait()
-    if b.theirs:
-        torch._foreach_copy_([b.params[i] for i in b.theirs], [b.view(flat, i) for i in b.theirs])
+    dst, src = [], []
+    for k in b.others:
+        p, (lo, hi), s = b.params[k], b.ranges[k], b.layout.starts[k]
+        if lo == hi:  # none of it here: as its own shape, whatever its strides
+            dst.append(p)
+            src.append(b.view(flat, k))
+            continue
+        elements = p.view(-1)  # cut by elements: contiguous
+        if lo:
+            dst.append(elements[:lo])
+            src.append(flat[s : s + lo])
+        if hi < p.numel():
+            dst.append(elements[hi:])
+            src.append(flat[s + hi : s + p.numel()])
+    if dst:
+        torch._foreach_copy_(dst, src)
 
 
 def _remove(handles: list[Any]) -> None:
@@ -507,46 +709,4 @@ def clip_sharded_grads_(
     return total
 
 
-def consolidated_state_dict(optimizer: Any, to: int | None = 0) -> dict[str, Any] | None:
-    """The whole optimizer's state dict of a sharded run, gathered from every rank (a collective: call it on all).
-
-    Returns torch's layout with every param's state (tensors moved to the CPU), which the plain torch optimizer over
-    the full model loads, and so does a sharded KitsuneOptimizer on any number of ranks (each keeps its own share).
-    ``to``: the rank (of the shard's process group) that receives it, the others get None; ``to=None``: every rank.
-    Without sharding it is ``optimizer.state_dict()``.
-    """
-    shard = next((s for s in optimizer.subsystems if s.name == "shard"), None)
-    sd = optimizer.state_dict()
-    if shard is None or not shard.active:
-        return sd
-    local = {
-        k: {n: v.detach().cpu() if torch.is_tensor(v) else v for n, v in s.items()} for k, s in sd["state"].items()
-    }
-    parts: list[Any] | None = [None] * shard.world
-    if to is None:
-        dist.all_gather_object(parts, local, group=shard.group)
-    else:
-        if not 0 <= to < shard.world:
-            raise ValueError(f"to={to} is not a rank of the shard's process group (0..{shard.world - 1})")
-        dst = dist.get_global_rank(shard.group, to) if shard.group is not None else to
-        parts = parts if shard.rank == to else None
-        dist.gather_object(local, parts, dst=dst, group=shard.group)
-        if parts is None:
-            return None
-    merged: dict[Any, Any] = {}
-    for part in parts:
-        merged.update(part)
-    out = dict(sd)
-    out["state"] = {k: merged[k] for k in sorted(merged)}
-    ours = dict(out["kitsune"])
-    ours["subsystems"] = {**ours["subsystems"], "shard": {**ours["subsystems"]["shard"], "consolidated": True}}
-    out["kitsune"] = ours
-    return out
-
-
-def state_numel(optimizer: torch.optim.Optimizer) -> int:
-    """Elements of optimizer state this rank holds (tensors of more than one element: moments, momentum)."""
-    return sum(v.numel() for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
-
-
-__all__ = ["Bucket", "ShardSubsystem", "clip_sharded_grads_", "consolidated_state_dict", "partition", "state_numel"]
+__all__ = ["GATHERS_IN_FLIGHT", "ShardSubsystem", "clip_sharded_grads_"]
