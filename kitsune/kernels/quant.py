@@ -1,0 +1,348 @@
+"""Low-precision optimizer state (issue #28): block-wise dynamic 8-bit quantization and bf16 stochastic rounding.
+
+**The 8-bit code** is bitsandbytes' "dynamic tree" map (Dettmers et al. 2022, *8-bit Optimizers via Block-wise
+Quantization*; Dettmers 2016 for the data type). A byte is a sign bit (signed map only), then ``e`` zeros that give
+the decimal exponent ``10**-e`` (``e`` = 0..6), an indicator bit 1, and the remaining bits a linear fraction: the
+``F`` fraction values of a decade are the midpoints of ``F`` equal intervals of ``[0.1, 1]``. Each leading zero
+trades a fraction bit for range, so values near the block's absmax get 6 (signed) or 7 (unsigned) fraction bits and
+the map still reaches ``5.5e-7`` (signed) or ``3.25e-7`` (unsigned) of it. The patterns that carry no fraction value
+are 0 and 1.0. `dynamic_map` builds the 256 values (signed, for ``exp_avg``: 127 negative, 0, 127 positive below 1,
+and 1.0; unsigned, for ``exp_avg_sq``: 0, 254 values in ``(0, 1)``, and 1.0) and sorts them, so a code is an index
+into the sorted table, as bitsandbytes stores it. Each entry is the exact value rounded once to fp32; bitsandbytes
+computes its table in fp32 steps, so an entry may differ from its ``qmap`` in the last bit: a bitsandbytes
+checkpoint carries its table, and the helpers here take any sorted 256-entry fp32 table.
+
+**Blocks.** Each block of ``QUANT_BLOCK = 256`` consecutive elements of a tensor (bitsandbytes' block size for
+optimizer state) is stored as 256 codes and one fp32 absmax: 8.125 bits per element. The last block of a tensor may be
+partial; its absmax covers only the tensor's elements.
+
+**Quantize** (`_quantize_block`): ``absmax = max |x|`` per block, ``v = x / absmax`` (IEEE division, ``div_rn``, so
+the CPU interpreter and the GPU give the same bits), then the index of the code nearest to ``v``: a binary search
+over the sorted table finds the largest code ``<= v`` and one exact comparison (``2 v`` against the sum of the two
+neighbours, in fp64 where both are exact) picks between it and the next. A tie goes to the code of smaller magnitude
+(toward zero: a tie never inflates the state). Special cases, decided per block:
+
+* an all-zero block (or a tail of padding) has absmax 0 and every code is the code nearest 0 (0 in both maps):
+  it decodes to exact zeros, no ``0 / 0``;
+* a block holding an inf or nan stores absmax nan and the zero code everywhere, so every element of that block
+  decodes to nan: a signal, not a value. The fused update skips a step with inf/nan grads under AMP before it
+  touches the state, so this only happens when the state itself has diverged.
+
+**Dequantize** (`_dequantize_block`): ``table[code] * absmax`` in fp32. Per element, ``|x - deq(q(x))| <= absmax *
+(largest gap of the table) / 2`` up to the fp32 rounding of ``x / absmax`` and of the product.
+
+**bf16 stochastic rounding** (`_stochastic_round_bf16`): an fp32 ``x`` between the bf16 neighbours ``a`` and ``b``
+(``|a| <= |x| < |b|``) becomes ``b`` with probability ``(x - a) / (b - a)``, so ``E[round(x)] = x``: add 16 random
+bits to the 16 bits bf16 drops and truncate. The bits come from Philox (``tl.philox``, Triton's counter-based
+generator) keyed by ``seed``, with the element's 64-bit counter in the first two counter words and a 32-bit
+``stream`` in the third: the same ``(seed, stream, counter)`` gives the same bits on every run, grid and device, and
+with ``stream = 0`` they are ``tl.randint(seed, counter)``. The fused update will pass the step as the stream and the
+element's offset in the flat state as the counter, so a step is reproducible from ``(seed, step)`` alone. nan stays
+nan, infinities and zeros keep their sign; a value within one bf16 ulp of the largest finite bf16 may round to inf.
+`_split_bf16` is the cheap alternative with no randomness: a bf16 value plus a bf16 compensation (Kahan summation,
+the remainder carried to the next step in a second bf16 buffer).
+
+The helpers take a block of fp32 values already in registers, as the fused update has them between its load and its
+store; the launch functions below (checkpoint conversion, tests) wrap each in a one-tensor kernel with int64 offsets.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import torch
+import triton
+import triton.language as tl
+
+from kitsune.kernels.common import TL_DTYPES, _cast
+
+QUANT_BLOCK = 256
+"""Elements per absmax: bitsandbytes' block size for 8-bit optimizer state (8.125 bits per element)."""
+CODE_SIZE = 256
+"""Entries of a code table: one per 8-bit code."""
+TILE = 1024
+"""Elements a program of the launch functions works on (several quantization blocks when ``block`` is smaller)."""
+_MAX_BLOCK = 4096
+
+
+def dynamic_map(signed: bool = True) -> torch.Tensor:
+    """bitsandbytes' dynamic tree map as a sorted ``(256,)`` fp32 CPU tensor: in ``[-1, 1]`` when ``signed`` (for
+    state of either sign, Adam's ``exp_avg``), in ``[0, 1]`` otherwise (non-negative state, ``exp_avg_sq``).
+
+    Decade ``10**-e`` (``e`` leading zeros after the sign bit, ``e = 0..6``) holds ``F = 2**(6 - e)`` values (signed)
+    or ``2**(7 - e)`` (unsigned; one more fraction bit without a sign bit): the midpoints of ``F`` equal intervals of
+    ``[0.1, 1]``, times ``10**-e``. Add 0 and 1.0 and there are 256. Each value is exact (a `Fraction`) until it is
+    rounded to the nearest fp32.
+    """
+    values = [Fraction(0), Fraction(1)]
+    for e in range(7):
+        n = 2 ** ((6 if signed else 7) - e)
+        for f in range(n):
+            v = (Fraction(1, 10) + Fraction(9, 10) * Fraction(2 * f + 1, 2 * n)) / 10**e
+            values += [v, -v] if signed else [v]
+    return torch.tensor([_nearest_fp32(v) for v in sorted(values)], dtype=torch.float32)
+
+
+def _nearest_fp32(v: Fraction) -> float:
+    """``v`` rounded to the nearest fp32 (ties to even): ``float(v)`` first would round twice."""
+    a = abs(v)
+    if a == 0:
+        return 0.0
+    e = math.frexp(float(a))[1]  # 2**(e - 1) <= a < 2**e, unless float(a) rounded up to 2**e
+    e -= Fraction(2) ** (e - 1) > a
+    ulp = Fraction(2) ** (e - 24)
+    q, r = divmod(a, ulp)
+    q += (r > ulp / 2) or (r == ulp / 2 and q % 2 == 1)
+    return math.copysign(float(q * ulp), v)  # exact: q * ulp has at most 25 significant bits, and fits a double
+
+
+# -- the helpers the fused update calls --------------------------------------------------------------------------
+
+
+@triton.jit
+def _nearest_code(v, code):
+    """Index (int32) of the entry of the sorted fp32 table ``code`` (256 entries) nearest to ``v``; a tie goes to
+    the entry of smaller magnitude. ``v`` must not be nan (it would get index 0)."""
+    idx = tl.zeros(v.shape, tl.int32)
+    lo = tl.zeros(v.shape, tl.float32) + tl.load(code)
+    for k in tl.static_range(7, -1, -1):  # 8 halvings: idx becomes the largest index with code[idx] <= v (or 0)
+        probe = idx + (1 << k)
+        c = tl.load(code + probe)
+        take = c <= v
+        idx = tl.where(take, probe, idx)
+        lo = tl.where(take, c, lo)
+    hi = tl.load(code + tl.minimum(idx + 1, 255))
+    # v - lo and hi - v may round in fp32 near a decade boundary; 2 v and lo + hi are exact in fp64
+    twice = 2.0 * v.to(tl.float64)
+    mid2 = lo.to(tl.float64) + hi.to(tl.float64)
+    up = (twice > mid2) | ((twice == mid2) & (v < 0.0))
+    return tl.where(up & (idx < 255), idx + 1, idx)
+
+
+@triton.jit
+def _quantize_block(x, code, BLOCK: tl.constexpr, QBLOCK: tl.constexpr):
+    """``(codes, absmax)`` of the fp32 block ``x`` ((BLOCK,), BLOCK a multiple of QBLOCK, in quantization blocks of
+    QBLOCK elements from its first element; padding lanes must hold 0): codes (BLOCK,) uint8, indices into the
+    sorted 256-entry fp32 table at ``code``; absmax (BLOCK // QBLOCK,) fp32, nan for a block holding inf or nan."""
+    ROWS: tl.constexpr = BLOCK // QBLOCK
+    xr = tl.reshape(x, (ROWS, QBLOCK))
+    ax = tl.abs(xr)
+    finite = ax < float("inf")  # false for inf and nan
+    absmax = tl.max(tl.where(finite, ax, 0.0), 1)  # (ROWS,)
+    bad = tl.min(finite.to(tl.int32), 1) == 0
+    scale = tl.where(absmax > 0.0, absmax, 1.0)  # an all-zero block: 0 / 1, not 0 / 0
+    v = tl.math.div_rn(xr, tl.broadcast_to(scale[:, None], (ROWS, QBLOCK)))
+    v = tl.where(bad[:, None], 0.0, v)  # a non-finite block: the zero code everywhere, absmax nan below
+    q = _nearest_code(v, code)
+    return tl.reshape(q, (BLOCK,)).to(tl.uint8), tl.where(bad, float("nan"), absmax)
+
+
+@triton.jit
+def _dequantize_block(q, absmax, code, BLOCK: tl.constexpr, QBLOCK: tl.constexpr):
+    """The fp32 block (BLOCK,) that the codes ``q`` (BLOCK,) and ``absmax`` (BLOCK // QBLOCK,) stand for (the
+    layout of `_quantize_block`): ``code[q] * absmax`` of its quantization block."""
+    ROWS: tl.constexpr = BLOCK // QBLOCK
+    v = tl.reshape(tl.load(code + q.to(tl.int32)), (ROWS, QBLOCK))
+    return tl.reshape(v * absmax[:, None], (BLOCK,))
+
+
+@triton.jit
+def _bf16_from_bits(bits):
+    """The bf16 whose bits are the high half of the uint32 ``bits``: a bitcast, exact for subnormals too (Triton's
+    CPU interpreter converts fp32 subnormals to bf16 wrongly)."""
+    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _rne_bits(x):
+    """The bits (uint32, low half zero) of fp32 ``x`` rounded to the nearest bf16, ties to even; nan stays nan."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return tl.where(x != x, 0x7FC00000, (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000)
+
+
+@triton.jit
+def _stochastic_round_bf16(x, seed, stream, counter):
+    """fp32 ``x`` -> bf16, rounded away from zero with probability (dropped 16 bits) / 2**16, else toward zero, so
+    ``E[result] = x``. The random bits: Philox keyed by ``seed`` (int, >= 0) at counter ``(counter, stream)``;
+    ``counter`` is an int64 block like ``x`` (the element's position in its stream), ``stream`` a scalar in
+    ``[0, 2**32)`` (the step)."""
+    counter = counter.to(tl.int64)
+    lo = counter.to(tl.uint32)
+    zero = lo * 0
+    words = (counter * 0 + stream).to(tl.uint32)  # the scalar as a block (tl.to_tensor is the interpreter's only)
+    r, _, _, _ = tl.philox(seed, lo, (counter >> 32).to(tl.uint32), words, zero)
+    bits = x.to(tl.uint32, bitcast=True) + (r >> 16)  # a carry out of the low half bumps the magnitude by one ulp
+    return _bf16_from_bits(tl.where(x != x, 0x7FC00000, bits))
+
+
+@triton.jit
+def _split_bf16(x):
+    """``(hi, lo)``: bf16 ``hi`` nearest to fp32 ``x`` and bf16 ``lo`` nearest to the remainder ``x - hi`` (exact in
+    fp32), so ``hi + lo`` holds ~16 significant bits; ``lo`` is 0 when ``hi`` is inf or nan."""
+    hi = _rne_bits(x)
+    h = hi.to(tl.float32, bitcast=True)
+    finite = tl.abs(h) < float("inf")
+    rest = tl.where(finite, x - tl.where(finite, h, 0.0), 0.0)  # never inf - inf
+    return _bf16_from_bits(hi), _bf16_from_bits(_rne_bits(rest))
+
+
+# -- one-tensor kernels and their launch functions (checkpoint conversion, tests) ---------------------------------
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, q_ptr, absmax_ptr, code, n, BLOCK: tl.constexpr, QBLOCK: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)  # int64: tensors over 2**31 elements
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    q, absmax = _quantize_block(x, code, BLOCK, QBLOCK)
+    tl.store(q_ptr + offs, q, mask=mask)
+    rows = pid * (BLOCK // QBLOCK) + tl.arange(0, BLOCK // QBLOCK).to(tl.int64)
+    tl.store(absmax_ptr + rows, absmax, mask=rows * QBLOCK < n)
+
+
+@triton.jit
+def _dequantize_kernel(
+    q_ptr, absmax_ptr, code, out_ptr, n, DTYPE: tl.constexpr, RNE_BF16: tl.constexpr, BLOCK: tl.constexpr,
+    QBLOCK: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    mask = offs < n
+    q = tl.load(q_ptr + offs, mask=mask, other=0)
+    rows = pid * (BLOCK // QBLOCK) + tl.arange(0, BLOCK // QBLOCK).to(tl.int64)
+    absmax = tl.load(absmax_ptr + rows, mask=rows * QBLOCK < n, other=0.0)
+    x = _dequantize_block(q, absmax, code, BLOCK, QBLOCK)
+    tl.store(out_ptr + offs, _cast(x, DTYPE, RNE_BF16), mask=mask)
+
+
+@triton.jit
+def _round_bf16_kernel(x_ptr, hi_ptr, lo_ptr, n, seed, offset, stream, STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if STOCHASTIC:
+        tl.store(hi_ptr + offs, _stochastic_round_bf16(x, seed, stream, offset + offs), mask=mask)
+    else:
+        hi, lo = _split_bf16(x)
+        tl.store(hi_ptr + offs, hi, mask=mask)
+        tl.store(lo_ptr + offs, lo, mask=mask)
+
+
+_INTERPRETED = type(_quantize_kernel).__name__ == "InterpretedFunction"
+
+
+def _check_code(code: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if code.dtype != torch.float32 or code.shape != (CODE_SIZE,):
+        raise ValueError(f"code must be a float32 ({CODE_SIZE},) table, got {code.dtype} {tuple(code.shape)}")
+    if code.device != device:
+        raise ValueError(f"code is on {code.device}, the data on {device}: move the table with code.to(device)")
+    if not bool((code[1:] > code[:-1]).all()):  # one host sync: a boundary check, not the training loop
+        raise ValueError("code must be sorted in strictly increasing order (as dynamic_map returns it)")
+    return code.contiguous()
+
+
+def _check_block(block: int) -> None:
+    if block < 16 or block > _MAX_BLOCK or block & (block - 1):
+        raise ValueError(f"block must be a power of two from 16 to {_MAX_BLOCK}, got {block}")
+
+
+def _grid(n: int, block: int) -> tuple[tuple[int], int]:
+    tile = max(block, TILE)
+    return (triton.cdiv(n, tile),), tile
+
+
+def quantize_blockwise(
+    x: torch.Tensor, code: torch.Tensor, block: int = QUANT_BLOCK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes, absmax)``: ``x`` (fp32, bf16 or fp16, any shape) in blocks of ``block`` consecutive elements,
+    each an fp32 absmax and uint8 indices into ``code`` (sorted, 256 fp32 entries, on ``x``'s device; see
+    `dynamic_map`). ``codes`` has ``x``'s shape, ``absmax`` is ``(ceil(numel / block),)``; blocks run over the
+    elements in row-major order. A block holding inf or nan gets absmax nan (it decodes to nan); an all-zero block
+    absmax 0. A value below the table's first entry gets code 0 (with the unsigned map: a negative value decodes
+    to 0)."""
+    if x.dtype not in TL_DTYPES:
+        raise ValueError(f"quantize_blockwise supports {tuple(TL_DTYPES)}, got {x.dtype}")
+    _check_block(block)
+    code = _check_code(code, x.device)
+    n = x.numel()
+    codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    absmax = torch.empty(triton.cdiv(n, block), dtype=torch.float32, device=x.device)
+    if n:
+        grid, tile = _grid(n, block)
+        _quantize_kernel[grid](x.contiguous().view(-1), codes, absmax, code, n, BLOCK=tile, QBLOCK=block)
+    return codes, absmax
+
+
+def dequantize_blockwise(
+    codes: torch.Tensor,
+    absmax: torch.Tensor,
+    code: torch.Tensor,
+    block: int = QUANT_BLOCK,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The values `quantize_blockwise` encoded: ``code[codes] * absmax`` of each element's block, in fp32 or in
+    ``out``'s dtype (fp32, bf16, fp16; contiguous, ``codes``' shape), rounded to nearest."""
+    if codes.dtype != torch.uint8:
+        raise ValueError(f"codes must be uint8, got {codes.dtype}")
+    _check_block(block)
+    code = _check_code(code, codes.device)
+    n = codes.numel()
+    if absmax.dtype != torch.float32 or absmax.numel() != triton.cdiv(n, block) or absmax.device != codes.device:
+        raise ValueError(
+            f"absmax must be float32 with ceil({n} / {block}) = {triton.cdiv(n, block)} elements on {codes.device}, "
+            f"got {absmax.dtype} with {absmax.numel()} on {absmax.device}"
+        )
+    if out is None:
+        out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
+    elif (
+        out.shape != codes.shape or out.dtype not in TL_DTYPES or not out.is_contiguous() or out.device != codes.device
+    ):
+        raise ValueError(
+            f"out must be a contiguous {tuple(TL_DTYPES)} tensor of shape {tuple(codes.shape)} on {codes.device}, "
+            f"got {out.dtype} {tuple(out.shape)} on {out.device}"
+        )
+    if n:
+        grid, tile = _grid(n, block)
+        _dequantize_kernel[grid](
+            codes.contiguous().view(-1), absmax.contiguous().view(-1), code, out, n, DTYPE=TL_DTYPES[out.dtype],
+            RNE_BF16=_INTERPRETED, BLOCK=tile, QBLOCK=block,
+        )  # fmt: skip
+    return out
+
+
+def _check_fp32(x: torch.Tensor, name: str) -> None:
+    if x.dtype != torch.float32:
+        raise ValueError(f"{name} rounds float32 values, got {x.dtype}")
+
+
+def stochastic_round_bf16(x: torch.Tensor, seed: int, offset: int = 0, *, stream: int = 0) -> torch.Tensor:
+    """fp32 ``x`` rounded to bf16 stochastically (``E[result] = x``), element ``i`` (row-major) drawing Philox's
+    bits at counter ``offset + i`` of stream ``stream`` under key ``seed``: the same arguments give the same bits."""
+    _check_fp32(x, "stochastic_round_bf16")
+    if not 0 <= seed < 2**63:
+        raise ValueError(f"seed must be in [0, 2**63), got {seed}")
+    if not 0 <= stream < 2**32:
+        raise ValueError(f"stream must be in [0, 2**32), got {stream}")
+    if offset < 0 or offset + x.numel() > 2**63:
+        raise ValueError(f"offset must be >= 0 with offset + numel <= 2**63, got {offset}")
+    out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+    if x.numel():
+        _round_bf16_kernel[(triton.cdiv(x.numel(), TILE),)](
+            x.contiguous().view(-1), out, out, x.numel(), seed, offset, stream, STOCHASTIC=True, BLOCK=TILE
+        )
+    return out
+
+
+def split_bf16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(hi, lo)``: fp32 ``x`` as bf16 ``hi`` (round to nearest even) plus the bf16 remainder ``lo`` (a Kahan
+    compensation; 0 where ``hi`` is inf or nan)."""
+    _check_fp32(x, "split_bf16")
+    hi = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+    lo = torch.empty_like(hi)
+    if x.numel():
+        _round_bf16_kernel[(triton.cdiv(x.numel(), TILE),)](
+            x.contiguous().view(-1), hi, lo, x.numel(), 0, 0, 0, STOCHASTIC=False, BLOCK=TILE
+        )
+    return hi, lo
