@@ -92,7 +92,7 @@ class FusedUnit:
             self._private_steps = torch.tensor(done, dtype=torch.float32).to(self.device)
         self.uninit = [i for i, p in enumerate(params) if not _has_state(state, p, info, spec)]
         self._every = list(range(len(params)))
-        self._fast = not self.sharded and all(map(_plain, params))
+        self.plain_tensors = not self.sharded and all(map(_plain, params))
         """Whether a step may check the addresses in one native call (`kitsune._native`, or torch's `_PTRS_EQUAL`
         while it builds): plain tensors and Parameters, not FSDP2's DTensors or other subclasses, whose ``grad``
         and storage a C++ read could not see as Python does."""
@@ -160,9 +160,9 @@ class FusedUnit:
         for can change that (a param that now falls back takes the grads' passes out of the kernels)."""
         if self._intact is not None and self._intact.ok:
             moved = False  # static addresses: the watch holds the params' storages
-        elif self._fast and self._grad_ptrs is not None and self.native and _native.CHECKS is not None:
+        elif self.plain_tensors and self._grad_ptrs is not None and self.native and _native.CHECKS is not None:
             moved = not _native.CHECKS.unchanged(self.params, self._table, False)  # a step `_unchanged` checks
-        elif self._fast and self._grad_ptrs is not None and _PTRS_EQUAL is not None:
+        elif self.plain_tensors and self._grad_ptrs is not None and _PTRS_EQUAL is not None:
             try:
                 moved = not _PTRS_EQUAL(self.params, self._param_ptrs, self._every)
             except (TypeError, RuntimeError, ValueError):
@@ -178,7 +178,7 @@ class FusedUnit:
         if not self._state_intact.ok:
             return False
         if self._intact is None:
-            return self._fast and self._unchanged()
+            return self.plain_tensors and self._unchanged()
         if self._intact.ok:
             self._watched_steps += 1  # the watch was used: it did not break before its first step
             return True

@@ -76,7 +76,7 @@ def test_steady_grads_take_the_fast_path_and_match_torch(device, fast_check, che
     """Grads kept in place (zero_grad(set_to_none=False)): after the first step every step is answered by the fast
     check, and 30 steps give torch's trajectory."""
     ours, opt, ref, ref_opt = _twins(device)
-    assert all(u._fast for u in opt._subsystem("fusion").units)
+    assert all(u.plain_tensors for u in opt._subsystem("fusion").units)
     _train(ours, opt, ref, ref_opt, 30, in_place=True)
     assert len(fast_check) == 29
     assert_close_params(ours, ref, torch.float32)
@@ -149,7 +149,7 @@ def test_fast_path_off_without_any_cpp_check(device, monkeypatch):
     monkeypatch.setattr(_native, "CHECKS", None)
     monkeypatch.setattr(units, "_PTRS_EQUAL", None)
     ours, opt, ref, ref_opt = _twins(device)
-    assert all(u._fast for u in opt._subsystem("fusion").units)
+    assert all(u.plain_tensors for u in opt._subsystem("fusion").units)
     _train(ours, opt, ref, ref_opt, 5, in_place=False)
     assert not opt._subsystem("fusion").units[0].still()
     assert_close_params(ours, ref, torch.float32)
