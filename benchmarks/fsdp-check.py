@@ -8,7 +8,8 @@ trains one with ``torch.optim.AdamW(fused=True)`` + ``torch.nn.utils.clip_grad_n
 ``KitsuneOptimizer(AdamW, enable_fusion=True, max_grad_norm=...)`` on the same batches. It records per rank:
 
 - the largest difference of the full params and of the global grad norms between the two runs;
-- the median optimizer step time (CUDA events; torch: clip + step, kitsune: step, which clips inside), host time;
+- the median optimizer step time (CUDA events; torch: clip + step, kitsune: step, which clips inside), host time,
+  every rank starting each timed step together;
 - peak memory and the bytes of optimizer state this rank holds;
 - on rank 0 afterwards, the kitsune step on one GPU over plain tensors of rank 0's shard shapes (no collective):
   the sharded step's overhead over the same amount of work on one GPU.
@@ -83,8 +84,16 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
     return total
 
 
-def timed(fn) -> tuple[float, float]:
-    """(device ms, host ms) of one call of ``fn`` (on CPU, a smoke test: both host ms)."""
+def timed(fn, together: bool = False) -> tuple[float, float]:
+    """(device ms, host ms) of one call of ``fn`` (on CPU, a smoke test: both host ms). ``together``: every rank
+    starts it at once (a barrier with the GPU idle), so a collective inside ``fn`` does not wait for a rank still in
+    backward: the time is the step's, not the ranks' skew."""
+    if together:
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        dist.barrier()
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()
     if not torch.cuda.is_initialized():
         host = time.perf_counter()
         fn()
@@ -117,10 +126,10 @@ def run(args: argparse.Namespace, device: torch.device, kitsune: bool, mesh) -> 
             logits = model(idx[:, :-1])
         nn.functional.cross_entropy(logits.float().flatten(0, 1), idx[:, 1:].flatten()).backward()
         if kitsune:
-            t = timed(opt.step)
+            t = timed(opt.step, together=True)
             norms.append(float(opt.last_grad_norm))
         else:
-            t = timed(lambda: (clipped.append(torch.nn.utils.clip_grad_norm_(params, args.clip)), opt.step()))
+            t = timed(lambda: (clipped.append(torch.nn.utils.clip_grad_norm_(params, args.clip)), opt.step()), True)
             n = clipped.pop()
             norms.append(float(n.full_tensor() if hasattr(n, "full_tensor") else n))
         opt.zero_grad()
