@@ -6,7 +6,10 @@ in Python, that is a few attribute reads a tensor, 100-400 ns each on a typical 
 alone takes most of a millisecond, more than the fused update. In C++ it is one pass over the list, 15-40 ns a
 tensor: `unchanged` compares each param's and each grad's address with an int64 table, and answers False (so the
 step takes the full check) for anything it cannot read (a grad that is None or sparse, a tensor without storage).
-`same` compares two lists by identity, for the plan's check that each group still holds the params planned.
+`unchanged_local` does the same for FSDP2's DTensor params through their local shards (each param must still hold
+the shard the plan resolved, and its grad's local shard must sit where the table says), reading the two attributes
+through Python's C API. `same` compares two lists by identity, for the plan's check that each group still holds the
+params planned.
 
 The extension is compiled with ``torch.utils.cpp_extension.load_inline`` (a C++ compiler, ninja and Python's
 headers are needed; ``pip install ninja`` provides ninja) and kept in `cache_dir`, under a name that includes
@@ -66,6 +69,53 @@ bool unchanged(py::list params, const at::Tensor& table, bool grads) {
   return true;
 }
 
+// FSDP2: params[i] (a DTensor) still holds locals[i] as its local shard, which sits at table[i], and, with grads,
+// its grad's local shard (dense) sits at table[n + i]. The attributes are read as Python reads them; anything else
+// answers false.
+bool unchanged_local(py::list params, py::list locals, const at::Tensor& table, bool grads) {
+  PyObject* list = params.ptr();
+  PyObject* shards = locals.ptr();
+  const Py_ssize_t n = PyList_GET_SIZE(list);
+  if (PyList_GET_SIZE(shards) != n || table.scalar_type() != at::kLong || !table.is_contiguous() ||
+      table.device().type() != at::kCPU || table.numel() != 2 * n) {
+    return false;
+  }
+  static PyObject* local_name = PyUnicode_InternFromString("_local_tensor");
+  static PyObject* grad_name = PyUnicode_InternFromString("grad");
+  const int64_t* want = table.const_data_ptr<int64_t>();
+  try {
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject* p = PyList_GET_ITEM(list, i);
+      PyObject* shard = PyList_GET_ITEM(shards, i);
+      py::object local = py::reinterpret_steal<py::object>(PyObject_GetAttr(p, local_name));
+      if (!local) {
+        PyErr_Clear();
+        return false;
+      }
+      if (local.ptr() != shard || !THPVariable_Check(shard)) return false;
+      if (reinterpret_cast<int64_t>(THPVariable_Unpack(shard).const_data_ptr()) != want[i]) return false;
+      if (!grads) continue;
+      py::object grad = py::reinterpret_steal<py::object>(PyObject_GetAttr(p, grad_name));
+      if (!grad || grad.is_none()) {
+        PyErr_Clear();
+        return false;
+      }
+      py::object g = py::reinterpret_steal<py::object>(PyObject_GetAttr(grad.ptr(), local_name));
+      if (!g) {
+        PyErr_Clear();
+        return false;
+      }
+      if (!THPVariable_Check(g.ptr())) return false;
+      const at::Tensor& t = THPVariable_Unpack(g.ptr());
+      if (!t.defined() || t.layout() != at::kStrided) return false;
+      if (reinterpret_cast<int64_t>(t.const_data_ptr()) != want[n + i]) return false;
+    }
+  } catch (...) {  // a tensor without storage, or any other surprise: the full check sorts it out
+    return false;
+  }
+  return true;
+}
+
 // a[i] is b[i] for every i, and the lengths match
 bool same(py::list a, py::list b) {
   PyObject* x = a.ptr();
@@ -80,8 +130,8 @@ bool same(py::list a, py::list b) {
 """
 
 CHECKS: Any = None
-"""The compiled module once it is ready (``unchanged`` and ``same``), else None: read on every step, so a plain
-module attribute."""
+"""The compiled module once it is ready (``unchanged``, ``unchanged_local`` and ``same``), else None: read on every
+step, so a plain module attribute."""
 
 _lock = threading.Lock()
 _thread: threading.Thread | None = None
@@ -187,7 +237,7 @@ def _build_into(lib: Path) -> Any:
         module = load_inline(
             name(),
             cpp_sources=[SOURCE],
-            functions=["unchanged", "same"],
+            functions=["unchanged", "unchanged_local", "same"],
             extra_cflags=["-O3"],
             build_directory=work,
             verbose=False,

@@ -124,7 +124,7 @@ class FusionSubsystem(Subsystem):
             unit.defaults = base.defaults
             self._contexts.setdefault(unit.device, DeviceContext(unit.device, self._info.row))  # type: ignore[union-attr]
         self.executes = bool(self._units or self._shadows or self._muon)
-        if self.config.native_checks and any(u.plain_tensors for u in (*self._units, *self._muon)):
+        if self.config.native_checks and any(u.checks_natively for u in (*self._units, *self._muon)):
             _native.start()  # in the background, once per process; the Python checks run until it is ready
         # FSDP2: the norm pass covers this rank's shards; an all-reduce over the mesh makes it global
         self._norm_groups = fsdp.mesh_groups(p for u in self._units if u.sharded for p in u.params[:1])
@@ -543,8 +543,8 @@ class FusionSubsystem(Subsystem):
             return None if not self._units and not self._muon else "static addresses: watched, not checked"
         if not self.config.native_checks:
             return "Python (FusionConfig.native_checks=False)"
-        if not any(u.plain_tensors for u in units):
-            return "Python (FSDP2 shards or tensor subclasses: read through their own Python code)"
+        if not any(u.checks_natively for u in units):
+            return "Python (tensor subclasses: read through their own Python code)"
         why = _native.reason()
         return "native (one C++ call per unit)" if not why else f"Python: native check {why}"
 

@@ -96,6 +96,10 @@ class FusedUnit:
         """Whether a step may check the addresses in one native call (`kitsune._native`, or torch's `_PTRS_EQUAL`
         while it builds): plain tensors and Parameters, not FSDP2's DTensors or other subclasses, whose ``grad``
         and storage a C++ read could not see as Python does."""
+        self.shards: list[torch.Tensor] | None = list(map(fsdp.LOCAL, params)) if self.sharded else None
+        """FSDP2: each param's local shard, resolved once per plan. The native check (``unchanged_local``) compares
+        every step that each param still holds it and where its grad's shard sits; a param given another shard, or
+        no native check, sends the step through the full check."""
         self.native = True
         """``FusionConfig.native_checks``: use the native check once it is built."""
         self.slots: Any = None
@@ -162,6 +166,8 @@ class FusedUnit:
             moved = False  # static addresses: the watch holds the params' storages
         elif self.plain_tensors and self._grad_ptrs is not None and self.native and _native.CHECKS is not None:
             moved = not _native.CHECKS.unchanged(self.params, self._table, False)  # a step `_unchanged` checks
+        elif self.shards is not None and self._grad_ptrs is not None and self.native and _native.CHECKS is not None:
+            moved = not _native.CHECKS.unchanged_local(self.params, self.shards, self._table, False)
         elif self.plain_tensors and self._grad_ptrs is not None and _PTRS_EQUAL is not None:
             try:
                 moved = not _PTRS_EQUAL(self.params, self._param_ptrs, self._every)
@@ -178,11 +184,16 @@ class FusedUnit:
         if not self._state_intact.ok:
             return False
         if self._intact is None:
-            return self.plain_tensors and self._unchanged()
+            return self.checks_natively and self._unchanged()
         if self._intact.ok:
             self._watched_steps += 1  # the watch was used: it did not break before its first step
             return True
         return False
+
+    @property
+    def checks_natively(self) -> bool:
+        """Whether a step may check this unit's addresses in one native call: plain tensors, or FSDP2 shards."""
+        return self.plain_tensors or self.shards is not None
 
     @property
     def watching(self) -> bool:
@@ -223,8 +234,10 @@ class FusedUnit:
         if self._grad_ptrs is None or self._copied or self.uninit or self.unhandled:
             return False
         if self.native and _native.CHECKS is not None:
+            if self.shards is not None:
+                return _native.CHECKS.unchanged_local(self.params, self.shards, self._table, True)
             return _native.CHECKS.unchanged(self.params, self._table, True)
-        if _PTRS_EQUAL is None:
+        if _PTRS_EQUAL is None or self.shards is not None:
             return False
         grads = list(map(_GRAD, self.params))
         try:  # a grad that is None (or sparse, or without storage) raises: the full check sorts it out

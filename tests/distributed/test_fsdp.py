@@ -25,6 +25,9 @@ SCENARIOS = {
     "adamw_bf16_clip": {"opt": "adamw", "amp": torch.bfloat16, "max_grad_norm": 0.05},
     # the sharded grads kept and zeroed in place (one _foreach_zero_ over the DTensor grads), not set to None
     "adamw_clip_keep_grads": {"opt": "adamw", "max_grad_norm": 0.05, "set_to_none": False},
+    # the first param's grad replaced by a new DTensor (a new local shard) before one step: the native check of the
+    # local shards must see it, and the steps around it take the check's fast path
+    "adamw_clip_keep_grads_swap": {"opt": "adamw", "max_grad_norm": 0.05, "set_to_none": False, "swap_at": 2},
 }
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
@@ -71,13 +74,35 @@ def _loss(model, x, y, opt=None):
 
 
 # -- the ranks ------------------------------------------------------------------------------------------------------
+class _Counting:
+    """The native module, counting the checks of FSDP2 shards with grads that answered 'unchanged'."""
+
+    def __init__(self, real, hits: list[int]) -> None:
+        self.real, self.hits = real, hits
+        self.unchanged, self.same = real.unchanged, real.same
+
+    def unchanged_local(self, params, shards, table, grads: bool) -> bool:
+        same = self.real.unchanged_local(params, shards, table, grads)
+        if same and grads:
+            self.hits.append(1)
+        return same
+
+
 def _fused_training(sc: dict, mesh, rank: int) -> dict:
+    from kitsune import _native
+
+    built = _native.wait(timeout=120)  # the native check, as a run past its first minute has it
+    hits: list[int] = []
+    _native.CHECKS = _Counting(built, hits) if built is not None else None
     model = _shard(_model(), mesh)
     opt = _kitsune(model.parameters(), sc)
     norms = []
-    for x, y in _batches():
+    for step, (x, y) in enumerate(_batches()):
         lo, hi = rank * len(x) // WORLD, (rank + 1) * len(x) // WORLD
         opt.backward(_loss(model, x[lo:hi], y[lo:hi], opt))
+        if step == sc.get("swap_at"):
+            first = next(iter(model.parameters()))
+            first.grad = first.grad * 2  # a new DTensor over a new local shard
         opt.step()
         opt.zero_grad(set_to_none=sc.get("set_to_none", True))
         if not sc.get("set_to_none", True):
@@ -89,9 +114,12 @@ def _fused_training(sc: dict, mesh, rank: int) -> dict:
         {k: (type(v).__name__, tuple(map(repr, getattr(v, "placements", ())))) for k, v in s.items()}
         for s in opt.state_dict()["state"].values()
     ]
+    _native.CHECKS = built
     return {
         "params": [p.full_tensor().detach() for p in model.parameters()],
         "norms": norms,
+        "native_hits": len(hits),
+        "address_checks": fusion.report()["address_checks"],
         "fused": fusion.report()["params_fused"],
         "reasons": sorted({b.reason for b in opt.plan.buckets}),
         "grad_pass": fusion.grad_pass,
@@ -280,10 +308,13 @@ def _reference(sc: dict) -> tuple[list[torch.Tensor], list[float]]:
     model = _model()
     opt = _torch_optimizer(model.parameters(), sc)
     norms = []
-    for x, y in _batches():
+    for step, (x, y) in enumerate(_batches()):
         with torch.autocast("cpu", dtype=sc.get("amp", torch.bfloat16), enabled="amp" in sc):
             loss = torch.nn.functional.mse_loss(model(x).float(), y)
         loss.backward()
+        if step == sc.get("swap_at"):
+            first = next(iter(model.parameters()))
+            first.grad = first.grad * 2
         if "max_grad_norm" in sc:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), sc["max_grad_norm"], sc.get("norm_type", 2.0))
             norms.append(float(norm))
@@ -308,6 +339,10 @@ def test_fsdp2_fused_on_shards_equals_one_process(ranks, name):
         for s in r["state"]:  # DTensor state sharded as the params, step a plain tensor, as torch keeps them
             assert s == {k: ("Tensor", ()) if k == "step" else ("DTensor", ("Shard(dim=0)",)) for k in keys}
     assert ranks[0][name]["norms"] == ranks[1][name]["norms"]  # one global norm, the same bits on every rank
+    for r in _results(ranks, name):  # the local shards checked in one native call a step
+        assert r["address_checks"] == "native (one C++ call per unit)"
+        if not sc.get("set_to_none", True):  # grads kept in place: every step after the first (and the swap) is fast
+            assert r["native_hits"] == STEPS - 1 - ("swap_at" in sc)
 
 
 def test_fsdp2_state_dict_matches_torch(ranks):

@@ -10,6 +10,7 @@ grad or a param must leave the fast path and give torch's numbers.
 from __future__ import annotations
 
 import shutil
+import types
 from pathlib import Path
 
 import pytest
@@ -183,6 +184,36 @@ def test_the_native_check_builds_here_and_refuses_what_it_cannot_read():
     assert not checks.unchanged(ps, table, True)
     assert not checks.unchanged([ps[0], "x", ps[2]], table, False)
     assert checks.same(ps, list(ps)) and not checks.same(ps, ps[::-1]) and not checks.same(ps, ps[:2])
+    assert not checks.unchanged_local(ps, ps, table, False)  # no local shards to read: the full check, no error
+
+
+class _Sharded:
+    """What the native check reads of an FSDP2 param: its local shard, and its grad's (``grad_local`` None: no grad)."""
+
+    def __init__(self, local: torch.Tensor, grad_local: torch.Tensor | None) -> None:
+        self._local_tensor = local
+        self.grad = None if grad_local is None else types.SimpleNamespace(_local_tensor=grad_local)
+
+
+def test_the_native_check_reads_fsdp2_local_shards():
+    """``unchanged_local``: each param still holds the shard planned, at its address, and its grad's shard sits where
+    the table says; any other answer (a shard replaced, a grad that is None, sparse or moved) is False."""
+    checks = _native.wait(timeout=600)
+    assert checks is not None, _native.reason()
+    shards, grads = [torch.randn(4) for _ in range(3)], [torch.randn(4) for _ in range(3)]
+    params = [_Sharded(s, g) for s, g in zip(shards, grads, strict=True)]
+    table = torch.tensor([t.data_ptr() for t in shards + grads], dtype=torch.int64)
+    assert checks.unchanged_local(params, shards, table, True)
+    assert not checks.unchanged_local(params, shards[:2], table, True)
+    params[1].grad = types.SimpleNamespace(_local_tensor=grads[1].clone())  # a new grad: another address
+    assert not checks.unchanged_local(params, shards, table, True)
+    assert checks.unchanged_local(params, shards, table, False)
+    params[1].grad = types.SimpleNamespace(_local_tensor=grads[1].to_sparse())
+    assert not checks.unchanged_local(params, shards, table, True)
+    params[1].grad = None
+    assert not checks.unchanged_local(params, shards, table, True)
+    params[1] = _Sharded(shards[1].clone(), grads[1])  # a param given another shard
+    assert not checks.unchanged_local(params, shards, table, False)
     assert _native.name().startswith("kitsune_native_" + torch.__version__.replace(".", "_").replace("+", "_"))
 
 
