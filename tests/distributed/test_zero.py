@@ -48,6 +48,8 @@ CASES = {
     "zero1_sgd_side_keep_grads": {"stage": 1, "opt": "sgd", "side": True, "keep": True, "steps": 9},
     # per-param math: LAMB's trust ratios keep every param whole on one rank
     "zero2_lamb_whole": {"stage": 2, "opt": "lamb", "max_grad_norm": 0.5},
+    # a frozen first layer (requires_grad=False) stays out of the buckets: no state, never changed, the rest cut evenly
+    "zero2_adamw_frozen_fused": {"stage": 2, "opt": "adamw", "max_grad_norm": 0.05, "freeze": True, "fused": True},
 }
 OVERFLOW_STEP = 2
 MOVE_STEP = 2
@@ -72,9 +74,11 @@ class _Net(torch.nn.Module):
         return out
 
 
-def _model(side: bool = False) -> _Net:
+def _model(side: bool = False, freeze: bool = False) -> _Net:
     torch.manual_seed(0)
-    return _Net(side)
+    net = _Net(side)
+    net.body[0].requires_grad_(not freeze)
+    return net
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,15 +166,17 @@ def _run_case(name: str, case: dict, rank: int, world: int) -> dict:
 
     os.environ["TRITON_INTERPRET"] = "1" if case.get("fused") else "0"  # the planner reads it when it plans
     side, steps = case.get("side", False), case.get("steps", STEPS)
-    ref_model = _model(side)
+    ref_model = _model(side, case.get("freeze", False))
     ref = _optimizer(ref_model, case, stage=0)
     _train(ref_model, ref, steps, 0, 1, case)
 
-    model = _model(side)
+    model = _model(side, case.get("freeze", False))
+    frozen = [p.detach().clone() for p in model.body[0].parameters()]
     opt = _optimizer(model, case, stage=case["stage"])
     _train(model, opt, steps, rank, world, case)
     status = {s["name"]: s for s in opt.subsystem_status()}
     out = {
+        "frozen_unchanged": all(torch.equal(a, b) for a, b in zip(frozen, model.body[0].parameters(), strict=True)),
         "params": [p.detach().clone() for p in model.parameters()],
         "ref_params": [p.detach().clone() for p in ref_model.parameters()],
         "state_numel": state_numel(opt),
@@ -297,7 +303,8 @@ def _layouts(case: dict, world: int = 2):
     """The partition the ranks compute, computed here: reverse registration order, whole params for LAMB."""
     from kitsune.distributed.layout import partition
 
-    order = list(_model(case.get("side", False)).parameters())[::-1]
+    order = [p for p in _model(case.get("side", False), case.get("freeze", False)).parameters() if p.requires_grad]
+    order = order[::-1]
     return order, partition(order, world, BUCKET_BYTES, [case["opt"] == "lamb"] * len(order))
 
 
@@ -316,6 +323,8 @@ def test_two_ranks_equal_one_process(ranks, name):
             assert got["ref_last_grad_norm"] > case["max_grad_norm"]  # so the clip acted
     for a, b in zip(ranks[0][name]["params"], ranks[1][name]["params"], strict=True):
         assert torch.equal(a, b)  # the all-gather keeps the replicas identical
+    if case.get("freeze"):
+        assert all(r[name]["frozen_unchanged"] for r in ranks)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -338,7 +347,8 @@ def test_each_rank_holds_the_state_of_its_elements(ranks, name):
         assert max(per_rank) <= total / 2 + ALIGN * len(layouts), per_rank
         assert shard["report"]["whole_params"] == {} and shard["report"]["params_split"] > 0
     if case.get("fused"):  # fused kernels, over what this rank updates only (whole params and shard params)
-        assert ranks[0][name]["fusion_fused"] == shard["report"]["params_owned"]
+        frozen = 2 if case.get("freeze") else 0  # planned as without ZeRO: in the groups, skipped with no grad
+        assert ranks[0][name]["fusion_fused"] == shard["report"]["params_owned"] + frozen
 
 
 def test_overlap_reduces_buckets_during_backward(ranks):
