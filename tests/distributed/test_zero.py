@@ -97,16 +97,17 @@ def _side_rows(step: int) -> torch.Tensor:
     return rows
 
 
-def _optimizer(model: torch.nn.Module, case: dict, stage: int, group=None):
+def _optimizer(model: torch.nn.Module, case: dict, stage: int, group=None, params=None):
     from kitsune import AMPConfig, GradConfig, KitsuneOptimizer, ShardConfig
     from kitsune.optim import LAMB
 
+    params = list(model.parameters()) if params is None else params
     if case["opt"] == "adamw":
-        base = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        base = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
     elif case["opt"] == "lamb":
-        base = LAMB(model.parameters(), lr=1e-2, weight_decay=0.1)
+        base = LAMB(params, lr=1e-2, weight_decay=0.1)
     else:
-        base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)
+        base = torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)
     grads = GradConfig(max_norm=case.get("max_grad_norm"), norm_type=case.get("norm_type", 2.0))
     shard = ShardConfig(stage=stage, bucket_bytes=BUCKET_BYTES, overlap=case.get("overlap", True), process_group=group)
     amp = {"enable_amp": True, "amp_config": AMPConfig(dtype=torch.float16)} if case.get("amp") else {}
@@ -115,7 +116,7 @@ def _optimizer(model: torch.nn.Module, case: dict, stage: int, group=None):
     )
 
 
-def _train(model, opt, steps, rank: int, world: int, case: dict, first: int = 0) -> None:
+def _train(model, opt, steps, rank: int, world: int, case: dict, first: int = 0, before_step=None) -> None:
     k = case.get("accumulate", 1)
     for step in range(first, first + steps):
         x, y = _batch(step)
@@ -132,6 +133,8 @@ def _train(model, opt, steps, rank: int, world: int, case: dict, first: int = 0)
                 with opt.autocast():
                     loss = torch.nn.functional.mse_loss(model(xi, ri).float(), yi) / k
                 opt.backward(loss)
+        if before_step is not None:
+            before_step()
         opt.step()
         opt.zero_grad(set_to_none=not (case.get("keep") and _sharded(opt)))
 
@@ -287,10 +290,43 @@ def _regroup(rank: int, world: int) -> dict:
     return out
 
 
+MIDSTEP = 4
+"""`_regroup_midstep` adds its param group between this step's backward and its step: a step on which only the
+last rank has rows for the side branch (`_side_rows`)."""
+
+
+def _regroup_midstep(rank: int, world: int) -> dict:
+    """``add_param_group`` between a backward and its step (stages 1 and 2, against one process), on a step where only
+    the last rank has a grad for the side branch: the grads the old layout reduced go back into the params and are
+    reduced again under the new one, the side branch's at full weight on every rank. The group added holds a param
+    outside the model (it never gets a grad)."""
+    from kitsune.distributed import consolidated_state_dict
+
+    os.environ["TRITON_INTERPRET"] = "0"
+    case = {"opt": "adamw", "max_grad_norm": 0.05, "side": True}
+    out = {}
+    for stage, r, w in ((0, 0, 1), (1, rank, world), (2, rank, world)):
+        model = _model(True)
+        extra = torch.nn.Parameter(torch.randn(40, generator=torch.Generator().manual_seed(7)))
+        opt = _optimizer(model, case, stage)
+        _train(model, opt, MIDSTEP, r, w, case)
+        add = lambda opt=opt, extra=extra: opt.add_param_group({"params": [extra], "lr": 5e-3})  # noqa: E731
+        _train(model, opt, 1, r, w, case, first=MIDSTEP, before_step=add)
+        _train(model, opt, 2, r, w, case, first=MIDSTEP + 1)
+        full = consolidated_state_dict(opt, to=None)
+        out[stage] = {
+            "params": [p.detach().clone() for p in model.parameters()],
+            "extra_unchanged": torch.equal(extra, torch.randn(40, generator=torch.Generator().manual_seed(7))),
+            "state": _state(_plain(model, full, case, lambda m, extra=extra: [m.parameters(), [extra]])),
+        }
+    return out
+
+
 def _cases(rank: int, world: int) -> dict:
     return {
         **{name: _run_case(name, case, rank, world) for name, case in CASES.items()},
         "regroup": _regroup(rank, world),
+        "regroup_midstep": _regroup_midstep(rank, world),
     }
 
 
@@ -581,6 +617,20 @@ def test_config_rejects_what_cannot_combine():
     for name, info in ShardConfig.model_fields.items():
         assert info.description, name
     assert KitsuneConfig(shard=ShardConfig(stage=1)).model_dump(mode="json")["shard"]["process_group"] is None
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_add_param_group_between_backward_and_step_keeps_the_reduced_grads(ranks, stage):
+    assert _side_rows(MIDSTEP).tolist() == [False] * (ROWS - 1) + [True]  # the last rank's rows only
+    for r in ranks:
+        got, want = r["regroup_midstep"][stage], r["regroup_midstep"][0]
+        assert got["extra_unchanged"] and want["extra_unchanged"]
+        for a, b in zip(got["params"], want["params"], strict=True):
+            torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+        assert set(got["state"]) == set(want["state"])
+        for key, state in want["state"].items():
+            for n, v in state.items():
+                torch.testing.assert_close(got["state"][key][n], v, atol=2e-5, rtol=2e-5)
 
 
 def test_add_param_group_moves_the_state(ranks):
