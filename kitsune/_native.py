@@ -1,4 +1,5 @@
-"""The per-step address check in one native call, compiled once per machine and torch version, in the background.
+"""The per-step address check in one native call, compiled once per machine, torch and Python version, in the
+background.
 
 Every step, a fused unit must know that its params and their grads still sit where its tables point (a grad
 re-allocated by ``zero_grad(set_to_none=True)``, a param's storage replaced): a missed change is a wrong result. Done
@@ -14,10 +15,9 @@ params planned.
 The extension is compiled with ``torch.utils.cpp_extension.load_inline`` (a C++ compiler, ninja and Python's
 headers are needed; ``pip install ninja`` provides ninja) and kept in `cache_dir`, under a name that includes
 torch's version, Python's and the source's hash, so a machine compiles it once (about 20-30 s) and later processes
-load it in well under a second. It
-builds in a background thread, started by the first fused plan: until it is ready, or where it cannot be built, the
-units run the same checks in Python and the fusion report gives the reason (``address_checks``). Nothing about the
-results depends on which of the two runs.
+load it in well under a second. It builds in a background thread, started by the first fused plan: until it is
+ready, or where it cannot be built, the units run the same checks in Python and the fusion report gives the reason
+(``address_checks``). Nothing about the results depends on which of the two runs.
 """
 
 from __future__ import annotations
@@ -136,7 +136,6 @@ step, so a plain module attribute."""
 _lock = threading.Lock()
 _thread: threading.Thread | None = None
 _reason = "not built yet: the first fused plan starts the build"
-_started = 0.0
 
 
 def name() -> str:
@@ -148,13 +147,12 @@ def name() -> str:
 
 
 def start() -> None:
-    """Build (or load from torch's cache) in a background thread, once per process; returns at once."""
-    global _thread, _reason, _started
+    """Build (or load from `cache_dir`) in a background thread, once per process; returns at once."""
+    global _thread, _reason
     with _lock:
         if _thread is not None or CHECKS is not None:
             return
         _reason = "building (the Python checks run meanwhile)"
-        _started = time.perf_counter()
         _thread = threading.Thread(target=_build, name="kitsune-native-build", daemon=True)
         _thread.start()
 
