@@ -4,9 +4,10 @@ background.
 Every step, a fused unit must know that its params and their grads still sit where its tables point (a grad
 re-allocated by ``zero_grad(set_to_none=True)``, a param's storage replaced): a missed change is a wrong result. Done
 in Python, that is a few attribute reads a tensor, 100-400 ns each on a typical host, so on 2000 tensors the check
-alone takes most of a millisecond, more than the fused update. In C++ it is one pass over the list, 15-40 ns a
-tensor: `unchanged` compares each param's and each grad's address with an int64 table, and answers False (so the
-step takes the full check) for anything it cannot read (a grad that is None or sparse, a tensor without storage).
+alone takes most of a millisecond, more than the fused update. In C++ it is one pass over the list, tens of ns a
+tensor (14 ns with the tensors' metadata in cache, 50-160 ns from cold caches, on an x86 CPU): `unchanged` compares
+each param's and each grad's address with an int64 table, and answers False (so the step takes the full check) for
+anything it cannot read (a grad that is None or sparse, a tensor without storage).
 `unchanged_local` does the same for FSDP2's DTensor params through their local shards (each param must still hold
 the shard the plan resolved, and its grad's local shard must sit where the table says), reading the two attributes
 through Python's C API. `same` compares two lists by identity, for the plan's check that each group still holds the

@@ -112,7 +112,7 @@ class FusionConfig(_Config):
     """Fuse a bucket only if the cost model predicts at least this speedup over the fallback (1.0 = any gain)."""
     native_checks: StrictBool = True
     """Check every step that the params and grads sit where the fused kernels' tables point in one native call
-    (15-40 ns a tensor, against 100-400 in Python). It is compiled once per machine and torch version, in a
+    (tens of ns a tensor, against 100-400 in Python). It is compiled once per machine and torch version, in a
     background thread started by the first fused plan (about 20-30 s; a C++ compiler, ninja and Python's headers
     are needed); until it is ready, or where it cannot be built, the same checks run in Python and the fusion
     report (``subsystem_status()``, the summary, the saved profile) says why under ``address_checks``. The results

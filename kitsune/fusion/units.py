@@ -39,7 +39,7 @@ class FusedUnit:
     """Up to ``max_fusion_size`` tensors of one bucket, updated by one launch of the generic kernel.
 
     Per step, one native call (`kitsune._native`) compares every param's and grad's address with the last step's,
-    15-40 ns a tensor with no per-tensor Python work (while it builds, or where it cannot: a read of each ``p.grad``
+    tens of ns a tensor with no per-tensor Python work (while it builds, or where it cannot: a read of each ``p.grad``
     and torch's `_PTRS_EQUAL`, or C-level ``map`` calls where torch lacks it). Everything else happens only when
     something changed: the grad addresses (one table upload; grad layouts are
     re-checked then), a param's storage (a re-plan), or a param's grad appearing for the first time (lazy state
