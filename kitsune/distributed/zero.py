@@ -72,14 +72,12 @@ import torch.distributed as dist
 from kitsune.config import ShardConfig
 from kitsune.distributed import fsdp
 from kitsune.distributed.layout import NOT_CONTIGUOUS, Bucket, partition, whole_reason
+from kitsune.distributed.reduce import GradReduction, all_gather
 from kitsune.distributed.shard_state import check_sizes, join_pieces, placed, slice_state, to_cpu
 from kitsune.subsystem import Accumulation, StepState, Subsystem
 
 GATHERS_IN_FLIGHT = 2
 """Param all-gathers running at once after the update: each holds a bucket-sized buffer."""
-
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor", None)
-_all_gather = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
 
 
 class ShardSubsystem(Subsystem):
@@ -116,16 +114,9 @@ class ShardSubsystem(Subsystem):
         self._key: tuple | None = None
         self._hooks: list[Any] = []
         self._broadcast = False
-        self._counts: torch.Tensor | None = None
-        """Per param (bucket order), the ranks that had a grad for it in the last reduction."""
-        self._counts_work: Any = None
-        self._ones: torch.Tensor | None = None
-        self._next = 0
-        self._queued = False
-        self._reduced = False
+        self._reduction = GradReduction(config, self._accumulating)
+        """Averages the buckets' grads across the ranks (from backward, or at the step)."""
         self._norm_type = 2.0
-        self._device = torch.device("cpu")
-        self._in_backward = self._in_step = 0
         self._last = {"buckets_reduced_in_backward": 0, "buckets_reduced_in_step": 0}
         self.deactivate("zero_stage=0")
 
@@ -173,7 +164,6 @@ class ShardSubsystem(Subsystem):
             self._drop("no param requires grad: nothing to update", base)
             return
         self._norm_type = norm_type
-        self._device = trainable[0].device
         reasons = tuple(whole_reason(base, g) for g in groups)
         key = (self.world, self.rank, cfg.bucket_bytes, tuple(map(id, params)), tuple(signature), reasons)
         if key != self._key:  # a re-plan that changed nothing keeps the buffers (and grads already reduced)
@@ -203,7 +193,7 @@ class ShardSubsystem(Subsystem):
         """Lay ``order`` out anew and move the state there: taken from the groups as torch keeps it on the first
         plan, gathered from every rank's pieces (a collective) when a layout existed already."""
         full = self._state_by_index(base, params, gather=self._key is not None)
-        self._restore_grads()
+        self._reduction.restore_grads()  # the old layout's reduced grads back in the params
         self._swap(base, self._model_of)  # the model params back in the groups, then the new shard params
         layouts = partition(order, self.world, self.config.bucket_bytes, [id(p) in whole_of for p in order])
         self.buckets = [Bucket([order[i] for i in L.indices], L, self.rank, self.world) for L in layouts]
@@ -229,29 +219,7 @@ class ShardSubsystem(Subsystem):
         self._whole = Counter(whole_of[id(p)] for p in order if id(p) in whole_of)
         self._swap(base, {id(p): s for s in self._mine if (p := self._model_of.get(id(s))) is not None})
         self._place(base, full)
-        self._reduced = False
-        self._counts = self._ones = None
-
-    @torch.no_grad()
-    def _restore_grads(self) -> None:
-        """A re-partition between backward and step (``add_param_group``, a group's params changed): the grads the
-        old layout reduced go back into the params, every rank holding the average of each param any rank had a grad
-        for (stage 2 kept only this rank's segment: one all-gather per bucket), so the new layout reduces them again
-        to the same average. A collective, run by every rank's re-plan alike."""
-        if not any(b.reduced or b.pending for b in self.buckets):
-            return
-        self._wait()
-        present = self._presence(every=True)
-        at = 0
-        for b in self.buckets:
-            full = b.flat
-            if self.config.stage == 2:
-                full = torch.empty(self.world * b.seg, dtype=b.dtype, device=b.device)
-                _all_gather(full, b.shard, group=self.group)
-            for k, p in enumerate(b.params):
-                if present[at + k]:
-                    p.grad = b.view(full, k)
-            at += len(b.params)
+        self._reduction.bind(self.buckets, self.group, self.world, self.rank, order[0].device)
 
     def _state_by_index(
         self, base: torch.optim.Optimizer, params: list[torch.Tensor], gather: bool
@@ -314,6 +282,7 @@ class ShardSubsystem(Subsystem):
             self._ranges = [(0, p.numel()) for p in self._params]
             self._place(base, full)
         self.remote, self.buckets, self._mine, self._shards, self._key = frozenset(), [], [], [], None
+        self._reduction.bind([], self.group, self.world, self.rank, torch.device("cpu"))
         self._model_of = {}
         self.executes = False
         self.deactivate(reason)
@@ -347,116 +316,8 @@ class ShardSubsystem(Subsystem):
 
     # -- inside backward -------------------------------------------------------------------------------------------
     def grad_ready(self, bi: int, k: int) -> None:
-        """Param ``k`` of bucket ``bi`` has its grad of this backward (its post-accumulate-grad hook): note it, and
-        with ``overlap`` start the buckets that are complete."""
-        self.buckets[bi].present[k] = True
-        if self._accumulating or not self.config.overlap:
-            return
-        if not self._queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            self._queued = True
-        self.buckets[bi].ready += 1
-        buckets = self.buckets
-        while self._next < len(buckets) and buckets[self._next].ready == len(buckets[self._next].params):
-            self._launch(buckets[self._next])  # in bucket order on every rank, whatever order grads arrive in
-            self._next += 1
-            self._in_backward += 1
-
-    def _end_of_backward(self) -> None:
-        for b in self.buckets[self._next :]:  # params that got no grad in this backward leave buckets incomplete
-            self._launch(b)
-            self._in_backward += 1
-        self._next, self._queued = 0, False
-        for b in self.buckets:
-            b.ready = 0
-        self._count_grads()
-        self._wait()
-
-    @torch.no_grad()
-    def _launch(self, b: Bucket) -> None:
-        """Copy the bucket's grads into its flat buffer, divide by the world size and start the reduction."""
-        world, stage1 = self.world, self.config.stage == 1
-        if stage1:
-            if b.pending:  # reduced once already and not waited for: the newer grads include the older ones
-                self._wait()
-            if b.flat is None:
-                b.flat = torch.zeros(world * b.seg, dtype=b.dtype, device=b.device)
-                b.bind(b.flat)
-            flat = b.flat
-        else:
-            flat = torch.zeros(world * b.seg, dtype=b.dtype, device=b.device)
-        dst, src, empty = [], [], []
-        for k, p in enumerate(b.params):
-            v, g = b.views[k] if stage1 else b.view(flat, k), p.grad
-            if g is not None and not b.present[k] and g is not (v if stage1 else b.grads.get(k)):
-                b.present[k] = True  # a grad set by hand (a backward's grads are noted by their hooks)
-            if g is None or not b.present[k]:  # no grad here since the last step: zeros in the average
-                empty.append(v)
-                continue
-            if g.data_ptr() != v.data_ptr():
-                dst.append(v)
-                src.append(g)
-        if src:
-            torch._foreach_copy_(dst, src)
-        if empty and stage1:
-            torch._foreach_zero_(empty)
-        flat.div_(world)
-        if stage1:  # the elements that hold params only: a bucket of whole params pads its short segments
-            for lo, hi in b.spans:
-                work = dist.all_reduce(flat[lo:hi], group=self.group, async_op=True)
-                b.pending.append((work, None, None))
-            return
-        for p in b.params:  # stage 2: the grads are in the bucket now; each rank keeps only its own, reduced
-            p.grad = None
-        first = not b.reduced and not b.pending
-        if first and b.shard is None:
-            b.shard = torch.empty(b.seg, dtype=b.dtype, device=b.device)
-            b.bind(b.shard, self.rank * b.seg)
-        out = b.shard if first else torch.empty(b.seg, dtype=b.dtype, device=b.device)
-        work = _reduce_scatter(out, flat, group=self.group, async_op=True)
-        b.pending.append((work, flat, None if first else out))
-
-    def _count_grads(self) -> None:
-        """Start the all-reduce that counts, for every param, the ranks that had a grad for it (int32, in bucket
-        order): a param no rank had a grad for is skipped, as torch skips it."""
-        local = [x for b in self.buckets for x in b.present]
-        if all(local):  # the common step: a copy on the device, no host-to-device transfer
-            if self._ones is None or len(self._ones) != len(local):
-                self._ones = torch.ones(len(local), dtype=torch.int32, device=self._device)
-            counts = self._ones.clone()
-        else:
-            counts = torch.tensor(local, dtype=torch.int32, device=self._device)
-        self._counts = counts
-        self._counts_work = dist.all_reduce(counts, group=self.group, async_op=True)
-
-    @torch.no_grad()
-    def _wait(self) -> None:
-        """Wait for every reduction started (on GPUs: make the current stream wait) and put its result in place."""
-        for b in self.buckets:
-            for work, _, extra in b.pending:
-                work.wait()
-                if extra is not None:  # stage 2, a further backward before step(): its grads add to the shard
-                    b.shard.add_(extra)
-            if not b.pending:
-                continue
-            b.pending = []
-            b.reduced = True
-            if self.config.stage == 1:  # the grads a backward made here: views of the averaged bucket, as DDP's
-                for k, p in enumerate(b.params):
-                    if b.present[k] and p.grad is not b.views[k]:
-                        p.grad = b.views[k]
-        if self._counts_work is not None:
-            self._counts_work.wait()
-            self._counts_work = None
-        self._reduced = True
-
-    def _drain(self, b: Bucket) -> None:
-        for work, _, _ in b.pending:
-            work.wait()
-        b.pending = []
-        if self._counts_work is not None:
-            self._counts_work.wait()
-            self._counts_work = None
+        """Param ``k`` of bucket ``bi`` has its grad of this backward (its post-accumulate-grad hook)."""
+        self._reduction.grad_ready(bi, k)
 
     # -- the step --------------------------------------------------------------------------------------------------
     def begin(self, s: StepState) -> None:
@@ -466,13 +327,9 @@ class ShardSubsystem(Subsystem):
         self._accumulating.refuse_step()
         self._check_groups()
         self._follow_storage()
-        if not self._reduced:  # no backward reduced the grads: overlap=False, accumulating(), or grads set by hand
-            for b in self.buckets:
-                self._launch(b)
-                self._in_step += 1
-            self._count_grads()
-            self._wait()
-        present = self._presence()
+        if not self._reduction.reduced:  # no backward reduced the grads
+            self._reduction.reduce_all()
+        present = self._reduction.presence()
         at, stage1 = 0, self.config.stage == 1
         for b in self.buckets:
             for k, t in b.targets.items():
@@ -507,14 +364,6 @@ class ShardSubsystem(Subsystem):
                 shard.data = p.detach().view(-1)[lo:hi]
                 self._shards[j] = (p, shard, lo, hi, p.data_ptr())
 
-    def _presence(self, every: bool = False) -> list[bool]:
-        """Whether any rank had a grad for each param (bucket order), read back only where this rank's own grads do
-        not settle it (a param it updates had no grad here, or ``every`` param has to be known: one sync)."""
-        local = [x for b in self.buckets for x in b.present]
-        if self._counts is None or all(local if every else (b.present[k] for b in self.buckets for k in b.targets)):
-            return local
-        return [here or n > 0 for here, n in zip(local, self._counts.tolist(), strict=True)]
-
     def owned_grads(self) -> list[torch.Tensor]:
         """The grads this rank updates with (and so unscales)."""
         return [t.grad for t in self._mine if t.grad is not None]
@@ -541,29 +390,21 @@ class ShardSubsystem(Subsystem):
                 src.append(t)
             if src:
                 torch._foreach_copy_(dst, src)
-            inflight.append((b, flat, _all_gather(flat, mine, group=self.group, async_op=True)))
+            inflight.append((b, flat, all_gather(flat, mine, group=self.group, async_op=True)))
             if len(inflight) >= GATHERS_IN_FLIGHT:
                 _scatter_back(*inflight.popleft())
         while inflight:
             _scatter_back(*inflight.popleft())
-        self._forget()
-        self._last = {"buckets_reduced_in_backward": self._in_backward, "buckets_reduced_in_step": self._in_step}
-        self._in_backward = self._in_step = 0
-
-    def _forget(self) -> None:
-        for b in self.buckets:
-            b.reduced = False
-            b.present = [False] * len(b.params)
-        self._reduced = False
-        self._counts = None
+        self._reduction.forget()
+        self._last = self._reduction.take_counts()
 
     def zero_grad(self) -> None:
         """Forget grads reduced since the last step (``optimizer.zero_grad()`` discards them, as it does grads)."""
         for b in self.buckets:
-            self._drain(b)
+            self._reduction.drain(b)
         for p, *_ in self._shards:  # not in the groups, so optimizer.zero_grad does not reach them
             p.grad = None
-        self._forget()
+        self._reduction.forget()
 
     def filter_load(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """The part of a consolidated (or plain torch) state dict this rank keeps: its own elements of each param's
