@@ -131,7 +131,7 @@ def main() -> None:
     other = load_other(args.other)
     sides = {"other": other, "this": kitsune} if args.other_first else {"this": kitsune, "other": other}
     for name, mod in sides.items():  # a commit with the native address check: time it built, as users run it
-        native = sys.modules.get(f"{mod.__name__}._native") or _try_import(f"{mod.__name__}._native")
+        native = _try_import(f"{mod.__name__}._native")
         if native is not None:
             t0 = time.perf_counter()
             ready = native.wait(timeout=600) is not None

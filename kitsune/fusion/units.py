@@ -164,10 +164,8 @@ class FusedUnit:
         for can change that (a param that now falls back takes the grads' passes out of the kernels)."""
         if self._intact is not None and self._intact.ok:
             moved = False  # static addresses: the watch holds the params' storages
-        elif self.plain_tensors and self._grad_ptrs is not None and self.native and _native.CHECKS is not None:
-            moved = not _native.CHECKS.unchanged(self.params, self._table, False)  # a step `_unchanged` checks
-        elif self.shards is not None and self._grad_ptrs is not None and self.native and _native.CHECKS is not None:
-            moved = not _native.CHECKS.unchanged_local(self.params, self.shards, self._table, False)
+        elif self._grad_ptrs is not None and (same := self._native_check(grads=False)) is not None:
+            moved = not same  # a step `_unchanged` checks
         elif self.plain_tensors and self._grad_ptrs is not None and _PTRS_EQUAL is not None:
             try:
                 moved = not _PTRS_EQUAL(self.params, self._param_ptrs, self._every)
@@ -233,10 +231,9 @@ class FusedUnit:
         read of the grads); False sends the step through the full check."""
         if self._grad_ptrs is None or self._copied or self.uninit or self.unhandled:
             return False
-        if self.native and _native.CHECKS is not None:
-            if self.shards is not None:
-                return _native.CHECKS.unchanged_local(self.params, self.shards, self._table, True)
-            return _native.CHECKS.unchanged(self.params, self._table, True)
+        same = self._native_check(grads=True)
+        if same is not None:
+            return same
         if _PTRS_EQUAL is None or self.shards is not None:
             return False
         grads = list(map(_GRAD, self.params))
@@ -246,6 +243,16 @@ class FusedUnit:
             )
         except (TypeError, RuntimeError, ValueError):
             return False
+
+    def _native_check(self, grads: bool) -> bool | None:
+        """The native check of the params (and, with ``grads``, the grads) against `_table`: through the local
+        shards for FSDP2; None where it cannot answer (switched off, not built, tensor subclasses)."""
+        checks = _native.CHECKS
+        if not self.native or checks is None or not self.checks_natively:
+            return None
+        if self.shards is not None:
+            return checks.unchanged_local(self.params, self.shards, self._table, grads)
+        return checks.unchanged(self.params, self._table, grads)
 
     def _prepare(self, state: Any, groups: Sequence[dict[str, Any]]) -> bool:
         self._unwatch()

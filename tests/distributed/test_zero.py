@@ -619,28 +619,27 @@ def test_config_rejects_what_cannot_combine():
     assert KitsuneConfig(shard=ShardConfig(stage=1)).model_dump(mode="json")["shard"]["process_group"] is None
 
 
+def _assert_same_run(got: dict, want: dict) -> None:
+    """A sharded run's params and consolidated state equal one process's, within fp tolerance."""
+    for a, b in zip(got["params"], want["params"], strict=True):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+    assert set(got["state"]) == set(want["state"])
+    for key, state in want["state"].items():
+        for n, v in state.items():
+            torch.testing.assert_close(got["state"][key][n], v, atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_add_param_group_between_backward_and_step_keeps_the_reduced_grads(ranks, stage):
     assert _side_rows(MIDSTEP).tolist() == [False] * (ROWS - 1) + [True]  # the last rank's rows only
     for r in ranks:
         got, want = r["regroup_midstep"][stage], r["regroup_midstep"][0]
         assert got["extra_unchanged"] and want["extra_unchanged"]
-        for a, b in zip(got["params"], want["params"], strict=True):
-            torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
-        assert set(got["state"]) == set(want["state"])
-        for key, state in want["state"].items():
-            for n, v in state.items():
-                torch.testing.assert_close(got["state"][key][n], v, atol=2e-5, rtol=2e-5)
+        _assert_same_run(got, want)
 
 
 def test_add_param_group_moves_the_state(ranks):
     """The state made before ``add_param_group`` is re-partitioned with the params (gathered and cut anew)."""
     for r in ranks:
-        got, want = r["regroup"][2], r["regroup"][0]
-        for a, b in zip(got["params"], want["params"], strict=True):
-            torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
-        assert set(got["state"]) == set(want["state"])
-        for key, state in want["state"].items():
-            for n, v in state.items():
-                torch.testing.assert_close(got["state"][key][n], v, atol=2e-5, rtol=2e-5)
+        _assert_same_run(r["regroup"][2], r["regroup"][0])
     assert sum(r["regroup"][2]["state_numel"] for r in ranks) == ranks[0]["regroup"][0]["state_numel"]
