@@ -15,6 +15,7 @@ from kitsune.config import (
     ShardConfig,
     StreamConfig,
 )
+from kitsune.fusion.state_format import convert_state_dict
 from kitsune.optimizer import KitsuneOptimizer
 
 __version__ = "0.1.0"
@@ -32,4 +33,5 @@ __all__ = [
     "StreamConfig",
     "__version__",
     "clip_grad_norm_",
+    "convert_state_dict",
 ]

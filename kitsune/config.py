@@ -117,6 +117,19 @@ class FusionConfig(_Config):
     are needed); until it is ready, or where it cannot be built, the same checks run in Python and the fusion
     report (``subsystem_status()``, the summary, the saved profile) says why under ``address_checks``. The results
     never depend on which one runs."""
+    state_precision: Literal["param", "fp32", "bf16", "8bit"] = "param"
+    """How the fused kernels keep optimizer state (moments, momentum buffers, accumulators). ``"param"``: in the
+    param's dtype, as torch keeps it. ``"fp32"`` or ``"bf16"``: in that dtype (torch's keys; a plain torch optimizer
+    loads it). ``"8bit"``: block-wise dynamic 8-bit quantization (256 elements per fp32 absmax, bitsandbytes' dynamic
+    code; about 1 byte an element instead of 4), under ``{key}_codes``/``{key}_absmax`` (see Low-precision state in
+    the docs). Applies to the fused buckets of Adam, AdamW, SGD (momentum), Adagrad, RMSprop, NAdam, RAdam, Adamax,
+    Adadelta and Lion; the plan's ``state`` column shows each bucket's format and why a bucket kept the param's.
+    Checkpoints of any precision load and are converted as they bind (`kitsune.convert_state_dict` converts them
+    for plain torch)."""
+    min_8bit_size: StrictInt = Field(4096, ge=0)
+    """With ``state_precision="8bit"``: params with fewer elements (biases, norm weights) keep their state in the
+    param's dtype, as bitsandbytes' ``min_8bit_size``: their state is small and quantizing it costs more accuracy
+    than it saves memory."""
 
 
 class GradConfig(_Config):
@@ -325,6 +338,12 @@ class KitsuneConfig(_Config):
             raise ValueError(
                 "ShardConfig(stage>0) with MemoryConfig(flat_grads=True): the sharded grads live in the shard's own "
                 "flat buckets; turn flat_grads off"
+            )
+        if self.shard.stage and self.fusion.state_precision != "param":
+            raise ValueError(
+                f"ShardConfig(stage>0) with FusionConfig(state_precision={self.fusion.state_precision!r}): sharded "
+                "state is kept in the params' dtype so far; use state_precision='param' with zero_stage, or "
+                "zero_stage=0 for low-precision state"
             )
         return self
 

@@ -24,6 +24,7 @@ from kitsune import checkpoint
 from kitsune.amp import AMPSubsystem
 from kitsune.config import AMPConfig, FusionConfig, GradConfig, KitsuneConfig, ShardConfig, StreamConfig, resolve_config
 from kitsune.distributed.zero import ShardSubsystem
+from kitsune.fusion import state_format
 from kitsune.fusion.algos import trust_ratios
 from kitsune.grads import GradPass
 from kitsune.graphs import GraphSubsystem
@@ -344,7 +345,10 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         """Whether the profiler's live comparison wants the wrapped optimizer's own step for this one; moves the
         fused executor's step counts to where that step keeps them when a baseline stretch begins or ends."""
         # with updates inside backward there is no step of kitsune's to time against the wrapped optimizer's
-        baseline = self._profiler.wants_baseline(self._executes and not self._streams.in_backward)
+        low = self._fusion.low_precision  # state only kitsune's kernels read: the wrapped step cannot run on it
+        comparable = self._executes and not self._streams.in_backward and not low
+        why = f"{low}: the wrapped optimizer's own step cannot read it" if low else None
+        baseline = self._profiler.wants_baseline(comparable, why)
         if baseline != self._handed_over and self._fusion.executes:
             self._fusion.hand_over() if baseline else self._fusion.take_back()
         self._handed_over = baseline
@@ -416,8 +420,10 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         ours = checkpoint.check_own_state(sd.pop(checkpoint.KEY, None), self._subsystems)
         base = self._optimizer
         before = base.state, base.param_groups
+        sd, low = state_format.split_low(sd)  # 8-bit state goes around torch's cast to the params' dtype
         base.load_state_dict(sd)  # torch checks the groups before it changes anything
         try:
+            state_format.restore_low(base, sd["param_groups"], low)
             self._fusion.check_loaded()  # and kitsune the state its fused units will bind, before they do
         except BaseException:
             base.state, base.param_groups = before

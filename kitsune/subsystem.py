@@ -201,8 +201,12 @@ class NoFusion(PlaceholderSubsystem):
         super().__init__("fusion", requested, reason)
         self.grad_pass: str | None = reason
 
+    low_precision = None
+
     def plan(self, base: torch.optim.Optimizer, remote: Any = (), backward_bytes: int | None = None) -> None:
-        pass
+        from kitsune.fusion.state_format import decode_others
+
+        decode_others(base.state, set())  # a checkpoint of 8-bit state: the optimizer's own step reads torch's keys
 
     def owned_params(self) -> list[torch.Tensor]:
         return []

@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
+from kitsune.fusion import state_format
 from kitsune.kernels.coefficients import schedule
-from kitsune.kernels.spec import Algo, MuonSpec, Trust, UpdateSpec
+from kitsune.kernels.spec import Algo, MuonSpec, StateFormat, Trust, UpdateSpec
 from kitsune.optim.lamb import LAMB
 from kitsune.optim.lars import LARS
 from kitsune.optim.lion import Lion
@@ -58,6 +59,9 @@ class AlgoInfo:
     host_scalars: tuple[str, ...] = ("step",)
     """The 0-dim state torch's own step keeps on the host unless ``capturable``: the profiler's live comparison moves
     it there for its baseline steps (ASGD keeps its scalars on the param's device either way)."""
+    low_precision: bool = False
+    """Whether ``FusionConfig.state_precision`` applies: its state may be kept in fp32, bf16 or 8 bits (every key is
+    a moment or an accumulator; `kitsune.fusion.state_format.SIGNED` names them)."""
     aux: AlgoInfo | None = None
     """The algorithm of the groups whose spec is an `UpdateSpec` in an optimizer that is mostly something
     else (kitsune.optim.Muon's ``use_muon=False`` groups run AdamW): their fused units use it."""
@@ -121,6 +125,7 @@ ALGOS: dict[type, AlgoInfo] = {
         lambda s: 9 if s.amsgrad else 7,
         12,
         torch_fused_devices=_FUSED_DEVICES,
+        low_precision=True,
     ),
     torch.optim.AdamW: AlgoInfo(
         "AdamW",
@@ -131,6 +136,7 @@ ALGOS: dict[type, AlgoInfo] = {
         lambda s: 9 if s.amsgrad else 7,
         12,
         torch_fused_devices=_FUSED_DEVICES,
+        low_precision=True,
     ),
     torch.optim.SGD: AlgoInfo(
         "SGD",
@@ -147,6 +153,7 @@ ALGOS: dict[type, AlgoInfo] = {
         4,
         torch_fused_devices=_FUSED_DEVICES,
         per_key_init=True,
+        low_precision=True,
     ),
     torch.optim.Adagrad: AlgoInfo(
         "Adagrad",
@@ -157,6 +164,7 @@ ALGOS: dict[type, AlgoInfo] = {
         lambda s: 5,
         6,
         torch_fused_devices=("cpu",),
+        low_precision=True,
     ),
     torch.optim.RMSprop: AlgoInfo(
         "RMSprop",
@@ -171,6 +179,7 @@ ALGOS: dict[type, AlgoInfo] = {
         True,
         lambda s: 3 + 2 * s.state_slots,
         9,
+        low_precision=True,
     ),
     torch.optim.NAdam: AlgoInfo(
         "NAdam",
@@ -183,6 +192,7 @@ ALGOS: dict[type, AlgoInfo] = {
         scalar_keys=("mu_product",),
         fills=(("mu_product", lambda g: 1.0),),
         host_scalars=("step", "mu_product"),
+        low_precision=True,
     ),
     torch.optim.RAdam: AlgoInfo(
         "RAdam",
@@ -192,6 +202,7 @@ ALGOS: dict[type, AlgoInfo] = {
         True,
         lambda s: 7,
         10,  # step, lerp_, mul_, addcmul_, sqrt, add_, div_, reciprocal_, add_, addcmul_
+        low_precision=True,
     ),
     torch.optim.Adamax: AlgoInfo(
         "Adamax",
@@ -201,6 +212,7 @@ ALGOS: dict[type, AlgoInfo] = {
         True,
         lambda s: 7,
         7,  # step, lerp_, mul_, abs, add_, maximum_, addcdiv_
+        low_precision=True,
     ),
     torch.optim.Adadelta: AlgoInfo(
         "Adadelta",
@@ -210,6 +222,7 @@ ALGOS: dict[type, AlgoInfo] = {
         True,
         lambda s: 7,
         12,  # step, mul_, addcmul_, add, sqrt_, add, sqrt_, div_, mul_, mul_, addcmul_, add_
+        low_precision=True,
     ),
     torch.optim.Rprop: AlgoInfo(
         "Rprop",
@@ -243,6 +256,7 @@ ALGOS: dict[type, AlgoInfo] = {
         0,
         loop_launches=5,  # mul_, lerp, sign_, add_, lerp_
         torch_foreach=False,
+        low_precision=True,
     ),
     LARS: AlgoInfo(
         "LARS",
@@ -352,7 +366,7 @@ ALGOS[Muon] = AlgoInfo(
     12,  # the AdamW groups run torch's functional AdamW, foreach on CUDA
     torch_foreach=False,
     per_key_init=True,  # a group whose use_muon flips starts the other algorithm's state from zero
-    aux=replace(ALGOS[torch.optim.AdamW], per_key_init=True),
+    aux=replace(ALGOS[torch.optim.AdamW], per_key_init=True, low_precision=False),
 )
 if hasattr(torch.optim, "Muon"):  # torch >= 2.9
     ALGOS[torch.optim.Muon] = AlgoInfo(
@@ -374,10 +388,10 @@ def scalar_dtype() -> torch.dtype:
 
 
 def missing_key(info: AlgoInfo, spec: UpdateSpec, state: dict) -> str | None:
-    """The first key the optimizer's step reads that a param's (non-empty) ``state`` lacks, in about torch's reading
-    order (the state tensors, the other scalars, then ``step``), or None."""
+    """The first key the optimizer's step reads that a param's (non-empty) ``state`` lacks (in any format), in about
+    torch's reading order (the state tensors, the other scalars, then ``step``), or None."""
     keys = [k for k in info.state_keys(spec) if k] + list(info.scalar_keys) + (["step"] if info.step_in_state else [])
-    return next((k for k in keys if k not in state), None)
+    return next((k for k in keys if not state_format.present(state, k)), None)
 
 
 def init_state(
@@ -399,17 +413,50 @@ def init_state(
         if key not in state:
             t = alloc(key) if alloc else torch.empty((), dtype=torch.float32, device=p.device)
             state[key] = t.fill_(fills[key](group)) if key in fills else t.zero_()
+    fmt = getattr(spec, "state", StateFormat.PARAM)
     for key in info.state_keys(spec):
-        if key is None or state.get(key) is not None:  # None: set so by hand (SGD: start the buffer again)
+        if key is None or state_format.present(state, key):  # None: set so by hand (SGD: start the buffer again)
+            continue
+        if fmt != StateFormat.PARAM:  # low-precision state (FusionConfig.state_precision): never pooled
+            _init_low(info, key, fmt, group, p, state, defaults)
             continue
         t = alloc(key) if alloc else torch.empty_like(p, memory_format=torch.preserve_format)
-        if key in fills:  # Rprop's step_size starts at the group's lr
-            t.fill_(fills[key](group))
-        elif key == "sum":  # Adagrad builds it in __init__; a group added later gets it here, from the defaults
-            t.fill_((defaults or {}).get("initial_accumulator_value", group["initial_accumulator_value"]))
+        fill = _fill(info, key, group, defaults)
+        if fill is not None:
+            t.fill_(fill)
         elif info.name not in ("SGD", "LARS"):  # those write it from the grad on the first step (torch's clone)
             t.zero_()
         state[key] = t
+
+
+def _fill(info: AlgoInfo, key: str, group: dict[str, Any], defaults: dict[str, Any] | None) -> Any:
+    """The value state ``key`` starts at when it is not zero, or None."""
+    fills = dict(info.fills)
+    if key in fills:  # Rprop's step_size starts at the group's lr
+        return fills[key](group)
+    if key == "sum":  # Adagrad builds it in __init__; a group added later gets it here, from the defaults
+        return (defaults or {}).get("initial_accumulator_value", group["initial_accumulator_value"])
+    return None
+
+
+def _init_low(
+    info: AlgoInfo,
+    key: str,
+    fmt: StateFormat,
+    group: dict[str, Any],
+    p: torch.Tensor,
+    state: dict,
+    defaults: dict[str, Any] | None,
+) -> None:
+    """State ``key`` created in a low-precision format: zeros (or its fill), in that format's tensors."""
+    fill = _fill(info, key, group, defaults)
+    dtype = torch.float32 if fmt == StateFormat.Q8 else state_format.dtype_of(fmt, p.dtype)
+    t = torch.zeros(p.shape, dtype=dtype, device=p.device)
+    if fill is not None:
+        t.fill_(fill)
+    state[key] = t
+    if fmt == StateFormat.Q8:
+        state_format.conform(state, key, p, fmt)  # quantizes it into the codes and absmax keys
 
 
 def trust_ratios(optimizer: torch.optim.Optimizer) -> bool:

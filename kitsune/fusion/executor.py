@@ -26,6 +26,7 @@ import torch
 from kitsune import _native
 from kitsune.config import FusionConfig, GradConfig, StreamConfig
 from kitsune.distributed import fsdp
+from kitsune.fusion import state_format
 from kitsune.fusion.algos import AlgoInfo
 from kitsune.fusion.context import DeviceContext
 from kitsune.fusion.muon_unit import MuonUnit
@@ -33,6 +34,7 @@ from kitsune.fusion.plan import CostModel, Plan, Route
 from kitsune.fusion.planner import Planner, unit_info
 from kitsune.fusion.units import FusedUnit, TorchShadow
 from kitsune.kernels.multi_tensor import DEFAULT_BLOCK
+from kitsune.kernels.spec import StateFormat
 from kitsune.memory import MemoryPool
 from kitsune.subsystem import StepState, Subsystem
 
@@ -91,6 +93,9 @@ class FusionSubsystem(Subsystem):
         self._norm: Any = None
         self._norm_out: torch.Tensor | None = None
         self._norm_dtypes: list[torch.dtype] = []
+        self.low_precision: str | None = None
+        """What only the fused kernels can read, when some state is in a format torch's steps do not take (8-bit, or
+        float state of another dtype than the param's), or None."""
         self._norm_groups: list[Any] = []
         """FSDP2: the process groups the norm pass's results are all-reduced over (empty without DTensor params)."""
 
@@ -110,10 +115,15 @@ class FusionSubsystem(Subsystem):
         self._units, self._muon, self._shadows = planned.units, planned.muon, planned.shadows
         self.current_plan = plan = planned.plan
         if self.pool is not None:  # the memory pool places the units' state in its arenas
-            pooled = [u for u in self._units if not u.sharded]
+            pooled = [u for u in self._units if not u.sharded and u.spec.state == StateFormat.PARAM]
             self.pool.assign(pooled)
-            if self._units and not pooled:
+            if self._units and not pooled and any(u.sharded for u in self._units):
                 self.pool.deactivate("FSDP2 (DTensor) params: their state stays per-shard DTensors, as torch keeps it")
+            elif self._units and not pooled:
+                self.pool.deactivate(
+                    f"state_precision={self.config.state_precision!r}: low-precision state stays in per-tensor "
+                    "allocations"
+                )
             for unit in self._units:
                 if unit.slots is not None:
                     unit.bind(base.state)
@@ -124,6 +134,10 @@ class FusionSubsystem(Subsystem):
             unit.defaults = base.defaults
             self._contexts.setdefault(unit.device, DeviceContext(unit.device, self._info.row))  # type: ignore[union-attr]
         self.executes = bool(self._units or self._shadows or self._muon)
+        low = [u for u in self._units if u.spec.state != StateFormat.PARAM]
+        state_format.decode_others(base.state, {p for u in low for p in u.params})  # the others' 8-bit state
+        names = ", ".join(sorted({state_format.NAMES[u.spec.state] for u in low}))
+        self.low_precision = f"low-precision optimizer state ({names}; FusionConfig.state_precision)" if low else None
         if self.config.native_checks and any(u.checks_natively for u in (*self._units, *self._muon)):
             _native.start()  # in the background, once per process; the Python checks run until it is ready
         # FSDP2: the norm pass covers this rank's shards; an all-reduce over the mesh makes it global
@@ -170,6 +184,8 @@ class FusionSubsystem(Subsystem):
                 algo = unit_info(info, spec)
                 for key in algo.state_keys(spec):  # type: ignore[union-attr]
                     t = s.get(key) if key else None
+                    if key and t is None:  # 8-bit state: the codes have the param's shape
+                        key, t = key + state_format.CODES, s.get(key + state_format.CODES)
                     if isinstance(t, torch.Tensor) and t.shape != p.shape:
                         raise ValueError(
                             f"this state dict's {key!r} for a param of shape {tuple(p.shape)} has shape "

@@ -83,6 +83,12 @@ def speedup_text(b: dict[str, Any]) -> str:
     return f"{speedup:.1f}x ({times[0]:g} vs {times[1]:g} ms)" if len(times) == 2 else f"{speedup:.1f}x"
 
 
+def state_label(b: dict[str, Any] | Any, label: str) -> str:
+    """A bucket's label with its state's format when that is not the param's dtype (``", 8-bit state"``)."""
+    state = b.get("state", "-")
+    return label if state in ("-", b.get("dtype")) else f"{label}, {state} state"
+
+
 @dataclass
 class BucketPlan:
     """One bucket: params of one device, dtype and optimizer variant that share a route."""
@@ -107,6 +113,9 @@ class BucketPlan:
     groups: list[int] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     """Options that were looked at and are fine, e.g. ``foreach=True ignored``."""
+    state: str = "-"
+    """How the bucket's optimizer state is stored: its dtype (``"float32"``, ``"bfloat16"``) or ``"8-bit"``
+    (``FusionConfig.state_precision``); ``"-"`` for an optimizer without state, or one kitsune does not know."""
     predicted_ms: dict[str, float] = field(default_factory=dict)
     """The cost model's time per step of the fused route and of the fallback it was weighed against, in ms, by
     route (``{"triton": 0.41, "base_step": 3.7}``); empty when nothing was weighed."""
@@ -168,7 +177,7 @@ class Plan:
             style = "green" if b.route.fused else "yellow"
             options = "" if b.options == "-" else f" ({b.options})"
             table.add_row(
-                f"{b.optimizer}{options} {b.dtype} {b.device}",
+                state_label(b.to_dict(), f"{b.optimizer}{options} {b.dtype} {b.device}"),
                 f"[{style}]{b.route.value}[/{style}]",
                 str(b.tensors),
                 f"{b.elements:,}",

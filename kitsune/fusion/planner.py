@@ -21,19 +21,20 @@ import math
 import os
 from collections import Counter, defaultdict
 from collections.abc import Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from kitsune.config import FusionConfig, GradConfig, StreamConfig
 from kitsune.distributed import fsdp
-from kitsune.fusion import muon_unit
+from kitsune.fusion import muon_unit, state_format
 from kitsune.fusion.algos import ALGOS, OWN_STEP, AlgoInfo
 from kitsune.fusion.plan import BucketPlan, CostModel, Plan, Route
 from kitsune.fusion.units import FusedUnit, TorchShadow
+from kitsune.kernels.codes import QUANT_BLOCK
 from kitsune.kernels.multi_tensor import DEFAULT_BLOCK
-from kitsune.kernels.spec import MuonSpec, UpdateSpec
+from kitsune.kernels.spec import MuonSpec, StateFormat, UpdateSpec
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TORCH_DTYPES = (*_KERNEL_DTYPES, torch.float64)
@@ -121,9 +122,12 @@ class Planner:
                     route, reason = _param_reason(p)
                 if route is None and fsdp.is_dtensor(p):
                     route, reason = _shard_route(p, spec, mesh)
-                key = (str(p.device), p.dtype, spec if route is not Route.BASE_STEP else None, route, reason)
+                pspec, note = spec, None
+                if route is None and isinstance(spec, UpdateSpec):
+                    pspec, note = self._state_format(info, spec, p)  # type: ignore[arg-type]
+                key = (str(p.device), p.dtype, pspec if route is not Route.BASE_STEP else None, route, reason)
                 buckets[key].append((gi, p))
-                notes[key] |= _group_notes(g)
+                notes[key] |= _group_notes(g) | ({note} if note else set())
 
         out = Planned(Plan(), info, specs)
         for key, members in buckets.items():
@@ -133,6 +137,32 @@ class Planner:
             out.plan.buckets.append(bp)
             self._build(out, base, info, bp, spec, members, backward_bytes)
         return out
+
+    def _state_format(self, info: AlgoInfo, spec: UpdateSpec, p: torch.Tensor) -> tuple[UpdateSpec, str | None]:
+        """``spec`` with the state format ``FusionConfig.state_precision`` gives ``p`` on the fused kernel, and a
+        note when ``p`` keeps its state in its own dtype although another precision was asked for."""
+        precision = self.config.state_precision
+        if precision == "param" or not spec.state_slots:
+            return spec, None
+        fmt = state_format.PRECISIONS[precision]
+        algo = unit_info(info, spec)
+        if algo is None or not algo.low_precision:
+            name = algo.name if algo else "this optimizer"
+            return spec, f"state_precision={precision!r} does not apply to {name}: state in the param's dtype"
+        if spec.centered:
+            return spec, (
+                f"state_precision={precision!r} does not apply to centered RMSprop: square_avg - grad_avg**2 would "
+                "go negative when the two are rounded apart; state in the param's dtype"
+            )
+        if fsdp.is_dtensor(p):
+            return spec, f"state_precision={precision!r}: FSDP2 shards keep their state in the param's dtype"
+        if fmt == StateFormat.Q8 and p.numel() < self.config.min_8bit_size:
+            return spec, f"under min_8bit_size={self.config.min_8bit_size} elements: state in the param's dtype"
+        if fmt == StateFormat.Q8 and self.block % QUANT_BLOCK:
+            return spec, f"8-bit state needs kernel blocks of a multiple of {QUANT_BLOCK}: state in the param's dtype"
+        if fmt != StateFormat.Q8 and state_format.dtype_of(fmt, p.dtype) == p.dtype:
+            return spec, None  # fp32 state of fp32 params (bf16 of bf16) is torch's layout
+        return replace(spec, state=fmt, signed=state_format.signed_mask(algo.state_keys(spec))), None
 
     def _optimizer_reason(self, base: torch.optim.Optimizer, info: AlgoInfo | None) -> tuple[Route, str] | None:
         """A reason that sends every param to the wrapped optimizer's own step, or None."""
@@ -183,11 +213,23 @@ class Planner:
             launches=0,
             groups=sorted({gi for gi, _ in members}),
         )
-        if info is not None and specs:  # a known algorithm moves known bytes, whichever route runs it
+        low = isinstance(spec, UpdateSpec) and spec.state != StateFormat.PARAM
+        if low:
+            bp.state = state_format.describe(spec.state, dtype)  # type: ignore[union-attr]
+        elif isinstance(spec, (UpdateSpec, MuonSpec)) and spec.state_slots:
+            bp.state = str(dtype).removeprefix("torch.")
+        if low:  # bytes at the state's size
+            per = state_format.update_bytes(spec, aux.bytes_per_element(spec), dtype)  # type: ignore[arg-type,union-attr]
+            bp.bytes_per_step = round(elements * per)
+        elif info is not None and specs:  # a known algorithm moves known bytes, whichever route runs it
             bp.bytes_per_step = sum(
                 fsdp.local(p).numel() * p.element_size() * info.bytes_per_element(specs[gi]) for gi, p in members
             )
         if route is Route.BASE_STEP:
+            return bp
+        if low:  # only kitsune's kernels read this state: no route to weigh against
+            bp.route = Route.TRITON
+            bp.launches = math.ceil(tensors / self.config.max_fusion_size) if self.config.max_fusion_size else 1
             return bp
         assert info is not None and spec is not None
         fallback = torch_route(info, torch.device(device), dtype)

@@ -11,10 +11,11 @@ import torch
 
 from kitsune import _native
 from kitsune.distributed import fsdp
+from kitsune.fusion import state_format
 from kitsune.fusion.algos import AlgoInfo, init_state, missing_key
 from kitsune.fusion.plan import Route
 from kitsune.kernels.multi_tensor import DEAD, DEFAULT_BLOCK, TensorTables
-from kitsune.kernels.spec import UpdateSpec
+from kitsune.kernels.spec import StateFormat, UpdateSpec
 
 _GRAD = attrgetter("grad")
 _NO_TORCH_FUNCTION = torch._C._disabled_torch_function_impl
@@ -374,7 +375,10 @@ class FusedUnit:
         freed tensor's address."""
         keys = self.info.state_keys(self.spec)
         scalars = self.info.scalars
+        fmt = self.spec.state
+        low = fmt != StateFormat.PARAM
         tables: list[list[int]] = [[] for _ in keys]
+        absmax: list[list[int]] = [[] for _ in keys]  # 8-bit state: each slot's absmax blocks
         scalar_tables: list[list[int]] = [[] for _ in scalars]  # step, then scalar1, scalar2
         bound: list[torch.Tensor] = []
         slots = self.slots
@@ -382,15 +386,23 @@ class FusedUnit:
             s = state.get(p)
             ready = s is not None and _has_state(state, p, self.info, self.spec)
             for slot, key in enumerate(keys):
-                if ready and key and slots is not None:  # the pool's view, with a loaded tensor copied in
+                if ready and key and low:  # converted in place from whatever format it was loaded in
+                    held = state_format.conform(s, key, p, fmt)
+                    bound += held
+                    tables[slot].append(held[0].data_ptr())
+                    absmax[slot].append(held[-1].data_ptr())
+                elif ready and key and slots is not None:  # the pool's view, with a loaded tensor copied in
+                    state_format.decode(s, key, p)
                     _conform(s, key, p)
                     bound.append(slots.adopt(s, i, key))
                     tables[slot].append(bound[-1].data_ptr())
                 elif ready and key:
+                    state_format.decode(s, key, p)
                     bound.append(_conform(s, key, p))
                     tables[slot].append(fsdp.local(bound[-1]).data_ptr())
                 else:
                     tables[slot].append(0)
+                    absmax[slot].append(0)
             for slot, key in enumerate(scalars):
                 if ready and slots is not None:
                     _conform_scalar(s, key, p)
@@ -406,6 +418,9 @@ class FusedUnit:
         self._state_intact = intact
         for slot, addrs in enumerate(tables, 1):
             self.tables.set_role(f"state{slot}", addrs)
+        if fmt == StateFormat.Q8:
+            for slot, addrs in enumerate(absmax, 1):
+                self.tables.set_role(f"absmax{slot}", addrs)
         roles = ["step"] * self.info.step_in_state + [f"scalar{j}" for j in range(1, len(self.info.scalar_keys) + 1)]
         for role, addrs in zip(roles, scalar_tables, strict=True):
             self.tables.set_role(role, addrs)
@@ -438,7 +453,7 @@ def _has_state(state: Any, p: torch.Tensor, info: AlgoInfo, spec: UpdateSpec) ->
         return False
     if info.step_in_state and "step" not in s:
         return False
-    return all(s.get(k) is not None for k in (*info.state_keys(spec), *info.scalar_keys) if k)
+    return all(state_format.present(s, k) for k in (*info.state_keys(spec), *info.scalar_keys) if k)
 
 
 def _conform(s: dict, key: str, p: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,17 @@ class Algo(IntEnum):
     ASGD = 10
 
 
+class StateFormat(IntEnum):
+    """How a launch stores the optimizer state tensors (``FusionConfig.state_precision``)."""
+
+    PARAM = 0
+    """In the param's dtype, as torch keeps it."""
+    FP32 = 1
+    BF16 = 2
+    Q8 = 3
+    """8-bit block-wise dynamic quantization (`kitsune.kernels.quant`): uint8 codes and an fp32 absmax per block."""
+
+
 class Trust(IntEnum):
     """Layer-wise adaptation: a per-tensor trust ratio scales the update (LARS, LAMB)."""
 
@@ -57,6 +68,10 @@ class UpdateSpec:
     nesterov: bool = False
     centered: bool = False
     trust: Trust = Trust.NONE
+    state: StateFormat = StateFormat.PARAM
+    """How the state tensors are stored (the planner sets it per bucket; a group's options never do)."""
+    signed: int = 0
+    """With 8-bit state: bit ``i`` set when slot ``state{i + 1}`` may hold negative values (the signed code table)."""
 
     @property
     def has_step(self) -> bool:
@@ -112,6 +127,9 @@ class MuonSpec:
     state_slots = 1
     """``momentum_buffer``."""
     trust = Trust.NONE
+    state = StateFormat.PARAM
+    """Muon's momentum buffer stays in the param's dtype (``FusionConfig.state_precision`` does not apply)."""
+    signed = 0
 
     def describe(self) -> str:
         """The switches, e.g. ``"nesterov, match_rms_adamw, 5 NS steps"``."""

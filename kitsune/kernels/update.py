@@ -44,7 +44,8 @@ from kitsune.kernels.common import (
     _update_masks,
 )
 from kitsune.kernels.multi_tensor import TensorTables
-from kitsune.kernels.spec import NUM_FIELDS, Trust, UpdateSpec
+from kitsune.kernels.quant import CODE_SIZE, QUANT_BLOCK, _dequantize_block, _quantize_block
+from kitsune.kernels.spec import NUM_FIELDS, StateFormat, Trust, UpdateSpec
 
 SUPPORTED_DTYPES = tuple(TL_DTYPES)
 
@@ -53,6 +54,40 @@ SUPPORTED_DTYPES = tuple(TL_DTYPES)
 def _add_wd(g, wd, p):
     """``g + wd * p``, skipped when ``wd`` is 0 as torch skips it (an inf param would otherwise make 0 * inf = nan)."""
     return tl.where(wd != 0.0, g + wd.to(tl.float32) * p, g)
+
+
+_CODE_SIZE = tl.constexpr(CODE_SIZE)
+
+
+@triton.jit
+def _sload(tab, atab, t, offs, start, lim, qmap, SIGNED: tl.constexpr, SDTYPE: tl.constexpr, Q8: tl.constexpr,
+           BLOCK: tl.constexpr, QBLOCK: tl.constexpr):  # fmt: skip
+    """A state slot of tensor ``t`` (its address in ``tab``; with Q8 its absmax table in ``atab``) at ``offs``, as
+    fp32: SDTYPE elements, or with Q8 uint8 codes into the signed (SIGNED) or unsigned half of ``qmap``."""
+    if Q8:
+        code = qmap if SIGNED else qmap + _CODE_SIZE
+        q = tl.load(_role_ptr(tab, t, offs, tl.uint8), mask=offs < lim, other=0)
+        rows = start // QBLOCK + tl.arange(0, BLOCK // QBLOCK).to(tl.int64)
+        absmax = tl.load(_role_ptr(atab, t, rows, tl.float32), mask=rows * QBLOCK < lim, other=0.0)
+        x = _dequantize_block(q, absmax, code, BLOCK, QBLOCK)
+    else:
+        x = tl.load(_role_ptr(tab, t, offs, SDTYPE), mask=offs < lim, other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _sstore(tab, atab, t, offs, start, lim, x, qmap, SIGNED: tl.constexpr, SDTYPE: tl.constexpr, Q8: tl.constexpr,
+            RNE_BF16: tl.constexpr, BLOCK: tl.constexpr, QBLOCK: tl.constexpr):  # fmt: skip
+    """Store fp32 ``x`` into a state slot as `_sload` reads it: rounded to SDTYPE, or quantized per QBLOCK elements
+    (lanes past ``lim`` count as 0 in a block's absmax)."""
+    if Q8:
+        code = qmap if SIGNED else qmap + _CODE_SIZE
+        q, absmax = _quantize_block(tl.where(offs < lim, x, 0.0), code, BLOCK, QBLOCK)
+        tl.store(_role_ptr(tab, t, offs, tl.uint8), q, mask=offs < lim)
+        rows = start // QBLOCK + tl.arange(0, BLOCK // QBLOCK).to(tl.int64)
+        tl.store(_role_ptr(atab, t, rows, tl.float32), absmax, mask=rows * QBLOCK < lim)
+    else:
+        tl.store(_role_ptr(tab, t, offs, SDTYPE), _cast(x, SDTYPE, RNE_BF16), mask=offs < lim)
 
 
 @triton.jit
@@ -67,6 +102,10 @@ def _update_kernel(
     s1_tab,
     s2_tab,
     s3_tab,
+    a1_tab,  # (T,) int64 addresses of each state slot's fp32 absmax blocks, read only with Q8
+    a2_tab,
+    a3_tab,
+    qmap,  # (2 * CODE_SIZE,) fp32: the signed code table, then the unsigned one, read only with Q8
     step_tab,
     sc1_tab,  # (T,) int64 addresses of float32 scalars, read only with SCALARS >= 1 (>= 2 for sc2_tab)
     sc2_tab,
@@ -97,10 +136,15 @@ def _update_kernel(
     TRUST: tl.constexpr,  # 0: none, 1: LARS, 2: LAMB stage 1 (moments, ||update||), 3: LAMB stage 2 (params)
     RBLOCK: tl.constexpr,
     RNE_BF16: tl.constexpr,
+    SDTYPE: tl.constexpr,  # the state tensors' dtype (without Q8)
+    Q8: tl.constexpr,  # 8-bit block-wise state: uint8 codes, an fp32 absmax per QBLOCK elements
+    SIGNS: tl.constexpr,  # with Q8: bit i set when slot i + 1 takes the signed code table
+    QBLOCK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     pid, t, start, numel, g_addr = _program_block(block_tensor, block_start, numel_tab, grad_tab)
     live, offs, mask, gmask = _update_masks(start, numel, g_addr, found_inf, HAS_FOUND_INF, BLOCK)
+    lim = tl.where(live, numel, 0)  # the state slots' elements this block reads and writes: offs < lim
     row = _hyper_row(hyper, group_tab, t)
     lr = tl.load(row + LR)
     b1 = tl.load(row + B1)
@@ -128,9 +172,8 @@ def _update_kernel(
 
     p_ptr = _role_ptr(param_tab, t, offs, DTYPE)
     g_ptr = _ptr(g_addr, offs, DTYPE)
-    s1_ptr = _role_ptr(s1_tab, t, offs, DTYPE)
+    s1_ptr = _role_ptr(s1_tab, t, offs, DTYPE)  # LAMB's moments (always in the param's dtype); the others: _sload
     s2_ptr = _role_ptr(s2_tab, t, offs, DTYPE)
-    s3_ptr = _role_ptr(s3_tab, t, offs, DTYPE)
     p = tl.load(p_ptr, mask=mask, other=0.0).to(tl.float32)
     coef = 1.0
     if TRUST != 3:  # LAMB's stage 2 reads no grad: stage 1 has stored the moments
@@ -183,14 +226,15 @@ def _update_kernel(
             p = p * (1.0 - lr * wd).to(tl.float32)
         else:
             g = _add_wd(g, wd, p)
-        m = _lerp(tl.load(s1_ptr, mask=mask, other=0.0).to(tl.float32), g, (1.0 - b1).to(tl.float32))
-        v = tl.load(s2_ptr, mask=mask, other=0.0).to(tl.float32)
+        m = _sload(s1_tab, a1_tab, t, offs, start, lim, qmap, SIGNS & 1, SDTYPE, Q8, BLOCK, QBLOCK)
+        m = _lerp(m, g, (1.0 - b1).to(tl.float32))
+        v = _sload(s2_tab, a2_tab, t, offs, start, lim, qmap, SIGNS & 2, SDTYPE, Q8, BLOCK, QBLOCK)
         v = v * b2.to(tl.float32) + (1.0 - b2).to(tl.float32) * g * g
-        tl.store(s1_ptr, _cast(m, DTYPE, RNE_BF16), mask=mask)
-        tl.store(s2_ptr, _cast(v, DTYPE, RNE_BF16), mask=mask)
+        _sstore(s1_tab, a1_tab, t, offs, start, lim, m, qmap, SIGNS & 1, SDTYPE, Q8, RNE_BF16, BLOCK, QBLOCK)
+        _sstore(s2_tab, a2_tab, t, offs, start, lim, v, qmap, SIGNS & 2, SDTYPE, Q8, RNE_BF16, BLOCK, QBLOCK)
         if AMSGRAD:
-            v = tl.maximum(tl.load(s3_ptr, mask=mask, other=0.0).to(tl.float32), v)
-            tl.store(s3_ptr, _cast(v, DTYPE, RNE_BF16), mask=mask)
+            v = tl.maximum(_sload(s3_tab, a3_tab, t, offs, start, lim, qmap, SIGNS & 4, SDTYPE, Q8, BLOCK, QBLOCK), v)
+            _sstore(s3_tab, a3_tab, t, offs, start, lim, v, qmap, SIGNS & 4, SDTYPE, Q8, RNE_BF16, BLOCK, QBLOCK)
         # 1 - beta**step in fp64: in fp32 the early steps (1 - 0.999) would lose four digits
         bias1 = 1.0 - tl.exp2(step * tl.log2(b1))
         bias2_sqrt = tl.sqrt(1.0 - tl.exp2(step * tl.log2(b2)))
@@ -207,10 +251,10 @@ def _update_kernel(
         else:
             g = _add_wd(g, wd, p)
         if MOMENTUM:
-            buf = tl.load(s1_ptr, mask=mask, other=0.0).to(tl.float32)
+            buf = _sload(s1_tab, a1_tab, t, offs, start, lim, qmap, SIGNS & 1, SDTYPE, Q8, BLOCK, QBLOCK)
             # the first step copies the grad, as torch's lazily created buffer does
             buf = tl.where(step == 1.0, g, buf * b1.to(tl.float32) + (1.0 - extra).to(tl.float32) * g)
-            tl.store(s1_ptr, _cast(buf, DTYPE, RNE_BF16), mask=mask)
+            _sstore(s1_tab, a1_tab, t, offs, start, lim, buf, qmap, SIGNS & 1, SDTYPE, Q8, RNE_BF16, BLOCK, QBLOCK)
             if NESTEROV:
                 g = g + b1.to(tl.float32) * buf
             else:
@@ -219,78 +263,84 @@ def _update_kernel(
     elif ALGO == 2:  # Adagrad: s1 sum
         g = _add_wd(g, wd, p)
         clr = (lr / (1.0 + (step - 1.0) * extra)).to(tl.float32)
-        acc = tl.load(s1_ptr, mask=mask, other=0.0).to(tl.float32) + g * g
-        tl.store(s1_ptr, _cast(acc, DTYPE, RNE_BF16), mask=mask)
+        acc = _sload(s1_tab, a1_tab, t, offs, start, lim, qmap, SIGNS & 1, SDTYPE, Q8, BLOCK, QBLOCK) + g * g
+        _sstore(s1_tab, a1_tab, t, offs, start, lim, acc, qmap, SIGNS & 1, SDTYPE, Q8, RNE_BF16, BLOCK, QBLOCK)
         p = p - clr * (g / (tl.sqrt(acc) + eps))
     elif ALGO == 3:  # RMSprop: s1 square_avg, s2 momentum_buffer, s3 grad_avg
         g = _add_wd(g, wd, p)
-        sq = tl.load(s1_ptr, mask=mask, other=0.0).to(tl.float32)
+        sq = _sload(s1_tab, a1_tab, t, offs, start, lim, qmap, SIGNS & 1, SDTYPE, Q8, BLOCK, QBLOCK)
         sq = sq * b2.to(tl.float32) + (1.0 - b2).to(tl.float32) * g * g
-        tl.store(s1_ptr, _cast(sq, DTYPE, RNE_BF16), mask=mask)
+        _sstore(s1_tab, a1_tab, t, offs, start, lim, sq, qmap, SIGNS & 1, SDTYPE, Q8, RNE_BF16, BLOCK, QBLOCK)
         if CENTERED:
-            ga = _lerp(tl.load(s3_ptr, mask=mask, other=0.0).to(tl.float32), g, (1.0 - b2).to(tl.float32))
-            tl.store(s3_ptr, _cast(ga, DTYPE, RNE_BF16), mask=mask)
+            ga = _sload(s3_tab, a3_tab, t, offs, start, lim, qmap, SIGNS & 4, SDTYPE, Q8, BLOCK, QBLOCK)
+            ga = _lerp(ga, g, (1.0 - b2).to(tl.float32))
+            _sstore(s3_tab, a3_tab, t, offs, start, lim, ga, qmap, SIGNS & 4, SDTYPE, Q8, RNE_BF16, BLOCK, QBLOCK)
             avg = tl.sqrt(sq - ga * ga) + eps
         else:
             avg = tl.sqrt(sq) + eps
         if MOMENTUM:
-            buf = tl.load(s2_ptr, mask=mask, other=0.0).to(tl.float32)
+            buf = _sload(s2_tab, a2_tab, t, offs, start, lim, qmap, SIGNS & 2, SDTYPE, Q8, BLOCK, QBLOCK)
             buf = buf * b1.to(tl.float32) + g / avg
-            tl.store(s2_ptr, _cast(buf, DTYPE, RNE_BF16), mask=mask)
+            _sstore(s2_tab, a2_tab, t, offs, start, lim, buf, qmap, SIGNS & 2, SDTYPE, Q8, RNE_BF16, BLOCK, QBLOCK)
             p = p - lr.to(tl.float32) * buf
         else:
             p = p - lr.to(tl.float32) * (g / avg)
     elif ALGO == 4:  # Lion: s1 exp_avg
         p = p * (1.0 - lr * wd).to(tl.float32)
-        m = tl.load(s1_ptr, mask=mask, other=0.0).to(tl.float32)
+        m = _sload(s1_tab, a1_tab, t, offs, start, lim, qmap, SIGNS & 1, SDTYPE, Q8, BLOCK, QBLOCK)
         c = _lerp(m, g, (1.0 - b1).to(tl.float32))
         sign = tl.where(c > 0, 1.0, tl.where(c < 0, -1.0, 0.0))  # torch.sign: 0 for 0 and for nan
         p = p - lr.to(tl.float32) * sign
-        tl.store(s1_ptr, _cast(_lerp(m, g, (1.0 - b2).to(tl.float32)), DTYPE, RNE_BF16), mask=mask)
+        m = _lerp(m, g, (1.0 - b2).to(tl.float32))
+        _sstore(s1_tab, a1_tab, t, offs, start, lim, m, qmap, SIGNS & 1, SDTYPE, Q8, RNE_BF16, BLOCK, QBLOCK)
     elif ALGO == 10:  # ASGD: s1 ax; scalar1 eta, scalar2 mu; B1 lambd, B2 alpha, EXTRA t0
         g = _add_wd(g, wd, p)
         p = p * (1.0 - b1 * sc1.to(tl.float64)).to(tl.float32)
         p = p - sc1 * g
-        ax = tl.load(s1_ptr, mask=mask, other=0.0).to(tl.float32)
+        ax = _sload(s1_tab, a1_tab, t, offs, start, lim, qmap, SIGNS & 1, SDTYPE, Q8, BLOCK, QBLOCK)
         ax = tl.where(sc2 != 1.0, ax + (p - ax) * sc2, p)  # torch copies the param while mu is 1
-        tl.store(s1_ptr, _cast(ax, DTYPE, RNE_BF16), mask=mask)
+        _sstore(s1_tab, a1_tab, t, offs, start, lim, ax, qmap, SIGNS & 1, SDTYPE, Q8, RNE_BF16, BLOCK, QBLOCK)
         # the next step's eta = lr / (1 + lambd lr t)^alpha and mu = 1 / max(1, t - t0), from this step's lr
         new1 = (lr / tl.exp2(b2 * tl.log2(1.0 + b1 * lr * step))).to(tl.float32)
         new2 = (1.0 / tl.maximum(step - extra, 1.0)).to(tl.float32)
     elif ALGO == 9:  # Rprop: s1 prev, s2 step_size; B1/B2 etaminus/etaplus, EXTRA/TRUST_A step_size min/max
-        prev = tl.load(s1_ptr, mask=mask, other=0.0).to(tl.float32)
+        prev = _sload(s1_tab, a1_tab, t, offs, start, lim, qmap, SIGNS & 1, SDTYPE, Q8, BLOCK, QBLOCK)
         prod = g * prev  # nan: torch's sign is 0 there, so the factor is 1 and the grad is kept
-        size = tl.load(s2_ptr, mask=mask, other=0.0).to(tl.float32)
+        size = _sload(s2_tab, a2_tab, t, offs, start, lim, qmap, SIGNS & 2, SDTYPE, Q8, BLOCK, QBLOCK)
         size = size * tl.where(prod > 0.0, b2.to(tl.float32), tl.where(prod < 0.0, b1.to(tl.float32), 1.0))
         size = tl.maximum(size, extra.to(tl.float32), propagate_nan=tl.PropagateNan.ALL)  # torch.clamp keeps nan
         size = tl.minimum(size, trust_a.to(tl.float32), propagate_nan=tl.PropagateNan.ALL)
         g = tl.where(prod < 0.0, 0.0, g)  # a sign change: no step this time, and prev forgets the grad
         p = p - tl.where(g > 0, 1.0, tl.where(g < 0, -1.0, 0.0)) * size
-        tl.store(s1_ptr, _cast(g, DTYPE, RNE_BF16), mask=mask)
-        tl.store(s2_ptr, _cast(size, DTYPE, RNE_BF16), mask=mask)
+        _sstore(s1_tab, a1_tab, t, offs, start, lim, g, qmap, SIGNS & 1, SDTYPE, Q8, RNE_BF16, BLOCK, QBLOCK)
+        _sstore(s2_tab, a2_tab, t, offs, start, lim, size, qmap, SIGNS & 2, SDTYPE, Q8, RNE_BF16, BLOCK, QBLOCK)
     elif ALGO == 8:  # Adadelta: s1 square_avg, s2 acc_delta; B2 rho
         g = _add_wd(g, wd, p)
         rho = b2.to(tl.float32)
-        sq = tl.load(s1_ptr, mask=mask, other=0.0).to(tl.float32) * rho + (1.0 - b2).to(tl.float32) * g * g
-        acc = tl.load(s2_ptr, mask=mask, other=0.0).to(tl.float32)
+        sq = (
+            _sload(s1_tab, a1_tab, t, offs, start, lim, qmap, SIGNS & 1, SDTYPE, Q8, BLOCK, QBLOCK) * rho
+            + (1.0 - b2).to(tl.float32) * g * g
+        )
+        acc = _sload(s2_tab, a2_tab, t, offs, start, lim, qmap, SIGNS & 2, SDTYPE, Q8, BLOCK, QBLOCK)
         delta = tl.sqrt(acc + eps) / tl.sqrt(sq + eps) * g
         acc = acc * rho + (1.0 - b2).to(tl.float32) * delta * delta
-        tl.store(s1_ptr, _cast(sq, DTYPE, RNE_BF16), mask=mask)
-        tl.store(s2_ptr, _cast(acc, DTYPE, RNE_BF16), mask=mask)
+        _sstore(s1_tab, a1_tab, t, offs, start, lim, sq, qmap, SIGNS & 1, SDTYPE, Q8, RNE_BF16, BLOCK, QBLOCK)
+        _sstore(s2_tab, a2_tab, t, offs, start, lim, acc, qmap, SIGNS & 2, SDTYPE, Q8, RNE_BF16, BLOCK, QBLOCK)
         p = p - lr.to(tl.float32) * delta
     else:  # NAdam (5), RAdam (6), Adamax (7): s1 exp_avg, s2 exp_avg_sq (Adamax: exp_inf)
         if DECOUPLED:
             p = p * (1.0 - lr * wd).to(tl.float32)
         else:
             g = _add_wd(g, wd, p)
-        m = _lerp(tl.load(s1_ptr, mask=mask, other=0.0).to(tl.float32), g, (1.0 - b1).to(tl.float32))
-        v = tl.load(s2_ptr, mask=mask, other=0.0).to(tl.float32) * b2.to(tl.float32)
+        m = _sload(s1_tab, a1_tab, t, offs, start, lim, qmap, SIGNS & 1, SDTYPE, Q8, BLOCK, QBLOCK)
+        m = _lerp(m, g, (1.0 - b1).to(tl.float32))
+        v = _sload(s2_tab, a2_tab, t, offs, start, lim, qmap, SIGNS & 2, SDTYPE, Q8, BLOCK, QBLOCK) * b2.to(tl.float32)
         if ALGO == 7:
             v = tl.maximum(v, tl.abs(g) + eps, propagate_nan=tl.PropagateNan.ALL)  # as torch.maximum
         else:
             v = v + (1.0 - b2).to(tl.float32) * g * g
-        tl.store(s1_ptr, _cast(m, DTYPE, RNE_BF16), mask=mask)
-        tl.store(s2_ptr, _cast(v, DTYPE, RNE_BF16), mask=mask)
+        _sstore(s1_tab, a1_tab, t, offs, start, lim, m, qmap, SIGNS & 1, SDTYPE, Q8, RNE_BF16, BLOCK, QBLOCK)
+        _sstore(s2_tab, a2_tab, t, offs, start, lim, v, qmap, SIGNS & 2, SDTYPE, Q8, RNE_BF16, BLOCK, QBLOCK)
         bias1 = 1.0 - tl.exp2(step * tl.log2(b1))
         beta2_t = tl.exp2(step * tl.log2(b2))
         if ALGO == 5:  # NAdam: mu_t = beta1 (1 - 0.5 * 0.96^(t momentum_decay)); EXTRA = momentum_decay log2(0.96)
@@ -336,6 +386,19 @@ def _update_kernel(
 
 
 _INTERPRETED = type(_update_kernel).__name__ == "InterpretedFunction"
+_STATE_DTYPES = {StateFormat.FP32: tl.float32, StateFormat.BF16: tl.bfloat16}
+_QMAPS: dict[torch.device, torch.Tensor] = {}
+
+
+def code_tables(device: torch.device) -> torch.Tensor:
+    """The 8-bit state's code tables on ``device``: (2 * CODE_SIZE,) fp32, the signed `dynamic_map` then the unsigned
+    one. One tensor per device for the process's lifetime, so a captured CUDA graph may hold its address."""
+    table = _QMAPS.get(device)
+    if table is None:
+        from kitsune.kernels.quant import dynamic_map
+
+        table = _QMAPS[device] = torch.cat([dynamic_map(True), dynamic_map(False)]).to(device)
+    return table
 
 
 def multi_tensor_update(
@@ -357,9 +420,11 @@ def multi_tensor_update(
     """Launch one update over every tensor of ``tables``.
 
     ``tables`` needs the roles ``param`` and ``grad`` (``-1`` marks a tensor to skip this step), ``state1`` ..
-    ``state{spec.state_slots}``, when ``spec.has_step``, ``step`` and ``scalar1`` .. ``scalar{spec.scalar_slots}``
-    (addresses of float32 scalars). ``hyper`` is
-    the float64 ``(n_groups, NUM_FIELDS)`` buffer on the tables' device; ``dtype`` that of params, grads and state.
+    ``state{spec.state_slots}`` (in ``spec.state``'s format; with 8-bit state, ``absmax1`` .. as well: each
+    slot's fp32 absmax per `QUANT_BLOCK` elements, and ``tables.block`` a multiple of it), when ``spec.has_step``,
+    ``step`` and ``scalar1`` .. ``scalar{spec.scalar_slots}`` (addresses of float32 scalars). ``hyper`` is the
+    float64 ``(n_groups, NUM_FIELDS)`` buffer on the tables' device; ``dtype`` that of params and grads (and of the
+    state in the param's format).
     ``found_inf``, a float32 scalar on the device (AMP's overflow flag), skips the whole update when nonzero,
     decided on the device: no host sync.
 
@@ -398,8 +463,12 @@ def multi_tensor_update(
         if spec.trust == Trust.LAMB:
             partials = tables.scratch("partials", tables.num_blocks)
             update_norm = tables.scratch("update_norm", tables.num_tensors)
+    q8 = spec.state == StateFormat.Q8
+    if q8 and tables.block % QUANT_BLOCK:
+        raise ValueError(f"8-bit state needs a block of a multiple of {QUANT_BLOCK} elements, got {tables.block}")
     param = tables.role("param")
     roles = [tables.role(f"state{i}") if i <= spec.state_slots else param for i in (1, 2, 3)]
+    roles += [tables.role(f"absmax{i}") if q8 and i <= spec.state_slots else param for i in (1, 2, 3)]
     step = tables.role("step") if spec.has_step else param
     scalars = [tables.role(f"scalar{i}") if i <= spec.scalar_slots else param for i in (1, 2)]
     stages = (2, 3) if spec.trust == Trust.LAMB else (int(spec.trust),)
@@ -440,6 +509,7 @@ def _launch(
         param,
         tables.role("grad"),
         *roles,
+        code_tables(tables.device) if spec.state == StateFormat.Q8 else hyper,
         step,
         *scalars,
         hyper,
@@ -469,6 +539,10 @@ def _launch(
         TRUST=stage,
         RBLOCK=1024,
         RNE_BF16=_INTERPRETED,
+        SDTYPE=_STATE_DTYPES.get(spec.state, TL_DTYPES[dtype]),
+        Q8=spec.state == StateFormat.Q8,
+        SIGNS=spec.signed if spec.state == StateFormat.Q8 else 0,
+        QBLOCK=QUANT_BLOCK,
         BLOCK=tables.block,
         num_warps=num_warps,
     )

@@ -215,6 +215,7 @@ class Profiler(Subsystem):
         self._probe = Probe(self.config.probe_steps)
         self._compared: dict[str, list[tuple]] = {"reference": [], "baseline": []}  # _ROW tuples
         self._comparable: bool | None = None
+        self._incomparable = "kitsune ran the wrapped optimizer's own step on every param: there is nothing to compare"
         self._last_sampled = max(1, self._windows()[2] + self.config.compare_steps)  # later steps: the fast path
         self._span: str | None = None  # the window ("probe" or "comparison") the step under way belongs to
         self._span_t0 = 0
@@ -306,16 +307,19 @@ class Profiler(Subsystem):
             return "baseline"
         return "kitsune"
 
-    def wants_baseline(self, comparable: bool) -> bool:
+    def wants_baseline(self, comparable: bool, reason: str | None = None) -> bool:
         """Asked by the orchestrator before each step: should the wrapped optimizer's own step run this one?
 
-        ``comparable``: whether kitsune executes any update itself (otherwise both sides would be the same step).
+        ``comparable``: whether kitsune executes any update itself (otherwise both sides would be the same step)
+        and the wrapped optimizer's step could run instead; ``reason``: why it cannot, when that is the cause.
         """
         if self._index >= self._last_sampled:
             return False  # past the windows
         phase = self._phase(self._index + 1)
         if phase in ("reference", "baseline"):
             self._comparable = comparable if self._comparable is None else self._comparable and comparable
+            if not comparable and reason:
+                self._incomparable = reason
         return phase == "baseline" and bool(self._comparable)
 
     # -- the step ------------------------------------------------------------------------------------------------
@@ -446,10 +450,7 @@ class Profiler(Subsystem):
             return Comparison(status="off", reason="compare_steps=0")
         _, probe, reference = self._windows()
         if self._comparable is False:
-            return Comparison(
-                status="not_applicable",
-                reason="kitsune ran the wrapped optimizer's own step on every param: there is nothing to compare",
-            )
+            return Comparison(status="not_applicable", reason=self._incomparable)
         self._collect(block=True)
         ref, base = (self._compared[w][1:] for w in ("reference", "baseline"))  # the first step of each settles
         if self._index < reference + n or not ref or not base:

@@ -18,7 +18,7 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-from kitsune.fusion.plan import speedup_text
+from kitsune.fusion.plan import speedup_text, state_label
 from kitsune.profiler.core import Comparison, ProfilerMetrics, TimeStats
 from kitsune.profiler.nvml import FIELDS, NvmlReport
 from kitsune.profiler.schema import MemoryInfo, Profile, SubsystemStatus, build_profile
@@ -210,8 +210,11 @@ def plan_rows(plan: dict[str, Any]) -> tuple[list[tuple[str, str]], dict[str, li
 
 
 def bucket_label(b: Mapping[str, Any]) -> str:
-    options = "" if b.get("options") in (None, "-", "") else f" ({b['options']})"
-    return f"{b.get('optimizer', '?')}{options} {b.get('dtype', '')} {b.get('device', '')}".strip()
+    return state_label(b, f"{b.get('optimizer', '?')}{_options(b)} {b.get('dtype', '')} {b.get('device', '')}".strip())
+
+
+def _options(b: Mapping[str, Any]) -> str:
+    return "" if b.get("options") in (None, "-", "") else f" ({b['options']})"
 
 
 def predicted_speedup(b: Mapping[str, Any]) -> str:

@@ -1,0 +1,271 @@
+"""Low-precision optimizer state: which format a bucket's state takes, how ``optimizer.state`` holds it, and the
+conversions between the formats (``FusionConfig.state_precision``).
+
+Formats (`StateFormat`): the param's dtype (torch's layout, the default), fp32, bf16, or 8 bits. Float formats keep
+torch's keys and shapes, only the dtype differs, so a plain torch optimizer loads them (its ``load_state_dict`` casts
+floating-point state to the param's dtype). 8-bit state replaces each state tensor ``key`` by two:
+
+* ``f"{key}_codes"``: uint8, the param's shape: indices into the sorted 256-entry code table
+  (`kitsune.kernels.quant.dynamic_map`: signed for state of either sign, ``exp_avg`` and momentum buffers; unsigned
+  for non-negative state, ``exp_avg_sq`` and the other second moments, see `SIGNED`);
+* ``f"{key}_absmax"``: fp32, ``ceil(numel / 256)`` elements: each block of 256 consecutive elements (row-major)
+  decodes as ``table[code] * absmax``.
+
+torch's key is absent, so a plain torch optimizer handed an 8-bit state dict stops with ``KeyError: 'exp_avg'`` at
+its first step instead of reading codes as values; `convert_state_dict` turns one into the other. The quantizer here
+is plain torch (CPU or GPU, no Triton) and gives the bits the fused kernels give.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from kitsune.kernels.codes import CODE_SIZE, QUANT_BLOCK, dynamic_map
+from kitsune.kernels.spec import StateFormat, UpdateSpec
+
+PRECISIONS: dict[str, StateFormat] = {
+    "param": StateFormat.PARAM,
+    "fp32": StateFormat.FP32,
+    "bf16": StateFormat.BF16,
+    "8bit": StateFormat.Q8,
+}
+"""``FusionConfig.state_precision``'s values and the format each asks for."""
+
+NAMES = {fmt: name for name, fmt in PRECISIONS.items()}
+
+SIGNED: dict[str, bool] = {
+    "exp_avg": True,
+    "momentum_buffer": True,
+    "grad_avg": True,
+    "exp_avg_sq": False,
+    "max_exp_avg_sq": False,
+    "exp_inf": False,
+    "square_avg": False,
+    "sum": False,
+    "acc_delta": False,
+}
+"""The state keys 8-bit state covers, and whether each takes the signed code table (False: the key's values are never
+negative, so the unsigned table's extra fraction bit applies)."""
+
+CODES, ABSMAX = "_codes", "_absmax"
+
+_FLOAT = {StateFormat.FP32: torch.float32, StateFormat.BF16: torch.bfloat16}
+_TABLES: dict[tuple[bool, torch.device], torch.Tensor] = {}
+
+
+def signed_mask(keys: tuple[str | None, ...]) -> int:
+    """`UpdateSpec.signed` for a kernel's state slots: bit ``i`` set when slot ``i + 1`` holds a signed key."""
+    return sum(1 << i for i, key in enumerate(keys) if key and SIGNED.get(key, True))
+
+
+def dtype_of(fmt: StateFormat, param_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a float format's state tensors (8-bit state: the codes' uint8)."""
+    return torch.uint8 if fmt == StateFormat.Q8 else _FLOAT.get(fmt, param_dtype)
+
+
+def describe(fmt: StateFormat, param_dtype: torch.dtype) -> str:
+    """A format as the plan shows it: ``"8-bit"`` or the state's dtype (``"bfloat16"``)."""
+    return "8-bit" if fmt == StateFormat.Q8 else str(dtype_of(fmt, param_dtype)).removeprefix("torch.")
+
+
+def bytes_per_element(fmt: StateFormat, param_dtype: torch.dtype) -> float:
+    """Bytes one element of one state tensor takes (8-bit state: its code and its share of the absmax)."""
+    if fmt == StateFormat.Q8:
+        return 1 + 4 / QUANT_BLOCK
+    return dtype_of(fmt, param_dtype).itemsize
+
+
+def update_bytes(spec: UpdateSpec, tensor_reads_writes: int, param_dtype: torch.dtype) -> float:
+    """Bytes a step moves per element: ``tensor_reads_writes`` (`AlgoInfo.bytes_per_element`: reads and writes in
+    units of the param's size) with each state slot's read and write at the state format's size instead."""
+    slots = 2 * spec.state_slots
+    return (tensor_reads_writes - slots) * param_dtype.itemsize + slots * bytes_per_element(spec.state, param_dtype)
+
+
+def code_table(signed: bool, device: torch.device) -> torch.Tensor:
+    """`dynamic_map` on ``device`` (cached)."""
+    key = (signed, torch.device(device))
+    table = _TABLES.get(key)
+    if table is None:
+        table = _TABLES[key] = dynamic_map(signed).to(device)
+    return table
+
+
+def quantize(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes, absmax)`` of ``x`` as the fused kernels store it (see `kitsune.kernels.quant`): per block of
+    `QUANT_BLOCK` elements the absmax, then the nearest code of ``x / absmax`` (a tie to the smaller magnitude); a
+    block holding inf or nan gets absmax nan and the zero code."""
+    flat = x.detach().reshape(-1).float()
+    n = flat.numel()
+    rows = max(math.ceil(n / QUANT_BLOCK), 0)
+    blocks = torch.nn.functional.pad(flat, (0, rows * QUANT_BLOCK - n)).view(rows, QUANT_BLOCK)
+    ax = blocks.abs()
+    finite = ax < math.inf
+    absmax = torch.where(finite, ax, 0.0).amax(1) if rows else torch.zeros(0, device=x.device)
+    bad = ~finite.all(1)
+    v = blocks / torch.where(absmax > 0, absmax, 1.0)[:, None]
+    v = torch.where(bad[:, None], 0.0, v)
+    table = code_table(signed, x.device)
+    idx = (torch.searchsorted(table, v.contiguous(), right=True) - 1).clamp_(0, CODE_SIZE - 1)
+    lo, hi = table[idx].double(), table[(idx + 1).clamp_(max=CODE_SIZE - 1)].double()
+    twice, mid2 = 2 * v.double(), lo + hi
+    up = ((twice > mid2) | ((twice == mid2) & (v < 0))) & (idx < CODE_SIZE - 1)
+    codes = (idx + up.long()).to(torch.uint8).view(-1)[:n].view(x.shape)
+    return codes, torch.where(bad, math.nan, absmax)
+
+
+def dequantize(
+    codes: torch.Tensor, absmax: torch.Tensor, signed: bool, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The values `quantize` encoded, in ``dtype`` (computed in fp32, as the kernels do)."""
+    table = code_table(signed, codes.device)
+    n = codes.numel()
+    scale = absmax.float().repeat_interleave(QUANT_BLOCK)[:n]
+    return (table[codes.reshape(-1).long()] * scale).view(codes.shape).to(dtype)
+
+
+def quantized(s: Mapping[str, Any], key: str) -> bool:
+    """Whether the state ``s`` holds ``key`` in 8 bits."""
+    return key + CODES in s and key + ABSMAX in s
+
+
+def present(s: Mapping[str, Any], key: str) -> bool:
+    """Whether ``s`` holds ``key`` in any format."""
+    return s.get(key) is not None or quantized(s, key)
+
+
+def conform(s: dict[str, Any], key: str, p: torch.Tensor, fmt: StateFormat) -> list[torch.Tensor]:
+    """Bring state ``key`` of param ``p`` into format ``fmt`` in place (a loaded checkpoint of another precision is
+    converted, never reinterpreted) and return the tensors the kernel addresses: ``[tensor]`` for a float format,
+    ``[codes, absmax]`` for 8 bits. Raises ``ValueError`` for a tensor of another shape than its param."""
+    if fmt == StateFormat.Q8:
+        if s.get(key) is not None:  # float state (a torch checkpoint, or a tensor set by hand): quantize it
+            t = s.pop(key)
+            _check_shape(key, t, p)
+            s[key + CODES], s[key + ABSMAX] = quantize(t.to(p.device), SIGNED.get(key, True))
+        codes, absmax = s[key + CODES], s[key + ABSMAX]
+        _check_shape(key + CODES, codes, p)
+        blocks = math.ceil(p.numel() / QUANT_BLOCK)
+        if absmax.numel() != blocks:
+            raise ValueError(
+                f"optimizer state {key + ABSMAX!r} has {absmax.numel()} elements, its param's {p.numel()} elements "
+                f"need {blocks} (one per {QUANT_BLOCK})"
+            )
+        if codes.dtype != torch.uint8 or codes.device != p.device or not codes.is_contiguous():
+            # torch's load_state_dict casts every state tensor of a float param to the param's dtype: codes are
+            # integers from 0 to 255, exact in every float dtype, so the cast back loses nothing
+            codes = s[key + CODES] = codes.to(device=p.device, dtype=torch.uint8, memory_format=torch.contiguous_format)
+        if absmax.dtype != torch.float32 or absmax.device != p.device or not absmax.is_contiguous():
+            absmax = s[key + ABSMAX] = absmax.to(device=p.device, dtype=torch.float32).contiguous()
+        return [codes, absmax]
+    dtype = dtype_of(fmt, p.dtype)
+    if quantized(s, key):  # an 8-bit checkpoint loaded with float state: decode it
+        codes, absmax = s.pop(key + CODES), s.pop(key + ABSMAX)
+        s[key] = dequantize(codes.to(p.device), absmax.to(p.device), SIGNED.get(key, True), dtype).view(p.shape)
+    t = s[key]
+    _check_shape(key, t, p)
+    if t.dtype != dtype or t.device != p.device or not t.is_contiguous():
+        t = s[key] = t.to(device=p.device, dtype=dtype, memory_format=torch.contiguous_format)
+    return [t]
+
+
+def _check_shape(key: str, t: torch.Tensor, p: torch.Tensor) -> None:
+    if t.shape != p.shape:
+        raise ValueError(f"optimizer state {key!r} has shape {tuple(t.shape)}, its param {tuple(p.shape)}")
+
+
+def convert_state_dict(
+    state_dict: Mapping[str, Any], precision: str = "fp32", *, min_8bit_size: int = 4096
+) -> dict[str, Any]:
+    """A copy of an optimizer state dict with its state in ``precision``, so a run moves between plain torch and
+    kitsune's low-precision state at any checkpoint.
+
+    ``"fp32"`` (or ``"bf16"``) decodes 8-bit state into torch's keys (``exp_avg``, ...) and casts float state: the
+    result loads into the plain torch optimizer. ``"8bit"`` quantizes every state tensor of a key that 8-bit state
+    covers (`SIGNED`) with at least ``min_8bit_size`` elements, as ``FusionConfig(state_precision="8bit")`` keeps
+    it; the rest stays as it is. ``"param"`` keeps float state as it is and decodes 8-bit state to fp32 (a plain
+    torch optimizer casts it to its params' dtype when it loads). Step counts and other entries are copied
+    unchanged. The result shares no tensor with the input, which is not modified. A KitsuneOptimizer loads any
+    of these and converts to its own ``state_precision`` as it binds the state, so this function is for the
+    plain-torch side of a move.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(map(repr, PRECISIONS))}, got {precision!r}")
+    if not isinstance(state_dict, Mapping) or "state" not in state_dict:
+        raise TypeError("convert_state_dict takes an optimizer state dict (a mapping with a 'state' entry)")
+    fmt = PRECISIONS[precision]
+    out = dict(state_dict)
+    out["state"] = {pid: _convert(dict(s), fmt, min_8bit_size) for pid, s in state_dict["state"].items()}
+    return out
+
+
+def _convert(s: dict[str, Any], fmt: StateFormat, min_8bit_size: int) -> dict[str, Any]:
+    for key in [k[: -len(CODES)] for k in s if k.endswith(CODES) and quantized(s, k[: -len(CODES)])]:
+        codes, absmax = s.pop(key + CODES), s.pop(key + ABSMAX)
+        dtype = torch.bfloat16 if fmt == StateFormat.BF16 else torch.float32
+        s[key] = dequantize(codes, absmax, SIGNED.get(key, True), dtype)
+    for key, t in list(s.items()):
+        if not isinstance(t, torch.Tensor):
+            continue
+        if key not in SIGNED or not t.is_floating_point():
+            s[key] = t.clone()  # the copy shares no tensor with the input: a step on one leaves the other alone
+        elif fmt == StateFormat.Q8 and t.numel() >= min_8bit_size:
+            del s[key]
+            s[key + CODES], s[key + ABSMAX] = quantize(t, SIGNED[key])
+        elif fmt in _FLOAT and t.dtype != _FLOAT[fmt]:
+            s[key] = t.to(_FLOAT[fmt])
+        else:
+            s[key] = t.clone()
+    return s
+
+
+def decode_others(state: Mapping[Any, dict[str, Any]], keep: set[torch.Tensor]) -> None:
+    """Decode the 8-bit state of every param not in ``keep`` (the params 8-bit units update) into torch's keys, in
+    the param's dtype: the step that updates those params (torch's, or a fused unit in the param's format) reads
+    that. A checkpoint saved with ``state_precision="8bit"`` so loads into any optimizer that holds the params."""
+    for p, s in state.items():
+        if p in keep or not isinstance(p, torch.Tensor) or not isinstance(s, dict):
+            continue
+        for key in [k[: -len(CODES)] for k in list(s) if k.endswith(CODES)]:
+            decode(s, key, p)
+
+
+def decode(s: dict[str, Any], key: str, p: torch.Tensor) -> None:
+    """State ``key`` in torch's layout (the param's dtype) where it is held in 8 bits (a checkpoint of an 8-bit run
+    loaded where the params' own format runs); nothing otherwise."""
+    if s.get(key) is None and quantized(s, key):
+        conform(s, key, p, StateFormat.PARAM)
+
+
+def split_low(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[Any, dict[str, torch.Tensor]]]:
+    """``(state_dict without its 8-bit entries, those entries by param id)``: torch's ``load_state_dict`` casts every
+    tensor of a float param's state to the param's dtype, which would round an absmax to bf16; these go around it
+    (`restore_low`)."""
+    stash: dict[Any, dict[str, torch.Tensor]] = {}
+    state = state_dict.get("state")
+    if not isinstance(state, Mapping):
+        return state_dict, stash
+    kept = {}
+    for pid, s in state.items():
+        low = {k for k in s if k.endswith((CODES, ABSMAX)) and quantized(s, k.removesuffix(CODES).removesuffix(ABSMAX))}
+        if low:
+            stash[pid] = {k: s[k] for k in low}
+            s = {k: v for k, v in s.items() if k not in low}
+        kept[pid] = s
+    return ({**state_dict, "state": kept} if stash else state_dict), stash
+
+
+def restore_low(optimizer: torch.optim.Optimizer, saved_groups: list[dict[str, Any]], stash: dict) -> None:
+    """Put `split_low`'s entries into ``optimizer.state`` after torch's ``load_state_dict`` (which mapped the saved
+    param ids onto the params, group by group, in order), each on its param's device and in its own dtype."""
+    if not stash:
+        return
+    saved = (pid for g in saved_groups for pid in g["params"])
+    params = (p for g in optimizer.param_groups for p in g["params"])
+    for pid, p in zip(saved, params, strict=False):
+        if pid in stash:
+            optimizer.state[p].update({k: t.to(p.device) for k, t in stash[pid].items()})

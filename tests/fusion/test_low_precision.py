@@ -1,0 +1,357 @@
+"""Low-precision optimizer state (``FusionConfig.state_precision``): 8-bit and bf16 state in the fused kernels.
+
+The reference is torch's own optimizer on float64 copies of the params, its state rounded to the format after every
+step (bf16: to the nearest bf16; 8 bits: `state_format.quantize` then `dequantize`, the definition in plain torch).
+That is the fused kernels' contract: math in fp32 on the decoded state, the update from the fresh values, the state
+stored in the format. The kernels compute in fp32, the reference in float64, so a value within an fp32 rounding of
+a boundary between two codes may land on the other code; the tolerances allow that, and only that (a one-code slip
+moves a state element by at most the table's largest gap times its block's absmax).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+import kitsune
+from kitsune import FusionConfig, KitsuneOptimizer
+from kitsune.fusion import Route
+from kitsune.fusion import state_format as sf
+from kitsune.kernels.codes import QUANT_BLOCK, dynamic_map
+from kitsune.optim import Lion
+
+SIZES = [(24, 40), 700, 300, 5]  # several quantization blocks, a partial one, and one under any min size
+CASES = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+    "adam_amsgrad_l2_maximize": lambda ps: torch.optim.Adam(
+        [{"params": ps[:2], "amsgrad": True, "weight_decay": 0.1}, {"params": ps[2:], "maximize": True}], lr=1e-2
+    ),
+    "sgd_nesterov": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.1, initial_accumulator_value=0.1),
+    "rmsprop_momentum": lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.5, weight_decay=1e-2),
+    "nadam_decoupled": lambda ps: torch.optim.NAdam(ps, lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True),
+    "radam": lambda ps: torch.optim.RAdam(ps, lr=1e-2),
+    "adamax": lambda ps: torch.optim.Adamax(ps, lr=1e-2),
+    "adadelta": lambda ps: torch.optim.Adadelta(ps, lr=1.0),
+    "lion": lambda ps: Lion(ps, lr=1e-3, weight_decay=0.1),
+}
+STEPS = 30
+
+
+def _params(seed: int = 0) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SIZES]
+
+
+def _grads(step: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + step)
+    # a spread of magnitudes, so blocks hold values across several decades of the code
+    return [torch.randn(s, generator=gen) * torch.rand(s, generator=gen).pow(3) * 2.0 for s in SIZES]
+
+
+def _round(t: torch.Tensor, key: str, precision: str) -> torch.Tensor:
+    if precision == "bf16":
+        return t.to(torch.bfloat16).to(t.dtype)
+    return sf.dequantize(*sf.quantize(t.float(), sf.SIGNED[key]), sf.SIGNED[key]).to(t.dtype)
+
+
+def _reference(make, precision: str, min_size: int, device):
+    params = [torch.nn.Parameter(p.detach().double().to(device)) for p in _params()]
+    opt = make(params)
+
+    def round_state():
+        with torch.no_grad():
+            for p in params:
+                for key, t in opt.state.get(p, {}).items():
+                    if key in sf.SIGNED and t.numel() >= min_size:
+                        t.copy_(_round(t, key, precision))
+
+    round_state()  # Adagrad builds its state in __init__: kitsune converts it as it binds
+    for step in range(STEPS):
+        for p, g in zip(params, _grads(step), strict=True):
+            p.grad = g.double().to(device)
+        opt.step()
+        round_state()
+    return params, opt
+
+
+def _fused(make, precision: str, min_size: int, device, **kwargs):
+    params = [torch.nn.Parameter(p.detach().to(device)) for p in _params()]
+    config = FusionConfig(state_precision=precision, min_8bit_size=min_size)
+    opt = KitsuneOptimizer(make(params), enable_fusion=True, fusion_config=config, **kwargs)
+    for step in range(STEPS):
+        for p, g in zip(params, _grads(step), strict=True):
+            p.grad = g.to(device)
+        opt.step()
+    return params, opt
+
+
+def _decoded(s: dict, key: str) -> torch.Tensor:
+    if sf.quantized(s, key):
+        return sf.dequantize(s[key + sf.CODES], s[key + sf.ABSMAX], sf.SIGNED[key])
+    return s[key].float()
+
+
+@pytest.mark.parametrize("precision", ["8bit", "bf16"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_trajectory_matches_torch_with_the_state_rounded_to_the_format(name, precision, device):
+    min_size = 64 if precision == "8bit" else 0  # 8 bits: the 5-element param keeps fp32 state, in the same run
+    ref_params, ref = _reference(CASES[name], precision, min_size, device)
+    params, opt = _fused(CASES[name], precision, min_size, device)
+    buckets = opt.plan.buckets
+    assert all(b.route is Route.TRITON for b in buckets), opt.plan.to_dict()
+    if precision == "8bit":  # (groups with other switches are buckets of their own)
+        assert {b.state for b in buckets} == {"8-bit", "float32"}, opt.plan.to_dict()
+        (small,) = (b for b in buckets if b.state == "float32")
+        assert small.tensors == 1 and any("min_8bit_size=64" in n for n in small.notes)
+    else:
+        assert {b.state for b in buckets} == {"bfloat16"}, opt.plan.to_dict()
+    for i, (p, r) in enumerate(zip(params, ref_params, strict=True)):
+        s, rs = opt.state[p], ref.state[r]
+        for key in (k for k in rs if k in sf.SIGNED):
+            if p.numel() >= min_size and precision == "8bit":
+                assert key not in s and s[key + sf.CODES].dtype == torch.uint8, sorted(s)
+                assert s[key + sf.ABSMAX].numel() == math.ceil(p.numel() / QUANT_BLOCK)
+            elif p.numel() >= min_size:
+                assert s[key].dtype == torch.bfloat16
+            else:
+                assert s[key].dtype == torch.float32
+            ours, theirs = _decoded(s, key).cpu().double(), rs[key].cpu().double().view(p.shape)
+            # one code (or one bf16 ulp) of slack per element, relative to its block's absmax
+            scale = theirs.abs().max().clamp_min(1e-30)
+            slack = 0.02 if precision == "8bit" else 2**-7
+            torch.testing.assert_close(ours, theirs, atol=float(scale) * slack, rtol=0, msg=f"param {i} {key}")
+        lr = ref.param_groups[0]["lr"]
+        torch.testing.assert_close(p.detach().cpu().double(), r.detach().cpu(), atol=lr * 0.5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["adamw", "lion", "sgd_nesterov"])
+def test_eight_bit_state_is_the_quantized_reference_not_the_fp32_one(name, device):
+    """The comparison above can tell the formats apart: the fp32 trajectory is measurably farther from the 8-bit
+    reference than kitsune's 8-bit run is (so a kernel that kept fp32 state would fail it)."""
+    ref_params, _ = _reference(CASES[name], "8bit", 64, device)
+    params, _ = _fused(CASES[name], "8bit", 64, device)
+    fp32_params, _ = _fused(CASES[name], "param", 64, device)
+    ours = _farthest(params, ref_params)
+    fp32 = _farthest(fp32_params, ref_params)
+    assert ours * 4 < fp32, (ours, fp32)
+
+
+def _farthest(params, ref_params) -> float:
+    pairs = zip(params, ref_params, strict=True)
+    return max((p.detach().cpu().double() - r.detach().cpu()).abs().max().item() for p, r in pairs)
+
+
+def _special_blocks() -> torch.Tensor:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(9 * QUANT_BLOCK + 77, generator=gen)
+    x[QUANT_BLOCK : 2 * QUANT_BLOCK] = 0.0  # an all-zero block
+    x[2 * QUANT_BLOCK + 5] = 1e4  # an outlier
+    x[3 * QUANT_BLOCK + 9] = math.inf
+    x[4 * QUANT_BLOCK + 1] = math.nan
+    x[5 * QUANT_BLOCK : 6 * QUANT_BLOCK] *= 1e-30  # tiny values
+    x[6 * QUANT_BLOCK + 3] = -x[6 * QUANT_BLOCK : 7 * QUANT_BLOCK].abs().max() * 2  # negative absmax
+    return x
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_torch_quantizer_gives_the_kernels_bits(signed, device):
+    """`state_format.quantize` (plain torch: checkpoints on any device) and the Triton kernels agree exactly."""
+    from kitsune.kernels import quant
+
+    x = _special_blocks().to(device)
+    if not signed:
+        x = x.abs()
+    code = dynamic_map(signed).to(device)
+    codes, absmax = sf.quantize(x, signed)
+    kcodes, kabsmax = quant.quantize_blockwise(x, code)
+    assert torch.equal(codes, kcodes)
+    assert torch.allclose(absmax, kabsmax, equal_nan=True, rtol=0, atol=0)
+    assert torch.isnan(absmax[3]) and torch.isnan(absmax[4]) and absmax[1] == 0
+    decoded = sf.dequantize(codes, absmax, signed)
+    assert torch.equal(decoded.nan_to_num(7.0), quant.dequantize_blockwise(kcodes, kabsmax, code).nan_to_num(7.0))
+    assert torch.equal(decoded[QUANT_BLOCK : 2 * QUANT_BLOCK], torch.zeros(QUANT_BLOCK, device=device))
+    empty = sf.quantize(torch.empty(0, device=device), signed)
+    assert empty[0].numel() == 0 and empty[1].numel() == 0
+
+
+def test_a_positive_block_absmax_decodes_exactly_and_others_within_half_a_gap():
+    x = _special_blocks()
+    x = x[torch.isfinite(x)]
+    codes, absmax = sf.quantize(x, True)
+    decoded = sf.dequantize(codes, absmax, True)
+    table = dynamic_map(True).double()
+    half_gap = (table[1:] - table[:-1]).max().item() / 2
+    scale = absmax.double().repeat_interleave(QUANT_BLOCK)[: x.numel()]
+    err = (decoded.double() - x.double()).abs()
+    assert (err <= scale * half_gap * (1 + 1e-6) + 1e-45).all()
+    peaks = [(blk * QUANT_BLOCK + x[blk * QUANT_BLOCK : (blk + 1) * QUANT_BLOCK].abs().argmax()).item()
+             for blk in range(absmax.numel())]  # fmt: skip
+    # 1.0 is a code, -1.0 is not (bitsandbytes' signed map: 127 negative codes, 0, 128 positive)
+    assert all(decoded[i] == x[i] for i in peaks if absmax[i // QUANT_BLOCK] > 0 and x[i] > 0)
+    assert any(x[i] < 0 for i in peaks)
+
+
+def test_checkpoint_round_trip_through_plain_torch(device):
+    """kitsune 8-bit -> torch fp32 (convert_state_dict) -> plain AdamW steps -> kitsune 8-bit, and an 8-bit state
+    dict into kitsune 8-bit continues exactly as the uninterrupted run."""
+    make = CASES["adamw"]
+    params, opt = _fused(make, "8bit", 64, device)
+    sd = copy.deepcopy(opt.state_dict())
+    first = next(iter(sd["state"].values()))
+    assert "exp_avg" not in first and first["exp_avg_codes"].dtype == torch.uint8
+
+    # into plain torch: it refuses the 8-bit dict at its first step (no silent reinterpretation) ...
+    plain = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in params], lr=1e-2, weight_decay=0.1)
+    plain.load_state_dict(copy.deepcopy(sd))
+    for p in (q for g in plain.param_groups for q in g["params"]):
+        p.grad = torch.ones_like(p)
+    with pytest.raises(KeyError, match="exp_avg"):
+        plain.step()
+    # ... and takes the converted one, whose state decodes the codes
+    plain = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in params], lr=1e-2, weight_decay=0.1)
+    converted = kitsune.convert_state_dict(sd, "fp32")
+    plain.load_state_dict(converted)
+    ps = [q for g in plain.param_groups for q in g["params"]]
+    for p, q in zip(params, ps, strict=True):
+        s = opt.state[p]
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(plain.state[q][key], _decoded(s, key).view(p.shape))
+    for p, g in zip(ps, _grads(99), strict=True):
+        p.grad = g.to(device)
+    plain.step()
+
+    # back into kitsune 8-bit from the plain optimizer's fp32 state: quantized as it binds
+    again = [torch.nn.Parameter(q.detach().clone()) for q in ps]
+    config = FusionConfig(state_precision="8bit", min_8bit_size=64)
+    kopt = KitsuneOptimizer(make(again), enable_fusion=True, fusion_config=config)
+    kopt.load_state_dict(plain.state_dict())
+    for p, q in zip(again, ps, strict=True):
+        for key in ("exp_avg", "exp_avg_sq"):
+            if p.numel() >= 64:
+                want = sf.quantize(plain.state[q][key], sf.SIGNED[key])
+                assert torch.equal(kopt.state[p][key + sf.CODES], want[0]) and key not in kopt.state[p]
+    for p, g in zip(again, _grads(100), strict=True):
+        p.grad = g.to(device)
+    kopt.step()
+
+    # an 8-bit state dict into an 8-bit optimizer: the next step is the uninterrupted run's, bit for bit
+    resumed = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    ropt = KitsuneOptimizer(make(resumed), enable_fusion=True, fusion_config=config)
+    ropt.load_state_dict(sd)
+    for ps_, o in ((params, opt), (resumed, ropt)):
+        for p, g in zip(ps_, _grads(101), strict=True):
+            p.grad = g.to(device)
+        o.step()
+    for p, q in zip(params, resumed, strict=True):
+        assert torch.equal(p, q)
+        for key, t in opt.state[p].items():
+            assert torch.equal(t, ropt.state[q][key]), key
+
+
+def test_eight_bit_checkpoint_into_the_param_precision_decodes(device):
+    """A kitsune optimizer without low-precision state (or with fusion off) decodes a loaded 8-bit state dict into
+    torch's keys as it plans, so its step (the fused one or torch's own) reads fp32 state."""
+    params, opt = _fused(CASES["adamw"], "8bit", 64, device)
+    sd = opt.state_dict()
+    for enable in (True, False):
+        fresh = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        other = KitsuneOptimizer(CASES["adamw"](fresh), enable_fusion=enable)
+        other.load_state_dict(copy.deepcopy(sd))
+        for p, q in zip(params, fresh, strict=True):
+            s = other.state[q]
+            assert not any(k.endswith(sf.CODES) for k in s)
+            assert torch.equal(s["exp_avg"], _decoded(opt.state[p], "exp_avg").view(p.shape))
+        for q, g in zip(fresh, _grads(7), strict=True):
+            q.grad = g.to(device)
+        other.step()
+
+
+def test_bf16_params_keep_the_absmax_in_fp32_through_a_checkpoint(device):
+    """torch's load_state_dict casts a float param's state to the param's dtype: the 8-bit entries go around it."""
+    params = [torch.nn.Parameter(torch.randn(600, device=device, dtype=torch.bfloat16))]
+    config = FusionConfig(state_precision="8bit", min_8bit_size=0)
+    opt = KitsuneOptimizer(torch.optim.AdamW(params, lr=1e-2), enable_fusion=True, fusion_config=config)
+    params[0].grad = torch.randn(600, device=device, dtype=torch.bfloat16) * 1e-3
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    fresh = [torch.nn.Parameter(params[0].detach().clone())]
+    other = KitsuneOptimizer(torch.optim.AdamW(fresh, lr=1e-2), enable_fusion=True, fusion_config=config)
+    other.load_state_dict(sd)
+    for key, t in opt.state[params[0]].items():
+        assert t.dtype == other.state[fresh[0]][key].dtype and torch.equal(t, other.state[fresh[0]][key]), key
+    assert other.state[fresh[0]]["exp_avg_absmax"].dtype == torch.float32
+
+
+def test_codes_of_the_wrong_shape_are_refused_and_nothing_changes(device):
+    params, opt = _fused(CASES["adamw"], "8bit", 64, device)
+    sd = copy.deepcopy(opt.state_dict())
+    before = copy.deepcopy(opt.state_dict())
+    sd["state"][0]["exp_avg_codes"] = sd["state"][0]["exp_avg_codes"].reshape(-1)[:10]
+    with pytest.raises(ValueError, match="exp_avg_codes"):
+        opt.load_state_dict(sd)
+    after = opt.state_dict()
+    for pid, s in before["state"].items():
+        for key, t in s.items():
+            assert torch.equal(t, after["state"][pid][key]), key
+
+
+def test_convert_state_dict_both_ways_and_its_errors():
+    params, opt = _fused(CASES["adamw"], "param", 64, torch.device("cpu"))
+    sd = opt.state_dict()
+    q = kitsune.convert_state_dict(sd, "8bit", min_8bit_size=64)
+    big, small = q["state"][0], q["state"][3]
+    assert {"exp_avg_codes", "exp_avg_absmax", "exp_avg_sq_codes", "exp_avg_sq_absmax", "step"} == set(big)
+    assert small["exp_avg"].dtype == torch.float32  # 5 elements: under min_8bit_size
+    back = kitsune.convert_state_dict(q, "fp32")
+    for pid, s in sd["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(back["state"][pid][key], s[key], atol=float(s[key].abs().max()) / 50, rtol=0)
+    half = kitsune.convert_state_dict(sd, "bf16")
+    assert half["state"][0]["exp_avg"].dtype == torch.bfloat16 and sd["state"][0]["exp_avg"].dtype == torch.float32
+    with pytest.raises(ValueError, match="precision must be one of"):
+        kitsune.convert_state_dict(sd, "int4")
+    with pytest.raises(TypeError, match="optimizer state dict"):
+        kitsune.convert_state_dict({"exp_avg": 1}, "fp32")
+
+
+def test_the_plan_and_report_say_where_low_precision_does_not_apply(device):
+    params = _params()
+    config = FusionConfig(state_precision="8bit", min_8bit_size=0)
+    opt = KitsuneOptimizer(torch.optim.Rprop(params), enable_fusion=True, fusion_config=config)
+    (bucket,) = opt.plan.buckets
+    assert bucket.state == "float32" and any("does not apply to Rprop" in n for n in bucket.notes)
+    sgd = KitsuneOptimizer(torch.optim.SGD(_params(), lr=0.1), enable_fusion=True, fusion_config=config)
+    assert sgd.plan.buckets[0].state == "-" and not sgd.plan.buckets[0].notes  # no state to keep
+    with pytest.raises(ValueError, match="zero_stage"):
+        kitsune.KitsuneConfig(fusion=config, shard={"stage": 1})
+
+
+def test_profiler_comparison_is_not_applicable_with_8bit_state(device):
+    from kitsune import KitsuneConfig, ProfilerConfig
+
+    params = [torch.nn.Parameter(p.detach().to(device)) for p in _params()]
+    config = KitsuneConfig(
+        fusion=FusionConfig(state_precision="8bit", min_8bit_size=64),
+        profiler=ProfilerConfig(enabled=True, sample_after=0, probe_steps=0, compare_steps=2),
+    )
+    opt = KitsuneOptimizer(torch.optim.AdamW(params, lr=1e-3), config=config)
+    for step in range(8):
+        for p, g in zip(params, _grads(step), strict=True):
+            p.grad = g.to(device)
+        opt.step()
+    comparison = opt.profiler.get_metrics().comparison
+    assert comparison.status == "not_applicable" and "8bit" in comparison.reason, comparison
+
+
+def test_centered_rmsprop_keeps_its_state_in_the_param_dtype(device):
+    """square_avg - grad_avg**2 is a small difference of two rounded values: in 8 bits it goes negative (nan)."""
+    params = [torch.nn.Parameter(p.detach().to(device)) for p in _params()]
+    config = FusionConfig(state_precision="8bit", min_8bit_size=0)
+    opt = KitsuneOptimizer(torch.optim.RMSprop(params, centered=True), enable_fusion=True, fusion_config=config)
+    (bucket,) = opt.plan.buckets
+    assert bucket.route is Route.TRITON and bucket.state == "float32"
+    assert any("centered RMSprop" in n for n in bucket.notes)
