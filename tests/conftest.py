@@ -25,10 +25,12 @@ if CPU_ONLY:
     import kitsune.kernels.muon_update as _muon_update
     import kitsune.kernels.newton_schulz as _newton_schulz
     import kitsune.kernels.norms as _norms
+    import kitsune.kernels.quant as _quant
     import kitsune.kernels.update as _update
 
     if type(_update._update_kernel).__name__ != "InterpretedFunction":  # imported earlier without the switch
         importlib.reload(_common)  # first: the kernels call its helpers
+        importlib.reload(_quant)  # and the update kernel calls the quantization helpers
         importlib.reload(_update)
         importlib.reload(_norms)
         importlib.reload(_newton_schulz)

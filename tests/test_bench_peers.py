@@ -239,7 +239,7 @@ def test_peers_option_parses():
             parser.parse_args(["bench", "--peers", bad])
 
 
-def test_peers_default_to_fused_and_kitsune_and_peer_failures_keep_exit_0(monkeypatch):
+def test_peers_default_to_fused_kitsune_and_its_low_precision_state_and_peer_failures_keep_exit_0(monkeypatch):
     import kitsune.bench.cli as cli
 
     seen = {}
@@ -252,7 +252,7 @@ def test_peers_default_to_fused_and_kitsune_and_peer_failures_keep_exit_0(monkey
     monkeypatch.setitem(PEERS, "broken", _fake("broken", mode="raise"))
     args = _parser().parse_args(["bench", "--peers", "broken", "--device", "cpu", "--sets", "many", "--steps", "1"])
     assert args.func(args) == 0  # a peer broken on this machine is reported in its row, not as kitsune's failure
-    assert seen["variants"] == ["fused", "kitsune"] and seen["peers"] == ["broken"]
+    assert seen["variants"] == ["fused", "kitsune", "8bit", "bf16state"] and seen["peers"] == ["broken"]
     args = _parser().parse_args(["bench", "--device", "cpu", "--sets", "many", "--steps", "1", "--variants", "fused"])
     assert args.func(args) == 0 and seen["peers"] is None and seen["variants"] == ["fused"]
 

@@ -11,7 +11,7 @@ from kitsune._paths import check_output_path
 from kitsune.bench.params import PARAM_SETS
 from kitsune.bench.peers import PEERS
 from kitsune.bench.runner import run_bench
-from kitsune.bench.variants import VARIANTS
+from kitsune.bench.variants import DEFAULT_VARIANTS, VARIANTS
 from kitsune.cli import positive_int
 
 
@@ -35,7 +35,7 @@ def _peers(text: str) -> list[str] | str:
     return "all" if text.strip() == "all" else _names(PEERS)(text)
 
 
-PEER_VARIANTS = ["fused", "kitsune"]
+PEER_VARIANTS = ["fused", "kitsune", "8bit", "bf16state"]
 """The variants a ``--peers`` run times next to the peers unless ``--variants`` names others: torch's fused AdamW
 and kitsune's one line, ``KitsuneOptimizer(torch.optim.AdamW(...), enable_fusion=True)``."""
 
@@ -59,7 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--variants",
         type=_names(VARIANTS),
         default=None,
-        help=f"comma-separated, of {','.join(VARIANTS)} (graph is CUDA only; default: all, with --peers fused,kitsune)",
+        help=f"comma-separated, of {','.join(VARIANTS)} (graph is CUDA only; default: "
+        f"{','.join(DEFAULT_VARIANTS)}; with --peers {','.join(PEER_VARIANTS)})",
     )
     parser.add_argument(
         "--peers",
@@ -113,7 +114,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             return 2
     if args.muon:
         return _run_muon(args)
-    variants = args.variants or (PEER_VARIANTS if args.peers is not None else list(VARIANTS))
+    variants = args.variants or (PEER_VARIANTS if args.peers is not None else list(DEFAULT_VARIANTS))
     try:
         result = run_bench(
             sets=args.sets,

@@ -33,7 +33,7 @@ from kitsune.bench.peers import version as peer_version
 from kitsune.bench.results import BenchResult, KitsuneInfo, PeerInfo, PeerStatus, SetResult, VariantResult
 from kitsune.bench.table import default_console, peer_lines, print_results
 from kitsune.bench.timing import Stats, StepTimes, copy_bandwidth, time_steps
-from kitsune.bench.variants import ADAMW, VARIANTS, make_variant
+from kitsune.bench.variants import ADAMW, BYTES_PER_PARAM, DEFAULT_VARIANTS, VARIANTS, make_variant
 from kitsune.profiler.schema import collect_environment
 
 FP32_BYTES = 4
@@ -109,6 +109,9 @@ def run_variant(
     warm-up and check, as a peer's, that the params moved on every checked step.
     """
     result = VariantResult(variant=name, label=VARIANTS[name], status="ok")
+    if name in BYTES_PER_PARAM:  # low-precision state: its own floor, and its state's memory in the table
+        floor_ms *= BYTES_PER_PARAM[name] / ADAMW_BYTES_PER_PARAM
+        audit = True
     if name == "graph" and device.type != "cuda":
         result.status, result.reason = "skipped", "CUDA only: a CUDA graph captures GPU work"
         return result
@@ -332,7 +335,7 @@ def _command_line() -> str:
 
 def run_bench(
     sets: list[str] | tuple[str, ...] = ("gpt2", "many", "llama1b"),
-    variants: list[str] | tuple[str, ...] = tuple(VARIANTS),
+    variants: list[str] | tuple[str, ...] = DEFAULT_VARIANTS,
     device: str | torch.device | None = None,
     steps: int | None = None,
     warmup: int | None = None,

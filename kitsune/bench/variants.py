@@ -20,13 +20,28 @@ VARIANTS: dict[str, str] = {
     "eager": "kitsune, capture_graph=False",
     "static": "kitsune, static_addresses=True",
     "profiled": "kitsune, profile=True",
+    "8bit": "kitsune, state_precision='8bit'",
+    "bf16state": "kitsune, state_precision='bf16'",
 }
 """Variant name (what ``--variants`` takes) -> label in the table. ``graph`` is fused + capturable AdamW replayed
 from a CUDA graph; ``kitsune`` is kitsune as it comes (on CUDA its phase is captured in a CUDA graph after
 warm-up), ``eager`` the same with ``capture_graph=False``, ``static`` the same with
 ``GraphConfig(static_addresses=True)`` (the grads stay in place, as in every variant here, so the per-step address
 checks are skipped); ``profiled`` is kitsune with the profiler on outside its sampled windows (probe and live
-comparison off), which measures the profiler's own cost per step."""
+comparison off), which measures the profiler's own cost per step. ``8bit`` and ``bf16state`` are the one line with
+``FusionConfig(state_precision=...)`` (and ``min_8bit_size``'s default): their % of floor is against their own
+bytes (`BYTES_PER_PARAM`), and the table adds the state's memory."""
+
+DEFAULT_VARIANTS = ("foreach", "fused", "graph", "kitsune", "eager", "static", "profiled")
+"""What a run without ``--variants`` times (``--peers`` runs time fused, kitsune and the low-precision ones)."""
+
+STATE_PRECISION = {"8bit": "8bit", "bf16state": "bf16"}
+"""The low-precision variants and the ``state_precision`` each runs."""
+
+BYTES_PER_PARAM = {"8bit": 16 + 2 * 8 / 256, "bf16state": 20}
+"""Bytes an AdamW step moves per param in the low-precision variants (fp32 params read and written, the fp32 grad
+read; each moment read and written in 1 byte plus its share of an fp32 absmax per 256, or in 2 bytes); fp32 state
+moves 28."""
 
 
 class _TorchVariant:
@@ -84,7 +99,12 @@ class _GraphVariant(_TorchVariant):
 
 class _KitsuneVariant(_TorchVariant):
     def __init__(
-        self, params: list[torch.nn.Parameter], profile: bool = False, graph: bool = True, static: bool = False
+        self,
+        params: list[torch.nn.Parameter],
+        profile: bool = False,
+        graph: bool = True,
+        static: bool = False,
+        state_precision: str = "param",
     ) -> None:
         from kitsune.config import FusionConfig, GraphConfig, KitsuneConfig, ProfilerConfig
         from kitsune.optimizer import KitsuneOptimizer
@@ -94,7 +114,7 @@ class _KitsuneVariant(_TorchVariant):
         # profiled: the profiler's per-step cost only; its sampled windows would replace steps with other work
         profiler = ProfilerConfig(enabled=profile, probe_steps=0, compare_steps=0)
         config = KitsuneConfig(
-            fusion=FusionConfig(enabled=True),
+            fusion=FusionConfig(enabled=True, state_precision=state_precision),
             profiler=profiler,
             graphs=GraphConfig(enabled=graph, static_addresses=static),
         )
@@ -160,4 +180,6 @@ def make_variant(name: str, params: list[torch.nn.Parameter]) -> _TorchVariant:
         return _KitsuneVariant(params, static=True)
     if name == "profiled":
         return _KitsuneVariant(params, profile=True)
+    if name in STATE_PRECISION:
+        return _KitsuneVariant(params, state_precision=STATE_PRECISION[name])
     raise ValueError(f"unknown variant {name!r}: choose from {', '.join(VARIANTS)}")

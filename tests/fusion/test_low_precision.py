@@ -355,3 +355,33 @@ def test_centered_rmsprop_keeps_its_state_in_the_param_dtype(device):
     (bucket,) = opt.plan.buckets
     assert bucket.route is Route.TRITON and bucket.state == "float32"
     assert any("centered RMSprop" in n for n in bucket.notes)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("precision", ["8bit", "bf16"])
+def test_captured_steps_equal_the_eager_ones_on_cuda(precision):
+    """The phase captured in a CUDA graph and replayed writes the bits the eager launches write, with AMP's
+    overflow skip and clipping fused into the same passes."""
+    shapes = [(3072, 768), (768,), (2304, 768), (50, 768)]
+    finals = []
+    for graph in (True, False):
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s, device="cuda", generator=gen)) for s in shapes]
+        opt = KitsuneOptimizer(
+            torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1),
+            enable_fusion=True,
+            capture_graph=graph,
+            max_grad_norm=1.0,
+            fusion_config=FusionConfig(state_precision=precision),
+        )
+        for _ in range(12):
+            for p in params:
+                p.grad = torch.randn(p.shape, device="cuda", generator=gen) * 0.01
+            opt.step()
+        graphs = next(s for s in opt.subsystem_status() if s["name"] == "graphs")
+        assert graphs["active"] == graph, graphs
+        finals.append(([p.detach().clone() for p in params], {k: t.clone() for k, t in opt.state[params[0]].items()}))
+    (pa, sa), (pb, sb) = finals
+    for x, y in zip(pa, pb, strict=True):
+        assert torch.equal(x, y)
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)

@@ -513,3 +513,41 @@ def test_one_tensor_over_2_31_elements():
     assert torch.equal(y, quant.stochastic_round_bf16(x[start:], seed=1, offset=start))
     down = _bits(tail) & 0xFFFF0000
     assert bool(((_bits(y) == down) | (_bits(y) == down + 0x10000)).all())
+
+
+def _hard_values(signed: bool) -> torch.Tensor:
+    """Every code, every midpoint between two neighbours, each nudged by 0-3 fp32 ulps either way, the decade
+    boundaries 10**-k likewise, 0, +-1 and random values: where a candidate from the map's layout could be off."""
+    table = quant.dynamic_map(signed)
+    mids = ((table[1:].double() + table[:-1].double()) / 2).float()
+    bounds = torch.tensor([10.0**-k for k in range(1, 8)] + [0.0, 1.0])
+    base = torch.cat([table, mids, bounds, -bounds] if signed else [table, mids, bounds])
+    nudged = [base]
+    for k in (1, 2, 3):
+        up, down = base.clone(), base.clone()
+        for _ in range(k):
+            up = torch.nextafter(up, torch.tensor(2.0))
+            down = torch.nextafter(down, torch.tensor(-2.0))
+        nudged += [up, down]
+    gen = torch.Generator().manual_seed(11)
+    spread = torch.rand(4096, generator=gen) ** 8 * torch.where(torch.rand(4096, generator=gen) < 0.5, -1.0, 1.0)
+    values = torch.cat([*nudged, spread if signed else spread.abs()]).clamp(-1.0, 1.0)
+    return values
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_the_dynamic_map_layout_finds_the_codes_the_binary_search_finds(signed):
+    """quantize_blockwise's fast path for bitsandbytes' maps (`_nearest_dynamic`, which the fused update uses) picks
+    exactly the codes of the binary search over the table, ties included, on the values where it could slip."""
+    values = _hard_values(signed)
+    # one block per value, its absmax 1.0 (so v is the value itself): a 1.0 in each block's first slot
+    n = values.numel()
+    x = torch.zeros(n, quant.QUANT_BLOCK)
+    x[:, 0] = 1.0
+    x[:, 1] = values
+    code = quant.dynamic_map(signed)
+    fast, _ = quant.quantize_blockwise(x, code)
+    slow, _ = quant.quantize_blockwise(x, code, search=True)
+    assert torch.equal(fast, slow), (values[(fast != slow).any(1)][:8], fast[(fast != slow).any(1)][:8, 1])
+    ref, _ = ref_quantize(x.view(-1), code, quant.QUANT_BLOCK)
+    assert torch.equal(slow.view(-1), ref)

@@ -1,0 +1,56 @@
+"""Does low-precision optimizer state train as well as fp32 state? GPT-2 small, the same init and batches, AdamW.
+
+python benchmarks/lowp-quality.py --json lowp-quality.json      # on a GPU: GPT-2 124M, 300 steps, batch 8 x 256
+python benchmarks/lowp-quality.py --device cpu --steps 40       # a dry run at tiny size (Triton's interpreter)
+
+Trains `kitsune.bench.e2e.GPT` once per ``FusionConfig.state_precision`` (``param`` = fp32 state, ``bf16``,
+``8bit``) with `kitsune.bench.quality.run_quality`: bf16 autocast, clipping at 1.0, AdamW (lr ``--lr``, weight
+decay 0.1), a synthetic next-token task. Prints each run's first and final loss (the mean of the last 20 steps), the
+final loss relative to fp32 state's, its state memory, and the plan's state formats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--lr", type=float, default=6e-4)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # before kitsune's kernels are imported
+    from kitsune.bench.e2e import GPT2_SMALL, GPTConfig
+    from kitsune.bench.quality import run_quality
+
+    model = GPT2_SMALL if device.type == "cuda" else GPTConfig(vocab=32, block=16, layers=1, heads=2, dim=16)
+    seq = args.seq if device.type == "cuda" else 16
+    result = run_quality(device, model, args.steps, args.batch, seq, lr=args.lr, min_8bit_size=4096)
+    base = next(r for r in result.runs if r.precision == "param")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"{device} ({name}), torch {torch.__version__}, {args.steps} steps, batch {args.batch} x {seq}")
+    print(f"{'precision':>9} {'first':>8} {'final':>8} {'vs fp32':>8} {'state MiB':>10} {'s':>6}  formats")
+    for r in result.runs:
+        rel = result.relative(r.precision)
+        print(
+            f"{r.precision:>9} {r.first_loss:8.4f} {r.final_loss:8.4f} {rel:+8.3%} {r.state_bytes / 2**20:10.1f} "
+            f"{r.seconds:6.1f}  {', '.join(r.state_formats)}"
+        )
+    print(f"fp32 state: {base.state_bytes / 2**20:.1f} MiB")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(result.model_dump_json(indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""Does low-precision state train as well? The same GPT, data and init through AdamW with each state precision.
+
+`run_quality` trains a GPT-2-shaped model (`kitsune.bench.e2e.GPT`) on a synthetic next-token task (a fixed random
+permutation of the vocabulary, followed with probability 0.9: learnable, and cheap to make on the device) once per
+``FusionConfig.state_precision``, from the same init and batches, and reports each run's final loss (the mean of the
+last steps) against fp32 state's. ``benchmarks/lowp-quality.py`` runs it at GPT-2 small on a GPU; the test suite at
+a tiny size in Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+from pydantic import BaseModel
+
+from kitsune.bench.e2e import GPT, GPTConfig
+from kitsune.bench.peers import state_bytes
+from kitsune.config import FusionConfig, KitsuneConfig
+from kitsune.optimizer import KitsuneOptimizer
+
+
+class QualityRun(BaseModel):
+    precision: str
+    final_loss: float
+    """The mean loss of the last ``tail`` steps."""
+    first_loss: float
+    losses: list[float]
+    state_bytes: int
+    seconds: float
+    state_formats: list[str]
+    """The plan's state formats (``"8-bit"``, ``"bfloat16"``, ``"float32"``), so a run that fell back shows it."""
+
+
+class QualityResult(BaseModel):
+    device: str
+    model: GPTConfig
+    steps: int
+    batch: int
+    seq: int
+    lr: float
+    runs: list[QualityRun]
+
+    def relative(self, precision: str, baseline: str = "param") -> float:
+        """``final_loss(precision) / final_loss(baseline) - 1``."""
+        runs = {r.precision: r for r in self.runs}
+        return runs[precision].final_loss / runs[baseline].final_loss - 1.0
+
+
+def batches(
+    steps: int, batch: int, seq: int, vocab: int, device: torch.device, seed: int = 0
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Token streams that follow a fixed random permutation with probability 0.9 (else a uniform token)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    perm = torch.randperm(vocab, generator=gen, device=device)
+    out = []
+    for _ in range(steps):
+        seqs = torch.empty(batch, seq + 1, dtype=torch.long, device=device)
+        seqs[:, 0] = torch.randint(vocab, (batch,), generator=gen, device=device)
+        noise = torch.randint(vocab, (batch, seq), generator=gen, device=device)
+        keep = torch.rand(batch, seq, generator=gen, device=device) < 0.9
+        for t in range(seq):
+            seqs[:, t + 1] = torch.where(keep[:, t], perm[seqs[:, t]], noise[:, t])
+        out.append((seqs[:, :-1], seqs[:, 1:]))
+    return out
+
+
+def run_quality(
+    device: torch.device,
+    model: GPTConfig,
+    steps: int,
+    batch: int,
+    seq: int,
+    precisions: Sequence[str] = ("param", "bf16", "8bit"),
+    lr: float = 1e-3,
+    tail: int = 20,
+    seed: int = 0,
+    min_8bit_size: int = 4096,
+) -> QualityResult:
+    """Train once per precision from the same init on the same batches; bf16 autocast on CUDA, clipping at 1.0."""
+    data = batches(steps, batch, seq, model.vocab, device, seed)
+    torch.manual_seed(seed)
+    init = GPT(model).to(device).state_dict()
+    runs = []
+    for precision in precisions:
+        net = GPT(model).to(device)
+        net.load_state_dict(init)
+        config = KitsuneConfig(
+            fusion=FusionConfig(enabled=True, state_precision=precision, min_8bit_size=min_8bit_size),
+            grads={"max_norm": 1.0},
+        )
+        opt = KitsuneOptimizer(torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.1), config=config)
+        losses = []
+        start = time.perf_counter()
+        for idx, targets in data:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                loss = net(idx, targets)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.detach())
+        seconds = time.perf_counter() - start
+        values = torch.stack(losses).float().cpu().tolist()
+        runs.append(
+            QualityRun(
+                precision=precision,
+                final_loss=sum(values[-tail:]) / len(values[-tail:]),
+                first_loss=values[0],
+                losses=values,
+                state_bytes=state_bytes(opt.state)[0],
+                seconds=seconds,
+                state_formats=sorted({b.state for b in opt.plan.buckets}),
+            )
+        )
+        del opt, net
+    return QualityResult(device=str(device), model=model, steps=steps, batch=batch, seq=seq, lr=lr, runs=runs)
