@@ -5,7 +5,7 @@ python benchmarks/lowp-quality.py --device cpu --steps 40       # a dry run at t
 
 Trains `kitsune.bench.e2e.GPT` once per ``FusionConfig.state_precision`` (``param`` = fp32 state, ``bf16``,
 ``8bit``) with `kitsune.bench.quality.run_quality`: bf16 autocast, clipping at 1.0, AdamW (lr ``--lr``, weight
-decay 0.1), a synthetic next-token task. Prints each run's first and final loss (the mean of the last 20 steps), the
+decay 0.1), a synthetic next-token task. Prints each run's first and final loss (the mean of the last 50 steps), the
 final loss relative to fp32 state's, its state memory, and the plan's state formats.
 """
 
@@ -25,6 +25,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--lr", type=float, default=6e-4)
+    parser.add_argument("--seeds", type=int, default=1, help="runs with seeds 0..N-1 (init and batches)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -35,21 +36,24 @@ def main() -> None:
 
     model = GPT2_SMALL if device.type == "cuda" else GPTConfig(vocab=32, block=16, layers=1, heads=2, dim=16)
     seq = args.seq if device.type == "cuda" else 16
-    result = run_quality(device, model, args.steps, args.batch, seq, lr=args.lr, min_8bit_size=4096)
-    base = next(r for r in result.runs if r.precision == "param")
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"{device} ({name}), torch {torch.__version__}, {args.steps} steps, batch {args.batch} x {seq}")
-    print(f"{'precision':>9} {'first':>8} {'final':>8} {'vs fp32':>8} {'state MiB':>10} {'s':>6}  formats")
-    for r in result.runs:
-        rel = result.relative(r.precision)
-        print(
-            f"{r.precision:>9} {r.first_loss:8.4f} {r.final_loss:8.4f} {rel:+8.3%} {r.state_bytes / 2**20:10.1f} "
-            f"{r.seconds:6.1f}  {', '.join(r.state_formats)}"
-        )
-    print(f"fp32 state: {base.state_bytes / 2**20:.1f} MiB")
+    results = []
+    for seed in range(args.seeds):
+        result = run_quality(device, model, args.steps, args.batch, seq, lr=args.lr, min_8bit_size=4096, seed=seed)
+        results.append(result)
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        print(f"{device} ({name}), torch {torch.__version__}, seed {seed}, {args.steps} steps, {args.batch} x {seq}")
+        print(f"{'precision':>9} {'first':>8} {'final':>8} {'vs fp32':>8} {'state MiB':>10} {'s':>6}  formats")
+        for r in result.runs:
+            print(
+                f"{r.precision:>9} {r.first_loss:8.4f} {r.final_loss:8.4f} {result.relative(r.precision):+8.3%} "
+                f"{r.state_bytes / 2**20:10.1f} {r.seconds:6.1f}  {', '.join(r.state_formats)}"
+            )
+    for precision in ("bf16", "8bit"):
+        rel = [r.relative(precision) for r in results]
+        print(f"{precision}: final loss vs fp32 state over {len(rel)} seed(s): mean {sum(rel) / len(rel):+.3%}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(result.model_dump_json(indent=1))
+        args.json.write_text("[" + ",".join(r.model_dump_json(indent=1) for r in results) + "]")
 
 
 if __name__ == "__main__":

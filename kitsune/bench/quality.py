@@ -81,7 +81,7 @@ def run_quality(
     seq: int,
     precisions: Sequence[str] = ("param", "bf16", "8bit"),
     lr: float = 1e-3,
-    tail: int = 20,
+    tail: int = 50,
     seed: int = 0,
     min_8bit_size: int = 4096,
 ) -> QualityResult:

@@ -275,9 +275,12 @@ class Planner:
         if bp.route is Route.TRITON:
             assert info is not None and isinstance(spec, UpdateSpec)
             algo = unit_info(info, spec)
+            # 8-bit state: a program per quantization block, whose absmax is then the whole program's reduction (on
+            # an H200, 256-element programs ran the 8-bit update 2.3x faster than 1024-element ones)
+            block = QUANT_BLOCK if spec.state == StateFormat.Q8 else self.block  # type: ignore[union-attr]
             for chunk in self._chunks(members, backward_bytes):
                 params, gis = [p for _, p in chunk], [gi for gi, _ in chunk]
-                out.units.append(FusedUnit(params, gis, algo, spec, base.state, self.block))  # type: ignore[arg-type]
+                out.units.append(FusedUnit(params, gis, algo, spec, base.state, block))  # type: ignore[arg-type]
         elif bp.route is Route.TRITON_MATMUL:
             assert info is not None and isinstance(spec, MuonSpec)
             for chunk in muon_unit.chunks(members, self.config.max_fusion_size):

@@ -84,40 +84,10 @@ def _nearest_code(v, code):
 
 
 @triton.jit
-def _nearest_dynamic(v, code, SIGNED: tl.constexpr):
-    """`_nearest_code` for ``code`` = `dynamic_map` (``SIGNED`` or not) and ``|v| <= 1``, with 3 table reads instead
-    of 9: the map's layout gives the candidate (the decade from six comparisons with ``10**-k``, then the interval of
-    the decade's linear fraction, whose midpoint is its code), which fp32 rounding and the nearest code across a
-    decade boundary put at most one entry off; the exact comparison with both neighbours settles it, as
-    `_nearest_code` compares."""
-    a = tl.abs(v)
-    e = (a < 1e-1).to(tl.int32) + (a < 1e-2).to(tl.int32) + (a < 1e-3).to(tl.int32)
-    e = e + (a < 1e-4).to(tl.int32) + (a < 1e-5).to(tl.int32) + (a < 1e-6).to(tl.int32)
-    p10 = tl.where(e < 3, tl.where(e == 0, 1.0, tl.where(e == 1, 10.0, 100.0)), 1e3)
-    p10 = tl.where(e < 4, p10, tl.where(e == 4, 1e4, tl.where(e == 5, 1e5, 1e6)))
-    n = 1 << ((6 if SIGNED else 7) - e)  # codes in decade e
-    f = tl.floor((a * p10 - 0.1) * (n.to(tl.float32) / 0.9)).to(tl.int32)
-    pos = n - 1 + tl.minimum(tl.maximum(f, 0), n - 1)  # among the positive codes, from the smallest
-    if SIGNED:
-        c = tl.where(v < 0.0, 126 - pos, 128 + pos)  # 127 negative codes, 0, then the positive ones
-    else:
-        c = tl.where(v < 0.0, 0, pos)  # 0, then the positive codes; a negative value is nearest to 0
-    lo = tl.load(code + tl.maximum(c - 1, 0)).to(tl.float64)
-    mid = tl.load(code + c).to(tl.float64)
-    hi = tl.load(code + tl.minimum(c + 1, 255)).to(tl.float64)
-    twice = 2.0 * v.to(tl.float64)  # 2 v and the sums of two neighbours are exact in fp64
-    down = (twice < lo + mid) | ((twice == lo + mid) & (v >= 0.0))  # a tie to the smaller magnitude
-    up = (twice > mid + hi) | ((twice == mid + hi) & (v < 0.0))
-    return tl.minimum(tl.maximum(tl.where(down, c - 1, tl.where(up, c + 1, c)), 0), 255)
-
-
-@triton.jit
-def _quantize_block(x, code, BLOCK: tl.constexpr, QBLOCK: tl.constexpr, MAP: tl.constexpr = 0):
+def _quantize_block(x, code, BLOCK: tl.constexpr, QBLOCK: tl.constexpr):
     """``(codes, absmax)`` of the fp32 block ``x`` ((BLOCK,), BLOCK a multiple of QBLOCK, in quantization blocks of
     QBLOCK elements from its first element; padding lanes must hold 0): codes (BLOCK,) uint8, indices into the
-    sorted 256-entry fp32 table at ``code``; absmax (BLOCK // QBLOCK,) fp32, nan for a block holding inf or nan.
-    ``MAP``: 0 for any sorted table (a binary search), 1 or 2 when ``code`` is the signed or the unsigned
-    `dynamic_map` (`_nearest_dynamic`: the same codes, fewer reads)."""
+    sorted 256-entry fp32 table at ``code``; absmax (BLOCK // QBLOCK,) fp32, nan for a block holding inf or nan."""
     ROWS: tl.constexpr = BLOCK // QBLOCK
     xr = tl.reshape(x, (ROWS, QBLOCK))
     ax = tl.abs(xr)
@@ -127,10 +97,7 @@ def _quantize_block(x, code, BLOCK: tl.constexpr, QBLOCK: tl.constexpr, MAP: tl.
     scale = tl.where(absmax > 0.0, absmax, 1.0)  # an all-zero block: 0 / 1, not 0 / 0
     v = tl.math.div_rn(xr, tl.broadcast_to(scale[:, None], (ROWS, QBLOCK)))
     v = tl.where(bad[:, None], 0.0, v)  # a non-finite block: the zero code everywhere, absmax nan below
-    if MAP == 0:
-        q = _nearest_code(v, code)
-    else:
-        q = _nearest_dynamic(v, code, MAP == 1)
+    q = _nearest_code(v, code)
     return tl.reshape(q, (BLOCK,)).to(tl.uint8), tl.where(bad, float("nan"), absmax)
 
 
@@ -187,14 +154,12 @@ def _split_bf16(x):
 
 
 @triton.jit
-def _quantize_kernel(
-    x_ptr, q_ptr, absmax_ptr, code, n, BLOCK: tl.constexpr, QBLOCK: tl.constexpr, MAP: tl.constexpr
-):  # fmt: skip
+def _quantize_kernel(x_ptr, q_ptr, absmax_ptr, code, n, BLOCK: tl.constexpr, QBLOCK: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)  # int64: tensors over 2**31 elements
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    q, absmax = _quantize_block(x, code, BLOCK, QBLOCK, MAP)
+    q, absmax = _quantize_block(x, code, BLOCK, QBLOCK)
     tl.store(q_ptr + offs, q, mask=mask)
     rows = pid * (BLOCK // QBLOCK) + tl.arange(0, BLOCK // QBLOCK).to(tl.int64)
     tl.store(absmax_ptr + rows, absmax, mask=rows * QBLOCK < n)
@@ -252,15 +217,14 @@ def _grid(n: int, block: int) -> tuple[tuple[int], int]:
 
 
 def quantize_blockwise(
-    x: torch.Tensor, code: torch.Tensor, block: int = QUANT_BLOCK, *, search: bool = False
+    x: torch.Tensor, code: torch.Tensor, block: int = QUANT_BLOCK
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(codes, absmax)``: ``x`` (fp32, bf16 or fp16, any shape) in blocks of ``block`` consecutive elements,
     each an fp32 absmax and uint8 indices into ``code`` (sorted, 256 fp32 entries, on ``x``'s device; see
     `dynamic_map`). ``codes`` has ``x``'s shape, ``absmax`` is ``(ceil(numel / block),)``; blocks run over the
     elements in row-major order. A block holding inf or nan gets absmax nan (it decodes to nan); an all-zero block
     absmax 0. A value below the table's first entry gets code 0 (with the unsigned map: a negative value decodes
-    to 0). For either `dynamic_map` the kernel finds codes from the map's layout (`_nearest_dynamic`), for any
-    other table (or with ``search``) by a binary search: the codes are the same."""
+    to 0)."""
     if x.dtype not in TL_DTYPES:
         raise ValueError(f"quantize_blockwise supports {tuple(TL_DTYPES)}, got {x.dtype}")
     _check_block(block)
@@ -270,15 +234,8 @@ def quantize_blockwise(
     absmax = torch.empty(triton.cdiv(n, block), dtype=torch.float32, device=x.device)
     if n:
         grid, tile = _grid(n, block)
-        kind = 0 if search else next((m for m, signed in ((1, True), (2, False)) if _is_map(code, signed)), 0)
-        _quantize_kernel[grid](
-            x.contiguous().view(-1), codes, absmax, code, n, BLOCK=tile, QBLOCK=block, MAP=kind
-        )  # fmt: skip
+        _quantize_kernel[grid](x.contiguous().view(-1), codes, absmax, code, n, BLOCK=tile, QBLOCK=block)
     return codes, absmax
-
-
-def _is_map(code: torch.Tensor, signed: bool) -> bool:
-    return torch.equal(code, dynamic_map(signed).to(code.device))
 
 
 def dequantize_blockwise(

@@ -82,7 +82,7 @@ def _sstore(tab, atab, t, offs, start, lim, x, qmap, SIGNED: tl.constexpr, SDTYP
     (lanes past ``lim`` count as 0 in a block's absmax)."""
     if Q8:
         code = qmap if SIGNED else qmap + _CODE_SIZE
-        q, absmax = _quantize_block(tl.where(offs < lim, x, 0.0), code, BLOCK, QBLOCK, 1 if SIGNED else 2)
+        q, absmax = _quantize_block(tl.where(offs < lim, x, 0.0), code, BLOCK, QBLOCK)
         tl.store(_role_ptr(tab, t, offs, tl.uint8), q, mask=offs < lim)
         rows = start // QBLOCK + tl.arange(0, BLOCK // QBLOCK).to(tl.int64)
         tl.store(_role_ptr(atab, t, rows, tl.float32), absmax, mask=rows * QBLOCK < lim)
