@@ -131,7 +131,8 @@ def print_results(result: BenchResult, console: Console | None = None) -> None:
         console.print(
             f"state MiB: the optimizer's state tensors after warm-up (quantized codes and scales included); in "
             f"brackets, over fp32 AdamW's {ADAMW_STATE_BYTES_PER_PARAM} bytes/param. % floor: of fp32 AdamW's (fp32 "
-            "Lion's in Lion sections) bytes at the copy rate: 8-bit and 4-bit state move fewer bytes and can pass 100%",
+            "Lion's in Lion sections) bytes at the copy rate, so a peer's 8-bit and 4-bit state can pass 100%; "
+            "kitsune's 8bit and bf16state rows: of the bytes they move",
             highlight=False,
         )
     for line in notes:
