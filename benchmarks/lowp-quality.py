@@ -3,10 +3,12 @@
 python benchmarks/lowp-quality.py --json lowp-quality.json      # on a GPU: GPT-2 124M, 300 steps, batch 8 x 256
 python benchmarks/lowp-quality.py --device cpu --steps 40       # a dry run at tiny size (Triton's interpreter)
 
-Trains `kitsune.bench.e2e.GPT` once per ``FusionConfig.state_precision`` (``param`` = fp32 state, ``bf16``,
-``8bit``) with `kitsune.bench.quality.run_quality`: bf16 autocast, clipping at 1.0, AdamW (lr ``--lr``, weight
-decay 0.1), a synthetic next-token task. Prints each run's first and final loss (the mean of the last 50 steps), the
-final loss relative to fp32 state's, its state memory, and the plan's state formats.
+Trains `kitsune.bench.e2e.GPT` once per run of `kitsune.bench.quality.RUNS` (``param``: fp32 params and state;
+``bf16``, ``8bit``: that state precision; ``bf16-params``: bf16 params and state, no fp32 master weights, stochastic
+rounding; ``bf16-params-nearest``: the same rounded to nearest) with `kitsune.bench.quality.run_quality`: bf16
+autocast, clipping at 1.0, AdamW (lr ``--lr``, weight decay 0.1), a synthetic next-token task. Prints each run's
+first and final loss (the mean of the last 50 steps), the final loss relative to fp32's, its state memory, and the
+plan's state formats.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--lr", type=float, default=6e-4)
     parser.add_argument("--seeds", type=int, default=1, help="runs with seeds 0..N-1 (init and batches)")
+    parser.add_argument(
+        "--runs", default="param,bf16,8bit,bf16-params,bf16-params-nearest", help="comma-separated, of RUNS"
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -38,17 +43,18 @@ def main() -> None:
     seq = args.seq if device.type == "cuda" else 16
     results = []
     for seed in range(args.seeds):
-        result = run_quality(device, model, args.steps, args.batch, seq, lr=args.lr, min_8bit_size=4096, seed=seed)
+        runs = args.runs.split(",")
+        result = run_quality(device, model, args.steps, args.batch, seq, runs, lr=args.lr, seed=seed)
         results.append(result)
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         print(f"{device} ({name}), torch {torch.__version__}, seed {seed}, {args.steps} steps, {args.batch} x {seq}")
-        print(f"{'precision':>9} {'first':>8} {'final':>8} {'vs fp32':>8} {'state MiB':>10} {'s':>6}  formats")
+        print(f"{'run':>19} {'first':>8} {'final':>8} {'vs fp32':>8} {'state MiB':>10} {'s':>6}  formats")
         for r in result.runs:
             print(
-                f"{r.precision:>9} {r.first_loss:8.4f} {r.final_loss:8.4f} {result.relative(r.precision):+8.3%} "
+                f"{r.precision:>19} {r.first_loss:8.4f} {r.final_loss:8.4f} {result.relative(r.precision):+8.3%} "
                 f"{r.state_bytes / 2**20:10.1f} {r.seconds:6.1f}  {', '.join(r.state_formats)}"
             )
-    for precision in ("bf16", "8bit"):
+    for precision in (r for r in args.runs.split(",") if r != "param"):
         rel = [r.relative(precision) for r in results]
         print(f"{precision}: final loss vs fp32 state over {len(rel)} seed(s): mean {sum(rel) / len(rel):+.3%}")
     if args.json:

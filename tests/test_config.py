@@ -237,7 +237,7 @@ STRICT_FIELDS = {
                 "growth_interval": "int"},
     FusionConfig: {"enabled": "bool", "enable_elementwise": "bool", "enable_reduction": "bool",
                    "enable_matmul": "bool", "max_fusion_size": "int", "min_fusion_benefit": "float",
-                   "native_checks": "bool", "min_8bit_size": "int"},
+                   "native_checks": "bool", "min_8bit_size": "int", "rounding_seed": "int"},
     GradConfig: {"max_norm": "float", "zero_in_step": "bool"},
     StreamConfig: {"num_streams": "int", "priority_streams": "ints", "compute_streams": "ints",
                    "step_in_backward": "bool", "bucket_bytes": "int"},
@@ -251,7 +251,7 @@ LENIENT = {
     AMPConfig: {"dtype"},  # also "float16"/"bfloat16" and the other names in _DTYPE_NAMES
     GradConfig: {"norm_type"},  # also "inf", as torch's clip_grad_norm_
     StreamConfig: {"backward_stream"},  # a Literal of two strings: nothing else gets through
-    FusionConfig: {"state_precision"},  # a Literal of four strings
+    FusionConfig: {"state_precision", "param_rounding"},  # Literals of strings
     ShardConfig: {"process_group"},  # a ProcessGroup or None, checked by isinstance
     KitsuneConfig: set(KitsuneConfig.model_fields),  # the sections: an instance, or a dict validated strictly
 }

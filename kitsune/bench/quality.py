@@ -20,6 +20,17 @@ from kitsune.bench.peers import state_bytes
 from kitsune.config import FusionConfig, KitsuneConfig
 from kitsune.optimizer import KitsuneOptimizer
 
+RUNS: dict[str, tuple[str, torch.dtype, str]] = {
+    "param": ("param", torch.float32, "nearest"),
+    "bf16": ("bf16", torch.float32, "nearest"),
+    "8bit": ("8bit", torch.float32, "nearest"),
+    "bf16-params": ("param", torch.bfloat16, "stochastic"),
+    "bf16-params-nearest": ("param", torch.bfloat16, "nearest"),
+}
+"""What each run of `run_quality` trains: ``(state_precision, the params' dtype, param_rounding)``. ``param`` is
+fp32 params with fp32 state (the reference); ``bf16-params`` trains bf16 params (and bf16 state) without fp32
+master weights, stored with stochastic rounding; ``bf16-params-nearest`` the same rounded to nearest, as torch."""
+
 
 class QualityRun(BaseModel):
     precision: str
@@ -85,18 +96,21 @@ def run_quality(
     seed: int = 0,
     min_8bit_size: int = 4096,
 ) -> QualityResult:
-    """Train once per precision from the same init on the same batches; bf16 autocast on CUDA, clipping at 1.0."""
+    """Train once per entry of ``precisions`` (`RUNS`) from the same init on the same batches; bf16 autocast on CUDA,
+    clipping at 1.0."""
     data = batches(steps, batch, seq, model.vocab, device, seed)
     torch.manual_seed(seed)
     init = GPT(model).to(device).state_dict()
     runs = []
     for precision in precisions:
+        state, dtype, rounding = RUNS[precision]
         net = GPT(model).to(device)
         net.load_state_dict(init)
-        config = KitsuneConfig(
-            fusion=FusionConfig(enabled=True, state_precision=precision, min_8bit_size=min_8bit_size),
-            grads={"max_norm": 1.0},
-        )
+        net.to(dtype)
+        fusion = FusionConfig(
+            enabled=True, state_precision=state, min_8bit_size=min_8bit_size, param_rounding=rounding
+        )  # fmt: skip
+        config = KitsuneConfig(fusion=fusion, grads={"max_norm": 1.0})
         opt = KitsuneOptimizer(torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.1), config=config)
         losses = []
         start = time.perf_counter()

@@ -394,6 +394,7 @@ class FusionSubsystem(Subsystem):
                 tensor_norms=norms if unit.spec.trust else None,
                 norm_offset=offset,
                 n_norm=n_norm,
+                seed=self.config.rounding_seed,
             )
         muon = [unit for unit in self._muon if unit in units]
         for unit in muon:  # momentum, Newton-Schulz by shape, update

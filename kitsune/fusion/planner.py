@@ -125,6 +125,10 @@ class Planner:
                 pspec, note = spec, None
                 if route is None and isinstance(spec, UpdateSpec):
                     pspec, note = self._state_format(info, spec, p)  # type: ignore[arg-type]
+                    pspec, rounding = self._rounding(pspec, p)
+                    note = "; ".join(filter(None, (note, rounding))) or None
+                elif route is None and self.config.param_rounding == "stochastic" and p.dtype == torch.bfloat16:
+                    note = "param_rounding='stochastic' does not apply to Muon's update: bf16 params round to nearest"
                 key = (str(p.device), p.dtype, pspec if route is not Route.BASE_STEP else None, route, reason)
                 buckets[key].append((gi, p))
                 notes[key] |= _group_notes(g) | ({note} if note else set())
@@ -163,6 +167,17 @@ class Planner:
         if fmt != StateFormat.Q8 and state_format.dtype_of(fmt, p.dtype) == p.dtype:
             return spec, None  # fp32 state of fp32 params (bf16 of bf16) is torch's layout
         return replace(spec, state=fmt, signed=state_format.signed_mask(algo.state_keys(spec))), None
+
+    def _rounding(self, spec: UpdateSpec, p: torch.Tensor) -> tuple[UpdateSpec, str | None]:
+        """``spec`` with ``FusionConfig.param_rounding``'s stochastic rounding where it applies (bf16 params), and a
+        note where it was asked for and does not (float16 params)."""
+        if self.config.param_rounding != "stochastic":
+            return spec, None
+        if p.dtype == torch.bfloat16:
+            return replace(spec, stochastic=True), None
+        if p.dtype == torch.float16:
+            return spec, "param_rounding='stochastic' applies to bf16 params: float16 params round to nearest"
+        return spec, None
 
     def _optimizer_reason(self, base: torch.optim.Optimizer, info: AlgoInfo | None) -> tuple[Route, str] | None:
         """A reason that sends every param to the wrapped optimizer's own step, or None."""

@@ -72,11 +72,14 @@ class UpdateSpec:
     """How the state tensors are stored (the planner sets it per bucket; a group's options never do)."""
     signed: int = 0
     """With 8-bit state: bit ``i`` set when slot ``state{i + 1}`` may hold negative values (the signed code table)."""
+    stochastic: bool = False
+    """bf16 params written back with stochastic rounding (``FusionConfig.param_rounding``; the planner sets it)."""
 
     @property
     def has_step(self) -> bool:
-        """Whether the launch reads and advances a per-tensor step count (SGD: only to spot the first step)."""
-        return self.algo not in (Algo.SGD, Algo.LION) or (self.algo == Algo.SGD and self.momentum)
+        """Whether the launch reads and advances a per-tensor step count (SGD: only to spot the first step; with
+        stochastic rounding, every launch: the count picks the step's random stream)."""
+        return self.algo not in (Algo.SGD, Algo.LION) or (self.algo == Algo.SGD and self.momentum) or self.stochastic
 
     @property
     def scalar_slots(self) -> int:
@@ -104,6 +107,8 @@ class UpdateSpec:
         ]
         if self.trust:
             on.append(f"trust ratio ({self.trust.name})")
+        if self.stochastic:
+            on.append("stochastic rounding")
         return ", ".join(on) or "-"
 
 

@@ -44,7 +44,7 @@ from kitsune.kernels.common import (
     _update_masks,
 )
 from kitsune.kernels.multi_tensor import TensorTables
-from kitsune.kernels.quant import CODE_SIZE, QUANT_BLOCK, _dequantize_block, _quantize_block
+from kitsune.kernels.quant import CODE_SIZE, QUANT_BLOCK, _dequantize_block, _quantize_block, _stochastic_round_bf16
 from kitsune.kernels.spec import NUM_FIELDS, StateFormat, Trust, UpdateSpec
 
 SUPPORTED_DTYPES = tuple(TL_DTYPES)
@@ -119,6 +119,7 @@ def _update_kernel(
     n_norm,  # where the params' norms start in tensor_norms
     partials,  # (n_blocks,) fp32 scratch (LAMB stage 1)
     update_norm,  # (T,) fp32: each tensor's ||update||, written by LAMB stage 1, read by stage 2
+    seed,  # int: the stochastic rounding's Philox key, read only with SR
     ALGO: tl.constexpr,
     DTYPE: tl.constexpr,
     MAXIMIZE: tl.constexpr,
@@ -140,6 +141,7 @@ def _update_kernel(
     Q8: tl.constexpr,  # 8-bit block-wise state: uint8 codes, an fp32 absmax per QBLOCK elements
     SIGNS: tl.constexpr,  # with Q8: bit i set when slot i + 1 takes the signed code table
     QBLOCK: tl.constexpr,
+    SR: tl.constexpr,  # bf16 params stored with stochastic rounding (needs HAS_STEP)
     BLOCK: tl.constexpr,
 ):
     pid, t, start, numel, g_addr = _program_block(block_tensor, block_start, numel_tab, grad_tab)
@@ -370,6 +372,9 @@ def _update_kernel(
                 first = pid - (start // BLOCK).to(tl.int32)
                 tl.store(update_norm + t, tl.sqrt_rn(_reduce(partials + first, n_blocks, False, RBLOCK)))
                 tl.store(counter_tab + t, 0)
+    elif SR:  # bf16 params, E[stored] = p: Philox bits keyed by seed, the step as the stream, a counter per element
+        counter = offs + (t.to(tl.int64) << 40)  # tensors of up to 2**40 elements, each its own counters
+        tl.store(p_ptr, _stochastic_round_bf16(p, seed, step.to(tl.uint32), counter), mask=mask)
     else:
         tl.store(p_ptr, _cast(p, DTYPE, RNE_BF16), mask=mask)
 
@@ -416,6 +421,7 @@ def multi_tensor_update(
     tensor_norms: torch.Tensor | None = None,
     norm_offset: int = 0,
     n_norm: int | None = None,
+    seed: int = 0,
 ) -> None:
     """Launch one update over every tensor of ``tables``.
 
@@ -435,6 +441,10 @@ def multi_tensor_update(
     unscale_ and clip_grad_norm_ leave in them), 2 stores zeros (the grads are about to be zeroed); either happens
     on a skipped step too, as it would in torch's loop.
 
+    With ``spec.stochastic`` (bf16 params) the updated params are stored with stochastic rounding: Philox bits keyed
+    by ``seed`` (``0 <= seed < 2**63``), the tensor's step count as the stream and the element's position in its
+    tensor (and the tensor's index) as the counter, so a run is reproducible from the seed and the step counts.
+
     Trust ratios (``spec.trust``: LARS, LAMB) read per-tensor norms from ``tensor_norms``, the ``per_tensor`` output
     of a norm pass over ``n_norm`` grads followed by the ``n_norm`` params in the same order; this launch's tensors
     start at ``norm_offset``. LAMB runs two launches (see `Trust`).
@@ -452,6 +462,10 @@ def multi_tensor_update(
             raise ValueError(f"{name} must be a float32 scalar, got {t.dtype} of {t.numel()} elements")
     if (max_norm is None) != (total_norm is None):
         raise ValueError("max_norm and total_norm go together: the clip coefficient needs both")
+    if spec.stochastic and (dtype != torch.bfloat16 or not spec.has_step):
+        raise ValueError("stochastic rounding writes bf16 params and needs the step count: spec.stochastic with bf16")
+    if not 0 <= seed < 2**63:
+        raise ValueError(f"seed must be in [0, 2**63), got {seed}")
     if grad_write not in (0, 1, 2):
         raise ValueError(f"grad_write must be 0 (leave), 1 (store the grads used) or 2 (zero), got {grad_write}")
     partials = update_norm = hyper
@@ -475,7 +489,7 @@ def multi_tensor_update(
     for stage in stages:
         _launch(tables, hyper, spec, dtype, num_warps, param, roles, step, scalars, found_inf, grad_scale, total_norm,
                 max_norm, grad_write if stage != 3 else 0, tensor_norms, norm_offset, n_norm, partials, update_norm,
-                stage)  # fmt: skip
+                stage, seed)  # fmt: skip
 
 
 def _launch(
@@ -499,6 +513,7 @@ def _launch(
     partials: torch.Tensor,
     update_norm: torch.Tensor,
     stage: int,
+    seed: int,
 ) -> None:
     _update_kernel[(tables.num_blocks,)](
         tables.block_tensor,
@@ -522,6 +537,7 @@ def _launch(
         n_norm or 0,
         partials,
         update_norm,
+        seed,
         ALGO=int(spec.algo),
         DTYPE=TL_DTYPES[dtype],
         MAXIMIZE=spec.maximize,
@@ -543,6 +559,7 @@ def _launch(
         Q8=spec.state == StateFormat.Q8,
         SIGNS=spec.signed if spec.state == StateFormat.Q8 else 0,
         QBLOCK=QUANT_BLOCK,
+        SR=spec.stochastic,
         BLOCK=tables.block,
         num_warps=num_warps,
     )

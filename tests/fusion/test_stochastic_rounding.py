@@ -1,0 +1,118 @@
+"""bf16 params trained without fp32 master weights: ``FusionConfig(param_rounding="stochastic")``.
+
+The update is computed in fp32 as always; only the store into the bf16 param rounds up or down at random, with the
+probabilities that make its expectation the fp32 result. Checked here: that expectation (on many elements whose
+update is a fraction of a bf16 step, where rounding to nearest would never move them), reproducibility from the
+seed, the plan, and a small model trained with bf16 params against fp32 params.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kitsune import FusionConfig, KitsuneOptimizer
+from kitsune.fusion import Route
+from kitsune.optim import Lion
+
+
+def _opt(params, make=None, rounding="stochastic", seed=0, **kwargs):
+    make = make or (lambda ps: torch.optim.SGD(ps, lr=1.0))
+    config = FusionConfig(param_rounding=rounding, rounding_seed=seed)
+    return KitsuneOptimizer(make(params), enable_fusion=True, fusion_config=config, **kwargs)
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.3, 0.5, 0.9])
+def test_expected_value_of_the_stored_param_is_the_fp32_result(fraction, device):
+    """SGD, lr 1: p - g with g a fraction of p's bf16 step. Nearest rounding never moves p (fraction < 0.5); the
+    stochastic store moves each element down one step with probability ``fraction``: the mean over 2**16 elements is
+    within 5 standard deviations of the fp32 result."""
+    n = 1 << 16
+    base = torch.full((n,), 1.0, dtype=torch.bfloat16, device=device)
+    ulp = 2.0**-7  # bf16's step just below 1.0 is 2**-8, above it 2**-7: p = 1.0 moves down into [0.5, 1)
+    step_down = 2.0**-8
+    g = torch.full((n,), fraction * step_down, dtype=torch.float32)
+    for rounding, want in (("nearest", 1.0 - (step_down if fraction > 0.5 else 0.0)), ("stochastic", None)):
+        p = torch.nn.Parameter(base.clone())
+        opt = _opt([p], rounding=rounding)
+        p.grad = g.to(torch.bfloat16).to(device)  # fractions of 2**-8 are exact in bf16
+        opt.step()
+        assert opt.plan.buckets[0].route is Route.TRITON
+        values = p.detach().float().cpu()
+        assert set(values.unique().tolist()) <= {1.0, 1.0 - step_down}, values.unique()
+        if want is not None:
+            assert (values == want).all()
+            continue
+        moved = (values < 1.0).double().mean().item()
+        sigma = math.sqrt(fraction * (1 - fraction) / n)
+        assert abs(moved - fraction) < 5 * sigma, (moved, fraction)
+        assert "stochastic rounding" in opt.plan.buckets[0].options
+    assert ulp > step_down
+
+
+def test_the_same_seed_gives_the_same_bits_and_another_seed_others(device):
+    def run(seed):
+        gen = torch.Generator().manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(5000, generator=gen).to(torch.bfloat16).to(device))
+        opt = _opt([p], make=lambda ps: torch.optim.AdamW(ps, lr=1e-3), seed=seed)
+        for _ in range(5):
+            p.grad = (torch.randn(5000, generator=gen) * 0.1).to(torch.bfloat16).to(device)
+            opt.step()
+        return p.detach().clone()
+
+    a, b, c = run(0), run(0), run(1)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+    assert (a.float() - c.float()).abs().max().item() <= 2 * 2.0**-7 * a.float().abs().max().item()
+
+
+def test_plan_and_dtypes(device):
+    params = [
+        torch.nn.Parameter(torch.randn(64, device=device, dtype=torch.bfloat16)),
+        torch.nn.Parameter(torch.randn(64, device=device, dtype=torch.float16)),
+        torch.nn.Parameter(torch.randn(64, device=device)),
+    ]
+    opt = _opt(params, make=lambda ps: Lion(ps, lr=1e-3))  # Lion keeps no step: kitsune counts privately
+    by_dtype = {b.dtype: b for b in opt.plan.buckets}
+    assert "stochastic rounding" in by_dtype["bfloat16"].options
+    assert "stochastic rounding" not in by_dtype["float16"].options
+    assert any("float16 params round to nearest" in n for n in by_dtype["float16"].notes)
+    assert "stochastic rounding" not in by_dtype["float32"].options and not by_dtype["float32"].notes
+    for p in params:
+        p.grad = torch.randn_like(p)
+    before = [p.detach().clone() for p in params]
+    opt.step()
+    opt.step()
+    assert all(not torch.equal(p, b) for p, b in zip(params, before, strict=True))
+
+
+def test_bf16_params_with_stochastic_rounding_train_like_fp32_params(device):
+    """A least-squares fit with AdamW (lr 2e-2, 500 steps). With bf16 params rounded to nearest, updates under half
+    a bf16 step are lost and the loss stalls far above fp32's; rounded stochastically, the run reaches the level
+    fp32 params reach, up to the bf16 representation of the fitted weights (a few times the noise floor of 1e-4).
+    The GPT-2 small comparison of final losses is in docs/benchmarks.md."""
+    gen = torch.Generator().manual_seed(0)
+    w_true = torch.randn(32, 8, generator=gen)
+    x = torch.randn(512, 32, generator=gen)
+    y = x @ w_true + 0.01 * torch.randn(512, 8, generator=gen)
+    w0 = torch.randn(32, 8, generator=gen) * 0.1
+    losses = {}
+    for name, dtype, rounding in (
+        ("fp32", torch.float32, "nearest"),
+        ("bf16", torch.bfloat16, "nearest"),
+        ("bf16_sr", torch.bfloat16, "stochastic"),
+    ):
+        w = torch.nn.Parameter(w0.clone().to(device=device, dtype=dtype))
+        opt = _opt([w], make=lambda ps: torch.optim.AdamW(ps, lr=2e-2, weight_decay=0.0), rounding=rounding)
+        xd, yd = x.to(device), y.to(device)
+        for _ in range(500):
+            loss = ((xd @ w.float() - yd) ** 2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        losses[name] = ((xd @ w.detach().float() - yd) ** 2).mean().item()
+    assert losses["fp32"] < 2e-4, losses  # the noise floor: 0.01 ** 2
+    assert losses["bf16_sr"] < 5 * losses["fp32"], losses
+    assert losses["bf16"] > 100 * losses["fp32"], losses  # nearest rounding stalls: the test can tell them apart
