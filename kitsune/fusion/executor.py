@@ -184,8 +184,9 @@ class FusionSubsystem(Subsystem):
                 algo = unit_info(info, spec)
                 for key in algo.state_keys(spec):  # type: ignore[union-attr]
                     t = s.get(key) if key else None
-                    if key and t is None:  # 8-bit state: the codes have the param's shape
-                        key, t = key + state_format.CODES, s.get(key + state_format.CODES)
+                    if key and t is None and state_format.quantized(s, key):
+                        state_format.check_blocks(s, key, p)  # 8-bit state: the absmax has a block count too
+                        key, t = key + state_format.CODES, s[key + state_format.CODES]
                     if isinstance(t, torch.Tensor) and t.shape != p.shape:
                         raise ValueError(
                             f"this state dict's {key!r} for a param of shape {tuple(p.shape)} has shape "

@@ -286,12 +286,16 @@ def test_bf16_params_keep_the_absmax_in_fp32_through_a_checkpoint(device):
     assert other.state[fresh[0]]["exp_avg_absmax"].dtype == torch.float32
 
 
-def test_codes_of_the_wrong_shape_are_refused_and_nothing_changes(device):
+def test_codes_or_absmax_of_the_wrong_size_are_refused_and_nothing_changes(device):
     params, opt = _fused(CASES["adamw"], "8bit", 64, device)
     sd = copy.deepcopy(opt.state_dict())
     before = copy.deepcopy(opt.state_dict())
     sd["state"][0]["exp_avg_codes"] = sd["state"][0]["exp_avg_codes"].reshape(-1)[:10]
     with pytest.raises(ValueError, match="exp_avg_codes"):
+        opt.load_state_dict(sd)
+    sd = copy.deepcopy(before)
+    sd["state"][1]["exp_avg_sq_absmax"] = sd["state"][1]["exp_avg_sq_absmax"][:1]
+    with pytest.raises(ValueError, match="exp_avg_sq_absmax"):
         opt.load_state_dict(sd)
     after = opt.state_dict()
     for pid, s in before["state"].items():
