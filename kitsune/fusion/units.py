@@ -14,7 +14,7 @@ from kitsune.distributed import fsdp
 from kitsune.fusion import state_format
 from kitsune.fusion.algos import AlgoInfo, init_state, missing_key
 from kitsune.fusion.plan import Route
-from kitsune.kernels.multi_tensor import DEAD, DEFAULT_BLOCK, TensorTables
+from kitsune.kernels.multi_tensor import DEAD, DEFAULT_BLOCK, TensorTables, int64_tensor
 from kitsune.kernels.spec import StateFormat, UpdateSpec
 
 _GRAD = attrgetter("grad")
@@ -75,7 +75,7 @@ class FusedUnit:
         self._param_ptrs = self.param_addresses = self._addresses(params)
         self.tables.set_role("param", self._param_ptrs)
         self._grad_ptrs: list[int] | None = None
-        self._table = torch.tensor(self._param_ptrs * 2, dtype=torch.int64)
+        self._table = int64_tensor(self._param_ptrs * 2)
         """The native check's int64 table: the params' addresses, then the grads' as of `_grad_ptrs`."""
         self.grad_addresses: list[int] = [DEAD] * len(params)
         """The grad table as uploaded: what the kernels read this step (-1 for a grad that is None)."""
@@ -285,7 +285,7 @@ class FusedUnit:
             if self.slots is not None and self.slots.grad_arena is not None:
                 grads, ptrs = self._adopt_grads(grads, ptrs)
             self._grad_ptrs = upload = ptrs
-            self._table[len(ptrs) :] = torch.tensor(ptrs, dtype=torch.int64)
+            self._table[len(ptrs) :] = int64_tensor(ptrs)
             live = [g for g in grads if g is not None and g.layout == torch.strided] if dead else grads
             self._copied = []
             if not all(map(_IS_CONTIGUOUS, live)):

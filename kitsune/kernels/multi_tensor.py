@@ -30,8 +30,9 @@ DEAD = -1
 """Grad address of a tensor whose grad is None this step: its blocks do nothing (0 is a valid empty-tensor address)."""
 
 
-def _int64_tensor(values: Sequence[int]) -> torch.Tensor:
-    # array('q') + frombuffer avoids torch.tensor's per-element Python conversion (~10x faster for 2000 ints)
+def int64_tensor(values: Sequence[int]) -> torch.Tensor:
+    """``values`` as a CPU int64 tensor: array('q') and frombuffer avoid torch.tensor's per-element Python conversion
+    (about 10x faster on 2000 ints)."""
     buf = array("q", values)
     return torch.frombuffer(buf, dtype=torch.int64).clone() if len(buf) else torch.empty(0, dtype=torch.int64)
 
@@ -83,7 +84,7 @@ class TensorTables:
             return False
         if len(addresses) != self.num_tensors:
             raise ValueError(f"role {role!r}: {len(addresses)} addresses for {self.num_tensors} tensors")
-        host = _int64_tensor(addresses)
+        host = int64_tensor(addresses)
         table = self._roles.get(role)
         if table is None:
             self._roles[role] = host.to(self.device)
