@@ -417,8 +417,8 @@ def init_state(
     for key in info.state_keys(spec):
         if key is None or state_format.present(state, key):  # None: set so by hand (SGD: start the buffer again)
             continue
-        if fmt != StateFormat.PARAM:  # low-precision state (FusionConfig.state_precision): never pooled
-            _init_low(info, key, fmt, group, p, state, defaults)
+        if fmt != StateFormat.PARAM:  # low-precision state (FusionConfig.state_precision)
+            _init_low(info, key, fmt, group, p, state, alloc, defaults)
             continue
         t = alloc(key) if alloc else torch.empty_like(p, memory_format=torch.preserve_format)
         fill = _fill(info, key, group, defaults)
@@ -446,17 +446,20 @@ def _init_low(
     group: dict[str, Any],
     p: torch.Tensor,
     state: dict,
+    alloc: Callable[[str], torch.Tensor] | None,
     defaults: dict[str, Any] | None,
 ) -> None:
-    """State ``key`` created in a low-precision format: zeros (or its fill), in that format's tensors."""
+    """State ``key`` created in a low-precision format: zeros (or its fill) in fp32, converted to the format, in
+    the pool's views where ``alloc`` hands them out."""
     fill = _fill(info, key, group, defaults)
-    dtype = torch.float32 if fmt == StateFormat.Q8 else state_format.dtype_of(fmt, p.dtype)
-    t = torch.zeros(p.shape, dtype=dtype, device=p.device)
+    t = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
     if fill is not None:
         t.fill_(fill)
     state[key] = t
-    if fmt == StateFormat.Q8:
-        state_format.conform(state, key, p, fmt)  # quantizes it into the codes and absmax keys
+    state_format.conform(state, key, p, fmt)  # 8 bits: the codes and absmax entries; a float format: its dtype
+    if alloc is not None:
+        for name, _, _ in state_format.entries(key, fmt, p):
+            state[name] = alloc(name).copy_(state[name])
 
 
 def trust_ratios(optimizer: torch.optim.Optimizer) -> bool:

@@ -115,15 +115,10 @@ class FusionSubsystem(Subsystem):
         self._units, self._muon, self._shadows = planned.units, planned.muon, planned.shadows
         self.current_plan = plan = planned.plan
         if self.pool is not None:  # the memory pool places the units' state in its arenas
-            pooled = [u for u in self._units if not u.sharded and u.spec.state == StateFormat.PARAM]
+            pooled = [u for u in self._units if not u.sharded]
             self.pool.assign(pooled)
-            if self._units and not pooled and any(u.sharded for u in self._units):
+            if self._units and not pooled:
                 self.pool.deactivate("FSDP2 (DTensor) params: their state stays per-shard DTensors, as torch keeps it")
-            elif self._units and not pooled:
-                self.pool.deactivate(
-                    f"state_precision={self.config.state_precision!r}: low-precision state stays in per-tensor "
-                    "allocations"
-                )
             for unit in self._units:
                 if unit.slots is not None:
                     unit.bind(base.state)

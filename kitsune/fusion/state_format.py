@@ -275,3 +275,12 @@ def restore_low(optimizer: torch.optim.Optimizer, saved_groups: list[dict[str, A
     for pid, p in zip(saved, params, strict=False):
         if pid in stash:
             optimizer.state[p].update({k: t.to(p.device) for k, t in stash[pid].items()})
+
+
+def entries(key: str, fmt: StateFormat, p: torch.Tensor) -> list[tuple[str, torch.dtype, torch.Size]]:
+    """What ``optimizer.state[p]`` holds for state ``key`` in format ``fmt``: ``(name, dtype, shape)`` each (the
+    memory pool lays these out)."""
+    if fmt == StateFormat.Q8:
+        blocks = torch.Size([math.ceil(p.numel() / QUANT_BLOCK)])
+        return [(key + CODES, torch.uint8, p.shape), (key + ABSMAX, torch.float32, blocks)]
+    return [(key, dtype_of(fmt, p.dtype), p.shape)]

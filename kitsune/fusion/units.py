@@ -388,6 +388,9 @@ class FusedUnit:
             for slot, key in enumerate(keys):
                 if ready and key and low:  # converted in place from whatever format it was loaded in
                     held = state_format.conform(s, key, p, fmt)
+                    if slots is not None:  # then into the pool's views
+                        names = [name for name, _, _ in state_format.entries(key, fmt, p)]
+                        held = [slots.adopt(s, i, name) for name in names]
                     bound += held
                     tables[slot].append(held[0].data_ptr())
                     absmax[slot].append(held[-1].data_ptr())

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import weakref
 from collections import defaultdict
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -51,8 +52,12 @@ class Arena:
         return offset
 
     @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * self.element_size
 
     def view(self, offset: int, shape: torch.Size) -> torch.Tensor:
         if self.buffer is None:  # zero-filled so unused padding never holds nan
@@ -62,15 +67,33 @@ class Arena:
 
 
 class UnitSlots:
-    """Where one fused unit's tensors live: an offset per (state key, param), per (per-tensor scalar, param): the step
-    count and the others (`AlgoInfo.scalar_keys`) in the float32 step arena, and per grad."""
+    """Where one fused unit's tensors live: an arena and offset per (state entry, param), per (per-tensor scalar,
+    param): the step count and the others (`AlgoInfo.scalar_keys`) in the float32 step arena, and per grad.
 
-    def __init__(self, unit: FusedUnit, state_arena: Arena, step_arena: Arena | None, grad_arena: Arena | None):
+    A state entry is what ``optimizer.state[p]`` holds for a state key in the unit's format
+    (`kitsune.fusion.state_format.entries`): the key itself in the param's dtype, in bf16 or fp32, or for 8-bit
+    state ``{key}_codes`` (uint8) and ``{key}_absmax`` (fp32); ``arena_for(dtype)`` gives each its dtype's arena."""
+
+    def __init__(
+        self,
+        unit: FusedUnit,
+        arena_for: Callable[[torch.dtype], Arena],
+        step_arena: Arena | None,
+        grad_arena: Arena | None,
+    ):
+        from kitsune.fusion.state_format import entries
+
         self.params = unit.params
         self.keys = [k for k in unit.info.state_keys(unit.spec) if k]
-        self.state_arena, self.step_arena, self.grad_arena = state_arena, step_arena, grad_arena
+        self.step_arena, self.grad_arena = step_arena, grad_arena
+        self.offsets: dict[str, list[tuple[Arena, int, torch.Size]]] = defaultdict(list)
+        """Per state entry name: each param's (arena, offset, shape)."""
+        for p in unit.params:
+            for key in self.keys:
+                for name, dtype, shape in entries(key, unit.spec.state, p):
+                    arena = arena_for(dtype)
+                    self.offsets[name].append((arena, arena.reserve(shape.numel()), shape))
         numels = [p.numel() for p in unit.params]
-        self.offsets = {k: [state_arena.reserve(n) for n in numels] for k in self.keys}
         self.scalar_offsets = (
             {k: [step_arena.reserve(1) for _ in numels] for k in unit.info.scalars} if step_arena is not None else {}
         )
@@ -92,7 +115,8 @@ class UnitSlots:
                 assert self.step_arena is not None
                 v = self.step_arena.view(self.scalar_offsets[key][i], torch.Size())
             else:
-                v = self.state_arena.view(self.offsets[key][i], self.params[i].shape)
+                arena, offset, shape = self.offsets[key][i]
+                v = arena.view(offset, shape)
             self._views[(key, i)] = weakref.ref(v)
         return v
 
@@ -117,7 +141,8 @@ class UnitSlots:
         return lambda key: self.view(key, i)
 
     def adopt(self, state: dict, i: int, key: str) -> torch.Tensor:
-        """Make ``state[key]`` the arena view, copying in whatever tensor stands there (a loaded checkpoint's)."""
+        """Make ``state[key]`` the arena view, copying in whatever tensor stands there (a loaded checkpoint's, already
+        in the view's format: `kitsune.fusion.state_format.conform` converts it first)."""
         v = self.view(key, i)
         t = state[key]
         if t is not v:
@@ -132,6 +157,38 @@ class UnitSlots:
             v.copy_(grad)
             self.params[i].grad = v
         return v
+
+
+class _Reservations:
+    """The arenas one unit reserves room in (taken from ``arenas`` or new), and their sizes before it."""
+
+    def __init__(self, arenas: dict[tuple, Arena], device: torch.device) -> None:
+        self._known, self.device = arenas, device
+        self._before: dict[tuple, tuple[Arena, int]] = {}
+
+    def arena(self, key: tuple, dtype: torch.dtype) -> Arena:
+        if key not in self._before:
+            a = self._known.get(key) or Arena(self.device, dtype)
+            self._before[key] = (a, a.numel)
+        return self._before[key][0]
+
+    def state(self, dtype: torch.dtype) -> Arena:
+        """The state arena of ``dtype`` on this device."""
+        return self.arena((self.device, dtype), dtype)
+
+    @property
+    def arenas(self) -> dict[tuple, Arena]:
+        return {key: a for key, (a, _) in self._before.items()}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes reserved since the arenas were taken."""
+        return sum((a.numel - before) * a.element_size for a, before in self._before.values())
+
+    def undo(self) -> None:
+        """Give the room back (the arenas are still unallocated)."""
+        for a, before in self._before.values():
+            a.numel = before
 
 
 class MemoryPool(Subsystem):
@@ -163,7 +220,7 @@ class MemoryPool(Subsystem):
             self.deactivate("no param takes the fused kernel, so no state is kitsune's to place")
             return
         layout = tuple(
-            (str(u.device), u.dtype, u.info.name, tuple(k for k in u.info.state_keys(u.spec) if k),
+            (str(u.device), u.dtype, u.info.name, tuple(k for k in u.info.state_keys(u.spec) if k), u.spec.state,
              u.info.scalars, tuple(map(id, u.params)), tuple(p.numel() for p in u.params))
             for u in units
         )  # fmt: skip
@@ -177,28 +234,17 @@ class MemoryPool(Subsystem):
         pooled, outside, slots_of = [], [], []
         for unit in units:
             dev = unit.device
-            state = arenas.get((dev, unit.dtype)) or Arena(dev, unit.dtype)
-            step = (
-                (arenas.get((dev, torch.float32, "step")) or Arena(dev, torch.float32)) if unit.info.scalars else None
-            )
-            grad = (arenas.get((dev, unit.dtype, "grad")) or Arena(dev, unit.dtype)) if cfg.flat_grads else None
-            before = {id(a): a.nbytes for a in (state, step, grad) if a is not None}
-            slots = UnitSlots(unit, state, step, grad)
-            used = sum(a.nbytes - before[id(a)] for a in (state, step, grad) if a is not None)
-            if used > budget[dev]:
-                # does not fit: undo the reservations (the arenas are still empty) and keep torch's allocations
-                for a in (state, step, grad):
-                    if a is not None:
-                        a.numel = before[id(a)] // torch.empty((), dtype=a.dtype).element_size()
+            res = _Reservations(arenas, dev)
+            step = res.arena((dev, torch.float32, "step"), torch.float32) if unit.info.scalars else None
+            grad = res.arena((dev, unit.dtype, "grad"), unit.dtype) if cfg.flat_grads else None
+            slots = UnitSlots(unit, res.state, step, grad)
+            if res.nbytes > budget[dev]:  # does not fit: keep torch's allocations
+                res.undo()
                 outside.append(unit)
                 slots_of.append(None)
                 continue
-            budget[dev] -= used
-            arenas[(dev, unit.dtype)] = state
-            if step is not None:
-                arenas[(dev, torch.float32, "step")] = step
-            if grad is not None:
-                arenas[(dev, unit.dtype, "grad")] = grad
+            budget[dev] -= res.nbytes
+            arenas.update(res.arenas)
             unit.slots = slots
             pooled.append(unit)
             slots_of.append(slots)
@@ -259,6 +305,11 @@ class MemoryPool(Subsystem):
 
 def _unit_bytes(unit: FusedUnit, flat_grads: bool) -> int:
     """Bytes a unit's state (and grads) take, as the pool would lay them out."""
-    probe = [Arena(unit.device, unit.dtype), Arena(unit.device, torch.float32), Arena(unit.device, unit.dtype)]
-    UnitSlots(unit, probe[0], probe[1] if unit.info.scalars else None, probe[2] if flat_grads else None)
-    return sum(a.nbytes for a in probe)
+    state: dict[torch.dtype, Arena] = {}
+    step, grad = Arena(unit.device, torch.float32), Arena(unit.device, unit.dtype)
+
+    def arena_for(dtype: torch.dtype) -> Arena:
+        return state.setdefault(dtype, Arena(unit.device, dtype))
+
+    UnitSlots(unit, arena_for, step if unit.info.scalars else None, grad if flat_grads else None)
+    return sum(a.nbytes for a in (*state.values(), step, grad))

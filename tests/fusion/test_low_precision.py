@@ -389,3 +389,27 @@ def test_captured_steps_equal_the_eager_ones_on_cuda(precision):
     for x, y in zip(pa, pb, strict=True):
         assert torch.equal(x, y)
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.mark.parametrize("precision", ["8bit", "bf16"])
+def test_the_memory_pool_holds_low_precision_state_and_changes_no_bit(precision, device):
+    """Pooled (the default) and per-tensor (memory_pool_size=0) runs end bit for bit alike; pooled, every state
+    entry is a view of its dtype's arena (codes in a uint8 arena, absmax and fp32 state in the fp32 one)."""
+    runs = []
+    for pool in (512 * 2**20, 0):
+        params, opt = _fused(CASES["adamw"], precision, 64, device, memory_pool_size=pool)
+        runs.append((params, opt))
+    (pa, oa), (pb, ob) = runs
+    memory = next(s for s in oa.subsystem_status() if s["name"] == "memory")
+    assert memory["active"] and memory["report"]["params_pooled"] == len(SIZES), memory
+    assert not next(s for s in ob.subsystem_status() if s["name"] == "memory")["active"]
+    for p, q in zip(pa, pb, strict=True):
+        assert torch.equal(p, q)
+        sa, sb = oa.state[p], ob.state[q]
+        assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+        for key, t in sa.items():
+            if key != "step":  # each a view into an arena: its storage holds more than the tensor
+                assert t.untyped_storage().nbytes() > t.numel() * t.element_size(), key
+    arenas = {t.untyped_storage().data_ptr() for s in (oa.state[p] for p in pa) for t in s.values()}
+    # 8 bits: the uint8 codes, the fp32 absmax with the small param's fp32 state, the steps; bf16: the state, the steps
+    assert len(arenas) == (3 if precision == "8bit" else 2)
