@@ -42,3 +42,36 @@ def _nearest_fp32(v: Fraction) -> float:
     q, r = divmod(a, ulp)
     q += (r > ulp / 2) or (r == ulp / 2 and q % 2 == 1)
     return math.copysign(float(q * ulp), v)  # exact: q * ulp has at most 25 significant bits, and fits a double
+
+
+BUCKET_EXP_MIN = 95
+"""The smallest fp32 exponent (biased) `bucket_table` resolves: magnitudes under 2**-32 all share its first bucket,
+which is far below the smallest code's half (about 1.6e-7 of the absmax), so their nearest code is 0."""
+BUCKET_BITS = 7
+"""Mantissa bits a bucket spans: at 7, no bucket of either map holds more than one boundary between codes."""
+
+
+def bucket_table(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(buckets, sums)`` for finding the nearest code of `dynamic_map` without a search: a magnitude ``a <= 1``
+    falls in bucket ``(exponent - BUCKET_EXP_MIN) * 2**BUCKET_BITS + (its top BUCKET_BITS mantissa bits)``;
+    ``buckets[bucket]`` (uint8) is the index of the code nearest to the bucket's lower edge (among the codes
+    ``>= 0``; a tie to the smaller), and since at most one boundary between two codes lies inside a bucket (checked
+    here), the nearest code of ``a`` is that index ``c`` or ``c + 1``: ``c + 1`` exactly when ``2 a > sums[c]``,
+    ``sums`` (float64) holding ``code[c] + code[c + 1]``, exact, and inf for the last code. The result is the
+    binary search's, ties included (`kitsune.kernels.quant._nearest_code`)."""
+    code = dynamic_map(signed).double()
+    zero = 127 if signed else 0
+    pos = code[zero:]
+    mids = (pos[1:] + pos[:-1]) / 2
+    step = 1 << BUCKET_BITS
+    out = []
+    for b in range((127 - BUCKET_EXP_MIN + 1) * step):
+        exp, frac = BUCKET_EXP_MIN + b // step, b % step
+        lo = (1 + frac / step) * 2.0 ** (exp - 127)
+        hi = (1 + (frac + 1) / step) * 2.0 ** (exp - 127)
+        if int(((mids > lo) & (mids < hi)).sum()) > 1:
+            raise AssertionError(f"bucket {b} of the {'signed' if signed else 'unsigned'} map spans two boundaries")
+        d = (pos - lo).abs()
+        out.append(zero + int((d == d.min()).nonzero().min()))  # the nearest; a tie to the smaller magnitude
+    sums = torch.cat([code[:-1] + code[1:], torch.tensor([math.inf], dtype=torch.float64)])
+    return torch.tensor(out, dtype=torch.uint8), sums

@@ -52,7 +52,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kitsune.kernels.codes import CODE_SIZE, QUANT_BLOCK, dynamic_map  # noqa: F401  (re-exported)
+from kitsune.kernels.codes import (  # noqa: F401  (CODE_SIZE, QUANT_BLOCK and dynamic_map: re-exported)
+    BUCKET_BITS,
+    BUCKET_EXP_MIN,
+    CODE_SIZE,
+    QUANT_BLOCK,
+    bucket_table,
+    dynamic_map,
+)
 from kitsune.kernels.common import TL_DTYPES, _cast
 
 TILE = 1024
@@ -83,11 +90,43 @@ def _nearest_code(v, code):
     return tl.where(up & (idx < 255), idx + 1, idx)
 
 
+_BUCKET_EXP_MIN = tl.constexpr(BUCKET_EXP_MIN)
+_BUCKET_BITS = tl.constexpr(BUCKET_BITS)
+_FRAC_MASK = tl.constexpr((1 << BUCKET_BITS) - 1)
+_FRAC_SHIFT = tl.constexpr(23 - BUCKET_BITS)
+
+
 @triton.jit
-def _quantize_block(x, code, BLOCK: tl.constexpr, QBLOCK: tl.constexpr):
+def _nearest_bucketed(v, buckets, sums, SIGNED: tl.constexpr):
+    """`_nearest_code` for ``code`` = `dynamic_map` (``SIGNED`` or not) and ``|v| <= 1`` in two table reads instead
+    of nine: the bucket of ``|v|``'s exponent and top mantissa bits gives the nearest code ``c`` of its lower edge,
+    and one exact comparison with ``code[c] + code[c + 1]`` (``sums``, float64) decides between ``c`` and ``c + 1``
+    (`kitsune.kernels.codes.bucket_table`). A negative ``v`` takes the mirrored code (the signed map's negative half
+    is the positive half's mirror, less 1.0); the unsigned map sends it to 0, as the search does."""
+    a = tl.abs(v)
+    bits = a.to(tl.uint32, bitcast=True)
+    e = tl.minimum((bits >> 23).to(tl.int32), 127)
+    frac = ((bits >> _FRAC_SHIFT) & _FRAC_MASK).to(tl.int32)
+    b = tl.where(e < _BUCKET_EXP_MIN, 0, ((e - _BUCKET_EXP_MIN) << _BUCKET_BITS) + frac)
+    c = tl.load(buckets + b).to(tl.int32)
+    c = c + (2.0 * a.to(tl.float64) > tl.load(sums + c)).to(tl.int32)
+    if SIGNED:
+        c = tl.where(v < 0.0, tl.maximum(254 - c, 0), c)
+    else:
+        c = tl.where(v < 0.0, 0, c)
+    return c
+
+
+@triton.jit
+def _quantize_block(
+    x, code, BLOCK: tl.constexpr, QBLOCK: tl.constexpr, buckets=None, sums=None, BUCKETED: tl.constexpr = 0
+):  # fmt: skip
     """``(codes, absmax)`` of the fp32 block ``x`` ((BLOCK,), BLOCK a multiple of QBLOCK, in quantization blocks of
     QBLOCK elements from its first element; padding lanes must hold 0): codes (BLOCK,) uint8, indices into the
-    sorted 256-entry fp32 table at ``code``; absmax (BLOCK // QBLOCK,) fp32, nan for a block holding inf or nan."""
+    sorted 256-entry fp32 table at ``code``; absmax (BLOCK // QBLOCK,) fp32, nan for a block holding inf or nan.
+    ``BUCKETED`` 1 (signed) or 2 (unsigned): ``code`` is that `dynamic_map` and ``buckets``/``sums`` its
+    `kitsune.kernels.codes.bucket_table` (`_nearest_bucketed`); 0: any table, a binary search. The codes are the
+    same."""
     ROWS: tl.constexpr = BLOCK // QBLOCK
     xr = tl.reshape(x, (ROWS, QBLOCK))
     ax = tl.abs(xr)
@@ -97,7 +136,10 @@ def _quantize_block(x, code, BLOCK: tl.constexpr, QBLOCK: tl.constexpr):
     scale = tl.where(absmax > 0.0, absmax, 1.0)  # an all-zero block: 0 / 1, not 0 / 0
     v = tl.math.div_rn(xr, tl.broadcast_to(scale[:, None], (ROWS, QBLOCK)))
     v = tl.where(bad[:, None], 0.0, v)  # a non-finite block: the zero code everywhere, absmax nan below
-    q = _nearest_code(v, code)
+    if BUCKETED:
+        q = _nearest_bucketed(v, buckets, sums, BUCKETED == 1)
+    else:
+        q = _nearest_code(v, code)
     return tl.reshape(q, (BLOCK,)).to(tl.uint8), tl.where(bad, float("nan"), absmax)
 
 
@@ -154,12 +196,15 @@ def _split_bf16(x):
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, q_ptr, absmax_ptr, code, n, BLOCK: tl.constexpr, QBLOCK: tl.constexpr):
+def _quantize_kernel(
+    x_ptr, q_ptr, absmax_ptr, code, n, buckets, sums, BLOCK: tl.constexpr, QBLOCK: tl.constexpr,
+    BUCKETED: tl.constexpr,
+):  # fmt: skip
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)  # int64: tensors over 2**31 elements
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    q, absmax = _quantize_block(x, code, BLOCK, QBLOCK)
+    q, absmax = _quantize_block(x, code, BLOCK, QBLOCK, buckets, sums, BUCKETED)
     tl.store(q_ptr + offs, q, mask=mask)
     rows = pid * (BLOCK // QBLOCK) + tl.arange(0, BLOCK // QBLOCK).to(tl.int64)
     tl.store(absmax_ptr + rows, absmax, mask=rows * QBLOCK < n)
@@ -217,14 +262,15 @@ def _grid(n: int, block: int) -> tuple[tuple[int], int]:
 
 
 def quantize_blockwise(
-    x: torch.Tensor, code: torch.Tensor, block: int = QUANT_BLOCK
+    x: torch.Tensor, code: torch.Tensor, block: int = QUANT_BLOCK, *, search: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(codes, absmax)``: ``x`` (fp32, bf16 or fp16, any shape) in blocks of ``block`` consecutive elements,
     each an fp32 absmax and uint8 indices into ``code`` (sorted, 256 fp32 entries, on ``x``'s device; see
     `dynamic_map`). ``codes`` has ``x``'s shape, ``absmax`` is ``(ceil(numel / block),)``; blocks run over the
     elements in row-major order. A block holding inf or nan gets absmax nan (it decodes to nan); an all-zero block
     absmax 0. A value below the table's first entry gets code 0 (with the unsigned map: a negative value decodes
-    to 0)."""
+    to 0). For either `dynamic_map` the codes come from its bucket table (`_nearest_bucketed`), for any other
+    table (or with ``search``) from a binary search: the same codes."""
     if x.dtype not in TL_DTYPES:
         raise ValueError(f"quantize_blockwise supports {tuple(TL_DTYPES)}, got {x.dtype}")
     _check_block(block)
@@ -234,8 +280,27 @@ def quantize_blockwise(
     absmax = torch.empty(triton.cdiv(n, block), dtype=torch.float32, device=x.device)
     if n:
         grid, tile = _grid(n, block)
-        _quantize_kernel[grid](x.contiguous().view(-1), codes, absmax, code, n, BLOCK=tile, QBLOCK=block)
+        kind = 0 if search else next((k for k, signed in ((1, True), (2, False)) if _is_map(code, signed)), 0)
+        buckets, sums = bucket_tables(x.device, kind == 1) if kind else (code, code)
+        _quantize_kernel[grid](
+            x.contiguous().view(-1), codes, absmax, code, n, buckets, sums, BLOCK=tile, QBLOCK=block, BUCKETED=kind
+        )  # fmt: skip
     return codes, absmax
+
+
+def _is_map(code: torch.Tensor, signed: bool) -> bool:
+    return torch.equal(code, dynamic_map(signed).to(code.device))
+
+
+_BUCKET_TABLES: dict[tuple[torch.device, bool], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def bucket_tables(device: torch.device, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`bucket_table` on ``device``, built once per process (a captured CUDA graph may hold their addresses)."""
+    key = (torch.device(device), signed)
+    if key not in _BUCKET_TABLES:
+        _BUCKET_TABLES[key] = tuple(t.to(device) for t in bucket_table(signed))  # type: ignore[assignment]
+    return _BUCKET_TABLES[key]
 
 
 def dequantize_blockwise(

@@ -44,7 +44,15 @@ from kitsune.kernels.common import (
     _update_masks,
 )
 from kitsune.kernels.multi_tensor import TensorTables
-from kitsune.kernels.quant import CODE_SIZE, QUANT_BLOCK, _dequantize_block, _quantize_block, _stochastic_round_bf16
+from kitsune.kernels.quant import (
+    BUCKET_BITS,
+    BUCKET_EXP_MIN,
+    CODE_SIZE,
+    QUANT_BLOCK,
+    _dequantize_block,
+    _quantize_block,
+    _stochastic_round_bf16,
+)
 from kitsune.kernels.spec import NUM_FIELDS, StateFormat, Trust, UpdateSpec
 
 SUPPORTED_DTYPES = tuple(TL_DTYPES)
@@ -57,6 +65,7 @@ def _add_wd(g, wd, p):
 
 
 _CODE_SIZE = tl.constexpr(CODE_SIZE)
+_BUCKETS = tl.constexpr((127 - BUCKET_EXP_MIN + 1) << BUCKET_BITS)
 
 
 @triton.jit
@@ -79,10 +88,17 @@ def _sload(tab, atab, t, offs, start, lim, qmap, SIGNED: tl.constexpr, SDTYPE: t
 def _sstore(tab, atab, t, offs, start, lim, x, qmap, SIGNED: tl.constexpr, SDTYPE: tl.constexpr, Q8: tl.constexpr,
             RNE_BF16: tl.constexpr, BLOCK: tl.constexpr, QBLOCK: tl.constexpr):  # fmt: skip
     """Store fp32 ``x`` into a state slot as `_sload` reads it: rounded to SDTYPE, or quantized per QBLOCK elements
-    (lanes past ``lim`` count as 0 in a block's absmax)."""
+    (lanes past ``lim`` count as 0 in a block's absmax). With Q8, ``qmap`` holds the code tables, then their bucket
+    tables' sums and buckets (`q8_tables`)."""
     if Q8:
         code = qmap if SIGNED else qmap + _CODE_SIZE
-        q, absmax = _quantize_block(tl.where(offs < lim, x, 0.0), code, BLOCK, QBLOCK)
+        sums = (qmap + 2 * _CODE_SIZE).to(tl.pointer_type(tl.float64), bitcast=True)
+        buckets = (qmap + 6 * _CODE_SIZE).to(tl.pointer_type(tl.uint8), bitcast=True)
+        if not SIGNED:
+            sums += _CODE_SIZE
+            buckets += _BUCKETS
+        x = tl.where(offs < lim, x, 0.0)
+        q, absmax = _quantize_block(x, code, BLOCK, QBLOCK, buckets, sums, 1 if SIGNED else 2)
         tl.store(_role_ptr(tab, t, offs, tl.uint8), q, mask=offs < lim)
         rows = start // QBLOCK + tl.arange(0, BLOCK // QBLOCK).to(tl.int64)
         tl.store(_role_ptr(atab, t, rows, tl.float32), absmax, mask=rows * QBLOCK < lim)
@@ -396,13 +412,18 @@ _QMAPS: dict[torch.device, torch.Tensor] = {}
 
 
 def code_tables(device: torch.device) -> torch.Tensor:
-    """The 8-bit state's code tables on ``device``: (2 * CODE_SIZE,) fp32, the signed `dynamic_map` then the unsigned
-    one. One tensor per device for the process's lifetime, so a captured CUDA graph may hold its address."""
+    """The 8-bit state's tables on ``device`` in one fp32 buffer: the signed `dynamic_map` and the unsigned one
+    (CODE_SIZE fp32 each), their bucket tables' sums (CODE_SIZE float64 each, as pairs of fp32 words) and their
+    buckets (uint8, packed 4 to an fp32 word); see `kitsune.kernels.codes.bucket_table`. One tensor per device for
+    the process's lifetime, so a captured CUDA graph may hold its address."""
     table = _QMAPS.get(device)
     if table is None:
-        from kitsune.kernels.quant import dynamic_map
+        from kitsune.kernels.quant import bucket_table, dynamic_map
 
-        table = _QMAPS[device] = torch.cat([dynamic_map(True), dynamic_map(False)]).to(device)
+        (b1, s1), (b2, s2) = bucket_table(True), bucket_table(False)
+        parts = [dynamic_map(True), dynamic_map(False), torch.cat([s1, s2]).view(torch.float32)]
+        parts.append(torch.cat([b1, b2]).view(torch.float32))  # 2 * 4224 bytes: a whole number of fp32 words
+        table = _QMAPS[device] = torch.cat(parts).to(device)
     return table
 
 

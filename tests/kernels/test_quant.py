@@ -513,3 +513,39 @@ def test_one_tensor_over_2_31_elements():
     assert torch.equal(y, quant.stochastic_round_bf16(x[start:], seed=1, offset=start))
     down = _bits(tail) & 0xFFFF0000
     assert bool(((_bits(y) == down) | (_bits(y) == down + 0x10000)).all())
+
+
+def _hard_values(signed: bool) -> torch.Tensor:
+    """Every code, every midpoint between two neighbours, powers of 2 and of 10 (bucket and decade edges), each
+    nudged by 0-3 fp32 ulps either way, 0, +-1, and random values spread over 30 binades."""
+    table = quant.dynamic_map(signed)
+    mids = ((table[1:].double() + table[:-1].double()) / 2).float()
+    bounds = torch.tensor([2.0**-k for k in range(40)] + [10.0**-k for k in range(1, 9)] + [0.0])
+    base = torch.cat([table, mids, bounds, -bounds, -mids] if signed else [table, mids, bounds])
+    values = [base]
+    for k in (1, 2, 3):
+        up, down = base.clone(), base.clone()
+        for _ in range(k):
+            up, down = torch.nextafter(up, torch.tensor(2.0)), torch.nextafter(down, torch.tensor(-2.0))
+        values += [up, down]
+    gen = torch.Generator().manual_seed(11)
+    spread = torch.rand(8192, generator=gen) ** torch.randint(1, 30, (8192,), generator=gen).float()
+    values.append(spread * torch.where(torch.rand(8192, generator=gen) < 0.5, -1.0, 1.0) if signed else spread)
+    return torch.cat(values).clamp(-1.0 if signed else 0.0, 1.0)
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_the_bucket_tables_find_the_codes_the_binary_search_finds(signed, device):
+    """The fused update's nearest code for bitsandbytes' maps (`_nearest_bucketed`: two table reads) is exactly the
+    binary search's, ties included, on the values where a bucket could slip; and the tables hold their premise (at
+    most one boundary between codes in a bucket: `bucket_table` checks it as it builds them)."""
+    values = _hard_values(signed).to(device)
+    x = torch.zeros(values.numel(), quant.QUANT_BLOCK, device=device)
+    x[:, 0] = 1.0  # every block's absmax is 1.0, so v is the value itself
+    x[:, 1] = values
+    code = quant.dynamic_map(signed).to(device)
+    fast, _ = quant.quantize_blockwise(x, code)
+    slow, _ = quant.quantize_blockwise(x, code, search=True)
+    assert torch.equal(fast, slow), values[(fast != slow).any(1)][:8]
+    ref, _ = ref_quantize(x.view(-1).cpu(), code.cpu(), quant.QUANT_BLOCK)
+    assert torch.equal(slow.view(-1).cpu(), ref)
