@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from kitsune.kernels.codes import CODE_SIZE, QUANT_BLOCK, dynamic_map
+from kitsune.kernels import codes as _tables
+from kitsune.kernels.codes import CODE_SIZE, QUANT_BLOCK
 from kitsune.kernels.spec import StateFormat, UpdateSpec
 
 PRECISIONS: dict[str, StateFormat] = {
@@ -54,7 +55,6 @@ negative, so the unsigned table's extra fraction bit applies)."""
 CODES, ABSMAX = "_codes", "_absmax"
 
 _FLOAT = {StateFormat.FP32: torch.float32, StateFormat.BF16: torch.bfloat16}
-_TABLES: dict[tuple[bool, torch.device], torch.Tensor] = {}
 
 
 def signed_mask(keys: tuple[str | None, ...]) -> int:
@@ -86,15 +86,6 @@ def update_bytes(spec: UpdateSpec, tensor_reads_writes: int, param_dtype: torch.
     return (tensor_reads_writes - slots) * param_dtype.itemsize + slots * bytes_per_element(spec.state, param_dtype)
 
 
-def code_table(signed: bool, device: torch.device) -> torch.Tensor:
-    """`dynamic_map` on ``device`` (cached)."""
-    key = (signed, torch.device(device))
-    table = _TABLES.get(key)
-    if table is None:
-        table = _TABLES[key] = dynamic_map(signed).to(device)
-    return table
-
-
 def quantize(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(codes, absmax)`` of ``x`` as the fused kernels store it (see `kitsune.kernels.quant`): per block of
     `QUANT_BLOCK` elements the absmax, then the nearest code of ``x / absmax`` (a tie to the smaller magnitude); a
@@ -109,7 +100,7 @@ def quantize(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]
     bad = ~finite.all(1)
     v = blocks / torch.where(absmax > 0, absmax, 1.0)[:, None]
     v = torch.where(bad[:, None], 0.0, v)
-    table = code_table(signed, x.device)
+    table = _tables.code(signed, x.device)
     idx = (torch.searchsorted(table, v.contiguous(), right=True) - 1).clamp_(0, CODE_SIZE - 1)
     lo, hi = table[idx].double(), table[(idx + 1).clamp_(max=CODE_SIZE - 1)].double()
     twice, mid2 = 2 * v.double(), lo + hi
@@ -122,7 +113,7 @@ def dequantize(
     codes: torch.Tensor, absmax: torch.Tensor, signed: bool, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """The values `quantize` encoded, in ``dtype`` (computed in fp32, as the kernels do)."""
-    table = code_table(signed, codes.device)
+    table = _tables.code(signed, codes.device)
     n = codes.numel()
     scale = absmax.float().repeat_interleave(QUANT_BLOCK)[:n]
     return (table[codes.reshape(-1).long()] * scale).view(codes.shape).to(dtype)

@@ -49,6 +49,8 @@ BUCKET_EXP_MIN = 95
 which is far below the smallest code's half (about 1.6e-7 of the absmax), so their nearest code is 0."""
 BUCKET_BITS = 7
 """Mantissa bits a bucket spans: at 7, no bucket of either map holds more than one boundary between codes."""
+BUCKETS = (127 - BUCKET_EXP_MIN + 1) << BUCKET_BITS
+"""Buckets in one map's `bucket_table`."""
 
 
 def bucket_table(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,7 +67,7 @@ def bucket_table(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     mids = (pos[1:] + pos[:-1]) / 2
     step = 1 << BUCKET_BITS
     out = []
-    for b in range((127 - BUCKET_EXP_MIN + 1) * step):
+    for b in range(BUCKETS):
         exp, frac = BUCKET_EXP_MIN + b // step, b % step
         lo = (1 + frac / step) * 2.0 ** (exp - 127)
         hi = (1 + (frac + 1) / step) * 2.0 ** (exp - 127)
@@ -75,3 +77,39 @@ def bucket_table(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
         out.append(zero + int((d == d.min()).nonzero().min()))  # the nearest; a tie to the smaller magnitude
     sums = torch.cat([code[:-1] + code[1:], torch.tensor([math.inf], dtype=torch.float64)])
     return torch.tensor(out, dtype=torch.uint8), sums
+
+
+_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def device_tables(device: torch.device) -> torch.Tensor:
+    """Every table of 8-bit state on ``device``, built once per process in one fp32 buffer (a captured CUDA graph
+    may hold its address): the signed `dynamic_map`, the unsigned one (CODE_SIZE fp32 each), their `bucket_table`
+    sums (CODE_SIZE float64 each, as pairs of fp32 words), then their buckets (BUCKETS uint8 each, packed 4 to an
+    fp32 word). `code`, `sums` and `buckets` read their parts."""
+    device = torch.device(device)
+    table = _TABLES.get(device)
+    if table is None:
+        (b1, s1), (b2, s2) = bucket_table(True), bucket_table(False)
+        parts = [dynamic_map(True), dynamic_map(False), torch.cat([s1, s2]).view(torch.float32)]
+        parts.append(torch.cat([b1, b2]).view(torch.float32))  # 2 * BUCKETS bytes: a whole number of fp32 words
+        table = _TABLES[device] = torch.cat(parts).to(device)
+    return table
+
+
+def code(signed: bool, device: torch.device) -> torch.Tensor:
+    """`dynamic_map` on ``device``: a view of `device_tables`."""
+    start = 0 if signed else CODE_SIZE
+    return device_tables(device)[start : start + CODE_SIZE]
+
+
+def sums(signed: bool, device: torch.device) -> torch.Tensor:
+    """`bucket_table`'s sums on ``device``: a float64 view of `device_tables`."""
+    start = 0 if signed else CODE_SIZE
+    return device_tables(device)[2 * CODE_SIZE : 6 * CODE_SIZE].view(torch.float64)[start : start + CODE_SIZE]
+
+
+def buckets(signed: bool, device: torch.device) -> torch.Tensor:
+    """`bucket_table`'s buckets on ``device``: a uint8 view of `device_tables`."""
+    start = 0 if signed else BUCKETS
+    return device_tables(device)[6 * CODE_SIZE :].view(torch.uint8)[start : start + BUCKETS]

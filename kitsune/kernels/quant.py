@@ -52,12 +52,12 @@ import torch
 import triton
 import triton.language as tl
 
+from kitsune.kernels import codes as _tables
 from kitsune.kernels.codes import (  # noqa: F401  (CODE_SIZE, QUANT_BLOCK and dynamic_map: re-exported)
     BUCKET_BITS,
     BUCKET_EXP_MIN,
     CODE_SIZE,
     QUANT_BLOCK,
-    bucket_table,
     dynamic_map,
 )
 from kitsune.kernels.common import TL_DTYPES, _cast
@@ -281,7 +281,8 @@ def quantize_blockwise(
     if n:
         grid, tile = _grid(n, block)
         kind = 0 if search else next((k for k, signed in ((1, True), (2, False)) if _is_map(code, signed)), 0)
-        buckets, sums = bucket_tables(x.device, kind == 1) if kind else (code, code)
+        signed = kind == 1
+        buckets, sums = (_tables.buckets(signed, x.device), _tables.sums(signed, x.device)) if kind else (code, code)
         _quantize_kernel[grid](
             x.contiguous().view(-1), codes, absmax, code, n, buckets, sums, BLOCK=tile, QBLOCK=block, BUCKETED=kind
         )  # fmt: skip
@@ -289,18 +290,7 @@ def quantize_blockwise(
 
 
 def _is_map(code: torch.Tensor, signed: bool) -> bool:
-    return torch.equal(code, dynamic_map(signed).to(code.device))
-
-
-_BUCKET_TABLES: dict[tuple[torch.device, bool], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def bucket_tables(device: torch.device, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """`bucket_table` on ``device``, built once per process (a captured CUDA graph may hold their addresses)."""
-    key = (torch.device(device), signed)
-    if key not in _BUCKET_TABLES:
-        _BUCKET_TABLES[key] = tuple(t.to(device) for t in bucket_table(signed))  # type: ignore[assignment]
-    return _BUCKET_TABLES[key]
+    return torch.equal(code, _tables.code(signed, code.device))
 
 
 def dequantize_blockwise(

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kitsune.kernels.codes import BUCKETS, CODE_SIZE, QUANT_BLOCK, device_tables
 from kitsune.kernels.common import (
     ADAPT,
     B1,
@@ -45,10 +46,6 @@ from kitsune.kernels.common import (
 )
 from kitsune.kernels.multi_tensor import TensorTables
 from kitsune.kernels.quant import (
-    BUCKET_BITS,
-    BUCKET_EXP_MIN,
-    CODE_SIZE,
-    QUANT_BLOCK,
     _dequantize_block,
     _quantize_block,
     _stochastic_round_bf16,
@@ -65,7 +62,7 @@ def _add_wd(g, wd, p):
 
 
 _CODE_SIZE = tl.constexpr(CODE_SIZE)
-_BUCKETS = tl.constexpr((127 - BUCKET_EXP_MIN + 1) << BUCKET_BITS)
+_BUCKETS = tl.constexpr(BUCKETS)
 
 
 @triton.jit
@@ -89,7 +86,7 @@ def _sstore(tab, atab, t, offs, start, lim, x, qmap, SIGNED: tl.constexpr, SDTYP
             RNE_BF16: tl.constexpr, BLOCK: tl.constexpr, QBLOCK: tl.constexpr):  # fmt: skip
     """Store fp32 ``x`` into a state slot as `_sload` reads it: rounded to SDTYPE, or quantized per QBLOCK elements
     (lanes past ``lim`` count as 0 in a block's absmax). With Q8, ``qmap`` holds the code tables, then their bucket
-    tables' sums and buckets (`q8_tables`)."""
+    tables' sums and buckets (`kitsune.kernels.codes.device_tables`)."""
     if Q8:
         code = qmap if SIGNED else qmap + _CODE_SIZE
         sums = (qmap + 2 * _CODE_SIZE).to(tl.pointer_type(tl.float64), bitcast=True)
@@ -121,7 +118,7 @@ def _update_kernel(
     a1_tab,  # (T,) int64 addresses of each state slot's fp32 absmax blocks, read only with Q8
     a2_tab,
     a3_tab,
-    qmap,  # (2 * CODE_SIZE,) fp32: the signed code table, then the unsigned one, read only with Q8
+    qmap,  # fp32: kitsune.kernels.codes.device_tables (the code tables, their sums and buckets), read only with Q8
     step_tab,
     sc1_tab,  # (T,) int64 addresses of float32 scalars, read only with SCALARS >= 1 (>= 2 for sc2_tab)
     sc2_tab,
@@ -408,23 +405,6 @@ def _update_kernel(
 
 _INTERPRETED = type(_update_kernel).__name__ == "InterpretedFunction"
 _STATE_DTYPES = {StateFormat.FP32: tl.float32, StateFormat.BF16: tl.bfloat16}
-_QMAPS: dict[torch.device, torch.Tensor] = {}
-
-
-def code_tables(device: torch.device) -> torch.Tensor:
-    """The 8-bit state's tables on ``device`` in one fp32 buffer: the signed `dynamic_map` and the unsigned one
-    (CODE_SIZE fp32 each), their bucket tables' sums (CODE_SIZE float64 each, as pairs of fp32 words) and their
-    buckets (uint8, packed 4 to an fp32 word); see `kitsune.kernels.codes.bucket_table`. One tensor per device for
-    the process's lifetime, so a captured CUDA graph may hold its address."""
-    table = _QMAPS.get(device)
-    if table is None:
-        from kitsune.kernels.quant import bucket_table, dynamic_map
-
-        (b1, s1), (b2, s2) = bucket_table(True), bucket_table(False)
-        parts = [dynamic_map(True), dynamic_map(False), torch.cat([s1, s2]).view(torch.float32)]
-        parts.append(torch.cat([b1, b2]).view(torch.float32))  # 2 * 4224 bytes: a whole number of fp32 words
-        table = _QMAPS[device] = torch.cat(parts).to(device)
-    return table
 
 
 def multi_tensor_update(
@@ -545,7 +525,7 @@ def _launch(
         param,
         tables.role("grad"),
         *roles,
-        code_tables(tables.device) if spec.state == StateFormat.Q8 else hyper,
+        device_tables(tables.device) if spec.state == StateFormat.Q8 else hyper,
         step,
         *scalars,
         hyper,
