@@ -395,12 +395,10 @@ class FusedUnit:
                     tables[slot].append(held[0].data_ptr())
                     absmax[slot].append(held[-1].data_ptr())
                 elif ready and key and slots is not None:  # the pool's view, with a loaded tensor copied in
-                    state_format.decode(s, key, p)
                     _conform(s, key, p)
                     bound.append(slots.adopt(s, i, key))
                     tables[slot].append(bound[-1].data_ptr())
                 elif ready and key:
-                    state_format.decode(s, key, p)
                     bound.append(_conform(s, key, p))
                     tables[slot].append(fsdp.local(bound[-1]).data_ptr())
                 else:
@@ -463,8 +461,10 @@ def _conform(s: dict, key: str, p: torch.Tensor) -> torch.Tensor:
     """The state tensor the kernel can address: the param's dtype, device, shape and a dense layout.
 
     torch's own load_state_dict already casts to the param's dtype and device; a state tensor that still differs
-    (set by hand, or a non-contiguous one) is replaced by a conforming copy.
+    (set by hand, or a non-contiguous one) is replaced by a conforming copy, and one held in 8 bits (a checkpoint of
+    an 8-bit run) is decoded first.
     """
+    state_format.decode(s, key, p)
     t = s[key]
     if fsdp.is_dtensor(p):  # FSDP2: the state is a DTensor sharded as its param, as torch's optimizers keep it
         t = s[key] = fsdp.like_param(t, p)
