@@ -176,6 +176,13 @@ class _Reservations:
         """The state arena of ``dtype`` on this device."""
         return self.arena((self.device, dtype), dtype)
 
+    def slots(self, unit: FusedUnit, flat_grads: bool) -> UnitSlots:
+        """Reserve ``unit``'s state, step counts and (with ``flat_grads``) grads in these arenas."""
+        dev = self.device
+        step = self.arena((dev, torch.float32, "step"), torch.float32) if unit.info.scalars else None
+        grad = self.arena((dev, unit.dtype, "grad"), unit.dtype) if flat_grads else None
+        return UnitSlots(unit, self.state, step, grad)
+
     @property
     def arenas(self) -> dict[tuple, Arena]:
         return {key: a for key, (a, _) in self._before.items()}
@@ -235,9 +242,7 @@ class MemoryPool(Subsystem):
         for unit in units:
             dev = unit.device
             res = _Reservations(arenas, dev)
-            step = res.arena((dev, torch.float32, "step"), torch.float32) if unit.info.scalars else None
-            grad = res.arena((dev, unit.dtype, "grad"), unit.dtype) if cfg.flat_grads else None
-            slots = UnitSlots(unit, res.state, step, grad)
+            slots = res.slots(unit, cfg.flat_grads)
             if res.nbytes > budget[dev]:  # does not fit: keep torch's allocations
                 res.undo()
                 outside.append(unit)
@@ -305,11 +310,6 @@ class MemoryPool(Subsystem):
 
 def _unit_bytes(unit: FusedUnit, flat_grads: bool) -> int:
     """Bytes a unit's state (and grads) take, as the pool would lay them out."""
-    state: dict[torch.dtype, Arena] = {}
-    step, grad = Arena(unit.device, torch.float32), Arena(unit.device, unit.dtype)
-
-    def arena_for(dtype: torch.dtype) -> Arena:
-        return state.setdefault(dtype, Arena(unit.device, dtype))
-
-    UnitSlots(unit, arena_for, step if unit.info.scalars else None, grad if flat_grads else None)
-    return sum(a.nbytes for a in (*state.values(), step, grad))
+    res = _Reservations({}, unit.device)
+    res.slots(unit, flat_grads)
+    return res.nbytes
