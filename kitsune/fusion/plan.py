@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any
@@ -83,8 +84,11 @@ def speedup_text(b: dict[str, Any]) -> str:
     return f"{speedup:.1f}x ({times[0]:g} vs {times[1]:g} ms)" if len(times) == 2 else f"{speedup:.1f}x"
 
 
-def state_label(b: dict[str, Any] | Any, label: str) -> str:
-    """A bucket's label with its state's format when that is not the param's dtype (``", 8-bit state"``)."""
+def bucket_label(b: Mapping[str, Any]) -> str:
+    """A bucket's label from its dict (`BucketPlan.to_dict`, or a saved profile's, which may lack fields), e.g.
+    ``"AdamW (decoupled_wd) float32 cuda:0, 8-bit state"``: the state's format only where it is not the dtype."""
+    options = "" if b.get("options") in (None, "-", "") else f" ({b['options']})"
+    label = f"{b.get('optimizer', '?')}{options} {b.get('dtype', '')} {b.get('device', '')}".strip()
     state = b.get("state", "-")
     return label if state in ("-", b.get("dtype")) else f"{label}, {state} state"
 
@@ -175,9 +179,8 @@ class Plan:
         table.add_column("reason")
         for b in self.buckets:
             style = "green" if b.route.fused else "yellow"
-            options = "" if b.options == "-" else f" ({b.options})"
             table.add_row(
-                state_label(b.to_dict(), f"{b.optimizer}{options} {b.dtype} {b.device}"),
+                bucket_label(b.to_dict()),
                 f"[{style}]{b.route.value}[/{style}]",
                 str(b.tensors),
                 f"{b.elements:,}",

@@ -229,22 +229,22 @@ class Planner:
             groups=sorted({gi for gi, _ in members}),
         )
         low = isinstance(spec, UpdateSpec) and spec.state != StateFormat.PARAM
-        if low:
+        if low:  # the format, and the bytes at the state's size
             bp.state = state_format.describe(spec.state, dtype)  # type: ignore[union-attr]
-        elif isinstance(spec, (UpdateSpec, MuonSpec)) and spec.state_slots:
-            bp.state = str(dtype).removeprefix("torch.")
-        if low:  # bytes at the state's size
             per = state_format.update_bytes(spec, aux.bytes_per_element(spec), dtype)  # type: ignore[arg-type,union-attr]
             bp.bytes_per_step = round(elements * per)
-        elif info is not None and specs:  # a known algorithm moves known bytes, whichever route runs it
-            bp.bytes_per_step = sum(
-                fsdp.local(p).numel() * p.element_size() * info.bytes_per_element(specs[gi]) for gi, p in members
-            )
+        else:
+            if isinstance(spec, (UpdateSpec, MuonSpec)) and spec.state_slots:
+                bp.state = str(dtype).removeprefix("torch.")
+            if info is not None and specs:  # a known algorithm moves known bytes, whichever route runs it
+                bp.bytes_per_step = sum(
+                    fsdp.local(p).numel() * p.element_size() * info.bytes_per_element(specs[gi]) for gi, p in members
+                )
         if route is Route.BASE_STEP:
             return bp
+        launches = math.ceil(tensors / self.config.max_fusion_size) if self.config.max_fusion_size else 1
         if low:  # only kitsune's kernels read this state: no route to weigh against
-            bp.route = Route.TRITON
-            bp.launches = math.ceil(tensors / self.config.max_fusion_size) if self.config.max_fusion_size else 1
+            bp.route, bp.launches = Route.TRITON, launches
             return bp
         assert info is not None and spec is not None
         fallback = torch_route(info, torch.device(device), dtype)
@@ -255,7 +255,6 @@ class Planner:
             return bp
         if route is None:  # fusable: does it pay?
             nbytes = elements * dtype.itemsize * info.bytes_per_element(spec)
-            launches = math.ceil(tensors / self.config.max_fusion_size) if self.config.max_fusion_size else 1
             fused, other = weigh(self.cost_model, info, fallback, tensors, nbytes, launches)
             bp.predicted_speedup = round(other / fused, 3)
             bp.predicted_ms = {Route.TRITON.value: _ms(fused), fallback.value: _ms(other)}

@@ -18,7 +18,7 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-from kitsune.fusion.plan import speedup_text, state_label
+from kitsune.fusion.plan import bucket_label, speedup_text
 from kitsune.profiler.core import Comparison, ProfilerMetrics, TimeStats
 from kitsune.profiler.nvml import FIELDS, NvmlReport
 from kitsune.profiler.schema import MemoryInfo, Profile, SubsystemStatus, build_profile
@@ -207,14 +207,6 @@ def plan_rows(plan: dict[str, Any]) -> tuple[list[tuple[str, str]], dict[str, li
         else:
             facts.append((key, readable_value(key, value)))
     return facts, tables
-
-
-def bucket_label(b: Mapping[str, Any]) -> str:
-    return state_label(b, f"{b.get('optimizer', '?')}{_options(b)} {b.get('dtype', '')} {b.get('device', '')}".strip())
-
-
-def _options(b: Mapping[str, Any]) -> str:
-    return "" if b.get("options") in (None, "-", "") else f" ({b['options']})"
 
 
 def predicted_speedup(b: Mapping[str, Any]) -> str:
