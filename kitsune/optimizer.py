@@ -346,9 +346,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         fused executor's step counts to where that step keeps them when a baseline stretch begins or ends."""
         # with updates inside backward there is no step of kitsune's to time against the wrapped optimizer's
         low = self._fusion.low_precision  # state only kitsune's kernels read: the wrapped step cannot run on it
-        comparable = self._executes and not self._streams.in_backward and not low
-        why = f"{low}: the wrapped optimizer's own step cannot read it" if low else None
-        baseline = self._profiler.wants_baseline(comparable, why)
+        baseline = self._profiler.wants_baseline(self._executes and not self._streams.in_backward and not low, low)
         if baseline != self._handed_over and self._fusion.executes:
             self._fusion.hand_over() if baseline else self._fusion.take_back()
         self._handed_over = baseline

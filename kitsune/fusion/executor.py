@@ -94,8 +94,8 @@ class FusionSubsystem(Subsystem):
         self._norm_out: torch.Tensor | None = None
         self._norm_dtypes: list[torch.dtype] = []
         self.low_precision: str | None = None
-        """What only the fused kernels can read, when some state is in a format torch's steps do not take (8-bit, or
-        float state of another dtype than the param's), or None."""
+        """Why the wrapped optimizer's own step cannot run on this plan's state, when some of it is in a format only
+        the fused kernels take (8-bit, or float state of another dtype than the param's), or None."""
         self._norm_groups: list[Any] = []
         """FSDP2: the process groups the norm pass's results are all-reduced over (empty without DTensor params)."""
 
@@ -132,7 +132,12 @@ class FusionSubsystem(Subsystem):
         low = [u for u in self._units if u.spec.state != StateFormat.PARAM]
         state_format.decode_others(base.state, {p for u in low for p in u.params})  # the others' 8-bit state
         names = ", ".join(sorted({state_format.NAMES[u.spec.state] for u in low}))
-        self.low_precision = f"low-precision optimizer state ({names}; FusionConfig.state_precision)" if low else None
+        self.low_precision = (
+            f"low-precision optimizer state ({names}; FusionConfig.state_precision): the wrapped optimizer's own step "
+            "cannot read it"
+            if low
+            else None
+        )
         if self.config.native_checks and any(u.checks_natively for u in (*self._units, *self._muon)):
             _native.start()  # in the background, once per process; the Python checks run until it is ready
         # FSDP2: the norm pass covers this rank's shards; an all-reduce over the mesh makes it global
