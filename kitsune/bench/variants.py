@@ -38,10 +38,20 @@ DEFAULT_VARIANTS = ("foreach", "fused", "graph", "kitsune", "eager", "static", "
 STATE_PRECISION = {"8bit": "8bit", "bf16state": "bf16"}
 """The low-precision variants and the ``state_precision`` each runs."""
 
-BYTES_PER_PARAM = {"8bit": 16 + 2 * 8 / 256, "bf16state": 20}
-"""Bytes an AdamW step moves per param in the low-precision variants (fp32 params read and written, the fp32 grad
-read; each moment read and written in 1 byte plus its share of an fp32 absmax per 256, or in 2 bytes); fp32 state
-moves 28."""
+
+def _adamw_bytes(precision: str) -> float:
+    from kitsune.fusion.algos import ALGOS
+    from kitsune.fusion.state_format import PRECISIONS, update_bytes
+    from kitsune.kernels.spec import Algo, UpdateSpec
+
+    spec = UpdateSpec(Algo.ADAM, decoupled_wd=True, state=PRECISIONS[precision])
+    return update_bytes(spec, ALGOS[torch.optim.AdamW].bytes_per_element(spec), torch.float32)
+
+
+BYTES_PER_PARAM = {name: _adamw_bytes(precision) for name, precision in STATE_PRECISION.items()}
+"""Bytes an AdamW step moves per param in the low-precision variants, as the planner counts them (fp32 params read
+and written, the fp32 grad read; each moment read and written in 1 byte plus its share of an fp32 absmax per 256:
+16.06 in all, or in 2 bytes: 20); fp32 state moves 28."""
 
 
 class _TorchVariant:
