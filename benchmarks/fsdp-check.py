@@ -9,7 +9,8 @@ trains one with ``torch.optim.AdamW(fused=True)`` + ``torch.nn.utils.clip_grad_n
 
 - the largest difference of the full params and of the global grad norms between the two runs;
 - the median optimizer step time (CUDA events; torch: clip + step, kitsune: step, which clips inside), host time,
-  every rank starting each timed step together;
+  every rank starting each timed step together; kitsune with its CUDA graph (the default: the grad norm's
+  all-reduce captured with the kernels) and with ``capture_graph=False``, side by side;
 - peak memory and the bytes of optimizer state this rank holds;
 - on rank 0 afterwards, the kitsune step on one GPU over plain tensors of rank 0's shard shapes (no collective):
   the sharded step's overhead over the same amount of work on one GPU.
@@ -109,11 +110,14 @@ def timed(fn, together: bool = False) -> tuple[float, float]:
     return start.elapsed_time(end), host
 
 
-def run(args: argparse.Namespace, device: torch.device, kitsune: bool, mesh) -> dict:
+def run(args: argparse.Namespace, device: torch.device, kitsune: bool, mesh, graph: bool = True) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build(args, device, mesh)
     base = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=not kitsune)
-    opt = KitsuneOptimizer(base, enable_fusion=True, max_grad_norm=args.clip) if kitsune else base
+    if kitsune:
+        opt = KitsuneOptimizer(base, enable_fusion=True, max_grad_norm=args.clip, capture_graph=graph)
+    else:
+        opt = base
     gen = torch.Generator().manual_seed(1000 + rank)
     params, clipped = list(model.parameters()), []
     norms, ms, host = [], [], []
@@ -150,6 +154,10 @@ def run(args: argparse.Namespace, device: torch.device, kitsune: bool, mesh) -> 
         out["plan"] = sorted({f"{b.route.value}: {b.reason}" for b in opt.plan.buckets})
         out["fused_tensors"] = sum(b.tensors for b in opt.plan.buckets if b.route.fused)
         out["grad_pass"] = opt._subsystem("fusion").grad_pass
+        graphs = opt._subsystem("graphs")
+        report = graphs.report()
+        out["graphs"] = {k: report[k] for k in ("captures", "replays", "steady_replays", "eager_steps")}
+        out["graphs"]["inactive_reason"] = graphs.reason
     if cuda:
         torch.cuda.empty_cache()
     return out
@@ -204,6 +212,7 @@ def main() -> int:
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         ref = run(args, device, kitsune=False, mesh=mesh)
         ours = run(args, device, kitsune=True, mesh=mesh)
+        eager = run(args, device, kitsune=True, mesh=mesh, graph=False)  # capture_graph=False, side by side
         diff = max((a - b).abs().max().item() for a, b in zip(ref["params"], ours["params"], strict=True))
         scale = max(a.abs().max().item() for a in ref["params"])
         norm_rel = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(ref["norms"], ours["norms"], strict=True))
@@ -216,6 +225,7 @@ def main() -> int:
             "max_rel_grad_norm_diff": norm_rel,
             "torch_fused": {k: v for k, v in ref.items() if k not in ("params", "norms", "local_shapes")},
             "kitsune": {k: v for k, v in ours.items() if k not in ("params", "norms", "local_shapes")},
+            "kitsune_eager": {k: v for k, v in eager.items() if k not in ("params", "norms", "local_shapes")},
         }
         dist.barrier()
         if rank == 0:
@@ -240,8 +250,10 @@ def main() -> int:
                     f"{k['state_bytes'] / 2**20:.1f} MiB vs {t['state_bytes'] / 2**20:.1f}; peak "
                     f"{k['peak_memory_bytes'] / 2**20:.0f} MiB vs {t['peak_memory_bytes'] / 2**20:.0f}; "
                     f"max |param diff| {r['max_abs_param_diff']:.2e}, grad norm rel diff "
-                    f"{r['max_rel_grad_norm_diff']:.2e}"
+                    f"{r['max_rel_grad_norm_diff']:.2e}; kitsune without the graph "
+                    f"{r['kitsune_eager']['step_ms_median']:.3f} ms (host {r['kitsune_eager']['host_ms_median']:.3f})"
                 )
+            print(f"graphs: {gathered[0]['kitsune']['graphs']}")
             print(f"plan: {gathered[0]['kitsune']['plan']}; grad_pass: {gathered[0]['kitsune']['grad_pass']}")
             single = gathered[0]["single_gpu_same_shard_shapes"]
             print(

@@ -1,8 +1,8 @@
 """The multi-rank harness: a job run on several gloo ranks, each a spawned process, each rank's results returned.
 
-Every rank interprets kitsune's kernels on the CPU (as CI does), uses one thread, and saves what the job returns; a
-job that raises on a rank fails the test with that rank's traceback, and ranks that hang (a collective one rank
-never joined) fail it after ``timeout_s`` instead of the CI job.
+Every rank interprets kitsune's kernels on the CPU (as CI does; on NCCL, with a GPU a rank, they are compiled), uses
+one thread, and saves what the job returns; a job that raises on a rank fails the test with that rank's traceback,
+and ranks that hang (a collective one rank never joined) fail it after ``timeout_s`` instead of the CI job.
 """
 
 from __future__ import annotations
@@ -30,17 +30,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, out: str, job: Job) -> None:
-    os.environ["TRITON_INTERPRET"] = "1"  # before kitsune's kernels are imported in this process
-    import kitsune.kernels.newton_schulz
-    import kitsune.kernels.norms
-    import kitsune.kernels.update  # noqa: F401
+def _entry(rank: int, world: int, port: int, out: str, job: Job, backend: str) -> None:
+    if backend == "nccl":  # one GPU a rank, the kernels compiled
+        torch.cuda.set_device(rank)
+    else:
+        os.environ["TRITON_INTERPRET"] = "1"  # before kitsune's kernels are imported in this process
+        import kitsune.kernels.newton_schulz
+        import kitsune.kernels.norms
+        import kitsune.kernels.update  # noqa: F401
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         results: dict[str, Any] = job(rank, world)
     except Exception:
@@ -51,11 +54,14 @@ def _entry(rank: int, world: int, port: int, out: str, job: Job) -> None:
     torch.save(results, Path(out) / f"rank{rank}.pt")
 
 
-def run_ranks(job: Job, world: int = 2, timeout_s: int = 120) -> list[dict[str, Any]]:
-    """Run ``job`` on ``world`` ranks; return each rank's results, in rank order."""
+def run_ranks(job: Job, world: int = 2, timeout_s: int = 120, backend: str = "gloo") -> list[dict[str, Any]]:
+    """Run ``job`` on ``world`` ranks; return each rank's results, in rank order. ``backend="nccl"``: rank r on GPU r,
+    the kernels compiled (the test skips where fewer than ``world`` GPUs are seen)."""
+    if backend == "nccl" and torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA GPUs for NCCL, {torch.cuda.device_count()} seen")
     with tempfile.TemporaryDirectory() as out:
         ctx = mp.start_processes(
-            _entry, args=(world, free_port(), out, job), nprocs=world, join=False, start_method="spawn"
+            _entry, args=(world, free_port(), out, job, backend), nprocs=world, join=False, start_method="spawn"
         )
         for _ in range(timeout_s * 2):
             if ctx.join(timeout=0.5):

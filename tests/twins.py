@@ -138,14 +138,19 @@ class RecordingBackend:
         self.fail = fail
         self.captured = 0
         self.replayed = 0
+        self.collective_captures = 0
 
     def supports(self, device: torch.device) -> str | None:
         return None
 
+    def collectives(self, groups) -> str | None:
+        return None  # gloo's collectives run where a real capture would replay NCCL's
+
     def eager(self, fn, device) -> None:
         fn()
 
-    def capture(self, fn, device) -> Any:
+    def capture(self, fn, device, collectives: bool = False) -> Any:
+        self.collective_captures += collectives
         if self.fail:
             raise RuntimeError("operation not permitted when stream is capturing")
         self.captured += 1

@@ -446,9 +446,13 @@ class FusionSubsystem(Subsystem):
             return "some params fall back to torch or the optimizer's own step (see the plan)"
         if len({u.device for u in self.launch_units}) > 1:
             return "params on several devices"
-        if self._norm_groups:
-            return "FSDP2 params: the grad norm's all-reduce runs outside a CUDA graph"
         return None
+
+    @property
+    def collective_groups(self) -> list[Any]:
+        """The process groups a step's device work all-reduces over (FSDP2: the grad norm and the overflow flag over
+        the mesh); a CUDA graph of the step captures those collectives too. Empty without DTensor params."""
+        return list(self._norm_groups)
 
     def _norm_pass(self, s: StepState) -> tuple[torch.Tensor, torch.Tensor]:
         """Pass one: every fused grad's norm (divided by the loss scale) in one launch, then each param's when trust

@@ -5,9 +5,10 @@ What a step does splits cleanly in two (see `kitsune.fusion.FusionSubsystem.prep
 * host work, every step, outside the graph: checking the grads' and params' addresses and copying changed ones
   into the device-side address tables, creating state for params that got their first grad, copying changed
   hyperparameters into the device buffer;
-* device work, captured: the norm pass, every update launch, the loss-scale update. The kernels read addresses,
-  hyperparameters, the scale and ``found_inf`` from device buffers whose own addresses never change, so a new LR
-  from a scheduler, a re-allocated grad or a grad that is None this step need no recapture.
+* device work, captured: the norm pass (with FSDP2 its all-reduce over the mesh, on NCCL), every update launch,
+  the loss-scale update. The kernels read addresses, hyperparameters, the scale and ``found_inf`` from device
+  buffers whose own addresses never change, so a new LR from a scheduler, a re-allocated grad or a grad that is
+  None this step need no recapture.
 
 The first ``GraphConfig.warmup_steps`` steps after a (re)plan run eagerly on a side stream (they compile the
 Triton kernels and create the lazily made buffers); the next step is captured and replayed. Anything that replaces
@@ -59,6 +60,8 @@ class GraphSubsystem(Subsystem):
         self._version = -1
         self._steady: _Steady | None = None
         self._may_steady = False
+        self._collectives = False
+        """Whether the captured work holds collectives (FSDP2's norm all-reduce)."""
         self.captures = 0
         self.replays = 0
         self.steady_replays = 0
@@ -104,7 +107,13 @@ class GraphSubsystem(Subsystem):
         if why:
             return f"the phase is not all fused kernels: {why}"
         self._device = fusion.launch_units[0].device
-        return self.backend.supports(self._device)
+        why = self.backend.supports(self._device)
+        groups = fusion.collective_groups  # FSDP2: the grad norm's all-reduce joins the capture
+        if why is None and groups:
+            why = self.backend.collectives(groups)
+            why = f"FSDP2 params: the grad norm's all-reduce cannot join the graph: {why}" if why else None
+        self._collectives = bool(groups)
+        return why
 
     def invalidate(self, reason: str) -> None:
         """Drop the graph (its buffers may be gone); the next steps warm up and capture again."""
@@ -169,7 +178,7 @@ class GraphSubsystem(Subsystem):
         if self._graph is None:
             start = time.perf_counter()
             try:
-                self._graph = self.backend.capture(device_work, self._device)
+                self._graph = self.backend.capture(device_work, self._device, collectives=self._collectives)
             except Exception as exc:  # a capture that fails must not take training down: run eagerly from now on
                 self._broken = f"{type(exc).__name__}: {exc}"
                 self.deactivate(f"capture failed, running eagerly: {self._broken}")

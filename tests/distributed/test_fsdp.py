@@ -28,7 +28,18 @@ SCENARIOS = {
     # the first param's grad replaced by a new DTensor (a new local shard) before one step: the native check of the
     # local shards must see it, and the steps around it take the check's fast path
     "adamw_clip_keep_grads_swap": {"opt": "adamw", "max_grad_norm": 0.05, "set_to_none": False, "swap_at": 2},
+    # the step in a CUDA graph (the recording stand-in: capture records, replay runs, here over gloo) with the norm's
+    # all-reduce inside: new grads every step (the full path replays), and grads kept (the steady replay)
+    "adamw_clip_graphed": {"opt": "adamw", "max_grad_norm": 0.05, "graphed": True},
+    "sgd_clip_inf_keep_grads_graphed": {
+        "opt": "sgd",
+        "max_grad_norm": 0.02,
+        "norm_type": math.inf,
+        "set_to_none": False,
+        "graphed": True,
+    },
 }
+GRAPH_WARMUP = 1
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
 
@@ -51,10 +62,19 @@ def _torch_optimizer(params, sc: dict) -> torch.optim.Optimizer:
 
 
 def _kitsune(params, sc: dict):
-    from kitsune import AMPConfig, GradConfig, KitsuneOptimizer
+    from kitsune import AMPConfig, FusionConfig, GradConfig, GraphConfig, KitsuneConfig, KitsuneOptimizer
 
     amp = {"enable_amp": True, "amp_config": AMPConfig(dtype=sc["amp"])} if "amp" in sc else {}
     grads = GradConfig(max_norm=sc.get("max_grad_norm"), norm_type=sc.get("norm_type", 2.0))
+    if sc.get("graphed"):
+        assert "amp" not in sc
+        fusion, graphs = FusionConfig(enabled=True), GraphConfig(warmup_steps=GRAPH_WARMUP)
+        config = KitsuneConfig(fusion=fusion, grads=grads, graphs=graphs)
+        opt = KitsuneOptimizer(_torch_optimizer(params, sc), config=config)
+        from twins import record_graphs
+
+        opt.backend = record_graphs(opt)  # only where the graph subsystem is active (it raises otherwise)
+        return opt
     return KitsuneOptimizer(_torch_optimizer(params, sc), enable_fusion=True, grad_config=grads, **amp)
 
 
@@ -109,7 +129,8 @@ def _fused_training(sc: dict, mesh, rank: int) -> dict:
             assert all(p.grad is not None and not p.grad.to_local().any() for p in model.parameters())
         if opt.last_grad_norm is not None:
             norms.append(float(opt.last_grad_norm))
-    fusion = opt._subsystem("fusion")
+    fusion, graphs = opt._subsystem("fusion"), opt._subsystem("graphs").report()
+    backend = getattr(opt, "backend", None)
     state = [
         {k: (type(v).__name__, tuple(map(repr, getattr(v, "placements", ())))) for k, v in s.items()}
         for s in opt.state_dict()["state"].values()
@@ -124,6 +145,8 @@ def _fused_training(sc: dict, mesh, rank: int) -> dict:
         "reasons": sorted({b.reason for b in opt.plan.buckets}),
         "grad_pass": fusion.grad_pass,
         "state": state,
+        "graphs": {k: graphs[k] for k in ("captures", "replays", "steady_replays", "eager_steps")},
+        "collective_captures": backend.collective_captures if backend is not None else None,
     }
 
 
@@ -341,8 +364,17 @@ def test_fsdp2_fused_on_shards_equals_one_process(ranks, name):
     assert ranks[0][name]["norms"] == ranks[1][name]["norms"]  # one global norm, the same bits on every rank
     for r in _results(ranks, name):  # the local shards checked in one native call a step
         assert r["address_checks"] == "native (one C++ call per unit)"
-        if not sc.get("set_to_none", True):  # grads kept in place: every step after the first (and the swap) is fast
-            assert r["native_hits"] == STEPS - 1 - ("swap_at" in sc)
+        if not sc.get("set_to_none", True) and not sc.get("graphed"):  # grads kept: every step after the first
+            assert r["native_hits"] == STEPS - 1 - ("swap_at" in sc)  # (and the swap) takes the fast path
+    for r in _results(ranks, name):
+        if not sc.get("graphed"):
+            assert r["graphs"]["captures"] == 0  # on the CPU, without the stand-in, nothing is captured
+            continue
+        # one capture holding the all-reduce, then every step replays it; grads kept in place replay straight away
+        assert r["collective_captures"] == 1
+        replays = STEPS - GRAPH_WARMUP
+        steady = replays - 1 if not sc.get("set_to_none", True) else 0
+        assert r["graphs"] == {"captures": 1, "replays": replays, "steady_replays": steady, "eager_steps": 1}
 
 
 def test_fsdp2_state_dict_matches_torch(ranks):
@@ -372,3 +404,65 @@ def test_fsdp2_found_inf_is_all_reduced(ranks, fused):
         assert r["host_syncs"] == 0  # every update skips on the device: no rank read found_inf back
         assert r["skipped"] == 1 and r["unchanged"]  # every rank skipped the step
         assert r["scale"] == 256.0 * 0.5  # and backed off the same scale (no growth within 3 steps)
+
+
+# -- on GPUs: NCCL, the step captured with the norm's all-reduce inside ------------------------------------------------
+NCCL_STEPS = 12
+
+
+def _nccl_graphed(rank: int, world: int) -> dict:
+    """torch's fused AdamW + clip_grad_norm_ and kitsune's clipped AdamW (the one line, CUDA graphs on) on two equal
+    fully_shard models over NCCL, grads set to None (the full path replays) and kept in place (the steady replay)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from kitsune import KitsuneOptimizer
+
+    mesh = init_device_mesh("cuda", (world,))
+    out = {}
+    for keep in (False, True):
+        models = [_shard(_model().cuda(), mesh) for _ in range(2)]
+        ref = torch.optim.AdamW(models[0].parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+        ours = KitsuneOptimizer(
+            torch.optim.AdamW(models[1].parameters(), lr=1e-2, weight_decay=0.1), enable_fusion=True, max_grad_norm=0.05
+        )
+        ref_norms, our_norms = [], []
+        gen = torch.Generator().manual_seed(7)
+        for _ in range(NCCL_STEPS):
+            x, y = torch.randn(8, 7, generator=gen).cuda(), torch.randn(8, 1, generator=gen).cuda()
+            lo, hi = rank * len(x) // world, (rank + 1) * len(x) // world
+            for model in models:
+                _loss(model, x[lo:hi], y[lo:hi]).backward()
+            ref_norms.append(float(torch.nn.utils.clip_grad_norm_(models[0].parameters(), 0.05).full_tensor()))
+            ref.step()
+            ours.step()
+            our_norms.append(float(ours.last_grad_norm))
+            ref.zero_grad(set_to_none=not keep)
+            ours.zero_grad(set_to_none=not keep)
+        graphs = ours._subsystem("graphs")
+        out["keep" if keep else "none"] = {
+            "reason": graphs.reason,
+            "graphs": {k: graphs.report()[k] for k in ("captures", "replays", "steady_replays")},
+            "diff": max(
+                float((p.full_tensor() - q.full_tensor()).abs().max())
+                for p, q in zip(*(m.parameters() for m in models), strict=True)
+            ),
+            "norms": (ref_norms, our_norms),
+        }
+    return out
+
+
+@pytest.mark.cuda
+def test_fsdp2_step_captured_with_its_all_reduce_on_nccl():
+    """The FSDP2 step in one CUDA graph, the grad norm's all-reduce over NCCL inside it, matches torch's step."""
+    from kitsune import GraphConfig
+
+    warmup = GraphConfig().warmup_steps
+    for res in run_ranks(_nccl_graphed, world=WORLD, timeout_s=TIMEOUT_S, backend="nccl"):
+        for keep, r in res.items():
+            assert r["reason"] is None, r["reason"]  # the graph subsystem is active on FSDP2 shards over NCCL
+            replays = NCCL_STEPS - warmup
+            assert r["graphs"]["captures"] == 1 and r["graphs"]["replays"] == replays, r["graphs"]
+            assert r["graphs"]["steady_replays"] == (replays - 1 if keep == "keep" else 0), r["graphs"]
+            assert r["diff"] < 1e-5, r["diff"]
+            ref_norms, our_norms = r["norms"]
+            assert our_norms == pytest.approx(ref_norms, rel=1e-5)
