@@ -12,7 +12,9 @@ Two measurements, each on kitsune's parameter sets (``--sets``, default GPT-2 12
   whole fused step (what a DDP model's optimizer does); ``zero1``/``zero2`` the sharded step (reduction, update,
   all-gather). Per rank: median ms per step, peak memory, optimizer state bytes.
 * training step (``--train``): an MLP stack of the set's hidden size trained with forward, backward and step, DDP
-  against ZeRO stages 1 and 2 (reductions overlapping backward), each run's final params compared with DDP's.
+  against ZeRO stages 1 and 2 (reductions overlapping backward), with the params' all-gather in the step and left
+  to the next forward (``zero1_fwd``, ``zero2_fwd``: ``ShardConfig(gather_in_forward=True)``); ms per step over
+  steps run back to back; each run's final params compared with DDP's.
 
 Rank 0 writes every rank's numbers as JSON to ``--out``.
 """
@@ -31,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kitsune import KitsuneOptimizer
+from kitsune import KitsuneOptimizer, ShardConfig
 from kitsune.bench.params import ParamSet, get_param_set, make_params
 from kitsune.distributed import state_numel
 
@@ -51,6 +53,22 @@ def timed(fn: Callable[[], None], steps: int, warmup: int, device: torch.device)
             torch.cuda.synchronize(device)
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
+
+
+def timed_back_to_back(fn: Callable[[], None], steps: int, warmup: int, device: torch.device) -> float:
+    """ms per call of ``fn`` over ``steps`` calls made back to back (no sync between them, as a training loop runs:
+    work a call leaves on a side stream overlaps the next call), every rank starting together."""
+    for _ in range(warmup):
+        fn()
+    dist.barrier()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) * 1e3 / steps
 
 
 def reset_memory(device: torch.device) -> None:
@@ -166,22 +184,25 @@ def training_step(name: str, args: argparse.Namespace, device: torch.device) -> 
         ]
         return torch.nn.Sequential(*layers).to(device)
 
-    for label, stage in (("ddp", 0), ("zero1", 1), ("zero2", 2)):
+    runs = (("ddp", 0, False), ("zero1", 1, False), ("zero2", 2, False), ("zero1_fwd", 1, True), ("zero2_fwd", 2, True))
+    for label, stage, in_forward in runs:
         reset_memory(device)
         net = model()
         if stage == 0:
             ids = [device.index] if device.type == "cuda" else None
             net = torch.nn.parallel.DistributedDataParallel(net, device_ids=ids)
-        opt = adamw(list(net.parameters()), device, zero_stage=stage)
+        shard = {"shard_config": ShardConfig(stage=stage, gather_in_forward=in_forward)} if stage else {}
+        opt = adamw(list(net.parameters()), device, **shard)
 
         def step(net: torch.nn.Module = net, opt: KitsuneOptimizer = opt) -> None:
             net(x).square().mean().backward()
             opt.step()
             opt.zero_grad()
 
-        ms = timed(step, args.steps, args.warmup, device)
+        ms = timed_back_to_back(step, args.steps, args.warmup, device)
         out[label] = {"ms": ms, "peak_bytes": peak_memory(device), "state_numel": state_numel(opt)}
         # every run starts from the same weights and takes the same steps on the same batches: the params must agree
+        opt.wait_params()  # gather_in_forward: the last step's gathers, which no forward completed
         final = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
         if stage == 0:
             ddp_params = final

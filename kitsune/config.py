@@ -273,6 +273,14 @@ class ShardConfig(_Config):
     overlap: StrictBool = True
     """Launch each bucket's collective from backward as soon as its grads are ready (False: all of them in
     ``step()``, after backward)."""
+    gather_in_forward: StrictBool = False
+    """Let the params' all-gather after the update finish during the next forward: ``step()`` launches every
+    bucket's all-gather and returns, and a module waits for its own params' bucket when its forward begins (a
+    forward pre-hook on every module while gathers are pending), so the gathers overlap the first layers' compute.
+    A param read outside a module's forward before then (an EMA, ``model.state_dict()``, a param used by a module
+    that does not own it before its owner runs) holds its old values until ``optimizer.wait_params()``; kitsune's
+    own ``step()``, ``state_dict()`` and re-plans wait first. Holds every bucket's gather buffer (one copy of the
+    trainable params) until the forward reaches it. For eager models: leave it off under ``torch.compile``."""
 
     @field_validator("stage", mode="before")
     @classmethod

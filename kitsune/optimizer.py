@@ -392,6 +392,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
     # -- checkpoints and copies ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """The wrapped optimizer's state dict (torch's keys and layout) plus kitsune's own under ``"kitsune"``."""
+        self._shard.wait_params()  # a checkpoint saves the model's params next to it
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
         sd = self._optimizer.state_dict()
@@ -401,6 +402,12 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             if out is not None:
                 sd = out
         return sd
+
+    def wait_params(self) -> None:
+        """ZeRO with ``ShardConfig(gather_in_forward=True)``: complete the params' all-gather now, so every param
+        holds the last step's update before it is read outside a module's forward (an EMA, ``model.state_dict()``).
+        Does nothing otherwise."""
+        self._shard.wait_params()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Load a state dict saved by kitsune or by the plain torch optimizer: all of it, or (raising) none of it."""
@@ -437,6 +444,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             self._step_count = step_count
 
     def __getstate__(self) -> dict[str, Any]:
+        self._shard.wait_params()  # a copy holds the params as they are
         ours = checkpoint.own_state(self._subsystems, self._step_count)
         return {"optimizer": self._optimizer, "config": self.config, "kitsune": ours}
 

@@ -68,6 +68,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.modules.module import register_module_forward_pre_hook
 
 from kitsune.config import ShardConfig
 from kitsune.distributed import fsdp
@@ -118,6 +119,9 @@ class ShardSubsystem(Subsystem):
         """Averages the buckets' grads across the ranks (from backward, or at the step)."""
         self._norm_type = 2.0
         self._last = {"buckets_reduced_in_backward": 0, "buckets_reduced_in_step": 0}
+        self._pending: dict[int, _Gather] = {}
+        """``gather_in_forward``: id(model param) -> its bucket's all-gather, launched and not yet copied in."""
+        self._forward_hook: Any = None
         self.deactivate("zero_stage=0")
 
     @property
@@ -129,6 +133,7 @@ class ShardSubsystem(Subsystem):
     def plan(self, groups: list[dict[str, Any]], base: torch.optim.Optimizer, norm_type: float) -> None:
         """Partition the trainable params of ``groups`` (the wrapped optimizer ``base``'s) over the ranks, and put
         the shard params in the groups in place of the params this rank updates part of."""
+        self.wait_params()  # a re-plan reads and re-cuts the params
         cfg = self.config
         if not cfg.stage:
             self._drop("zero_stage=0")  # as the other switches read: enable_amp=False, profile=False
@@ -274,6 +279,7 @@ class ShardSubsystem(Subsystem):
                     ps[j] = q
 
     def _drop(self, reason: str, base: torch.optim.Optimizer | None = None) -> None:
+        self.wait_params()
         self._unhook()
         if base is not None and self._key is not None:  # every param whole again, on every rank
             full = self._state_by_index(base, self._params, gather=True)
@@ -325,6 +331,7 @@ class ShardSubsystem(Subsystem):
         grads of what this rank updates pointing at its share, the others None; ``s.reduce`` combines norms and
         flags. Raises before anything changes when a group's partition no longer holds."""
         self._accumulating.refuse_step()
+        self.wait_params()  # params no forward reached since the last step (gather_in_forward)
         self._check_groups()
         self._follow_storage()
         if not self._reduction.reduced:  # no backward reduced the grads
@@ -378,25 +385,60 @@ class ShardSubsystem(Subsystem):
 
     @torch.no_grad()
     def finish(self) -> None:
-        """All-gather the params: each rank's segment of every bucket holds its updated elements."""
-        inflight: deque[tuple[Bucket, torch.Tensor, Any]] = deque()
-        for b in self.buckets:
-            flat = torch.empty(self.world * b.seg, dtype=b.dtype, device=b.device)
-            off = self.rank * b.seg
-            mine = flat[off : off + b.seg]
-            dst, src = [], []
-            for k, t in b.targets.items():
-                dst.append(b.view(mine, k, off) if t is b.params[k] else b.piece(mine, k, off))
-                src.append(t)
-            if src:
-                torch._foreach_copy_(dst, src)
-            inflight.append((b, flat, all_gather(flat, mine, group=self.group, async_op=True)))
-            if len(inflight) >= GATHERS_IN_FLIGHT:
+        """All-gather the params: each rank's segment of every bucket holds its updated elements. With
+        ``gather_in_forward`` the gathers are launched in the order the next forward needs them and left pending
+        (`wait_params`, or a module's forward, completes them)."""
+        if self.config.gather_in_forward:
+            for b in reversed(self.buckets):  # buckets run in backward order: the forward needs the last one first
+                flat, work = self._launch_gather(b)
+                if b.others:
+                    gather = _Gather(b, flat, work)
+                    self._pending.update((id(b.params[k]), gather) for k in b.others)
+            if self._pending and self._forward_hook is None:
+                self._forward_hook = _forward_pre_hook(weakref.ref(self))
+        else:
+            inflight: deque[tuple[Bucket, torch.Tensor, Any]] = deque()
+            for b in self.buckets:
+                inflight.append((b, *self._launch_gather(b)))
+                if len(inflight) >= GATHERS_IN_FLIGHT:
+                    _scatter_back(*inflight.popleft())
+            while inflight:
                 _scatter_back(*inflight.popleft())
-        while inflight:
-            _scatter_back(*inflight.popleft())
         self._reduction.forget()
         self._last = self._reduction.take_counts()
+
+    def _launch_gather(self, b: Bucket) -> tuple[torch.Tensor, Any]:
+        """Start ``b``'s all-gather of this rank's updated elements: the gathered buffer and the async work."""
+        flat = torch.empty(self.world * b.seg, dtype=b.dtype, device=b.device)
+        off = self.rank * b.seg
+        mine = flat[off : off + b.seg]
+        dst, src = [], []
+        for k, t in b.targets.items():
+            dst.append(b.view(mine, k, off) if t is b.params[k] else b.piece(mine, k, off))
+            src.append(t)
+        if src:
+            torch._foreach_copy_(dst, src)
+        return flat, all_gather(flat, mine, group=self.group, async_op=True)
+
+    @torch.no_grad()
+    def wait_params(self, params: Iterable[torch.Tensor] | None = None) -> None:
+        """Complete the pending all-gathers (``gather_in_forward``) of the buckets holding ``params``, or of all:
+        their params then hold every rank's update."""
+        if not self._pending:
+            return
+        if params is None:
+            gathers = list(dict.fromkeys(self._pending.values()))
+        else:
+            gathers = [g for p in params if (g := self._pending.get(id(p))) is not None]
+        for gather in gathers:
+            if gather.flat is not None:
+                _scatter_back(gather.bucket, gather.flat, gather.work)
+                gather.flat = gather.work = None
+                for k in gather.bucket.others:
+                    self._pending.pop(id(gather.bucket.params[k]), None)
+        if not self._pending and self._forward_hook is not None:
+            self._forward_hook.remove()
+            self._forward_hook = None
 
     def zero_grad(self) -> None:
         """Forget grads reduced since the last step (``optimizer.zero_grad()`` discards them, as it does grads)."""
@@ -484,6 +526,31 @@ class ShardSubsystem(Subsystem):
             "overlap": self.config.overlap,
             **self._last,
         }
+
+
+class _Gather:
+    """A bucket's all-gather launched by ``finish`` and not yet copied into the params."""
+
+    __slots__ = ("bucket", "flat", "work")
+
+    def __init__(self, bucket: Bucket, flat: torch.Tensor, work: Any) -> None:
+        self.bucket, self.flat, self.work = bucket, flat, work
+
+
+def _forward_pre_hook(ref: weakref.ref) -> Any:
+    """Registers every module's forward pre-hook while gathers are pending: the module's own params get their update
+    first. Returns the handle. The hook holds the optimizer weakly and removes itself once the optimizer is gone."""
+    handle: Any = None
+
+    def hook(module: torch.nn.Module, _args: Any) -> None:
+        shard = ref()
+        if shard is None:
+            handle.remove()
+        elif module._parameters:
+            shard.wait_params(p for p in module._parameters.values() if p is not None)
+
+    handle = register_module_forward_pre_hook(hook)
+    return handle
 
 
 def _ready_hook(ref: weakref.ref, bi: int, k: int) -> Callable[[torch.Tensor], None]:

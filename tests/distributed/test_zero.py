@@ -50,6 +50,11 @@ CASES = {
     "zero2_lamb_whole": {"stage": 2, "opt": "lamb", "max_grad_norm": 0.5},
     # a frozen first layer (requires_grad=False) stays out of the buckets: no state, never changed, the rest cut evenly
     "zero2_adamw_frozen_fused": {"stage": 2, "opt": "adamw", "max_grad_norm": 0.05, "freeze": True, "fused": True},
+    # the params' all-gather left to the next forward (each module waits for its own params): the body's and, on the
+    # steps it runs, the side branch's; the side branch's gathers left pending complete at the next step
+    "zero1_adamw_clip_gather_in_forward": {"stage": 1, "opt": "adamw", "max_grad_norm": 0.05, "gather": True},
+    "zero2_sgd_side_gather_in_forward": {"stage": 2, "opt": "sgd", "side": True, "gather": True, "steps": 9},
+    "zero2_adamw_gather_in_forward_fused": {"stage": 2, "opt": "adamw", "gather": True, "fused": True},
 }
 OVERFLOW_STEP = 2
 MOVE_STEP = 2
@@ -109,7 +114,13 @@ def _optimizer(model: torch.nn.Module, case: dict, stage: int, group=None, param
     else:
         base = torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)
     grads = GradConfig(max_norm=case.get("max_grad_norm"), norm_type=case.get("norm_type", 2.0))
-    shard = ShardConfig(stage=stage, bucket_bytes=BUCKET_BYTES, overlap=case.get("overlap", True), process_group=group)
+    shard = ShardConfig(
+        stage=stage,
+        bucket_bytes=BUCKET_BYTES,
+        overlap=case.get("overlap", True),
+        process_group=group,
+        gather_in_forward=case.get("gather", False),
+    )
     amp = {"enable_amp": True, "amp_config": AMPConfig(dtype=torch.float16)} if case.get("amp") else {}
     return KitsuneOptimizer(
         base, enable_fusion=case.get("fused", False), grad_config=grads, shard_config=shard, capture_graph=False, **amp
@@ -137,6 +148,28 @@ def _train(model, opt, steps, rank: int, world: int, case: dict, first: int = 0,
             before_step()
         opt.step()
         opt.zero_grad(set_to_none=not (case.get("keep") and _sharded(opt)))
+
+
+def _gather_in_forward(model, opt, ref_model, rank: int, world: int) -> dict:
+    """After the last step with ``gather_in_forward``: which params hold the reference values before any forward,
+    after a forward of the body alone, and after ``optimizer.wait_params()``; the global forward hook's count."""
+    from torch.nn.modules.module import _global_forward_pre_hooks
+
+    def close(params) -> list[bool]:
+        return [torch.allclose(p, q, atol=2e-5, rtol=2e-5) for p, q in params]
+
+    pairs = list(zip(model.parameters(), ref_model.parameters(), strict=True))
+    body = len(list(model.body.parameters()))
+    out = {"hooks_pending": len(_global_forward_pre_hooks), "close_before": close(pairs)}
+    x, _ = _batch(0)
+    with torch.no_grad():
+        model(x, torch.zeros(len(x), dtype=torch.bool))  # the side branch does not run
+    out["close_after_forward"] = close(pairs)
+    out["hooks_after_forward"] = len(_global_forward_pre_hooks)
+    opt.wait_params()
+    out["hooks_after_wait"] = len(_global_forward_pre_hooks)
+    out["body"] = body
+    return out
 
 
 def _sharded(opt) -> bool:
@@ -177,8 +210,10 @@ def _run_case(name: str, case: dict, rank: int, world: int) -> dict:
     frozen = [p.detach().clone() for p in model.body[0].parameters()]
     opt = _optimizer(model, case, stage=case["stage"])
     _train(model, opt, steps, rank, world, case)
+    gathered = _gather_in_forward(model, opt, ref_model, rank, world) if case.get("gather") else {}
     status = {s["name"]: s for s in opt.subsystem_status()}
     out = {
+        **gathered,
         "frozen_unchanged": all(torch.equal(a, b) for a, b in zip(frozen, model.body[0].parameters(), strict=True)),
         "params": [p.detach().clone() for p in model.parameters()],
         "ref_params": [p.detach().clone() for p in ref_model.parameters()],
@@ -643,3 +678,21 @@ def test_add_param_group_moves_the_state(ranks):
     for r in ranks:
         _assert_same_run(r["regroup"][2], r["regroup"][0])
     assert sum(r["regroup"][2]["state_numel"] for r in ranks) == ranks[0]["regroup"][0]["state_numel"]
+
+
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.get("gather")])
+def test_gather_in_forward_completes_each_module_before_its_forward(ranks, name):
+    """After a step, the params' all-gathers are pending: every rank holds the other ranks' elements of a split
+    param as they were; a module's forward completes its own params' gathers, ``wait_params`` the rest, and the
+    global forward hook goes once nothing is pending (the params equal one process's: the test above)."""
+    side = CASES[name].get("side", False)
+    for r in ranks:
+        got = r[name]
+        body = got["body"]
+        assert got["hooks_pending"] == 1 and not all(got["close_before"])  # stale until gathered
+        assert all(got["close_after_forward"][:body])  # the body's modules gathered their own params
+        if side:  # the side branch did not run: its gathers stay pending, with the hook
+            assert not all(got["close_after_forward"][body:]) and got["hooks_after_forward"] == 1
+        else:
+            assert got["hooks_after_forward"] == 0
+        assert got["hooks_after_wait"] == 0
