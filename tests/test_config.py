@@ -243,7 +243,7 @@ STRICT_FIELDS = {
                    "step_in_backward": "bool", "bucket_bytes": "int"},
     GraphConfig: {"enabled": "bool", "warmup_steps": "int", "steady_replay": "bool", "static_addresses": "bool"},
     MemoryConfig: {"pool_size": "int", "flat_grads": "bool"},
-    ShardConfig: {"stage": "int", "bucket_bytes": "int", "overlap": "bool"},
+    ShardConfig: {"stage": "int", "bucket_bytes": "int", "overlap": "bool", "gather_in_forward": "bool"},
     ProfilerConfig: {"enabled": "bool", "max_step_records": "int", "nvml_interval_s": "float", "sample_after": "int",
                      "probe_steps": "int", "compare_steps": "int"},
 }  # fmt: skip
