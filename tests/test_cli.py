@@ -154,7 +154,8 @@ def _write_bytes(path, data: bytes):
         (lambda d: _write_bytes(d / "p.json", b"[1, 2]"), "its top level is not an object"),
         (
             lambda d: _write_bytes(d / "p.json", b'{"schema_version": "0.9", "environment": {"kitsune": "0.0.1"}}'),
-            "schema_version '0.9' is not one this kitsune reads (1.0); written by kitsune 0.0.1: re-save the profile",
+            "schema_version '0.9' is not one this kitsune reads (1.0, 1.1); written by kitsune 0.0.1: re-save the "
+            "profile",
         ),
         (lambda d: _write_bytes(d / "p.json", b'{"schema_version": "1.0"}'), "is not a kitsune profile: created:"),
     ],

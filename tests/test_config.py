@@ -245,7 +245,7 @@ STRICT_FIELDS = {
     MemoryConfig: {"pool_size": "int", "flat_grads": "bool"},
     ShardConfig: {"stage": "int", "bucket_bytes": "int", "overlap": "bool", "gather_in_forward": "bool"},
     ProfilerConfig: {"enabled": "bool", "max_step_records": "int", "nvml_interval_s": "float", "sample_after": "int",
-                     "probe_steps": "int", "compare_steps": "int"},
+                     "device_time_every": "int", "probe_steps": "int", "compare_steps": "int"},
 }  # fmt: skip
 LENIENT = {
     AMPConfig: {"dtype"},  # also "float16"/"bfloat16" and the other names in _DTYPE_NAMES

@@ -40,8 +40,9 @@ class StepRecord(BaseModel):
 
     step: int
     """Step number (1-based, counted by the wrapper)."""
-    step_ms: float
-    """Time of the whole step: device time between CUDA events on GPU, wall time on CPU."""
+    step_ms: float | None
+    """Time of the whole step: device time between CUDA events on GPU, wall time on CPU; None for a CUDA step whose
+    device time was not sampled (``ProfilerConfig.device_time_every``)."""
     host_ms: float
     """Host (Python + launch) time spent inside ``step()``."""
     host_start_us: float | None = None
@@ -136,7 +137,8 @@ class ProfilerMetrics(BaseModel):
     timing: Literal["cuda_events", "host_clock"]
     """How ``step_time`` was measured."""
     step_time: TimeStats | None
-    """Statistics of the kept per-step times."""
+    """Statistics of the kept per-step times (on CUDA, of the steps timed on the device: see
+    ``ProfilerConfig.device_time_every``)."""
     host_time: TimeStats | None
     """Statistics of the kept per-step host times."""
     probe: ProbeReport | None = None
@@ -330,9 +332,11 @@ class Profiler(Subsystem):
         self._index += 1
         if self._index > self._last_sampled:  # the common case: no window, nothing but the clocks
             self._mode, self._window, self._span = "kitsune", None, None
+            timed = self._index % self.config.device_time_every == 0
         else:
             self._start_sampled(s)
-        if self._cuda:
+            timed = True
+        if self._cuda and timed:
             key = self._current_stream(self._device_index)  # (stream id, device index, device type): one C call
             if key != self._stream_key:  # the user switched streams (or the first step): time the one it runs on
                 self._mixed_streams = bool(self._pending)
@@ -372,6 +376,10 @@ class Profiler(Subsystem):
             self._start_event = None
             if len(self._pending) > _COLLECT_AFTER:
                 self._collect(block=False)
+        elif self._cuda:  # a step not timed on the device: its host time, in order behind the pending ones
+            self._pending.append((s.step, None, None, self._t0, t1, self._mode, self._window))
+            if len(self._pending) > _COLLECT_AFTER:
+                self._collect(block=False)
         else:
             host_ms = (t1 - self._t0) / 1e6
             row = (s.step, host_ms, host_ms, (self._t0 - self._origin_ns) / 1e3, None, self._mode)
@@ -404,27 +412,33 @@ class Profiler(Subsystem):
             self._compared[window].append(row)
 
     def _finished(self) -> int:
-        """How many pending steps, oldest first, the GPU has finished."""
+        """How many pending steps, oldest first, can be read: those before the oldest step whose events the GPU has
+        not finished (steps not timed on the device have nothing to wait for)."""
         pending = self._pending
+        timed = [i for i, row in enumerate(pending) if row[2] is not None]
         if self._mixed_streams:  # events on several streams finish in any order: stop at the oldest unfinished
             done = 0
-            while done < len(pending) and pending[done][2].query():
+            while done < len(timed) and pending[timed[done]][2].query():
                 done += 1
-            return done
-        lo, hi = 0, len(pending)  # on one stream the finished steps are a prefix: bisect for its end
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if pending[mid][2].query():
-                lo = mid + 1
-            else:
-                hi = mid
-        return lo
+        else:
+            lo, hi = 0, len(timed)  # on one stream the finished steps are a prefix: bisect for its end
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if pending[timed[mid]][2].query():
+                    lo = mid + 1
+                else:
+                    hi = mid
+            done = lo
+        return timed[done] if done < len(timed) else len(pending)
 
     def _collect(self, block: bool) -> None:
         """Turn finished CUDA event pairs into records; with block=True wait for all of them."""
         pending, origin, elapsed, free = self._pending, self._origin_ns, self._elapsed, self._free_events
         for _ in range(len(pending) if block else self._finished()):
             step, start, end, t0, t1, mode, window = pending.popleft()
+            if start is None:  # not timed on the device
+                self._keep((step, None, (t1 - t0) / 1e6, (t0 - origin) / 1e3, None, mode), window)
+                continue
             if block:
                 end.synchronize()
             device_us = None
@@ -460,7 +474,7 @@ class Profiler(Subsystem):
                 f"(sample_after={self.config.sample_after}); {self._index} step(s) so far",
                 baseline=self._baseline_name,
             )
-        k, b = TimeStats.of([r[1] for r in ref]), TimeStats.of([r[1] for r in base])
+        k, b = TimeStats.of([r[1] for r in ref if r[1] is not None]), TimeStats.of([r[1] for r in base])
         kh, bh = TimeStats.of([r[2] for r in ref]), TimeStats.of([r[2] for r in base])
         assert k is not None and b is not None and kh is not None and bh is not None
         return Comparison(
@@ -507,7 +521,7 @@ class Profiler(Subsystem):
         the share of the run the sampled windows took."""
         self._collect(block=True)
         rows = [r for r in self._records if r[5] == "kitsune"]
-        step_time = TimeStats.of([r[1] for r in rows])
+        step_time = TimeStats.of([r[1] for r in rows if r[1] is not None])
         probe = self.probe_report()
         nbytes = self._bytes_per_step
         floor_ms = pct = None

@@ -218,11 +218,15 @@ def _timing_section(profile: Profile) -> list[str]:
     rows = _stats_rows("step", metrics.step_time) + _stats_rows("host", metrics.host_time)
     out.append(_table(header, rows, numeric={1, 2, 3, 4, 5, 6}))
     kept = [r for r in profile.steps if r.mode == "kitsune"]  # probe and baseline steps are not kitsune's times
-    steps = [float(r.step) for r in kept]
-    for svg_id, title, values, stats, color in (
-        ("plot-step-time", f"step time per step ({source})", [r.step_ms for r in kept], metrics.step_time, STEP_COLOR),
-        ("plot-host-time", "host time per step", [r.host_ms for r in kept], metrics.host_time, HOST_COLOR),
-    ):
+    timed = [r for r in kept if r.step_ms is not None]  # CUDA: the steps timed on the device (device_time_every)
+    for svg_id, title, rows, values, stats, color in (
+        ("plot-step-time", f"step time per step ({source})", timed, [r.step_ms for r in timed], metrics.step_time,
+         STEP_COLOR),
+        ("plot-host-time", "host time per step", kept, [r.host_ms for r in kept], metrics.host_time, HOST_COLOR),
+    ):  # fmt: skip
+        if not values:
+            continue
+        steps = [float(r.step) for r in rows]
         hlines = ()
         if stats is not None:
             hlines = (

@@ -1,8 +1,10 @@
 """The profile JSON: a versioned pydantic model (its JSON Schema is ``Profile.model_json_schema()``).
 
-Version "1.0". Fields added since (``nvml``, ``memory``, ``param_groups``, ``num_params``, the step records'
-``host_start_us``/``device_start_us``, the metrics' ``run_ms``/``windows``) are optional, so files written before
-them still load and readers of 1.0 ignore them; the version changes only when a required field does.
+Version "1.1": a step record's ``step_ms`` may be null (a CUDA step not timed on the device, see
+``ProfilerConfig.device_time_every``), which a reader of "1.0" would refuse; "1.0" files still load. Fields added
+since 1.0 (``nvml``, ``memory``, ``param_groups``, ``num_params``, the step records' ``host_start_us``/
+``device_start_us``, the metrics' ``run_ms``/``windows``) are optional, so files written before them still load and
+older readers ignore them; the version changes only when a required field does.
 """
 
 from __future__ import annotations
@@ -46,7 +48,9 @@ class Profiled(Protocol):
     def subsystem_status(self) -> list[dict[str, Any]]: ...
 
 
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"
+READS = ("1.0", "1.1")
+"""The versions `load_profile` reads."""
 
 
 class Environment(BaseModel):
@@ -88,7 +92,7 @@ class MemoryInfo(BaseModel):
 class Profile(BaseModel):
     """Everything ``KitsuneOptimizer.save_profile`` writes."""
 
-    schema_version: Literal["1.0"] = SCHEMA_VERSION
+    schema_version: Literal["1.0", "1.1"] = SCHEMA_VERSION
     created: datetime
     environment: Environment
     optimizer: str
@@ -221,7 +225,7 @@ def load_profile(path: str | Path) -> Profile:
             writer = writer.get("kitsune") if isinstance(writer, dict) else None
             by = f"; written by kitsune {writer}" if isinstance(writer, str) else ""
             raise ValueError(
-                f"{path}: schema_version {version['input']!r} is not one this kitsune reads ({SCHEMA_VERSION}){by}: "
+                f"{path}: schema_version {version['input']!r} is not one this kitsune reads ({', '.join(READS)}){by}: "
                 f"re-save the profile with kitsune {__version__}, or read it with the version that wrote it"
             ) from exc
         where = ".".join(str(part) for part in first["loc"]) or "top level"

@@ -54,6 +54,8 @@ def trace_events(steps: list[StepRecord], timing: str, nvml: NvmlReport | None) 
         if r.mode != "kitsune":  # a probe step, or the wrapped optimizer's own step in the live comparison
             name += f" ({r.mode})"
         for tid, ts, dur_ms in ((TID_DEVICE, device_start, r.step_ms), (TID_HOST, host_start, r.host_ms)):
+            if dur_ms is None:  # a step not timed on the device: its host slice only
+                continue
             events.append(
                 {
                     "name": name,

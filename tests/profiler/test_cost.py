@@ -242,12 +242,14 @@ def _count_models_and_streams(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]
     return counts
 
 
-def test_a_steady_profiled_step_builds_no_model_and_asks_no_stream(device, fused_on_cpu, fake_cuda, monkeypatch):
+@pytest.mark.parametrize("every", [1, 8])
+def test_a_steady_profiled_step_builds_no_model_and_asks_no_stream(device, fused_on_cpu, fake_cuda, monkeypatch, every):
     """200 steady steps with the profiler on: no pydantic model, no torch.cuda.current_stream(), one C stream lookup
-    per step, events from the pool and their reads in batches."""
+    per step timed on the device (every step, or one in 8), events from the pool and their reads in batches; every
+    step recorded with its host time."""
     as_cuda, clock, _, lookups = fake_cuda
     params = make_params(SIZES, torch.float32, device)
-    opt = _profiled(params, sample_after=0, probe_steps=0, compare_steps=0)
+    opt = _profiled(params, sample_after=0, probe_steps=0, compare_steps=0, device_time_every=every)
     record_graphs(opt)
     as_cuda(opt.profiler)
     for step in range(6):  # warm-up, capture, then the steady replay
@@ -261,11 +263,16 @@ def test_a_steady_profiled_step_builds_no_model_and_asks_no_stream(device, fused
         opt.step()
     assert _steady_replays(opt) - steady == 200
     assert counted["models"] == 0
-    assert lookups == [params[0].device.index] * 200 and clock.streams == 1  # one Stream built
+    assert lookups == [params[0].device.index] * (200 // every) and clock.streams == 1  # one Stream built
     assert clock.created <= 1 + 2 * (_COLLECT_AFTER + 1)  # the anchor and one batch of pairs, however many steps
     assert clock.queries - queries <= (200 // _COLLECT_AFTER + 1) * 8  # a bisection over ~65 pending events a batch
     records = opt.profiler.records
     assert [r.step for r in records] == list(range(1, 207)) and {r.mode for r in records} == {"kitsune"}
+    timed = [r.step for r in records if r.step_ms is not None]  # step 1: within the (empty) windows, always timed
+    assert timed == [1, *(n for n in range(2, 207) if n % every == 0)]
+    assert all(r.host_ms > 0 for r in records) and all(r.device_start_us is None for r in records if r.step_ms is None)
+    metrics = opt.profiler.get_metrics()
+    assert metrics.step_time.count == len(timed) and metrics.host_time.count == 206
 
 
 def _fake_steps(prof: Profiler, steps: range) -> None:
@@ -277,7 +284,7 @@ def _fake_steps(prof: Profiler, steps: range) -> None:
 
 def test_cuda_records_from_pooled_events_read_in_batches(fake_cuda):
     as_cuda, clock, _, _ = fake_cuda
-    prof = Profiler(ProfilerConfig(enabled=True, nvml_interval_s=0))
+    prof = Profiler(ProfilerConfig(enabled=True, nvml_interval_s=0, device_time_every=1))
     prof.plan([torch.zeros(3)], "step", None)
     as_cuda(prof)
     clock.done = 0  # the GPU has finished nothing yet
@@ -298,6 +305,30 @@ def test_cuda_records_from_pooled_events_read_in_batches(fake_cuda):
     # the device clock: the anchor was tick 0 at 100 us; step n's start event is tick 2n - 1
     assert [r.device_start_us for r in records[:3]] == [100 + 250 * (2 * n - 1) for n in (1, 2, 3)]
     assert all(r.host_ms > 0 for r in records)
+
+
+def test_steps_not_timed_on_the_device_wait_in_order_behind_the_timed_ones(fake_cuda):
+    """One step in 4 timed on the device: the others' host times are kept in step order, read as soon as every
+    timed step before them has finished on the GPU."""
+    as_cuda, clock, _, _ = fake_cuda
+    prof = Profiler(ProfilerConfig(enabled=True, nvml_interval_s=0, sample_after=0, probe_steps=0, device_time_every=4))
+    prof.plan([torch.zeros(3)], "step", None)
+    as_cuda(prof)
+    clock.done = 0
+    _fake_steps(prof, range(1, _COLLECT_AFTER + 1))  # steps 1, 4, 8, ... timed: 17 pairs of events, ticks 1-34
+    assert len(prof._pending) == _COLLECT_AFTER and clock.created == 1 + 2 * 17
+    clock.done = 1 + 2 * 3  # the anchor and the first three pairs (steps 1, 4 and 8): step 12's end is not done
+    _fake_steps(prof, range(_COLLECT_AFTER + 1, _COLLECT_AFTER + 2))  # one over: a non-blocking batch read
+    assert [r[0] for r in prof._records] == list(range(1, 12))  # up to the step before step 12
+    assert [r[0] for r in prof._records if r[1] is not None] == [1, 4, 8]
+    clock.done = float("inf")
+    records = prof.records
+    assert [r.step for r in records] == list(range(1, _COLLECT_AFTER + 2))
+    assert [r.step for r in records if r.step_ms is not None] == [1, *range(4, _COLLECT_AFTER + 2, 4)]
+    assert all(r.step_ms == 0.25 for r in records if r.step_ms is not None)
+    metrics = prof.get_metrics()
+    assert metrics.steps_timed == _COLLECT_AFTER + 1 and metrics.step_time.count == 17
+    assert metrics.host_time.count == _COLLECT_AFTER + 1
 
 
 def test_a_switched_stream_times_the_step_where_it_runs(fake_cuda):

@@ -155,6 +155,26 @@ def test_cuda_events_time_steps():
     assert all(r.device_start_us >= r.host_start_us - 20.0 for r in records), records
 
 
+@pytest.mark.cuda
+def test_cuda_events_time_one_step_in_n_past_the_windows():
+    m = small_model().cuda()
+    config = _sampled_config(sample_after=0, probe_steps=0, device_time_every=4)
+    opt = KitsuneOptimizer(torch.optim.AdamW(m.parameters()), config=config)
+    for _ in range(13):
+        m(torch.randn(4, 7, device="cuda")).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    records = opt.profiler.records
+    assert [r.step for r in records] == list(range(1, 14)) and all(r.host_ms > 0 for r in records)
+    timed = [r for r in records if r.step_ms is not None]
+    assert [r.step for r in timed] == [1, 4, 8, 12] and all(r.step_ms > 0 for r in timed)
+    assert all(r.device_start_us is None for r in records if r.step_ms is None)
+    for a, b in zip(timed, timed[1:], strict=False):
+        assert b.device_start_us >= a.device_start_us + a.step_ms * 1e3 - 1.0
+    metrics = opt.profiler.get_metrics()
+    assert metrics.step_time.count == 4 and metrics.host_time.count == 13
+
+
 def _sampled_config(**profiler) -> KitsuneConfig:
     from kitsune import FusionConfig
 
@@ -184,7 +204,7 @@ def test_probe_and_live_comparison_on_gpu():
     ref = torch.optim.AdamW(twins, lr=1e-2, weight_decay=0.1)  # torch's default (foreach) implementation
     opt = KitsuneOptimizer(
         torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
-        config=_sampled_config(sample_after=3, probe_steps=2, compare_steps=6),
+        config=_sampled_config(sample_after=3, probe_steps=2, compare_steps=6, device_time_every=1),
     )
     syncs = torch.ones((), device="cuda")
     for step in range(30):
