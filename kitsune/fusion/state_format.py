@@ -132,7 +132,9 @@ def present(s: Mapping[str, Any], key: str) -> bool:
 def conform(s: dict[str, Any], key: str, p: torch.Tensor, fmt: StateFormat) -> list[torch.Tensor]:
     """Bring state ``key`` of param ``p`` into format ``fmt`` in place (a loaded checkpoint of another precision is
     converted, never reinterpreted) and return the tensors the kernel addresses: ``[tensor]`` for a float format,
-    ``[codes, absmax]`` for 8 bits. Raises ``ValueError`` for a tensor of another shape than its param."""
+    ``[codes, absmax]`` for 8 bits. Where ``s`` holds ``key`` both as a float tensor and in 8 bits (a tensor set by
+    hand over 8-bit state), the float tensor wins in every format and the codes are dropped. Raises ``ValueError``
+    for a tensor of another shape than its param."""
     if fmt == StateFormat.Q8:
         if s.get(key) is not None:  # float state (a torch checkpoint, or a tensor set by hand): quantize it
             t = s.pop(key)
@@ -151,7 +153,8 @@ def conform(s: dict[str, Any], key: str, p: torch.Tensor, fmt: StateFormat) -> l
     dtype = dtype_of(fmt, p.dtype)
     if quantized(s, key):  # an 8-bit checkpoint loaded with float state: decode it
         codes, absmax = s.pop(key + CODES), s.pop(key + ABSMAX)
-        s[key] = dequantize(codes.to(p.device), absmax.to(p.device), SIGNED.get(key, True), dtype).view(p.shape)
+        if s.get(key) is None:  # a float tensor set by hand next to the codes wins, as in 8 bits above
+            s[key] = dequantize(codes.to(p.device), absmax.to(p.device), SIGNED.get(key, True), dtype).view(p.shape)
     t = s[key]
     _check_shape(key, t, p)
     if t.dtype != dtype or t.device != p.device or not t.is_contiguous():

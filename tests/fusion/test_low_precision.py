@@ -413,3 +413,22 @@ def test_the_memory_pool_holds_low_precision_state_and_changes_no_bit(precision,
     arenas = {t.untyped_storage().data_ptr() for s in (oa.state[p] for p in pa) for t in s.values()}
     # 8 bits: the uint8 codes, the fp32 absmax with the small param's fp32 state, the steps; bf16: the state, the steps
     assert len(arenas) == (3 if precision == "8bit" else 2)
+
+
+@pytest.mark.parametrize("fmt", [sf.StateFormat.Q8, sf.StateFormat.BF16, sf.StateFormat.PARAM])
+def test_a_float_state_set_by_hand_over_8bit_state_wins_in_every_format(fmt):
+    """State holding ``exp_avg`` both in 8 bits and as a float tensor set by hand: the float tensor is what every
+    format takes (quantized for 8 bits, cast for the float formats), and the old codes are gone."""
+    gen = torch.Generator().manual_seed(5)
+    p = torch.randn(3 * QUANT_BLOCK + 7, generator=gen)
+    old, by_hand = torch.randn(p.shape, generator=gen), torch.randn(p.shape, generator=gen)
+    codes, absmax = sf.quantize(old, signed=True)
+    s = {"exp_avg": by_hand.clone(), "exp_avg_codes": codes, "exp_avg_absmax": absmax}
+    got = sf.conform(s, "exp_avg", p, fmt)
+    if fmt == sf.StateFormat.Q8:
+        want = sf.quantize(by_hand, signed=True)
+        assert set(s) == {"exp_avg_codes", "exp_avg_absmax"}
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    else:
+        assert set(s) == {"exp_avg"}
+        assert torch.equal(got[0], by_hand.to(sf.dtype_of(fmt, p.dtype)))
