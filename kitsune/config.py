@@ -362,12 +362,6 @@ class KitsuneConfig(_Config):
                 "ShardConfig(stage>0) with MemoryConfig(flat_grads=True): the sharded grads live in the shard's own "
                 "flat buckets; turn flat_grads off"
             )
-        if self.shard.stage and self.fusion.state_precision != "param":
-            raise ValueError(
-                f"ShardConfig(stage>0) with FusionConfig(state_precision={self.fusion.state_precision!r}): sharded "
-                "state is kept in the params' dtype so far; use state_precision='param' with zero_stage, or "
-                "zero_stage=0 for low-precision state"
-            )
         return self
 
 

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kitsune.fusion import state_format
+
 
 def per_element(v: Any) -> bool:
     """A state value with one entry per element of the param (moments, momentum), not a per-param scalar."""
@@ -20,6 +22,23 @@ def per_element(v: Any) -> bool:
 
 def to_cpu(st: dict[str, Any]) -> dict[str, Any]:
     return {n: v.detach().cpu() if torch.is_tensor(v) else v for n, v in st.items()}
+
+
+def whole_format(st: Any) -> Any:
+    """State ``st`` with its 8-bit entries decoded into torch's keys in fp32 (a copy; anything else as it is): the
+    format pieces are joined and cut in, since the ranks' blocks of 256 elements do not line up with a whole param's
+    (`kitsune.fusion.state_format`). The fused units quantize again as they bind."""
+    if not isinstance(st, dict) or not any(k.endswith(state_format.CODES) for k in st if isinstance(k, str)):
+        return st
+    out = dict(st)
+    for key in [
+        k.removesuffix(state_format.CODES) for k in st if isinstance(k, str) and k.endswith(state_format.CODES)
+    ]:
+        if state_format.quantized(out, key):
+            codes, absmax = out.pop(key + state_format.CODES), out.pop(key + state_format.ABSMAX)
+            if out.get(key) is None:
+                out[key] = state_format.dequantize(codes, absmax, state_format.SIGNED.get(key, True))
+    return out
 
 
 def slice_state(st: dict[str, Any], lo: int, hi: int) -> dict[str, Any]:
@@ -31,6 +50,16 @@ def check_sizes(st: Any, k: int, numel: int, p: torch.Tensor) -> None:
     if not isinstance(st, dict):
         raise ValueError(f"the state of param {k} must be a dict, got {type(st).__name__}. Nothing was loaded.")
     for name, v in st.items():
+        if name.endswith(state_format.ABSMAX) and state_format.quantized(st, name.removesuffix(state_format.ABSMAX)):
+            blocks = -(-numel // state_format.QUANT_BLOCK)
+            if not torch.is_tensor(v) or v.numel() != blocks:
+                got = v.numel() if torch.is_tensor(v) else type(v).__name__
+                raise ValueError(
+                    f"state {name!r} of param {k} has {got} elements where {blocks} belong (one per "
+                    f"{state_format.QUANT_BLOCK} of its {numel}): this state dict is not for these params. Nothing "
+                    "was loaded."
+                )
+            continue
         if per_element(v) and v.numel() != numel:
             raise ValueError(
                 f"state {name!r} of param {k} has {v.numel()} elements where {numel} belong (the param's shape is "
@@ -50,8 +79,9 @@ def placed(v: Any, key: str, t: torch.Tensor, group: dict[str, Any]) -> Any:
 def join_pieces(
     parts: Iterable[dict[int, tuple[int, int, dict[str, Any]]]], params: list[torch.Tensor]
 ) -> dict[int, Any]:
-    """Whole-param states by index from the ranks' `ShardSubsystem.pieces`: a whole entry as it is (the first, for
-    a param every rank keeps), pieces joined in element order into tensors of the param's shape."""
+    """Whole-param states by index from the ranks' `ShardSubsystem.pieces` (8-bit state already decoded, see
+    `whole_format`): a whole entry as it is (the first, for a param every rank keeps), pieces joined in element order
+    into tensors of the param's shape."""
     by_index: dict[int, list[tuple[int, int, dict[str, Any]]]] = defaultdict(list)
     for part in parts:
         for k, entry in part.items():
@@ -84,8 +114,9 @@ def consolidated_state_dict(optimizer: Any, to: int | None = 0) -> dict[str, Any
     """The whole optimizer's state dict of a sharded run, gathered from every rank (a collective: call it on all).
 
     Returns torch's layout with every param's state as whole tensors of the param's shape (the ranks' pieces joined,
-    moved to the CPU), which the plain torch optimizer over the full model loads, and so does a sharded
-    KitsuneOptimizer on any number of ranks (each keeps its own elements).
+    moved to the CPU; state held in 8 bits decoded into torch's keys in fp32, bf16 state as it is), which the plain
+    torch optimizer over the full model loads, and so does a sharded KitsuneOptimizer on any number of ranks (each
+    keeps its own elements, in its own ``state_precision``).
     ``to``: the rank (of the shard's process group) that receives it, the others get None; ``to=None``: every rank.
     Without sharding it is ``optimizer.state_dict()``.
     """

@@ -74,7 +74,7 @@ from kitsune.config import ShardConfig
 from kitsune.distributed import fsdp
 from kitsune.distributed.layout import NOT_CONTIGUOUS, Bucket, partition, whole_reason
 from kitsune.distributed.reduce import GradReduction, all_gather
-from kitsune.distributed.shard_state import check_sizes, join_pieces, placed, slice_state, to_cpu
+from kitsune.distributed.shard_state import check_sizes, join_pieces, placed, slice_state, to_cpu, whole_format
 from kitsune.subsystem import Accumulation, StepState, Subsystem
 
 GATHERS_IN_FLIGHT = 2
@@ -238,7 +238,7 @@ class ShardSubsystem(Subsystem):
             for i, p in enumerate(params):
                 if p.requires_grad and base.state.get(p):
                     check_sizes(base.state[p], i, p.numel(), p)
-                    out[i] = base.state[p]
+                    out[i] = whole_format(base.state[p])
             for i in out:
                 del base.state[params[i]]
             return out
@@ -247,7 +247,7 @@ class ShardSubsystem(Subsystem):
             for k, t in b.targets.items():
                 p = b.params[k]
                 if id(p) in index and base.state.get(t):
-                    local[index[id(p)]] = (*b.ranges[k], to_cpu(base.state[t]))
+                    local[index[id(p)]] = (*b.ranges[k], to_cpu(whole_format(base.state[t])))
         parts: list[Any] = [None] * self.world
         dist.all_gather_object(parts, local, group=self.group)
         full = join_pieces(parts, params)
@@ -477,6 +477,7 @@ class ShardSubsystem(Subsystem):
                 continue
             p, (lo, hi) = self._params[k], self._ranges[k]
             check_sizes(st, k, p.numel(), p)
+            st = whole_format(st)  # 8-bit blocks of the whole param do not cut into pieces
             if lo == 0 and hi == p.numel():
                 keep[k] = st
             elif hi > lo:
@@ -492,9 +493,13 @@ class ShardSubsystem(Subsystem):
 
     def pieces(self, state: dict[Any, dict[str, Any]]) -> dict[int, tuple[int, int, dict[str, Any]]]:
         """This rank's entries of a state dict's ``state``, each with the element range it holds: ``(lo, hi,
-        state)`` by param index, tensors on the CPU (what `consolidated_state_dict` gathers)."""
+        state)`` by param index, tensors on the CPU, 8-bit state decoded (what `consolidated_state_dict` gathers)."""
         n = len(self._ranges)
-        return {k: (*self._ranges[k], to_cpu(st)) for k, st in state.items() if isinstance(k, int) and 0 <= k < n}
+        return {
+            k: (*self._ranges[k], to_cpu(whole_format(st)))
+            for k, st in state.items()
+            if isinstance(k, int) and 0 <= k < n
+        }
 
     def state_dict(self) -> dict[str, Any]:
         if not self.active:

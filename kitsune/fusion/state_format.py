@@ -86,21 +86,34 @@ def update_bytes(spec: UpdateSpec, tensor_reads_writes: int, param_dtype: torch.
     return (tensor_reads_writes - slots) * param_dtype.itemsize + slots * bytes_per_element(spec.state, param_dtype)
 
 
-def quantize(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(x: torch.Tensor, signed: bool, exact_extremes: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(codes, absmax)`` of ``x`` as the fused kernels store it (see `kitsune.kernels.quant`): per block of
     `QUANT_BLOCK` elements the absmax, then the nearest code of ``x / absmax`` (a tie to the smaller magnitude); a
-    block holding inf or nan gets absmax nan and the zero code."""
+    block holding inf or nan gets absmax nan and the zero code.
+
+    ``exact_extremes`` (what converting float state into 8 bits uses, not the kernels): the signed table's smallest
+    value is -0.99297 (bitsandbytes' map), so a block whose largest magnitude is negative decodes that element 0.7%
+    short, and quantizing the decoded values again would shrink the block's scale and move its codes. With it, each
+    block's scale is the smallest that holds both extremes (``max(largest value, -smallest value / 0.99297)``), so
+    decoded 8-bit state (a consolidated ZeRO checkpoint, a round trip through torch's fp32 layout) encodes back to
+    the same codes and scales, to a rounding."""
     flat = x.detach().reshape(-1).float()
     n = flat.numel()
     rows = max(math.ceil(n / QUANT_BLOCK), 0)
     blocks = torch.nn.functional.pad(flat, (0, rows * QUANT_BLOCK - n)).view(rows, QUANT_BLOCK)
     ax = blocks.abs()
     finite = ax < math.inf
-    absmax = torch.where(finite, ax, 0.0).amax(1) if rows else torch.zeros(0, device=x.device)
+    table = _tables.code(signed, x.device)
+    if not rows:
+        absmax = torch.zeros(0, device=x.device)
+    elif exact_extremes and signed:
+        kept = torch.where(finite, blocks, 0.0)
+        absmax = torch.maximum(kept.amax(1), -kept.amin(1) / -table[0])
+    else:
+        absmax = torch.where(finite, ax, 0.0).amax(1)
     bad = ~finite.all(1)
     v = blocks / torch.where(absmax > 0, absmax, 1.0)[:, None]
     v = torch.where(bad[:, None], 0.0, v)
-    table = _tables.code(signed, x.device)
     idx = (torch.searchsorted(table, v.contiguous(), right=True) - 1).clamp_(0, CODE_SIZE - 1)
     lo, hi = table[idx].double(), table[(idx + 1).clamp_(max=CODE_SIZE - 1)].double()
     twice, mid2 = 2 * v.double(), lo + hi
@@ -139,7 +152,7 @@ def conform(s: dict[str, Any], key: str, p: torch.Tensor, fmt: StateFormat) -> l
         if s.get(key) is not None:  # float state (a torch checkpoint, or a tensor set by hand): quantize it
             t = s.pop(key)
             _check_shape(key, t, p)
-            s[key + CODES], s[key + ABSMAX] = quantize(t.to(p.device), SIGNED.get(key, True))
+            s[key + CODES], s[key + ABSMAX] = quantize(t.to(p.device), SIGNED.get(key, True), exact_extremes=True)
         codes, absmax = s[key + CODES], s[key + ABSMAX]
         _check_shape(key + CODES, codes, p)
         check_blocks(s, key, p)
@@ -215,7 +228,7 @@ def _convert(s: dict[str, Any], fmt: StateFormat, min_8bit_size: int) -> dict[st
             s[key] = t.clone()  # the copy shares no tensor with the input: a step on one leaves the other alone
         elif fmt == StateFormat.Q8 and t.numel() >= min_8bit_size:
             del s[key]
-            s[key + CODES], s[key + ABSMAX] = quantize(t, SIGNED[key])
+            s[key + CODES], s[key + ABSMAX] = quantize(t, SIGNED[key], exact_extremes=True)
         elif fmt in _FLOAT and t.dtype != _FLOAT[fmt]:
             s[key] = t.to(_FLOAT[fmt])
         else:

@@ -357,11 +357,84 @@ def _regroup_midstep(rank: int, world: int) -> dict:
     return out
 
 
+LOW_PRECISION = {"8bit": 2, "bf16": 1}  # state_precision -> the ZeRO stage it runs under
+
+
+def _low_precision(rank: int, world: int) -> dict:
+    """Low-precision state under ZeRO (fused, interpreted): each rank keeps its pieces in the format (8-bit blocks
+    start at each piece), against one process in the same precision and in fp32; the consolidated state dict in
+    torch's keys loads into plain torch, and into a fresh sharded run that goes on exactly as the original."""
+    from kitsune import FusionConfig, GradConfig, KitsuneOptimizer, ShardConfig
+    from kitsune.distributed import consolidated_state_dict
+
+    os.environ["TRITON_INTERPRET"] = "1"
+    case = {"opt": "adamw", "max_grad_norm": 0.05}
+    out = {}
+    for precision, stage in LOW_PRECISION.items():
+
+        def make(model, stage, precision=precision):
+            fusion = FusionConfig(enabled=True, state_precision=precision, min_8bit_size=64)
+            return KitsuneOptimizer(
+                torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
+                enable_fusion=True,
+                fusion_config=fusion,
+                grad_config=GradConfig(max_norm=0.05),
+                shard_config=ShardConfig(stage=stage, bucket_bytes=BUCKET_BYTES),
+                capture_graph=False,
+            )
+
+        runs = {}
+        for name, (fmt, st) in {"ref": (precision, 0), "fp32": ("param", 0), "sharded": (precision, stage)}.items():
+            model = _model()
+            opt = make(model, st, fmt)
+            _train(model, opt, STEPS, rank if st else 0, world if st else 1, case)
+            runs[name] = (model, opt)
+
+        def params(m):
+            return [p.detach().clone() for p in m.parameters()]
+
+        model, opt = runs["sharded"]
+        trained = params(model)
+        keys = sorted({k for s in opt.state.values() for k in s})
+        full = consolidated_state_dict(opt, to=None)
+        plain = _plain(model, full, case)
+        resumed = _copy(model, False)
+        again = make(resumed, stage)
+        again.load_state_dict(full)
+        for m, o in ((resumed, again), (model, opt)):
+            _train(m, o, 2, rank, world, case, first=STEPS)
+        # one param of 4 blocks cut in two at a block boundary: each rank's blocks are the whole param's blocks
+        aligned = {}
+        for name, (fmt, st) in {"ref": (precision, 0), "fp32": ("param", 0), "sharded": (precision, stage)}.items():
+            torch.manual_seed(1)
+            w = torch.nn.Parameter(torch.randn(4 * 256))
+            opt = make(torch.nn.ParameterList([w]), st, fmt)
+            gen = torch.Generator().manual_seed(2)
+            for _ in range(LONG):
+                w.grad = torch.randn(w.shape, generator=gen) * torch.rand(w.shape, generator=gen) ** 3
+                opt.step()
+                opt.zero_grad()
+            aligned[name] = w.detach().clone()
+        out[precision] = {
+            "aligned": aligned,
+            "keys": keys,
+            "params": trained,
+            "continued": params(model),
+            "ref": params(runs["ref"][0]),
+            "fp32": params(runs["fp32"][0]),
+            "full_state": {k: {n: (v.dtype, tuple(v.shape)) for n, v in st.items()} for k, st in full["state"].items()},
+            "plain_keys": sorted({n for st in plain.state.values() for n in st}),
+            "resumed": params(resumed),
+        }
+    return out
+
+
 def _cases(rank: int, world: int) -> dict:
     return {
         **{name: _run_case(name, case, rank, world) for name, case in CASES.items()},
         "regroup": _regroup(rank, world),
         "regroup_midstep": _regroup_midstep(rank, world),
+        "low_precision": _low_precision(rank, world),
     }
 
 
@@ -696,3 +769,32 @@ def test_gather_in_forward_completes_each_module_before_its_forward(ranks, name)
         else:
             assert got["hooks_after_forward"] == 0
         assert got["hooks_after_wait"] == 0
+
+
+@pytest.mark.parametrize("precision", list(LOW_PRECISION))
+def test_low_precision_state_under_zero(ranks, precision):
+    """Sharded 8-bit (stage 2) and bf16 (stage 1) state: the ranks hold their pieces in the format; the params stay
+    with one process in the same precision, much closer than to fp32 state (8 bits: within the quantization error,
+    as each rank's blocks start at its piece; bf16: elementwise, the same roundings); the consolidated state is
+    torch's keys, which plain torch loads; a fresh sharded run resumed from it steps exactly as the original."""
+    for r in ranks:
+        got = r["low_precision"][precision]
+        if precision == "8bit":
+            assert {"exp_avg_codes", "exp_avg_absmax", "exp_avg_sq_codes"} <= set(got["keys"])
+        else:
+            assert "exp_avg" in got["keys"] and "exp_avg_codes" not in got["keys"]
+        diff = max(float((a - b).abs().max()) for a, b in zip(got["params"], got["ref"], strict=True))
+        gap = max(float((a - b).abs().max()) for a, b in zip(got["ref"], got["fp32"], strict=True))
+        # 8 bits: each rank's blocks start at its piece, so the model's split params round in other blocks than one
+        # process's: a difference of the quantization's size, as 8 bits against fp32
+        assert gap > 0 and diff <= (3.0 if precision == "8bit" else 0.05) * gap, (diff, gap)
+        aligned = got["aligned"]  # cut at a block boundary: the same blocks, the same roundings as one process
+        aligned_gap = float((aligned["fp32"] - aligned["ref"]).abs().max())
+        assert aligned_gap > 0 and float((aligned["sharded"] - aligned["ref"]).abs().max()) <= 1e-3 * aligned_gap
+        for st in got["full_state"].values():  # torch's keys and the whole params' shapes, fp32 for 8-bit state
+            assert set(st) == {"exp_avg", "exp_avg_sq", "step"}
+            want = torch.float32 if precision == "8bit" else torch.bfloat16
+            assert st["exp_avg"][0] == want and st["exp_avg_sq"][0] == want
+        assert got["plain_keys"] == ["exp_avg", "exp_avg_sq", "step"]
+        for a, b in zip(got["resumed"], got["continued"], strict=True):  # 8-bit state decoded re-encodes as it was
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)

@@ -232,7 +232,7 @@ def test_checkpoint_round_trip_through_plain_torch(device):
     for p, q in zip(again, ps, strict=True):
         for key in ("exp_avg", "exp_avg_sq"):
             if p.numel() >= 64:
-                want = sf.quantize(plain.state[q][key], sf.SIGNED[key])
+                want = sf.quantize(plain.state[q][key], sf.SIGNED[key], exact_extremes=True)
                 assert torch.equal(kopt.state[p][key + sf.CODES], want[0]) and key not in kopt.state[p]
     for p, g in zip(again, _grads(100), strict=True):
         p.grad = g.to(device)
@@ -330,8 +330,7 @@ def test_the_plan_and_report_say_where_low_precision_does_not_apply(device):
     assert bucket.state == "float32" and any("does not apply to Rprop" in n for n in bucket.notes)
     sgd = KitsuneOptimizer(torch.optim.SGD(params, lr=0.1), enable_fusion=True, fusion_config=config)
     assert sgd.plan.buckets[0].state == "-" and not sgd.plan.buckets[0].notes  # no state to keep
-    with pytest.raises(ValueError, match="zero_stage"):
-        kitsune.KitsuneConfig(fusion=config, shard={"stage": 1})
+    kitsune.KitsuneConfig(fusion=config, shard={"stage": 1})  # sharded low-precision state: tests/distributed
 
 
 def test_profiler_comparison_is_not_applicable_with_8bit_state(device):
@@ -432,3 +431,23 @@ def test_a_float_state_set_by_hand_over_8bit_state_wins_in_every_format(fmt):
     else:
         assert set(s) == {"exp_avg"}
         assert torch.equal(got[0], by_hand.to(sf.dtype_of(fmt, p.dtype)))
+
+
+def test_decoded_8bit_state_encodes_back_to_its_codes_and_scales():
+    """Converting float state into 8 bits (``exact_extremes``) re-encodes decoded 8-bit state as it was, also in
+    blocks whose largest magnitude is negative (the signed table ends at -0.99297); the kernels' own rule (the block's
+    absmax) would shrink those blocks' scales and move codes."""
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(8 * QUANT_BLOCK + 5, generator=gen) * torch.rand(8 * QUANT_BLOCK + 5, generator=gen).pow(2)
+    x[3] = -5.0  # block 0's extreme is negative
+    x[QUANT_BLOCK + 7] = 5.0  # block 1's positive
+    for exact in (False, True):
+        codes, absmax = sf.quantize(x, signed=True, exact_extremes=exact)
+        again = sf.quantize(sf.dequantize(codes, absmax, signed=True), signed=True, exact_extremes=True)
+        assert torch.equal(again[0], codes)
+        torch.testing.assert_close(again[1], absmax, rtol=2e-7, atol=0)
+    codes, absmax = sf.quantize(x, signed=True)
+    drift = sf.quantize(sf.dequantize(codes, absmax, signed=True), signed=True)
+    assert drift[1][0] < 0.995 * absmax[0] and drift[1][1] == absmax[1]  # the kernels' rule shrinks block 0 only
+    exact = sf.quantize(x, signed=True, exact_extremes=True)  # and holds the negative extreme exactly
+    assert sf.dequantize(*exact, signed=True)[3] == pytest.approx(-5.0, rel=1e-6)
