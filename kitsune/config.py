@@ -126,13 +126,17 @@ class FusionConfig(_Config):
     Adadelta and Lion; the plan's ``state`` column shows each bucket's format and why a bucket kept the param's.
     Checkpoints of any precision load and are converted as they bind (`kitsune.convert_state_dict` converts them
     for plain torch)."""
-    param_rounding: Literal["nearest", "stochastic"] = "nearest"
+    param_rounding: Literal["nearest", "stochastic", "kahan"] = "nearest"
     """How the fused kernels write updated bf16 params back. ``"nearest"``: rounded to the nearest bf16, as torch
     does. ``"stochastic"``: rounded up or down at random with the probabilities that make the stored value's
     expectation the fp32 result, so updates smaller than half a bf16 step still move the params on average: bf16
     params trained without fp32 master weights (as torch-optimi and torchao do). The random bits are Philox's,
     keyed by ``rounding_seed``, the step count and the element, so a run is reproducible. Params of other dtypes
-    round as before (the plan notes float16 ones)."""
+    round as before (the plan notes float16 ones). ``"kahan"``: rounded to nearest with Kahan compensation, as
+    torch-optimi's ``kahan_sum``: a tensor of the param's dtype per bf16 or float16 param (state key
+    ``kahan_comp``, 2 bytes an element) carries what each rounding dropped into the next step's update, so small
+    updates add up exactly instead of on average; fp32 params round as before, and trust-ratio optimizers (LAMB,
+    LARS) and Muon's orthogonalised update keep nearest rounding (the plan notes them)."""
     rounding_seed: StrictInt = Field(0, ge=0, lt=2**63)
     """The key of ``param_rounding="stochastic"``'s random bits."""
     min_8bit_size: StrictInt = Field(4096, ge=0)

@@ -382,6 +382,18 @@ if hasattr(torch.optim, "Muon"):  # torch >= 2.9
     )
 
 
+KAHAN_COMP = "kahan_comp"
+"""The state key of a param's Kahan compensation (``param_rounding="kahan"``): its dtype and shape, what rounding
+dropped from the param so far (torch-optimi's name for it)."""
+
+
+def extra_keys(spec: Any) -> tuple[str, ...]:
+    """State kitsune keeps for a param beyond the optimizer's own keys: the Kahan compensation with
+    ``spec.kahan``. Created as zeros wherever missing (a torch checkpoint has none), never in a low-precision
+    format."""
+    return (KAHAN_COMP,) if getattr(spec, "kahan", False) else ()
+
+
 def scalar_dtype() -> torch.dtype:
     """The dtype torch gives ``state['step']`` (float64 only under ``torch.set_default_dtype(torch.float64)``)."""
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
@@ -427,6 +439,10 @@ def init_state(
         elif info.name not in ("SGD", "LARS"):  # those write it from the grad on the first step (torch's clone)
             t.zero_()
         state[key] = t
+    for key in extra_keys(spec):
+        if key not in state:
+            t = alloc(key) if alloc else torch.empty_like(p, memory_format=torch.preserve_format)
+            state[key] = t.zero_()
 
 
 def _fill(info: AlgoInfo, key: str, group: dict[str, Any], defaults: dict[str, Any] | None) -> Any:

@@ -127,8 +127,11 @@ class Planner:
                     pspec, note = self._state_format(info, spec, p)  # type: ignore[arg-type]
                     pspec, rounding = self._rounding(pspec, p)
                     note = "; ".join(filter(None, (note, rounding))) or None
-                elif route is None and self.config.param_rounding == "stochastic" and p.dtype == torch.bfloat16:
-                    note = "param_rounding='stochastic' does not apply to Muon's update: bf16 params round to nearest"
+                elif route is None and self.config.param_rounding != "nearest" and p.dtype == torch.bfloat16:
+                    note = (
+                        f"param_rounding={self.config.param_rounding!r} does not apply to Muon's update: bf16 params "
+                        "round to nearest"
+                    )
                 key = (str(p.device), p.dtype, pspec if route is not Route.BASE_STEP else None, route, reason)
                 buckets[key].append((gi, p))
                 notes[key] |= _group_notes(g) | ({note} if note else set())
@@ -169,9 +172,16 @@ class Planner:
         return replace(spec, state=fmt, signed=state_format.signed_mask(algo.state_keys(spec))), None
 
     def _rounding(self, spec: UpdateSpec, p: torch.Tensor) -> tuple[UpdateSpec, str | None]:
-        """``spec`` with ``FusionConfig.param_rounding``'s stochastic rounding where it applies (bf16 params), and a
-        note where it was asked for and does not (float16 params)."""
-        if self.config.param_rounding != "stochastic":
+        """``spec`` with ``FusionConfig.param_rounding``'s stochastic rounding (bf16 params) or Kahan compensation
+        (bf16 and float16 params) where it applies, and a note where it was asked for and does not."""
+        rounding = self.config.param_rounding
+        if rounding == "kahan":
+            if p.dtype not in (torch.bfloat16, torch.float16):
+                return spec, None  # fp32 params: nothing to compensate
+            if spec.trust:
+                return spec, "param_rounding='kahan' does not apply to trust-ratio updates: params round to nearest"
+            return replace(spec, kahan=True), None
+        if rounding != "stochastic":
             return spec, None
         if p.dtype == torch.bfloat16:
             return replace(spec, stochastic=True), None

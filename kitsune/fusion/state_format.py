@@ -237,14 +237,19 @@ def _convert(s: dict[str, Any], fmt: StateFormat, min_8bit_size: int) -> dict[st
 
 
 def decode_others(state: Mapping[Any, dict[str, Any]], keep: set[torch.Tensor]) -> None:
-    """Decode the 8-bit state of every param not in ``keep`` (the params 8-bit units update) into torch's keys, in
-    the param's dtype: the step that updates those params (torch's, or a fused unit in the param's format) reads
-    that. A checkpoint saved with ``state_precision="8bit"`` so loads into any optimizer that holds the params."""
+    """Decode the 8-bit state of every param not in ``keep`` (the params low-precision units update) into torch's
+    keys, in the param's dtype, and cast its float state of another dtype (kept through a load by `restore_low`) to
+    the param's: the step that updates those params (torch's, or a fused unit in the param's format) reads that. A
+    checkpoint saved with any ``state_precision`` so loads into any optimizer that holds the params."""
     for p, s in state.items():
         if p in keep or not isinstance(p, torch.Tensor) or not isinstance(s, dict):
             continue
         for key in [k[: -len(CODES)] for k in list(s) if k.endswith(CODES)]:
             decode(s, key, p)
+        for key in SIGNED:
+            t = s.get(key)
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and p.is_floating_point() and t.dtype != p.dtype:
+                s[key] = t.to(p.dtype)
 
 
 def decode(s: dict[str, Any], key: str, p: torch.Tensor) -> None:
@@ -255,33 +260,48 @@ def decode(s: dict[str, Any], key: str, p: torch.Tensor) -> None:
 
 
 def split_low(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[Any, dict[str, torch.Tensor]]]:
-    """``(state_dict without its 8-bit entries, those entries by param id)``: torch's ``load_state_dict`` casts every
-    tensor of a float param's state to the param's dtype, which would round an absmax to bf16; these go around it
-    (`restore_low`)."""
+    """``(state_dict without its 8-bit entries, those entries and the float moments by param id)``: torch's
+    ``load_state_dict`` casts every tensor of a float param's state to the param's dtype, which would round an absmax
+    or an fp32 moment of a bf16 param (``state_precision="fp32"``) to bf16; `restore_low` puts them back as saved.
+    The float moments stay in the state dict too, so torch's own checks see every key."""
     stash: dict[Any, dict[str, torch.Tensor]] = {}
     state = state_dict.get("state")
     if not isinstance(state, Mapping):
         return state_dict, stash
-    kept = {}
+    kept, changed = {}, False
     for pid, s in state.items():
+        if not isinstance(s, Mapping):
+            kept[pid] = s
+            continue
         low = {k for k in s if k.endswith((CODES, ABSMAX)) and quantized(s, k.removesuffix(CODES).removesuffix(ABSMAX))}
+        moments = {k for k in SIGNED if isinstance(s.get(k), torch.Tensor) and s[k].is_floating_point()}
+        if low or moments:
+            stash[pid] = {k: s[k] for k in low | moments}
         if low:
-            stash[pid] = {k: s[k] for k in low}
             s = {k: v for k, v in s.items() if k not in low}
+            changed = True
         kept[pid] = s
-    return ({**state_dict, "state": kept} if stash else state_dict), stash
+    return ({**state_dict, "state": kept} if changed else state_dict), stash
 
 
 def restore_low(optimizer: torch.optim.Optimizer, saved_groups: list[dict[str, Any]], stash: dict) -> None:
     """Put `split_low`'s entries into ``optimizer.state`` after torch's ``load_state_dict`` (which mapped the saved
-    param ids onto the params, group by group, in order), each on its param's device and in its own dtype."""
+    param ids onto the params, group by group, in order), each on its param's device and in its own dtype (a float
+    moment only where torch's cast changed its dtype; the units convert it to their format as they bind)."""
     if not stash:
         return
     saved = (pid for g in saved_groups for pid in g["params"])
     params = (p for g in optimizer.param_groups for p in g["params"])
     for pid, p in zip(saved, params, strict=False):
-        if pid in stash:
-            optimizer.state[p].update({k: t.to(p.device) for k, t in stash[pid].items()})
+        entries = stash.get(pid)
+        if not entries:
+            continue
+        st = optimizer.state[p]
+        for k, t in entries.items():
+            loaded = st.get(k)
+            if k in SIGNED and isinstance(loaded, torch.Tensor) and loaded.dtype == t.dtype:
+                continue  # torch's cast kept it as it was
+            st[k] = t.to(p.device)
 
 
 def entries(key: str, fmt: StateFormat, p: torch.Tensor) -> list[tuple[str, torch.dtype, torch.Size]]:

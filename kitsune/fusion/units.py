@@ -12,7 +12,7 @@ import torch
 from kitsune import _native
 from kitsune.distributed import fsdp
 from kitsune.fusion import state_format
-from kitsune.fusion.algos import AlgoInfo, init_state, missing_key
+from kitsune.fusion.algos import AlgoInfo, extra_keys, init_state, missing_key
 from kitsune.fusion.plan import Route
 from kitsune.kernels.multi_tensor import DEAD, DEFAULT_BLOCK, TensorTables, int64_tensor
 from kitsune.kernels.spec import StateFormat, UpdateSpec
@@ -414,6 +414,19 @@ class FusedUnit:
                     scalar_tables[slot].append(bound[-1].data_ptr())
                 else:
                     scalar_tables[slot].append(0)
+        for key in extra_keys(self.spec):  # the Kahan compensation: the param's dtype and shape
+            comp = []
+            for i, p in enumerate(self.params):
+                s = state.get(p)
+                if s is None or not _has_state(state, p, self.info, self.spec):
+                    comp.append(0)
+                    continue
+                t = _conform(s, key, p)
+                if slots is not None:
+                    t = slots.adopt(s, i, key)
+                bound.append(t)
+                comp.append(fsdp.local(t).data_ptr())
+            self.tables.set_role("comp", comp)
         intact = _Intact()
         self._state_refs = [weakref.ref(t, intact) for t in bound]
         self._state_intact = intact
@@ -447,13 +460,16 @@ class _Intact:
 
 
 def _has_state(state: Any, p: torch.Tensor, info: AlgoInfo, spec: UpdateSpec) -> bool:
-    if not info.step_in_state and not any(info.state_keys(spec)):
+    extra = extra_keys(spec)
+    if not info.step_in_state and not any(info.state_keys(spec)) and not extra:
         return True  # nothing to keep (SGD without momentum: torch stores no state for it either)
     s = state.get(p)
     if not s:
         return False
     if info.step_in_state and "step" not in s:
         return False
+    if any(k not in s for k in extra):
+        return False  # a checkpoint without the compensation: created (as zeros) with the step's lazy init
     return all(state_format.present(s, k) for k in (*info.state_keys(spec), *info.scalar_keys) if k)
 
 

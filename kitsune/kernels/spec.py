@@ -74,6 +74,9 @@ class UpdateSpec:
     """With 8-bit state: bit ``i`` set when slot ``state{i + 1}`` may hold negative values (the signed code table)."""
     stochastic: bool = False
     """bf16 params written back with stochastic rounding (``FusionConfig.param_rounding``; the planner sets it)."""
+    kahan: bool = False
+    """bf16 params written back with Kahan compensation: a bf16 buffer per param (role ``comp``, state key
+    ``kahan_comp``) carries what rounding the param dropped into the next step (``param_rounding="kahan"``)."""
 
     @property
     def has_step(self) -> bool:
@@ -109,6 +112,8 @@ class UpdateSpec:
             on.append(f"trust ratio ({self.trust.name})")
         if self.stochastic:
             on.append("stochastic rounding")
+        if self.kahan:
+            on.append("Kahan compensation")
         return ", ".join(on) or "-"
 
 

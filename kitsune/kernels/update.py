@@ -133,6 +133,7 @@ def _update_kernel(
     partials,  # (n_blocks,) fp32 scratch (LAMB stage 1)
     update_norm,  # (T,) fp32: each tensor's ||update||, written by LAMB stage 1, read by stage 2
     seed,  # int: the stochastic rounding's Philox key, read only with SR
+    comp_tab,  # (T,) int64 addresses of each param's compensation (its dtype), read only with KAHAN
     ALGO: tl.constexpr,
     DTYPE: tl.constexpr,
     MAXIMIZE: tl.constexpr,
@@ -155,6 +156,7 @@ def _update_kernel(
     SIGNS: tl.constexpr,  # with Q8: bit i set when slot i + 1 takes the signed code table
     QBLOCK: tl.constexpr,
     SR: tl.constexpr,  # bf16 params stored with stochastic rounding (needs HAS_STEP)
+    KAHAN: tl.constexpr,  # params stored with Kahan compensation (comp_tab)
     BLOCK: tl.constexpr,
 ):
     pid, t, start, numel, g_addr = _program_block(block_tensor, block_start, numel_tab, grad_tab)
@@ -190,6 +192,7 @@ def _update_kernel(
     s1_ptr = _role_ptr(s1_tab, t, offs, DTYPE)  # LAMB's moments (always in the param's dtype); the others: _sload
     s2_ptr = _role_ptr(s2_tab, t, offs, DTYPE)
     p = tl.load(p_ptr, mask=mask, other=0.0).to(tl.float32)
+    p0 = p  # the stored param, for Kahan compensation
     coef = 1.0
     if TRUST != 3:  # LAMB's stage 2 reads no grad: stage 1 has stored the moments
         g = tl.load(g_ptr, mask=gmask if GRAD_WRITE != 0 else mask, other=0.0).to(tl.float32)
@@ -385,6 +388,12 @@ def _update_kernel(
                 first = pid - (start // BLOCK).to(tl.int32)
                 tl.store(update_norm + t, tl.sqrt_rn(_reduce(partials + first, n_blocks, False, RBLOCK)))
                 tl.store(counter_tab + t, 0)
+    elif KAHAN:  # the update plus what rounding dropped before, applied; what this rounding drops, kept for later
+        c_ptr = _role_ptr(comp_tab, t, offs, DTYPE)
+        c = tl.load(c_ptr, mask=mask, other=0.0).to(tl.float32) + (p - p0)
+        stored = _cast(p0 + c, DTYPE, RNE_BF16)
+        tl.store(p_ptr, stored, mask=mask)
+        tl.store(c_ptr, _cast(c - (stored.to(tl.float32) - p0), DTYPE, RNE_BF16), mask=mask)
     elif SR:  # bf16 params, E[stored] = p: Philox bits keyed by seed, the step as the stream, a counter per element
         counter = offs + (t.to(tl.int64) << 40)  # tensors of up to 2**40 elements, each its own counters
         tl.store(p_ptr, _stochastic_round_bf16(p, seed, step.to(tl.uint32), counter), mask=mask)
@@ -442,6 +451,10 @@ def multi_tensor_update(
     unscale_ and clip_grad_norm_ leave in them), 2 stores zeros (the grads are about to be zeroed); either happens
     on a skipped step too, as it would in torch's loop.
 
+    With ``spec.kahan`` the updated params are stored with Kahan compensation: role ``comp`` holds, per param, a
+    tensor of its dtype with what earlier roundings dropped; each element stores ``p0 + c`` rounded (``p0`` the stored
+    param, ``c`` the compensation plus this step's update, in fp32) and keeps ``c`` minus what the store applied.
+
     With ``spec.stochastic`` (bf16 params) the updated params are stored with stochastic rounding: Philox bits keyed
     by ``seed`` (``0 <= seed < 2**63``), the tensor's step count as the stream and the element's position in its
     tensor (and the tensor's index) as the counter, so a run is reproducible from the seed and the step counts.
@@ -465,6 +478,8 @@ def multi_tensor_update(
         raise ValueError("max_norm and total_norm go together: the clip coefficient needs both")
     if spec.stochastic and (dtype != torch.bfloat16 or not spec.has_step):
         raise ValueError("stochastic rounding writes bf16 params and needs the step count: spec.stochastic with bf16")
+    if spec.kahan and (spec.stochastic or spec.trust):
+        raise ValueError("Kahan compensation takes neither stochastic rounding nor a trust ratio's two stages")
     if not 0 <= seed < 2**63:
         raise ValueError(f"seed must be in [0, 2**63), got {seed}")
     if grad_write not in (0, 1, 2):
@@ -486,11 +501,12 @@ def multi_tensor_update(
     roles += [tables.role(f"absmax{i}") if q8 and i <= spec.state_slots else param for i in (1, 2, 3)]
     step = tables.role("step") if spec.has_step else param
     scalars = [tables.role(f"scalar{i}") if i <= spec.scalar_slots else param for i in (1, 2)]
+    comp = tables.role("comp") if spec.kahan else param
     stages = (2, 3) if spec.trust == Trust.LAMB else (int(spec.trust),)
     for stage in stages:
         _launch(tables, hyper, spec, dtype, num_warps, param, roles, step, scalars, found_inf, grad_scale, total_norm,
                 max_norm, grad_write if stage != 3 else 0, tensor_norms, norm_offset, n_norm, partials, update_norm,
-                stage, seed)  # fmt: skip
+                stage, seed, comp)  # fmt: skip
 
 
 def _launch(
@@ -515,6 +531,7 @@ def _launch(
     update_norm: torch.Tensor,
     stage: int,
     seed: int,
+    comp: torch.Tensor,
 ) -> None:
     _update_kernel[(tables.num_blocks,)](
         tables.block_tensor,
@@ -539,6 +556,7 @@ def _launch(
         partials,
         update_norm,
         seed,
+        comp,
         ALGO=int(spec.algo),
         DTYPE=TL_DTYPES[dtype],
         MAXIMIZE=spec.maximize,
@@ -561,6 +579,7 @@ def _launch(
         SIGNS=spec.signed if spec.state == StateFormat.Q8 else 0,
         QBLOCK=QUANT_BLOCK,
         SR=spec.stochastic,
+        KAHAN=spec.kahan,
         BLOCK=tables.block,
         num_warps=num_warps,
     )

@@ -81,16 +81,19 @@ class UnitSlots:
         step_arena: Arena | None,
         grad_arena: Arena | None,
     ):
+        from kitsune.fusion.algos import extra_keys
         from kitsune.fusion.state_format import entries
+        from kitsune.kernels.spec import StateFormat
 
         self.params = unit.params
         self.keys = [k for k in unit.info.state_keys(unit.spec) if k]
         self.step_arena, self.grad_arena = step_arena, grad_arena
         self.offsets: dict[str, list[tuple[Arena, int, torch.Size]]] = defaultdict(list)
         """Per state entry name: each param's (arena, offset, shape)."""
+        extra = extra_keys(unit.spec)  # the Kahan compensation, in the param's dtype whatever the state's format
         for p in unit.params:
-            for key in self.keys:
-                for name, dtype, shape in entries(key, unit.spec.state, p):
+            for key, fmt in [(k, unit.spec.state) for k in self.keys] + [(k, StateFormat.PARAM) for k in extra]:
+                for name, dtype, shape in entries(key, fmt, p):
                     arena = arena_for(dtype)
                     self.offsets[name].append((arena, arena.reserve(shape.numel()), shape))
         numels = [p.numel() for p in unit.params]
@@ -228,7 +231,8 @@ class MemoryPool(Subsystem):
             return
         layout = tuple(
             (str(u.device), u.dtype, u.info.name, tuple(k for k in u.info.state_keys(u.spec) if k), u.spec.state,
-             u.info.scalars, tuple(map(id, u.params)), tuple(p.numel() for p in u.params))
+             getattr(u.spec, "kahan", False), u.info.scalars, tuple(map(id, u.params)),
+             tuple(p.numel() for p in u.params))
             for u in units
         )  # fmt: skip
         if layout == self._layout:

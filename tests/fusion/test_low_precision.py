@@ -451,3 +451,42 @@ def test_decoded_8bit_state_encodes_back_to_its_codes_and_scales():
     assert drift[1][0] < 0.995 * absmax[0] and drift[1][1] == absmax[1]  # the kernels' rule shrinks block 0 only
     exact = sf.quantize(x, signed=True, exact_extremes=True)  # and holds the negative extreme exactly
     assert sf.dequantize(*exact, signed=True)[3] == pytest.approx(-5.0, rel=1e-6)
+
+
+def test_fp32_state_of_bf16_params_survives_a_checkpoint(device):
+    """``state_precision="fp32"`` with bf16 params: torch's load_state_dict casts a float param's state to the
+    param's dtype; kitsune keeps the saved fp32 moments, so a resumed run steps bit for bit as the uninterrupted one.
+    Where no fused unit keeps fp32 state (fusion off) the moments are the param's dtype, as torch would load them."""
+    gen = torch.Generator().manual_seed(3)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(torch.bfloat16).to(device)) for s in (700, 33)]
+    config = FusionConfig(state_precision="fp32")
+
+    def make(ps, fusion=True):
+        opt = torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)
+        return KitsuneOptimizer(opt, enable_fusion=fusion, fusion_config=config if fusion else None)
+
+    def step(ps, opt, k):
+        g = torch.Generator().manual_seed(50 + k)
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=g).to(torch.bfloat16).to(device)
+        opt.step()
+
+    opt = make(params)
+    for k in range(3):
+        step(params, opt, k)
+    sd = copy.deepcopy(opt.state_dict())
+    assert all(s["exp_avg"].dtype == torch.float32 for s in sd["state"].values())
+    resumed = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    ropt = make(resumed)
+    ropt.load_state_dict(sd)
+    for ps, o in ((params, opt), (resumed, ropt)):
+        step(ps, o, 3)
+    for p, q in zip(params, resumed, strict=True):
+        assert torch.equal(p, q)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert ropt.state[q][key].dtype == torch.float32 and torch.equal(opt.state[p][key], ropt.state[q][key])
+    plain = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    popt = make(plain, fusion=False)
+    popt.load_state_dict(copy.deepcopy(sd))
+    step(plain, popt, 3)  # the wrapped optimizer's own step, on moments in the params' dtype
+    assert all(popt.state[p]["exp_avg"].dtype == torch.bfloat16 for p in plain)
