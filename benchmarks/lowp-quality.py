@@ -29,7 +29,9 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=6e-4)
     parser.add_argument("--seeds", type=int, default=1, help="runs with seeds 0..N-1 (init and batches)")
     parser.add_argument(
-        "--runs", default="param,bf16,8bit,bf16-params,bf16-params-nearest", help="comma-separated, of RUNS"
+        "--runs",
+        default="param,bf16,8bit,bf16-params,bf16-params-nearest,bf16-params-kahan",
+        help="comma-separated, of RUNS",
     )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()

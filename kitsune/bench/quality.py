@@ -26,10 +26,13 @@ RUNS: dict[str, tuple[str, torch.dtype, str]] = {
     "8bit": ("8bit", torch.float32, "nearest"),
     "bf16-params": ("param", torch.bfloat16, "stochastic"),
     "bf16-params-nearest": ("param", torch.bfloat16, "nearest"),
+    "bf16-params-kahan": ("param", torch.bfloat16, "kahan"),
+    "bf16-params-kahan-fp32-state": ("fp32", torch.bfloat16, "kahan"),
 }
 """What each run of `run_quality` trains: ``(state_precision, the params' dtype, param_rounding)``. ``param`` is
 fp32 params with fp32 state (the reference); ``bf16-params`` trains bf16 params (and bf16 state) without fp32
-master weights, stored with stochastic rounding; ``bf16-params-nearest`` the same rounded to nearest, as torch."""
+master weights, stored with stochastic rounding; ``bf16-params-nearest`` the same rounded to nearest, as torch;
+``bf16-params-kahan`` the same with Kahan compensation, ``bf16-params-kahan-fp32-state`` with fp32 state."""
 
 
 class QualityRun(BaseModel):
