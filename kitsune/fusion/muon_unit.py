@@ -141,8 +141,14 @@ class MuonUnit(FusedUnit):
         state: Any,
         streams: StreamConfig | None = None,
         block: int = DEFAULT_BLOCK,
+        seed: int = 0,
     ) -> None:
         super().__init__(params, group_index, info, spec, state, block)  # type: ignore[arg-type]
+        self.seed = seed
+        """``FusionConfig.rounding_seed``, for stochastic rounding (``spec.stochastic``)."""
+        self._count = torch.zeros((), dtype=torch.int64, device=self.device) if spec.stochastic else None
+        """Steps this unit ran: stochastic rounding's random stream (kitsune's own, not in the checkpoint, as torch's
+        Muon keeps no step count)."""
         shapes = [matrix_shape(p) for p in params]
         by_shape: dict[tuple[int, int], list[int]] = {}
         for i, shape in enumerate(shapes):
@@ -192,7 +198,11 @@ class MuonUnit(FusedUnit):
 
         muon_update(self.tables, hyper, self.spec, self.dtype, 0, self.ratio, found_inf, zero_grad)  # type: ignore[arg-type]
         self._orthogonalise(graphed)
-        muon_update(self.tables, hyper, self.spec, self.dtype, 1, self.ratio, found_inf)  # type: ignore[arg-type]
+        if self._count is not None:
+            self._count.add_(1)  # on the device: a CUDA graph's replays count too
+        muon_update(
+            self.tables, hyper, self.spec, self.dtype, 1, self.ratio, found_inf, seed=self.seed, count=self._count
+        )  # type: ignore[arg-type]
 
     def _orthogonalise(self, graphed: bool) -> None:
         from kitsune.kernels.newton_schulz import newton_schulz

@@ -127,11 +127,11 @@ class Planner:
                     pspec, note = self._state_format(info, spec, p)  # type: ignore[arg-type]
                     pspec, rounding = self._rounding(pspec, p)
                     note = "; ".join(filter(None, (note, rounding))) or None
-                elif route is None and self.config.param_rounding != "nearest" and p.dtype == torch.bfloat16:
-                    note = (
-                        f"param_rounding={self.config.param_rounding!r} does not apply to Muon's update: bf16 params "
-                        "round to nearest"
-                    )
+                elif route is None and isinstance(spec, MuonSpec) and self.config.param_rounding == "stochastic":
+                    if p.dtype == torch.bfloat16:
+                        pspec = replace(spec, stochastic=True)
+                elif route is None and self.config.param_rounding == "kahan" and p.dtype == torch.bfloat16:
+                    note = "param_rounding='kahan' does not apply to Muon's update: bf16 params round to nearest"
                 key = (str(p.device), p.dtype, pspec if route is not Route.BASE_STEP else None, route, reason)
                 buckets[key].append((gi, p))
                 notes[key] |= _group_notes(g) | ({note} if note else set())
@@ -309,7 +309,10 @@ class Planner:
             assert info is not None and isinstance(spec, MuonSpec)
             for chunk in muon_unit.chunks(members, self.config.max_fusion_size):
                 params, gis = [p for _, p in chunk], [gi for gi, _ in chunk]
-                out.muon.append(muon_unit.MuonUnit(params, gis, info, spec, base.state, self.streams, self.block))
+                unit = muon_unit.MuonUnit(
+                    params, gis, info, spec, base.state, self.streams, self.block, seed=self.config.rounding_seed
+                )
+                out.muon.append(unit)
         elif bp.route in (Route.TORCH_FUSED, Route.TORCH_FOREACH):
             by_group: dict[int, list[torch.Tensor]] = defaultdict(list)
             for gi, p in members:

@@ -37,6 +37,7 @@ from kitsune.kernels.common import (
     _update_masks,
 )
 from kitsune.kernels.multi_tensor import TensorTables
+from kitsune.kernels.quant import _stochastic_round_bf16
 from kitsune.kernels.spec import NUM_FIELDS, MuonSpec
 
 SUPPORTED_DTYPES = tuple(TL_DTYPES)
@@ -56,12 +57,15 @@ def _muon_kernel(
     ratio_tab,  # (T,) float64 adjust_lr factors
     hyper,  # (n_groups, NUM_FIELDS) float64
     found_inf,  # float32 scalar: nonzero skips every update (AMP overflow), read only with HAS_FOUND_INF
+    seed,  # int: the stochastic rounding's Philox key, read only with SR
+    count,  # int64 scalar: the unit's step count (the random stream), read only with SR
     STAGE: tl.constexpr,  # 0: momentum -> Newton-Schulz input, 1: decay and apply the orthogonalised update
     DTYPE: tl.constexpr,
     NESTEROV: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr,
     ZERO_GRAD: tl.constexpr,  # stage 0 stores zeros into the grads it read (GradConfig.zero_in_step)
     RNE_BF16: tl.constexpr,
+    SR: tl.constexpr,  # stage 1: bf16 params stored with stochastic rounding
     BLOCK: tl.constexpr,
 ):
     _, t, start, numel, g_addr = _program_block(block_tensor, block_start, numel_tab, grad_tab)
@@ -89,10 +93,16 @@ def _muon_kernel(
         lr = tl.load(row + LR)
         wd = tl.load(row + WD)
         p = tl.load(p_ptr, mask=mask, other=0.0).to(tl.float32)
-        p = _cast(p * (1.0 - lr * wd).to(tl.float32), DTYPE, RNE_BF16).to(tl.float32)
+        p = p * (1.0 - lr * wd).to(tl.float32)
+        if not SR:  # torch rounds the decayed param before the update: so does the nearest store
+            p = _cast(p, DTYPE, RNE_BF16).to(tl.float32)
         o = tl.load(o_ptr, mask=mask, other=0.0).to(tl.float32)
         p = p - (lr * tl.load(ratio_tab + t)).to(tl.float32) * o
-        tl.store(p_ptr, _cast(p, DTYPE, RNE_BF16), mask=mask)
+        if SR:  # E[stored] = p: Philox bits keyed by seed, the unit's step count as the stream, a counter per element
+            stream = tl.load(count).to(tl.uint32)
+            tl.store(p_ptr, _stochastic_round_bf16(p, seed, stream, offs + (t.to(tl.int64) << 40)), mask=mask)
+        else:
+            tl.store(p_ptr, _cast(p, DTYPE, RNE_BF16), mask=mask)
 
 
 _INTERPRETED = type(_muon_kernel).__name__ == "InterpretedFunction"
@@ -108,6 +118,9 @@ def muon_update(
     found_inf: torch.Tensor | None = None,
     zero_grad: bool = False,
     num_warps: int = 4,
+    *,
+    seed: int = 0,
+    count: torch.Tensor | None = None,
 ) -> None:
     """Launch one stage (0: momentum into the Newton-Schulz input, 1: decay and apply its output) over every
     tensor of ``tables``.
@@ -117,6 +130,8 @@ def muon_update(
     tensor's size). ``hyper`` is the float64 ``(n_groups, NUM_FIELDS)`` buffer; ``ratio`` a float64 ``(T,)``
     tensor of the adjust_lr factors. ``found_inf`` (a float32 scalar) skips the whole update when nonzero, decided
     on the device; ``zero_grad`` makes stage 0 store zeros into the grads it read (on a skipped step too).
+    With ``spec.stochastic`` (bf16 params) stage 1 stores the params with stochastic rounding: Philox bits keyed by
+    ``seed``, the int64 scalar ``count`` (the unit's step count, which the caller advances) as the stream.
     """
     if dtype not in TL_DTYPES:
         raise ValueError(f"muon_update supports {SUPPORTED_DTYPES}, got {dtype}")
@@ -132,6 +147,9 @@ def muon_update(
         )
     if found_inf is not None and (found_inf.dtype != torch.float32 or found_inf.numel() != 1):
         raise ValueError(f"found_inf must be a float32 scalar, got {found_inf.dtype} of {found_inf.numel()} elements")
+    sr = spec.stochastic and stage == 1
+    if sr and (dtype != torch.bfloat16 or count is None or count.dtype != torch.int64):
+        raise ValueError("stochastic rounding writes bf16 params and reads the step count: bf16 and an int64 count")
     if tables.num_blocks == 0:
         return
     _muon_kernel[(tables.num_blocks,)](
@@ -147,12 +165,15 @@ def muon_update(
         ratio,
         hyper,
         found_inf if found_inf is not None else hyper,
+        seed,
+        count if sr else hyper,
         STAGE=stage,
         DTYPE=TL_DTYPES[dtype],
         NESTEROV=spec.nesterov,
         HAS_FOUND_INF=found_inf is not None,
         ZERO_GRAD=zero_grad and stage == 0,
         RNE_BF16=_INTERPRETED,
+        SR=sr,
         BLOCK=tables.block,
         num_warps=num_warps,
     )

@@ -130,6 +130,9 @@ class MuonSpec:
     """``None``/``"original"``: ``sqrt(max(1, A / B))``; ``"match_rms_adamw"``: ``0.2 sqrt(max(A, B))``."""
     ns_plan: tuple[tuple[float, float, float], ...] = ()
     eps: float = 1e-7
+    stochastic: bool = False
+    """bf16 params written back with stochastic rounding (``FusionConfig.param_rounding``; the planner sets it): the
+    decay and the orthogonalised update in fp32, one stochastic store."""
 
     has_step = False
     """torch.optim.Muon keeps no step count."""
@@ -146,4 +149,6 @@ class MuonSpec:
         on = ["nesterov"] if self.nesterov else []
         if self.adjust_lr_fn == "match_rms_adamw":
             on.append("match_rms_adamw")
+        if self.stochastic:
+            on.append("stochastic rounding")
         return ", ".join([*on, f"{len(self.ns_plan)} NS steps"])

@@ -116,3 +116,45 @@ def test_bf16_params_with_stochastic_rounding_train_like_fp32_params(device):
     assert losses["fp32"] < 2e-4, losses  # the noise floor: 0.01 ** 2
     assert losses["bf16_sr"] < 5 * losses["fp32"], losses
     assert losses["bf16"] > 100 * losses["fp32"], losses  # nearest rounding stalls: the test can tell them apart
+
+
+def _muon_step(p0: torch.Tensor, grad: torch.Tensor, dtype: torch.dtype, rounding: str, seed: int = 0, steps: int = 1):
+    p = torch.nn.Parameter(p0.to(dtype, copy=True))
+    base = torch.optim.Muon([p], lr=0.01, weight_decay=0.0, momentum=0.0, nesterov=False)
+    opt = KitsuneOptimizer(
+        base, enable_fusion=True, fusion_config=FusionConfig(param_rounding=rounding, rounding_seed=seed)
+    )
+    for _ in range(steps):
+        p.grad = grad.to(dtype)
+        opt.step()
+    return p.detach().float(), opt
+
+
+def test_muon_stores_bf16_params_with_stochastic_rounding_unbiased(device):
+    """Muon (no momentum, so the Newton-Schulz input is the bf16 grad whatever the param's dtype) on a 128 x 128 bf16
+    matrix in [1, 2), whose update is about a tenth of a bf16 step: rounded to nearest nothing moves; stored with
+    stochastic rounding, the elements' sum of (stored - fp32 result) is within 5 standard deviations of zero, the
+    same seed gives the same bits and the next step draws new ones."""
+    gen = torch.Generator().manual_seed(3)
+    p0 = (1.0 + torch.rand(128, 128, generator=gen)).to(torch.bfloat16).float().to(device)
+    grad = torch.randn(128, 128, generator=gen).to(torch.bfloat16).float().to(device)
+    want, _ = _muon_step(p0, grad, torch.float32, "nearest")
+    nearest, _ = _muon_step(p0, grad, torch.bfloat16, "nearest")
+    assert torch.equal(nearest, p0)  # every update under half a bf16 step
+    got, opt = _muon_step(p0, grad, torch.bfloat16, "stochastic")
+    (bucket,) = opt.plan.buckets
+    assert bucket.route is Route.TRITON_MATMUL and "stochastic rounding" in bucket.options
+    ulp = 2.0**-7  # bf16's step in [1, 2): the elements whose result stays a step inside it
+    inside = (want > 1.0 + ulp) & (want < 2.0 - ulp)
+    exact, stored = want[inside], got[inside]
+    down = torch.floor((exact - 1.0) / ulp) * ulp + 1.0
+    q = (exact - down) / ulp  # the probability of rounding up
+    assert inside.float().mean() > 0.9 and set(((stored - down) / ulp).round().unique().tolist()) <= {0.0, 1.0}
+    assert 0.05 < float(q.mean()) < 0.95  # the updates are fractions of a step: a real test of the expectation
+    z = float((stored - exact).sum()) / (ulp * math.sqrt(float((q * (1 - q)).sum())))
+    assert abs(z) < 5, z
+    again, _ = _muon_step(p0, grad, torch.bfloat16, "stochastic")
+    other, _ = _muon_step(p0, grad, torch.bfloat16, "stochastic", seed=1)
+    assert torch.equal(again, got) and not torch.equal(other, got)
+    twice, opt2 = _muon_step(p0, grad, torch.bfloat16, "stochastic", steps=2)
+    assert float(opt2._subsystem("fusion").launch_units[0]._count) == 2  # the stream advances every step
