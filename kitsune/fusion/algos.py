@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from kitsune.distributed import fsdp
 from kitsune.fusion import state_format
 from kitsune.kernels.coefficients import schedule
 from kitsune.kernels.spec import Algo, MuonSpec, StateFormat, Trust, UpdateSpec
@@ -468,7 +469,10 @@ def _init_low(
     """State ``key`` created in a low-precision format: zeros (or its fill) in fp32, converted to the format, in
     the pool's views where ``alloc`` hands them out."""
     fill = _fill(info, key, group, defaults)
-    t = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+    if fsdp.is_dtensor(p):  # FSDP2: a DTensor sharded as its param, as torch creates the state
+        t = torch.zeros_like(p, dtype=torch.float32)
+    else:
+        t = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
     if fill is not None:
         t.fill_(fill)
     state[key] = t

@@ -293,6 +293,64 @@ def _found_inf_on_one_rank(mesh, rank: int, fused: bool) -> dict:
     }
 
 
+def _low_precision_state(mesh, rank: int) -> dict:
+    """AdamW with bf16 state (fp32 params) on FSDP2 shards, clipped, against one process with the same state precision
+    (the rounding is elementwise, so the shards round as the whole); 8-bit state stays in the params' dtype with the
+    reason; the state dict holds bf16 DTensors and resumes bit for bit."""
+    import copy
+
+    from kitsune import FusionConfig, GradConfig, KitsuneOptimizer
+
+    def make(params, precision):
+        return KitsuneOptimizer(
+            _torch_optimizer(params, {"opt": "adamw"}),
+            enable_fusion=True,
+            fusion_config=FusionConfig(state_precision=precision, min_8bit_size=0),
+            grad_config=GradConfig(max_norm=0.05),
+        )
+
+    ref_model = _model()
+    ref = make(ref_model.parameters(), "bf16")
+    for x, y in _batches():
+        _loss(ref_model, x, y).backward()
+        ref.step()
+        ref.zero_grad()
+    out = {}
+    for precision in ("bf16", "8bit"):
+        model = _shard(_model(), mesh)
+        opt = make(model.parameters(), precision)
+        for x, y in _batches():
+            lo, hi = rank * len(x) // WORLD, (rank + 1) * len(x) // WORLD
+            _loss(model, x[lo:hi], y[lo:hi]).backward()
+            opt.step()
+            opt.zero_grad()
+        out[precision] = {
+            "params": [p.full_tensor().detach() for p in model.parameters()],
+            "states": sorted({b.state for b in opt.plan.buckets}),
+            "notes": sorted({n for b in opt.plan.buckets for n in b.notes}),
+            "dtypes": sorted({str(v.dtype) for st in opt.state.values() for k, v in st.items() if k != "step"}),
+            "types": sorted({type(v).__name__ for st in opt.state.values() for k, v in st.items() if k != "step"}),
+        }
+        if precision == "bf16":
+            sd = copy.deepcopy(opt.state_dict())
+            again_model = _shard(_model(), mesh)
+            for p, q in zip(again_model.parameters(), model.parameters(), strict=True):
+                p.data.copy_(q.data)
+            again = make(again_model.parameters(), precision)
+            again.load_state_dict(sd)
+            x, y = _batches(seed=9)[0]
+            lo, hi = rank * len(x) // WORLD, (rank + 1) * len(x) // WORLD
+            for m, o in ((model, opt), (again_model, again)):
+                _loss(m, x[lo:hi], y[lo:hi]).backward()
+                o.step()
+            out["resumed_equal"] = all(
+                torch.equal(p.to_local(), q.to_local())
+                for p, q in zip(model.parameters(), again_model.parameters(), strict=True)
+            )
+    out["ref"] = [p.detach() for p in ref_model.parameters()]
+    return out
+
+
 def _scenarios(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -304,6 +362,7 @@ def _scenarios(rank: int, world: int) -> dict:
     jobs["mesh_2d"] = lambda: _two_d_mesh(rank)
     jobs["found_inf_fused"] = lambda: _found_inf_on_one_rank(mesh, rank, fused=True)
     jobs["found_inf_unfused"] = lambda: _found_inf_on_one_rank(mesh, rank, fused=False)
+    jobs["low_precision"] = lambda: _low_precision_state(mesh, rank)
     for name, job in jobs.items():
         try:
             results[name] = job()
@@ -393,6 +452,23 @@ def test_fsdp2_two_d_mesh_falls_back(ranks):
     for r in _results(ranks, "mesh_2d"):
         assert not r["fused"]
         assert len(r["reasons"]) == 1 and "2-D device mesh" in r["reasons"][0]
+
+
+def test_fsdp2_bf16_state_on_the_shards(ranks):
+    """bf16 state on FSDP2 shards: bf16 DTensors, the params of one process with bf16 state, a resumed run bit for bit;
+    8-bit state is refused per bucket with the reason, the state staying in the params' dtype."""
+    fp32, _ = _reference({"opt": "adamw", "max_grad_norm": 0.05})
+    for r in _results(ranks, "low_precision"):
+        bf16 = r["bf16"]
+        gap = max(float((a - b).abs().max()) for a, b in zip(r["ref"], fp32, strict=True))
+        assert gap > 1e-4, gap  # bf16 state is not fp32 state: the comparison below can tell them apart
+        assert bf16["states"] == ["bfloat16"] and bf16["dtypes"] == ["torch.bfloat16"] and bf16["types"] == ["DTensor"]
+        for got, want in zip(bf16["params"], r["ref"], strict=True):
+            torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+        assert r["resumed_equal"]
+        eight = r["8bit"]
+        assert eight["states"] == ["float32"] and eight["dtypes"] == ["torch.float32"]
+        assert any("FSDP2 shards keep their state" in n for n in eight["notes"])
 
 
 @pytest.mark.parametrize("fused", [True, False])
