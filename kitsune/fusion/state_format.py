@@ -81,9 +81,13 @@ def bytes_per_element(fmt: StateFormat, param_dtype: torch.dtype) -> float:
 
 def update_bytes(spec: UpdateSpec, tensor_reads_writes: int, param_dtype: torch.dtype) -> float:
     """Bytes a step moves per element: ``tensor_reads_writes`` (`AlgoInfo.bytes_per_element`: reads and writes in
-    units of the param's size) with each state slot's read and write at the state format's size instead."""
+    units of the param's size) with each state slot's read and write at the state format's size instead, and the
+    Kahan compensation's read and write (the param's size) with ``spec.kahan``."""
     slots = 2 * spec.state_slots
-    return (tensor_reads_writes - slots) * param_dtype.itemsize + slots * bytes_per_element(spec.state, param_dtype)
+    comp = 2 * param_dtype.itemsize if spec.kahan else 0
+    return (
+        (tensor_reads_writes - slots) * param_dtype.itemsize + slots * bytes_per_element(spec.state, param_dtype) + comp
+    )
 
 
 def quantize(x: torch.Tensor, signed: bool, exact_extremes: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

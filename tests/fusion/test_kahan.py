@@ -104,6 +104,11 @@ def test_plan_notes_and_which_params_take_it(device):
     opt = _kitsune(ps, lambda q: torch.optim.AdamW(q, lr=1e-3), "kahan")
     by_dtype = {b.dtype: b for b in opt.plan.buckets}
     assert "Kahan compensation" in by_dtype["bfloat16"].options
+    nearest = _kitsune(ps, lambda q: torch.optim.AdamW(q, lr=1e-3), "nearest")
+    plain = {b.dtype: b for b in nearest.plan.buckets}["bfloat16"]
+    assert (
+        by_dtype["bfloat16"].bytes_per_step == plain.bytes_per_step + 2 * 2 * 300
+    )  # the compensation, read and written
     assert "Kahan compensation" not in by_dtype["float32"].options  # fp32 params: nothing to compensate
     for p in ps:
         p.grad = torch.randn_like(p)
