@@ -25,20 +25,10 @@ def to_cpu(st: dict[str, Any]) -> dict[str, Any]:
 
 
 def whole_format(st: Any) -> Any:
-    """State ``st`` with its 8-bit entries decoded into torch's keys in fp32 (a copy; anything else as it is): the
-    format pieces are joined and cut in, since the ranks' blocks of 256 elements do not line up with a whole param's
-    (`kitsune.fusion.state_format`). The fused units quantize again as they bind."""
-    if not isinstance(st, dict) or not any(k.endswith(state_format.CODES) for k in st if isinstance(k, str)):
-        return st
-    out = dict(st)
-    for key in [
-        k.removesuffix(state_format.CODES) for k in st if isinstance(k, str) and k.endswith(state_format.CODES)
-    ]:
-        if state_format.quantized(out, key):
-            codes, absmax = out.pop(key + state_format.CODES), out.pop(key + state_format.ABSMAX)
-            if out.get(key) is None:
-                out[key] = state_format.dequantize(codes, absmax, state_format.SIGNED.get(key, True))
-    return out
+    """State ``st`` with its 8-bit entries decoded into torch's keys in fp32 (`kitsune.fusion.state_format.decoded`):
+    the format pieces are joined and cut in, since the ranks' blocks of 256 elements do not line up with a whole
+    param's. The fused units quantize again as they bind."""
+    return state_format.decoded(st) if isinstance(st, dict) else st
 
 
 def slice_state(st: dict[str, Any], lo: int, hi: int) -> dict[str, Any]:

@@ -141,6 +141,27 @@ def quantized(s: Mapping[str, Any], key: str) -> bool:
     return key + CODES in s and key + ABSMAX in s
 
 
+def quantized_keys(s: Mapping[Any, Any]) -> list[str]:
+    """The keys ``s`` holds in 8 bits (both their codes and their absmax entries), in ``s``'s order."""
+    return [
+        k.removesuffix(CODES) for k in s if isinstance(k, str) and k.endswith(CODES) and quantized(s, k[: -len(CODES)])
+    ]
+
+
+def decoded(s: dict[str, Any]) -> dict[str, Any]:
+    """``s`` with its 8-bit entries decoded into torch's keys in fp32 (a copy where there are any; ``s`` itself
+    otherwise). A float tensor set next to the codes wins, as in `conform`."""
+    keys = quantized_keys(s)
+    if not keys:
+        return s
+    out = dict(s)
+    for key in keys:
+        codes, absmax = out.pop(key + CODES), out.pop(key + ABSMAX)
+        if out.get(key) is None:
+            out[key] = dequantize(codes, absmax, SIGNED.get(key, True))
+    return out
+
+
 def present(s: Mapping[str, Any], key: str) -> bool:
     """Whether ``s`` holds ``key`` in any format."""
     return s.get(key) is not None or quantized(s, key)
@@ -221,7 +242,7 @@ def convert_state_dict(
 
 
 def _convert(s: dict[str, Any], fmt: StateFormat, min_8bit_size: int) -> dict[str, Any]:
-    for key in [k[: -len(CODES)] for k in s if k.endswith(CODES) and quantized(s, k[: -len(CODES)])]:
+    for key in quantized_keys(s):
         codes, absmax = s.pop(key + CODES), s.pop(key + ABSMAX)
         dtype = torch.bfloat16 if fmt == StateFormat.BF16 else torch.float32
         s[key] = dequantize(codes, absmax, SIGNED.get(key, True), dtype)
@@ -248,7 +269,7 @@ def decode_others(state: Mapping[Any, dict[str, Any]], keep: set[torch.Tensor]) 
     for p, s in state.items():
         if p in keep or not isinstance(p, torch.Tensor) or not isinstance(s, dict):
             continue
-        for key in [k[: -len(CODES)] for k in list(s) if k.endswith(CODES)]:
+        for key in quantized_keys(s):
             decode(s, key, p)
         for key in SIGNED:
             t = s.get(key)
@@ -277,7 +298,7 @@ def split_low(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[Any, dic
         if not isinstance(s, Mapping):
             kept[pid] = s
             continue
-        low = {k for k in s if k.endswith((CODES, ABSMAX)) and quantized(s, k.removesuffix(CODES).removesuffix(ABSMAX))}
+        low = {key + suffix for key in quantized_keys(s) for suffix in (CODES, ABSMAX)}
         moments = {k for k in SIGNED if isinstance(s.get(k), torch.Tensor) and s[k].is_floating_point()}
         if low or moments:
             stash[pid] = {k: s[k] for k in low | moments}

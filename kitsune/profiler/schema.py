@@ -14,7 +14,7 @@ import platform
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
 
 import torch
 from pydantic import BaseModel, Field, ValidationError
@@ -49,8 +49,6 @@ class Profiled(Protocol):
 
 
 SCHEMA_VERSION = "1.1"
-READS = ("1.0", "1.1")
-"""The versions `load_profile` reads."""
 
 
 class Environment(BaseModel):
@@ -185,6 +183,10 @@ def save_profile(opt: Profiled, path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(build_profile(opt).model_dump_json(indent=2), encoding="utf-8")
     return path
+
+
+READS: tuple[str, ...] = get_args(Profile.model_fields["schema_version"].annotation)
+"""The versions `load_profile` reads (those ``Profile.schema_version`` takes)."""
 
 
 def load_profile(path: str | Path) -> Profile:
