@@ -54,6 +54,12 @@ def _entry(rank: int, world: int, port: int, out: str, job: Job, backend: str) -
     torch.save(results, Path(out) / f"rank{rank}.pt")
 
 
+def gpu_world(cap: int = 8) -> int:
+    """The world size of the NCCL tests: every GPU this machine shows, 2 to ``cap`` (with fewer than 2 GPUs,
+    ``run_ranks`` skips the test)."""
+    return min(max(torch.cuda.device_count(), 2), cap)
+
+
 def run_ranks(job: Job, world: int = 2, timeout_s: int = 120, backend: str = "gloo") -> list[dict[str, Any]]:
     """Run ``job`` on ``world`` ranks; return each rank's results, in rank order. ``backend="nccl"``: rank r on GPU r,
     the kernels compiled (the test skips where fewer than ``world`` GPUs are seen)."""

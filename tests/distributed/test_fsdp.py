@@ -13,7 +13,7 @@ import traceback
 
 import pytest
 import torch
-from ranks import run_ranks
+from ranks import gpu_world, run_ranks
 
 STEPS = 5
 WORLD = 2
@@ -482,7 +482,7 @@ def test_fsdp2_found_inf_is_all_reduced(ranks, fused):
         assert r["scale"] == 256.0 * 0.5  # and backed off the same scale (no growth within 3 steps)
 
 
-# -- on GPUs: NCCL, the step captured with the norm's all-reduce inside ------------------------------------------------
+# -- on every GPU the machine shows: NCCL, the step captured with the norm's all-reduce inside ----------------------
 NCCL_STEPS = 12
 
 
@@ -533,7 +533,7 @@ def test_fsdp2_step_captured_with_its_all_reduce_on_nccl():
     from kitsune import GraphConfig
 
     warmup = GraphConfig().warmup_steps
-    for res in run_ranks(_nccl_graphed, world=WORLD, timeout_s=TIMEOUT_S, backend="nccl"):
+    for res in run_ranks(_nccl_graphed, world=gpu_world(), timeout_s=TIMEOUT_S, backend="nccl"):
         for keep, r in res.items():
             assert r["reason"] is None, r["reason"]  # the graph subsystem is active on FSDP2 shards over NCCL
             replays = NCCL_STEPS - warmup
@@ -631,7 +631,7 @@ def test_fsdp2_float16_amp_and_clipping_match_one_process_over_100_steps():
     torch on the whole batch over 100 steps. The two differ by float16 autocast's rounding of half a batch against
     the whole: with SGD that stays at the grads' rounding; AdamW's m / sqrt(v) turns the rounding of near-zero grads
     into differences of up to the lr a step, so its bound is in lr steps."""
-    for res in run_ranks(_nccl_one_process, world=WORLD, timeout_s=TIMEOUT_S, backend="nccl"):
+    for res in run_ranks(_nccl_one_process, world=gpu_world(), timeout_s=TIMEOUT_S, backend="nccl"):
         for name, r in res.items():
             assert r["fused"] and r["graphs"] > LONG_STEPS // 2  # the grads' passes fused, the step replayed
             assert r["skipped"][0] == r["skipped"][1]  # the same overflow steps skipped
