@@ -13,6 +13,8 @@ at the largest world a machine has.
 
 from __future__ import annotations
 
+import traceback
+
 import pytest
 import torch
 from ranks import gpu_world, run_ranks
@@ -80,7 +82,7 @@ def _distributed(mode: str, rank: int, world: int) -> dict:
     from kitsune import KitsuneOptimizer, ShardConfig
 
     model = _model()
-    kwargs: dict = {"enable_fusion": mode != "muon", "max_grad_norm": CLIP}
+    kwargs: dict = {"enable_fusion": True, "max_grad_norm": CLIP}  # the one line, with clipping
     inner_model = model
     if mode in ("ddp", "muon"):
         model = torch.nn.parallel.DistributedDataParallel(model)
@@ -110,21 +112,30 @@ def _distributed(mode: str, rank: int, world: int) -> dict:
     return {
         "params": [p.detach().clone() for p in params],
         "norms": norms,
-        "routes": sorted({(b.route.value, b.reason or "") for b in opt.plan.buckets}),
+        "routes": sorted({(b.route.value, b.reason or "") for b in opt.plan.buckets}) if opt.plan else [],
+        "subsystems": [(s["name"], s["active"], s["reason"]) for s in opt.subsystem_status()],
     }
 
 
 def _modes(rank: int, world: int) -> dict:
-    out = {}
+    """Every mode on this rank; a mode that raises is reported with its traceback and the others still run."""
+    out: dict = {}
     for mode in MODES:
-        ref_params, ref_norms = _one_process(mode)
-        got = _distributed(mode, rank, world)
-        got["diff"] = max(float((p - q).abs().max()) for p, q in zip(got["params"], ref_params, strict=True))
-        got["moved"] = max(float((p - q).abs().max()) for p, q in zip(got["params"], _initial(), strict=True))
-        got["ref_norms"] = ref_norms
-        del got["params"]
-        out[mode] = got
+        try:
+            out[mode] = _compare(mode, rank, world)
+        except Exception:
+            out[mode] = {"error": traceback.format_exc()}
     return out
+
+
+def _compare(mode: str, rank: int, world: int) -> dict:
+    ref_params, ref_norms = _one_process(mode)
+    got = _distributed(mode, rank, world)
+    got["diff"] = max(float((p - q).abs().max()) for p, q in zip(got["params"], ref_params, strict=True))
+    got["moved"] = max(float((p - q).abs().max()) for p, q in zip(got["params"], _initial(), strict=True))
+    got["ref_norms"] = ref_norms
+    del got["params"]
+    return got
 
 
 def _initial() -> list[torch.Tensor]:
@@ -144,6 +155,8 @@ def test_every_mode_equals_one_process_on_nccl(ranks, mode):
     kitsune kernels on the update and the same clipped norms."""
     for rank, res in enumerate(ranks):
         r = res[mode]
+        assert "error" not in r, f"rank {rank}: {r.get('error')}"
+        assert r["routes"], f"rank {rank}: no plan; the subsystems: {r['subsystems']}"
         print(f"{mode} rank {rank} of {len(ranks)}: params within {r['diff']:.3g} (moved {r['moved']:.3g})")
         if mode == "muon":
             assert [(route, DISTRIBUTED_MUON in why) for route, why in r["routes"]] == [("base_step", True)]
