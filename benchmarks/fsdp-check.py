@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from kitsune import KitsuneOptimizer
+from kitsune import KitsuneOptimizer, _native
 
 
 class Block(nn.Module):
@@ -110,6 +110,44 @@ def timed(fn, together: bool = False) -> tuple[float, float]:
     return start.elapsed_time(end), host
 
 
+def train_grads(args: argparse.Namespace, model: nn.Module, gen: torch.Generator, device: torch.device) -> None:
+    """One forward and backward: fresh grads for the next step."""
+    idx = torch.randint(args.vocab, (args.batch, args.ctx + 1), generator=gen).to(device)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        logits = model(idx[:, :-1])
+    nn.functional.cross_entropy(logits.float().flatten(0, 1), idx[:, 1:].flatten()).backward()
+
+
+def trace(args: argparse.Namespace, name: str, grads, opt) -> None:
+    """``--trace``: where kitsune's step spends its time. 5 more steps under torch.profiler (the kernels' and ops'
+    table to ``OUT/trace-NAME.txt``, the timeline to ``OUT/trace-NAME.json``), then 20 under cProfile (the host's
+    Python, ``OUT/cprofile-NAME.txt``); ``grads()`` makes each step's fresh grads, outside what is profiled."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    together = dist.is_initialized() and name != "one-gpu"
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            grads()
+            timed(opt.step, together=together)
+            opt.zero_grad()
+    args.out.mkdir(parents=True, exist_ok=True)
+    table = prof.key_averages().table(sort_by="device_time_total", row_limit=40, max_name_column_width=70)
+    (args.out / f"trace-{name}.txt").write_text(table)
+    prof.export_chrome_trace(str(args.out / f"trace-{name}.json"))
+    host = cProfile.Profile()
+    for _ in range(20):
+        grads()
+        timed(lambda: host.runcall(opt.step), together=together)
+        opt.zero_grad()
+    text = io.StringIO()
+    pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(35)
+    (args.out / f"cprofile-{name}.txt").write_text(text.getvalue())
+
+
 def run(args: argparse.Namespace, device: torch.device, kitsune: bool, mesh, graph: bool = True) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build(args, device, mesh)
@@ -125,10 +163,7 @@ def run(args: argparse.Namespace, device: torch.device, kitsune: bool, mesh, gra
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     for step in range(args.steps):
-        idx = torch.randint(args.vocab, (args.batch, args.ctx + 1), generator=gen).to(device)
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            logits = model(idx[:, :-1])
-        nn.functional.cross_entropy(logits.float().flatten(0, 1), idx[:, 1:].flatten()).backward()
+        train_grads(args, model, gen, device)
         if kitsune:
             t = timed(opt.step, together=True)
             norms.append(float(opt.last_grad_norm))
@@ -140,6 +175,8 @@ def run(args: argparse.Namespace, device: torch.device, kitsune: bool, mesh, gra
         if step >= args.warmup:
             ms.append(t[0])
             host.append(t[1])
+    if kitsune and graph and args.trace:
+        trace(args, f"fsdp-rank{rank}", lambda: train_grads(args, model, gen, device), opt)
     out = {
         "step_ms_median": statistics.median(ms),
         "host_ms_median": statistics.median(host),
@@ -154,6 +191,7 @@ def run(args: argparse.Namespace, device: torch.device, kitsune: bool, mesh, gra
         out["plan"] = sorted({f"{b.route.value}: {b.reason}" for b in opt.plan.buckets})
         out["fused_tensors"] = sum(b.tensors for b in opt.plan.buckets if b.route.fused)
         out["grad_pass"] = opt._subsystem("fusion").grad_pass
+        out["address_checks"] = opt._subsystem("fusion").report()["address_checks"]
         graphs = opt._subsystem("graphs")
         report = graphs.report()
         out["graphs"] = {k: report[k] for k in ("captures", "replays", "steady_replays", "eager_steps")}
@@ -179,6 +217,13 @@ def single_gpu(args: argparse.Namespace, device: torch.device, shapes: list[tupl
             ms.append(t[0])
             host.append(t[1])
         opt.zero_grad()
+    if args.trace:
+
+        def grads() -> None:
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen).to(device) * 1e-3
+
+        trace(args, "one-gpu", grads, opt)
     return {"step_ms_median": statistics.median(ms), "host_ms_median": statistics.median(host)}
 
 
@@ -194,6 +239,7 @@ def main() -> int:
     parser.add_argument("--ctx", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--clip", type=float, default=1.0)
+    parser.add_argument("--trace", action="store_true", help="profile 5 more steps of kitsune's step (OUT/trace-*)")
     parser.add_argument(
         "--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a gloo smoke test of the script"
     )
@@ -210,6 +256,9 @@ def main() -> int:
     rank = dist.get_rank()
     try:
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        # time the steps as a run past its first minute has them: with the native address check built (once per
+        # machine and torch version, in the background; until then every FSDP2 step takes the full address check)
+        native = _native.wait(timeout=600) is not None
         ref = run(args, device, kitsune=False, mesh=mesh)
         ours = run(args, device, kitsune=True, mesh=mesh)
         eager = run(args, device, kitsune=True, mesh=mesh, graph=False)  # capture_graph=False, side by side
@@ -220,6 +269,7 @@ def main() -> int:
             "rank": rank,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__,
+            "native_check": native or _native.reason(),
             "max_abs_param_diff": diff,
             "max_abs_param": scale,
             "max_rel_grad_norm_diff": norm_rel,
@@ -253,7 +303,8 @@ def main() -> int:
                     f"{r['max_rel_grad_norm_diff']:.2e}; kitsune without the graph "
                     f"{r['kitsune_eager']['step_ms_median']:.3f} ms (host {r['kitsune_eager']['host_ms_median']:.3f})"
                 )
-            print(f"graphs: {gathered[0]['kitsune']['graphs']}")
+            k0 = gathered[0]["kitsune"]
+            print(f"graphs: {k0['graphs']}; address checks: {k0['address_checks']}")
             print(f"plan: {gathered[0]['kitsune']['plan']}; grad_pass: {gathered[0]['kitsune']['grad_pass']}")
             single = gathered[0]["single_gpu_same_shard_shapes"]
             print(

@@ -83,15 +83,24 @@ def all_reduce_norm_(total: torch.Tensor, found_inf: torch.Tensor | None, norm_t
     import torch.distributed as dist
 
     inf_norm = norm_type == float("inf")
-    flag = found_inf.reshape(()) if found_inf is not None else torch.zeros((), device=total.device)
-    # float64: the squares of fp32 norms are summed without a second rounding
-    buf = torch.stack((total.double() if inf_norm else total.double().square(), flag.double()))
+    # float64: the squares of fp32 norms are summed without a second rounding. Four small kernels around the
+    # all-reduce (six with AMP's flag): inside a captured step each costs a launch slot
+    buf = torch.zeros(2, dtype=torch.float64, device=total.device)
+    value = buf[0]
+    value.copy_(total)
+    if not inf_norm:
+        value.square_()
+    if found_inf is not None:
+        buf[1].copy_(found_inf.reshape(()))
     op = dist.ReduceOp.MAX if inf_norm else dist.ReduceOp.SUM
     for group in groups:
         dist.all_reduce(buf, op=op, group=group)
-    total.copy_(buf[0] if inf_norm else buf[0].sqrt())
+    if inf_norm:
+        total.copy_(value)
+    else:
+        torch.sqrt(value, out=total)  # float64 -> the fp32 norm
     if found_inf is not None:
-        found_inf.copy_(buf[1:].clamp(max=1.0))  # a sum of 0/1 flags; found_inf stays 0 or 1
+        found_inf.copy_(buf[1]).clamp_(max=1.0)  # a sum of 0/1 flags; found_inf stays 0 or 1
 
 
 def all_reduce_found_inf_(found_inf: torch.Tensor, groups: list[Any]) -> None:
