@@ -67,6 +67,16 @@ def train(model: nn.Module, opt: KitsuneOptimizer, dim: int, steps: int, warmup:
     return statistics.median(times)
 
 
+def first_grads(model: nn.Module, dim: int, device: torch.device) -> list[torch.Tensor]:
+    """The grads of the first batch ``train`` feeds (through DDP's averaging when ``model`` is wrapped)."""
+    gen = torch.Generator().manual_seed(1000)
+    x, y = torch.randn(64, dim, generator=gen).to(device), torch.randn(64, 8, generator=gen).to(device)
+    nn.functional.mse_loss(model(x), y).backward()
+    grads = [p.grad.detach().clone() for p in model.parameters()]
+    model.zero_grad()
+    return grads
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON file rank 0 writes")
@@ -98,6 +108,10 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.reset_peak_memory_stats(device)
         ms = train(ddp, opt, args.dim, args.steps, args.warmup, device)
         diffs = [(a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters(), strict=True)]
+        # whether DDP's average of the ranks' identical grads is the one process's grad bit for bit (a ring's sum
+        # of 3 or more equal values can round): the difference the params start from
+        grad_pairs = zip(first_grads(ddp, args.dim, device), first_grads(ref, args.dim, device), strict=True)
+        grad_diff = max((a - b).abs().max().item() for a, b in grad_pairs)
         scales = [b.abs().max().item() for b in ref.parameters()]
         row = {
             "rank": rank,
@@ -106,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             "one_process_fused_step_ms": fused_ms,
             "distributed_step_ms": ms,
             "max_abs_diff": max(diffs),
+            "max_abs_grad_diff_first_batch": grad_diff,
             "max_rel_diff": max(d / s for d, s in zip(diffs, scales, strict=True) if s > 0),
             "peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0,
             "fusion": {s["name"]: s["reason"] for s in opt.subsystem_status() if s["name"] == "fusion"},
@@ -123,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
                     f"rank {r['rank']}: one process {r['one_process_step_ms']:.3f} ms/step "
                     f"({r['one_process_fused_step_ms']:.3f} fused), distributed "
                     f"{r['distributed_step_ms']:.3f} ms/step, max |diff| {r['max_abs_diff']:.3g} "
-                    f"(relative {r['max_rel_diff']:.3g}), peak {r['peak_bytes'] / 2**20:.0f} MiB",
+                    f"(relative {r['max_rel_diff']:.3g}), first batch's averaged grads within "
+                    f"{r['max_abs_grad_diff_first_batch']:.3g} of one process's, "
+                    f"peak {r['peak_bytes'] / 2**20:.0f} MiB",
                     flush=True,
                 )
     finally:
