@@ -628,14 +628,16 @@ def _skipped(norms: list[float]) -> int:
 @pytest.mark.cuda
 def test_fsdp2_float16_amp_and_clipping_match_one_process_over_100_steps():
     """FSDP2 on NCCL, float16 loss scaling and clipping fused into the captured step, equals one process of plain
-    torch on the whole batch over 100 steps. The two differ by float16 autocast's rounding of half a batch against
-    the whole: with SGD that stays at the grads' rounding; AdamW's m / sqrt(v) turns the rounding of near-zero grads
-    into differences of up to the lr a step, so its bound is in lr steps."""
+    torch on the whole batch over 100 steps. The two differ by float16 autocast's rounding of a rank's share of a
+    batch against the whole: with SGD that stays at the grads' rounding; AdamW's m / sqrt(v) turns the rounding of
+    near-zero grads into differences of up to the lr a step, which add up over the steps, so its bound is in lr
+    steps: 0.9 of them on 2 H200s, 1.9 on 4 (the shares smaller), where two unrelated runs from the same start
+    could differ by up to about 200."""
     for res in run_ranks(_nccl_one_process, world=gpu_world(), timeout_s=TIMEOUT_S, backend="nccl"):
         for name, r in res.items():
             assert r["fused"] and r["graphs"] > LONG_STEPS // 2  # the grads' passes fused, the step replayed
             assert r["skipped"][0] == r["skipped"][1]  # the same overflow steps skipped
-            bound = 1e-3 * r["scale"] if name == "sgd" else 2 * LONG_LR[name]
+            bound = 1e-3 * r["scale"] if name == "sgd" else 5 * LONG_LR[name]
             print(f"{name}: largest param difference {r['diff']:.3g} (largest param {r['scale']:.3g})")
             assert r["diff"] <= bound, (name, r["diff"], r["scale"])
             finite = [(a, b) for a, b in zip(*r["norms"], strict=True) if math.isfinite(a)]
