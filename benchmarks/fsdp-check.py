@@ -118,17 +118,17 @@ def train_grads(args: argparse.Namespace, model: nn.Module, gen: torch.Generator
     nn.functional.cross_entropy(logits.float().flatten(0, 1), idx[:, 1:].flatten()).backward()
 
 
-def trace(args: argparse.Namespace, name: str, grads, opt) -> None:
+def trace(args: argparse.Namespace, name: str, grads, opt, together: bool) -> None:
     """``--trace``: where kitsune's step spends its time. 5 more steps under torch.profiler (the kernels' and ops'
     table to ``OUT/trace-NAME.txt``, the timeline to ``OUT/trace-NAME.json``), then 20 under cProfile (the host's
-    Python, ``OUT/cprofile-NAME.txt``); ``grads()`` makes each step's fresh grads, outside what is profiled."""
+    Python, ``OUT/cprofile-NAME.txt``), then 20 timing the address check alone (the end of that file);
+    ``grads()`` makes each step's fresh grads, outside what is profiled; ``together``: as `timed`'s."""
     import cProfile
     import io
     import pstats
 
     from torch.profiler import ProfilerActivity, profile
 
-    together = dist.is_initialized() and name != "one-gpu"
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             grads()
@@ -191,7 +191,7 @@ def run(args: argparse.Namespace, device: torch.device, kitsune: bool, mesh, gra
             ms.append(t[0])
             host.append(t[1])
     if kitsune and graph and args.trace:
-        trace(args, f"fsdp-rank{rank}", lambda: train_grads(args, model, gen, device), opt)
+        trace(args, f"fsdp-rank{rank}", lambda: train_grads(args, model, gen, device), opt, together=True)
     out = {
         "step_ms_median": statistics.median(ms),
         "host_ms_median": statistics.median(host),
@@ -223,22 +223,21 @@ def single_gpu(args: argparse.Namespace, device: torch.device, shapes: list[tupl
     opt = KitsuneOptimizer(
         torch.optim.AdamW(params, lr=3e-4, weight_decay=0.1), enable_fusion=True, max_grad_norm=args.clip
     )
-    ms, host = [], []
-    for step in range(args.steps):
+
+    def grads() -> None:
         for p in params:
             p.grad = torch.randn(p.shape, generator=gen).to(device) * 1e-3
+
+    ms, host = [], []
+    for step in range(args.steps):
+        grads()
         t = timed(opt.step)
         if step >= args.warmup:
             ms.append(t[0])
             host.append(t[1])
         opt.zero_grad()
     if args.trace:
-
-        def grads() -> None:
-            for p in params:
-                p.grad = torch.randn(p.shape, generator=gen).to(device) * 1e-3
-
-        trace(args, "one-gpu", grads, opt)
+        trace(args, "one-gpu", grads, opt, together=False)
     return {"step_ms_median": statistics.median(ms), "host_ms_median": statistics.median(host)}
 
 
@@ -254,7 +253,9 @@ def main() -> int:
     parser.add_argument("--ctx", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--clip", type=float, default=1.0)
-    parser.add_argument("--trace", action="store_true", help="profile 5 more steps of kitsune's step (OUT/trace-*)")
+    parser.add_argument(
+        "--trace", action="store_true", help="profile more steps of kitsune's step (OUT/trace-*, OUT/cprofile-*)"
+    )
     parser.add_argument(
         "--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a gloo smoke test of the script"
     )

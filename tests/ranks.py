@@ -54,6 +54,16 @@ def _entry(rank: int, world: int, port: int, out: str, job: Job, backend: str) -
     torch.save(results, Path(out) / f"rank{rank}.pt")
 
 
+def shard_linears(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
+    """FSDP2 over ``mesh``: every ``nn.Linear`` child of ``model`` its own ``fully_shard`` unit, then the model."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
 def gpu_world(cap: int = 8) -> int:
     """The world size of the NCCL tests: every GPU this machine shows, 2 to ``cap`` (with fewer than 2 GPUs,
     ``run_ranks`` skips the test)."""

@@ -13,7 +13,7 @@ import traceback
 
 import pytest
 import torch
-from ranks import gpu_world, run_ranks
+from ranks import gpu_world, run_ranks, shard_linears
 
 STEPS = 5
 WORLD = 2
@@ -78,15 +78,6 @@ def _kitsune(params, sc: dict):
     return KitsuneOptimizer(_torch_optimizer(params, sc), enable_fusion=True, grad_config=grads, **amp)
 
 
-def _shard(model: torch.nn.Module, mesh) -> torch.nn.Module:
-    from torch.distributed.fsdp import fully_shard
-
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
-
-
 def _loss(model, x, y, opt=None):
     ctx = opt.autocast() if opt is not None else torch.autocast("cpu", enabled=False)
     with ctx:
@@ -114,7 +105,7 @@ def _fused_training(sc: dict, mesh, rank: int) -> dict:
     built = _native.wait(timeout=120)  # the native check, as a run past its first minute has it
     hits: list[int] = []
     _native.CHECKS = _Counting(built, hits) if built is not None else None
-    model = _shard(_model(), mesh)
+    model = shard_linears(_model(), mesh)
     opt = _kitsune(model.parameters(), sc)
     norms = []
     for step, (x, y) in enumerate(_batches()):
@@ -157,7 +148,7 @@ def _state_dict_parity(mesh, rank: int) -> dict:
     from kitsune.distributed.fsdp import local as fsdp_local
 
     sc = {"opt": "adamw"}
-    models = [_shard(_model(), mesh) for _ in range(2)]
+    models = [shard_linears(_model(), mesh) for _ in range(2)]
     ref, ours = _torch_optimizer(models[0].parameters(), sc), _kitsune(models[1].parameters(), sc)
     for x, y in _batches(seed=2):
         lo, hi = rank * len(x) // WORLD, (rank + 1) * len(x) // WORLD
@@ -261,7 +252,7 @@ def _found_inf_on_one_rank(mesh, rank: int, fused: bool) -> dict:
     from kitsune import AMPConfig, FusionConfig, KitsuneOptimizer
 
     torch.manual_seed(0)
-    model = _shard(torch.nn.Sequential(torch.nn.Linear(6, 4)), mesh)
+    model = shard_linears(torch.nn.Sequential(torch.nn.Linear(6, 4)), mesh)
     opt = KitsuneOptimizer(
         torch.optim.AdamW(model.parameters(), lr=1e-2),
         enable_fusion=True,
@@ -317,7 +308,7 @@ def _low_precision_state(mesh, rank: int) -> dict:
         ref.zero_grad()
     out = {}
     for precision in ("bf16", "8bit"):
-        model = _shard(_model(), mesh)
+        model = shard_linears(_model(), mesh)
         opt = make(model.parameters(), precision)
         for x, y in _batches():
             lo, hi = rank * len(x) // WORLD, (rank + 1) * len(x) // WORLD
@@ -333,7 +324,7 @@ def _low_precision_state(mesh, rank: int) -> dict:
         }
         if precision == "bf16":
             sd = copy.deepcopy(opt.state_dict())
-            again_model = _shard(_model(), mesh)
+            again_model = shard_linears(_model(), mesh)
             for p, q in zip(again_model.parameters(), model.parameters(), strict=True):
                 p.data.copy_(q.data)
             again = make(again_model.parameters(), precision)
@@ -496,7 +487,7 @@ def _nccl_graphed(rank: int, world: int) -> dict:
     mesh = init_device_mesh("cuda", (world,))
     out = {}
     for keep in (False, True):
-        models = [_shard(_model().cuda(), mesh) for _ in range(2)]
+        models = [shard_linears(_model().cuda(), mesh) for _ in range(2)]
         ref = torch.optim.AdamW(models[0].parameters(), lr=1e-2, weight_decay=0.1, fused=True)
         ours = KitsuneOptimizer(
             torch.optim.AdamW(models[1].parameters(), lr=1e-2, weight_decay=0.1), enable_fusion=True, max_grad_norm=0.05
@@ -592,7 +583,7 @@ def _one_process_run(name: str, rank: int, world: int) -> dict:
         ref.zero_grad()
 
     mesh = init_device_mesh("cuda", (world,))
-    sharded = _shard(model(), mesh)
+    sharded = shard_linears(model(), mesh)
     opt = KitsuneOptimizer(
         _long_optimizer(name, sharded.parameters()),
         enable_fusion=True,

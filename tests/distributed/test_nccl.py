@@ -17,7 +17,7 @@ import traceback
 
 import pytest
 import torch
-from ranks import gpu_world, run_ranks
+from ranks import gpu_world, run_ranks, shard_linears
 
 STEPS = 30
 BATCH = 48  # divides among 2, 3, 4, 6 and 8 ranks
@@ -90,13 +90,7 @@ def _distributed(mode: str, rank: int, world: int) -> dict:
     elif mode.startswith("zero"):
         kwargs["shard_config"] = ShardConfig(stage=int(mode[4]), gather_in_forward=mode.endswith("forward"))
     else:  # fsdp2
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh(_device(), (world,))
-        for layer in model:
-            if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        shard_linears(model, init_device_mesh(_device(), (world,)))
     opt = KitsuneOptimizer(_inner(mode, inner_model, dist.group.WORLD if mode == "muon" else None), **kwargs)
     norms = []
     for x, y in _batches():
