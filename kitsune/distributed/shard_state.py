@@ -40,15 +40,14 @@ def check_sizes(st: Any, k: int, numel: int, p: torch.Tensor) -> None:
     if not isinstance(st, dict):
         raise ValueError(f"the state of param {k} must be a dict, got {type(st).__name__}. Nothing was loaded.")
     for name, v in st.items():
-        if name.endswith(state_format.ABSMAX) and state_format.quantized(st, name.removesuffix(state_format.ABSMAX)):
-            blocks = -(-numel // state_format.QUANT_BLOCK)
-            if not torch.is_tensor(v) or v.numel() != blocks:
-                got = v.numel() if torch.is_tensor(v) else type(v).__name__
+        key = name.removesuffix(state_format.ABSMAX)
+        if name.endswith(state_format.ABSMAX) and state_format.quantized(st, key):
+            try:
+                state_format.check_blocks(st, key, numel)
+            except ValueError as exc:
                 raise ValueError(
-                    f"state {name!r} of param {k} has {got} elements where {blocks} belong (one per "
-                    f"{state_format.QUANT_BLOCK} of its {numel}): this state dict is not for these params. Nothing "
-                    "was loaded."
-                )
+                    f"param {k}: {exc}: this state dict is not for these params. Nothing was loaded."
+                ) from None
             continue
         if per_element(v) and v.numel() != numel:
             raise ValueError(

@@ -185,7 +185,7 @@ class FusionSubsystem(Subsystem):
                 for key in algo.state_keys(spec):  # type: ignore[union-attr]
                     t = s.get(key) if key else None
                     if key and t is None and state_format.quantized(s, key):
-                        state_format.check_blocks(s, key, p)  # 8-bit state: the absmax has a block count too
+                        state_format.check_blocks(s, key, p.numel())  # 8-bit state: the absmax has a block count too
                         key, t = key + state_format.CODES, s[key + state_format.CODES]
                     if isinstance(t, torch.Tensor) and t.shape != p.shape:
                         raise ValueError(

@@ -180,7 +180,7 @@ def conform(s: dict[str, Any], key: str, p: torch.Tensor, fmt: StateFormat) -> l
             s[key + CODES], s[key + ABSMAX] = quantize(t.to(p.device), SIGNED.get(key, True), exact_extremes=True)
         codes, absmax = s[key + CODES], s[key + ABSMAX]
         _check_shape(key + CODES, codes, p)
-        check_blocks(s, key, p)
+        check_blocks(s, key, p.numel())
         if codes.dtype != torch.uint8 or codes.device != p.device or not codes.is_contiguous():
             # torch's load_state_dict casts every state tensor of a float param to the param's dtype: codes are
             # integers from 0 to 255, exact in every float dtype, so the cast back loses nothing
@@ -200,13 +200,14 @@ def conform(s: dict[str, Any], key: str, p: torch.Tensor, fmt: StateFormat) -> l
     return [t]
 
 
-def check_blocks(s: Mapping[str, Any], key: str, p: torch.Tensor) -> None:
-    """Raise ``ValueError`` unless 8-bit state ``key`` has one absmax per `QUANT_BLOCK` elements of ``p``."""
-    absmax, blocks = s[key + ABSMAX], math.ceil(p.numel() / QUANT_BLOCK)
+def check_blocks(s: Mapping[str, Any], key: str, numel: int) -> None:
+    """Raise ``ValueError`` unless 8-bit state ``key`` has one absmax per `QUANT_BLOCK` of the ``numel`` elements it
+    holds (a param's, or a ZeRO piece's)."""
+    absmax, blocks = s[key + ABSMAX], math.ceil(numel / QUANT_BLOCK)
     if not isinstance(absmax, torch.Tensor) or absmax.numel() != blocks:
         got = absmax.numel() if isinstance(absmax, torch.Tensor) else type(absmax).__name__
         raise ValueError(
-            f"optimizer state {key + ABSMAX!r} has {got} elements, its param's {p.numel()} elements need {blocks} "
+            f"optimizer state {key + ABSMAX!r} has {got} elements where its {numel} elements need {blocks} "
             f"(one per {QUANT_BLOCK})"
         )
 

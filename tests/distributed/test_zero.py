@@ -694,6 +694,21 @@ def test_whole_reason_decides_per_optimizer_and_group():
     assert "not an optimizer kitsune knows to be elementwise" in whole_reason(mine, mine.param_groups[0])
 
 
+def test_a_pieces_8bit_scales_are_checked_against_its_own_elements():
+    """A ZeRO piece's 8-bit state needs one absmax per 256 of the piece's elements (not the whole param's): the
+    check on load names the param and the fix, and a piece whose block count fits passes."""
+    from kitsune.distributed.shard_state import check_sizes
+    from kitsune.fusion.state_format import quantize
+
+    p = torch.randn(1000)
+    piece = torch.randn(600)  # this rank's 600 of the param's 1000 elements: 3 blocks
+    codes, absmax = quantize(piece, signed=True)
+    check_sizes({"exp_avg_codes": codes, "exp_avg_absmax": absmax}, 4, piece.numel(), p)
+    whole_codes, _ = quantize(p, signed=True)  # the param's codes, with the piece's 3 scales
+    with pytest.raises(ValueError, match=r"param 4: .*'exp_avg_absmax' has 3 elements where its 1000 elements need 4"):
+        check_sizes({"exp_avg_codes": whole_codes, "exp_avg_absmax": absmax}, 4, p.numel(), p)
+
+
 def test_stage_needs_a_process_group():
     from kitsune import KitsuneOptimizer
 
