@@ -54,13 +54,14 @@ BUCKETS = (127 - BUCKET_EXP_MIN + 1) << BUCKET_BITS
 
 
 def bucket_table(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(buckets, sums)`` for finding the nearest code of `dynamic_map` without a search: a magnitude ``a <= 1``
-    falls in bucket ``(exponent - BUCKET_EXP_MIN) * 2**BUCKET_BITS + (its top BUCKET_BITS mantissa bits)``;
-    ``buckets[bucket]`` (uint8) is the index of the code nearest to the bucket's lower edge (among the codes
-    ``>= 0``; a tie to the smaller), and since at most one boundary between two codes lies inside a bucket (checked
-    here), the nearest code of ``a`` is that index ``c`` or ``c + 1``: ``c + 1`` exactly when ``2 a > sums[c]``,
-    ``sums`` (float64) holding ``code[c] + code[c + 1]``, exact, and inf for the last code. The result is the
-    binary search's, ties included (`kitsune.kernels.quant._nearest_code`)."""
+    """``(buckets, thresholds)`` for finding the nearest code of `dynamic_map` without a search: a magnitude ``a <=
+    1`` falls in bucket ``(exponent - BUCKET_EXP_MIN) * 2**BUCKET_BITS + (its top BUCKET_BITS mantissa bits)``;
+    ``buckets[bucket]`` (uint8) is the index of the code nearest to the bucket's lower edge (among the codes ``>= 0``;
+    a tie to the smaller), and since at most one boundary between two codes lies inside a bucket (checked here), the
+    nearest code of ``a`` is that index ``c`` or ``c + 1``: ``c + 1`` exactly when ``a >= thresholds[c]``, the
+    smallest fp32 ``t`` with ``2 t > code[c] + code[c + 1]`` (the sum exact in float64; inf for the last code), so
+    one fp32 comparison decides what the exact midpoint comparison would. The result is the binary search's, ties
+    included (`kitsune.kernels.quant._nearest_code`)."""
     code = dynamic_map(signed).double()
     zero = 127 if signed else 0
     pos = code[zero:]
@@ -75,8 +76,10 @@ def bucket_table(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
             raise AssertionError(f"bucket {b} of the {'signed' if signed else 'unsigned'} map spans two boundaries")
         d = (pos - lo).abs()
         out.append(zero + int((d == d.min()).nonzero().min()))  # the nearest; a tie to the smaller magnitude
-    sums = torch.cat([code[:-1] + code[1:], torch.tensor([math.inf], dtype=torch.float64)])
-    return torch.tensor(out, dtype=torch.uint8), sums
+    half = (code[:-1] + code[1:]) / 2  # exact: the sum of two fp32 neighbours fits a double, and halving is exact
+    t = half.float()  # the nearest fp32; the threshold is the smallest fp32 strictly above the midpoint
+    t = torch.where(t.double() > half, t, torch.nextafter(t, torch.tensor(math.inf)))
+    return torch.tensor(out, dtype=torch.uint8), torch.cat([t, torch.tensor([math.inf])])
 
 
 _TABLES: dict[torch.device, torch.Tensor] = {}
@@ -84,14 +87,14 @@ _TABLES: dict[torch.device, torch.Tensor] = {}
 
 def device_tables(device: torch.device) -> torch.Tensor:
     """Every table of 8-bit state on ``device``, built once per process in one fp32 buffer (a captured CUDA graph
-    may hold its address): the signed `dynamic_map`, the unsigned one (CODE_SIZE fp32 each), their `bucket_table`
-    sums (CODE_SIZE float64 each, as pairs of fp32 words), then their buckets (BUCKETS uint8 each, packed 4 to an
-    fp32 word). `code`, `sums` and `buckets` read their parts."""
+    may hold its address): the signed `dynamic_map`, the unsigned one, their `bucket_table` thresholds (CODE_SIZE
+    fp32 each), then their buckets (BUCKETS uint8 each, packed 4 to an fp32 word). `code`, `thresholds` and
+    `buckets` read their parts."""
     device = torch.device(device)
     table = _TABLES.get(device)
     if table is None:
-        (b1, s1), (b2, s2) = bucket_table(True), bucket_table(False)
-        parts = [dynamic_map(True), dynamic_map(False), torch.cat([s1, s2]).view(torch.float32)]
+        (b1, t1), (b2, t2) = bucket_table(True), bucket_table(False)
+        parts = [dynamic_map(True), dynamic_map(False), t1, t2]
         parts.append(torch.cat([b1, b2]).view(torch.float32))  # 2 * BUCKETS bytes: a whole number of fp32 words
         table = _TABLES[device] = torch.cat(parts).to(device)
     return table
@@ -103,13 +106,13 @@ def code(signed: bool, device: torch.device) -> torch.Tensor:
     return device_tables(device)[start : start + CODE_SIZE]
 
 
-def sums(signed: bool, device: torch.device) -> torch.Tensor:
-    """`bucket_table`'s sums on ``device``: a float64 view of `device_tables`."""
-    start = 0 if signed else CODE_SIZE
-    return device_tables(device)[2 * CODE_SIZE : 6 * CODE_SIZE].view(torch.float64)[start : start + CODE_SIZE]
+def thresholds(signed: bool, device: torch.device) -> torch.Tensor:
+    """`bucket_table`'s thresholds on ``device``: a view of `device_tables`."""
+    start = 2 * CODE_SIZE if signed else 3 * CODE_SIZE
+    return device_tables(device)[start : start + CODE_SIZE]
 
 
 def buckets(signed: bool, device: torch.device) -> torch.Tensor:
     """`bucket_table`'s buckets on ``device``: a uint8 view of `device_tables`."""
     start = 0 if signed else BUCKETS
-    return device_tables(device)[6 * CODE_SIZE :].view(torch.uint8)[start : start + BUCKETS]
+    return device_tables(device)[4 * CODE_SIZE :].view(torch.uint8)[start : start + BUCKETS]
