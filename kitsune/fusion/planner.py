@@ -37,6 +37,9 @@ from kitsune.kernels.multi_tensor import DEFAULT_BLOCK
 from kitsune.kernels.spec import MuonSpec, StateFormat, UpdateSpec
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+Q8_PROGRAM = 32 * QUANT_BLOCK
+"""Elements per program of an 8-bit update: it quantizes one block at a time in a loop, so the per-program work
+(hyperparameters, the bias corrections in fp64, the step count's atomic) is paid once per 32 blocks."""
 _TORCH_DTYPES = (*_KERNEL_DTYPES, torch.float64)
 _TORCH = Route.TORCH_FUSED
 """A reason's level "some torch route": the bucket then takes torch fused, else foreach (see torch_route)."""
@@ -168,8 +171,6 @@ class Planner:
             )
         if fmt == StateFormat.Q8 and p.numel() < self.config.min_8bit_size:
             return spec, f"under min_8bit_size={self.config.min_8bit_size} elements: state in the param's dtype"
-        if fmt == StateFormat.Q8 and self.block % QUANT_BLOCK:
-            return spec, f"8-bit state needs kernel blocks of a multiple of {QUANT_BLOCK}: state in the param's dtype"
         if fmt != StateFormat.Q8 and state_format.dtype_of(fmt, p.dtype) == p.dtype:
             return spec, None  # fp32 state of fp32 params (bf16 of bf16) is torch's layout
         return replace(spec, state=fmt, signed=state_format.signed_mask(algo.state_keys(spec))), None
@@ -302,9 +303,7 @@ class Planner:
         if bp.route is Route.TRITON:
             assert info is not None and isinstance(spec, UpdateSpec)
             algo = unit_info(info, spec)
-            # 8-bit state: a program per quantization block, whose absmax is then the whole program's reduction (on
-            # an H200, 256-element programs ran the GPT-2 set's 8-bit update in 3.04 ms, 1024-element ones in 4.46)
-            block = QUANT_BLOCK if spec.state == StateFormat.Q8 else self.block  # type: ignore[union-attr]
+            block = Q8_PROGRAM if spec.state == StateFormat.Q8 else self.block  # type: ignore[union-attr]
             for chunk in self._chunks(members, backward_bytes):
                 params, gis = [p for _, p in chunk], [gi for gi, _ in chunk]
                 out.units.append(FusedUnit(params, gis, algo, spec, base.state, block))  # type: ignore[arg-type]

@@ -41,7 +41,6 @@ from kitsune.kernels.common import (
     _program_block,
     _ptr,
     _reduce,
-    _role_ptr,
     _update_masks,
 )
 from kitsune.kernels.multi_tensor import TensorTables
@@ -66,41 +65,40 @@ _BUCKETS = tl.constexpr(BUCKETS)
 
 
 @triton.jit
-def _sload(tab, atab, t, offs, start, lim, qmap, SIGNED: tl.constexpr, SDTYPE: tl.constexpr, Q8: tl.constexpr,
+def _sload(addr, aaddr, offs, start, lim, qmap, SIGNED: tl.constexpr, SDTYPE: tl.constexpr, Q8: tl.constexpr,
            BLOCK: tl.constexpr, QBLOCK: tl.constexpr):  # fmt: skip
-    """A state slot of tensor ``t`` (its address in ``tab``; with Q8 its absmax table in ``atab``) at ``offs``, as
+    """A state slot (the tensor at ``addr``; with Q8, its absmax blocks at ``aaddr``) at ``offs``, as
     fp32: SDTYPE elements, or with Q8 uint8 codes into the signed (SIGNED) or unsigned half of ``qmap``."""
     if Q8:
         code = qmap if SIGNED else qmap + _CODE_SIZE
-        q = tl.load(_role_ptr(tab, t, offs, tl.uint8), mask=offs < lim, other=0)
+        q = tl.load(_ptr(addr, offs, tl.uint8), mask=offs < lim, other=0)
         rows = start // QBLOCK + tl.arange(0, BLOCK // QBLOCK).to(tl.int64)
-        absmax = tl.load(_role_ptr(atab, t, rows, tl.float32), mask=rows * QBLOCK < lim, other=0.0)
+        absmax = tl.load(_ptr(aaddr, rows, tl.float32), mask=rows * QBLOCK < lim, other=0.0)
         x = _dequantize_block(q, absmax, code, BLOCK, QBLOCK)
     else:
-        x = tl.load(_role_ptr(tab, t, offs, SDTYPE), mask=offs < lim, other=0.0).to(tl.float32)
+        x = tl.load(_ptr(addr, offs, SDTYPE), mask=offs < lim, other=0.0).to(tl.float32)
     return x
 
 
 @triton.jit
-def _sstore(tab, atab, t, offs, start, lim, x, qmap, SIGNED: tl.constexpr, SDTYPE: tl.constexpr, Q8: tl.constexpr,
+def _sstore(addr, aaddr, offs, start, lim, x, qmap, SIGNED: tl.constexpr, SDTYPE: tl.constexpr, Q8: tl.constexpr,
             RNE_BF16: tl.constexpr, BLOCK: tl.constexpr, QBLOCK: tl.constexpr):  # fmt: skip
     """Store fp32 ``x`` into a state slot as `_sload` reads it: rounded to SDTYPE, or quantized per QBLOCK elements
     (lanes past ``lim`` count as 0 in a block's absmax). With Q8, ``qmap`` holds the code tables, then their bucket
-    tables' sums and buckets (`kitsune.kernels.codes.device_tables`)."""
+    tables' thresholds and buckets (`kitsune.kernels.codes.device_tables`)."""
     if Q8:
         code = qmap if SIGNED else qmap + _CODE_SIZE
-        sums = (qmap + 2 * _CODE_SIZE).to(tl.pointer_type(tl.float64), bitcast=True)
-        buckets = (qmap + 6 * _CODE_SIZE).to(tl.pointer_type(tl.uint8), bitcast=True)
+        thresholds = qmap + (2 if SIGNED else 3) * _CODE_SIZE
+        buckets = (qmap + 4 * _CODE_SIZE).to(tl.pointer_type(tl.uint8), bitcast=True)
         if not SIGNED:
-            sums += _CODE_SIZE
             buckets += _BUCKETS
         x = tl.where(offs < lim, x, 0.0)
-        q, absmax = _quantize_block(x, code, BLOCK, QBLOCK, buckets, sums, 1 if SIGNED else 2)
-        tl.store(_role_ptr(tab, t, offs, tl.uint8), q, mask=offs < lim)
+        q, absmax = _quantize_block(x, code, BLOCK, QBLOCK, buckets, thresholds, 1 if SIGNED else 2)
+        tl.store(_ptr(addr, offs, tl.uint8), q, mask=offs < lim)
         rows = start // QBLOCK + tl.arange(0, BLOCK // QBLOCK).to(tl.int64)
-        tl.store(_role_ptr(atab, t, rows, tl.float32), absmax, mask=rows * QBLOCK < lim)
+        tl.store(_ptr(aaddr, rows, tl.float32), absmax, mask=rows * QBLOCK < lim)
     else:
-        tl.store(_role_ptr(tab, t, offs, SDTYPE), _cast(x, SDTYPE, RNE_BF16), mask=offs < lim)
+        tl.store(_ptr(addr, offs, SDTYPE), _cast(x, SDTYPE, RNE_BF16), mask=offs < lim)
 
 
 @triton.jit
@@ -118,7 +116,7 @@ def _update_kernel(
     a1_tab,  # (T,) int64 addresses of each state slot's fp32 absmax blocks, read only with Q8
     a2_tab,
     a3_tab,
-    qmap,  # fp32: kitsune.kernels.codes.device_tables (the code tables, their sums and buckets), read only with Q8
+    qmap,  # fp32: kitsune.kernels.codes.device_tables (the code tables, thresholds and buckets), read only with Q8
     step_tab,
     sc1_tab,  # (T,) int64 addresses of float32 scalars, read only with SCALARS >= 1 (>= 2 for sc2_tab)
     sc2_tab,
@@ -157,10 +155,11 @@ def _update_kernel(
     QBLOCK: tl.constexpr,
     SR: tl.constexpr,  # bf16 params stored with stochastic rounding (needs HAS_STEP)
     KAHAN: tl.constexpr,  # params stored with Kahan compensation (comp_tab)
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr,  # elements per program
+    TILE: tl.constexpr,  # elements per pass of its loop (BLOCK with a trust ratio: LAMB's partials are per program)
 ):
     pid, t, start, numel, g_addr = _program_block(block_tensor, block_start, numel_tab, grad_tab)
-    live, offs, mask, gmask = _update_masks(start, numel, g_addr, found_inf, HAS_FOUND_INF, BLOCK)
+    live = _update_masks(start, numel, g_addr, found_inf, HAS_FOUND_INF, BLOCK)[0]
     lim = tl.where(live, numel, 0)  # the state slots' elements this block reads and writes: offs < lim
     row = _hyper_row(hyper, group_tab, t)
     lr = tl.load(row + LR)
@@ -186,199 +185,232 @@ def _update_kernel(
         sc2 = tl.load(sc2_ptr, mask=live, other=1.0)
     new1 = sc1  # what the tensor's last block writes back
     new2 = sc2
+    # the tensor's addresses, read once: the loop's stores would keep the compiler from hoisting the reads
+    p_at = tl.load(param_tab + t)
+    s1_at = tl.load(s1_tab + t)
+    s2_at = tl.load(s2_tab + t)
+    s3_at = tl.load(s3_tab + t)
+    a1_at = tl.load(a1_tab + t)
+    a2_at = tl.load(a2_tab + t)
+    a3_at = tl.load(a3_tab + t)
+    c_at = tl.load(comp_tab + t)
 
-    p_ptr = _role_ptr(param_tab, t, offs, DTYPE)
-    g_ptr = _ptr(g_addr, offs, DTYPE)
-    s1_ptr = _role_ptr(s1_tab, t, offs, DTYPE)  # LAMB's moments (always in the param's dtype); the others: _sload
-    s2_ptr = _role_ptr(s2_tab, t, offs, DTYPE)
-    p = tl.load(p_ptr, mask=mask, other=0.0).to(tl.float32)
-    p0 = p  # the stored param, for Kahan compensation
-    coef = 1.0
-    if TRUST != 3:  # LAMB's stage 2 reads no grad: stage 1 has stored the moments
-        g = tl.load(g_ptr, mask=gmask if GRAD_WRITE != 0 else mask, other=0.0).to(tl.float32)
-        # torch's order, each product rounded to fp32 as torch stores it in fp32 grads: unscale (GradScaler.unscale_
-        # multiplies by the fp32 reciprocal of the scale, taken in double), then clip (clip_grad_norm_'s coefficient)
-        if HAS_GRAD_SCALE:
-            g = g * (1.0 / tl.load(grad_scale).to(tl.float64)).to(tl.float32)
-        if CLIP:
-            coef = tl.math.div_rn(1.0, tl.load(total_norm) + 1e-6) * max_norm
-            coef = tl.where(coef > 1.0, 1.0, coef)  # a nan coefficient stays nan, as with torch.clamp
-            g = g * coef
-        if GRAD_WRITE == 1:
-            tl.store(g_ptr, _cast(g, DTYPE, RNE_BF16), mask=gmask)
-        elif GRAD_WRITE == 2:
-            tl.store(g_ptr, tl.zeros_like(g).to(DTYPE), mask=gmask)
-        if MAXIMIZE:
-            g = -g
-    else:
-        g = p
+    # the elementwise work, a tile at a time: 8-bit state quantizes per tile (TILE = QBLOCK), and a program of
+    # several tiles pays the per-tensor work above (hyperparameters, the bias corrections in fp64) once
+    if BLOCK == TILE:
+        n_tiles = 1
+    else:  # only the tiles that hold elements (none when the grad is None: numel is 0 then)
+        n_tiles = (tl.minimum(numel - start, BLOCK) + TILE - 1) // TILE
+    for sub in tl.range(0, n_tiles):
+        tstart = start + sub * TILE
+        _, offs, mask, gmask = _update_masks(tstart, numel, g_addr, found_inf, HAS_FOUND_INF, TILE)
+        p_ptr = _ptr(p_at, offs, DTYPE)
+        g_ptr = _ptr(g_addr, offs, DTYPE)
+        s1_ptr = _ptr(s1_at, offs, DTYPE)  # LAMB's moments (always in the param's dtype); the others: _sload
+        s2_ptr = _ptr(s2_at, offs, DTYPE)
+        p = tl.load(p_ptr, mask=mask, other=0.0).to(tl.float32)
+        p0 = p  # the stored param, for Kahan compensation
+        coef = 1.0
+        if TRUST != 3:  # LAMB's stage 2 reads no grad: stage 1 has stored the moments
+            g = tl.load(g_ptr, mask=gmask if GRAD_WRITE != 0 else mask, other=0.0).to(tl.float32)
+            # torch's order, each product rounded to fp32 as torch stores it in fp32 grads: unscale (GradScaler's
+            # unscale_ multiplies by the fp32 reciprocal of the scale, taken in double), then clip (clip_grad_norm_'s
+            # coefficient)
+            if HAS_GRAD_SCALE:
+                g = g * (1.0 / tl.load(grad_scale).to(tl.float64)).to(tl.float32)
+            if CLIP:
+                coef = tl.math.div_rn(1.0, tl.load(total_norm) + 1e-6) * max_norm
+                coef = tl.where(coef > 1.0, 1.0, coef)  # a nan coefficient stays nan, as with torch.clamp
+                g = g * coef
+            if GRAD_WRITE == 1:
+                tl.store(g_ptr, _cast(g, DTYPE, RNE_BF16), mask=gmask)
+            elif GRAD_WRITE == 2:
+                tl.store(g_ptr, tl.zeros_like(g).to(DTYPE), mask=gmask)
+            if MAXIMIZE:
+                g = -g
+        else:
+            g = p
 
-    if TRUST >= 2:  # LAMB (You et al. 2019): u = m_hat / (sqrt(v_hat) + eps) + wd * p, p -= lr * trust * u
-        if TRUST == 2:
-            m = _lerp(tl.load(s1_ptr, mask=mask, other=0.0).to(tl.float32), g, (1.0 - b1).to(tl.float32))
-            v = tl.load(s2_ptr, mask=mask, other=0.0).to(tl.float32)
-            v = v * b2.to(tl.float32) + (1.0 - b2).to(tl.float32) * g * g
-            m = _cast(m, DTYPE, RNE_BF16)
-            v = _cast(v, DTYPE, RNE_BF16)
-            tl.store(s1_ptr, m, mask=mask)
-            tl.store(s2_ptr, v, mask=mask)
-            m = m.to(tl.float32)  # stage 2 reads the stored (rounded) moments: use the same values here
-            v = v.to(tl.float32)
-        else:
-            m = tl.load(s1_ptr, mask=mask, other=0.0).to(tl.float32)
-            v = tl.load(s2_ptr, mask=mask, other=0.0).to(tl.float32)
-        bias1 = tl.where(extra != 0.0, 1.0 - tl.exp2(step * tl.log2(b1)), 1.0).to(tl.float32)
-        bias2 = tl.where(extra != 0.0, 1.0 - tl.exp2(step * tl.log2(b2)), 1.0).to(tl.float32)
-        u = _add_wd((m / bias1) / (tl.sqrt(v / bias2) + eps), wd, p)
-        if TRUST == 2:
-            tl.store(partials + pid, tl.sum(tl.where(mask, u * u, 0.0), 0))
-        else:
-            w_norm = tl.load(tensor_norms + n_norm + norm_offset + t)
-            u_norm = tl.load(update_norm + t)
-            trust = tl.where((w_norm > 0.0) & (u_norm > 0.0), w_norm / u_norm, 1.0)
-            trust = tl.minimum(trust, trust_a.to(tl.float32))  # max_trust_ratio; inf when there is none
-            trust = tl.where(adapt, trust, 1.0)
-            p = p - u * (lr.to(tl.float32) * trust)
-    elif ALGO == 0:  # Adam / AdamW: s1 exp_avg, s2 exp_avg_sq, s3 max_exp_avg_sq
-        if DECOUPLED:
-            p = p * (1.0 - lr * wd).to(tl.float32)
-        else:
-            g = _add_wd(g, wd, p)
-        m = _sload(s1_tab, a1_tab, t, offs, start, lim, qmap, SIGNS & 1, SDTYPE, Q8, BLOCK, QBLOCK)
-        m = _lerp(m, g, (1.0 - b1).to(tl.float32))
-        v = _sload(s2_tab, a2_tab, t, offs, start, lim, qmap, SIGNS & 2, SDTYPE, Q8, BLOCK, QBLOCK)
-        v = v * b2.to(tl.float32) + (1.0 - b2).to(tl.float32) * g * g
-        _sstore(s1_tab, a1_tab, t, offs, start, lim, m, qmap, SIGNS & 1, SDTYPE, Q8, RNE_BF16, BLOCK, QBLOCK)
-        _sstore(s2_tab, a2_tab, t, offs, start, lim, v, qmap, SIGNS & 2, SDTYPE, Q8, RNE_BF16, BLOCK, QBLOCK)
-        if AMSGRAD:
-            v = tl.maximum(_sload(s3_tab, a3_tab, t, offs, start, lim, qmap, SIGNS & 4, SDTYPE, Q8, BLOCK, QBLOCK), v)
-            _sstore(s3_tab, a3_tab, t, offs, start, lim, v, qmap, SIGNS & 4, SDTYPE, Q8, RNE_BF16, BLOCK, QBLOCK)
-        # 1 - beta**step in fp64: in fp32 the early steps (1 - 0.999) would lose four digits
-        bias1 = 1.0 - tl.exp2(step * tl.log2(b1))
-        bias2_sqrt = tl.sqrt(1.0 - tl.exp2(step * tl.log2(b2)))
-        step_size = (lr / bias1).to(tl.float32)
-        denom = tl.sqrt(v) / bias2_sqrt.to(tl.float32) + eps
-        p = p - step_size * (m / denom)
-    elif ALGO == 1:  # SGD: s1 momentum_buffer
-        if TRUST == 1:  # LARS (You et al. 2017): the trust ratio from the norms of the param and the grad used
-            g_norm = tl.load(tensor_norms + norm_offset + t) * coef
-            w_norm = tl.load(tensor_norms + n_norm + norm_offset + t)
-            ratio = (trust_a.to(tl.float32) * w_norm) / ((g_norm + wd.to(tl.float32) * w_norm) + eps)
-            trust = tl.where(adapt & (w_norm > 0.0) & (g_norm > 0.0), ratio, 1.0)
-            g = _add_wd(g, wd, p) * trust
-        else:
-            g = _add_wd(g, wd, p)
-        if MOMENTUM:
-            buf = _sload(s1_tab, a1_tab, t, offs, start, lim, qmap, SIGNS & 1, SDTYPE, Q8, BLOCK, QBLOCK)
-            # the first step copies the grad, as torch's lazily created buffer does
-            buf = tl.where(step == 1.0, g, buf * b1.to(tl.float32) + (1.0 - extra).to(tl.float32) * g)
-            _sstore(s1_tab, a1_tab, t, offs, start, lim, buf, qmap, SIGNS & 1, SDTYPE, Q8, RNE_BF16, BLOCK, QBLOCK)
-            if NESTEROV:
-                g = g + b1.to(tl.float32) * buf
+        if TRUST >= 2:  # LAMB (You et al. 2019): u = m_hat / (sqrt(v_hat) + eps) + wd * p, p -= lr * trust * u
+            if TRUST == 2:
+                m = _lerp(tl.load(s1_ptr, mask=mask, other=0.0).to(tl.float32), g, (1.0 - b1).to(tl.float32))
+                v = tl.load(s2_ptr, mask=mask, other=0.0).to(tl.float32)
+                v = v * b2.to(tl.float32) + (1.0 - b2).to(tl.float32) * g * g
+                m = _cast(m, DTYPE, RNE_BF16)
+                v = _cast(v, DTYPE, RNE_BF16)
+                tl.store(s1_ptr, m, mask=mask)
+                tl.store(s2_ptr, v, mask=mask)
+                m = m.to(tl.float32)  # stage 2 reads the stored (rounded) moments: use the same values here
+                v = v.to(tl.float32)
             else:
-                g = buf
-        p = p - lr.to(tl.float32) * g
-    elif ALGO == 2:  # Adagrad: s1 sum
-        g = _add_wd(g, wd, p)
-        clr = (lr / (1.0 + (step - 1.0) * extra)).to(tl.float32)
-        acc = _sload(s1_tab, a1_tab, t, offs, start, lim, qmap, SIGNS & 1, SDTYPE, Q8, BLOCK, QBLOCK) + g * g
-        _sstore(s1_tab, a1_tab, t, offs, start, lim, acc, qmap, SIGNS & 1, SDTYPE, Q8, RNE_BF16, BLOCK, QBLOCK)
-        p = p - clr * (g / (tl.sqrt(acc) + eps))
-    elif ALGO == 3:  # RMSprop: s1 square_avg, s2 momentum_buffer, s3 grad_avg
-        g = _add_wd(g, wd, p)
-        sq = _sload(s1_tab, a1_tab, t, offs, start, lim, qmap, SIGNS & 1, SDTYPE, Q8, BLOCK, QBLOCK)
-        sq = sq * b2.to(tl.float32) + (1.0 - b2).to(tl.float32) * g * g
-        _sstore(s1_tab, a1_tab, t, offs, start, lim, sq, qmap, SIGNS & 1, SDTYPE, Q8, RNE_BF16, BLOCK, QBLOCK)
-        if CENTERED:
-            ga = _sload(s3_tab, a3_tab, t, offs, start, lim, qmap, SIGNS & 4, SDTYPE, Q8, BLOCK, QBLOCK)
-            ga = _lerp(ga, g, (1.0 - b2).to(tl.float32))
-            _sstore(s3_tab, a3_tab, t, offs, start, lim, ga, qmap, SIGNS & 4, SDTYPE, Q8, RNE_BF16, BLOCK, QBLOCK)
-            avg = tl.sqrt(sq - ga * ga) + eps
-        else:
-            avg = tl.sqrt(sq) + eps
-        if MOMENTUM:
-            buf = _sload(s2_tab, a2_tab, t, offs, start, lim, qmap, SIGNS & 2, SDTYPE, Q8, BLOCK, QBLOCK)
-            buf = buf * b1.to(tl.float32) + g / avg
-            _sstore(s2_tab, a2_tab, t, offs, start, lim, buf, qmap, SIGNS & 2, SDTYPE, Q8, RNE_BF16, BLOCK, QBLOCK)
-            p = p - lr.to(tl.float32) * buf
-        else:
-            p = p - lr.to(tl.float32) * (g / avg)
-    elif ALGO == 4:  # Lion: s1 exp_avg
-        p = p * (1.0 - lr * wd).to(tl.float32)
-        m = _sload(s1_tab, a1_tab, t, offs, start, lim, qmap, SIGNS & 1, SDTYPE, Q8, BLOCK, QBLOCK)
-        c = _lerp(m, g, (1.0 - b1).to(tl.float32))
-        sign = tl.where(c > 0, 1.0, tl.where(c < 0, -1.0, 0.0))  # torch.sign: 0 for 0 and for nan
-        p = p - lr.to(tl.float32) * sign
-        m = _lerp(m, g, (1.0 - b2).to(tl.float32))
-        _sstore(s1_tab, a1_tab, t, offs, start, lim, m, qmap, SIGNS & 1, SDTYPE, Q8, RNE_BF16, BLOCK, QBLOCK)
-    elif ALGO == 10:  # ASGD: s1 ax; scalar1 eta, scalar2 mu; B1 lambd, B2 alpha, EXTRA t0
-        g = _add_wd(g, wd, p)
-        p = p * (1.0 - b1 * sc1.to(tl.float64)).to(tl.float32)
-        p = p - sc1 * g
-        ax = _sload(s1_tab, a1_tab, t, offs, start, lim, qmap, SIGNS & 1, SDTYPE, Q8, BLOCK, QBLOCK)
-        ax = tl.where(sc2 != 1.0, ax + (p - ax) * sc2, p)  # torch copies the param while mu is 1
-        _sstore(s1_tab, a1_tab, t, offs, start, lim, ax, qmap, SIGNS & 1, SDTYPE, Q8, RNE_BF16, BLOCK, QBLOCK)
-        # the next step's eta = lr / (1 + lambd lr t)^alpha and mu = 1 / max(1, t - t0), from this step's lr
-        new1 = (lr / tl.exp2(b2 * tl.log2(1.0 + b1 * lr * step))).to(tl.float32)
-        new2 = (1.0 / tl.maximum(step - extra, 1.0)).to(tl.float32)
-    elif ALGO == 9:  # Rprop: s1 prev, s2 step_size; B1/B2 etaminus/etaplus, EXTRA/TRUST_A step_size min/max
-        prev = _sload(s1_tab, a1_tab, t, offs, start, lim, qmap, SIGNS & 1, SDTYPE, Q8, BLOCK, QBLOCK)
-        prod = g * prev  # nan: torch's sign is 0 there, so the factor is 1 and the grad is kept
-        size = _sload(s2_tab, a2_tab, t, offs, start, lim, qmap, SIGNS & 2, SDTYPE, Q8, BLOCK, QBLOCK)
-        size = size * tl.where(prod > 0.0, b2.to(tl.float32), tl.where(prod < 0.0, b1.to(tl.float32), 1.0))
-        size = tl.maximum(size, extra.to(tl.float32), propagate_nan=tl.PropagateNan.ALL)  # torch.clamp keeps nan
-        size = tl.minimum(size, trust_a.to(tl.float32), propagate_nan=tl.PropagateNan.ALL)
-        g = tl.where(prod < 0.0, 0.0, g)  # a sign change: no step this time, and prev forgets the grad
-        p = p - tl.where(g > 0, 1.0, tl.where(g < 0, -1.0, 0.0)) * size
-        _sstore(s1_tab, a1_tab, t, offs, start, lim, g, qmap, SIGNS & 1, SDTYPE, Q8, RNE_BF16, BLOCK, QBLOCK)
-        _sstore(s2_tab, a2_tab, t, offs, start, lim, size, qmap, SIGNS & 2, SDTYPE, Q8, RNE_BF16, BLOCK, QBLOCK)
-    elif ALGO == 8:  # Adadelta: s1 square_avg, s2 acc_delta; B2 rho
-        g = _add_wd(g, wd, p)
-        rho = b2.to(tl.float32)
-        sq = (
-            _sload(s1_tab, a1_tab, t, offs, start, lim, qmap, SIGNS & 1, SDTYPE, Q8, BLOCK, QBLOCK) * rho
-            + (1.0 - b2).to(tl.float32) * g * g
-        )
-        acc = _sload(s2_tab, a2_tab, t, offs, start, lim, qmap, SIGNS & 2, SDTYPE, Q8, BLOCK, QBLOCK)
-        delta = tl.sqrt(acc + eps) / tl.sqrt(sq + eps) * g
-        acc = acc * rho + (1.0 - b2).to(tl.float32) * delta * delta
-        _sstore(s1_tab, a1_tab, t, offs, start, lim, sq, qmap, SIGNS & 1, SDTYPE, Q8, RNE_BF16, BLOCK, QBLOCK)
-        _sstore(s2_tab, a2_tab, t, offs, start, lim, acc, qmap, SIGNS & 2, SDTYPE, Q8, RNE_BF16, BLOCK, QBLOCK)
-        p = p - lr.to(tl.float32) * delta
-    else:  # NAdam (5), RAdam (6), Adamax (7): s1 exp_avg, s2 exp_avg_sq (Adamax: exp_inf)
-        if DECOUPLED:
-            p = p * (1.0 - lr * wd).to(tl.float32)
-        else:
+                m = tl.load(s1_ptr, mask=mask, other=0.0).to(tl.float32)
+                v = tl.load(s2_ptr, mask=mask, other=0.0).to(tl.float32)
+            bias1 = tl.where(extra != 0.0, 1.0 - tl.exp2(step * tl.log2(b1)), 1.0).to(tl.float32)
+            bias2 = tl.where(extra != 0.0, 1.0 - tl.exp2(step * tl.log2(b2)), 1.0).to(tl.float32)
+            u = _add_wd((m / bias1) / (tl.sqrt(v / bias2) + eps), wd, p)
+            if TRUST == 2:
+                tl.store(partials + pid, tl.sum(tl.where(mask, u * u, 0.0), 0))
+            else:
+                w_norm = tl.load(tensor_norms + n_norm + norm_offset + t)
+                u_norm = tl.load(update_norm + t)
+                trust = tl.where((w_norm > 0.0) & (u_norm > 0.0), w_norm / u_norm, 1.0)
+                trust = tl.minimum(trust, trust_a.to(tl.float32))  # max_trust_ratio; inf when there is none
+                trust = tl.where(adapt, trust, 1.0)
+                p = p - u * (lr.to(tl.float32) * trust)
+        elif ALGO == 0:  # Adam / AdamW: s1 exp_avg, s2 exp_avg_sq, s3 max_exp_avg_sq
+            if DECOUPLED:
+                p = p * (1.0 - lr * wd).to(tl.float32)
+            else:
+                g = _add_wd(g, wd, p)
+            m = _sload(s1_at, a1_at, offs, tstart, lim, qmap, SIGNS & 1, SDTYPE, Q8, TILE, QBLOCK)
+            m = _lerp(m, g, (1.0 - b1).to(tl.float32))
+            v = _sload(s2_at, a2_at, offs, tstart, lim, qmap, SIGNS & 2, SDTYPE, Q8, TILE, QBLOCK)
+            v = v * b2.to(tl.float32) + (1.0 - b2).to(tl.float32) * g * g
+            _sstore(s1_at, a1_at, offs, tstart, lim, m, qmap, SIGNS & 1, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK)
+            _sstore(s2_at, a2_at, offs, tstart, lim, v, qmap, SIGNS & 2, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK)
+            if AMSGRAD:
+                v = tl.maximum(_sload(s3_at, a3_at, offs, tstart, lim, qmap, SIGNS & 4, SDTYPE, Q8, TILE, QBLOCK), v)
+                _sstore(s3_at, a3_at, offs, tstart, lim, v, qmap, SIGNS & 4, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK)
+            # 1 - beta**step in fp64: in fp32 the early steps (1 - 0.999) would lose four digits
+            bias1 = 1.0 - tl.exp2(step * tl.log2(b1))
+            bias2_sqrt = tl.sqrt(1.0 - tl.exp2(step * tl.log2(b2)))
+            step_size = (lr / bias1).to(tl.float32)
+            denom = tl.sqrt(v) / bias2_sqrt.to(tl.float32) + eps
+            p = p - step_size * (m / denom)
+        elif ALGO == 1:  # SGD: s1 momentum_buffer
+            if TRUST == 1:  # LARS (You et al. 2017): the trust ratio from the norms of the param and the grad used
+                g_norm = tl.load(tensor_norms + norm_offset + t) * coef
+                w_norm = tl.load(tensor_norms + n_norm + norm_offset + t)
+                ratio = (trust_a.to(tl.float32) * w_norm) / ((g_norm + wd.to(tl.float32) * w_norm) + eps)
+                trust = tl.where(adapt & (w_norm > 0.0) & (g_norm > 0.0), ratio, 1.0)
+                g = _add_wd(g, wd, p) * trust
+            else:
+                g = _add_wd(g, wd, p)
+            if MOMENTUM:
+                buf = _sload(s1_at, a1_at, offs, tstart, lim, qmap, SIGNS & 1, SDTYPE, Q8, TILE, QBLOCK)
+                # the first step copies the grad, as torch's lazily created buffer does
+                buf = tl.where(step == 1.0, g, buf * b1.to(tl.float32) + (1.0 - extra).to(tl.float32) * g)
+                _sstore(s1_at, a1_at, offs, tstart, lim, buf, qmap, SIGNS & 1, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK)
+                if NESTEROV:
+                    g = g + b1.to(tl.float32) * buf
+                else:
+                    g = buf
+            p = p - lr.to(tl.float32) * g
+        elif ALGO == 2:  # Adagrad: s1 sum
             g = _add_wd(g, wd, p)
-        m = _sload(s1_tab, a1_tab, t, offs, start, lim, qmap, SIGNS & 1, SDTYPE, Q8, BLOCK, QBLOCK)
-        m = _lerp(m, g, (1.0 - b1).to(tl.float32))
-        v = _sload(s2_tab, a2_tab, t, offs, start, lim, qmap, SIGNS & 2, SDTYPE, Q8, BLOCK, QBLOCK) * b2.to(tl.float32)
-        if ALGO == 7:
-            v = tl.maximum(v, tl.abs(g) + eps, propagate_nan=tl.PropagateNan.ALL)  # as torch.maximum
+            clr = (lr / (1.0 + (step - 1.0) * extra)).to(tl.float32)
+            acc = _sload(s1_at, a1_at, offs, tstart, lim, qmap, SIGNS & 1, SDTYPE, Q8, TILE, QBLOCK) + g * g
+            _sstore(s1_at, a1_at, offs, tstart, lim, acc, qmap, SIGNS & 1, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK)
+            p = p - clr * (g / (tl.sqrt(acc) + eps))
+        elif ALGO == 3:  # RMSprop: s1 square_avg, s2 momentum_buffer, s3 grad_avg
+            g = _add_wd(g, wd, p)
+            sq = _sload(s1_at, a1_at, offs, tstart, lim, qmap, SIGNS & 1, SDTYPE, Q8, TILE, QBLOCK)
+            sq = sq * b2.to(tl.float32) + (1.0 - b2).to(tl.float32) * g * g
+            _sstore(s1_at, a1_at, offs, tstart, lim, sq, qmap, SIGNS & 1, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK)
+            if CENTERED:
+                ga = _sload(s3_at, a3_at, offs, tstart, lim, qmap, SIGNS & 4, SDTYPE, Q8, TILE, QBLOCK)
+                ga = _lerp(ga, g, (1.0 - b2).to(tl.float32))
+                _sstore(s3_at, a3_at, offs, tstart, lim, ga, qmap, SIGNS & 4, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK)
+                avg = tl.sqrt(sq - ga * ga) + eps
+            else:
+                avg = tl.sqrt(sq) + eps
+            if MOMENTUM:
+                buf = _sload(s2_at, a2_at, offs, tstart, lim, qmap, SIGNS & 2, SDTYPE, Q8, TILE, QBLOCK)
+                buf = buf * b1.to(tl.float32) + g / avg
+                _sstore(s2_at, a2_at, offs, tstart, lim, buf, qmap, SIGNS & 2, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK)
+                p = p - lr.to(tl.float32) * buf
+            else:
+                p = p - lr.to(tl.float32) * (g / avg)
+        elif ALGO == 4:  # Lion: s1 exp_avg
+            p = p * (1.0 - lr * wd).to(tl.float32)
+            m = _sload(s1_at, a1_at, offs, tstart, lim, qmap, SIGNS & 1, SDTYPE, Q8, TILE, QBLOCK)
+            c = _lerp(m, g, (1.0 - b1).to(tl.float32))
+            sign = tl.where(c > 0, 1.0, tl.where(c < 0, -1.0, 0.0))  # torch.sign: 0 for 0 and for nan
+            p = p - lr.to(tl.float32) * sign
+            m = _lerp(m, g, (1.0 - b2).to(tl.float32))
+            _sstore(s1_at, a1_at, offs, tstart, lim, m, qmap, SIGNS & 1, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK)
+        elif ALGO == 10:  # ASGD: s1 ax; scalar1 eta, scalar2 mu; B1 lambd, B2 alpha, EXTRA t0
+            g = _add_wd(g, wd, p)
+            p = p * (1.0 - b1 * sc1.to(tl.float64)).to(tl.float32)
+            p = p - sc1 * g
+            ax = _sload(s1_at, a1_at, offs, tstart, lim, qmap, SIGNS & 1, SDTYPE, Q8, TILE, QBLOCK)
+            ax = tl.where(sc2 != 1.0, ax + (p - ax) * sc2, p)  # torch copies the param while mu is 1
+            _sstore(s1_at, a1_at, offs, tstart, lim, ax, qmap, SIGNS & 1, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK)
+            # the next step's eta = lr / (1 + lambd lr t)^alpha and mu = 1 / max(1, t - t0), from this step's lr
+            new1 = (lr / tl.exp2(b2 * tl.log2(1.0 + b1 * lr * step))).to(tl.float32)
+            new2 = (1.0 / tl.maximum(step - extra, 1.0)).to(tl.float32)
+        elif ALGO == 9:  # Rprop: s1 prev, s2 step_size; B1/B2 etaminus/etaplus, EXTRA/TRUST_A step_size min/max
+            prev = _sload(s1_at, a1_at, offs, tstart, lim, qmap, SIGNS & 1, SDTYPE, Q8, TILE, QBLOCK)
+            prod = g * prev  # nan: torch's sign is 0 there, so the factor is 1 and the grad is kept
+            size = _sload(s2_at, a2_at, offs, tstart, lim, qmap, SIGNS & 2, SDTYPE, Q8, TILE, QBLOCK)
+            size = size * tl.where(prod > 0.0, b2.to(tl.float32), tl.where(prod < 0.0, b1.to(tl.float32), 1.0))
+            size = tl.maximum(size, extra.to(tl.float32), propagate_nan=tl.PropagateNan.ALL)  # torch.clamp keeps nan
+            size = tl.minimum(size, trust_a.to(tl.float32), propagate_nan=tl.PropagateNan.ALL)
+            g = tl.where(prod < 0.0, 0.0, g)  # a sign change: no step this time, and prev forgets the grad
+            p = p - tl.where(g > 0, 1.0, tl.where(g < 0, -1.0, 0.0)) * size
+            _sstore(s1_at, a1_at, offs, tstart, lim, g, qmap, SIGNS & 1, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK)
+            _sstore(s2_at, a2_at, offs, tstart, lim, size, qmap, SIGNS & 2, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK)
+        elif ALGO == 8:  # Adadelta: s1 square_avg, s2 acc_delta; B2 rho
+            g = _add_wd(g, wd, p)
+            rho = b2.to(tl.float32)
+            sq = (
+                _sload(s1_at, a1_at, offs, tstart, lim, qmap, SIGNS & 1, SDTYPE, Q8, TILE, QBLOCK) * rho
+                + (1.0 - b2).to(tl.float32) * g * g
+            )
+            acc = _sload(s2_at, a2_at, offs, tstart, lim, qmap, SIGNS & 2, SDTYPE, Q8, TILE, QBLOCK)
+            delta = tl.sqrt(acc + eps) / tl.sqrt(sq + eps) * g
+            acc = acc * rho + (1.0 - b2).to(tl.float32) * delta * delta
+            _sstore(s1_at, a1_at, offs, tstart, lim, sq, qmap, SIGNS & 1, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK)
+            _sstore(s2_at, a2_at, offs, tstart, lim, acc, qmap, SIGNS & 2, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK)
+            p = p - lr.to(tl.float32) * delta
+        else:  # NAdam (5), RAdam (6), Adamax (7): s1 exp_avg, s2 exp_avg_sq (Adamax: exp_inf)
+            if DECOUPLED:
+                p = p * (1.0 - lr * wd).to(tl.float32)
+            else:
+                g = _add_wd(g, wd, p)
+            m = _sload(s1_at, a1_at, offs, tstart, lim, qmap, SIGNS & 1, SDTYPE, Q8, TILE, QBLOCK)
+            m = _lerp(m, g, (1.0 - b1).to(tl.float32))
+            v = _sload(s2_at, a2_at, offs, tstart, lim, qmap, SIGNS & 2, SDTYPE, Q8, TILE, QBLOCK) * b2.to(tl.float32)
+            if ALGO == 7:
+                v = tl.maximum(v, tl.abs(g) + eps, propagate_nan=tl.PropagateNan.ALL)  # as torch.maximum
+            else:
+                v = v + (1.0 - b2).to(tl.float32) * g * g
+            _sstore(s1_at, a1_at, offs, tstart, lim, m, qmap, SIGNS & 1, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK)
+            _sstore(s2_at, a2_at, offs, tstart, lim, v, qmap, SIGNS & 2, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK)
+            bias1 = 1.0 - tl.exp2(step * tl.log2(b1))
+            beta2_t = tl.exp2(step * tl.log2(b2))
+            if ALGO == 5:  # NAdam: mu_t = beta1 (1 - 0.5 * 0.96^(t momentum_decay)); EXTRA = momentum_decay log2(0.96)
+                mu = b1 * (1.0 - 0.5 * tl.exp2(step * extra))
+                mu_next = b1 * (1.0 - 0.5 * tl.exp2((step + 1.0) * extra))
+                new1 = sc1 * mu.to(tl.float32)  # torch multiplies the float32 mu_product by mu rounded to float32
+                mu_product = new1.to(tl.float64)
+                denom = tl.sqrt(v) / tl.sqrt(1.0 - beta2_t).to(tl.float32) + eps
+                p = p - (lr * (1.0 - mu) / (1.0 - mu_product)).to(tl.float32) * (g / denom)
+                p = p - (lr * mu_next / (1.0 - mu_product * mu_next)).to(tl.float32) * (m / denom)
+            elif ALGO == 6:  # RAdam: rectify the adaptive step once the variance estimate is tractable (rho_t > 5)
+                bias2 = 1.0 - beta2_t
+                rho_inf = 2.0 / (1.0 - b2) - 1.0
+                rho_t = rho_inf - 2.0 * step * beta2_t / bias2
+                ratio = (rho_t - 4.0) * (rho_t - 2.0) * rho_inf / ((rho_inf - 4.0) * (rho_inf - 2.0) * rho_t)
+                rect = tl.sqrt(tl.where(rho_t > 5.0, ratio, 1.0))  # the other branch's ratio may be negative
+                adaptive = (lr * rect * tl.sqrt(bias2) / bias1).to(tl.float32) * (m / (tl.sqrt(v) + eps))
+                p = p - tl.where(rho_t > 5.0, adaptive, (lr / bias1).to(tl.float32) * m)
+            else:  # Adamax
+                p = p - (lr / bias1).to(tl.float32) * (m / v)
+
+        if TRUST == 2:
+            pass  # LAMB's stage 1 stores the moments and its partial norm; the params wait for stage 2
+        elif KAHAN:  # the update plus what rounding dropped before, applied; what this rounding drops, kept for later
+            c_ptr = _ptr(c_at, offs, DTYPE)
+            c = tl.load(c_ptr, mask=mask, other=0.0).to(tl.float32) + (p - p0)
+            stored = _cast(p0 + c, DTYPE, RNE_BF16)
+            tl.store(p_ptr, stored, mask=mask)
+            tl.store(c_ptr, _cast(c - (stored.to(tl.float32) - p0), DTYPE, RNE_BF16), mask=mask)
+        elif SR:  # bf16 params, E[stored] = p: Philox bits keyed by seed, the step as the stream, a counter per element
+            counter = offs + (t.to(tl.int64) << 40)  # tensors of up to 2**40 elements, each its own counters
+            tl.store(p_ptr, _stochastic_round_bf16(p, seed, step.to(tl.uint32), counter), mask=mask)
         else:
-            v = v + (1.0 - b2).to(tl.float32) * g * g
-        _sstore(s1_tab, a1_tab, t, offs, start, lim, m, qmap, SIGNS & 1, SDTYPE, Q8, RNE_BF16, BLOCK, QBLOCK)
-        _sstore(s2_tab, a2_tab, t, offs, start, lim, v, qmap, SIGNS & 2, SDTYPE, Q8, RNE_BF16, BLOCK, QBLOCK)
-        bias1 = 1.0 - tl.exp2(step * tl.log2(b1))
-        beta2_t = tl.exp2(step * tl.log2(b2))
-        if ALGO == 5:  # NAdam: mu_t = beta1 (1 - 0.5 * 0.96^(t momentum_decay)); EXTRA = momentum_decay log2(0.96)
-            mu = b1 * (1.0 - 0.5 * tl.exp2(step * extra))
-            mu_next = b1 * (1.0 - 0.5 * tl.exp2((step + 1.0) * extra))
-            new1 = sc1 * mu.to(tl.float32)  # torch multiplies the float32 mu_product by mu rounded to float32
-            mu_product = new1.to(tl.float64)
-            denom = tl.sqrt(v) / tl.sqrt(1.0 - beta2_t).to(tl.float32) + eps
-            p = p - (lr * (1.0 - mu) / (1.0 - mu_product)).to(tl.float32) * (g / denom)
-            p = p - (lr * mu_next / (1.0 - mu_product * mu_next)).to(tl.float32) * (m / denom)
-        elif ALGO == 6:  # RAdam: rectify the adaptive step once the variance estimate is tractable (rho_t > 5)
-            bias2 = 1.0 - beta2_t
-            rho_inf = 2.0 / (1.0 - b2) - 1.0
-            rho_t = rho_inf - 2.0 * step * beta2_t / bias2
-            ratio = (rho_t - 4.0) * (rho_t - 2.0) * rho_inf / ((rho_inf - 4.0) * (rho_inf - 2.0) * rho_t)
-            rect = tl.sqrt(tl.where(rho_t > 5.0, ratio, 1.0))  # the other branch's ratio may be negative
-            adaptive = (lr * rect * tl.sqrt(bias2) / bias1).to(tl.float32) * (m / (tl.sqrt(v) + eps))
-            p = p - tl.where(rho_t > 5.0, adaptive, (lr / bias1).to(tl.float32) * m)
-        else:  # Adamax
-            p = p - (lr / bias1).to(tl.float32) * (m / v)
+            tl.store(p_ptr, _cast(p, DTYPE, RNE_BF16), mask=mask)
 
     if TRUST == 2:  # stage 1: the block that finishes a tensor reduces its ||update||; params wait for stage 2
         tl.debug_barrier()  # every thread's partial is stored before the release below
@@ -388,17 +420,6 @@ def _update_kernel(
                 first = pid - (start // BLOCK).to(tl.int32)
                 tl.store(update_norm + t, tl.sqrt_rn(_reduce(partials + first, n_blocks, False, RBLOCK)))
                 tl.store(counter_tab + t, 0)
-    elif KAHAN:  # the update plus what rounding dropped before, applied; what this rounding drops, kept for later
-        c_ptr = _role_ptr(comp_tab, t, offs, DTYPE)
-        c = tl.load(c_ptr, mask=mask, other=0.0).to(tl.float32) + (p - p0)
-        stored = _cast(p0 + c, DTYPE, RNE_BF16)
-        tl.store(p_ptr, stored, mask=mask)
-        tl.store(c_ptr, _cast(c - (stored.to(tl.float32) - p0), DTYPE, RNE_BF16), mask=mask)
-    elif SR:  # bf16 params, E[stored] = p: Philox bits keyed by seed, the step as the stream, a counter per element
-        counter = offs + (t.to(tl.int64) << 40)  # tensors of up to 2**40 elements, each its own counters
-        tl.store(p_ptr, _stochastic_round_bf16(p, seed, step.to(tl.uint32), counter), mask=mask)
-    else:
-        tl.store(p_ptr, _cast(p, DTYPE, RNE_BF16), mask=mask)
 
     if HAS_STEP and TRUST != 2:
         if live:
@@ -581,5 +602,6 @@ def _launch(
         SR=spec.stochastic,
         KAHAN=spec.kahan,
         BLOCK=tables.block,
+        TILE=QUANT_BLOCK if spec.state == StateFormat.Q8 else tables.block,
         num_warps=num_warps,
     )

@@ -1,0 +1,98 @@
+"""The 8-bit AdamW step across program sizes and warps per program, with fp32 state and torch's fused AdamW beside it.
+
+    python benchmarks/q8-sweep.py --json q8-sweep.json
+    python benchmarks/q8-sweep.py --kitsune /tmp/other --json q8-other.json   # the package in /tmp/other/kitsune
+
+GPU only. Each config ``BLOCKxWARPS`` (or ``default``: the planner's choice) builds the one line with
+``FusionConfig(state_precision="8bit")`` on the same seeded params (a fresh optimizer, so fresh state), with 8-bit
+programs of BLOCK elements (a multiple of the 256-element quantization block; `kitsune.fusion.planner.Q8_PROGRAM`)
+launched with WARPS warps, and times ``step()`` back to back (CUDA events, host time included, the grads fixed):
+the median ms over ``--steps`` steps after a warm-up. The floor is the 8-bit AdamW step's bytes (param read and
+write, grad read, two states of one byte and a 4-byte absmax per 256 elements, read and written) at the measured copy
+bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+from typing import Any
+
+import torch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--set", default="gpt2")
+    parser.add_argument("--configs", default="default,4096x4,8192x2,8192x4,16384x4")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--kitsune", help="import kitsune from this folder instead of the installed one")
+    parser.add_argument("--only-8bit", action="store_true", help="skip torch's and the fp32-state rows (for ncu)")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    if args.kitsune:
+        sys.path.insert(0, args.kitsune)
+    import kitsune
+    import kitsune.fusion.planner as planner
+    import kitsune.kernels.update as update
+    from kitsune.bench.params import get_param_set, make_params
+    from kitsune.bench.timing import copy_bandwidth
+
+    device = torch.device("cuda")
+    pset = get_param_set(args.set)
+    params = make_params(pset, device)
+    bandwidth, _ = copy_bandwidth(device)
+    floor_ms = pset.n_elements * (12 + 2 * 2 * (1 + 4 / 256)) / bandwidth * 1e3  # p r/w, g r, m and v r/w in 8 bits
+
+    def timed(opt: Any) -> float:
+        for _ in range(5):
+            opt.step()
+        torch.cuda.synchronize()
+        ms = []
+        for _ in range(args.steps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            opt.step()
+            end.record()
+            ms.append((start, end))
+        torch.cuda.synchronize()
+        return statistics.median(s.elapsed_time(e) for s, e in ms)
+
+    rows: list[dict[str, Any]] = []
+    if not args.only_8bit:
+        rows.append({"config": "torch fused", "ms": timed(torch.optim.AdamW(params, lr=1e-3, fused=True))})
+        fp32 = kitsune.KitsuneOptimizer(torch.optim.AdamW(params, lr=1e-3), enable_fusion=True)
+        rows.append({"config": "kitsune fp32 state", "ms": timed(fp32)})
+        del fp32
+    original = update.multi_tensor_update
+    block0 = getattr(planner, "Q8_PROGRAM", None)
+    for config in filter(None, args.configs.split(",")):
+        if config != "default":  # the planner's program size and the launcher's warps otherwise
+            block, warps = (int(v) for v in config.split("x"))
+            planner.Q8_PROGRAM = block
+            update.multi_tensor_update = functools.partial(original, num_warps=warps)
+        try:
+            cfg = kitsune.KitsuneConfig(fusion=kitsune.FusionConfig(state_precision="8bit"))
+            opt = kitsune.KitsuneOptimizer(torch.optim.AdamW(params, lr=1e-3), config=cfg)
+            ms = timed(opt)
+            route = sorted({f"{b.route.value} {b.state}" for b in opt.plan.buckets})
+            rows.append({"config": f"8bit {config}", "ms": ms, "floor_pct": 100 * floor_ms / ms, "route": route})
+            del opt
+        finally:
+            planner.Q8_PROGRAM = block0
+            update.multi_tensor_update = original
+        torch.cuda.empty_cache()
+    print(f"{torch.cuda.get_device_name()}  set {args.set}  8-bit floor {floor_ms:.3f} ms  kitsune {kitsune.__file__}")
+    for row in rows:
+        pct = f"  {row['floor_pct']:.0f}% of floor" if "floor_pct" in row else ""
+        print(f"{row['config']:>22}  {row['ms']:.3f} ms{pct}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "set": args.set, "floor_ms": floor_ms, "rows": rows}, f)
+
+
+if __name__ == "__main__":
+    main()
