@@ -9,9 +9,11 @@ tensor (14 ns with the tensors' metadata in cache, 50-160 ns from cold caches, o
 each param's and each grad's address with an int64 table, and answers False (so the step takes the full check) for
 anything it cannot read (a grad that is None or sparse, a tensor without storage).
 `unchanged_local` does the same for FSDP2's DTensor params through their local shards (each param must still hold
-the shard the plan resolved, and its grad's local shard must sit where the table says), reading the two attributes
-through Python's C API. `same` compares two lists by identity, for the plan's check that each group still holds the
-params planned.
+the shard the plan resolved, and its grad's local shard must sit where the table says): the grad is read in C++,
+DTensor's ``_local_tensor`` slot directly, and the reads go in passes over all params so that a CPU whose caches
+backward has flushed waits for many misses at once (on a CPU, 78 DTensors right after a cache flush: about 100 us
+against 160-180 us one param at a time; 8 us against 17-31 us warm). `same` compares two lists by identity, for the
+plan's check that each group still holds the params planned.
 
 The extension is compiled with ``torch.utils.cpp_extension.load_inline`` (a C++ compiler, ninja and Python's
 headers are needed; ``pip install ninja`` provides ninja) and kept in `cache_dir`, under a name that includes
@@ -41,6 +43,9 @@ import torch
 SOURCE = r"""
 #include <torch/extension.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <structmember.h>  // T_OBJECT_EX: after Python.h, which torch/extension.h includes
+
+#include <vector>
 
 // params[i] sits at table[i] and, with grads, its grad (dense) at table[n + i] (table: 2n int64 on the CPU).
 // Anything else answers false.
@@ -70,9 +75,38 @@ bool unchanged(py::list params, const at::Tensor& table, bool grads) {
   return true;
 }
 
+// THPVariable_Check without isinstance's protocol (which a tensor subclass's object goes through): a C-level MRO scan
+static inline bool is_tensor(PyObject* obj) {
+  return THPVariableClass && PyType_IsSubtype(Py_TYPE(obj), reinterpret_cast<PyTypeObject*>(THPVariableClass));
+}
+
+// obj.<name> as a new reference, or null (no error set) where it cannot be read. DTensor keeps its local shard in a
+// __slots__ member: its offset is taken once per type from the member descriptor and the slot read directly, not
+// through the attribute protocol; an attribute of any other kind is read with PyObject_GetAttr.
+static PyObject* slot_attr(PyObject* obj, PyObject* name) {
+  static PyTypeObject* cached = nullptr;
+  static Py_ssize_t offset = 0;
+  PyTypeObject* type = Py_TYPE(obj);
+  if (type != cached) {
+    PyObject* descr = _PyType_Lookup(type, name);  // borrowed
+    if (descr == nullptr || Py_TYPE(descr) != &PyMemberDescr_Type ||
+        reinterpret_cast<PyMemberDescrObject*>(descr)->d_member->type != T_OBJECT_EX) {
+      PyObject* v = PyObject_GetAttr(obj, name);
+      if (v == nullptr) PyErr_Clear();
+      return v;
+    }
+    cached = type;
+    offset = reinterpret_cast<PyMemberDescrObject*>(descr)->d_member->offset;
+  }
+  PyObject* v = *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(obj) + offset);
+  Py_XINCREF(v);
+  return v;
+}
+
 // FSDP2: params[i] (a DTensor) still holds locals[i] as its local shard, which sits at table[i], and, with grads,
-// its grad's local shard (dense) sits at table[n + i]. The attributes are read as Python reads them; anything else
-// answers false.
+// its grad's local shard (dense) sits at table[n + i]. Anything else answers false. Right after backward these
+// objects are out of the CPU's caches, so the reads go in passes over every param, each pass's reads independent of
+// one another: the CPU waits for many misses at once, not for one param's chain of them after another's.
 bool unchanged_local(py::list params, py::list locals, const at::Tensor& table, bool grads) {
   PyObject* list = params.ptr();
   PyObject* shards = locals.ptr();
@@ -82,32 +116,38 @@ bool unchanged_local(py::list params, py::list locals, const at::Tensor& table, 
     return false;
   }
   static PyObject* local_name = PyUnicode_InternFromString("_local_tensor");
-  static PyObject* grad_name = PyUnicode_InternFromString("grad");
   const int64_t* want = table.const_data_ptr<int64_t>();
   try {
+    // pass 1: each param holds the shard planned; its grad, the wrapper tensor's, read in C++
+    std::vector<py::object> wrapped;
+    if (grads) wrapped.reserve(n);
     for (Py_ssize_t i = 0; i < n; ++i) {
       PyObject* p = PyList_GET_ITEM(list, i);
+      if (!is_tensor(p)) return false;
+      py::object local = py::reinterpret_steal<py::object>(slot_attr(p, local_name));
+      if (local.ptr() == nullptr || local.ptr() != PyList_GET_ITEM(shards, i)) return false;
+      if (grads) {
+        const at::Tensor& g = THPVariable_Unpack(p).grad();
+        if (!g.defined()) return false;
+        wrapped.push_back(py::reinterpret_steal<py::object>(THPVariable_Wrap(g)));
+      }
+    }
+    // pass 2: the shards' addresses; the grads' local shards
+    std::vector<py::object> grad_locals;
+    if (grads) grad_locals.reserve(n);
+    for (Py_ssize_t i = 0; i < n; ++i) {
       PyObject* shard = PyList_GET_ITEM(shards, i);
-      py::object local = py::reinterpret_steal<py::object>(PyObject_GetAttr(p, local_name));
-      if (!local) {
-        PyErr_Clear();
-        return false;
-      }
-      if (local.ptr() != shard || !THPVariable_Check(shard)) return false;
+      if (!is_tensor(shard)) return false;
       if (reinterpret_cast<int64_t>(THPVariable_Unpack(shard).const_data_ptr()) != want[i]) return false;
-      if (!grads) continue;
-      py::object grad = py::reinterpret_steal<py::object>(PyObject_GetAttr(p, grad_name));
-      if (!grad || grad.is_none()) {
-        PyErr_Clear();
-        return false;
+      if (grads) {
+        py::object g = py::reinterpret_steal<py::object>(slot_attr(wrapped[i].ptr(), local_name));
+        if (g.ptr() == nullptr || !is_tensor(g.ptr())) return false;
+        grad_locals.push_back(std::move(g));
       }
-      py::object g = py::reinterpret_steal<py::object>(PyObject_GetAttr(grad.ptr(), local_name));
-      if (!g) {
-        PyErr_Clear();
-        return false;
-      }
-      if (!THPVariable_Check(g.ptr())) return false;
-      const at::Tensor& t = THPVariable_Unpack(g.ptr());
+    }
+    // pass 3: the grads' local shards' addresses
+    for (Py_ssize_t i = 0; grads && i < n; ++i) {
+      const at::Tensor& t = THPVariable_Unpack(grad_locals[i].ptr());
       if (!t.defined() || t.layout() != at::kStrided) return false;
       if (reinterpret_cast<int64_t>(t.const_data_ptr()) != want[n + i]) return false;
     }

@@ -10,11 +10,11 @@ grad or a param must leave the fast path and give torch's numbers.
 from __future__ import annotations
 
 import shutil
-import types
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.utils import cpp_extension
 from twins import assert_close_params, make_params, random_grads
 
@@ -187,33 +187,45 @@ def test_the_native_check_builds_here_and_refuses_what_it_cannot_read():
     assert not checks.unchanged_local(ps, ps, table, False)  # no local shards to read: the full check, no error
 
 
-class _Sharded:
-    """What the native check reads of an FSDP2 param: its local shard, and its grad's (``grad_local`` None: no grad)."""
+def test_the_native_check_reads_fsdp2_local_shards(tmp_path):
+    """``unchanged_local`` on real DTensors (a one-process gloo mesh): each param still holds the shard planned, at
+    its address, and its grad's shard sits where the table says; any other answer (a shard replaced, a grad that is
+    None or moved, an object that is no DTensor) is False, never an error."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
 
-    def __init__(self, local: torch.Tensor, grad_local: torch.Tensor | None) -> None:
-        self._local_tensor = local
-        self.grad = None if grad_local is None else types.SimpleNamespace(_local_tensor=grad_local)
-
-
-def test_the_native_check_reads_fsdp2_local_shards():
-    """``unchanged_local``: each param still holds the shard planned, at its address, and its grad's shard sits where
-    the table says; any other answer (a shard replaced, a grad that is None, sparse or moved) is False."""
     checks = _native.wait(timeout=600)
     assert checks is not None, _native.reason()
-    shards, grads = [torch.randn(4) for _ in range(3)], [torch.randn(4) for _ in range(3)]
-    params = [_Sharded(s, g) for s, g in zip(shards, grads, strict=True)]
-    table = torch.tensor([t.data_ptr() for t in shards + grads], dtype=torch.int64)
-    assert checks.unchanged_local(params, shards, table, True)
-    assert not checks.unchanged_local(params, shards[:2], table, True)
-    params[1].grad = types.SimpleNamespace(_local_tensor=grads[1].clone())  # a new grad: another address
-    assert not checks.unchanged_local(params, shards, table, True)
-    assert checks.unchanged_local(params, shards, table, False)
-    params[1].grad = types.SimpleNamespace(_local_tensor=grads[1].to_sparse())
-    assert not checks.unchanged_local(params, shards, table, True)
-    params[1].grad = None
-    assert not checks.unchanged_local(params, shards, table, True)
-    params[1] = _Sharded(shards[1].clone(), grads[1])  # a param given another shard
-    assert not checks.unchanged_local(params, shards, table, False)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        shards, grads = [torch.randn(4) for _ in range(3)], [torch.randn(4) for _ in range(3)]
+        params = [torch.nn.Parameter(DTensor.from_local(s, mesh, [Shard(0)])) for s in shards]
+        shards = [p._local_tensor for p in params]
+        for p, g in zip(params, grads, strict=True):
+            p.grad = DTensor.from_local(g, mesh, [Shard(0)])
+        table = torch.tensor([t.data_ptr() for t in shards + [p.grad._local_tensor for p in params]])
+        assert checks.unchanged_local(params, shards, table, True)
+        assert checks.unchanged_local(params, shards, table, True)  # the slot's offset, cached, reads the same
+        assert not checks.unchanged_local(params, shards[:2], table, True)
+        assert not checks.unchanged_local(params, shards, table[:5], True)
+        old = params[1].grad
+        params[1].grad = DTensor.from_local(grads[1].clone(), mesh, [Shard(0)])  # a new grad: another address
+        assert not checks.unchanged_local(params, shards, table, True)
+        assert checks.unchanged_local(params, shards, table, False)
+        params[1].grad = None
+        assert not checks.unchanged_local(params, shards, table, True)
+        params[1].grad = old
+        assert checks.unchanged_local(params, shards, table, True)
+        moved = list(shards)
+        moved[2] = shards[2].clone()  # the plan's shard is no longer the param's
+        assert not checks.unchanged_local(params, moved, table, False)
+        plain = [torch.nn.Parameter(s.clone()) for s in shards]  # no local shards to read
+        assert not checks.unchanged_local(plain, shards, table, False)
+        assert not checks.unchanged_local([params[0], "x", params[2]], shards, table, False)
+        assert checks.unchanged_local(params, shards, table, True)  # a plain tensor in between left the cache sound
+    finally:
+        dist.destroy_process_group()
     assert _native.name().startswith("kitsune_native_" + torch.__version__.replace(".", "_").replace("+", "_"))
 
 
