@@ -89,6 +89,30 @@ def _fused(make, precision: str, min_size: int, device, **kwargs):
     return params, opt
 
 
+@pytest.mark.parametrize("name", ["adamw", "nadam_decoupled"])
+def test_8bit_programs_of_any_size_step_the_same_bits(name, device, monkeypatch):
+    """An 8-bit program quantizes its blocks one at a time in a loop over the tiles that hold elements
+    (`planner.Q8_PROGRAM` elements a program). With programs of two blocks, so that a tensor spans several programs
+    and a program's last tile or whole second tile may be empty, the params, codes, scales and step counts are the
+    same bits as with one program a tensor; NAdam's per-tensor mu_product, written by a tensor's last program, too."""
+    from kitsune.fusion import planner
+
+    runs = []
+    for block in (planner.Q8_PROGRAM, 2 * QUANT_BLOCK):
+        monkeypatch.setattr(planner, "Q8_PROGRAM", block)
+        params, opt = _fused(CASES[name], "8bit", 64, device)
+        assert all(b.route is Route.TRITON for b in opt.plan.buckets), opt.plan.to_dict()
+        assert "8-bit" in {b.state for b in opt.plan.buckets}
+        runs.append((params, opt))
+    (one, opt_one), (many, opt_many) = runs
+    for p, q in zip(one, many, strict=True):
+        assert torch.equal(p, q)
+        a, b = opt_one.state[p], opt_many.state[q]
+        assert sorted(a) == sorted(b)
+        for key in a:
+            assert torch.equal(a[key], b[key]), key
+
+
 def _decoded(s: dict, key: str) -> torch.Tensor:
     if sf.quantized(s, key):
         return sf.dequantize(s[key + sf.CODES], s[key + sf.ABSMAX], sf.SIGNED[key])
