@@ -37,12 +37,12 @@ from kitsune.kernels.multi_tensor import DEFAULT_BLOCK
 from kitsune.kernels.spec import MuonSpec, StateFormat, UpdateSpec
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-Q8_PROGRAM = 32 * QUANT_BLOCK
-"""Elements per program of an 8-bit update: it quantizes one block at a time in a loop, so the per-program work
-(hyperparameters, the bias corrections in fp64, the step count's atomic) is paid once per 32 blocks."""
 _TORCH_DTYPES = (*_KERNEL_DTYPES, torch.float64)
 _TORCH = Route.TORCH_FUSED
 """A reason's level "some torch route": the bucket then takes torch fused, else foreach (see torch_route)."""
+Q8_PROGRAM = 32 * QUANT_BLOCK
+"""Elements per program of an 8-bit update: it quantizes one block at a time in a loop, so the per-program work
+(hyperparameters, the bias corrections in fp64, the step count's atomic) is paid once per 32 blocks."""
 _REPEATED = (
     Route.BASE_STEP,
     "a param listed more than once in the param groups: torch's step updates it once per listing (and warns), "

@@ -30,16 +30,31 @@ def _program_block(block_tensor, block_start, numel_tab, addr_tab):
 
 
 @triton.jit
-def _update_masks(start, n, g_addr, found_inf, HAS_FOUND_INF: tl.constexpr, BLOCK: tl.constexpr):
-    """``(live, offs, mask, gmask)`` of an update's block (``start``, ``n``, ``g_addr`` from `_program_block`
-    over the grad table). A tensor whose grad is None (-1) is skipped as torch skips it (no state change, no step);
-    with HAS_FOUND_INF, a nonzero ``found_inf`` (AMP's overflow flag) skips every tensor, step counts included.
-    ``gmask`` still covers the grads: they are unscaled or zeroed on a skipped step too."""
+def _live(g_addr, found_inf, HAS_FOUND_INF: tl.constexpr):
+    """Whether an update's tensor steps (``g_addr`` from `_program_block` over the grad table). A tensor whose grad
+    is None (-1) is skipped as torch skips it (no state change, no step); with HAS_FOUND_INF, a nonzero
+    ``found_inf`` (AMP's overflow flag) skips every tensor, step counts included."""
     live = g_addr != -1
     if HAS_FOUND_INF:
         live = live & (tl.load(found_inf) == 0.0)
+    return live
+
+
+@triton.jit
+def _tile_masks(start, n, live, BLOCK: tl.constexpr):
+    """``(offs, mask, gmask)`` of BLOCK elements of a tensor of ``n`` from ``start``: ``mask`` covers what a `_live`
+    tensor updates, ``gmask`` the grads, which are unscaled or zeroed on a skipped step too."""
     offs = start + tl.arange(0, BLOCK).to(tl.int64)
-    return live, offs, offs < tl.where(live, n, 0), offs < n
+    return offs, offs < tl.where(live, n, 0), offs < n
+
+
+@triton.jit
+def _update_masks(start, n, g_addr, found_inf, HAS_FOUND_INF: tl.constexpr, BLOCK: tl.constexpr):
+    """``(live, offs, mask, gmask)`` of an update's block (``start``, ``n``, ``g_addr`` from `_program_block`):
+    `_live`, then `_tile_masks`."""
+    live = _live(g_addr, found_inf, HAS_FOUND_INF)
+    offs, mask, gmask = _tile_masks(start, n, live, BLOCK)
+    return live, offs, mask, gmask
 
 
 @triton.jit

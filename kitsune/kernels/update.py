@@ -38,10 +38,11 @@ from kitsune.kernels.common import (
     _cast,
     _hyper_row,
     _lerp,
+    _live,
     _program_block,
     _ptr,
     _reduce,
-    _update_masks,
+    _tile_masks,
 )
 from kitsune.kernels.multi_tensor import TensorTables
 from kitsune.kernels.quant import (
@@ -159,7 +160,7 @@ def _update_kernel(
     TILE: tl.constexpr,  # elements per pass of its loop (BLOCK with a trust ratio: LAMB's partials are per program)
 ):
     pid, t, start, numel, g_addr = _program_block(block_tensor, block_start, numel_tab, grad_tab)
-    live = _update_masks(start, numel, g_addr, found_inf, HAS_FOUND_INF, BLOCK)[0]
+    live = _live(g_addr, found_inf, HAS_FOUND_INF)
     lim = tl.where(live, numel, 0)  # the state slots' elements this block reads and writes: offs < lim
     row = _hyper_row(hyper, group_tab, t)
     lr = tl.load(row + LR)
@@ -203,7 +204,7 @@ def _update_kernel(
         n_tiles = (tl.minimum(numel - start, BLOCK) + TILE - 1) // TILE
     for sub in tl.range(0, n_tiles):
         tstart = start + sub * TILE
-        _, offs, mask, gmask = _update_masks(tstart, numel, g_addr, found_inf, HAS_FOUND_INF, TILE)
+        offs, mask, gmask = _tile_masks(tstart, numel, live, TILE)
         p_ptr = _ptr(p_at, offs, DTYPE)
         g_ptr = _ptr(g_addr, offs, DTYPE)
         s1_ptr = _ptr(s1_at, offs, DTYPE)  # LAMB's moments (always in the param's dtype); the others: _sload
