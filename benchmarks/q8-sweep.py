@@ -6,9 +6,9 @@
 GPU only. Each config ``BLOCKxWARPS`` (or ``default``: the planner's choice) builds the one line with
 ``FusionConfig(state_precision="8bit")`` on the same seeded params (a fresh optimizer, so fresh state), with 8-bit
 programs of BLOCK elements (a multiple of the 256-element quantization block; `kitsune.fusion.planner.Q8_PROGRAM`)
-launched with WARPS warps, and times ``step()`` back to back (CUDA events, host time included, the grads fixed):
-the median ms over ``--steps`` steps after a warm-up. The floor is the 8-bit AdamW step's bytes (param read and
-write, grad read, two states of one byte and a 4-byte absmax per 256 elements, read and written) at the measured copy
+launched with WARPS warps, and times ``step()`` back to back with `kitsune.bench.timing.time_steps` (CUDA events,
+host time included, the grads fixed): the median ms over ``--steps`` steps after a warm-up. The floor is the 8-bit
+AdamW step's bytes as `kitsune bench` counts them (`kitsune.bench.variants.BYTES_PER_PARAM`) at the measured copy
 bandwidth.
 """
 
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 import sys
 from typing import Any
 
@@ -39,27 +38,19 @@ def main() -> None:
     import kitsune.fusion.planner as planner
     import kitsune.kernels.update as update
     from kitsune.bench.params import get_param_set, make_params
-    from kitsune.bench.timing import copy_bandwidth
+    from kitsune.bench.timing import copy_bandwidth, percentile, time_steps
+    from kitsune.bench.variants import BYTES_PER_PARAM
 
     device = torch.device("cuda")
     pset = get_param_set(args.set)
     params = make_params(pset, device)
     bandwidth, _ = copy_bandwidth(device)
-    floor_ms = pset.n_elements * (12 + 2 * 2 * (1 + 4 / 256)) / bandwidth * 1e3  # p r/w, g r, m and v r/w in 8 bits
+    floor_ms = pset.n_elements * BYTES_PER_PARAM["8bit"] / bandwidth * 1e3
 
     def timed(opt: Any) -> float:
         for _ in range(5):
             opt.step()
-        torch.cuda.synchronize()
-        ms = []
-        for _ in range(args.steps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            opt.step()
-            end.record()
-            ms.append((start, end))
-        torch.cuda.synchronize()
-        return statistics.median(s.elapsed_time(e) for s, e in ms)
+        return percentile(time_steps(opt.step, args.steps, device).device_ms, 50)
 
     rows: list[dict[str, Any]] = []
     if not args.only_8bit:
