@@ -66,15 +66,29 @@ _BUCKETS = tl.constexpr(BUCKETS)
 
 
 @triton.jit
-def _sload(addr, aaddr, offs, start, lim, qmap, SIGNED: tl.constexpr, SDTYPE: tl.constexpr, Q8: tl.constexpr,
-           BLOCK: tl.constexpr, QBLOCK: tl.constexpr):  # fmt: skip
+def _q8_raw(addr, aaddr, offs, start, lim, BLOCK: tl.constexpr, QBLOCK: tl.constexpr):
+    """``(word, absmax)``: what `_sload` reads of an 8-bit state slot (the codes at ``addr``, their absmax blocks at
+    ``aaddr``) for the elements ``offs`` from ``start``: the 4-byte word that holds each element's code (the tensor's
+    address is a multiple of 4: CODES_ALIGN) and the block's absmax. Not bytes: a masked 8-bit load goes through a
+    16-bit register, and ptxas may chain such loads through the halves of one register, each waiting for memory
+    before the next is issued."""
+    word = tl.load(_ptr(addr, offs >> 2, tl.int32), mask=offs < lim, other=0)
+    rows = start // QBLOCK + tl.arange(0, BLOCK // QBLOCK).to(tl.int64)
+    absmax = tl.load(_ptr(aaddr, rows, tl.float32), mask=rows * QBLOCK < lim, other=0.0)
+    return word, absmax
+
+
+@triton.jit
+def _sload(addr, aaddr, offs, start, lim, qmap, word, absmax, SIGNED: tl.constexpr, SDTYPE: tl.constexpr,
+           Q8: tl.constexpr, PREFETCH: tl.constexpr, BLOCK: tl.constexpr, QBLOCK: tl.constexpr):  # fmt: skip
     """A state slot (the tensor at ``addr``; with Q8, its absmax blocks at ``aaddr``) at ``offs``, as
-    fp32: SDTYPE elements, or with Q8 uint8 codes into the signed (SIGNED) or unsigned half of ``qmap``."""
+    fp32: SDTYPE elements, or with Q8 uint8 codes into the signed (SIGNED) or unsigned half of ``qmap``; with
+    PREFETCH, ``word`` and ``absmax`` hold what `_q8_raw` read for these elements, loaded ahead."""
     if Q8:
         code = qmap if SIGNED else qmap + _CODE_SIZE
-        q = tl.load(_ptr(addr, offs, tl.uint8), mask=offs < lim, other=0)
-        rows = start // QBLOCK + tl.arange(0, BLOCK // QBLOCK).to(tl.int64)
-        absmax = tl.load(_ptr(aaddr, rows, tl.float32), mask=rows * QBLOCK < lim, other=0.0)
+        if not PREFETCH:
+            word, absmax = _q8_raw(addr, aaddr, offs, start, lim, BLOCK, QBLOCK)
+        q = (word >> ((offs.to(tl.int32) & 3) << 3)) & 0xFF
         x = _dequantize_block(q, absmax, code, BLOCK, QBLOCK)
     else:
         x = tl.load(_ptr(addr, offs, SDTYPE), mask=offs < lim, other=0.0).to(tl.float32)
@@ -153,6 +167,8 @@ def _update_kernel(
     SDTYPE: tl.constexpr,  # the state tensors' dtype (without Q8)
     Q8: tl.constexpr,  # 8-bit block-wise state: uint8 codes, an fp32 absmax per QBLOCK elements
     SIGNS: tl.constexpr,  # with Q8: bit i set when slot i + 1 takes the signed code table
+    SLOTS: tl.constexpr,  # state slots the update reads (with PREFETCH)
+    PREFETCH: tl.constexpr,  # Q8 with several tiles a program: load each tile's params, grads and codes a pass ahead
     QBLOCK: tl.constexpr,
     SR: tl.constexpr,  # bf16 params stored with stochastic rounding (needs HAS_STEP)
     KAHAN: tl.constexpr,  # params stored with Kahan compensation (comp_tab)
@@ -202,6 +218,15 @@ def _update_kernel(
         n_tiles = 1
     else:  # only the tiles that hold elements (none when the grad is None: numel is 0 then)
         n_tiles = (tl.minimum(numel - start, BLOCK) + TILE - 1) // TILE
+    if PREFETCH:  # the first tile's loads; each pass of the loop issues the next tile's before it works on its own
+        offs, mask, gmask = _tile_masks(start, numel, live, TILE)
+        p_next = tl.load(_ptr(p_at, offs, DTYPE), mask=mask, other=0.0)
+        g_next = tl.load(_ptr(g_addr, offs, DTYPE), mask=gmask if GRAD_WRITE != 0 else mask, other=0.0)
+        w1_next, am1_next = _q8_raw(s1_at, a1_at, offs, start, lim, TILE, QBLOCK)
+        if SLOTS >= 2:
+            w2_next, am2_next = _q8_raw(s2_at, a2_at, offs, start, lim, TILE, QBLOCK)
+        if SLOTS >= 3:
+            w3_next, am3_next = _q8_raw(s3_at, a3_at, offs, start, lim, TILE, QBLOCK)
     for sub in tl.range(0, n_tiles):
         tstart = start + sub * TILE
         offs, mask, gmask = _tile_masks(tstart, numel, live, TILE)
@@ -209,11 +234,29 @@ def _update_kernel(
         g_ptr = _ptr(g_addr, offs, DTYPE)
         s1_ptr = _ptr(s1_at, offs, DTYPE)  # LAMB's moments (always in the param's dtype); the others: _sload
         s2_ptr = _ptr(s2_at, offs, DTYPE)
-        p = tl.load(p_ptr, mask=mask, other=0.0).to(tl.float32)
+        w1, am1, w2, am2, w3, am3 = 0, 0.0, 0, 0.0, 0, 0.0  # the 8-bit slots' words and absmax, when prefetched
+        if PREFETCH:  # DRAM's latency overlaps this tile's work, which waits on nothing but the loads issued a pass ago
+            p_raw, g_raw, w1, am1 = p_next, g_next, w1_next, am1_next
+            noffs, nmask, ngmask = _tile_masks(tstart + TILE, numel, live, TILE)  # past the tensor: nothing loads
+            p_next = tl.load(_ptr(p_at, noffs, DTYPE), mask=nmask, other=0.0)
+            g_next = tl.load(_ptr(g_addr, noffs, DTYPE), mask=ngmask if GRAD_WRITE != 0 else nmask, other=0.0)
+            w1_next, am1_next = _q8_raw(s1_at, a1_at, noffs, tstart + TILE, lim, TILE, QBLOCK)
+            if SLOTS >= 2:
+                w2, am2 = w2_next, am2_next
+                w2_next, am2_next = _q8_raw(s2_at, a2_at, noffs, tstart + TILE, lim, TILE, QBLOCK)
+            if SLOTS >= 3:
+                w3, am3 = w3_next, am3_next
+                w3_next, am3_next = _q8_raw(s3_at, a3_at, noffs, tstart + TILE, lim, TILE, QBLOCK)
+        else:
+            p_raw = tl.load(p_ptr, mask=mask, other=0.0)
+            g_raw = p_raw
+            if TRUST != 3:  # LAMB's stage 2 reads no grad: stage 1 has stored the moments
+                g_raw = tl.load(g_ptr, mask=gmask if GRAD_WRITE != 0 else mask, other=0.0)
+        p = p_raw.to(tl.float32)
         p0 = p  # the stored param, for Kahan compensation
         coef = 1.0
-        if TRUST != 3:  # LAMB's stage 2 reads no grad: stage 1 has stored the moments
-            g = tl.load(g_ptr, mask=gmask if GRAD_WRITE != 0 else mask, other=0.0).to(tl.float32)
+        if TRUST != 3:
+            g = g_raw.to(tl.float32)
             # torch's order, each product rounded to fp32 as torch stores it in fp32 grads: unscale (GradScaler's
             # unscale_ multiplies by the fp32 reciprocal of the scale, taken in double), then clip (clip_grad_norm_'s
             # coefficient)
@@ -263,14 +306,19 @@ def _update_kernel(
                 p = p * (1.0 - lr * wd).to(tl.float32)
             else:
                 g = _add_wd(g, wd, p)
-            m = _sload(s1_at, a1_at, offs, tstart, lim, qmap, SIGNS & 1, SDTYPE, Q8, TILE, QBLOCK)
+            m = _sload(s1_at, a1_at, offs, tstart, lim, qmap, w1, am1, SIGNS & 1, SDTYPE, Q8, PREFETCH, TILE, QBLOCK)
             m = _lerp(m, g, (1.0 - b1).to(tl.float32))
-            v = _sload(s2_at, a2_at, offs, tstart, lim, qmap, SIGNS & 2, SDTYPE, Q8, TILE, QBLOCK)
+            v = _sload(s2_at, a2_at, offs, tstart, lim, qmap, w2, am2, SIGNS & 2, SDTYPE, Q8, PREFETCH, TILE, QBLOCK)
             v = v * b2.to(tl.float32) + (1.0 - b2).to(tl.float32) * g * g
             _sstore(s1_at, a1_at, offs, tstart, lim, m, qmap, SIGNS & 1, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK)
             _sstore(s2_at, a2_at, offs, tstart, lim, v, qmap, SIGNS & 2, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK)
             if AMSGRAD:
-                v = tl.maximum(_sload(s3_at, a3_at, offs, tstart, lim, qmap, SIGNS & 4, SDTYPE, Q8, TILE, QBLOCK), v)
+                v = tl.maximum(
+                    _sload(
+                        s3_at, a3_at, offs, tstart, lim, qmap, w3, am3, SIGNS & 4, SDTYPE, Q8, PREFETCH, TILE, QBLOCK
+                    ),
+                    v,
+                )
                 _sstore(s3_at, a3_at, offs, tstart, lim, v, qmap, SIGNS & 4, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK)
             # 1 - beta**step in fp64: in fp32 the early steps (1 - 0.999) would lose four digits
             bias1 = 1.0 - tl.exp2(step * tl.log2(b1))
@@ -288,7 +336,9 @@ def _update_kernel(
             else:
                 g = _add_wd(g, wd, p)
             if MOMENTUM:
-                buf = _sload(s1_at, a1_at, offs, tstart, lim, qmap, SIGNS & 1, SDTYPE, Q8, TILE, QBLOCK)
+                buf = _sload(
+                    s1_at, a1_at, offs, tstart, lim, qmap, w1, am1, SIGNS & 1, SDTYPE, Q8, PREFETCH, TILE, QBLOCK
+                )
                 # the first step copies the grad, as torch's lazily created buffer does
                 buf = tl.where(step == 1.0, g, buf * b1.to(tl.float32) + (1.0 - extra).to(tl.float32) * g)
                 _sstore(s1_at, a1_at, offs, tstart, lim, buf, qmap, SIGNS & 1, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK)
@@ -300,23 +350,30 @@ def _update_kernel(
         elif ALGO == 2:  # Adagrad: s1 sum
             g = _add_wd(g, wd, p)
             clr = (lr / (1.0 + (step - 1.0) * extra)).to(tl.float32)
-            acc = _sload(s1_at, a1_at, offs, tstart, lim, qmap, SIGNS & 1, SDTYPE, Q8, TILE, QBLOCK) + g * g
+            acc = (
+                _sload(s1_at, a1_at, offs, tstart, lim, qmap, w1, am1, SIGNS & 1, SDTYPE, Q8, PREFETCH, TILE, QBLOCK)
+                + g * g
+            )
             _sstore(s1_at, a1_at, offs, tstart, lim, acc, qmap, SIGNS & 1, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK)
             p = p - clr * (g / (tl.sqrt(acc) + eps))
         elif ALGO == 3:  # RMSprop: s1 square_avg, s2 momentum_buffer, s3 grad_avg
             g = _add_wd(g, wd, p)
-            sq = _sload(s1_at, a1_at, offs, tstart, lim, qmap, SIGNS & 1, SDTYPE, Q8, TILE, QBLOCK)
+            sq = _sload(s1_at, a1_at, offs, tstart, lim, qmap, w1, am1, SIGNS & 1, SDTYPE, Q8, PREFETCH, TILE, QBLOCK)
             sq = sq * b2.to(tl.float32) + (1.0 - b2).to(tl.float32) * g * g
             _sstore(s1_at, a1_at, offs, tstart, lim, sq, qmap, SIGNS & 1, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK)
             if CENTERED:
-                ga = _sload(s3_at, a3_at, offs, tstart, lim, qmap, SIGNS & 4, SDTYPE, Q8, TILE, QBLOCK)
+                ga = _sload(
+                    s3_at, a3_at, offs, tstart, lim, qmap, w3, am3, SIGNS & 4, SDTYPE, Q8, PREFETCH, TILE, QBLOCK
+                )
                 ga = _lerp(ga, g, (1.0 - b2).to(tl.float32))
                 _sstore(s3_at, a3_at, offs, tstart, lim, ga, qmap, SIGNS & 4, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK)
                 avg = tl.sqrt(sq - ga * ga) + eps
             else:
                 avg = tl.sqrt(sq) + eps
             if MOMENTUM:
-                buf = _sload(s2_at, a2_at, offs, tstart, lim, qmap, SIGNS & 2, SDTYPE, Q8, TILE, QBLOCK)
+                buf = _sload(
+                    s2_at, a2_at, offs, tstart, lim, qmap, w2, am2, SIGNS & 2, SDTYPE, Q8, PREFETCH, TILE, QBLOCK
+                )
                 buf = buf * b1.to(tl.float32) + g / avg
                 _sstore(s2_at, a2_at, offs, tstart, lim, buf, qmap, SIGNS & 2, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK)
                 p = p - lr.to(tl.float32) * buf
@@ -324,7 +381,7 @@ def _update_kernel(
                 p = p - lr.to(tl.float32) * (g / avg)
         elif ALGO == 4:  # Lion: s1 exp_avg
             p = p * (1.0 - lr * wd).to(tl.float32)
-            m = _sload(s1_at, a1_at, offs, tstart, lim, qmap, SIGNS & 1, SDTYPE, Q8, TILE, QBLOCK)
+            m = _sload(s1_at, a1_at, offs, tstart, lim, qmap, w1, am1, SIGNS & 1, SDTYPE, Q8, PREFETCH, TILE, QBLOCK)
             c = _lerp(m, g, (1.0 - b1).to(tl.float32))
             sign = tl.where(c > 0, 1.0, tl.where(c < 0, -1.0, 0.0))  # torch.sign: 0 for 0 and for nan
             p = p - lr.to(tl.float32) * sign
@@ -334,16 +391,16 @@ def _update_kernel(
             g = _add_wd(g, wd, p)
             p = p * (1.0 - b1 * sc1.to(tl.float64)).to(tl.float32)
             p = p - sc1 * g
-            ax = _sload(s1_at, a1_at, offs, tstart, lim, qmap, SIGNS & 1, SDTYPE, Q8, TILE, QBLOCK)
+            ax = _sload(s1_at, a1_at, offs, tstart, lim, qmap, w1, am1, SIGNS & 1, SDTYPE, Q8, PREFETCH, TILE, QBLOCK)
             ax = tl.where(sc2 != 1.0, ax + (p - ax) * sc2, p)  # torch copies the param while mu is 1
             _sstore(s1_at, a1_at, offs, tstart, lim, ax, qmap, SIGNS & 1, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK)
             # the next step's eta = lr / (1 + lambd lr t)^alpha and mu = 1 / max(1, t - t0), from this step's lr
             new1 = (lr / tl.exp2(b2 * tl.log2(1.0 + b1 * lr * step))).to(tl.float32)
             new2 = (1.0 / tl.maximum(step - extra, 1.0)).to(tl.float32)
         elif ALGO == 9:  # Rprop: s1 prev, s2 step_size; B1/B2 etaminus/etaplus, EXTRA/TRUST_A step_size min/max
-            prev = _sload(s1_at, a1_at, offs, tstart, lim, qmap, SIGNS & 1, SDTYPE, Q8, TILE, QBLOCK)
+            prev = _sload(s1_at, a1_at, offs, tstart, lim, qmap, w1, am1, SIGNS & 1, SDTYPE, Q8, PREFETCH, TILE, QBLOCK)
             prod = g * prev  # nan: torch's sign is 0 there, so the factor is 1 and the grad is kept
-            size = _sload(s2_at, a2_at, offs, tstart, lim, qmap, SIGNS & 2, SDTYPE, Q8, TILE, QBLOCK)
+            size = _sload(s2_at, a2_at, offs, tstart, lim, qmap, w2, am2, SIGNS & 2, SDTYPE, Q8, PREFETCH, TILE, QBLOCK)
             size = size * tl.where(prod > 0.0, b2.to(tl.float32), tl.where(prod < 0.0, b1.to(tl.float32), 1.0))
             size = tl.maximum(size, extra.to(tl.float32), propagate_nan=tl.PropagateNan.ALL)  # torch.clamp keeps nan
             size = tl.minimum(size, trust_a.to(tl.float32), propagate_nan=tl.PropagateNan.ALL)
@@ -355,10 +412,11 @@ def _update_kernel(
             g = _add_wd(g, wd, p)
             rho = b2.to(tl.float32)
             sq = (
-                _sload(s1_at, a1_at, offs, tstart, lim, qmap, SIGNS & 1, SDTYPE, Q8, TILE, QBLOCK) * rho
+                _sload(s1_at, a1_at, offs, tstart, lim, qmap, w1, am1, SIGNS & 1, SDTYPE, Q8, PREFETCH, TILE, QBLOCK)
+                * rho
                 + (1.0 - b2).to(tl.float32) * g * g
             )
-            acc = _sload(s2_at, a2_at, offs, tstart, lim, qmap, SIGNS & 2, SDTYPE, Q8, TILE, QBLOCK)
+            acc = _sload(s2_at, a2_at, offs, tstart, lim, qmap, w2, am2, SIGNS & 2, SDTYPE, Q8, PREFETCH, TILE, QBLOCK)
             delta = tl.sqrt(acc + eps) / tl.sqrt(sq + eps) * g
             acc = acc * rho + (1.0 - b2).to(tl.float32) * delta * delta
             _sstore(s1_at, a1_at, offs, tstart, lim, sq, qmap, SIGNS & 1, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK)
@@ -369,9 +427,11 @@ def _update_kernel(
                 p = p * (1.0 - lr * wd).to(tl.float32)
             else:
                 g = _add_wd(g, wd, p)
-            m = _sload(s1_at, a1_at, offs, tstart, lim, qmap, SIGNS & 1, SDTYPE, Q8, TILE, QBLOCK)
+            m = _sload(s1_at, a1_at, offs, tstart, lim, qmap, w1, am1, SIGNS & 1, SDTYPE, Q8, PREFETCH, TILE, QBLOCK)
             m = _lerp(m, g, (1.0 - b1).to(tl.float32))
-            v = _sload(s2_at, a2_at, offs, tstart, lim, qmap, SIGNS & 2, SDTYPE, Q8, TILE, QBLOCK) * b2.to(tl.float32)
+            v = _sload(
+                s2_at, a2_at, offs, tstart, lim, qmap, w2, am2, SIGNS & 2, SDTYPE, Q8, PREFETCH, TILE, QBLOCK
+            ) * b2.to(tl.float32)
             if ALGO == 7:
                 v = tl.maximum(v, tl.abs(g) + eps, propagate_nan=tl.PropagateNan.ALL)  # as torch.maximum
             else:
@@ -599,6 +659,8 @@ def _launch(
         SDTYPE=_STATE_DTYPES.get(spec.state, TL_DTYPES[dtype]),
         Q8=spec.state == StateFormat.Q8,
         SIGNS=spec.signed if spec.state == StateFormat.Q8 else 0,
+        SLOTS=spec.state_slots,
+        PREFETCH=spec.state == StateFormat.Q8 and tables.block != QUANT_BLOCK and not spec.trust,
         QBLOCK=QUANT_BLOCK,
         SR=spec.stochastic,
         KAHAN=spec.kahan,

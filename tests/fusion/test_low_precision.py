@@ -514,3 +514,42 @@ def test_fp32_state_of_bf16_params_survives_a_checkpoint(device):
     popt.load_state_dict(copy.deepcopy(sd))
     step(plain, popt, 3)  # the wrapped optimizer's own step, on moments in the params' dtype
     assert all(popt.state[p]["exp_avg"].dtype == torch.bfloat16 for p in plain)
+
+
+@pytest.mark.parametrize("pool", [0, 512 << 20])
+def test_codes_at_an_odd_address_step_as_the_aligned_ones(pool, device):
+    """The update reads 8-bit codes a 4-byte word at a time (`kitsune.kernels.codes.CODES_ALIGN`): codes set by hand
+    as a view at an odd byte offset of a larger buffer are copied to an aligned tensor as they bind, and the run goes
+    on bit for bit as the one whose codes were never moved."""
+    make = CASES["adamw"]
+    params, opt = _fused(make, "8bit", 64, device, memory_pool_size=pool)
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    config = FusionConfig(state_precision="8bit", min_8bit_size=64)
+    topt = KitsuneOptimizer(make(twin), enable_fusion=True, fusion_config=config, memory_pool_size=pool)
+    topt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    moved = 0
+    for p in twin:
+        s = topt.state[p]
+        for key in ("exp_avg", "exp_avg_sq"):
+            codes = s.get(key + sf.CODES)
+            if codes is None:
+                continue
+            buf = torch.zeros(codes.numel() + 5, dtype=torch.uint8, device=device)
+            view = buf[1 : 1 + codes.numel()].view(codes.shape)
+            view.copy_(codes)
+            assert view.data_ptr() % 4 and view.is_contiguous()
+            s[key + sf.CODES] = view
+            moved += 1
+    assert moved >= 6
+    for step in range(3):
+        for ps, o in ((params, opt), (twin, topt)):
+            for p, g in zip(ps, _grads(200 + step), strict=True):
+                p.grad = g.to(device)
+            o.step()
+        assert all(b.route is Route.TRITON for b in topt.plan.buckets), topt.plan.to_dict()
+    for p, q in zip(params, twin, strict=True):
+        assert torch.equal(p, q)
+        for key, t in opt.state[p].items():
+            assert torch.equal(t, topt.state[q][key]), key
+            if key.endswith(sf.CODES):
+                assert topt.state[q][key].data_ptr() % 4 == 0
