@@ -86,20 +86,36 @@ def bucket_table(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(out, dtype=torch.uint8), torch.cat([t, torch.tensor([math.inf])])
 
 
+def packed_table(signed: bool) -> torch.Tensor:
+    """`bucket_table` in one int32 word a bucket, so the nearest code takes one table read: the candidate code ``c``
+    in bits 24-31 and, in bits 0-16, the low 16 mantissa bits of ``thresholds[c]`` when that threshold lies in the
+    bucket (it then shares the bucket's exponent and top mantissa bits, so ``a >= thresholds[c]`` is the comparison of
+    the low 16 bits of both), else ``2**16``, which no 16 bits reach (the threshold is at or past the bucket's upper
+    edge, or ``a`` was clamped into the first bucket from below)."""
+    buckets, thresholds = bucket_table(signed)
+    code = buckets.long()
+    t_bits = thresholds.view(torch.int32).long()[code]
+    lo_bits = (torch.arange(BUCKETS) + (BUCKET_EXP_MIN << BUCKET_BITS)) << (23 - BUCKET_BITS)  # each lower edge's
+    inside = (t_bits >> (23 - BUCKET_BITS)) == (lo_bits >> (23 - BUCKET_BITS))
+    low = torch.where(inside, t_bits & 0xFFFF, torch.full_like(t_bits, 1 << 16))
+    return ((code << 24) | low).to(torch.int64).to(torch.int32)  # codes >= 128 set the sign bit: the int32 wraps
+
+
 _TABLES: dict[torch.device, torch.Tensor] = {}
+
+PACKED_START = 2 * CODE_SIZE
+"""Where `device_tables` holds the signed map's `packed_table` (in fp32 words); the unsigned map's follows it."""
 
 
 def device_tables(device: torch.device) -> torch.Tensor:
     """Every table of 8-bit state on ``device``, built once per process in one fp32 buffer (a captured CUDA graph
-    may hold its address): the signed `dynamic_map`, the unsigned one, their `bucket_table` thresholds (CODE_SIZE
-    fp32 each), then their buckets (BUCKETS uint8 each, packed 4 to an fp32 word). `code`, `thresholds` and
-    `buckets` read their parts."""
+    may hold its address): the signed `dynamic_map`, the unsigned one (CODE_SIZE fp32 each), then their
+    `packed_table` (BUCKETS int32 each, as fp32 words). `code` and `packed` read their parts."""
     device = torch.device(device)
     table = _TABLES.get(device)
     if table is None:
-        (b1, t1), (b2, t2) = bucket_table(True), bucket_table(False)
-        parts = [dynamic_map(True), dynamic_map(False), t1, t2]
-        parts.append(torch.cat([b1, b2]).view(torch.float32))  # 2 * BUCKETS bytes: a whole number of fp32 words
+        parts = [dynamic_map(True), dynamic_map(False)]
+        parts += [packed_table(True).view(torch.float32), packed_table(False).view(torch.float32)]
         table = _TABLES[device] = torch.cat(parts).to(device)
     return table
 
@@ -110,13 +126,7 @@ def code(signed: bool, device: torch.device) -> torch.Tensor:
     return device_tables(device)[start : start + CODE_SIZE]
 
 
-def thresholds(signed: bool, device: torch.device) -> torch.Tensor:
-    """`bucket_table`'s thresholds on ``device``: a view of `device_tables`."""
-    start = 2 * CODE_SIZE if signed else 3 * CODE_SIZE
-    return device_tables(device)[start : start + CODE_SIZE]
-
-
-def buckets(signed: bool, device: torch.device) -> torch.Tensor:
-    """`bucket_table`'s buckets on ``device``: a uint8 view of `device_tables`."""
-    start = 0 if signed else BUCKETS
-    return device_tables(device)[4 * CODE_SIZE :].view(torch.uint8)[start : start + BUCKETS]
+def packed(signed: bool, device: torch.device) -> torch.Tensor:
+    """`packed_table` on ``device``: an int32 view of `device_tables`."""
+    start = PACKED_START + (0 if signed else BUCKETS)
+    return device_tables(device)[start : start + BUCKETS].view(torch.int32)

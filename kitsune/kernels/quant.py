@@ -20,11 +20,12 @@ partial; its absmax covers only the tensor's elements.
 the CPU interpreter and the GPU give the same bits), then the index of the code nearest to ``v``: a binary search
 over the sorted table finds the largest code ``<= v`` and one exact comparison (``2 v`` against the sum of the two
 neighbours, in fp64 where both are exact) picks between it and the next. A tie goes to the code of smaller magnitude
-(toward zero: a tie never inflates the state). For bitsandbytes' two maps the fused update finds the same code in two
-reads of small tables and no fp64 (`_nearest_bucketed`): the bucket of ``|v|``'s exponent and top mantissa bits names
-a candidate, and one fp32 comparison with the smallest fp32 above the exact midpoint settles it. The fused update
-quantizes one block at a time, in a loop over a program's blocks (`kitsune.fusion.planner.Q8_PROGRAM`), so the
-program's per-tensor work is paid once for many blocks. Special cases, decided per block:
+(toward zero: a tie never inflates the state). For bitsandbytes' two maps the fused update finds the same code in one
+read of a small table and no fp64 (`_nearest_bucketed`): the bucket of ``|v|``'s exponent and top mantissa bits names
+a candidate and the smallest fp32 above the exact midpoint to its next code, and one comparison with it settles it.
+The fused update quantizes one block at a time, in a loop over a program's blocks (`kitsune.fusion.planner.Q8_PROGRAM`),
+so the program's per-tensor work is paid once for many blocks; the absmax of a slot pair (Adam's two moments) comes
+from one reduction. Special cases, decided per block:
 
 * an all-zero block (or a tail of padding) has absmax 0 and every code is the code nearest 0 (0 in both maps):
   it decodes to exact zeros, no ``0 / 0``;
@@ -102,19 +103,20 @@ _FRAC_SHIFT = tl.constexpr(23 - BUCKET_BITS)
 
 
 @triton.jit
-def _nearest_bucketed(v, buckets, thresholds, SIGNED: tl.constexpr):
-    """`_nearest_code` for ``code`` = `dynamic_map` (``SIGNED`` or not) and ``|v| <= 1`` in two table reads instead
+def _nearest_bucketed(v, packed, SIGNED: tl.constexpr):
+    """`_nearest_code` for ``code`` = `dynamic_map` (``SIGNED`` or not) and ``|v| <= 1`` in one table read instead
     of nine: the bucket of ``|v|``'s exponent and top mantissa bits gives the nearest code ``c`` of its lower edge,
-    and one fp32 comparison with ``thresholds[c]`` (where the exact midpoint of ``code[c]`` and ``code[c + 1]`` is
-    passed) decides between ``c`` and ``c + 1`` (`kitsune.kernels.codes.bucket_table`). A negative ``v`` takes the
-    mirrored code (the signed map's negative half is the positive half's mirror, less 1.0); the unsigned map sends it
-    to 0, as the search does."""
-    a = tl.abs(v)
+    and a comparison with the smallest fp32 above the exact midpoint of ``code[c]`` and ``code[c + 1]`` decides
+    between ``c`` and ``c + 1`` (`kitsune.kernels.codes.bucket_table`); `kitsune.kernels.codes.packed_table` holds
+    both in one word a bucket, the threshold as the low 16 bits it differs in. A negative ``v`` takes the mirrored
+    code (the signed map's negative half is the positive half's mirror, less 1.0); the unsigned map sends it to 0,
+    as the search does."""
+    bits = tl.abs(v).to(tl.int32, bitcast=True)
     # the exponent and the top mantissa bits, side by side in the bits of |v|: (e << BUCKET_BITS) + frac
-    b = (a.to(tl.uint32, bitcast=True) >> _FRAC_SHIFT).to(tl.int32) - (_BUCKET_EXP_MIN << _BUCKET_BITS)
+    b = (bits >> _FRAC_SHIFT) - (_BUCKET_EXP_MIN << _BUCKET_BITS)
     b = tl.minimum(tl.maximum(b, 0), _LAST_BUCKET)
-    c = tl.load(buckets + b).to(tl.int32)
-    c = c + (a >= tl.load(thresholds + c)).to(tl.int32)
+    word = tl.load(packed + b)
+    c = ((word >> 24) & 0xFF) + ((bits & 0xFFFF) >= (word & 0x1FFFF)).to(tl.int32)
     if SIGNED:
         c = tl.where(v < 0.0, tl.maximum(254 - c, 0), c)
     else:
@@ -123,28 +125,59 @@ def _nearest_bucketed(v, buckets, thresholds, SIGNED: tl.constexpr):
 
 
 @triton.jit
+def _max2(a, b, c, d):
+    return tl.maximum(a, c), tl.maximum(b, d)
+
+
+@triton.jit
+def _magnitude_bits(x, BLOCK: tl.constexpr, QBLOCK: tl.constexpr):
+    """The bits of ``|x|`` as int32, (BLOCK // QBLOCK, QBLOCK): for non-negative floats the integer order is the
+    float order, and every nan sorts above inf."""
+    return tl.reshape(x, (BLOCK // QBLOCK, QBLOCK)).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
+def _absmax_rows(x, BLOCK: tl.constexpr, QBLOCK: tl.constexpr):
+    """The bits of each quantization block's absmax, (BLOCK // QBLOCK,) int32 (`_magnitude_bits`): ``>= 0x7F800000``
+    for a block holding inf or nan."""
+    return tl.max(_magnitude_bits(x, BLOCK, QBLOCK), 1)
+
+
+@triton.jit
+def _absmax_rows2(x, y, BLOCK: tl.constexpr, QBLOCK: tl.constexpr):
+    """`_absmax_rows` of two blocks at once: one reduction, so the warps of a program exchange them in one round."""
+    return tl.reduce((_magnitude_bits(x, BLOCK, QBLOCK), _magnitude_bits(y, BLOCK, QBLOCK)), 1, _max2)
+
+
+@triton.jit
+def _quantize_rows(
+    x, bits, code, BLOCK: tl.constexpr, QBLOCK: tl.constexpr, packed=None, BUCKETED: tl.constexpr = 0
+):  # fmt: skip
+    """`_quantize_block` of ``x`` given its blocks' absmax bits (`_absmax_rows`)."""
+    ROWS: tl.constexpr = BLOCK // QBLOCK
+    bad = bits >= 0x7F800000  # inf or nan in the block
+    absmax = bits.to(tl.float32, bitcast=True)
+    scale = tl.where((bits > 0) & ~bad, absmax, 1.0)  # an all-zero block: 0 / 1, not 0 / 0
+    v = tl.math.div_rn(tl.reshape(x, (ROWS, QBLOCK)), tl.broadcast_to(scale[:, None], (ROWS, QBLOCK)))
+    v = tl.where(bad[:, None], 0.0, v)  # a non-finite block: the zero code everywhere, absmax nan below
+    if BUCKETED:
+        q = _nearest_bucketed(v, packed, BUCKETED == 1)
+    else:
+        q = _nearest_code(v, code)
+    return tl.reshape(q, (BLOCK,)).to(tl.uint8), tl.where(bad, float("nan"), absmax)
+
+
+@triton.jit
 def _quantize_block(
-    x, code, BLOCK: tl.constexpr, QBLOCK: tl.constexpr, buckets=None, thresholds=None, BUCKETED: tl.constexpr = 0
+    x, code, BLOCK: tl.constexpr, QBLOCK: tl.constexpr, packed=None, BUCKETED: tl.constexpr = 0
 ):  # fmt: skip
     """``(codes, absmax)`` of the fp32 block ``x`` ((BLOCK,), BLOCK a multiple of QBLOCK, in quantization blocks of
     QBLOCK elements from its first element; padding lanes must hold 0): codes (BLOCK,) uint8, indices into the
     sorted 256-entry fp32 table at ``code``; absmax (BLOCK // QBLOCK,) fp32, nan for a block holding inf or nan.
-    ``BUCKETED`` 1 (signed) or 2 (unsigned): ``code`` is that `dynamic_map` and ``buckets``/``thresholds`` its
-    `kitsune.kernels.codes.bucket_table` (`_nearest_bucketed`); 0: any table, a binary search. The codes are the
+    ``BUCKETED`` 1 (signed) or 2 (unsigned): ``code`` is that `dynamic_map` and ``packed`` its
+    `kitsune.kernels.codes.packed_table` (`_nearest_bucketed`); 0: any table, a binary search. The codes are the
     same."""
-    ROWS: tl.constexpr = BLOCK // QBLOCK
-    xr = tl.reshape(x, (ROWS, QBLOCK))
-    ax = tl.abs(xr)
-    absmax = tl.max(tl.where(ax == ax, ax, float("inf")), 1)  # (ROWS,): one reduction, inf for a non-finite block
-    bad = absmax == float("inf")
-    scale = tl.where(absmax > 0.0, absmax, 1.0)  # an all-zero block: 0 / 1, not 0 / 0
-    v = tl.math.div_rn(xr, tl.broadcast_to(scale[:, None], (ROWS, QBLOCK)))
-    v = tl.where(bad[:, None], 0.0, v)  # a non-finite block: the zero code everywhere, absmax nan below
-    if BUCKETED:
-        q = _nearest_bucketed(v, buckets, thresholds, BUCKETED == 1)
-    else:
-        q = _nearest_code(v, code)
-    return tl.reshape(q, (BLOCK,)).to(tl.uint8), tl.where(bad, float("nan"), absmax)
+    return _quantize_rows(x, _absmax_rows(x, BLOCK, QBLOCK), code, BLOCK, QBLOCK, packed, BUCKETED)
 
 
 @triton.jit
@@ -201,14 +234,13 @@ def _split_bf16(x):
 
 @triton.jit
 def _quantize_kernel(
-    x_ptr, q_ptr, absmax_ptr, code, n, buckets, thresholds, BLOCK: tl.constexpr, QBLOCK: tl.constexpr,
-    BUCKETED: tl.constexpr,
+    x_ptr, q_ptr, absmax_ptr, code, n, packed, BLOCK: tl.constexpr, QBLOCK: tl.constexpr, BUCKETED: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)  # int64: tensors over 2**31 elements
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    q, absmax = _quantize_block(x, code, BLOCK, QBLOCK, buckets, thresholds, BUCKETED)
+    q, absmax = _quantize_block(x, code, BLOCK, QBLOCK, packed, BUCKETED)
     tl.store(q_ptr + offs, q, mask=mask)
     rows = pid * (BLOCK // QBLOCK) + tl.arange(0, BLOCK // QBLOCK).to(tl.int64)
     tl.store(absmax_ptr + rows, absmax, mask=rows * QBLOCK < n)
@@ -286,9 +318,9 @@ def quantize_blockwise(
         grid, tile = _grid(n, block)
         kind = 0 if search else next((k for k, signed in ((1, True), (2, False)) if _is_map(code, signed)), 0)
         signed = kind == 1
-        tables = (_tables.buckets(signed, x.device), _tables.thresholds(signed, x.device)) if kind else (code, code)
+        packed = _tables.packed(signed, x.device) if kind else code
         _quantize_kernel[grid](
-            x.contiguous().view(-1), codes, absmax, code, n, *tables, BLOCK=tile, QBLOCK=block, BUCKETED=kind
+            x.contiguous().view(-1), codes, absmax, code, n, packed, BLOCK=tile, QBLOCK=block, BUCKETED=kind
         )  # fmt: skip
     return codes, absmax
 

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kitsune.kernels.codes import BUCKETS, CODE_SIZE, QUANT_BLOCK, device_tables
+from kitsune.kernels.codes import BUCKETS, CODE_SIZE, PACKED_START, QUANT_BLOCK, device_tables
 from kitsune.kernels.common import (
     ADAPT,
     B1,
@@ -46,8 +46,10 @@ from kitsune.kernels.common import (
 )
 from kitsune.kernels.multi_tensor import TensorTables
 from kitsune.kernels.quant import (
+    _absmax_rows,
+    _absmax_rows2,
     _dequantize_block,
-    _quantize_block,
+    _quantize_rows,
     _stochastic_round_bf16,
 )
 from kitsune.kernels.spec import NUM_FIELDS, StateFormat, Trust, UpdateSpec
@@ -63,6 +65,7 @@ def _add_wd(g, wd, p):
 
 _CODE_SIZE = tl.constexpr(CODE_SIZE)
 _BUCKETS = tl.constexpr(BUCKETS)
+_PACKED_START = tl.constexpr(PACKED_START)
 
 
 @triton.jit
@@ -96,24 +99,55 @@ def _sload(addr, aaddr, offs, start, lim, qmap, word, absmax, SIGNED: tl.constex
 
 
 @triton.jit
+def _q8_tables(qmap, SIGNED: tl.constexpr):
+    """``(code, packed)``: the signed (SIGNED) or unsigned map's code table and `kitsune.kernels.codes.packed_table`
+    in ``qmap`` (`kitsune.kernels.codes.device_tables`)."""
+    packed = (qmap + _PACKED_START).to(tl.pointer_type(tl.int32), bitcast=True)
+    if SIGNED:
+        return qmap, packed
+    return qmap + _CODE_SIZE, packed + _BUCKETS
+
+
+@triton.jit
+def _q8_store(addr, aaddr, offs, start, lim, x, bits, qmap, SIGNED: tl.constexpr, BLOCK: tl.constexpr,
+              QBLOCK: tl.constexpr):  # fmt: skip
+    """Quantize ``x`` (zero past ``lim``) with its blocks' absmax bits (`quant._absmax_rows`) and store codes and
+    absmax."""
+    code, packed = _q8_tables(qmap, SIGNED)
+    q, absmax = _quantize_rows(x, bits, code, BLOCK, QBLOCK, packed, 1 if SIGNED else 2)
+    tl.store(_ptr(addr, offs, tl.uint8), q, mask=offs < lim)
+    rows = start // QBLOCK + tl.arange(0, BLOCK // QBLOCK).to(tl.int64)
+    tl.store(_ptr(aaddr, rows, tl.float32), absmax, mask=rows * QBLOCK < lim)
+
+
+@triton.jit
 def _sstore(addr, aaddr, offs, start, lim, x, qmap, SIGNED: tl.constexpr, SDTYPE: tl.constexpr, Q8: tl.constexpr,
             RNE_BF16: tl.constexpr, BLOCK: tl.constexpr, QBLOCK: tl.constexpr):  # fmt: skip
     """Store fp32 ``x`` into a state slot as `_sload` reads it: rounded to SDTYPE, or quantized per QBLOCK elements
     (lanes past ``lim`` count as 0 in a block's absmax). With Q8, ``qmap`` holds the code tables, then their bucket
-    tables' thresholds and buckets (`kitsune.kernels.codes.device_tables`)."""
+    tables (`kitsune.kernels.codes.device_tables`)."""
     if Q8:
-        code = qmap if SIGNED else qmap + _CODE_SIZE
-        thresholds = qmap + (2 if SIGNED else 3) * _CODE_SIZE
-        buckets = (qmap + 4 * _CODE_SIZE).to(tl.pointer_type(tl.uint8), bitcast=True)
-        if not SIGNED:
-            buckets += _BUCKETS
         x = tl.where(offs < lim, x, 0.0)
-        q, absmax = _quantize_block(x, code, BLOCK, QBLOCK, buckets, thresholds, 1 if SIGNED else 2)
-        tl.store(_ptr(addr, offs, tl.uint8), q, mask=offs < lim)
-        rows = start // QBLOCK + tl.arange(0, BLOCK // QBLOCK).to(tl.int64)
-        tl.store(_ptr(aaddr, rows, tl.float32), absmax, mask=rows * QBLOCK < lim)
+        _q8_store(addr, aaddr, offs, start, lim, x, _absmax_rows(x, BLOCK, QBLOCK), qmap, SIGNED, BLOCK, QBLOCK)
     else:
         tl.store(_ptr(addr, offs, SDTYPE), _cast(x, SDTYPE, RNE_BF16), mask=offs < lim)
+
+
+@triton.jit
+def _sstore2(addr, aaddr, x, SIGNED: tl.constexpr, addr2, aaddr2, y, SIGNED2: tl.constexpr, offs, start, lim, qmap,
+             SDTYPE: tl.constexpr, Q8: tl.constexpr, RNE_BF16: tl.constexpr, BLOCK: tl.constexpr,
+             QBLOCK: tl.constexpr):  # fmt: skip
+    """`_sstore` of two slots (``x`` at ``addr``, ``y`` at ``addr2``): with Q8 their blocks' absmax come from one
+    reduction (`quant._absmax_rows2`), so a program's warps exchange them in one round instead of two."""
+    if Q8:
+        x = tl.where(offs < lim, x, 0.0)
+        y = tl.where(offs < lim, y, 0.0)
+        bx, by = _absmax_rows2(x, y, BLOCK, QBLOCK)
+        _q8_store(addr, aaddr, offs, start, lim, x, bx, qmap, SIGNED, BLOCK, QBLOCK)
+        _q8_store(addr2, aaddr2, offs, start, lim, y, by, qmap, SIGNED2, BLOCK, QBLOCK)
+    else:
+        _sstore(addr, aaddr, offs, start, lim, x, qmap, SIGNED, SDTYPE, Q8, RNE_BF16, BLOCK, QBLOCK)
+        _sstore(addr2, aaddr2, offs, start, lim, y, qmap, SIGNED2, SDTYPE, Q8, RNE_BF16, BLOCK, QBLOCK)
 
 
 @triton.jit
@@ -131,7 +165,7 @@ def _update_kernel(
     a1_tab,  # (T,) int64 addresses of each state slot's fp32 absmax blocks, read only with Q8
     a2_tab,
     a3_tab,
-    qmap,  # fp32: kitsune.kernels.codes.device_tables (the code tables, thresholds and buckets), read only with Q8
+    qmap,  # fp32: kitsune.kernels.codes.device_tables (code and bucket tables), read only with Q8
     step_tab,
     sc1_tab,  # (T,) int64 addresses of float32 scalars, read only with SCALARS >= 1 (>= 2 for sc2_tab)
     sc2_tab,
@@ -310,8 +344,8 @@ def _update_kernel(
             m = _lerp(m, g, (1.0 - b1).to(tl.float32))
             v = _sload(s2_at, a2_at, offs, tstart, lim, qmap, w2, am2, SIGNS & 2, SDTYPE, Q8, PREFETCH, TILE, QBLOCK)
             v = v * b2.to(tl.float32) + (1.0 - b2).to(tl.float32) * g * g
-            _sstore(s1_at, a1_at, offs, tstart, lim, m, qmap, SIGNS & 1, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK)
-            _sstore(s2_at, a2_at, offs, tstart, lim, v, qmap, SIGNS & 2, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK)
+            _sstore2(s1_at, a1_at, m, SIGNS & 1, s2_at, a2_at, v, SIGNS & 2, offs, tstart, lim, qmap,
+                     SDTYPE, Q8, RNE_BF16, TILE, QBLOCK)  # fmt: skip
             if AMSGRAD:
                 v = tl.maximum(
                     _sload(
@@ -406,8 +440,8 @@ def _update_kernel(
             size = tl.minimum(size, trust_a.to(tl.float32), propagate_nan=tl.PropagateNan.ALL)
             g = tl.where(prod < 0.0, 0.0, g)  # a sign change: no step this time, and prev forgets the grad
             p = p - tl.where(g > 0, 1.0, tl.where(g < 0, -1.0, 0.0)) * size
-            _sstore(s1_at, a1_at, offs, tstart, lim, g, qmap, SIGNS & 1, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK)
-            _sstore(s2_at, a2_at, offs, tstart, lim, size, qmap, SIGNS & 2, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK)
+            _sstore2(s1_at, a1_at, g, SIGNS & 1, s2_at, a2_at, size, SIGNS & 2, offs, tstart, lim, qmap,
+                     SDTYPE, Q8, RNE_BF16, TILE, QBLOCK)  # fmt: skip
         elif ALGO == 8:  # Adadelta: s1 square_avg, s2 acc_delta; B2 rho
             g = _add_wd(g, wd, p)
             rho = b2.to(tl.float32)
@@ -419,8 +453,8 @@ def _update_kernel(
             acc = _sload(s2_at, a2_at, offs, tstart, lim, qmap, w2, am2, SIGNS & 2, SDTYPE, Q8, PREFETCH, TILE, QBLOCK)
             delta = tl.sqrt(acc + eps) / tl.sqrt(sq + eps) * g
             acc = acc * rho + (1.0 - b2).to(tl.float32) * delta * delta
-            _sstore(s1_at, a1_at, offs, tstart, lim, sq, qmap, SIGNS & 1, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK)
-            _sstore(s2_at, a2_at, offs, tstart, lim, acc, qmap, SIGNS & 2, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK)
+            _sstore2(s1_at, a1_at, sq, SIGNS & 1, s2_at, a2_at, acc, SIGNS & 2, offs, tstart, lim, qmap,
+                     SDTYPE, Q8, RNE_BF16, TILE, QBLOCK)  # fmt: skip
             p = p - lr.to(tl.float32) * delta
         else:  # NAdam (5), RAdam (6), Adamax (7): s1 exp_avg, s2 exp_avg_sq (Adamax: exp_inf)
             if DECOUPLED:
@@ -436,8 +470,8 @@ def _update_kernel(
                 v = tl.maximum(v, tl.abs(g) + eps, propagate_nan=tl.PropagateNan.ALL)  # as torch.maximum
             else:
                 v = v + (1.0 - b2).to(tl.float32) * g * g
-            _sstore(s1_at, a1_at, offs, tstart, lim, m, qmap, SIGNS & 1, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK)
-            _sstore(s2_at, a2_at, offs, tstart, lim, v, qmap, SIGNS & 2, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK)
+            _sstore2(s1_at, a1_at, m, SIGNS & 1, s2_at, a2_at, v, SIGNS & 2, offs, tstart, lim, qmap,
+                     SDTYPE, Q8, RNE_BF16, TILE, QBLOCK)  # fmt: skip
             bias1 = 1.0 - tl.exp2(step * tl.log2(b1))
             beta2_t = tl.exp2(step * tl.log2(b2))
             if ALGO == 5:  # NAdam: mu_t = beta1 (1 - 0.5 * 0.96^(t momentum_decay)); EXTRA = momentum_decay log2(0.96)

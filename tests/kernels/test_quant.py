@@ -536,7 +536,7 @@ def _hard_values(signed: bool) -> torch.Tensor:
 
 @pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
 def test_the_bucket_tables_find_the_codes_the_binary_search_finds(signed, device):
-    """The fused update's nearest code for bitsandbytes' maps (`_nearest_bucketed`: two table reads) is exactly the
+    """The fused update's nearest code for bitsandbytes' maps (`_nearest_bucketed`: one table read) is exactly the
     binary search's, ties included, on the values where a bucket could slip; and the tables hold their premise (at
     most one boundary between codes in a bucket: `bucket_table` checks it as it builds them)."""
     values = _hard_values(signed).to(device)
@@ -551,3 +551,36 @@ def test_the_bucket_tables_find_the_codes_the_binary_search_finds(signed, device
     assert torch.equal(fast, slow), x[fast != slow][:8]
     ref, _ = ref_quantize(x.view(-1).cpu(), code.cpu(), quant.QUANT_BLOCK)
     assert torch.equal(slow.view(-1).cpu(), ref)
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_the_packed_table_decides_as_the_bucket_and_threshold_tables(signed):
+    """`packed_table` holds each bucket's candidate code and, as 16 low bits, the threshold to the next code: within a
+    bucket both the packed comparison and ``a >= thresholds[c]`` are monotone in ``a``, so they agree everywhere when
+    they agree at every bucket's edges and on both sides of every threshold; below the first bucket (clamped into
+    it) the packed word never moves to the next code."""
+    from kitsune.kernels import codes
+
+    buckets, thresholds = codes.bucket_table(signed)
+    packed = codes.packed_table(signed).long()
+    cand = buckets.long()
+    t = thresholds.view(torch.int32).long()[cand]
+    edge = (torch.arange(codes.BUCKETS) + (codes.BUCKET_EXP_MIN << codes.BUCKET_BITS)) << (23 - codes.BUCKET_BITS)
+    probes = [edge, edge + 0xFFFF]  # each bucket's lowest and highest fp32
+    inside = (t >> 16) == (edge >> 16)
+    boundaries = thresholds[(127 if signed else 0) : -1].view(torch.int32).long()  # between codes >= 0
+    on_edge = torch.isin(boundaries, edge)  # the next bucket's candidate is already past it
+    assert int(inside.sum()) + int(on_edge.sum()) == len(boundaries)  # every boundary is in one bucket or on an edge
+    for d in (-1, 0, 1):
+        probes.append(torch.where(inside, t + d, edge).clamp(edge, edge + 0xFFFF))
+    bits = torch.cat(probes)
+    b = ((bits >> 16) - (codes.BUCKET_EXP_MIN << codes.BUCKET_BITS)).clamp(0, codes.BUCKETS - 1)
+    a = bits.to(torch.int32).view(torch.float32)
+    want = cand[b] + (a >= thresholds[cand[b]]).long()
+    word = packed[b]
+    got = ((word >> 24) & 0xFF) + ((bits & 0xFFFF) >= (word & 0x1FFFF)).long()
+    assert torch.equal(got, want)
+    tiny = torch.tensor([2.0**-40, 2.0**-33, 1e-12]).view(torch.int32).long()  # clamped into bucket 0
+    word = packed[0]
+    assert bool((((word >> 24) & 0xFF) + ((tiny & 0xFFFF) >= (word & 0x1FFFF)).long() == cand[0]).all())
+    assert int(cand[0]) == (127 if signed else 0)  # the zero code
