@@ -5,7 +5,7 @@ the instructions of one pass of its tile loop, counted by opcode.
     python benchmarks/update-sass.py --warps 2                # the same kernel with 2 warps a program
     python benchmarks/update-sass.py --set TILE=512           # a constexpr overridden
     python benchmarks/update-sass.py --kitsune /tmp/other     # the package in /tmp/other/kitsune
-    python benchmarks/update-sass.py --state fp32 --dump update.sass
+    python benchmarks/update-sass.py --state fp32 --dump update.sass --ttgir update.ttgir
 
 A proxy for GPU runs, not a timing: the 8-bit update is bound by instruction issue (Nsight Compute on an H200:
 issue slots 83% busy, 197 instructions per element), so fewer instructions per element is the first thing a
@@ -125,6 +125,7 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="NAME=INT", help="override a constexpr")
     parser.add_argument("--kitsune", help="import kitsune from this folder instead of the installed one")
     parser.add_argument("--dump", help="write the whole kernel's SASS here")
+    parser.add_argument("--ttgir", help="write its Triton GPU IR here (each tensor's layout, the layout conversions)")
     parser.add_argument("--capture-to", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.kitsune:
@@ -167,6 +168,8 @@ def main() -> None:
             target=GPUTarget("cuda", 90, 32),
             options={"num_warps": warps, "num_stages": 1},
         )
+        if args.ttgir:
+            Path(args.ttgir).write_text(kernel.asm["ttgir"])
         cubin = Path(tmp) / "update.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
         tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
