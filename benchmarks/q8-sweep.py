@@ -2,12 +2,15 @@
 
     python benchmarks/q8-sweep.py --json q8-sweep.json
     python benchmarks/q8-sweep.py --kitsune /tmp/other --json q8-other.json   # the package in /tmp/other/kitsune
+    python benchmarks/q8-sweep.py --configs default,defaultv,defaultvn,16384x4v   # v: vector layout, n: no prefetch
 
 GPU only. Each config ``BLOCKxWARPS`` (or ``default``: the planner's choice) builds the one line with
 ``FusionConfig(state_precision="8bit")`` on the same seeded params (a fresh optimizer, so fresh state), with 8-bit
 programs of BLOCK elements (a multiple of the 256-element quantization block; `kitsune.fusion.planner.Q8_PROGRAM`)
-launched with WARPS warps, and times ``step()`` back to back with `kitsune.bench.timing.time_steps` (CUDA events,
-host time included, the grads fixed): the median ms over ``--steps`` steps after a warm-up. The floor is the 8-bit
+launched with WARPS warps (a trailing ``v``: with `kitsune.kernels.update.Q8_VECTOR` on, the layout of a warp per
+quantization block and 8 consecutive elements a thread, and the row says whether every launch took it; ``n``: with
+``Q8_PREFETCH`` off), and times ``step()`` back to back with `kitsune.bench.timing.time_steps` (CUDA events, host
+time included, the grads fixed): the median ms over ``--steps`` steps after a warm-up. The floor is the 8-bit
 AdamW step's bytes as `kitsune bench` counts them (`kitsune.bench.variants.BYTES_PER_PARAM`) at the measured copy
 bandwidth.
 """
@@ -60,26 +63,46 @@ def main() -> None:
         del fp32
     original = update.multi_tensor_update
     block0 = getattr(planner, "Q8_PROGRAM", None)
+    layouts: list[bool] = []
+    if hasattr(update, "_vector_layout"):
+        decide = update._vector_layout
+
+        def spy(*a: Any) -> bool:
+            layouts.append(decide(*a))
+            return layouts[-1]
+
+        update._vector_layout = spy
+    switches = {"v": ("Q8_VECTOR", True), "n": ("Q8_PREFETCH", False)}
+    saved = {name: getattr(update, name) for name, _ in switches.values() if hasattr(update, name)}
     for config in filter(None, args.configs.split(",")):
-        if config != "default":  # the planner's program size and the launcher's warps otherwise
-            block, warps = (int(v) for v in config.split("x"))
+        base = config.rstrip("".join(switches))
+        for flag in config[len(base) :]:  # a tree without a switch runs its own kernel
+            name, value = switches[flag]
+            setattr(update, name, value)
+        if base != "default":  # the planner's program size and the launcher's warps otherwise
+            block, warps = (int(v) for v in base.split("x"))
             planner.Q8_PROGRAM = block
             update.multi_tensor_update = functools.partial(original, num_warps=warps)
+        layouts.clear()
         try:
             cfg = kitsune.KitsuneConfig(fusion=kitsune.FusionConfig(state_precision="8bit"))
             opt = kitsune.KitsuneOptimizer(torch.optim.AdamW(params, lr=1e-3), config=cfg)
             ms = timed(opt)
             route = sorted({f"{b.route.value} {b.state}" for b in opt.plan.buckets})
-            rows.append({"config": f"8bit {config}", "ms": ms, "floor_pct": 100 * floor_ms / ms, "route": route})
+            row = {"config": f"8bit {config}", "ms": ms, "floor_pct": 100 * floor_ms / ms, "route": route}
+            rows.append(row | {"vector": bool(layouts) and all(layouts)})
             del opt
         finally:
             planner.Q8_PROGRAM = block0
+            for name, value in saved.items():
+                setattr(update, name, value)
             update.multi_tensor_update = original
         torch.cuda.empty_cache()
     print(f"{torch.cuda.get_device_name()}  set {args.set}  8-bit floor {floor_ms:.3f} ms  kitsune {kitsune.__file__}")
     for row in rows:
         pct = f"  {row['floor_pct']:.0f}% of floor" if "floor_pct" in row else ""
-        print(f"{row['config']:>22}  {row['ms']:.3f} ms{pct}")
+        vector = "  vector layout" if row.get("vector") else ""
+        print(f"{row['config']:>22}  {row['ms']:.3f} ms{pct}{vector}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "set": args.set, "floor_ms": floor_ms, "rows": rows}, f)

@@ -185,7 +185,7 @@ def conform(s: dict[str, Any], key: str, p: torch.Tensor, fmt: StateFormat) -> l
             # torch's load_state_dict casts every state tensor of a float param to the param's dtype: codes are
             # integers from 0 to 255, exact in every float dtype, so the cast back loses nothing
             codes = s[key + CODES] = codes.to(device=p.device, dtype=torch.uint8, memory_format=torch.contiguous_format)
-        if codes.data_ptr() % CODES_ALIGN:  # a view at an odd offset: the kernel reads the codes in 4-byte words
+        if codes.data_ptr() % CODES_ALIGN:  # a view at an odd offset: the kernel reads the codes in words or vectors
             codes = s[key + CODES] = codes.clone()
         if absmax.dtype != torch.float32 or absmax.device != p.device or not absmax.is_contiguous():
             absmax = s[key + ABSMAX] = absmax.to(device=p.device, dtype=torch.float32).contiguous()

@@ -11,10 +11,11 @@ QUANT_BLOCK = 256
 """Elements per absmax: bitsandbytes' block size for 8-bit optimizer state (8.125 bits per element)."""
 CODE_SIZE = 256
 """Entries of a code table: one per 8-bit code."""
-CODES_ALIGN = 4
+CODES_ALIGN = 16
 """Bytes the address of a tensor of 8-bit codes is a multiple of: the fused update reads codes a 4-byte word at a time
-(`kitsune.kernels.update._sload`), so a word never straddles two tensors' bytes in a way that breaks the byte order,
-and a masked word read never leaves the allocation."""
+(`kitsune.kernels.update._q8_raw`), so a word never straddles two tensors' bytes in a way that breaks the byte order,
+and a masked word read never leaves the allocation; its vector layout reads a thread's 8 codes as one vector, which
+needs 16 (`kitsune.kernels.update.VECTOR_ALIGN`)."""
 
 
 def dynamic_map(signed: bool = True) -> torch.Tensor:

@@ -65,6 +65,8 @@ class TensorTables:
         self.device = device
         self.block = block
         self.num_tensors = len(numels)
+        self.numels = tuple(numels)
+        """Each tensor's elements, on the host."""
         block_tensor, block_start = block_map(numels, block)
         self.num_blocks = block_tensor.numel()
         self.block_tensor = block_tensor.to(device)  # (n_blocks,) int32
@@ -93,6 +95,11 @@ class TensorTables:
         self._cached[role] = addresses
         self.uploads += 1
         return True
+
+    def aligned(self, roles: Sequence[str], nbytes: int) -> bool:
+        """Whether every address of these roles, as last set, is a multiple of ``nbytes`` (a tensor skipped with
+        `DEAD` counts as aligned)."""
+        return all(a % nbytes == 0 for r in roles for a in self._cached.get(r, [1]) if a != DEAD)
 
     def scratch(self, name: str, n: int) -> torch.Tensor:
         """A float32 device buffer of ``n`` elements that lives with these tables (created on first use)."""

@@ -160,11 +160,12 @@ def _quantize_rows(
     scale = tl.where((bits > 0) & ~bad, absmax, 1.0)  # an all-zero block: 0 / 1, not 0 / 0
     v = tl.math.div_rn(tl.reshape(x, (ROWS, QBLOCK)), tl.broadcast_to(scale[:, None], (ROWS, QBLOCK)))
     v = tl.where(bad[:, None], 0.0, v)  # a non-finite block: the zero code everywhere, absmax nan below
+    v = tl.reshape(v, (BLOCK,))  # the table reads in the tile's own layout (a 2-D read may get another one)
     if BUCKETED:
         q = _nearest_bucketed(v, packed, BUCKETED == 1)
     else:
         q = _nearest_code(v, code)
-    return tl.reshape(q, (BLOCK,)).to(tl.uint8), tl.where(bad, float("nan"), absmax)
+    return q.to(tl.uint8), tl.where(bad, float("nan"), absmax)
 
 
 @triton.jit

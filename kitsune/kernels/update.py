@@ -64,18 +64,48 @@ def _add_wd(g, wd, p):
 
 
 _CODE_SIZE = tl.constexpr(CODE_SIZE)
+VECTOR_ELEMS = 8
+"""Elements of a thread in the vector layout (``Q8 == 2``): every numel of its launch is a multiple of it."""
+_VECTOR_ELEMS = tl.constexpr(VECTOR_ELEMS)
 _BUCKETS = tl.constexpr(BUCKETS)
 _PACKED_START = tl.constexpr(PACKED_START)
 
 
 @triton.jit
-def _q8_raw(addr, aaddr, offs, start, lim, BLOCK: tl.constexpr, QBLOCK: tl.constexpr):
+def _tile(start, n, live, BLOCK: tl.constexpr, Q8: tl.constexpr):
+    """`kitsune.kernels.common._tile_masks`; in the vector layout (``Q8 == 2``) with ``mask`` as ``offs < n`` where
+    ``live``, which keeps the alignment of ``n`` that Triton's vector reads need (``offs < where(live, n, 0)`` hides
+    it), and costs the other layouts instructions. (Not ``inside & live``: Triton's CPU interpreter cannot mask a
+    load with that.)"""
+    if Q8 == 2:
+        offs = start + tl.arange(0, BLOCK).to(tl.int64)
+        inside = offs < n
+        return offs, tl.where(live, inside, False), inside
+    return _tile_masks(start, n, live, BLOCK)
+
+
+@triton.jit
+def _vptr(addr, offs, DTYPE: tl.constexpr, VEC: tl.constexpr):
+    """`_ptr`, and with VEC the promise that ``addr`` is a multiple of 16 bytes (Q8 == 2): with ``offs`` from a
+    multiple of QBLOCK, Triton then gives each thread consecutive elements and reads them in vectors."""
+    base = addr.to(tl.pointer_type(DTYPE))
+    if VEC:
+        base = tl.multiple_of(base, 16)
+    return base + offs
+
+
+@triton.jit
+def _q8_raw(addr, aaddr, offs, start, lim, BLOCK: tl.constexpr, QBLOCK: tl.constexpr, VEC: tl.constexpr):
     """``(word, absmax)``: what `_sload` reads of an 8-bit state slot (the codes at ``addr``, their absmax blocks at
     ``aaddr``) for the elements ``offs`` from ``start``: the 4-byte word that holds each element's code (the tensor's
-    address is a multiple of 4: CODES_ALIGN) and the block's absmax. Not bytes: a masked 8-bit load goes through a
-    16-bit register, and ptxas may chain such loads through the halves of one register, each waiting for memory
-    before the next is issued."""
-    word = tl.load(_ptr(addr, offs >> 2, tl.int32), mask=offs < lim, other=0)
+    address is a multiple of CODES_ALIGN) and the block's absmax; with VEC the code bytes themselves, a thread's
+    consecutive codes read as one vector. Without VEC not bytes: a masked 8-bit load goes through a 16-bit register,
+    and ptxas may chain such loads through the halves of one register, each waiting for memory before the next is
+    issued."""
+    if VEC:
+        word = tl.load(_vptr(addr, offs, tl.uint8, VEC), mask=offs < lim, other=0).to(tl.int32)
+    else:
+        word = tl.load(_ptr(addr, offs >> 2, tl.int32), mask=offs < lim, other=0)
     rows = start // QBLOCK + tl.arange(0, BLOCK // QBLOCK).to(tl.int64)
     absmax = tl.load(_ptr(aaddr, rows, tl.float32), mask=rows * QBLOCK < lim, other=0.0)
     return word, absmax
@@ -90,8 +120,8 @@ def _sload(addr, aaddr, offs, start, lim, qmap, word, absmax, SIGNED: tl.constex
     if Q8:
         code = qmap if SIGNED else qmap + _CODE_SIZE
         if not PREFETCH:
-            word, absmax = _q8_raw(addr, aaddr, offs, start, lim, BLOCK, QBLOCK)
-        q = (word >> ((offs.to(tl.int32) & 3) << 3)) & 0xFF
+            word, absmax = _q8_raw(addr, aaddr, offs, start, lim, BLOCK, QBLOCK, Q8 == 2)
+        q = word if Q8 == 2 else (word >> ((offs.to(tl.int32) & 3) << 3)) & 0xFF
         x = _dequantize_block(q, absmax, code, BLOCK, QBLOCK)
     else:
         x = tl.load(_ptr(addr, offs, SDTYPE), mask=offs < lim, other=0.0).to(tl.float32)
@@ -110,12 +140,12 @@ def _q8_tables(qmap, SIGNED: tl.constexpr):
 
 @triton.jit
 def _q8_store(addr, aaddr, offs, start, lim, x, bits, qmap, SIGNED: tl.constexpr, BLOCK: tl.constexpr,
-              QBLOCK: tl.constexpr):  # fmt: skip
+              QBLOCK: tl.constexpr, VEC: tl.constexpr):  # fmt: skip
     """Quantize ``x`` (zero past ``lim``) with its blocks' absmax bits (`quant._absmax_rows`) and store codes and
     absmax."""
     code, packed = _q8_tables(qmap, SIGNED)
     q, absmax = _quantize_rows(x, bits, code, BLOCK, QBLOCK, packed, 1 if SIGNED else 2)
-    tl.store(_ptr(addr, offs, tl.uint8), q, mask=offs < lim)
+    tl.store(_vptr(addr, offs, tl.uint8, VEC), q, mask=offs < lim)
     rows = start // QBLOCK + tl.arange(0, BLOCK // QBLOCK).to(tl.int64)
     tl.store(_ptr(aaddr, rows, tl.float32), absmax, mask=rows * QBLOCK < lim)
 
@@ -128,7 +158,8 @@ def _sstore(addr, aaddr, offs, start, lim, x, qmap, SIGNED: tl.constexpr, SDTYPE
     tables (`kitsune.kernels.codes.device_tables`)."""
     if Q8:
         x = tl.where(offs < lim, x, 0.0)
-        _q8_store(addr, aaddr, offs, start, lim, x, _absmax_rows(x, BLOCK, QBLOCK), qmap, SIGNED, BLOCK, QBLOCK)
+        bits = _absmax_rows(x, BLOCK, QBLOCK)
+        _q8_store(addr, aaddr, offs, start, lim, x, bits, qmap, SIGNED, BLOCK, QBLOCK, Q8 == 2)
     else:
         tl.store(_ptr(addr, offs, SDTYPE), _cast(x, SDTYPE, RNE_BF16), mask=offs < lim)
 
@@ -143,8 +174,8 @@ def _sstore2(addr, aaddr, x, SIGNED: tl.constexpr, addr2, aaddr2, y, SIGNED2: tl
         x = tl.where(offs < lim, x, 0.0)
         y = tl.where(offs < lim, y, 0.0)
         bx, by = _absmax_rows2(x, y, BLOCK, QBLOCK)
-        _q8_store(addr, aaddr, offs, start, lim, x, bx, qmap, SIGNED, BLOCK, QBLOCK)
-        _q8_store(addr2, aaddr2, offs, start, lim, y, by, qmap, SIGNED2, BLOCK, QBLOCK)
+        _q8_store(addr, aaddr, offs, start, lim, x, bx, qmap, SIGNED, BLOCK, QBLOCK, Q8 == 2)
+        _q8_store(addr2, aaddr2, offs, start, lim, y, by, qmap, SIGNED2, BLOCK, QBLOCK, Q8 == 2)
     else:
         _sstore(addr, aaddr, offs, start, lim, x, qmap, SIGNED, SDTYPE, Q8, RNE_BF16, BLOCK, QBLOCK)
         _sstore(addr2, aaddr2, offs, start, lim, y, qmap, SIGNED2, SDTYPE, Q8, RNE_BF16, BLOCK, QBLOCK)
@@ -199,7 +230,8 @@ def _update_kernel(
     RBLOCK: tl.constexpr,
     RNE_BF16: tl.constexpr,
     SDTYPE: tl.constexpr,  # the state tensors' dtype (without Q8)
-    Q8: tl.constexpr,  # 8-bit block-wise state: uint8 codes, an fp32 absmax per QBLOCK elements
+    Q8: tl.constexpr,  # 8-bit block-wise state (uint8 codes, an fp32 absmax per QBLOCK elements): 0 none, 1, or 2 with
+    # params and codes at 16-byte multiples (Q8_VECTOR): a warp per QBLOCK, consecutive elements a thread, vectors
     SIGNS: tl.constexpr,  # with Q8: bit i set when slot i + 1 takes the signed code table
     SLOTS: tl.constexpr,  # state slots the update reads (with PREFETCH)
     PREFETCH: tl.constexpr,  # Q8 with several tiles a program: load each tile's params, grads and codes a pass ahead
@@ -210,8 +242,15 @@ def _update_kernel(
     TILE: tl.constexpr,  # elements per pass of its loop (BLOCK with a trust ratio: LAMB's partials are per program)
 ):
     pid, t, start, numel, g_addr = _program_block(block_tensor, block_start, numel_tab, grad_tab)
+    if Q8 == 2:  # programs start at multiples of QBLOCK in a tensor and every numel is a multiple of VECTOR_ELEMS,
+        # so a thread's elements of the vector layout are all in or all out and sit at 16-byte multiples. The hints
+        # go on values made here: on the result of a call, tl.multiple_of marks every operation of the callee
+        start = tl.multiple_of(tl.load(block_start + pid), QBLOCK)
+        numel = tl.multiple_of(tl.where(g_addr != -1, tl.load(numel_tab + t), 0), _VECTOR_ELEMS)
     live = _live(g_addr, found_inf, HAS_FOUND_INF)
-    lim = tl.where(live, numel, 0)  # the state slots' elements this block reads and writes: offs < lim
+    # the state slots' elements this block reads and writes: offs < lim (a product, not a select, which would hide
+    # numel's alignment from Triton's vector loads)
+    lim = numel * live.to(tl.int64)
     row = _hyper_row(hyper, group_tab, t)
     lr = tl.load(row + LR)
     b1 = tl.load(row + B1)
@@ -246,6 +285,7 @@ def _update_kernel(
     a3_at = tl.load(a3_tab + t)
     c_at = tl.load(comp_tab + t)
 
+    VEC: tl.constexpr = Q8 == 2
     # the elementwise work, a tile at a time: 8-bit state quantizes per tile (TILE = QBLOCK), and a program of
     # several tiles pays the per-tensor work above (hyperparameters, the bias corrections in fp64) once
     if BLOCK == TILE:
@@ -253,34 +293,34 @@ def _update_kernel(
     else:  # only the tiles that hold elements (none when the grad is None: numel is 0 then)
         n_tiles = (tl.minimum(numel - start, BLOCK) + TILE - 1) // TILE
     if PREFETCH:  # the first tile's loads; each pass of the loop issues the next tile's before it works on its own
-        offs, mask, gmask = _tile_masks(start, numel, live, TILE)
-        p_next = tl.load(_ptr(p_at, offs, DTYPE), mask=mask, other=0.0)
+        offs, mask, gmask = _tile(start, numel, live, TILE, Q8)
+        p_next = tl.load(_vptr(p_at, offs, DTYPE, VEC), mask=mask, other=0.0)
         g_next = tl.load(_ptr(g_addr, offs, DTYPE), mask=gmask if GRAD_WRITE != 0 else mask, other=0.0)
-        w1_next, am1_next = _q8_raw(s1_at, a1_at, offs, start, lim, TILE, QBLOCK)
+        w1_next, am1_next = _q8_raw(s1_at, a1_at, offs, start, lim, TILE, QBLOCK, VEC)
         if SLOTS >= 2:
-            w2_next, am2_next = _q8_raw(s2_at, a2_at, offs, start, lim, TILE, QBLOCK)
+            w2_next, am2_next = _q8_raw(s2_at, a2_at, offs, start, lim, TILE, QBLOCK, VEC)
         if SLOTS >= 3:
-            w3_next, am3_next = _q8_raw(s3_at, a3_at, offs, start, lim, TILE, QBLOCK)
+            w3_next, am3_next = _q8_raw(s3_at, a3_at, offs, start, lim, TILE, QBLOCK, VEC)
     for sub in tl.range(0, n_tiles):
         tstart = start + sub * TILE
-        offs, mask, gmask = _tile_masks(tstart, numel, live, TILE)
-        p_ptr = _ptr(p_at, offs, DTYPE)
+        offs, mask, gmask = _tile(tstart, numel, live, TILE, Q8)
+        p_ptr = _vptr(p_at, offs, DTYPE, VEC)
         g_ptr = _ptr(g_addr, offs, DTYPE)
         s1_ptr = _ptr(s1_at, offs, DTYPE)  # LAMB's moments (always in the param's dtype); the others: _sload
         s2_ptr = _ptr(s2_at, offs, DTYPE)
         w1, am1, w2, am2, w3, am3 = 0, 0.0, 0, 0.0, 0, 0.0  # the 8-bit slots' words and absmax, when prefetched
         if PREFETCH:  # DRAM's latency overlaps this tile's work, which waits on nothing but the loads issued a pass ago
             p_raw, g_raw, w1, am1 = p_next, g_next, w1_next, am1_next
-            noffs, nmask, ngmask = _tile_masks(tstart + TILE, numel, live, TILE)  # past the tensor: nothing loads
-            p_next = tl.load(_ptr(p_at, noffs, DTYPE), mask=nmask, other=0.0)
+            noffs, nmask, ngmask = _tile(tstart + TILE, numel, live, TILE, Q8)  # past the tensor: nothing loads
+            p_next = tl.load(_vptr(p_at, noffs, DTYPE, VEC), mask=nmask, other=0.0)
             g_next = tl.load(_ptr(g_addr, noffs, DTYPE), mask=ngmask if GRAD_WRITE != 0 else nmask, other=0.0)
-            w1_next, am1_next = _q8_raw(s1_at, a1_at, noffs, tstart + TILE, lim, TILE, QBLOCK)
+            w1_next, am1_next = _q8_raw(s1_at, a1_at, noffs, tstart + TILE, lim, TILE, QBLOCK, VEC)
             if SLOTS >= 2:
                 w2, am2 = w2_next, am2_next
-                w2_next, am2_next = _q8_raw(s2_at, a2_at, noffs, tstart + TILE, lim, TILE, QBLOCK)
+                w2_next, am2_next = _q8_raw(s2_at, a2_at, noffs, tstart + TILE, lim, TILE, QBLOCK, VEC)
             if SLOTS >= 3:
                 w3, am3 = w3_next, am3_next
-                w3_next, am3_next = _q8_raw(s3_at, a3_at, noffs, tstart + TILE, lim, TILE, QBLOCK)
+                w3_next, am3_next = _q8_raw(s3_at, a3_at, noffs, tstart + TILE, lim, TILE, QBLOCK, VEC)
         else:
             p_raw = tl.load(p_ptr, mask=mask, other=0.0)
             g_raw = p_raw
@@ -529,6 +569,35 @@ def _update_kernel(
 
 
 _INTERPRETED = type(_update_kernel).__name__ == "InterpretedFunction"
+
+Q8_VECTOR = False
+"""Whether an 8-bit update whose params and codes all sit at 16-byte multiples runs the vector layout (``Q8 == 2``
+in `_update_kernel`): a warp per quantization block, each thread 8 consecutive elements read and written as vectors,
+a block's absmax reduced within its warp. Compiled for Hopper it issues about a third fewer instructions per element
+than the layout that interleaves a block over the program's warps (`benchmarks/update-sass.py`); off until a GPU
+has timed it (`benchmarks/q8-sweep.py` switches it)."""
+VECTOR_ALIGN = 16
+"""Bytes the params' and codes' addresses must be a multiple of for the vector layout."""
+Q8_PREFETCH = True
+"""Whether an 8-bit update of several tiles a program loads each tile's params, grads and codes a pass ahead (the
+kernel's PREFETCH): on an H200 it took the GPT-2 set's step from 1.165 to 0.930 ms in the interleaved layout; the
+vector layout needs fewer instructions and registers without it, to be timed (`benchmarks/q8-sweep.py`)."""
+
+
+def _vector_layout(tables: TensorTables, spec: UpdateSpec, num_warps: int) -> bool:
+    """Whether this 8-bit launch takes the vector layout: `Q8_VECTOR`, no trust ratio (LAMB's partial norms
+    are a program's), programs of whole tiles of a warp per quantization block, every numel a multiple of
+    `VECTOR_ELEMS` and every param and code tensor at a `VECTOR_ALIGN` multiple (the grads need not be: their reads
+    stay scalar). Params move only by a re-plan and codes are always placed at such multiples (CODES_ALIGN), so a
+    captured graph keeps its layout's promise."""
+    if not Q8_VECTOR or spec.trust or tables.block % (QUANT_BLOCK * num_warps):
+        return False
+    if any(n % VECTOR_ELEMS for n in tables.numels):
+        return False
+    roles = ["param"] + [f"state{i}" for i in range(1, spec.state_slots + 1)]
+    return tables.aligned(roles, VECTOR_ALIGN)
+
+
 _STATE_DTYPES = {StateFormat.FP32: tl.float32, StateFormat.BF16: tl.bfloat16}
 
 
@@ -649,6 +718,11 @@ def _launch(
     seed: int,
     comp: torch.Tensor,
 ) -> None:
+    q8 = 0
+    prefetch = False
+    if spec.state == StateFormat.Q8:
+        prefetch = Q8_PREFETCH and tables.block != QUANT_BLOCK and not spec.trust
+        q8 = 2 if _vector_layout(tables, spec, num_warps) else 1
     _update_kernel[(tables.num_blocks,)](
         tables.block_tensor,
         tables.block_start,
@@ -691,14 +765,14 @@ def _launch(
         RBLOCK=1024,
         RNE_BF16=_INTERPRETED,
         SDTYPE=_STATE_DTYPES.get(spec.state, TL_DTYPES[dtype]),
-        Q8=spec.state == StateFormat.Q8,
-        SIGNS=spec.signed if spec.state == StateFormat.Q8 else 0,
+        Q8=q8,
+        SIGNS=spec.signed if q8 else 0,
         SLOTS=spec.state_slots,
-        PREFETCH=spec.state == StateFormat.Q8 and tables.block != QUANT_BLOCK and not spec.trust,
+        PREFETCH=prefetch,
         QBLOCK=QUANT_BLOCK,
         SR=spec.stochastic,
         KAHAN=spec.kahan,
         BLOCK=tables.block,
-        TILE=QUANT_BLOCK if spec.state == StateFormat.Q8 else tables.block,
+        TILE=(QUANT_BLOCK * num_warps if q8 == 2 else QUANT_BLOCK) if q8 else tables.block,
         num_warps=num_warps,
     )

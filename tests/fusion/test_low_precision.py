@@ -20,7 +20,7 @@ import kitsune
 from kitsune import FusionConfig, KitsuneOptimizer
 from kitsune.fusion import Route
 from kitsune.fusion import state_format as sf
-from kitsune.kernels.codes import QUANT_BLOCK, dynamic_map
+from kitsune.kernels.codes import CODES_ALIGN, QUANT_BLOCK, dynamic_map
 from kitsune.optim import Lion
 
 SIZES = [(24, 40), 700, 300, 5]  # several quantization blocks, a partial one, and one under any min size
@@ -41,15 +41,15 @@ CASES = {
 STEPS = 30
 
 
-def _params(seed: int = 0) -> list[torch.nn.Parameter]:
+def _params(seed: int = 0, sizes=SIZES) -> list[torch.nn.Parameter]:
     gen = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SIZES]
+    return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in sizes]
 
 
-def _grads(step: int) -> list[torch.Tensor]:
+def _grads(step: int, sizes=SIZES) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(1000 + step)
     # a spread of magnitudes, so blocks hold values across several decades of the code
-    return [torch.randn(s, generator=gen) * torch.rand(s, generator=gen).pow(3) * 2.0 for s in SIZES]
+    return [torch.randn(s, generator=gen) * torch.rand(s, generator=gen).pow(3) * 2.0 for s in sizes]
 
 
 def _round(t: torch.Tensor, key: str, precision: str) -> torch.Tensor:
@@ -58,8 +58,8 @@ def _round(t: torch.Tensor, key: str, precision: str) -> torch.Tensor:
     return sf.dequantize(*sf.quantize(t.float(), sf.SIGNED[key]), sf.SIGNED[key]).to(t.dtype)
 
 
-def _reference(make, precision: str, min_size: int, device):
-    params = [torch.nn.Parameter(p.detach().double().to(device)) for p in _params()]
+def _reference(make, precision: str, min_size: int, device, sizes=SIZES):
+    params = [torch.nn.Parameter(p.detach().double().to(device)) for p in _params(sizes=sizes)]
     opt = make(params)
 
     def round_state():
@@ -71,19 +71,20 @@ def _reference(make, precision: str, min_size: int, device):
 
     round_state()  # Adagrad builds its state in __init__: kitsune converts it as it binds
     for step in range(STEPS):
-        for p, g in zip(params, _grads(step), strict=True):
+        for p, g in zip(params, _grads(step, sizes), strict=True):
             p.grad = g.double().to(device)
         opt.step()
         round_state()
     return params, opt
 
 
-def _fused(make, precision: str, min_size: int, device, **kwargs):
-    params = [torch.nn.Parameter(p.detach().to(device)) for p in _params()]
+def _fused(make, precision: str, min_size: int, device, sizes=SIZES, params=None, steps=STEPS, **kwargs):
+    if params is None:
+        params = [torch.nn.Parameter(p.detach().to(device)) for p in _params(sizes=sizes)]
     config = FusionConfig(state_precision=precision, min_8bit_size=min_size)
     opt = KitsuneOptimizer(make(params), enable_fusion=True, fusion_config=config, **kwargs)
-    for step in range(STEPS):
-        for p, g in zip(params, _grads(step), strict=True):
+    for step in range(steps):
+        for p, g in zip(params, _grads(step, sizes), strict=True):
             p.grad = g.to(device)
         opt.step()
     return params, opt
@@ -518,9 +519,9 @@ def test_fp32_state_of_bf16_params_survives_a_checkpoint(device):
 
 @pytest.mark.parametrize("pool", [0, 512 << 20])
 def test_codes_at_an_odd_address_step_as_the_aligned_ones(pool, device):
-    """The update reads 8-bit codes a 4-byte word at a time (`kitsune.kernels.codes.CODES_ALIGN`): codes set by hand
-    as a view at an odd byte offset of a larger buffer are copied to an aligned tensor as they bind, and the run goes
-    on bit for bit as the one whose codes were never moved."""
+    """The update reads 8-bit codes in 4-byte words or 16-byte vectors (`kitsune.kernels.codes.CODES_ALIGN`): codes
+    set by hand as a view at an odd byte offset of a larger buffer are copied to an aligned tensor as they bind, and
+    the run goes on bit for bit as the one whose codes were never moved."""
     make = CASES["adamw"]
     params, opt = _fused(make, "8bit", 64, device, memory_pool_size=pool)
     twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
@@ -552,4 +553,93 @@ def test_codes_at_an_odd_address_step_as_the_aligned_ones(pool, device):
         for key, t in opt.state[p].items():
             assert torch.equal(t, topt.state[q][key]), key
             if key.endswith(sf.CODES):
-                assert topt.state[q][key].data_ptr() % 4 == 0
+                assert topt.state[q][key].data_ptr() % CODES_ALIGN == 0
+
+
+def _layouts(monkeypatch) -> list[bool]:
+    """Record what `update._vector_layout` decides for each 8-bit launch."""
+    from kitsune.kernels import update
+
+    seen: list[bool] = []
+    decide = update._vector_layout
+
+    def spy(*args):
+        seen.append(decide(*args))
+        return seen[-1]
+
+    monkeypatch.setattr(update, "_vector_layout", spy)
+    return seen
+
+
+VECTOR_SIZES = [(24, 40), 3000, 4104, 520, 5]  # numels that are multiples of 8: whole tiles, partial ones, tails
+
+
+@pytest.mark.parametrize(("name", "prefetch"), [("adam_amsgrad_l2_maximize", True), ("lion", False)])
+def test_the_vector_layout_steps_the_same_bits_as_the_interleaved_one(name, prefetch, device, monkeypatch):
+    """`update.Q8_VECTOR`: a warp per quantization block and consecutive elements a thread, read as vectors where
+    the params and codes are 16-byte aligned. Over programs of two 1024-element tiles (tensors across several
+    programs, partial tiles, a program's empty second tile), params, codes, scales and step counts are the same bits
+    as the interleaved layout's, for one, two and three state slots (Lion; Adam with amsgrad and L2 decay in one
+    group, maximize in another), each tile loaded a pass ahead (`update.Q8_PREFETCH`) or not; and the vector layout
+    is the one that ran."""
+    from kitsune.fusion import planner
+    from kitsune.kernels import update
+
+    monkeypatch.setattr(planner, "Q8_PROGRAM", 2048)
+    monkeypatch.setattr(update, "Q8_PREFETCH", prefetch)
+    runs = []
+    for vector in (False, True):
+        monkeypatch.setattr(update, "Q8_VECTOR", vector)
+        seen = _layouts(monkeypatch)
+        params, opt = _fused(CASES[name], "8bit", 64, device, VECTOR_SIZES, steps=6)
+        assert all(b.route is Route.TRITON for b in opt.plan.buckets), opt.plan.to_dict()
+        assert seen and all(seen) == vector and any(seen) == vector, seen
+        runs.append((params, opt))
+    (one, opt_one), (two, opt_two) = runs
+    for p, q in zip(one, two, strict=True):
+        assert torch.equal(p, q)
+        assert sorted(opt_one.state[p]) == sorted(opt_two.state[q])
+        for key, t in opt_one.state[p].items():
+            assert torch.equal(t, opt_two.state[q][key]), key
+
+
+@pytest.mark.parametrize("case", ["odd numel", "unaligned param", "short program"])
+def test_the_vector_layout_is_declined_where_its_promise_would_not_hold(case, device, monkeypatch):
+    """The vector layout promises Triton 16-byte aligned params and codes, numels that are multiples of 8 and whole
+    tiles a program; a launch where one of these fails takes the interleaved layout: it steps the same bits as a run
+    with the vector layout switched off. (The memory pool would place the unaligned params at aligned addresses: it
+    is off here.)"""
+    from kitsune.fusion import planner
+    from kitsune.kernels import update
+
+    sizes = list(VECTOR_SIZES)
+    if case == "odd numel":
+        sizes[1] = 3001
+    if case == "short program":
+        monkeypatch.setattr(planner, "Q8_PROGRAM", 512)  # two 256-element tiles: less than one vector tile
+
+    def params():
+        if case != "unaligned param":
+            return None
+        # each param a view 4 bytes past a 16-byte boundary of one storage
+        storage = torch.zeros(sum(math.prod(s) if isinstance(s, tuple) else s for s in sizes) + 1, device=device)
+        out, at = [], 1
+        for p in _params(sizes=sizes):
+            out.append(torch.nn.Parameter(storage[at : at + p.numel()].view(p.shape).copy_(p.detach())))
+            at += p.numel()
+        assert out[0].data_ptr() % 16
+        return out
+
+    runs = []
+    for vector in (True, False):
+        monkeypatch.setattr(update, "Q8_VECTOR", vector)
+        seen = _layouts(monkeypatch)
+        ps, opt = _fused(CASES["adamw"], "8bit", 64, device, sizes, params(), steps=3, memory_pool_size=0)
+        assert all(b.route is Route.TRITON for b in opt.plan.buckets), opt.plan.to_dict()
+        assert seen and not any(seen), seen
+        runs.append((ps, opt))
+    (one, opt_one), (two, opt_two) = runs
+    for p, q in zip(one, two, strict=True):
+        assert torch.equal(p, q)
+        for key, t in opt_one.state[p].items():
+            assert torch.equal(t, opt_two.state[q][key]), key
