@@ -79,8 +79,8 @@ def _capture(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     params = [torch.randn(args.numel, requires_grad=True)]
     optimizer = getattr(torch.optim, name)(params, **options)
-    state = {"fp32": "fp32", "bf16": "bf16", "8bit": "8bit"}[args.state]
-    opt = kitsune.KitsuneOptimizer(optimizer, enable_fusion=True, fusion_config=FusionConfig(state_precision=state))
+    config = FusionConfig(state_precision=args.state)
+    opt = kitsune.KitsuneOptimizer(optimizer, enable_fusion=True, fusion_config=config)
     params[0].grad = torch.randn_like(params[0])
     try:
         opt.step()

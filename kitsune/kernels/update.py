@@ -106,9 +106,16 @@ def _q8_raw(addr, aaddr, offs, start, lim, BLOCK: tl.constexpr, QBLOCK: tl.const
         word = tl.load(_vptr(addr, offs, tl.uint8, VEC), mask=offs < lim, other=0).to(tl.int32)
     else:
         word = tl.load(_ptr(addr, offs >> 2, tl.int32), mask=offs < lim, other=0)
+    rows, row_mask = _q8_rows(aaddr, start, lim, BLOCK, QBLOCK)
+    return word, tl.load(rows, mask=row_mask, other=0.0)
+
+
+@triton.jit
+def _q8_rows(aaddr, start, lim, BLOCK: tl.constexpr, QBLOCK: tl.constexpr):
+    """``(pointers, mask)`` of the fp32 absmax of the BLOCK // QBLOCK quantization blocks from ``start`` at
+    ``aaddr``, the mask covering the blocks that start below ``lim``."""
     rows = start // QBLOCK + tl.arange(0, BLOCK // QBLOCK).to(tl.int64)
-    absmax = tl.load(_ptr(aaddr, rows, tl.float32), mask=rows * QBLOCK < lim, other=0.0)
-    return word, absmax
+    return _ptr(aaddr, rows, tl.float32), rows * QBLOCK < lim
 
 
 @triton.jit
@@ -118,7 +125,7 @@ def _sload(addr, aaddr, offs, start, lim, qmap, word, absmax, SIGNED: tl.constex
     fp32: SDTYPE elements, or with Q8 uint8 codes into the signed (SIGNED) or unsigned half of ``qmap``; with
     PREFETCH, ``word`` and ``absmax`` hold what `_q8_raw` read for these elements, loaded ahead."""
     if Q8:
-        code = qmap if SIGNED else qmap + _CODE_SIZE
+        code, _ = _q8_tables(qmap, SIGNED)
         if not PREFETCH:
             word, absmax = _q8_raw(addr, aaddr, offs, start, lim, BLOCK, QBLOCK, Q8 == 2)
         q = word if Q8 == 2 else (word >> ((offs.to(tl.int32) & 3) << 3)) & 0xFF
@@ -146,8 +153,8 @@ def _q8_store(addr, aaddr, offs, start, lim, x, bits, qmap, SIGNED: tl.constexpr
     code, packed = _q8_tables(qmap, SIGNED)
     q, absmax = _quantize_rows(x, bits, code, BLOCK, QBLOCK, packed, 1 if SIGNED else 2)
     tl.store(_vptr(addr, offs, tl.uint8, VEC), q, mask=offs < lim)
-    rows = start // QBLOCK + tl.arange(0, BLOCK // QBLOCK).to(tl.int64)
-    tl.store(_ptr(aaddr, rows, tl.float32), absmax, mask=rows * QBLOCK < lim)
+    rows, row_mask = _q8_rows(aaddr, start, lim, BLOCK, QBLOCK)
+    tl.store(rows, absmax, mask=row_mask)
 
 
 @triton.jit
@@ -718,11 +725,11 @@ def _launch(
     seed: int,
     comp: torch.Tensor,
 ) -> None:
-    q8 = 0
-    prefetch = False
-    if spec.state == StateFormat.Q8:
+    q8, prefetch, tile = 0, False, tables.block
+    if spec.state == StateFormat.Q8:  # 8-bit state quantizes a tile at a time: a block, or a warp's block each
         prefetch = Q8_PREFETCH and tables.block != QUANT_BLOCK and not spec.trust
         q8 = 2 if _vector_layout(tables, spec, num_warps) else 1
+        tile = QUANT_BLOCK * num_warps if q8 == 2 else QUANT_BLOCK
     _update_kernel[(tables.num_blocks,)](
         tables.block_tensor,
         tables.block_start,
@@ -773,6 +780,6 @@ def _launch(
         SR=spec.stochastic,
         KAHAN=spec.kahan,
         BLOCK=tables.block,
-        TILE=(QUANT_BLOCK * num_warps if q8 == 2 else QUANT_BLOCK) if q8 else tables.block,
+        TILE=tile,
         num_warps=num_warps,
     )
