@@ -143,10 +143,18 @@ def _absmax_rows(x, BLOCK: tl.constexpr, QBLOCK: tl.constexpr):
     return tl.max(_magnitude_bits(x, BLOCK, QBLOCK), 1)
 
 
+_PAIRED = tl.constexpr(type(_max2).__name__ != "InterpretedFunction")
+"""Whether `_absmax_rows2` reduces its pair in one reduction: not in Triton's CPU interpreter, which runs a reduction
+with a combine function element by element in Python (about 4x the time of two `tl.max`, which it runs in numpy)."""
+
+
 @triton.jit
-def _absmax_rows2(x, y, BLOCK: tl.constexpr, QBLOCK: tl.constexpr):
-    """`_absmax_rows` of two blocks at once: one reduction, so the warps of a program exchange them in one round."""
-    return tl.reduce((_magnitude_bits(x, BLOCK, QBLOCK), _magnitude_bits(y, BLOCK, QBLOCK)), 1, _max2)
+def _absmax_rows2(x, y, BLOCK: tl.constexpr, QBLOCK: tl.constexpr, PAIRED: tl.constexpr = _PAIRED):
+    """`_absmax_rows` of two blocks at once: one reduction, so the warps of a program exchange them in one round
+    (with PAIRED; else two, the same bits)."""
+    if PAIRED:
+        return tl.reduce((_magnitude_bits(x, BLOCK, QBLOCK), _magnitude_bits(y, BLOCK, QBLOCK)), 1, _max2)
+    return _absmax_rows(x, BLOCK, QBLOCK), _absmax_rows(y, BLOCK, QBLOCK)
 
 
 @triton.jit

@@ -60,6 +60,15 @@ with _interpreter():
         tl.store(absmax_ptr + rows, absmax, mask=rmask)
 
     @triton.jit
+    def _absmax_pair_kernel(x_ptr, y_ptr, out_ptr, BLOCK: tl.constexpr, QBLOCK: tl.constexpr, PAIRED: tl.constexpr):
+        """`_absmax_rows2` of one tile of two tensors, as the pair of int32 rows (BLOCK // QBLOCK each)."""
+        offs = tl.arange(0, BLOCK)
+        a, b = quant._absmax_rows2(tl.load(x_ptr + offs), tl.load(y_ptr + offs), BLOCK, QBLOCK, PAIRED)
+        rows = tl.arange(0, BLOCK // QBLOCK)
+        tl.store(out_ptr + rows, a)
+        tl.store(out_ptr + BLOCK // QBLOCK + rows, b)
+
+    @triton.jit
     def _random16_kernel(out_ptr, n, seed, offset, BLOCK: tl.constexpr):
         """The 16 random bits stochastic rounding adds at stream 0: the top half of ``tl.randint``."""
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
@@ -584,3 +593,26 @@ def test_the_packed_table_decides_as_the_bucket_and_threshold_tables(signed):
     word = packed[0]
     assert bool((((word >> 24) & 0xFF) + ((tiny & 0xFFFF) >= (word & 0x1FFFF)).long() == cand[0]).all())
     assert int(cand[0]) == (127 if signed else 0)  # the zero code
+
+
+def test_a_pair_of_absmax_reductions_is_the_two_single_ones(device):
+    """`_absmax_rows2` reduces two tiles' blocks in one reduction (`PAIRED`, as on a GPU) or in two (the CPU
+    interpreter's default): both give each block's largest |x| as int32 bits, a nan above every inf, a zero block 0,
+    the sign ignored, on four blocks of fresh random data with those cases planted."""
+    gen = torch.Generator().manual_seed(5)
+    block, qblock = 1024, 256
+    x = torch.randn(block, generator=gen) * torch.rand(block, generator=gen).pow(4) * 1e3
+    y = -torch.rand(block, generator=gen) * 1e-20
+    x[qblock : 2 * qblock] = 0.0
+    x[2 * qblock + 7] = -INF
+    y[3 * qblock + 9] = NAN
+    y[2 * qblock : 3 * qblock] = -0.0
+    bits = [torch.stack([t.abs().view(4, qblock).view(torch.int32).max(1).values for t in (x, y)]).view(-1)]
+    for paired in (True, False):
+        out = torch.empty(8, dtype=torch.int32, device=device)
+        _absmax_pair_kernel[(1,)](x.to(device), y.to(device), out, BLOCK=block, QBLOCK=qblock, PAIRED=paired)
+        bits.append(out.cpu())
+    want = bits[0]
+    assert want[1] == 0 and want[2] == 0x7F800000 and want[6] == 0 and want[7] >= 0x7F800000
+    for got in bits[1:]:
+        assert torch.equal(got, want), (got, want)
