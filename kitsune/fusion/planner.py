@@ -40,9 +40,10 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TORCH_DTYPES = (*_KERNEL_DTYPES, torch.float64)
 _TORCH = Route.TORCH_FUSED
 """A reason's level "some torch route": the bucket then takes torch fused, else foreach (see torch_route)."""
-Q8_PROGRAM = 32 * QUANT_BLOCK
-"""Elements per program of an 8-bit update: it quantizes one block at a time in a loop, so the per-program work
-(hyperparameters, the bias corrections in fp64, the step count's atomic) is paid once per 32 blocks."""
+Q8_PROGRAM = 64 * QUANT_BLOCK
+"""Elements per program of an 8-bit update: it quantizes a tile of blocks at a time in a loop, so the per-program work
+(hyperparameters, the bias corrections in fp64, the step count's atomic) is paid once per 64 blocks (H200, GPT-2
+set, the vector layout with 2 warps: 0.752 ms with 32, 0.746 with 64, 0.769 with 128; `benchmarks/q8-sweep.py`)."""
 _REPEATED = (
     Route.BASE_STEP,
     "a param listed more than once in the param groups: torch's step updates it once per listing (and warns), "

@@ -577,12 +577,17 @@ def _update_kernel(
 
 _INTERPRETED = type(_update_kernel).__name__ == "InterpretedFunction"
 
-Q8_VECTOR = False
+Q8_VECTOR = True
 """Whether an 8-bit update whose params and codes all sit at 16-byte multiples runs the vector layout (``Q8 == 2``
 in `_update_kernel`): a warp per quantization block, each thread 8 consecutive elements read and written as vectors,
 a block's absmax reduced within its warp. Compiled for Hopper it issues about a third fewer instructions per element
-than the layout that interleaves a block over the program's warps (`benchmarks/update-sass.py`); off until a GPU
-has timed it (`benchmarks/q8-sweep.py` switches it)."""
+than the layout that interleaves a block over the program's warps (`benchmarks/update-sass.py`); on an H200 it took
+the GPT-2 set's 8-bit step from 0.886 to 0.746 ms and Llama-1B's from 8.44 to 6.79 ms (`benchmarks/q8-sweep.py`
+switches it)."""
+VECTOR_WARPS = 2
+"""Warps a program of the vector layout when the caller leaves ``num_warps`` to the launcher: the layout takes 135
+registers a thread, so programs of 2 warps keep the most warps on an SM (H200, GPT-2 set: 0.746 ms with 2, 0.816
+with 4, 0.805 with 1, 1.42 with 8)."""
 VECTOR_ALIGN = 16
 """Bytes the params' and codes' addresses must be a multiple of for the vector layout."""
 Q8_PREFETCH = True
@@ -614,7 +619,7 @@ def multi_tensor_update(
     spec: UpdateSpec,
     dtype: torch.dtype,
     found_inf: torch.Tensor | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     *,
     grad_scale: torch.Tensor | None = None,
     total_norm: torch.Tensor | None = None,
@@ -634,7 +639,8 @@ def multi_tensor_update(
     float64 ``(n_groups, NUM_FIELDS)`` buffer on the tables' device; ``dtype`` that of params and grads (and of the
     state in the param's format).
     ``found_inf``, a float32 scalar on the device (AMP's overflow flag), skips the whole update when nonzero,
-    decided on the device: no host sync.
+    decided on the device: no host sync. ``num_warps`` (warps a program) is the launcher's choice when None: 4, or
+    `VECTOR_WARPS` where an 8-bit update takes the vector layout.
 
     Pass two of a step that unscales and clips: ``grad_scale`` (a float32 scalar: the grads hold grad times it)
     divides every grad first; with ``max_norm``, ``total_norm`` (the float32 global norm of the unscaled grads,
@@ -706,7 +712,7 @@ def _launch(
     hyper: torch.Tensor,
     spec: UpdateSpec,
     dtype: torch.dtype,
-    num_warps: int,
+    num_warps: int | None,
     param: torch.Tensor,
     roles: list[torch.Tensor],
     step: torch.Tensor,
@@ -725,11 +731,12 @@ def _launch(
     seed: int,
     comp: torch.Tensor,
 ) -> None:
-    q8, prefetch, tile = 0, False, tables.block
+    q8, prefetch, tile, warps = 0, False, tables.block, num_warps or 4
     if spec.state == StateFormat.Q8:  # 8-bit state quantizes a tile at a time: a block, or a warp's block each
         prefetch = Q8_PREFETCH and tables.block != QUANT_BLOCK and not spec.trust
-        q8 = 2 if _vector_layout(tables, spec, num_warps) else 1
-        tile = QUANT_BLOCK * num_warps if q8 == 2 else QUANT_BLOCK
+        vector = _vector_layout(tables, spec, num_warps or VECTOR_WARPS)
+        q8, warps = (2, num_warps or VECTOR_WARPS) if vector else (1, warps)
+        tile = QUANT_BLOCK * warps if vector else QUANT_BLOCK
     _update_kernel[(tables.num_blocks,)](
         tables.block_tensor,
         tables.block_start,
@@ -781,5 +788,5 @@ def _launch(
         KAHAN=spec.kahan,
         BLOCK=tables.block,
         TILE=tile,
-        num_warps=num_warps,
+        num_warps=warps,
     )

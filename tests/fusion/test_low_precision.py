@@ -577,11 +577,11 @@ VECTOR_SIZES = [(24, 40), 3000, 4104, 520, 5]  # numels that are multiples of 8:
 @pytest.mark.parametrize(("name", "prefetch"), [("adam_amsgrad_l2_maximize", True), ("lion", False)])
 def test_the_vector_layout_steps_the_same_bits_as_the_interleaved_one(name, prefetch, device, monkeypatch):
     """`update.Q8_VECTOR`: a warp per quantization block and consecutive elements a thread, read as vectors where
-    the params and codes are 16-byte aligned. Over programs of two 1024-element tiles (tensors across several
-    programs, partial tiles, a program's empty second tile), params, codes, scales and step counts are the same bits
-    as the interleaved layout's, for one, two and three state slots (Lion; Adam with amsgrad and L2 decay in one
-    group, maximize in another), each tile loaded a pass ahead (`update.Q8_PREFETCH`) or not; and the vector layout
-    is the one that ran."""
+    the params and codes are 16-byte aligned. Over programs of four 512-element tiles (2 warps, `VECTOR_WARPS`:
+    tensors across several programs, partial tiles, a program's empty tiles), params, codes, scales and step counts
+    are the same bits as the interleaved layout's, for one, two and three state slots (Lion; Adam with amsgrad and
+    L2 decay in one group, maximize in another), each tile loaded a pass ahead (`update.Q8_PREFETCH`) or not; and
+    the vector layout is the one that ran."""
     from kitsune.fusion import planner
     from kitsune.kernels import update
 
@@ -616,7 +616,7 @@ def test_the_vector_layout_is_declined_where_its_promise_would_not_hold(case, de
     if case == "odd numel":
         sizes[1] = 3001
     if case == "short program":
-        monkeypatch.setattr(planner, "Q8_PROGRAM", 512)  # two 256-element tiles: less than one vector tile
+        monkeypatch.setattr(planner, "Q8_PROGRAM", 256)  # one quantization block: less than a vector tile
 
     def params():
         if case != "unaligned param":
