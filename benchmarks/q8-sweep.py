@@ -2,14 +2,15 @@
 
     python benchmarks/q8-sweep.py --json q8-sweep.json
     python benchmarks/q8-sweep.py --kitsune /tmp/other --json q8-other.json   # the package in /tmp/other/kitsune
-    python benchmarks/q8-sweep.py --configs default,defaultv,defaultvn,16384x4v   # v: vector layout, n: no prefetch
+    python benchmarks/q8-sweep.py --configs default,defaulti,16384x4,16384x2n   # i: interleaved layout, n: no prefetch
 
 GPU only. Each config ``BLOCKxWARPS`` (or ``default``: the planner's choice) builds the one line with
 ``FusionConfig(state_precision="8bit")`` on the same seeded params (a fresh optimizer, so fresh state), with 8-bit
 programs of BLOCK elements (a multiple of the 256-element quantization block; `kitsune.fusion.planner.Q8_PROGRAM`)
-launched with WARPS warps (a trailing ``v``: with `kitsune.kernels.update.Q8_VECTOR` on, the layout of a warp per
-quantization block and 8 consecutive elements a thread, and the row says whether every launch took it; ``n``: with
-``Q8_PREFETCH`` off), and times ``step()`` back to back with `kitsune.bench.timing.time_steps` (CUDA events, host
+launched with WARPS warps (a trailing ``i``: with `kitsune.kernels.update.Q8_VECTOR` off, the layout that
+interleaves a quantization block over the program's warps; ``v``: with it on, a warp per block and 8 consecutive
+elements a thread, the default, and the row says whether every launch took it; ``n``: with ``Q8_PREFETCH`` off),
+and times ``step()`` back to back with `kitsune.bench.timing.time_steps` (CUDA events, host
 time included, the grads fixed): the median ms over ``--steps`` steps after a warm-up. The floor is the 8-bit
 AdamW step's bytes as `kitsune bench` counts them (`kitsune.bench.variants.BYTES_PER_PARAM`) at the measured copy
 bandwidth.
@@ -29,7 +30,7 @@ import torch
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--set", default="gpt2")
-    parser.add_argument("--configs", default="default,4096x4,8192x2,8192x4,16384x4")
+    parser.add_argument("--configs", default="default,defaulti,8192x2,16384x2,32768x2,16384x4,16384x2n")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--kitsune", help="import kitsune from this folder instead of the installed one")
     parser.add_argument("--only-8bit", action="store_true", help="skip torch's and the fp32-state rows (for ncu)")
@@ -72,7 +73,7 @@ def main() -> None:
             return layouts[-1]
 
         update._vector_layout = spy
-    switches = {"v": ("Q8_VECTOR", True), "n": ("Q8_PREFETCH", False)}
+    switches = {"v": ("Q8_VECTOR", True), "i": ("Q8_VECTOR", False), "n": ("Q8_PREFETCH", False)}
     saved = {name: getattr(update, name) for name, _ in switches.values() if hasattr(update, name)}
     for config in filter(None, args.configs.split(",")):
         base = config.rstrip("".join(switches))
