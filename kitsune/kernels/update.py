@@ -582,18 +582,18 @@ Q8_VECTOR = True
 in `_update_kernel`): a warp per quantization block, each thread 8 consecutive elements read and written as vectors,
 a block's absmax reduced within its warp. Compiled for Hopper it issues about a third fewer instructions per element
 than the layout that interleaves a block over the program's warps (`benchmarks/update-sass.py`); on an H200 it took
-the GPT-2 set's 8-bit step from 0.886 to 0.746 ms and Llama-1B's from 8.44 to 6.79 ms (`benchmarks/q8-sweep.py`
+the GPT-2 set's 8-bit step from 0.886 to 0.746 ms and Llama-1B's from 8.44 to 6.86 ms (`benchmarks/q8-sweep.py`
 switches it)."""
 VECTOR_WARPS = 2
-"""Warps a program of the vector layout when the caller leaves ``num_warps`` to the launcher: the layout takes 135
-registers a thread, so programs of 2 warps keep the most warps on an SM (H200, GPT-2 set: 0.746 ms with 2, 0.816
-with 4, 0.805 with 1, 1.42 with 8)."""
+"""Warps a program of the vector layout when the caller leaves ``num_warps`` to the launcher: the layout takes about
+125 registers a thread (Triton 3.6), so programs of 2 warps keep the most warps on an SM (H200, GPT-2 set: 0.746 ms
+with 2, 0.816 with 4, 0.805 with 1, 1.42 with 8)."""
 VECTOR_ALIGN = 16
 """Bytes the params' and codes' addresses must be a multiple of for the vector layout."""
 Q8_PREFETCH = True
 """Whether an 8-bit update of several tiles a program loads each tile's params, grads and codes a pass ahead (the
-kernel's PREFETCH): on an H200 it took the GPT-2 set's step from 1.165 to 0.930 ms in the interleaved layout; the
-vector layout needs fewer instructions and registers without it, to be timed (`benchmarks/q8-sweep.py`)."""
+kernel's PREFETCH): on an H200 it took the GPT-2 set's step from 1.165 to 0.930 ms in the interleaved layout, and
+from 0.848 to 0.746 ms in the vector layout with 2 warps (`benchmarks/q8-sweep.py`)."""
 
 
 def _vector_layout(tables: TensorTables, spec: UpdateSpec, num_warps: int) -> bool:
