@@ -107,13 +107,14 @@ def _fused_training(sc: dict, mesh, rank: int) -> dict:
     _native.CHECKS = _Counting(built, hits) if built is not None else None
     model = shard_linears(_model(), mesh)
     opt = _kitsune(model.parameters(), sc)
-    norms = []
+    norms, grads_at = [], []
     for step, (x, y) in enumerate(_batches()):
         lo, hi = rank * len(x) // WORLD, (rank + 1) * len(x) // WORLD
         opt.backward(_loss(model, x[lo:hi], y[lo:hi], opt))
         if step == sc.get("swap_at"):
             first = next(iter(model.parameters()))
             first.grad = first.grad * 2  # a new DTensor over a new local shard
+        grads_at.append(tuple(p.grad.to_local().data_ptr() for p in model.parameters()))
         opt.step()
         opt.zero_grad(set_to_none=sc.get("set_to_none", True))
         if not sc.get("set_to_none", True):
@@ -131,6 +132,7 @@ def _fused_training(sc: dict, mesh, rank: int) -> dict:
         "params": [p.full_tensor().detach() for p in model.parameters()],
         "norms": norms,
         "native_hits": len(hits),
+        "grads_at": grads_at,  # where each step found its grads' local shards
         "address_checks": fusion.report()["address_checks"],
         "fused": fusion.report()["params_fused"],
         "reasons": sorted({b.reason for b in opt.plan.buckets}),
@@ -420,10 +422,15 @@ def test_fsdp2_fused_on_shards_equals_one_process(ranks, name):
         if not sc.get("graphed"):
             assert r["graphs"]["captures"] == 0  # on the CPU, without the stand-in, nothing is captured
             continue
-        # one capture holding the all-reduce, then every step replays it; grads kept in place replay straight away
+        # one capture holding the all-reduce, then every step replays it: the first replay through the full path,
+        # each later one straight away (the steady replay) when its grads sit where the last step's did. Grads kept
+        # in place always do; grads set to None do when the allocator hands the same memory back (it may)
         assert r["collective_captures"] == 1
         replays = STEPS - GRAPH_WARMUP
-        steady = replays - 1 if not sc.get("set_to_none", True) else 0
+        at = r["grads_at"]
+        steady = sum(at[k] == at[k - 1] for k in range(STEPS - replays + 1, STEPS))
+        if not sc.get("set_to_none", True):
+            assert steady == replays - 1
         assert r["graphs"] == {"captures": 1, "replays": replays, "steady_replays": steady, "eager_steps": 1}
 
 
