@@ -143,7 +143,9 @@ def _absmax_rows(x, BLOCK: tl.constexpr, QBLOCK: tl.constexpr):
     return tl.max(_magnitude_bits(x, BLOCK, QBLOCK), 1)
 
 
-_PAIRED = tl.constexpr(type(_max2).__name__ != "InterpretedFunction")
+_INTERPRETED = type(_max2).__name__ == "InterpretedFunction"
+"""Whether this module's kernels run in Triton's CPU interpreter (decided when they were decorated)."""
+_PAIRED = tl.constexpr(not _INTERPRETED)
 """Whether `_absmax_rows2` reduces its pair in one reduction: not in Triton's CPU interpreter, which runs a reduction
 with a combine function element by element in Python (about 4x the time of two `tl.max`, which it runs in numpy)."""
 
@@ -281,9 +283,6 @@ def _round_bf16_kernel(x_ptr, hi_ptr, lo_ptr, n, seed, offset, stream, STOCHASTI
         hi, lo = _split_bf16(x)
         tl.store(hi_ptr + offs, hi, mask=mask)
         tl.store(lo_ptr + offs, lo, mask=mask)
-
-
-_INTERPRETED = type(_quantize_kernel).__name__ == "InterpretedFunction"
 
 
 def _check_code(code: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -734,9 +734,10 @@ def _launch(
     q8, prefetch, tile, warps = 0, False, tables.block, num_warps or 4
     if spec.state == StateFormat.Q8:  # 8-bit state quantizes a tile at a time: a block, or a warp's block each
         prefetch = Q8_PREFETCH and tables.block != QUANT_BLOCK and not spec.trust
-        vector = _vector_layout(tables, spec, num_warps or VECTOR_WARPS)
-        q8, warps = (2, num_warps or VECTOR_WARPS) if vector else (1, warps)
-        tile = QUANT_BLOCK * warps if vector else QUANT_BLOCK
+        q8, tile = 1, QUANT_BLOCK
+        vector_warps = num_warps or VECTOR_WARPS
+        if _vector_layout(tables, spec, vector_warps):
+            q8, tile, warps = 2, QUANT_BLOCK * vector_warps, vector_warps
     _update_kernel[(tables.num_blocks,)](
         tables.block_tensor,
         tables.block_start,
