@@ -18,6 +18,7 @@ one (a C-speed list compare) and uploads one small table only when it changed.
 
 from __future__ import annotations
 
+import math
 from array import array
 from collections.abc import Sequence
 
@@ -65,8 +66,8 @@ class TensorTables:
         self.device = device
         self.block = block
         self.num_tensors = len(numels)
-        self.numels = tuple(numels)
-        """Each tensor's elements, on the host."""
+        self.numel_gcd = math.gcd(*numels)
+        """The largest integer that divides every tensor's element count (0 for no tensors)."""
         block_tensor, block_start = block_map(numels, block)
         self.num_blocks = block_tensor.numel()
         self.block_tensor = block_tensor.to(device)  # (n_blocks,) int32
@@ -76,6 +77,7 @@ class TensorTables:
         self.counter = torch.zeros(self.num_tensors, dtype=torch.int32, device=device)  # (T,) finished blocks
         self._roles: dict[str, torch.Tensor] = {}
         self._cached: dict[str, list[int]] = {}
+        self._aligned: dict[tuple[tuple[str, ...], int], bool] = {}  # `aligned`'s answers until a role moves
         self._scratch: dict[str, torch.Tensor] = {}
         self.uploads = 0
         """Address tables copied to the device so far (plan-time tables included)."""
@@ -93,13 +95,18 @@ class TensorTables:
         else:  # keep the device buffer (its address may be baked into a captured graph)
             table.copy_(pinned(host, self.device), non_blocking=True)
         self._cached[role] = addresses
+        self._aligned = {key: ok for key, ok in self._aligned.items() if role not in key[0]}
         self.uploads += 1
         return True
 
     def aligned(self, roles: Sequence[str], nbytes: int) -> bool:
         """Whether every address of these roles, as last set, is a multiple of ``nbytes`` (a tensor skipped with
-        `DEAD` counts as aligned)."""
-        return all(a % nbytes == 0 for r in roles for a in self._cached.get(r, [1]) if a != DEAD)
+        `DEAD` counts as aligned). Kept until one of the roles is set to other addresses: a launch asks every step."""
+        key = (tuple(roles), nbytes)
+        ok = self._aligned.get(key)
+        if ok is None:
+            ok = self._aligned[key] = all(a % nbytes == 0 for r in roles for a in self._cached.get(r, [1]) if a != DEAD)
+        return ok
 
     def scratch(self, name: str, n: int) -> torch.Tensor:
         """A float32 device buffer of ``n`` elements that lives with these tables (created on first use)."""

@@ -604,7 +604,7 @@ def _vector_layout(tables: TensorTables, spec: UpdateSpec, num_warps: int) -> bo
     captured graph keeps its layout's promise."""
     if not Q8_VECTOR or spec.trust or tables.block % (QUANT_BLOCK * num_warps):
         return False
-    if any(n % VECTOR_ELEMS for n in tables.numels):
+    if tables.numel_gcd % VECTOR_ELEMS:
         return False
     roles = ["param"] + [f"state{i}" for i in range(1, spec.state_slots + 1)]
     return tables.aligned(roles, VECTOR_ALIGN)

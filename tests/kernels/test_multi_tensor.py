@@ -35,6 +35,23 @@ def test_tables_upload_only_on_change():
         tables.set_role("param", [1, 2, 3])
 
 
+def test_alignment_answers_follow_the_addresses_set():
+    """`TensorTables.aligned` (asked by every 8-bit launch) keeps its answer while the roles' addresses stay, and
+    answers again when one of them moves: off a multiple, back onto one, or only in another role (kept). A `DEAD`
+    tensor counts as aligned; `numel_gcd` divides every element count."""
+    tables = TensorTables(torch.device("cpu"), [24, 40, 8], [0, 0, 0])
+    assert tables.numel_gcd == 8 and TensorTables(torch.device("cpu"), [24, 36], [0, 0]).numel_gcd == 12
+    tables.set_role("param", [64, 128, 256])
+    tables.set_role("state1", [1024, 2048, DEAD])
+    assert tables.aligned(["param", "state1"], 16) and not tables.aligned(["param", "state1"], 128)
+    tables.set_role("param", [64, 132, 256])  # one param 4 bytes past a multiple of 16
+    assert not tables.aligned(["param", "state1"], 16) and tables.aligned(["state1"], 16)
+    tables.set_role("grad", [4, 8, 12])  # another role: the answers about param and state1 stand
+    assert not tables.aligned(["param", "state1"], 16) and tables.aligned(["state1"], 16)
+    tables.set_role("param", [64, 128, 256])
+    assert tables.aligned(["param", "state1"], 16) and not tables.aligned(["grad"], 16)
+
+
 def _sgd_launch(params, grads, bufs, steps, device, lr=0.5, momentum=0.9, block=8):
     tables = TensorTables(device, [p.numel() for p in params], [0] * len(params), block=block)
     tables.set_role("param", [p.data_ptr() for p in params])
