@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from kitsune.kernels import codes as _tables
-from kitsune.kernels.codes import CODE_SIZE, CODES_ALIGN, QUANT_BLOCK
+from kitsune.kernels.codes import CODE_SIZE, CODES_ALIGN, MIN_SCALE, QUANT_BLOCK
 from kitsune.kernels.spec import StateFormat, UpdateSpec
 
 PRECISIONS: dict[str, StateFormat] = {
@@ -92,8 +92,9 @@ def update_bytes(spec: UpdateSpec, tensor_reads_writes: int, param_dtype: torch.
 
 def quantize(x: torch.Tensor, signed: bool, exact_extremes: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(codes, absmax)`` of ``x`` as the fused kernels store it (see `kitsune.kernels.quant`): per block of
-    `QUANT_BLOCK` elements the absmax, then the nearest code of ``x / absmax`` (a tie to the smaller magnitude); a
-    block holding inf or nan gets absmax nan and the zero code.
+    `QUANT_BLOCK` elements the absmax (at least `MIN_SCALE` unless the block is all zero), then the nearest code of
+    ``x * (1 / absmax)`` (a tie to the smaller magnitude); a block holding inf or nan gets absmax nan and the zero
+    code.
 
     ``exact_extremes`` (what converting float state into 8 bits uses, not the kernels): the signed table's smallest
     value is -0.99297 (bitsandbytes' map), so a block whose largest magnitude is negative decodes that element 0.7%
@@ -116,7 +117,8 @@ def quantize(x: torch.Tensor, signed: bool, exact_extremes: bool = False) -> tup
     else:
         absmax = torch.where(finite, ax, 0.0).amax(1)
     bad = ~finite.all(1)
-    v = blocks / torch.where(absmax > 0, absmax, 1.0)[:, None]
+    absmax = torch.where(absmax > 0, absmax.clamp(min=MIN_SCALE), 0.0)
+    v = blocks * (1.0 / torch.where(absmax > 0, absmax, 1.0))[:, None]  # IEEE fp32, as the kernels
     v = torch.where(bad[:, None], 0.0, v)
     idx = (torch.searchsorted(table, v.contiguous(), right=True) - 1).clamp_(0, CODE_SIZE - 1)
     lo, hi = table[idx].double(), table[(idx + 1).clamp_(max=CODE_SIZE - 1)].double()

@@ -11,6 +11,9 @@ QUANT_BLOCK = 256
 """Elements per absmax: bitsandbytes' block size for 8-bit optimizer state (8.125 bits per element)."""
 CODE_SIZE = 256
 """Entries of a code table: one per 8-bit code."""
+MIN_SCALE = 2.0**-126
+"""The smallest absmax of a block that is not all zero: fp32's smallest normal. A block whose largest magnitude is
+below it (every element subnormal) is scaled by it instead, so ``1 / absmax`` is finite and exact (2**126)."""
 CODES_ALIGN = 16
 """Bytes the address of a tensor of 8-bit codes is a multiple of: the fused update reads codes a 4-byte word at a time
 (`kitsune.kernels.update._q8_raw`), so a word never straddles two tensors' bytes in a way that breaks the byte order,

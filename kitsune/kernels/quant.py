@@ -16,8 +16,11 @@ checkpoint carries its table, and the helpers here take any sorted 256-entry fp3
 optimizer state) is stored as 256 codes and one fp32 absmax: 8.125 bits per element. The last block of a tensor may be
 partial; its absmax covers only the tensor's elements.
 
-**Quantize** (`_quantize_block`): ``absmax = max |x|`` per block, ``v = x / absmax`` (IEEE division, ``div_rn``, so
-the CPU interpreter and the GPU give the same bits), then the index of the code nearest to ``v``: a binary search
+**Quantize** (`_quantize_block`): ``absmax = max |x|`` per block (at least `MIN_SCALE` when the block is not all
+zero), ``v = x * (1 / absmax)``: one IEEE reciprocal a block (``div_rn``) and one IEEE product an element, so the CPU
+interpreter and the GPU give the same bits. bitsandbytes' kernel multiplies by the reciprocal too; a division an
+element made the fused 8-bit AdamW step 4% slower on an H200. ``v`` is within an ulp of the quotient ``x / absmax``
+(and ``|v|`` at most ``1 + 2**-23``). Then the index of the code nearest to ``v``: a binary search
 over the sorted table finds the largest code ``<= v`` and one exact comparison (``2 v`` against the sum of the two
 neighbours, in fp64 where both are exact) picks between it and the next. A tie goes to the code of smaller magnitude
 (toward zero: a tie never inflates the state). For bitsandbytes' two maps the fused update finds the same code in one
@@ -34,7 +37,7 @@ from one reduction. Special cases, decided per block:
   touches the state, so this only happens when the state itself has diverged.
 
 **Dequantize** (`_dequantize_block`): ``table[code] * absmax`` in fp32. Per element, ``|x - deq(q(x))| <= absmax *
-(largest gap of the table) / 2`` up to the fp32 rounding of ``x / absmax`` and of the product.
+(largest gap of the table) / 2`` up to the fp32 roundings of ``v`` (two) and of the product.
 
 **bf16 stochastic rounding** (`_stochastic_round_bf16`): an fp32 ``x`` between the bf16 neighbours ``a`` and ``b``
 (``|a| <= |x| < |b|``) becomes ``b`` with probability ``(x - a) / (b - a)``, so ``E[round(x)] = x``: add 16 random
@@ -58,11 +61,11 @@ import triton
 import triton.language as tl
 
 from kitsune.kernels import codes as _tables
-from kitsune.kernels.codes import (  # noqa: F401  (CODE_SIZE, QUANT_BLOCK and dynamic_map: re-exported)
+from kitsune.kernels.codes import (  # noqa: F401  (CODE_SIZE, MIN_SCALE, QUANT_BLOCK, dynamic_map: re-exported)
     BUCKET_BITS,
     BUCKET_EXP_MIN,
-    BUCKETS,
     CODE_SIZE,
+    MIN_SCALE,
     QUANT_BLOCK,
     dynamic_map,
 )
@@ -98,13 +101,14 @@ def _nearest_code(v, code):
 
 _BUCKET_EXP_MIN = tl.constexpr(BUCKET_EXP_MIN)
 _BUCKET_BITS = tl.constexpr(BUCKET_BITS)
-_LAST_BUCKET = tl.constexpr(BUCKETS - 1)
+_FIRST_BUCKET = tl.constexpr(BUCKET_EXP_MIN << BUCKET_BITS)
 _FRAC_SHIFT = tl.constexpr(23 - BUCKET_BITS)
+_MIN_SCALE = tl.constexpr(MIN_SCALE)
 
 
 @triton.jit
 def _nearest_bucketed(v, packed, SIGNED: tl.constexpr):
-    """`_nearest_code` for ``code`` = `dynamic_map` (``SIGNED`` or not) and ``|v| <= 1`` in one table read instead
+    """`_nearest_code` for ``code`` = `dynamic_map` (``SIGNED`` or not) and ``|v| < 2`` in one table read instead
     of nine: the bucket of ``|v|``'s exponent and top mantissa bits gives the nearest code ``c`` of its lower edge,
     and a comparison with the smallest fp32 above the exact midpoint of ``code[c]`` and ``code[c + 1]`` decides
     between ``c`` and ``c + 1`` (`kitsune.kernels.codes.bucket_table`); `kitsune.kernels.codes.packed_table` holds
@@ -112,11 +116,11 @@ def _nearest_bucketed(v, packed, SIGNED: tl.constexpr):
     code (the signed map's negative half is the positive half's mirror, less 1.0); the unsigned map sends it to 0,
     as the search does."""
     bits = tl.abs(v).to(tl.int32, bitcast=True)
-    # the exponent and the top mantissa bits, side by side in the bits of |v|: (e << BUCKET_BITS) + frac
-    b = (bits >> _FRAC_SHIFT) - (_BUCKET_EXP_MIN << _BUCKET_BITS)
-    b = tl.minimum(tl.maximum(b, 0), _LAST_BUCKET)
-    word = tl.load(packed + b)
-    c = ((word >> 24) & 0xFF) + ((bits & 0xFFFF) >= (word & 0x1FFFF)).to(tl.int32)
+    # the exponent and the top mantissa bits, side by side in the bits of |v|: (e << BUCKET_BITS) + frac, at least
+    # the first bucket's; the table's first entry is its (BUCKET_EXP_MIN << BUCKET_BITS)-th word
+    b = tl.maximum(bits >> _FRAC_SHIFT, _FIRST_BUCKET)
+    word = tl.load(packed - _FIRST_BUCKET + b)
+    c = (word.to(tl.uint32, bitcast=True) >> 24).to(tl.int32) + ((bits & 0xFFFF) >= (word & 0x1FFFF)).to(tl.int32)
     if SIGNED:
         c = tl.where(v < 0.0, tl.maximum(254 - c, 0), c)
     else:
@@ -166,16 +170,17 @@ def _quantize_rows(
     """`_quantize_block` of ``x`` given its blocks' absmax bits (`_absmax_rows`)."""
     ROWS: tl.constexpr = BLOCK // QBLOCK
     bad = bits >= 0x7F800000  # inf or nan in the block
-    absmax = bits.to(tl.float32, bitcast=True)
-    scale = tl.where((bits > 0) & ~bad, absmax, 1.0)  # an all-zero block: 0 / 1, not 0 / 0
-    v = tl.math.div_rn(tl.reshape(x, (ROWS, QBLOCK)), tl.broadcast_to(scale[:, None], (ROWS, QBLOCK)))
+    # the block's scale: its absmax, at least fp32's smallest normal (so its reciprocal is finite); an all-zero or
+    # non-finite block's 1, whose reciprocal is exact
+    scale = tl.where((bits > 0) & ~bad, tl.maximum(bits.to(tl.float32, bitcast=True), _MIN_SCALE), 1.0)
+    v = tl.reshape(x, (ROWS, QBLOCK)) * tl.math.div_rn(1.0, scale)[:, None]
     v = tl.where(bad[:, None], 0.0, v)  # a non-finite block: the zero code everywhere, absmax nan below
     v = tl.reshape(v, (BLOCK,))  # the table reads in the tile's own layout (a 2-D read may get another one)
     if BUCKETED:
         q = _nearest_bucketed(v, packed, BUCKETED == 1)
     else:
         q = _nearest_code(v, code)
-    return q.to(tl.uint8), tl.where(bad, float("nan"), absmax)
+    return q.to(tl.uint8), tl.where(bad, float("nan"), tl.where(bits > 0, scale, 0.0))
 
 
 @triton.jit

@@ -20,7 +20,7 @@ import kitsune
 from kitsune import FusionConfig, KitsuneOptimizer
 from kitsune.fusion import Route
 from kitsune.fusion import state_format as sf
-from kitsune.kernels.codes import CODES_ALIGN, QUANT_BLOCK, dynamic_map
+from kitsune.kernels.codes import CODES_ALIGN, MIN_SCALE, QUANT_BLOCK, dynamic_map
 from kitsune.optim import Lion
 
 SIZES = [(24, 40), 700, 300, 5]  # several quantization blocks, a partial one, and one under any min size
@@ -179,6 +179,8 @@ def _special_blocks() -> torch.Tensor:
     x[4 * QUANT_BLOCK + 1] = math.nan
     x[5 * QUANT_BLOCK : 6 * QUANT_BLOCK] *= 1e-30  # tiny values
     x[6 * QUANT_BLOCK + 3] = -x[6 * QUANT_BLOCK : 7 * QUANT_BLOCK].abs().max() * 2  # negative absmax
+    x[7 * QUANT_BLOCK : 8 * QUANT_BLOCK] *= 1e-39  # subnormals: the block's scale is fp32's smallest normal
+    x[8 * QUANT_BLOCK : 9 * QUANT_BLOCK] *= 1e-41  # below 2**-128, where 1 / absmax would overflow
     return x
 
 
@@ -216,7 +218,8 @@ def test_a_positive_block_absmax_decodes_exactly_and_others_within_half_a_gap():
     peaks = [(blk * QUANT_BLOCK + x[blk * QUANT_BLOCK : (blk + 1) * QUANT_BLOCK].abs().argmax()).item()
              for blk in range(absmax.numel())]  # fmt: skip
     # 1.0 is a code, -1.0 is not (bitsandbytes' signed map: 127 negative codes, 0, 128 positive)
-    assert all(decoded[i] == x[i] for i in peaks if absmax[i // QUANT_BLOCK] > 0 and x[i] > 0)
+    assert all(decoded[i] == x[i] for i in peaks if x[i] >= MIN_SCALE)  # a block of subnormals: scaled by MIN_SCALE
+    assert absmax[7] == MIN_SCALE and bool(decoded.isfinite().all())
     assert any(x[i] < 0 for i in peaks)
 
 
