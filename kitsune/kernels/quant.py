@@ -23,10 +23,9 @@ element made the fused 8-bit AdamW step 4% slower on an H200. ``v`` is within an
 (and ``|v|`` at most ``1 + 2**-23``). Then the index of the code nearest to ``v``: a binary search
 over the sorted table finds the largest code ``<= v`` and one exact comparison (``2 v`` against the sum of the two
 neighbours, in fp64 where both are exact) picks between it and the next. A tie goes to the code of smaller magnitude
-(toward zero: a tie never inflates the state). For bitsandbytes' two maps the fused update finds the same code in two
-reads of a small table and no fp64 (`_nearest_bucketed`): the bucket of ``|v|``'s exponent and top mantissa bits (as
-many as the codes in that binade need) names a candidate and the smallest fp32 above the exact midpoint to its next
-code, and one comparison with it settles it.
+(toward zero: a tie never inflates the state). For bitsandbytes' two maps the fused update finds the same code in one
+read of a small table and no fp64 (`_nearest_bucketed`): the bucket of ``|v|``'s exponent and top mantissa bits names
+a candidate and the smallest fp32 above the exact midpoint to its next code, and one comparison with it settles it.
 The fused update quantizes one block at a time, in a loop over a program's blocks (`kitsune.fusion.planner.Q8_PROGRAM`),
 so the program's per-tensor work is paid once for many blocks; the absmax of a slot pair (Adam's two moments) comes
 from one reduction. Special cases, decided per block:
@@ -63,6 +62,7 @@ import triton.language as tl
 
 from kitsune.kernels import codes as _tables
 from kitsune.kernels.codes import (  # noqa: F401  (CODE_SIZE, MIN_SCALE, QUANT_BLOCK, dynamic_map: re-exported)
+    BUCKET_BITS,
     BUCKET_EXP_MIN,
     CODE_SIZE,
     MIN_SCALE,
@@ -100,23 +100,27 @@ def _nearest_code(v, code):
 
 
 _BUCKET_EXP_MIN = tl.constexpr(BUCKET_EXP_MIN)
+_BUCKET_BITS = tl.constexpr(BUCKET_BITS)
+_FIRST_BUCKET = tl.constexpr(BUCKET_EXP_MIN << BUCKET_BITS)
+_FRAC_SHIFT = tl.constexpr(23 - BUCKET_BITS)
 _MIN_SCALE = tl.constexpr(MIN_SCALE)
 
 
 @triton.jit
-def _nearest_bucketed(v, enc, SIGNED: tl.constexpr):
-    """`_nearest_code` for ``code`` = `dynamic_map` (``SIGNED`` or not) and ``|v| < 2`` in two reads of the map's
-    `kitsune.kernels.codes.encode_table` at ``enc`` instead of nine of the code table: the binade word of ``|v|``'s
-    exponent says where its buckets start and how many top mantissa bits pick one, the bucket's word gives the
-    nearest code ``c`` of its lower edge and the threshold to ``c + 1``, and one comparison of mantissas decides.
-    The table is a few hundred words, so a warp's reads touch few cache lines. A negative ``v`` takes the mirrored
+def _nearest_bucketed(v, packed, SIGNED: tl.constexpr):
+    """`_nearest_code` for ``code`` = `dynamic_map` (``SIGNED`` or not) and ``|v| < 2`` in one table read instead
+    of nine: the bucket of ``|v|``'s exponent and top mantissa bits gives the nearest code ``c`` of its lower edge,
+    and a comparison with the smallest fp32 above the exact midpoint of ``code[c]`` and ``code[c + 1]`` decides
+    between ``c`` and ``c + 1`` (`kitsune.kernels.codes.bucket_table`); `kitsune.kernels.codes.packed_table` holds
+    both in one word a bucket, the threshold as the low 16 bits it differs in. A negative ``v`` takes the mirrored
     code (the signed map's negative half is the positive half's mirror, less 1.0); the unsigned map sends it to 0,
     as the search does."""
     bits = tl.abs(v).to(tl.int32, bitcast=True)
-    mant = bits & 0x7FFFFF
-    binade = tl.load(enc - _BUCKET_EXP_MIN + tl.maximum(bits >> 23, _BUCKET_EXP_MIN))  # under 2**-32: the first
-    word = tl.load(enc + (binade & 0xFFFF) + (mant >> (binade >> 16)))
-    c = (word.to(tl.uint32, bitcast=True) >> 24).to(tl.int32) + (mant >= (word & 0xFFFFFF)).to(tl.int32)
+    # the exponent and the top mantissa bits, side by side in the bits of |v|: (e << BUCKET_BITS) + frac, at least
+    # the first bucket's; the table's first entry is its (BUCKET_EXP_MIN << BUCKET_BITS)-th word
+    b = tl.maximum(bits >> _FRAC_SHIFT, _FIRST_BUCKET)
+    word = tl.load(packed - _FIRST_BUCKET + b)
+    c = (word.to(tl.uint32, bitcast=True) >> 24).to(tl.int32) + ((bits & 0xFFFF) >= (word & 0x1FFFF)).to(tl.int32)
     if SIGNED:
         c = tl.where(v < 0.0, tl.maximum(254 - c, 0), c)
     else:
@@ -161,7 +165,7 @@ def _absmax_rows2(x, y, BLOCK: tl.constexpr, QBLOCK: tl.constexpr, PAIRED: tl.co
 
 @triton.jit
 def _quantize_rows(
-    x, bits, code, BLOCK: tl.constexpr, QBLOCK: tl.constexpr, enc=None, BUCKETED: tl.constexpr = 0
+    x, bits, code, BLOCK: tl.constexpr, QBLOCK: tl.constexpr, packed=None, BUCKETED: tl.constexpr = 0
 ):  # fmt: skip
     """`_quantize_block` of ``x`` given its blocks' absmax bits (`_absmax_rows`)."""
     ROWS: tl.constexpr = BLOCK // QBLOCK
@@ -173,7 +177,7 @@ def _quantize_rows(
     v = tl.where(bad[:, None], 0.0, v)  # a non-finite block: the zero code everywhere, absmax nan below
     v = tl.reshape(v, (BLOCK,))  # the table reads in the tile's own layout (a 2-D read may get another one)
     if BUCKETED:
-        q = _nearest_bucketed(v, enc, BUCKETED == 1)
+        q = _nearest_bucketed(v, packed, BUCKETED == 1)
     else:
         q = _nearest_code(v, code)
     return q.to(tl.uint8), tl.where(bad, float("nan"), tl.where(bits > 0, scale, 0.0))
@@ -181,15 +185,15 @@ def _quantize_rows(
 
 @triton.jit
 def _quantize_block(
-    x, code, BLOCK: tl.constexpr, QBLOCK: tl.constexpr, enc=None, BUCKETED: tl.constexpr = 0
+    x, code, BLOCK: tl.constexpr, QBLOCK: tl.constexpr, packed=None, BUCKETED: tl.constexpr = 0
 ):  # fmt: skip
     """``(codes, absmax)`` of the fp32 block ``x`` ((BLOCK,), BLOCK a multiple of QBLOCK, in quantization blocks of
     QBLOCK elements from its first element; padding lanes must hold 0): codes (BLOCK,) uint8, indices into the
     sorted 256-entry fp32 table at ``code``; absmax (BLOCK // QBLOCK,) fp32, nan for a block holding inf or nan.
-    ``BUCKETED`` 1 (signed) or 2 (unsigned): ``code`` is that `dynamic_map` and ``enc`` its
-    `kitsune.kernels.codes.encode_table` (`_nearest_bucketed`); 0: any table, a binary search. The codes are the
+    ``BUCKETED`` 1 (signed) or 2 (unsigned): ``code`` is that `dynamic_map` and ``packed`` its
+    `kitsune.kernels.codes.packed_table` (`_nearest_bucketed`); 0: any table, a binary search. The codes are the
     same."""
-    return _quantize_rows(x, _absmax_rows(x, BLOCK, QBLOCK), code, BLOCK, QBLOCK, enc, BUCKETED)
+    return _quantize_rows(x, _absmax_rows(x, BLOCK, QBLOCK), code, BLOCK, QBLOCK, packed, BUCKETED)
 
 
 @triton.jit
@@ -246,13 +250,13 @@ def _split_bf16(x):
 
 @triton.jit
 def _quantize_kernel(
-    x_ptr, q_ptr, absmax_ptr, code, n, enc, BLOCK: tl.constexpr, QBLOCK: tl.constexpr, BUCKETED: tl.constexpr,
+    x_ptr, q_ptr, absmax_ptr, code, n, packed, BLOCK: tl.constexpr, QBLOCK: tl.constexpr, BUCKETED: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)  # int64: tensors over 2**31 elements
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    q, absmax = _quantize_block(x, code, BLOCK, QBLOCK, enc, BUCKETED)
+    q, absmax = _quantize_block(x, code, BLOCK, QBLOCK, packed, BUCKETED)
     tl.store(q_ptr + offs, q, mask=mask)
     rows = pid * (BLOCK // QBLOCK) + tl.arange(0, BLOCK // QBLOCK).to(tl.int64)
     tl.store(absmax_ptr + rows, absmax, mask=rows * QBLOCK < n)
@@ -314,7 +318,7 @@ def quantize_blockwise(
     `dynamic_map`). ``codes`` has ``x``'s shape, ``absmax`` is ``(ceil(numel / block),)``; blocks run over the
     elements in row-major order. A block holding inf or nan gets absmax nan (it decodes to nan); an all-zero block
     absmax 0. A value below the table's first entry gets code 0 (with the unsigned map: a negative value decodes
-    to 0). For either `dynamic_map` the codes come from its encode table (`_nearest_bucketed`), for any other
+    to 0). For either `dynamic_map` the codes come from its bucket table (`_nearest_bucketed`), for any other
     table (or with ``search``) from a binary search: the same codes."""
     if x.dtype not in TL_DTYPES:
         raise ValueError(f"quantize_blockwise supports {tuple(TL_DTYPES)}, got {x.dtype}")
@@ -327,9 +331,9 @@ def quantize_blockwise(
         grid, tile = _grid(n, block)
         kind = 0 if search else next((k for k, signed in ((1, True), (2, False)) if _is_map(code, signed)), 0)
         signed = kind == 1
-        enc = _tables.encoder(signed, x.device) if kind else code
+        packed = _tables.packed(signed, x.device) if kind else code
         _quantize_kernel[grid](
-            x.contiguous().view(-1), codes, absmax, code, n, enc, BLOCK=tile, QBLOCK=block, BUCKETED=kind
+            x.contiguous().view(-1), codes, absmax, code, n, packed, BLOCK=tile, QBLOCK=block, BUCKETED=kind
         )  # fmt: skip
     return codes, absmax
 

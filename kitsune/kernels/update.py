@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kitsune.kernels.codes import CODE_SIZE, ENCODE_START, ENCODE_WORDS, QUANT_BLOCK, device_tables
+from kitsune.kernels.codes import BUCKETS, CODE_SIZE, PACKED_START, QUANT_BLOCK, device_tables
 from kitsune.kernels.common import (
     ADAPT,
     B1,
@@ -67,8 +67,8 @@ _CODE_SIZE = tl.constexpr(CODE_SIZE)
 VECTOR_ELEMS = 8
 """Elements of a thread in the vector layout (``Q8 == 2``): every numel of its launch is a multiple of it."""
 _VECTOR_ELEMS = tl.constexpr(VECTOR_ELEMS)
-_ENCODE_WORDS = tl.constexpr(ENCODE_WORDS)
-_ENCODE_START = tl.constexpr(ENCODE_START)
+_BUCKETS = tl.constexpr(BUCKETS)
+_PACKED_START = tl.constexpr(PACKED_START)
 
 
 @triton.jit
@@ -137,12 +137,12 @@ def _sload(addr, aaddr, offs, start, lim, qmap, word, absmax, SIGNED: tl.constex
 
 @triton.jit
 def _q8_tables(qmap, SIGNED: tl.constexpr):
-    """``(code, enc)``: the signed (SIGNED) or unsigned map's code table and `kitsune.kernels.codes.encode_table`
+    """``(code, packed)``: the signed (SIGNED) or unsigned map's code table and `kitsune.kernels.codes.packed_table`
     in ``qmap`` (`kitsune.kernels.codes.device_tables`)."""
-    enc = (qmap + _ENCODE_START).to(tl.pointer_type(tl.int32), bitcast=True)
+    packed = (qmap + _PACKED_START).to(tl.pointer_type(tl.int32), bitcast=True)
     if SIGNED:
-        return qmap, enc
-    return qmap + _CODE_SIZE, enc + _ENCODE_WORDS
+        return qmap, packed
+    return qmap + _CODE_SIZE, packed + _BUCKETS
 
 
 @triton.jit
@@ -150,8 +150,8 @@ def _q8_store(addr, aaddr, offs, start, lim, x, bits, qmap, SIGNED: tl.constexpr
               QBLOCK: tl.constexpr, VEC: tl.constexpr):  # fmt: skip
     """Quantize ``x`` (zero past ``lim``) with its blocks' absmax bits (`quant._absmax_rows`) and store codes and
     absmax."""
-    code, enc = _q8_tables(qmap, SIGNED)
-    q, absmax = _quantize_rows(x, bits, code, BLOCK, QBLOCK, enc, 1 if SIGNED else 2)
+    code, packed = _q8_tables(qmap, SIGNED)
+    q, absmax = _quantize_rows(x, bits, code, BLOCK, QBLOCK, packed, 1 if SIGNED else 2)
     tl.store(_vptr(addr, offs, tl.uint8, VEC), q, mask=offs < lim)
     rows, row_mask = _q8_rows(aaddr, start, lim, BLOCK, QBLOCK)
     tl.store(rows, absmax, mask=row_mask)
@@ -161,7 +161,7 @@ def _q8_store(addr, aaddr, offs, start, lim, x, bits, qmap, SIGNED: tl.constexpr
 def _sstore(addr, aaddr, offs, start, lim, x, qmap, SIGNED: tl.constexpr, SDTYPE: tl.constexpr, Q8: tl.constexpr,
             RNE_BF16: tl.constexpr, BLOCK: tl.constexpr, QBLOCK: tl.constexpr):  # fmt: skip
     """Store fp32 ``x`` into a state slot as `_sload` reads it: rounded to SDTYPE, or quantized per QBLOCK elements
-    (lanes past ``lim`` count as 0 in a block's absmax). With Q8, ``qmap`` holds the code tables, then their encode
+    (lanes past ``lim`` count as 0 in a block's absmax). With Q8, ``qmap`` holds the code tables, then their bucket
     tables (`kitsune.kernels.codes.device_tables`)."""
     if Q8:
         x = tl.where(offs < lim, x, 0.0)
@@ -203,7 +203,7 @@ def _update_kernel(
     a1_tab,  # (T,) int64 addresses of each state slot's fp32 absmax blocks, read only with Q8
     a2_tab,
     a3_tab,
-    qmap,  # fp32: kitsune.kernels.codes.device_tables (code and encode tables), read only with Q8
+    qmap,  # fp32: kitsune.kernels.codes.device_tables (code and bucket tables), read only with Q8
     step_tab,
     sc1_tab,  # (T,) int64 addresses of float32 scalars, read only with SCALARS >= 1 (>= 2 for sc2_tab)
     sc2_tab,

@@ -574,42 +574,36 @@ def test_the_bucket_tables_find_the_codes_the_binary_search_finds(signed, device
 
 
 @pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
-def test_the_encode_table_gives_the_nearest_code_of_every_magnitude_it_is_probed_at(signed):
-    """`encode_table`, read as the kernel reads it (a binade word, then a bucket word, then one comparison of
-    mantissas), gives the nearest code by the float64 definition at each bucket's lowest and highest fp32, at each
-    midpoint between codes and 3 ulps either side, below the first binade (clamped into it), at 1.0 and just above
-    it (``x * (1 / absmax)`` may round up to ``1 + 2**-23``), and on random magnitudes: within a bucket the code
-    is monotone in the magnitude, so edges and midpoints decide all of it. The table is small: a few hundred words."""
+def test_the_packed_table_decides_as_the_bucket_and_threshold_tables(signed):
+    """`packed_table` holds each bucket's candidate code and, as 16 low bits, the threshold to the next code: within a
+    bucket both the packed comparison and ``a >= thresholds[c]`` are monotone in ``a``, so they agree everywhere when
+    they agree at every bucket's edges and on both sides of every threshold; below the first bucket (clamped into
+    it) the packed word never moves to the next code."""
     from kitsune.kernels import codes
 
-    table = codes.encode_table(signed).long()
-    words = codes.BINADES + sum(1 << b for b in codes.bucket_bits(signed))
-    assert words <= codes.ENCODE_WORDS and bool((table[words:] == 0).all())
-    assert words < (300 if signed else 500)
-    code = quant.dynamic_map(signed).double()
-    probes = []
-    for e, b in zip(range(codes.BUCKET_EXP_MIN, 128), codes.bucket_bits(signed), strict=True):
-        lo = (torch.arange(1 << b) << (23 - b)) + (e << 23)
-        probes += [lo, lo + (1 << (23 - b)) - 1]
-    mids = ((code[1:] + code[:-1]) / 2).float().abs().view(torch.int32).long()
-    probes += [mids + d for d in range(-3, 4)]
-    gen = torch.Generator().manual_seed(5)
-    spread = torch.rand(20000, generator=gen, dtype=torch.float64) ** torch.randint(1, 40, (20000,), generator=gen)
-    probes += [spread.float().view(torch.int32).long()]
-    probes += [torch.tensor([0, 1, 1 << 23, (94 << 23) + 12345, (95 << 23) - 1, 127 << 23, (127 << 23) + 1])]
+    buckets, thresholds = codes.bucket_table(signed)
+    packed = codes.packed_table(signed).long()
+    cand = buckets.long()
+    t = thresholds.view(torch.int32).long()[cand]
+    edge = (torch.arange(codes.BUCKETS) + (codes.BUCKET_EXP_MIN << codes.BUCKET_BITS)) << (23 - codes.BUCKET_BITS)
+    probes = [edge, edge + 0xFFFF]  # each bucket's lowest and highest fp32
+    inside = (t >> 16) == (edge >> 16)
+    boundaries = thresholds[(127 if signed else 0) : -1].view(torch.int32).long()  # between codes >= 0
+    on_edge = torch.isin(boundaries, edge)  # the next bucket's candidate is already past it
+    assert int(inside.sum()) + int(on_edge.sum()) == len(boundaries)  # every boundary is in one bucket or on an edge
+    for d in (-1, 0, 1):
+        probes.append(torch.where(inside, t + d, edge).clamp(edge, edge + 0xFFFF))
     bits = torch.cat(probes)
-    bits = bits[(bits >= 0) & (bits <= (127 << 23) + 1)]
-    a = bits.to(torch.int32).view(torch.float32).double()
-    zero = 127 if signed else 0
-    pos = code[zero:]
-    d = (a[:, None] - pos[None, :]).abs()  # exact: a and the codes are fp32
-    want = zero + torch.where(d == d.min(1, keepdim=True).values, torch.arange(len(pos)), len(pos)).min(1).values
-    e = (bits >> 23).clamp(min=codes.BUCKET_EXP_MIN)
-    mant = bits & 0x7FFFFF
-    binade = table[e - codes.BUCKET_EXP_MIN]
-    word = table[(binade & 0xFFFF) + (mant >> (binade >> 16))]
-    got = ((word >> 24) & 0xFF) + (mant >= (word & 0xFFFFFF)).long()
-    assert torch.equal(got, want), bits[got != want][:8]
+    b = ((bits >> 16) - (codes.BUCKET_EXP_MIN << codes.BUCKET_BITS)).clamp(0, codes.BUCKETS - 1)
+    a = bits.to(torch.int32).view(torch.float32)
+    want = cand[b] + (a >= thresholds[cand[b]]).long()
+    word = packed[b]
+    got = ((word >> 24) & 0xFF) + ((bits & 0xFFFF) >= (word & 0x1FFFF)).long()
+    assert torch.equal(got, want)
+    tiny = torch.tensor([2.0**-40, 2.0**-33, 1e-12]).view(torch.int32).long()  # clamped into bucket 0
+    word = packed[0]
+    assert bool((((word >> 24) & 0xFF) + ((tiny & 0xFFFF) >= (word & 0x1FFFF)).long() == cand[0]).all())
+    assert int(cand[0]) == (127 if signed else 0)  # the zero code
 
 
 def test_a_pair_of_absmax_reductions_is_the_two_single_ones(device):
