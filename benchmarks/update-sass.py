@@ -7,10 +7,11 @@ the instructions of one pass of its tile loop, counted by opcode.
     python benchmarks/update-sass.py --kitsune /tmp/other     # the package in /tmp/other/kitsune
     python benchmarks/update-sass.py --state fp32 --dump update.sass --ttgir update.ttgir
 
-A proxy for GPU runs, not a timing: the 8-bit update is bound by instruction issue (Nsight Compute on an H200:
-issue slots 83% busy, 197 instructions per element), so fewer instructions per element is the first thing a
-change to it should show, and this shows it in seconds on a CPU. Fewer instructions need not mean faster: the
-kernel also waits on its table reads, so a change is kept only after `benchmarks/q8-sweep.py` times it on a GPU.
+A proxy for GPU runs, not a timing: it shows in seconds on a CPU what a change does to the 8-bit update's
+instructions and registers (registers decide the warps an SM holds). Fewer instructions need not mean faster: the
+kernel is bound by latency with few warps and waits on its table reads (Nsight Compute on an H200: issue slots 55%
+busy), and 23% more instructions made it 15% slower where they cut its table reads' cache lines by more than half
+(docs/benchmarks.md), so a change is kept only after `benchmarks/q8-sweep.py` times it on a GPU.
 
 The launch's arguments come from a real step (a child process runs one through Triton's CPU interpreter and
 records the launch), so the kernel compiles with the constexprs the planner picks, except RNE_BF16, set as on a
