@@ -1,0 +1,40 @@
+"""Triton's CPU interpreter without its repeated set-up: the tests run every kernel through it.
+
+The interpreter swaps ``triton.language``'s builtins for numpy-backed ones when a kernel launches (`_patch_lang`) and
+puts them back when the launch ends, but it also calls `_patch_lang` again at every call of a nested ``@triton.jit``
+function, which walks the language modules with ``inspect.getmembers`` (about a millisecond a call) only to find
+them already swapped. The fused 8-bit update calls some 80 helpers a program, so the walks were half of its time in
+the interpreter. `skip_repeated_patching` makes a nested call return an empty scope when every language module the
+function sees is already swapped (its ``load`` is no longer the builtin): the same objects run, a kernel computes the
+same bits (`tests/kernels/test_interpreter_patch.py`; and an 8-step GPT run in each state precision gave every loss
+bit for bit), in about half the interpreter time. Where Triton has no such function (another version), nothing is
+changed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def skip_repeated_patching() -> None:
+    """Install the shortcut (once). Call it with TRITON_INTERPRET=1 set: it imports ``triton.language``, whose own
+    jit functions (``tl.zeros``, ...) are interpreted only when the switch is on at that import."""
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:  # pragma: no cover - triton is a dependency
+        return
+    original = getattr(interpreter, "_patch_lang", None)
+    scope = getattr(interpreter, "_LangPatchScope", None)
+    if original is None or scope is None or getattr(original, "skips_repeats", False):
+        return
+
+    def patch_lang(fn: Any) -> Any:
+        langs = [value for value in fn.__globals__.values() if value is tl or value is tl.core]
+        if langs and all(not tl.core.is_builtin(vars(lang).get("load")) for lang in langs):
+            return scope()  # swapped by the launch around this call; the launch's scope puts them back
+        return original(fn)
+
+    patch_lang.skips_repeats = True  # type: ignore[attr-defined]
+    patch_lang.original = original  # type: ignore[attr-defined]
+    interpreter._patch_lang = patch_lang
