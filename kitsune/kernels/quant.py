@@ -99,8 +99,6 @@ def _nearest_code(v, code):
     return tl.where(up & (idx < 255), idx + 1, idx)
 
 
-_BUCKET_EXP_MIN = tl.constexpr(BUCKET_EXP_MIN)
-_BUCKET_BITS = tl.constexpr(BUCKET_BITS)
 _FIRST_BUCKET = tl.constexpr(BUCKET_EXP_MIN << BUCKET_BITS)
 _FRAC_SHIFT = tl.constexpr(23 - BUCKET_BITS)
 _MIN_SCALE = tl.constexpr(MIN_SCALE)
