@@ -62,8 +62,9 @@ BUCKETS = (127 - BUCKET_EXP_MIN + 1) << BUCKET_BITS
 
 
 def bucket_table(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(buckets, thresholds)`` for finding the nearest code of `dynamic_map` without a search: a magnitude ``a <=
-    1`` falls in bucket ``(exponent - BUCKET_EXP_MIN) * 2**BUCKET_BITS + (its top BUCKET_BITS mantissa bits)``;
+    """``(buckets, thresholds)`` for finding the nearest code of `dynamic_map` without a search: a magnitude ``a <
+    2`` (the buckets reach 2: the quantizer's ``x * (1 / absmax)`` may round up to ``1 + 2**-23``) falls in bucket
+    ``(exponent - BUCKET_EXP_MIN) * 2**BUCKET_BITS + (its top BUCKET_BITS mantissa bits)``;
     ``buckets[bucket]`` (uint8) is the index of the code nearest to the bucket's lower edge (among the codes ``>= 0``;
     a tie to the smaller), and since at most one boundary between two codes lies inside a bucket (checked here), the
     nearest code of ``a`` is that index ``c`` or ``c + 1``: ``c + 1`` exactly when ``a >= thresholds[c]``, the
