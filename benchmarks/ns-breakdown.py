@@ -1,7 +1,7 @@
 """Where a Newton-Schulz call's time goes on a GPU: each kernel of a 5-iteration call (torch.profiler, averaged per
 position in the iteration), next to cuBLAS doing the same products (``torch.bmm``/``torch.baddbmm``, the latter
 without the ``a I``), with TFLOP/s of the work each product does (the Gram products count their symmetric half).
-With ``--syrk``/``--poly``, other kernel configs are timed against the picked ones in rotating turns.
+With ``--syrk``/``--bprime``/``--poly``, other kernel configs are timed against the picked ones in rotating turns.
 
 python benchmarks/ns-breakdown.py --json $OUT/ns-breakdown.json     # 8 x 2048^2 and 4096^2
 python benchmarks/ns-breakdown.py --shapes 1x4096x4096 --poly 'cublas;triton'  # B' X: cuBLAS against Triton, in turns
@@ -99,16 +99,22 @@ def _timed_call(x: torch.Tensor, out: torch.Tensor, plan: list, cfg: tuple) -> o
 
 
 def config_variants(
-    x: torch.Tensor, plan: list, syrks: list[ns.SyrkConfig], polys: list[ns.PolyConfig], rounds: int = 2
+    x: torch.Tensor,
+    plan: list,
+    syrks: list[ns.SyrkConfig],
+    polys: list[ns.PolyConfig],
+    bprimes: list[ns.SyrkConfig] = (),
+    rounds: int = 2,
 ) -> dict[str, float]:
-    """The whole call with each Gram (or product) kernel config, the other kernel's picked, timed in turns against
-    the picked pair: median ms per config."""
+    """The whole call with each Gram config (for both Gram launches, or with ``bprimes`` for the ``B'`` launch
+    only) or product config, the others picked, timed in turns against the picked ones: median ms per config."""
     batch, m, n = x.shape
     picked = ns.pick_configs(m, n, batch, torch.bfloat16, x.device)
     configs = {
         "picked": picked,
-        **{f"gram {tuple(v)!r}": (v, picked[1]) for v in syrks},
-        **{f"product {tuple(v)!r}": (picked[0], v) for v in polys},
+        **{f"gram {tuple(v)!r}": (v, v, picked[2]) for v in syrks},
+        **{f"b' {tuple(v)!r}": (picked[0], v, picked[2]) for v in bprimes},
+        **{f"product {tuple(v)!r}": (picked[0], picked[1], v) for v in polys},
     }
     out = torch.empty_like(x)
     calls = {key: _timed_call(x, out, plan, cfg) for key, cfg in configs.items()}
@@ -147,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", default="8x2048x2048,1x4096x4096")
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--syrk", default="", help="Gram configs to time against the picked one, see parse_syrk")
+    parser.add_argument("--bprime", default="", help="the same for the B' launch only (X X^T's config picked)")
     parser.add_argument("--poly", default="", help="product configs to time against the picked one, see parse_poly")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -188,9 +195,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {key:<18} {k_txt} {c_ms:10.4f} {full / c_ms / 1e9:8.0f}", flush=True)
         print(f"  prologue {row['kernels_ms'].get('prologue', float('nan')):.4f} ms", flush=True)
         syrks = parse_syrk(args.syrk)
-        polys = parse_poly(args.poly, ns.pick_configs(m, n, batch, torch.bfloat16, x.device)[1])
-        if syrks or polys:
-            row["variants_ms"] = config_variants(x, plan, syrks, polys)
+        polys = parse_poly(args.poly, ns.pick_configs(m, n, batch, torch.bfloat16, x.device)[2])
+        bprimes = parse_syrk(args.bprime)
+        if syrks or polys or bprimes:
+            row["variants_ms"] = config_variants(x, plan, syrks, polys, bprimes)
             for key, ms in row["variants_ms"].items():
                 print(f"  {key:<72} {ms:8.4f} ms", flush=True)
         if batch > 1:

@@ -341,8 +341,11 @@ class PolyConfig(NamedTuple):
     left to fuse (``a`` sits on ``B'``'s diagonal). bf16 only: fp32 would follow torch's TF32 switch."""
 
 
-def pick_configs(m: int, n: int, batch: int, dtype: torch.dtype, device: torch.device) -> tuple[SyrkConfig, PolyConfig]:
-    """Tile sizes for an ``(m, n)``, ``m <= n``, problem: a fixed table, no autotuning (nothing to warm up).
+def pick_configs(
+    m: int, n: int, batch: int, dtype: torch.dtype, device: torch.device
+) -> tuple[SyrkConfig, SyrkConfig, PolyConfig]:
+    """Tile sizes for an ``(m, n)``, ``m <= n``, problem, as ``(gram, b_prime, product)``: the ``X X^T`` launch's,
+    the ``B'`` launch's and the ``B' X`` launch's. A fixed table, no autotuning (nothing to warm up).
 
     The interpreter takes the smallest tiles ``tl.dot`` allows there (16; Gram tiles two blocks wide), so small test
     matrices still span several tiles, partial ones included. On a GPU, the best of sweeps on an H100 (Triton 3.6,
@@ -351,21 +354,31 @@ def pick_configs(m: int, n: int, batch: int, dtype: torch.dtype, device: torch.d
     loads and a persistent grid measured no faster. Where the k loops are short (m <= 2048) and there are several
     waves of tiles (a batch, as Muon's same-shape matrices are), the per-tile epilogue weighs more: TMA loads and a
     persistent grid with the tile and k loops pipelined as one, Gram tiles two blocks wide (8 x 2048^2: 2.59 ms
-    against 2.74).
+    against 2.74). There the ``B'`` launch, whose epilogue also reads a tile of ``A``, takes square 128-row tiles
+    through TMA, one program a tile: with the wide persistent tiles its epilogue spilled registers (Nsight Compute
+    on an H200: 255 registers, local memory traffic; 0.143 ms a launch against 0.123 for ``X X^T``); with square
+    ones 0.127 ms, the whole call 2.53 against 2.56 ms in turns (``benchmarks/ns-breakdown.py --bprime``), the same
+    bits.
     Below a wave (1024^2): 64-row tiles, Gram tiles two blocks wide.
     """
     if device.type != "cuda":
-        return SyrkConfig(16, 32, 64, 1, 1), PolyConfig(16, 64, 64, 4, 1, 1)
+        syrk = SyrkConfig(16, 32, 64, 1, 1)
+        return syrk, syrk, PolyConfig(16, 64, 64, 4, 1, 1)
     if dtype == torch.float32:  # ieee fp32 products run on CUDA cores: small tiles for registers and shared memory
-        return SyrkConfig(64, 64, 32, 4, 3), PolyConfig(64, 64, 32, 8, 4, 3)
+        syrk = SyrkConfig(64, 64, 32, 4, 3)
+        return syrk, syrk, PolyConfig(64, 64, 32, 8, 4, 3)
     blocks = triton.cdiv(m, 128)
     upper = batch * blocks * (blocks + 1) // 2  # 128 x 128 tiles over the upper triangle
     if m <= 2048 and upper >= 512:
-        return SyrkConfig(128, 256, 64, 8, 3, True, True, True), PolyConfig(128, 256, 64, 8, 8, 3, True, True, True)
+        return (
+            SyrkConfig(128, 256, 64, 8, 3, True, True, True),
+            SyrkConfig(128, 128, 64, 4, 3, True),
+            PolyConfig(128, 256, 64, 8, 8, 3, True, True, True),
+        )
     syrk = SyrkConfig(128, 128, 64, 4, 3) if upper >= 100 else SyrkConfig(64, 128, 64, 4, 4)
     poly_tiles = batch * blocks * triton.cdiv(n, 256)
     poly = PolyConfig(128, 256, 64, 16, 8, 3) if poly_tiles >= 100 else PolyConfig(64, 128, 64, 8, 4, 4)
-    return syrk, poly
+    return syrk, syrk, poly
 
 
 def _descriptor(t: torch.Tensor, strides: Sequence[int], rows: int, cols: int, block: list[int]) -> object | None:
@@ -403,24 +416,55 @@ def _device_guard(device: torch.device) -> contextlib.AbstractContextManager:
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
+class _GramLaunch:
+    """How one Gram kernel config launches: its tile table, grid and constexprs, and its operands' descriptors."""
+
+    def __init__(self, cfg: SyrkConfig, m: int, batch: int, parts: int, sms: int, device: torch.device, common: dict):
+        self.cfg = cfg
+        self.tiles = _upper_tiles(triton.cdiv(m, cfg.block_m), cfg.block_n // cfg.block_m, device)
+        n_tiles = self.tiles.shape[0]
+        self.grid = (min(n_tiles * batch, sms),) if cfg.persistent else (n_tiles, batch)
+        self.meta = {
+            "P_BLOCK": triton.next_power_of_2(parts),
+            "BLOCK_M": cfg.block_m,
+            "BLOCK_N": cfg.block_n,
+            "BLOCK_K": cfg.block_k,
+            "num_warps": cfg.num_warps,
+            "num_stages": cfg.num_stages,
+            "PERSISTENT": cfg.persistent,
+            "FLATTEN": cfg.flatten,
+            **common,
+        }
+
+    def descs(self, t: torch.Tensor, strides: Sequence[int], rows: int, cols: int) -> tuple[object, object]:
+        """The row and column block descriptors of operand ``t``; ``(None, None)`` for pointer loads."""
+        if not self.cfg.tma:
+            return None, None
+        xr = _descriptor(t, strides, rows, cols, [self.cfg.block_m, self.cfg.block_k])
+        xc = _descriptor(t, strides, rows, cols, [self.cfg.block_n, self.cfg.block_k])
+        return (xr, xc) if xr is not None and xc is not None else (None, None)
+
+
 def newton_schulz_launch(
     x: torch.Tensor,
     out: torch.Tensor,
     coefficients: list[Coefficients],
     eps: float,
     dtype: torch.dtype,
-    configs: tuple[SyrkConfig, PolyConfig] | None = None,
+    configs: tuple[SyrkConfig, SyrkConfig, PolyConfig] | tuple[SyrkConfig, PolyConfig] | None = None,
 ) -> None:
     """Run ``len(coefficients)`` (>= 1) iterations on ``x`` (batch, m, n), contiguous, any float dtype, writing
     ``out`` (batch, m, n) of ``dtype``. Shapes, dtypes and devices are checked by
-    [`newton_schulz`][kitsune.kernels.newton_schulz.newton_schulz]; this picks tiles (unless ``configs`` says) and
-    launches ``1 + 3 * steps`` kernels."""
+    [`newton_schulz`][kitsune.kernels.newton_schulz.newton_schulz]; this picks tiles (unless ``configs`` says:
+    ``(gram, b_prime, product)`` as `pick_configs` gives them, or ``(gram, product)`` with the ``X X^T`` config for
+    ``B'`` too) and launches ``1 + 3 * steps`` kernels."""
     batch, m_in, n_in = x.shape
     tall = m_in > n_in
     m, n = (n_in, m_in) if tall else (m_in, n_in)  # the iteration runs on X = x^T for a tall x: A is (m, m)
     so = out.stride()
     out_strides = (so[0], so[2], so[1]) if tall else so
-    syrk, poly = configs or pick_configs(m, n, batch, dtype, x.device)
+    syrk, *rest = configs or pick_configs(m, n, batch, dtype, x.device)
+    syrk_c, poly = rest if len(rest) == 2 else (syrk, rest[0])
     tl_dtype = TL_DTYPES[dtype]
     precision = "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for bf16 operands
 
@@ -435,22 +479,11 @@ def newton_schulz_launch(
     gram = torch.empty((batch, m, m), dtype=dtype, device=x.device)  # A
     poly_b = torch.empty_like(gram)  # B'
     xs = [torch.empty((batch, m, n), dtype=dtype, device=x.device) for _ in range(min(2, len(coefficients) - 1))]
-    tiles = _upper_tiles(triton.cdiv(m, syrk.block_m), syrk.block_n // syrk.block_m, x.device)
-    syrk_grid = (tiles.shape[0], batch)
     poly_grid = (triton.cdiv(m, poly.block_m) * triton.cdiv(n, poly.block_n), batch)
     common = {
         "DTYPE": tl_dtype,
         "PRECISION": precision,
         "RNE_BF16": INTERPRETED,
-    }
-    syrk_meta = {
-        "P_BLOCK": triton.next_power_of_2(parts),
-        "BLOCK_M": syrk.block_m,
-        "BLOCK_N": syrk.block_n,
-        "BLOCK_K": syrk.block_k,
-        "num_warps": syrk.num_warps,
-        "num_stages": syrk.num_stages,
-        **common,
     }
     poly_meta = {
         "EVEN_K": m % poly.block_k == 0,
@@ -463,19 +496,12 @@ def newton_schulz_launch(
         **common,
     }
     sms = _num_sms(x.device)
-    if syrk.persistent:
-        syrk_grid = (min(tiles.shape[0] * batch, sms),)
     if poly.persistent:
         poly_grid = (min(poly_grid[0] * batch, sms),)
-    syrk_meta.update(PERSISTENT=syrk.persistent, FLATTEN=syrk.flatten)
     poly_meta.update(PERSISTENT=poly.persistent, FLATTEN=poly.flatten)
 
-    def syrk_descs(t: torch.Tensor, strides: Sequence[int], rows: int, cols: int) -> tuple[object, object]:
-        if not syrk.tma:
-            return None, None
-        xr = _descriptor(t, strides, rows, cols, [syrk.block_m, syrk.block_k])
-        xc = _descriptor(t, strides, rows, cols, [syrk.block_n, syrk.block_k])
-        return (xr, xc) if xr is not None and xc is not None else (None, None)
+    grams = {cfg: _GramLaunch(cfg, m, batch, parts, sms, x.device, common) for cfg in (syrk, syrk_c)}
+    g_x, g_c = grams[syrk], grams[syrk_c]  # A = X X^T's launch and B''s (the same when one config serves both)
 
     # the descriptor of B' is the same every iteration; X's follow the buffer the iteration reads (none for cuBLAS)
     tma_product = poly.tma and not poly.cublas
@@ -487,7 +513,7 @@ def newton_schulz_launch(
         xd = _descriptor(x_now, strides, m, n, [poly.block_k, poly.block_n])
         return (b_desc, xd) if xd is not None else (None, None)
 
-    gram_descs = syrk_descs(gram, gram.stride(), m, m)
+    gram_descs = g_c.descs(gram, gram.stride(), m, m)
     # per X buffer (X0, then the two the iterations alternate between): its Gram and poly descriptors, made once
     x_descs: dict[int, tuple[tuple[object, object], tuple[object, object]]] = {}
     with _device_guard(x.device):
@@ -500,17 +526,17 @@ def newton_schulz_launch(
         for it, (a, b, c) in enumerate(coefficients):
             first = it == 0
             if x_now.data_ptr() not in x_descs:
-                x_descs[x_now.data_ptr()] = (syrk_descs(x_now, x_strides, m, n), poly_descs(x_now, x_strides))
+                x_descs[x_now.data_ptr()] = (g_x.descs(x_now, x_strides, m, n), poly_descs(x_now, x_strides))
             descs, p_descs = x_descs[x_now.data_ptr()]
-            _syrk_kernel[syrk_grid](  # A = X X^T (the first: of the unnormalised X0, scaled by s^2)
-                x_now, *descs, *x_strides, gram, gram, tiles, tiles.shape[0], batch, partials, m, n, parts, eps,
-                1.0, 0.0, 0.0, NORM=2 if first else 0, HAS_C=False, EVEN_K=n % syrk.block_k == 0,
-                TMA=descs[0] is not None, **syrk_meta,
+            _syrk_kernel[g_x.grid](  # A = X X^T (the first: of the unnormalised X0, scaled by s^2)
+                x_now, *descs, *x_strides, gram, gram, g_x.tiles, g_x.tiles.shape[0], batch, partials, m, n, parts,
+                eps, 1.0, 0.0, 0.0, NORM=2 if first else 0, HAS_C=False, EVEN_K=n % syrk.block_k == 0,
+                TMA=descs[0] is not None, **g_x.meta,
             )  # fmt: skip
-            _syrk_kernel[syrk_grid](  # B' = c A A + b A + a I, where A A = A A^T (the first: times s)
-                gram, *gram_descs, *gram.stride(), gram, poly_b, tiles, tiles.shape[0], batch, partials, m, m,
-                parts, eps, c, b, a, NORM=1 if first else 0, HAS_C=True, EVEN_K=m % syrk.block_k == 0,
-                TMA=gram_descs[0] is not None, **syrk_meta,
+            _syrk_kernel[g_c.grid](  # B' = c A A + b A + a I, where A A = A A^T (the first: times s)
+                gram, *gram_descs, *gram.stride(), gram, poly_b, g_c.tiles, g_c.tiles.shape[0], batch, partials,
+                m, m, parts, eps, c, b, a, NORM=1 if first else 0, HAS_C=True, EVEN_K=m % syrk_c.block_k == 0,
+                TMA=gram_descs[0] is not None, **g_c.meta,
             )  # fmt: skip
             last = it == len(coefficients) - 1
             target = out if last else xs[it % 2]

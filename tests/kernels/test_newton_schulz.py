@@ -167,13 +167,14 @@ def test_tma_and_persistent_variants_compute_the_same_bits(shape, variant, devic
     block, so the product ``B' X`` takes descriptors too; (96, 64) is tall, so its first iteration reads X through
     transposed strides, where TMA cannot: pointer loads there, descriptors after. (2, 20, 36) has rows of 72 and 40
     bytes, no multiple of 16: pointer loads throughout."""
-    x, plan, (syrk, poly), base = _launch_picked(shape, 7, device)
+    x, plan, (syrk, syrk_c, poly), base = _launch_picked(shape, 7, device)
     made = []
     descriptor = ns._descriptor
     monkeypatch.setattr(ns, "_descriptor", lambda *a: made.append(descriptor(*a)) or made[-1])
     s_kw, p_kw = VARIANTS[variant]
     got = torch.empty_like(base)
-    ns.newton_schulz_launch(x, got, plan, 1e-7, torch.bfloat16, (syrk._replace(**s_kw), poly._replace(**p_kw)))
+    variant_configs = (syrk._replace(**s_kw), syrk_c._replace(**s_kw), poly._replace(**p_kw))
+    ns.newton_schulz_launch(x, got, plan, 1e-7, torch.bfloat16, variant_configs)
     assert torch.equal(got, base)
     assert rel_err(got, reference(x, 3)) < REL_ERR[torch.bfloat16]
     if "tma" in variant:  # descriptors were made where the layout allows, and only there
@@ -181,12 +182,48 @@ def test_tma_and_persistent_variants_compute_the_same_bits(shape, variant, devic
         assert any(d is None for d in made) == (shape in [(96, 64), (2, 20, 36)])
 
 
+@pytest.mark.parametrize("shape", [(64, 80), (3, 48, 96), (2, 20, 36)], ids=str)
+def test_b_prime_takes_its_own_tiles(shape, device, monkeypatch):
+    """The ``B'`` launch may take other tiles than ``X X^T``'s (`pick_configs` gives each its own): square tiles one
+    block wide there, over their own tile table and grid, loaded through descriptors or pointers, sum each element
+    in the same order, so the result is the same bits as one config for both; and a two-config tuple still means the
+    ``X X^T`` config for ``B'`` too."""
+    x, plan, (syrk, syrk_c, poly), base = _launch_picked(shape, 5, device)
+    assert syrk_c == syrk  # the interpreter's table: one Gram config
+    launched = []  # (grid, BLOCK_N) of each Gram launch
+    kernel = ns._syrk_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launched.append((grid, kw["BLOCK_N"])) or kernel[grid](*args, **kw)
+
+    monkeypatch.setattr(ns, "_syrk_kernel", Recorder())
+    for b_prime in (ns.SyrkConfig(16, 16, 64, 1, 1), ns.SyrkConfig(16, 16, 64, 1, 1, True, True, True)):
+        got = torch.empty_like(base)
+        launched.clear()
+        ns.newton_schulz_launch(x, got, plan, 1e-7, torch.bfloat16, (syrk, b_prime, poly))
+        assert torch.equal(got, base)
+        assert [n for _, n in launched] == [32, 16] * len(plan)  # X X^T's wide tiles, then B''s square ones
+        blocks = -(-min(x.shape[1:]) // 16)
+        square_tiles = blocks * (blocks + 1) // 2  # every block of the upper triangle, one a program
+        want = (
+            (min(square_tiles * x.shape[0], ns._num_sms(x.device)),)
+            if b_prime.persistent
+            else (square_tiles, x.shape[0])
+        )
+        assert launched[1][0] == want
+    two = torch.empty_like(base)
+    ns.newton_schulz_launch(x, two, plan, 1e-7, torch.bfloat16, (syrk, poly))
+    assert torch.equal(two, base)
+    assert rel_err(base, reference(x, 3)) < REL_ERR[torch.bfloat16]
+
+
 @pytest.mark.parametrize("shape", [(64, 80), (96, 64), (3, 48, 96)], ids=str)
 def test_product_handed_to_torch_bmm_matches_float64(shape, device, monkeypatch):
     """With ``cublas`` the product ``B' X`` runs as ``torch.bmm`` (cuBLAS on a GPU), through the same strides: the
     tall (96, 64) reads X transposed in its first iteration and writes the result transposed back. Other sums than
     the Triton product, so close to it rather than equal; and no Triton product kernel is launched."""
-    x, plan, (syrk, poly), triton_out = _launch_picked(shape, 11, device)
+    x, plan, (syrk, syrk_c, poly), triton_out = _launch_picked(shape, 11, device)
     launched = []
 
     class Recorder:  # stands in for the Triton product kernel: ``_poly_kernel[grid](...)`` records the launch
@@ -195,7 +232,7 @@ def test_product_handed_to_torch_bmm_matches_float64(shape, device, monkeypatch)
 
     monkeypatch.setattr(ns, "_poly_kernel", Recorder())
     got = torch.empty_like(triton_out)
-    ns.newton_schulz_launch(x, got, plan, 1e-7, torch.bfloat16, (syrk, poly._replace(cublas=True)))
+    ns.newton_schulz_launch(x, got, plan, 1e-7, torch.bfloat16, (syrk, syrk_c, poly._replace(cublas=True)))
     assert launched == []
     assert rel_err(got, reference(x, 3)) < REL_ERR[torch.bfloat16]
     assert rel_err(got, triton_out) < REL_ERR[torch.bfloat16]
@@ -248,10 +285,11 @@ def test_gpu_tma_and_persistent_variants(shape):
     x = g.unsqueeze(0) if g.dim() == 2 else g
     plan = ns.schedule(MUON_COEFFICIENTS, 5)
     m, n = sorted(x.shape[1:])
-    syrk, poly = ns.pick_configs(m, n, x.shape[0], torch.bfloat16, x.device)
+    syrk, syrk_c, poly = ns.pick_configs(m, n, x.shape[0], torch.bfloat16, x.device)
     exact = reference(x)
     tma, looped = {"tma": True}, {"tma": True, "persistent": True, "flatten": True}
     for s_kw, p_kw in ((tma, tma), (looped, looped), ({}, {"cublas": True})):
         out = torch.empty(x.shape, dtype=torch.bfloat16, device="cuda")
-        ns.newton_schulz_launch(x, out, plan, 1e-7, torch.bfloat16, (syrk._replace(**s_kw), poly._replace(**p_kw)))
+        configs = (syrk._replace(**s_kw), syrk_c._replace(**s_kw), poly._replace(**p_kw))
+        ns.newton_schulz_launch(x, out, plan, 1e-7, torch.bfloat16, configs)
         assert rel_err(out, exact) < GPU_REL_ERR
