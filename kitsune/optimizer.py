@@ -391,11 +391,14 @@ class KitsuneOptimizer(torch.optim.Optimizer):
 
     # -- checkpoints and copies ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """The wrapped optimizer's state dict (torch's keys and layout) plus kitsune's own under ``"kitsune"``."""
+        """The wrapped optimizer's state dict (torch's keys and layout) plus kitsune's own under ``"kitsune"``. 8-bit
+        state of FSDP2 params is decoded into torch's keys as fp32 DTensors, as torch keeps FSDP2 state (see
+        `kitsune.fusion.state_format.for_checkpoint`)."""
         self._shard.wait_params()  # a checkpoint saves the model's params next to it
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
         sd = self._optimizer.state_dict()
+        sd["state"] = state_format.for_checkpoint(sd["state"])
         sd[checkpoint.KEY] = checkpoint.own_state(self._subsystems, self._step_count)
         for hook in self._optimizer_state_dict_post_hooks.values():
             out = hook(self, sd)

@@ -7,6 +7,10 @@ state stays DTensors, as torch's optimizers keep it. The only values of a step t
 grad norm (clipping) and AMP's inf/nan flag: `all_reduce_norm_` and `all_reduce_found_inf_` reduce them
 over the mesh with on-device collectives, so no rank reads a value back to the host.
 
+Low-precision state (``FusionConfig.state_precision``) stays per shard too: bf16 or fp32 state as DTensors sharded as
+the param, 8-bit state as codes DTensors (`wrap_local`) with plain per-rank scales over the local shard's blocks
+(`kitsune.fusion.state_format`), decoded into fp32 DTensors in the state dict.
+
 Anything else (a Replicate or Partial placement, a 2-D mesh for HSDP or tensor parallelism, DTensors on a second
 mesh) is left to the wrapped optimizer's own step, with the reason from `shard_reason` in the plan.
 """
@@ -109,6 +113,16 @@ def all_reduce_found_inf_(found_inf: torch.Tensor, groups: list[Any]) -> None:
 
     for group in groups:
         dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
+
+
+def wrap_local(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Local tensor ``t`` (of ``like``'s local shard's shape) as a DTensor with DTensor ``like``'s mesh, placements,
+    global shape and stride, without communication: 8-bit codes of a shard, or its decoded values."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        t, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+    )
 
 
 def like_param(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

@@ -184,15 +184,16 @@ class FusionSubsystem(Subsystem):
                 algo = unit_info(info, spec)
                 for key in algo.state_keys(spec):  # type: ignore[union-attr]
                     t = s.get(key) if key else None
-                    if key and t is None and state_format.quantized(s, key):
-                        state_format.check_blocks(s, key, p.numel())  # 8-bit state: the absmax has a block count too
-                        key, t = key + state_format.CODES, s[key + state_format.CODES]
+                    low = key and t is None and state_format.quantized(s, key)
+                    name, t = (key + state_format.CODES, s[key + state_format.CODES]) if low else (key, t)
                     if isinstance(t, torch.Tensor) and t.shape != p.shape:
                         raise ValueError(
-                            f"this state dict's {key!r} for a param of shape {tuple(p.shape)} has shape "
+                            f"this state dict's {name!r} for a param of shape {tuple(p.shape)} has shape "
                             f"{tuple(t.shape)}: it was saved for another model or another param order. Nothing was "
                             "loaded: the optimizer keeps its state"
                         )
+                    if low:  # 8-bit state: the absmax has a block count too, and FSDP2 codes the param's sharding
+                        state_format.check_codes(s, key, p)
 
     @property
     def trust(self) -> bool:

@@ -165,11 +165,6 @@ class Planner:
                 f"state_precision={precision!r} does not apply to centered RMSprop: square_avg - grad_avg**2 would "
                 "go negative when the two are rounded apart; state in the param's dtype"
             )
-        if fsdp.is_dtensor(p) and fmt == StateFormat.Q8:
-            return spec, (
-                "state_precision='8bit': FSDP2 shards keep their state in the param's dtype (a shard's 8-bit blocks "
-                "and scales are not DTensors of the param's shape)"
-            )
         if fmt == StateFormat.Q8 and p.numel() < self.config.min_8bit_size:
             return spec, f"under min_8bit_size={self.config.min_8bit_size} elements: state in the param's dtype"
         if fmt != StateFormat.Q8 and state_format.dtype_of(fmt, p.dtype) == p.dtype:

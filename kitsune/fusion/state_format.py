@@ -14,6 +14,12 @@ floating-point state to the param's dtype). 8-bit state replaces each state tens
 torch's key is absent, so a plain torch optimizer handed an 8-bit state dict stops with ``KeyError: 'exp_avg'`` at
 its first step instead of reading codes as values; `convert_state_dict` turns one into the other. The quantizer here
 is plain torch (CPU or GPU, no Triton) and gives the bits the fused kernels give.
+
+FSDP2 params (DTensors sharded on dim 0, `kitsune.distributed.fsdp`): each rank quantizes its local shard. The codes
+are a uint8 DTensor with the param's mesh and placements (its local tensor the codes of the local shard); the absmax
+covers the blocks of 256 consecutive elements of the local shard, a plain tensor of ``ceil(local numel / 256)``
+elements, as a shard's block scales are no DTensor of any global shape. A checkpoint holds that state decoded
+(`for_checkpoint`): fp32 DTensors under torch's keys, as torch's own optimizers keep FSDP2 state.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from typing import Any
 
 import torch
 
+from kitsune.distributed import fsdp
 from kitsune.kernels import codes as _tables
 from kitsune.kernels.codes import CODE_SIZE, CODES_ALIGN, MIN_SCALE, QUANT_BLOCK
 from kitsune.kernels.spec import StateFormat, UpdateSpec
@@ -131,7 +138,11 @@ def quantize(x: torch.Tensor, signed: bool, exact_extremes: bool = False) -> tup
 def dequantize(
     codes: torch.Tensor, absmax: torch.Tensor, signed: bool, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """The values `quantize` encoded, in ``dtype`` (computed in fp32, as the kernels do)."""
+    """The values `quantize` encoded, in ``dtype`` (computed in fp32, as the kernels do). FSDP2 codes (a DTensor):
+    each rank decodes its shard with its own blocks (``absmax``, local) into a DTensor sharded as the codes."""
+    if fsdp.is_dtensor(codes):
+        shard = fsdp.local(codes)
+        return fsdp.wrap_local(dequantize(shard, absmax.to(shard.device), signed, dtype), codes)
     table = _tables.code(signed, codes.device)
     n = codes.numel()
     scale = absmax.float().repeat_interleave(QUANT_BLOCK)[:n]
@@ -152,7 +163,8 @@ def quantized_keys(s: Mapping[Any, Any]) -> list[str]:
 
 def decoded(s: dict[str, Any]) -> dict[str, Any]:
     """``s`` with its 8-bit entries decoded into torch's keys in fp32 (a copy where there are any; ``s`` itself
-    otherwise). A float tensor set next to the codes wins, as in `conform`."""
+    otherwise; FSDP2 state into DTensors sharded as the codes). A float tensor set next to the codes wins, as in
+    `conform`."""
     keys = quantized_keys(s)
     if not keys:
         return s
@@ -161,6 +173,19 @@ def decoded(s: dict[str, Any]) -> dict[str, Any]:
         codes, absmax = out.pop(key + CODES), out.pop(key + ABSMAX)
         if out.get(key) is None:
             out[key] = dequantize(codes, absmax, SIGNED.get(key, True))
+    return out
+
+
+def for_checkpoint(state: dict[Any, Any]) -> dict[Any, Any]:
+    """A state dict's ``"state"`` as ``KitsuneOptimizer.state_dict`` returns it: the 8-bit state of FSDP2 params
+    decoded (`decoded`) into torch's keys as fp32 DTensors sharded as their params, the layout torch's own optimizers
+    give FSDP2 state. A rank's block scales cover its own shard, so they are no DTensor of any global shape, and
+    torch.distributed.checkpoint would save a plain tensor as one every rank holds alike. Other 8-bit state stays
+    codes and scales; ``state`` itself is not modified."""
+    out = dict(state)
+    for pid, s in state.items():
+        if isinstance(s, dict) and any(fsdp.is_dtensor(s[key + CODES]) for key in quantized_keys(s)):
+            out[pid] = decoded(s)
     return out
 
 
@@ -174,34 +199,71 @@ def conform(s: dict[str, Any], key: str, p: torch.Tensor, fmt: StateFormat) -> l
     converted, never reinterpreted) and return the tensors the kernel addresses: ``[tensor]`` for a float format,
     ``[codes, absmax]`` for 8 bits. Where ``s`` holds ``key`` both as a float tensor and in 8 bits (a tensor set by
     hand over 8-bit state), the float tensor wins in every format and the codes are dropped. Raises ``ValueError``
-    for a tensor of another shape than its param."""
+    for a tensor of another shape than its param.
+
+    FSDP2 params (DTensors): float state becomes a DTensor sharded as the param (`kitsune.distributed.fsdp.like_param`:
+    a whole plain tensor, one process's checkpoint, is cut without communication), and 8 bits quantize each rank's
+    shard (codes a DTensor, absmax the local shard's blocks; see the module docstring). 8-bit state of whole tensors
+    (one process's checkpoint) is decoded and cut first, as the shards' blocks are not the whole param's."""
+    sharded = fsdp.is_dtensor(p)
+    device = fsdp.local(p).device
+    signed = SIGNED.get(key, True)
     if fmt == StateFormat.Q8:
+        if sharded and s.get(key) is None and quantized(s, key) and not fsdp.is_dtensor(s[key + CODES]):
+            check_codes(s, key, p)
+            codes, absmax = s.pop(key + CODES), s.pop(key + ABSMAX)
+            s[key] = dequantize(codes.to(device), absmax.to(device), signed)
         if s.get(key) is not None:  # float state (a torch checkpoint, or a tensor set by hand): quantize it
             t = s.pop(key)
             _check_shape(key, t, p)
-            s[key + CODES], s[key + ABSMAX] = quantize(t.to(p.device), SIGNED.get(key, True), exact_extremes=True)
+            if sharded:
+                t = fsdp.like_param(t, p)
+            codes, s[key + ABSMAX] = quantize(fsdp.local(t).to(device), signed, exact_extremes=True)
+            s[key + CODES] = fsdp.wrap_local(codes, p) if sharded else codes
+        check_codes(s, key, p)
         codes, absmax = s[key + CODES], s[key + ABSMAX]
-        _check_shape(key + CODES, codes, p)
-        check_blocks(s, key, p.numel())
-        if codes.dtype != torch.uint8 or codes.device != p.device or not codes.is_contiguous():
+        shard = fsdp.local(codes)
+        if shard.dtype != torch.uint8 or shard.device != device or not shard.is_contiguous():
             # torch's load_state_dict casts every state tensor of a float param to the param's dtype: codes are
             # integers from 0 to 255, exact in every float dtype, so the cast back loses nothing
-            codes = s[key + CODES] = codes.to(device=p.device, dtype=torch.uint8, memory_format=torch.contiguous_format)
-        if codes.data_ptr() % CODES_ALIGN:  # a view at an odd offset: the kernel reads the codes in words or vectors
-            codes = s[key + CODES] = codes.clone()
-        if absmax.dtype != torch.float32 or absmax.device != p.device or not absmax.is_contiguous():
-            absmax = s[key + ABSMAX] = absmax.to(device=p.device, dtype=torch.float32).contiguous()
+            shard = shard.to(device=device, dtype=torch.uint8, memory_format=torch.contiguous_format)
+        if shard.data_ptr() % CODES_ALIGN:  # a view at an odd offset: the kernel reads the codes in words or vectors
+            shard = shard.clone()
+        if shard is not fsdp.local(codes):
+            codes = s[key + CODES] = fsdp.wrap_local(shard, p) if sharded else shard
+        if absmax.dtype != torch.float32 or absmax.device != device or not absmax.is_contiguous():
+            absmax = s[key + ABSMAX] = absmax.to(device=device, dtype=torch.float32).contiguous()
         return [codes, absmax]
     dtype = dtype_of(fmt, p.dtype)
     if quantized(s, key):  # an 8-bit checkpoint loaded with float state: decode it
         codes, absmax = s.pop(key + CODES), s.pop(key + ABSMAX)
         if s.get(key) is None:  # a float tensor set by hand next to the codes wins, as in 8 bits above
-            s[key] = dequantize(codes.to(p.device), absmax.to(p.device), SIGNED.get(key, True), dtype).view(p.shape)
+            s[key] = dequantize(codes.to(device), absmax.to(device), signed, dtype).view(p.shape)
     t = s[key]
     _check_shape(key, t, p)
-    if t.dtype != dtype or t.device != p.device or not t.is_contiguous():
-        t = s[key] = t.to(device=p.device, dtype=dtype, memory_format=torch.contiguous_format)
+    if sharded:  # FSDP2: a DTensor sharded as its param, as torch keeps the state
+        t = s[key] = fsdp.like_param(t, p)
+    shard = fsdp.local(t)
+    if t.dtype != dtype or shard.device != device or not shard.is_contiguous():
+        t = s[key] = t.to(device=device, dtype=dtype, memory_format=torch.contiguous_format)
     return [t]
+
+
+def check_codes(s: Mapping[str, Any], key: str, p: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless 8-bit state ``key`` fits param ``p``: codes of its shape, FSDP2 codes (a DTensor)
+    sharded as the param, and one absmax per `QUANT_BLOCK` of the elements the codes hold (those of the local shard
+    for a DTensor)."""
+    codes = s[key + CODES]
+    _check_shape(key + CODES, codes, p)
+    if fsdp.is_dtensor(codes):
+        if not fsdp.is_dtensor(p) or (codes.device_mesh, codes.placements) != (p.device_mesh, p.placements):
+            where = f"{tuple(p.placements)} on {p.device_mesh}" if fsdp.is_dtensor(p) else "a plain tensor"
+            raise ValueError(
+                f"optimizer state {key + CODES!r} is a DTensor with placements {tuple(codes.placements)} on "
+                f"{codes.device_mesh}, its param {where}: a shard's 8-bit blocks decode on their own rank only "
+                "(state_dict() holds them decoded)"
+            )
+    check_blocks(s, key, fsdp.local(codes).numel())
 
 
 def check_blocks(s: Mapping[str, Any], key: str, numel: int) -> None:
@@ -336,8 +398,9 @@ def restore_low(optimizer: torch.optim.Optimizer, saved_groups: list[dict[str, A
 
 def entries(key: str, fmt: StateFormat, p: torch.Tensor) -> list[tuple[str, torch.dtype, torch.Size]]:
     """What ``optimizer.state[p]`` holds for state ``key`` in format ``fmt``: ``(name, dtype, shape)`` each (the
-    memory pool lays these out)."""
+    memory pool lays these out), the shapes of the local shard's tensors for an FSDP2 param."""
+    shape = fsdp.local(p).shape
     if fmt == StateFormat.Q8:
-        blocks = torch.Size([math.ceil(p.numel() / QUANT_BLOCK)])
-        return [(key + CODES, torch.uint8, p.shape), (key + ABSMAX, torch.float32, blocks)]
-    return [(key, dtype_of(fmt, p.dtype), p.shape)]
+        blocks = torch.Size([math.ceil(shape.numel() / QUANT_BLOCK)])
+        return [(key + CODES, torch.uint8, shape), (key + ABSMAX, torch.float32, blocks)]
+    return [(key, dtype_of(fmt, p.dtype), shape)]

@@ -392,7 +392,7 @@ class FusedUnit:
                         names = [name for name, _, _ in state_format.entries(key, fmt, p)]
                         held = [slots.adopt(s, i, name) for name in names]
                     bound += held
-                    tables[slot].append(fsdp.local(held[0]).data_ptr())  # FSDP2 (float formats): the local shard
+                    tables[slot].append(fsdp.local(held[0]).data_ptr())  # FSDP2: the local shard (of the codes)
                     absmax[slot].append(held[-1].data_ptr())
                 elif ready and key and slots is not None:  # the pool's view, with a loaded tensor copied in
                     _conform(s, key, p)

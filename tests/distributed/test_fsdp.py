@@ -50,9 +50,22 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(lin(7, 16), torch.nn.Tanh(), lin(16, 5), torch.nn.Tanh(), lin(5, 1))
 
 
-def _batches(seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _batches(seed: int = 1, width: int = 7) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
-    return [(torch.randn(8, 7, generator=gen), torch.randn(8, 1, generator=gen)) for _ in range(STEPS)]
+    return [(torch.randn(8, width, generator=gen), torch.randn(8, 1, generator=gen)) for _ in range(STEPS)]
+
+
+EIGHT_BIT_WIDTH = 8
+EIGHT_BIT_MIN = 16  # min_8bit_size: the last bias (1 element) keeps fp32 state, with its reason
+
+
+def _model_8bit() -> torch.nn.Module:
+    """Shards cut at 8-bit block boundaries (256 elements): the first weight (512x8) and bias (512) split into 2048
+    and 256 elements a rank (8 blocks and 1), the second weight (1x512) all on rank 0 (2 blocks; rank 1's shard is
+    empty), so each rank's blocks are blocks of the whole param and one process quantizes exactly as the shards."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear
+    return torch.nn.Sequential(lin(EIGHT_BIT_WIDTH, 512), torch.nn.Tanh(), lin(512, 1))
 
 
 def _torch_optimizer(params, sc: dict) -> torch.optim.Optimizer:
@@ -286,61 +299,235 @@ def _found_inf_on_one_rank(mesh, rank: int, fused: bool) -> dict:
     }
 
 
-def _low_precision_state(mesh, rank: int) -> dict:
-    """AdamW with bf16 state (fp32 params) on FSDP2 shards, clipped, against one process with the same state precision
-    (the rounding is elementwise, so the shards round as the whole); 8-bit state stays in the params' dtype with the
-    reason; the state dict holds bf16 DTensors and resumes bit for bit."""
-    import copy
-
+def _low_precision_optimizer(params, precision: str):
     from kitsune import FusionConfig, GradConfig, KitsuneOptimizer
 
-    def make(params, precision):
-        return KitsuneOptimizer(
-            _torch_optimizer(params, {"opt": "adamw"}),
-            enable_fusion=True,
-            fusion_config=FusionConfig(state_precision=precision, min_8bit_size=0),
-            grad_config=GradConfig(max_norm=0.05),
-        )
+    return KitsuneOptimizer(
+        _torch_optimizer(params, {"opt": "adamw"}),
+        enable_fusion=True,
+        fusion_config=FusionConfig(state_precision=precision, min_8bit_size=EIGHT_BIT_MIN),
+        grad_config=GradConfig(max_norm=0.05),
+    )
+
+
+def _train_shards(model, opt, batches, rank: int) -> None:
+    for x, y in batches:
+        lo, hi = rank * len(x) // WORLD, (rank + 1) * len(x) // WORLD
+        _loss(model, x[lo:hi], y[lo:hi]).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _copy_of(model, mesh, make_model) -> torch.nn.Module:
+    again = shard_linears(make_model(), mesh)
+    for p, q in zip(again.parameters(), model.parameters(), strict=True):
+        p.data.copy_(q.data)
+    return again
+
+
+def _low_precision_state(mesh, rank: int) -> dict:
+    """AdamW with bf16 and with 8-bit state (fp32 params) on FSDP2 shards, clipped, each against one process with the
+    same state precision; their state dicts (torch's keys, DTensors) resume a run."""
+    return {"bf16": _bf16_state(mesh, rank), "8bit": _eight_bit_state(mesh, rank)}
+
+
+def _bf16_state(mesh, rank: int) -> dict:
+    """bf16 state against one process with bf16 state (the rounding is elementwise, so the shards round as the whole);
+    the state dict holds bf16 DTensors and resumes bit for bit."""
+    import copy
 
     ref_model = _model()
-    ref = make(ref_model.parameters(), "bf16")
+    ref = _low_precision_optimizer(ref_model.parameters(), "bf16")
     for x, y in _batches():
         _loss(ref_model, x, y).backward()
         ref.step()
         ref.zero_grad()
-    out = {}
-    for precision in ("bf16", "8bit"):
-        model = shard_linears(_model(), mesh)
-        opt = make(model.parameters(), precision)
-        for x, y in _batches():
-            lo, hi = rank * len(x) // WORLD, (rank + 1) * len(x) // WORLD
-            _loss(model, x[lo:hi], y[lo:hi]).backward()
-            opt.step()
-            opt.zero_grad()
-        out[precision] = {
-            "params": [p.full_tensor().detach() for p in model.parameters()],
-            "states": sorted({b.state for b in opt.plan.buckets}),
-            "notes": sorted({n for b in opt.plan.buckets for n in b.notes}),
-            "dtypes": sorted({str(v.dtype) for st in opt.state.values() for k, v in st.items() if k != "step"}),
-            "types": sorted({type(v).__name__ for st in opt.state.values() for k, v in st.items() if k != "step"}),
+    model = shard_linears(_model(), mesh)
+    opt = _low_precision_optimizer(model.parameters(), "bf16")
+    _train_shards(model, opt, _batches(), rank)
+    out = {
+        "params": [p.full_tensor().detach() for p in model.parameters()],
+        "states": sorted({b.state for b in opt.plan.buckets}),
+        "dtypes": sorted({str(v.dtype) for st in opt.state.values() for k, v in st.items() if k != "step"}),
+        "types": sorted({type(v).__name__ for st in opt.state.values() for k, v in st.items() if k != "step"}),
+        "ref": [p.detach() for p in ref_model.parameters()],
+    }
+    sd = copy.deepcopy(opt.state_dict())
+    again_model = _copy_of(model, mesh, _model)
+    again = _low_precision_optimizer(again_model.parameters(), "bf16")
+    again.load_state_dict(sd)
+    _train_shards(model, opt, _batches(seed=9)[:1], rank)
+    _train_shards(again_model, again, _batches(seed=9)[:1], rank)
+    out["resumed_equal"] = all(
+        torch.equal(p.to_local(), q.to_local())
+        for p, q in zip(model.parameters(), again_model.parameters(), strict=True)
+    )
+    # one process's checkpoint (whole plain tensors) into the shards: each rank keeps its rows, as DTensors
+    cut_model = shard_linears(_model(), mesh)
+    cut = _low_precision_optimizer(cut_model.parameters(), "bf16")
+    cut.load_state_dict(ref.state_dict())
+    out["whole_checkpoint_cut"] = [
+        type(cut.state[p][key]).__name__ == "DTensor"
+        and torch.equal(cut.state[p][key].to_local(), _rows(ref.state[q][key], p, rank))
+        for p, q in zip(cut_model.parameters(), ref_model.parameters(), strict=True)
+        for key in ("exp_avg", "exp_avg_sq")
+    ]
+    return out
+
+
+def _first_row(rows: int, rank: int) -> int:
+    """The first of rank ``rank``'s rows under Shard(0) as FSDP2 cuts them: ceil(rows / world) a rank, the last ranks
+    fewer or none."""
+    return rank * -(-rows // WORLD)
+
+
+def _rows(whole: torch.Tensor, p, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s rows of ``whole``: those of FSDP2 param ``p``'s local shard."""
+    first = _first_row(whole.shape[0], rank)
+    return whole[first : first + p.to_local().shape[0]]
+
+
+def _eight_bit_state(mesh, rank: int) -> dict:
+    """8-bit state on the shards of `_model_8bit` (cut at block boundaries) against one process with 8-bit state; the
+    in-memory state (codes DTensors, the local shards' scales), the state dict (fp32 DTensors under torch's keys, also
+    through torch.distributed.checkpoint), a run resumed from it, plain torch AdamW loading it, a one-process 8-bit
+    checkpoint loading into the shards, a bad state dict refused whole, and copies of the optimizer."""
+    import copy
+    import io
+
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    from kitsune.distributed.fsdp import local as fsdp_local
+    from kitsune.fusion import state_format as sf
+
+    batches = _batches(width=EIGHT_BIT_WIDTH)
+    ref_model = _model_8bit()
+    ref = _low_precision_optimizer(ref_model.parameters(), "8bit")
+    for x, y in batches:
+        _loss(ref_model, x, y).backward()
+        ref.step()
+        ref.zero_grad()
+    model = shard_linears(_model_8bit(), mesh)
+    opt = _low_precision_optimizer(model.parameters(), "8bit")
+    _train_shards(model, opt, batches, rank)
+    params = list(model.parameters())
+    out: dict = {
+        "params": [p.full_tensor().detach() for p in params],
+        "ref": [p.detach() for p in ref_model.parameters()],
+        "buckets": sorted((b.state, b.tensors, tuple(b.notes)) for b in opt.plan.buckets),
+        "state": [
+            {
+                k: (type(v).__name__, v.dtype, tuple(map(repr, getattr(v, "placements", ()))), fsdp_local(v).numel())
+                for k, v in opt.state[p].items()
+            }
+            for p in params
+        ],
+        "local_numels": [p.to_local().numel() for p in params],
+    }
+
+    def held(o, p) -> dict:  # the local tensors of a param's state, as its optimizer holds them
+        return {k: fsdp_local(v) for k, v in o.state[p].items()}
+
+    def same_state(o) -> list[bool]:  # o's state equal to opt's, bit for bit, param by param
+        theirs = [q for g in o.param_groups for q in g["params"]]
+        return [
+            held(opt, p).keys() == held(o, q).keys()
+            and all(torch.equal(v, held(o, q)[k]) for k, v in held(opt, p).items())
+            for p, q in zip(params, theirs, strict=True)
+        ]
+
+    sd = opt.state_dict()
+    out["sd"] = [
+        {
+            k: (type(v).__name__, v.dtype, tuple(map(repr, getattr(v, "placements", ()))), tuple(v.shape))
+            for k, v in st.items()
         }
-        if precision == "bf16":
-            sd = copy.deepcopy(opt.state_dict())
-            again_model = shard_linears(_model(), mesh)
-            for p, q in zip(again_model.parameters(), model.parameters(), strict=True):
-                p.data.copy_(q.data)
-            again = make(again_model.parameters(), precision)
-            again.load_state_dict(sd)
-            x, y = _batches(seed=9)[0]
-            lo, hi = rank * len(x) // WORLD, (rank + 1) * len(x) // WORLD
-            for m, o in ((model, opt), (again_model, again)):
-                _loss(m, x[lo:hi], y[lo:hi]).backward()
-                o.step()
-            out["resumed_equal"] = all(
-                torch.equal(p.to_local(), q.to_local())
-                for p, q in zip(model.parameters(), again_model.parameters(), strict=True)
+        for st in sd["state"].values()
+    ]
+    # the decoded values are the codes' own: each rank decodes its shard with its own scales
+    out["decodes"] = all(
+        torch.equal(
+            sd["state"][i][key].to_local(),
+            sf.dequantize(held(opt, p)[key + "_codes"], held(opt, p)[key + "_absmax"], sf.SIGNED[key]),
+        )
+        for i, p in enumerate(params)
+        if "exp_avg_codes" in opt.state[p]
+        for key in ("exp_avg", "exp_avg_sq")
+    )
+    dcp = get_optimizer_state_dict(model, opt)
+    out["dcp"] = sorted({(k, type(v).__name__, v.dtype) for st in dcp["state"].values() for k, v in st.items()})
+    sd = copy.deepcopy(sd)
+
+    # a bad state dict (the last 8-bit param's exp_avg_sq of another shape) is refused and changes nothing
+    before = {p: dict(opt.state[p]) for p in params}
+    bad = copy.deepcopy(sd)
+    bad["state"][2]["exp_avg_sq"] = torch.zeros(3)
+    try:
+        opt.load_state_dict(bad)
+        out["bad_refused"] = None
+    except ValueError as exc:
+        out["bad_refused"] = str(exc)
+    out["bad_kept"] = all(
+        opt.state[p].keys() == before[p].keys() and all(opt.state[p][k] is v for k, v in before[p].items())
+        for p in params
+    )
+
+    # resumed from the state dict: re-quantized (exact_extremes) into the same codes and scales, then the same step
+    again_model = _copy_of(model, mesh, _model_8bit)
+    again = _low_precision_optimizer(again_model.parameters(), "8bit")
+    again.load_state_dict(sd)
+    out["requantized_equal"] = same_state(again)
+    # torch.distributed.checkpoint's view loads the same way
+    dcp_model = _copy_of(model, mesh, _model_8bit)
+    dcp_opt = _low_precision_optimizer(dcp_model.parameters(), "8bit")
+    set_optimizer_state_dict(dcp_model, dcp_opt, dcp)
+    out["dcp_requantized_equal"] = same_state(dcp_opt)
+    # copies of the optimizer hold the state as it is
+    out["deepcopy_equal"] = same_state(copy.deepcopy(opt))
+    buf = io.BytesIO()
+    torch.save(opt, buf)
+    buf.seek(0)
+    out["pickle_equal"] = same_state(torch.load(buf, weights_only=False))
+
+    # plain torch AdamW (torch's clip_grad_norm_) from the state dict: the step of kitsune's, which updates from the
+    # decoded state in fp32 before it quantizes the new one
+    plain_model = _copy_of(model, mesh, _model_8bit)
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2, weight_decay=0.1)
+    plain.load_state_dict(copy.deepcopy(sd))
+    x, y = _batches(seed=9, width=EIGHT_BIT_WIDTH)[0]
+    lo, hi = rank * len(x) // WORLD, (rank + 1) * len(x) // WORLD
+    _loss(plain_model, x[lo:hi], y[lo:hi]).backward()
+    torch.nn.utils.clip_grad_norm_(plain_model.parameters(), 0.05)
+    plain.step()
+    for m, o in ((model, opt), (again_model, again)):
+        _train_shards(m, o, [(x, y)], rank)
+    out["resumed_equal"] = all(
+        torch.equal(p.to_local(), q.to_local()) for p, q in zip(params, again_model.parameters(), strict=True)
+    )
+    out["plain_diff"] = max(
+        float((p.to_local() - q.to_local()).abs().max()) if p.to_local().numel() else 0.0
+        for p, q in zip(params, plain_model.parameters(), strict=True)
+    )
+
+    # one process's 8-bit checkpoint (whole codes and scales) into the shards: decoded, cut, quantized per shard,
+    # which at block boundaries gives back the whole param's codes and scales of this rank's rows
+    whole = ref.state_dict()
+    cut_model = shard_linears(_model_8bit(), mesh)
+    cut = _low_precision_optimizer(cut_model.parameters(), "8bit")
+    cut.load_state_dict(whole)
+    matches = []
+    for i, p in enumerate(cut_model.parameters()):
+        if "exp_avg_codes" not in cut.state[p]:
+            continue
+        for key in ("exp_avg", "exp_avg_sq"):
+            codes, absmax = whole["state"][i][key + "_codes"], whole["state"][i][key + "_absmax"]
+            mine = _rows(codes, p, rank)
+            lo = _first_row(codes.shape[0], rank) * codes[0].numel() // 256  # this rank's first block of the whole
+            matches.append(
+                torch.equal(held(cut, p)[key + "_codes"], mine)
+                and torch.equal(held(cut, p)[key + "_absmax"], absmax[lo : lo + -(-mine.numel() // 256)])
             )
-    out["ref"] = [p.detach() for p in ref_model.parameters()]
+    out["whole_checkpoint_cut"] = matches
     return out
 
 
@@ -453,20 +640,73 @@ def test_fsdp2_two_d_mesh_falls_back(ranks):
 
 
 def test_fsdp2_bf16_state_on_the_shards(ranks):
-    """bf16 state on FSDP2 shards: bf16 DTensors, the params of one process with bf16 state, a resumed run bit for bit;
-    8-bit state is refused per bucket with the reason, the state staying in the params' dtype."""
+    """bf16 state on FSDP2 shards: bf16 DTensors, the params of one process with bf16 state, a resumed run bit for
+    bit."""
     fp32, _ = _reference({"opt": "adamw", "max_grad_norm": 0.05})
     for r in _results(ranks, "low_precision"):
         bf16 = r["bf16"]
-        gap = max(float((a - b).abs().max()) for a, b in zip(r["ref"], fp32, strict=True))
+        gap = max(float((a - b).abs().max()) for a, b in zip(bf16["ref"], fp32, strict=True))
         assert gap > 1e-4, gap  # bf16 state is not fp32 state: the comparison below can tell them apart
         assert bf16["states"] == ["bfloat16"] and bf16["dtypes"] == ["torch.bfloat16"] and bf16["types"] == ["DTensor"]
-        for got, want in zip(bf16["params"], r["ref"], strict=True):
+        for got, want in zip(bf16["params"], bf16["ref"], strict=True):
             torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+        assert bf16["resumed_equal"]
+        assert bf16["whole_checkpoint_cut"] == [True] * 12
+
+
+def test_fsdp2_8bit_state_on_the_shards(ranks):
+    """8-bit state on FSDP2 shards: codes DTensors and the local shards' scales; the params of one process with 8-bit
+    state (the shards cut at block boundaries, so within the fp32 scenarios' 2e-5, against over 5e-4 from fp32 state);
+    the state dict holds fp32 DTensors under torch's keys, which re-quantize into the same codes and scales (a resumed
+    run steps bit for bit), load into plain torch AdamW (the same step to 1e-6) and through
+    torch.distributed.checkpoint; a bad state dict changes nothing; one process's 8-bit checkpoint loads into the
+    shards; copies of the optimizer hold the same state."""
+    sc = {"opt": "adamw", "max_grad_norm": 0.05}
+    model = _model_8bit()
+    opt = _torch_optimizer(model.parameters(), sc)
+    for x, y in _batches(width=EIGHT_BIT_WIDTH):  # fp32 state: plain torch, the whole batch
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), sc["max_grad_norm"])
+        opt.step()
+        opt.zero_grad()
+    fp32 = [p.detach() for p in model.parameters()]
+    quantized = [p.numel() >= EIGHT_BIT_MIN for p in fp32]
+    assert quantized == [True, True, True, False]
+    tol = 2e-5
+    for rank, res in enumerate(_results(ranks, "low_precision")):
+        r = res["8bit"]
+        for q, got, want, f in zip(quantized, r["params"], r["ref"], fp32, strict=True):
+            torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+            if q:  # 8-bit state is not fp32 state: the comparison above tells them apart
+                assert float((want - f).abs().max()) > 25 * tol
+        note = f"under min_8bit_size={EIGHT_BIT_MIN} elements: state in the param's dtype"
+        assert r["buckets"] == [("8-bit", 3, ()), ("float32", 1, (note,))]
+        for q, st, numel in zip(quantized, r["state"], r["local_numels"], strict=True):
+            if not q:
+                assert st["exp_avg"][:3] == ("DTensor", torch.float32, ("Shard(dim=0)",))
+                continue
+            blocks = -(-numel // 256)  # the local shard's blocks (rank 1's shard of the last weight is empty)
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert st[key + "_codes"] == ("DTensor", torch.uint8, ("Shard(dim=0)",), numel)
+                assert st[key + "_absmax"] == ("Tensor", torch.float32, (), blocks)
+            assert "exp_avg" not in st and "exp_avg_sq" not in st
+        assert r["local_numels"] == [2048, 256, 512 if rank == 0 else 0, 1 if rank == 0 else 0]
+        for st, p in zip(r["sd"], fp32, strict=True):  # torch's keys and layout of FSDP2 state
+            want = ("DTensor", torch.float32, ("Shard(dim=0)",), tuple(p.shape))
+            assert st == {"step": ("Tensor", torch.float32, (), ()), "exp_avg": want, "exp_avg_sq": want}, st
+        assert r["decodes"]
+        assert r["dcp"] == [
+            ("exp_avg", "DTensor", torch.float32),
+            ("exp_avg_sq", "DTensor", torch.float32),
+            ("step", "Tensor", torch.float32),
+        ]
+        assert r["bad_refused"] is not None and "exp_avg_sq" in r["bad_refused"] and r["bad_kept"]
+        assert r["requantized_equal"] == [True] * 4  # decoded, then quantized with exact_extremes: the same bits
+        assert r["dcp_requantized_equal"] == [True] * 4
         assert r["resumed_equal"]
-        eight = r["8bit"]
-        assert eight["states"] == ["float32"] and eight["dtypes"] == ["torch.float32"]
-        assert any("FSDP2 shards keep their state" in n for n in eight["notes"])
+        assert r["plain_diff"] < 1e-6, r["plain_diff"]
+        assert r["whole_checkpoint_cut"] == [True] * 6
+        assert r["deepcopy_equal"] == [True] * 4 and r["pickle_equal"] == [True] * 4
 
 
 @pytest.mark.parametrize("fused", [True, False])
