@@ -84,6 +84,27 @@ def test_a_peer_is_timed_and_its_state_counted():
     assert built[0].calls == 2 + 3 + 3  # warm-up, device pass, host pass
 
 
+def test_a_slow_peer_times_fewer_steps(monkeypatch):
+    """A peer whose last warm-up step shows that the set's steps would take longer than PEER_PASS_SECONDS a pass
+    times fewer (never below PEER_MIN_STEPS), says so in its row and its JSON; a fast one times the set's."""
+    from kitsune.bench import runner
+    from kitsune.bench.table import _note
+
+    assert runner.peer_steps(50, 1.0) == 10 and runner.peer_steps(50, 0.01) == 50
+    assert runner.peer_steps(50, 60.0) == runner.PEER_MIN_STEPS and runner.peer_steps(3, 60.0) == 3
+    built: list[_SignStep] = []
+    fast = run_peer(_fake("fast"), TINY, CPU, steps=7, warmup=2, floor_ms=1.0)
+    assert fast.peer.short_steps is None and len(fast.device_ms_steps) == 7 and fast.peer.warm_step_ms > 0
+    monkeypatch.setattr(runner, "PEER_PASS_SECONDS", 0.0)  # every step is too slow now
+    v = run_peer(_fake("slow", built=built), TINY, CPU, steps=7, warmup=2, floor_ms=1.0)
+    assert v.status == "ok", v.reason
+    assert v.peer.short_steps == runner.PEER_MIN_STEPS == 5
+    assert len(v.device_ms_steps) == 5 and v.peer.checked_steps == 5 + 1
+    assert built[0].calls == 2 + 5 + 5
+    assert "; 5 steps a timed pass (a step took" in _note(v)
+    assert "steps a timed pass" not in _note(fast)
+
+
 @pytest.mark.parametrize("mode", ["idle", "skip_even"])
 def test_a_peer_whose_params_do_not_move_is_not_timed(mode):
     v = run_peer(_fake("lazy", mode=mode), TINY, CPU, steps=3, warmup=1, floor_ms=1.0)

@@ -58,6 +58,11 @@ class PeerInfo(BaseModel):
     """Some state tensors live in paged (CUDA managed) memory (bitsandbytes' paged optimizers)."""
     checked_steps: int = 0
     """Steps whose move was checked: each host-timed step on its own, the device-timed ones together."""
+    warm_step_ms: float | None = None
+    """Wall time of its last warm-up step, synchronized (None with a single warm-up step)."""
+    short_steps: int | None = None
+    """Where that step was too slow for the set's steps in `kitsune.bench.runner.PEER_PASS_SECONDS`: the steps
+    each of its timed passes took instead (at least `kitsune.bench.runner.PEER_MIN_STEPS`); None: the set's."""
     warnings: list[str] = []
     """Warnings the library raised while it was built and warmed up (the first few)."""
 

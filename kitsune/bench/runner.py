@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import shlex
 import sys
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
@@ -32,7 +33,7 @@ from kitsune.bench.peers import (
 from kitsune.bench.peers import version as peer_version
 from kitsune.bench.results import BenchResult, KitsuneInfo, PeerInfo, PeerStatus, SetResult, VariantResult
 from kitsune.bench.table import default_console, peer_lines, print_results
-from kitsune.bench.timing import Stats, StepTimes, copy_bandwidth, time_steps
+from kitsune.bench.timing import Stats, StepTimes, copy_bandwidth, synchronize, time_steps
 from kitsune.bench.variants import ADAMW, BYTES_PER_PARAM, DEFAULT_VARIANTS, VARIANTS, make_variant
 from kitsune.profiler.schema import collect_environment
 
@@ -45,6 +46,12 @@ ADAMW_BYTES_PER_PARAM = FP32_BYTES * (4 + 3)  # 28
 PHASE_BYTES_PER_PARAM = FP32_BYTES * (1 + 4 + 3 + 1)  # 36
 COMPILED_WARMUP = 3
 """The fewest warm-up steps of a peer whose step is compiled: compilation must end before the timers start."""
+PEER_PASS_SECONDS = 10.0
+"""About how long a peer's timed pass may take (each of its two): a peer whose warm-up steps show it slower times
+fewer steps, at least `PEER_MIN_STEPS` (torchao's 8-bit AdamW took about a second a step on ``many``, 2000 tensors:
+the set's 50 steps twice made a ``--peers`` run longer than a lent GPU's 10-minute call)."""
+PEER_MIN_STEPS = 5
+"""The fewest steps a peer's timed pass takes, however slow its step."""
 # An fp32 Lion step reads param, grad and exp_avg and writes param and exp_avg back.
 LION_BYTES_PER_PARAM = FP32_BYTES * (3 + 2)  # 20
 
@@ -150,7 +157,8 @@ def run_peer(
     the timers, and leaves each such step starting on an idle GPU. Then the steps are timed as a variant's, with
     a `MoveCheck`: a peer whose params did not move on every checked step is reported as not timed. A peer that
     compiles gets at least ``COMPILED_WARMUP`` warm-up steps (heavyball's ``compile_step`` runs its first step
-    eagerly and compiles on the second).
+    eagerly and compiles on the second). A peer whose last warm-up step took longer than ``PEER_PASS_SECONDS /
+    steps`` times fewer steps (`peer_steps`): its `PeerInfo` says how many.
     """
     warmup = max(warmup, COMPILED_WARMUP) if peer.compiles else warmup
     info = PeerInfo(
@@ -192,16 +200,24 @@ def run_peer(
                 info.grads, between = "refilled", refill
             else:
                 info.grads, between = "kept", None
-            for _ in range(warmup - 1):
+            for i in range(warmup - 1):
                 if between is not None:
                     between()
+                if i == warmup - 2:  # the last warm-up step, timed as a step of the host pass: how long a pass takes
+                    synchronize(device)
+                    t0 = time.perf_counter()
                 built.step()
+            if warmup > 1:
+                synchronize(device)
+                info.warm_step_ms = (time.perf_counter() - t0) * 1e3
+                fewer = peer_steps(steps, info.warm_step_ms / 1e3)
+                info.short_steps = fewer if fewer < steps else None
         for message in dict.fromkeys(str(w.message) for w in caught):
             if len(info.warnings) < 5:
                 info.warnings.append(message)
         result.state_bytes, info.state_paged = state_bytes(built.opt.state)
         check = MoveCheck(params, [n for n, _ in pset.shapes])
-        times = time_steps(built.step, steps, device, between=between, check=check)
+        times = time_steps(built.step, info.short_steps or steps, device, between=between, check=check)
         check.verify()
         info.checked_steps = check.checked_steps
         return times, None
@@ -214,6 +230,13 @@ def run_peer(
                 torch._dynamo.reset()
 
     return _measure(result, body_then_reset, device, floor_ms)
+
+
+def peer_steps(steps: int, step_seconds: float) -> int:
+    """The steps a peer's timed pass takes: ``steps``, or fewer (at least `PEER_MIN_STEPS`) where ``steps`` of
+    ``step_seconds`` each would take longer than `PEER_PASS_SECONDS`."""
+    fit = int(PEER_PASS_SECONDS / step_seconds) if step_seconds > 0 else steps
+    return max(min(steps, PEER_MIN_STEPS), min(steps, fit))
 
 
 def _norms(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -35,6 +35,11 @@ def _note(v: VariantResult) -> str | None:
         return (
             f"{p.pip} {p.version or '(version unknown)'}: {p.settings}{paged}{_GRADS[p.grads]}; "
             f"params moved on each of {p.checked_steps} checks"
+            + (
+                f"; {p.short_steps} steps a timed pass (a step took {p.warm_step_ms / 1e3:.2f} s)"
+                if p.short_steps
+                else ""
+            )
         )
     k = v.kitsune
     if k is None:
