@@ -65,19 +65,20 @@ def _add_wd(g, wd, p):
 
 _CODE_SIZE = tl.constexpr(CODE_SIZE)
 VECTOR_ELEMS = 8
-"""Elements of a thread in the vector layout (``Q8 == 2``): every numel of its launch is a multiple of it."""
+"""Elements of a thread in the vector layout (``Q8 == 2``) and with vector float state (FVEC): every numel of such a
+launch is a multiple of it."""
 _VECTOR_ELEMS = tl.constexpr(VECTOR_ELEMS)
 _BUCKETS = tl.constexpr(BUCKETS)
 _PACKED_START = tl.constexpr(PACKED_START)
 
 
 @triton.jit
-def _tile(start, n, live, BLOCK: tl.constexpr, Q8: tl.constexpr):
-    """`kitsune.kernels.common._tile_masks`; in the vector layout (``Q8 == 2``) with ``mask`` as ``offs < n`` where
-    ``live``, which keeps the alignment of ``n`` that Triton's vector reads need (``offs < where(live, n, 0)`` hides
-    it), and costs the other layouts instructions. (Not ``inside & live``: Triton's CPU interpreter cannot mask a
-    load with that.)"""
-    if Q8 == 2:
+def _tile(start, n, live, BLOCK: tl.constexpr, VEC: tl.constexpr):
+    """`kitsune.kernels.common._tile_masks`; with VEC (the 8-bit vector layout, or FVEC) with ``mask`` as ``offs <
+    n`` where ``live``, which keeps the alignment of ``n`` that Triton's vector reads need (``offs < where(live, n,
+    0)`` hides it), and costs the other layouts instructions. (Not ``inside & live``: Triton's CPU interpreter cannot
+    mask a load with that.)"""
+    if VEC:
         offs = start + tl.arange(0, BLOCK).to(tl.int64)
         inside = offs < n
         return offs, tl.where(live, inside, False), inside
@@ -86,8 +87,8 @@ def _tile(start, n, live, BLOCK: tl.constexpr, Q8: tl.constexpr):
 
 @triton.jit
 def _vptr(addr, offs, DTYPE: tl.constexpr, VEC: tl.constexpr):
-    """`_ptr`, and with VEC the promise that ``addr`` is a multiple of 16 bytes (Q8 == 2): with ``offs`` from a
-    multiple of QBLOCK, Triton then gives each thread consecutive elements and reads them in vectors."""
+    """`_ptr`, and with VEC the promise that ``addr`` is a multiple of 16 bytes (``Q8 == 2``, or FVEC): with ``offs``
+    from a multiple of VECTOR_ELEMS, Triton then gives each thread consecutive elements and reads them in vectors."""
     base = addr.to(tl.pointer_type(DTYPE))
     if VEC:
         base = tl.multiple_of(base, 16)
@@ -120,10 +121,12 @@ def _q8_rows(aaddr, start, lim, BLOCK: tl.constexpr, QBLOCK: tl.constexpr):
 
 @triton.jit
 def _sload(addr, aaddr, offs, start, lim, qmap, word, absmax, SIGNED: tl.constexpr, SDTYPE: tl.constexpr,
-           Q8: tl.constexpr, PREFETCH: tl.constexpr, BLOCK: tl.constexpr, QBLOCK: tl.constexpr):  # fmt: skip
+           Q8: tl.constexpr, PREFETCH: tl.constexpr, BLOCK: tl.constexpr, QBLOCK: tl.constexpr,
+           VEC: tl.constexpr):  # fmt: skip
     """A state slot (the tensor at ``addr``; with Q8, its absmax blocks at ``aaddr``) at ``offs``, as
     fp32: SDTYPE elements, or with Q8 uint8 codes into the signed (SIGNED) or unsigned half of ``qmap``; with
-    PREFETCH, ``word`` and ``absmax`` hold what `_q8_raw` read for these elements, loaded ahead."""
+    PREFETCH, ``word`` and ``absmax`` hold what `_q8_raw` read for these elements, loaded ahead; with VEC (float
+    state) as vectors."""
     if Q8:
         code, _ = _q8_tables(qmap, SIGNED)
         if not PREFETCH:
@@ -131,7 +134,7 @@ def _sload(addr, aaddr, offs, start, lim, qmap, word, absmax, SIGNED: tl.constex
         q = word if Q8 == 2 else (word >> ((offs.to(tl.int32) & 3) << 3)) & 0xFF
         x = _dequantize_block(q, absmax, code, BLOCK, QBLOCK)
     else:
-        x = tl.load(_ptr(addr, offs, SDTYPE), mask=offs < lim, other=0.0).to(tl.float32)
+        x = tl.load(_vptr(addr, offs, SDTYPE, VEC), mask=offs < lim, other=0.0).to(tl.float32)
     return x
 
 
@@ -159,7 +162,7 @@ def _q8_store(addr, aaddr, offs, start, lim, x, bits, qmap, SIGNED: tl.constexpr
 
 @triton.jit
 def _sstore(addr, aaddr, offs, start, lim, x, qmap, SIGNED: tl.constexpr, SDTYPE: tl.constexpr, Q8: tl.constexpr,
-            RNE_BF16: tl.constexpr, BLOCK: tl.constexpr, QBLOCK: tl.constexpr):  # fmt: skip
+            RNE_BF16: tl.constexpr, BLOCK: tl.constexpr, QBLOCK: tl.constexpr, VEC: tl.constexpr):  # fmt: skip
     """Store fp32 ``x`` into a state slot as `_sload` reads it: rounded to SDTYPE, or quantized per QBLOCK elements
     (lanes past ``lim`` count as 0 in a block's absmax). With Q8, ``qmap`` holds the code tables, then their bucket
     tables (`kitsune.kernels.codes.device_tables`)."""
@@ -168,13 +171,13 @@ def _sstore(addr, aaddr, offs, start, lim, x, qmap, SIGNED: tl.constexpr, SDTYPE
         bits = _absmax_rows(x, BLOCK, QBLOCK)
         _q8_store(addr, aaddr, offs, start, lim, x, bits, qmap, SIGNED, BLOCK, QBLOCK, Q8 == 2)
     else:
-        tl.store(_ptr(addr, offs, SDTYPE), _cast(x, SDTYPE, RNE_BF16), mask=offs < lim)
+        tl.store(_vptr(addr, offs, SDTYPE, VEC), _cast(x, SDTYPE, RNE_BF16), mask=offs < lim)
 
 
 @triton.jit
 def _sstore2(addr, aaddr, x, SIGNED: tl.constexpr, addr2, aaddr2, y, SIGNED2: tl.constexpr, offs, start, lim, qmap,
              SDTYPE: tl.constexpr, Q8: tl.constexpr, RNE_BF16: tl.constexpr, BLOCK: tl.constexpr,
-             QBLOCK: tl.constexpr):  # fmt: skip
+             QBLOCK: tl.constexpr, VEC: tl.constexpr):  # fmt: skip
     """`_sstore` of two slots (``x`` at ``addr``, ``y`` at ``addr2``): with Q8 their blocks' absmax come from one
     reduction (`quant._absmax_rows2`), so a program's warps exchange them in one round instead of two."""
     if Q8:
@@ -184,8 +187,8 @@ def _sstore2(addr, aaddr, x, SIGNED: tl.constexpr, addr2, aaddr2, y, SIGNED2: tl
         _q8_store(addr, aaddr, offs, start, lim, x, bx, qmap, SIGNED, BLOCK, QBLOCK, Q8 == 2)
         _q8_store(addr2, aaddr2, offs, start, lim, y, by, qmap, SIGNED2, BLOCK, QBLOCK, Q8 == 2)
     else:
-        _sstore(addr, aaddr, offs, start, lim, x, qmap, SIGNED, SDTYPE, Q8, RNE_BF16, BLOCK, QBLOCK)
-        _sstore(addr2, aaddr2, offs, start, lim, y, qmap, SIGNED2, SDTYPE, Q8, RNE_BF16, BLOCK, QBLOCK)
+        _sstore(addr, aaddr, offs, start, lim, x, qmap, SIGNED, SDTYPE, Q8, RNE_BF16, BLOCK, QBLOCK, VEC)
+        _sstore(addr2, aaddr2, offs, start, lim, y, qmap, SIGNED2, SDTYPE, Q8, RNE_BF16, BLOCK, QBLOCK, VEC)
 
 
 @triton.jit
@@ -239,6 +242,8 @@ def _update_kernel(
     SDTYPE: tl.constexpr,  # the state tensors' dtype (without Q8)
     Q8: tl.constexpr,  # 8-bit block-wise state (uint8 codes, an fp32 absmax per QBLOCK elements): 0 none, 1, or 2 with
     # params and codes at 16-byte multiples (Q8_VECTOR): a warp per QBLOCK, consecutive elements a thread, vectors
+    FVEC: tl.constexpr,  # float state (`FLOAT_VECTOR`): params, grads and state at 16-byte multiples, numels and
+    # program starts multiples of VECTOR_ELEMS: vector reads and writes
     SIGNS: tl.constexpr,  # with Q8: bit i set when slot i + 1 takes the signed code table
     SLOTS: tl.constexpr,  # state slots the update reads (with PREFETCH)
     PREFETCH: tl.constexpr,  # Q8 with several tiles a program: load each tile's params, grads and codes a pass ahead
@@ -253,6 +258,9 @@ def _update_kernel(
         # so a thread's elements of the vector layout are all in or all out and sit at 16-byte multiples. The hints
         # go on values made here: on the result of a call, tl.multiple_of marks every operation of the callee
         start = tl.multiple_of(tl.load(block_start + pid), QBLOCK)
+        numel = tl.multiple_of(tl.where(g_addr != -1, tl.load(numel_tab + t), 0), _VECTOR_ELEMS)
+    if FVEC:  # programs start at multiples of VECTOR_ELEMS in a tensor, and every numel is one (`_float_vector`)
+        start = tl.multiple_of(tl.load(block_start + pid), _VECTOR_ELEMS)
         numel = tl.multiple_of(tl.where(g_addr != -1, tl.load(numel_tab + t), 0), _VECTOR_ELEMS)
     live = _live(g_addr, found_inf, HAS_FOUND_INF)
     # the state slots' elements this block reads and writes: offs < lim (a product, not a select, which would hide
@@ -292,7 +300,7 @@ def _update_kernel(
     a3_at = tl.load(a3_tab + t)
     c_at = tl.load(comp_tab + t)
 
-    VEC: tl.constexpr = Q8 == 2
+    VEC: tl.constexpr = (Q8 == 2) or FVEC
     # the elementwise work, a tile at a time: 8-bit state quantizes per tile (TILE = QBLOCK), and a program of
     # several tiles pays the per-tensor work above (hyperparameters, the bias corrections in fp64) once
     if BLOCK == TILE:
@@ -300,7 +308,7 @@ def _update_kernel(
     else:  # only the tiles that hold elements (none when the grad is None: numel is 0 then)
         n_tiles = (tl.minimum(numel - start, BLOCK) + TILE - 1) // TILE
     if PREFETCH:  # the first tile's loads; each pass of the loop issues the next tile's before it works on its own
-        offs, mask, gmask = _tile(start, numel, live, TILE, Q8)
+        offs, mask, gmask = _tile(start, numel, live, TILE, VEC)
         p_next = tl.load(_vptr(p_at, offs, DTYPE, VEC), mask=mask, other=0.0)
         g_next = tl.load(_ptr(g_addr, offs, DTYPE), mask=gmask if GRAD_WRITE != 0 else mask, other=0.0)
         w1_next, am1_next = _q8_raw(s1_at, a1_at, offs, start, lim, TILE, QBLOCK, VEC)
@@ -310,15 +318,15 @@ def _update_kernel(
             w3_next, am3_next = _q8_raw(s3_at, a3_at, offs, start, lim, TILE, QBLOCK, VEC)
     for sub in tl.range(0, n_tiles):
         tstart = start + sub * TILE
-        offs, mask, gmask = _tile(tstart, numel, live, TILE, Q8)
+        offs, mask, gmask = _tile(tstart, numel, live, TILE, VEC)
         p_ptr = _vptr(p_at, offs, DTYPE, VEC)
-        g_ptr = _ptr(g_addr, offs, DTYPE)
+        g_ptr = _vptr(g_addr, offs, DTYPE, FVEC)
         s1_ptr = _ptr(s1_at, offs, DTYPE)  # LAMB's moments (always in the param's dtype); the others: _sload
         s2_ptr = _ptr(s2_at, offs, DTYPE)
         w1, am1, w2, am2, w3, am3 = 0, 0.0, 0, 0.0, 0, 0.0  # the 8-bit slots' words and absmax, when prefetched
         if PREFETCH:  # DRAM's latency overlaps this tile's work, which waits on nothing but the loads issued a pass ago
             p_raw, g_raw, w1, am1 = p_next, g_next, w1_next, am1_next
-            noffs, nmask, ngmask = _tile(tstart + TILE, numel, live, TILE, Q8)  # past the tensor: nothing loads
+            noffs, nmask, ngmask = _tile(tstart + TILE, numel, live, TILE, VEC)  # past the tensor: nothing loads
             p_next = tl.load(_vptr(p_at, noffs, DTYPE, VEC), mask=nmask, other=0.0)
             g_next = tl.load(_ptr(g_addr, noffs, DTYPE), mask=ngmask if GRAD_WRITE != 0 else nmask, other=0.0)
             w1_next, am1_next = _q8_raw(s1_at, a1_at, noffs, tstart + TILE, lim, TILE, QBLOCK, VEC)
@@ -387,20 +395,38 @@ def _update_kernel(
                 p = p * (1.0 - lr * wd).to(tl.float32)
             else:
                 g = _add_wd(g, wd, p)
-            m = _sload(s1_at, a1_at, offs, tstart, lim, qmap, w1, am1, SIGNS & 1, SDTYPE, Q8, PREFETCH, TILE, QBLOCK)
+            m = _sload(
+                s1_at, a1_at, offs, tstart, lim, qmap, w1, am1, SIGNS & 1, SDTYPE, Q8, PREFETCH, TILE, QBLOCK, VEC
+            )
             m = _lerp(m, g, (1.0 - b1).to(tl.float32))
-            v = _sload(s2_at, a2_at, offs, tstart, lim, qmap, w2, am2, SIGNS & 2, SDTYPE, Q8, PREFETCH, TILE, QBLOCK)
+            v = _sload(
+                s2_at, a2_at, offs, tstart, lim, qmap, w2, am2, SIGNS & 2, SDTYPE, Q8, PREFETCH, TILE, QBLOCK, VEC
+            )
             v = v * b2.to(tl.float32) + (1.0 - b2).to(tl.float32) * g * g
             _sstore2(s1_at, a1_at, m, SIGNS & 1, s2_at, a2_at, v, SIGNS & 2, offs, tstart, lim, qmap,
-                     SDTYPE, Q8, RNE_BF16, TILE, QBLOCK)  # fmt: skip
+                     SDTYPE, Q8, RNE_BF16, TILE, QBLOCK, VEC)  # fmt: skip
             if AMSGRAD:
                 v = tl.maximum(
                     _sload(
-                        s3_at, a3_at, offs, tstart, lim, qmap, w3, am3, SIGNS & 4, SDTYPE, Q8, PREFETCH, TILE, QBLOCK
+                        s3_at,
+                        a3_at,
+                        offs,
+                        tstart,
+                        lim,
+                        qmap,
+                        w3,
+                        am3,
+                        SIGNS & 4,
+                        SDTYPE,
+                        Q8,
+                        PREFETCH,
+                        TILE,
+                        QBLOCK,
+                        VEC,
                     ),
                     v,
                 )
-                _sstore(s3_at, a3_at, offs, tstart, lim, v, qmap, SIGNS & 4, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK)
+                _sstore(s3_at, a3_at, offs, tstart, lim, v, qmap, SIGNS & 4, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK, VEC)
             # 1 - beta**step in fp64: in fp32 the early steps (1 - 0.999) would lose four digits
             bias1 = 1.0 - tl.exp2(step * tl.log2(b1))
             bias2_sqrt = tl.sqrt(1.0 - tl.exp2(step * tl.log2(b2)))
@@ -418,11 +444,11 @@ def _update_kernel(
                 g = _add_wd(g, wd, p)
             if MOMENTUM:
                 buf = _sload(
-                    s1_at, a1_at, offs, tstart, lim, qmap, w1, am1, SIGNS & 1, SDTYPE, Q8, PREFETCH, TILE, QBLOCK
+                    s1_at, a1_at, offs, tstart, lim, qmap, w1, am1, SIGNS & 1, SDTYPE, Q8, PREFETCH, TILE, QBLOCK, VEC
                 )
                 # the first step copies the grad, as torch's lazily created buffer does
                 buf = tl.where(step == 1.0, g, buf * b1.to(tl.float32) + (1.0 - extra).to(tl.float32) * g)
-                _sstore(s1_at, a1_at, offs, tstart, lim, buf, qmap, SIGNS & 1, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK)
+                _sstore(s1_at, a1_at, offs, tstart, lim, buf, qmap, SIGNS & 1, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK, VEC)
                 if NESTEROV:
                     g = g + b1.to(tl.float32) * buf
                 else:
@@ -432,93 +458,111 @@ def _update_kernel(
             g = _add_wd(g, wd, p)
             clr = (lr / (1.0 + (step - 1.0) * extra)).to(tl.float32)
             acc = (
-                _sload(s1_at, a1_at, offs, tstart, lim, qmap, w1, am1, SIGNS & 1, SDTYPE, Q8, PREFETCH, TILE, QBLOCK)
+                _sload(
+                    s1_at, a1_at, offs, tstart, lim, qmap, w1, am1, SIGNS & 1, SDTYPE, Q8, PREFETCH, TILE, QBLOCK, VEC
+                )
                 + g * g
             )
-            _sstore(s1_at, a1_at, offs, tstart, lim, acc, qmap, SIGNS & 1, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK)
+            _sstore(s1_at, a1_at, offs, tstart, lim, acc, qmap, SIGNS & 1, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK, VEC)
             p = p - clr * (g / (tl.sqrt(acc) + eps))
         elif ALGO == 3:  # RMSprop: s1 square_avg, s2 momentum_buffer, s3 grad_avg
             g = _add_wd(g, wd, p)
-            sq = _sload(s1_at, a1_at, offs, tstart, lim, qmap, w1, am1, SIGNS & 1, SDTYPE, Q8, PREFETCH, TILE, QBLOCK)
+            sq = _sload(
+                s1_at, a1_at, offs, tstart, lim, qmap, w1, am1, SIGNS & 1, SDTYPE, Q8, PREFETCH, TILE, QBLOCK, VEC
+            )
             sq = sq * b2.to(tl.float32) + (1.0 - b2).to(tl.float32) * g * g
-            _sstore(s1_at, a1_at, offs, tstart, lim, sq, qmap, SIGNS & 1, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK)
+            _sstore(s1_at, a1_at, offs, tstart, lim, sq, qmap, SIGNS & 1, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK, VEC)
             if CENTERED:
                 ga = _sload(
-                    s3_at, a3_at, offs, tstart, lim, qmap, w3, am3, SIGNS & 4, SDTYPE, Q8, PREFETCH, TILE, QBLOCK
+                    s3_at, a3_at, offs, tstart, lim, qmap, w3, am3, SIGNS & 4, SDTYPE, Q8, PREFETCH, TILE, QBLOCK, VEC
                 )
                 ga = _lerp(ga, g, (1.0 - b2).to(tl.float32))
-                _sstore(s3_at, a3_at, offs, tstart, lim, ga, qmap, SIGNS & 4, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK)
+                _sstore(s3_at, a3_at, offs, tstart, lim, ga, qmap, SIGNS & 4, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK, VEC)
                 avg = tl.sqrt(sq - ga * ga) + eps
             else:
                 avg = tl.sqrt(sq) + eps
             if MOMENTUM:
                 buf = _sload(
-                    s2_at, a2_at, offs, tstart, lim, qmap, w2, am2, SIGNS & 2, SDTYPE, Q8, PREFETCH, TILE, QBLOCK
+                    s2_at, a2_at, offs, tstart, lim, qmap, w2, am2, SIGNS & 2, SDTYPE, Q8, PREFETCH, TILE, QBLOCK, VEC
                 )
                 buf = buf * b1.to(tl.float32) + g / avg
-                _sstore(s2_at, a2_at, offs, tstart, lim, buf, qmap, SIGNS & 2, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK)
+                _sstore(s2_at, a2_at, offs, tstart, lim, buf, qmap, SIGNS & 2, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK, VEC)
                 p = p - lr.to(tl.float32) * buf
             else:
                 p = p - lr.to(tl.float32) * (g / avg)
         elif ALGO == 4:  # Lion: s1 exp_avg
             p = p * (1.0 - lr * wd).to(tl.float32)
-            m = _sload(s1_at, a1_at, offs, tstart, lim, qmap, w1, am1, SIGNS & 1, SDTYPE, Q8, PREFETCH, TILE, QBLOCK)
+            m = _sload(
+                s1_at, a1_at, offs, tstart, lim, qmap, w1, am1, SIGNS & 1, SDTYPE, Q8, PREFETCH, TILE, QBLOCK, VEC
+            )
             c = _lerp(m, g, (1.0 - b1).to(tl.float32))
             sign = tl.where(c > 0, 1.0, tl.where(c < 0, -1.0, 0.0))  # torch.sign: 0 for 0 and for nan
             p = p - lr.to(tl.float32) * sign
             m = _lerp(m, g, (1.0 - b2).to(tl.float32))
-            _sstore(s1_at, a1_at, offs, tstart, lim, m, qmap, SIGNS & 1, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK)
+            _sstore(s1_at, a1_at, offs, tstart, lim, m, qmap, SIGNS & 1, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK, VEC)
         elif ALGO == 10:  # ASGD: s1 ax; scalar1 eta, scalar2 mu; B1 lambd, B2 alpha, EXTRA t0
             g = _add_wd(g, wd, p)
             p = p * (1.0 - b1 * sc1.to(tl.float64)).to(tl.float32)
             p = p - sc1 * g
-            ax = _sload(s1_at, a1_at, offs, tstart, lim, qmap, w1, am1, SIGNS & 1, SDTYPE, Q8, PREFETCH, TILE, QBLOCK)
+            ax = _sload(
+                s1_at, a1_at, offs, tstart, lim, qmap, w1, am1, SIGNS & 1, SDTYPE, Q8, PREFETCH, TILE, QBLOCK, VEC
+            )
             ax = tl.where(sc2 != 1.0, ax + (p - ax) * sc2, p)  # torch copies the param while mu is 1
-            _sstore(s1_at, a1_at, offs, tstart, lim, ax, qmap, SIGNS & 1, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK)
+            _sstore(s1_at, a1_at, offs, tstart, lim, ax, qmap, SIGNS & 1, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK, VEC)
             # the next step's eta = lr / (1 + lambd lr t)^alpha and mu = 1 / max(1, t - t0), from this step's lr
             new1 = (lr / tl.exp2(b2 * tl.log2(1.0 + b1 * lr * step))).to(tl.float32)
             new2 = (1.0 / tl.maximum(step - extra, 1.0)).to(tl.float32)
         elif ALGO == 9:  # Rprop: s1 prev, s2 step_size; B1/B2 etaminus/etaplus, EXTRA/TRUST_A step_size min/max
-            prev = _sload(s1_at, a1_at, offs, tstart, lim, qmap, w1, am1, SIGNS & 1, SDTYPE, Q8, PREFETCH, TILE, QBLOCK)
+            prev = _sload(
+                s1_at, a1_at, offs, tstart, lim, qmap, w1, am1, SIGNS & 1, SDTYPE, Q8, PREFETCH, TILE, QBLOCK, VEC
+            )
             prod = g * prev  # nan: torch's sign is 0 there, so the factor is 1 and the grad is kept
-            size = _sload(s2_at, a2_at, offs, tstart, lim, qmap, w2, am2, SIGNS & 2, SDTYPE, Q8, PREFETCH, TILE, QBLOCK)
+            size = _sload(
+                s2_at, a2_at, offs, tstart, lim, qmap, w2, am2, SIGNS & 2, SDTYPE, Q8, PREFETCH, TILE, QBLOCK, VEC
+            )
             size = size * tl.where(prod > 0.0, b2.to(tl.float32), tl.where(prod < 0.0, b1.to(tl.float32), 1.0))
             size = tl.maximum(size, extra.to(tl.float32), propagate_nan=tl.PropagateNan.ALL)  # torch.clamp keeps nan
             size = tl.minimum(size, trust_a.to(tl.float32), propagate_nan=tl.PropagateNan.ALL)
             g = tl.where(prod < 0.0, 0.0, g)  # a sign change: no step this time, and prev forgets the grad
             p = p - tl.where(g > 0, 1.0, tl.where(g < 0, -1.0, 0.0)) * size
             _sstore2(s1_at, a1_at, g, SIGNS & 1, s2_at, a2_at, size, SIGNS & 2, offs, tstart, lim, qmap,
-                     SDTYPE, Q8, RNE_BF16, TILE, QBLOCK)  # fmt: skip
+                     SDTYPE, Q8, RNE_BF16, TILE, QBLOCK, VEC)  # fmt: skip
         elif ALGO == 8:  # Adadelta: s1 square_avg, s2 acc_delta; B2 rho
             g = _add_wd(g, wd, p)
             rho = b2.to(tl.float32)
             sq = (
-                _sload(s1_at, a1_at, offs, tstart, lim, qmap, w1, am1, SIGNS & 1, SDTYPE, Q8, PREFETCH, TILE, QBLOCK)
+                _sload(
+                    s1_at, a1_at, offs, tstart, lim, qmap, w1, am1, SIGNS & 1, SDTYPE, Q8, PREFETCH, TILE, QBLOCK, VEC
+                )
                 * rho
                 + (1.0 - b2).to(tl.float32) * g * g
             )
-            acc = _sload(s2_at, a2_at, offs, tstart, lim, qmap, w2, am2, SIGNS & 2, SDTYPE, Q8, PREFETCH, TILE, QBLOCK)
+            acc = _sload(
+                s2_at, a2_at, offs, tstart, lim, qmap, w2, am2, SIGNS & 2, SDTYPE, Q8, PREFETCH, TILE, QBLOCK, VEC
+            )
             delta = tl.sqrt(acc + eps) / tl.sqrt(sq + eps) * g
             acc = acc * rho + (1.0 - b2).to(tl.float32) * delta * delta
             _sstore2(s1_at, a1_at, sq, SIGNS & 1, s2_at, a2_at, acc, SIGNS & 2, offs, tstart, lim, qmap,
-                     SDTYPE, Q8, RNE_BF16, TILE, QBLOCK)  # fmt: skip
+                     SDTYPE, Q8, RNE_BF16, TILE, QBLOCK, VEC)  # fmt: skip
             p = p - lr.to(tl.float32) * delta
         else:  # NAdam (5), RAdam (6), Adamax (7): s1 exp_avg, s2 exp_avg_sq (Adamax: exp_inf)
             if DECOUPLED:
                 p = p * (1.0 - lr * wd).to(tl.float32)
             else:
                 g = _add_wd(g, wd, p)
-            m = _sload(s1_at, a1_at, offs, tstart, lim, qmap, w1, am1, SIGNS & 1, SDTYPE, Q8, PREFETCH, TILE, QBLOCK)
+            m = _sload(
+                s1_at, a1_at, offs, tstart, lim, qmap, w1, am1, SIGNS & 1, SDTYPE, Q8, PREFETCH, TILE, QBLOCK, VEC
+            )
             m = _lerp(m, g, (1.0 - b1).to(tl.float32))
             v = _sload(
-                s2_at, a2_at, offs, tstart, lim, qmap, w2, am2, SIGNS & 2, SDTYPE, Q8, PREFETCH, TILE, QBLOCK
+                s2_at, a2_at, offs, tstart, lim, qmap, w2, am2, SIGNS & 2, SDTYPE, Q8, PREFETCH, TILE, QBLOCK, VEC
             ) * b2.to(tl.float32)
             if ALGO == 7:
                 v = tl.maximum(v, tl.abs(g) + eps, propagate_nan=tl.PropagateNan.ALL)  # as torch.maximum
             else:
                 v = v + (1.0 - b2).to(tl.float32) * g * g
             _sstore2(s1_at, a1_at, m, SIGNS & 1, s2_at, a2_at, v, SIGNS & 2, offs, tstart, lim, qmap,
-                     SDTYPE, Q8, RNE_BF16, TILE, QBLOCK)  # fmt: skip
+                     SDTYPE, Q8, RNE_BF16, TILE, QBLOCK, VEC)  # fmt: skip
             bias1 = 1.0 - tl.exp2(step * tl.log2(b1))
             beta2_t = tl.exp2(step * tl.log2(b2))
             if ALGO == 5:  # NAdam: mu_t = beta1 (1 - 0.5 * 0.96^(t momentum_decay)); EXTRA = momentum_decay log2(0.96)
@@ -607,6 +651,26 @@ def _vector_layout(tables: TensorTables, spec: UpdateSpec, num_warps: int) -> bo
     if tables.numel_gcd % VECTOR_ELEMS:
         return False
     roles = ["param"] + [f"state{i}" for i in range(1, spec.state_slots + 1)]
+    return tables.aligned(roles, VECTOR_ALIGN)
+
+
+FLOAT_VECTOR = False
+"""Whether an update with float state (fp32, bf16 or the param's dtype) whose params, grads and state tensors all sit
+at 16-byte multiples promises Triton so (the kernel's FVEC): each thread's consecutive elements are then read and
+written as 16-byte vectors. Compiled for Hopper (`benchmarks/update-sass.py --state fp32`, Triton 3.9) the fp32
+AdamW program takes 64 registers instead of 127 and 776 instructions instead of 960, with 8 vector loads and 6
+vector stores a thread where it issued 35 and 26 scalar ones; the same bits (tested in the interpreter). Off until a
+GPU run measures it: on an H200 `torch.compile`'s AdamW (vector loads) ran 6% ahead of kitsune's fp32 step on
+`llama1b` (docs/benchmarks.md)."""
+
+
+def _float_vector(tables: TensorTables, spec: UpdateSpec) -> bool:
+    """Whether this float-state launch takes vector reads and writes (`FLOAT_VECTOR`): no trust ratio, programs
+    starting at multiples of `VECTOR_ELEMS` in their tensor, every numel a multiple of it, and the params, grads and
+    state tensors at `VECTOR_ALIGN` multiples (a grad that moves re-sets its role, so the answer follows it)."""
+    if not FLOAT_VECTOR or spec.trust or tables.block % VECTOR_ELEMS or tables.numel_gcd % VECTOR_ELEMS:
+        return False
+    roles = ["param", "grad"] + [f"state{i}" for i in range(1, spec.state_slots + 1)]
     return tables.aligned(roles, VECTOR_ALIGN)
 
 
@@ -781,6 +845,7 @@ def _launch(
         RNE_BF16=_INTERPRETED,
         SDTYPE=_STATE_DTYPES.get(spec.state, TL_DTYPES[dtype]),
         Q8=q8,
+        FVEC=q8 == 0 and _float_vector(tables, spec),
         SIGNS=spec.signed if q8 else 0,
         SLOTS=spec.state_slots,
         PREFETCH=prefetch,

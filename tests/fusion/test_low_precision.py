@@ -646,3 +646,86 @@ def test_the_vector_layout_is_declined_where_its_promise_would_not_hold(case, de
         assert torch.equal(p, q)
         for key, t in opt_one.state[p].items():
             assert torch.equal(t, opt_two.state[q][key]), key
+
+
+FLOAT_VECTOR_SIZES = [(24, 40), 3000, 4104, 520, 8]  # every numel a multiple of 8: whole tiles, partial ones, tails
+
+
+def _float_layouts(monkeypatch) -> list[bool]:
+    """Record what `update._float_vector` decides for each float-state launch."""
+    from kitsune.kernels import update
+
+    seen: list[bool] = []
+    decide = update._float_vector
+
+    def spy(*args):
+        seen.append(decide(*args))
+        return seen[-1]
+
+    monkeypatch.setattr(update, "_float_vector", spy)
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("name", "precision", "clip"),
+    [
+        ("adam_amsgrad_l2_maximize", "param", False),
+        ("sgd_nesterov", "bf16", True),
+        ("rmsprop_momentum", "param", True),
+        ("adadelta", "bf16", False),
+        ("lion", "param", False),
+    ],
+)
+def test_float_state_vectors_step_the_same_bits(name, precision, clip, device, monkeypatch):
+    """`update.FLOAT_VECTOR`: with params, grads and state at 16-byte multiples and numels that are multiples of 8,
+    a float-state update promises Triton so and reads and writes vectors. Over one, two and three state slots, fp32
+    or bf16 state, with clipping (which writes the grads back through the same pointers) or without, the params and
+    state are the same bits as the scalar reads', and the vector path is the one that ran; a launch holding a numel
+    that is no multiple of 8, or params or grads 4 bytes past a 16-byte boundary, takes the scalar reads."""
+    from kitsune.kernels import update
+
+    kwargs = {"max_grad_norm": 0.5} if clip else {}
+    runs = []
+    for vector in (False, True):
+        monkeypatch.setattr(update, "FLOAT_VECTOR", vector)
+        seen = _float_layouts(monkeypatch)
+        params, opt = _fused(CASES[name], precision, 64, device, FLOAT_VECTOR_SIZES, steps=5, **kwargs)
+        assert all(b.route is Route.TRITON for b in opt.plan.buckets), opt.plan.to_dict()
+        assert seen and all(seen) == vector and any(seen) == vector, seen
+        runs.append((params, opt))
+    (one, opt_one), (two, opt_two) = runs
+    for p, q in zip(one, two, strict=True):
+        assert torch.equal(p, q)
+        assert sorted(opt_one.state[p]) == sorted(opt_two.state[q])
+        for key, t in opt_one.state[p].items():
+            assert torch.equal(t, opt_two.state[q][key]), key
+    # where the promise would not hold, the launch declines it
+    monkeypatch.setattr(update, "FLOAT_VECTOR", True)
+    odd = list(FLOAT_VECTOR_SIZES)
+    odd[1] = 3001
+    seen = _float_layouts(monkeypatch)
+    _fused(CASES[name], precision, 64, device, odd, steps=1, **kwargs)
+    assert False in seen, seen  # the launch holding it (another group's launch may still take vectors)
+    storage = torch.zeros(
+        sum(math.prod(s) if isinstance(s, tuple) else s for s in FLOAT_VECTOR_SIZES) + 1, device=device
+    )
+    shifted, at = [], 1
+    for p in _params(sizes=FLOAT_VECTOR_SIZES):
+        shifted.append(torch.nn.Parameter(storage[at : at + p.numel()].view(p.shape).copy_(p.detach())))
+        at += p.numel()
+    seen = _float_layouts(monkeypatch)
+    _fused(CASES[name], precision, 64, device, FLOAT_VECTOR_SIZES, shifted, steps=1, memory_pool_size=0, **kwargs)
+    assert seen and not any(seen), seen
+    # aligned params whose grads are views 4 bytes past a 16-byte boundary (as in one flat buffer): declined too
+    params = [torch.nn.Parameter(p.detach().to(device)) for p in _params(sizes=FLOAT_VECTOR_SIZES)]
+    config = FusionConfig(state_precision=precision, min_8bit_size=64)
+    opt = KitsuneOptimizer(CASES[name](params), enable_fusion=True, fusion_config=config, memory_pool_size=0, **kwargs)
+    flat = torch.zeros(sum(p.numel() for p in params) + 1, device=device)
+    seen = _float_layouts(monkeypatch)
+    at = 1
+    for p, g in zip(params, _grads(0, FLOAT_VECTOR_SIZES), strict=True):
+        p.grad = flat[at : at + p.numel()].view(p.shape).copy_(g)
+        at += p.numel()
+    assert params[0].grad.data_ptr() % 16
+    opt.step()
+    assert seen and not any(seen), seen
