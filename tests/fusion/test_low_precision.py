@@ -559,19 +559,42 @@ def test_codes_at_an_odd_address_step_as_the_aligned_ones(pool, device):
                 assert topt.state[q][key].data_ptr() % CODES_ALIGN == 0
 
 
-def _layouts(monkeypatch) -> list[bool]:
-    """Record what `update._vector_layout` decides for each 8-bit launch."""
+def _layouts(monkeypatch, decision: str = "_vector_layout") -> list[bool]:
+    """Record what `update._vector_layout` (or another of `kitsune.kernels.update`'s layout decisions) decides for
+    each launch it is asked about."""
     from kitsune.kernels import update
 
     seen: list[bool] = []
-    decide = update._vector_layout
+    decide = getattr(update, decision)
 
     def spy(*args):
         seen.append(decide(*args))
         return seen[-1]
 
-    monkeypatch.setattr(update, "_vector_layout", spy)
+    monkeypatch.setattr(update, decision, spy)
     return seen
+
+
+def _same_bits_both_ways(monkeypatch, switch: str, decision: str, run) -> None:
+    """``run()`` (which returns params and their optimizer) with `kitsune.kernels.update`'s ``switch`` off, then on:
+    every launch's ``decision`` follows the switch, every bucket is fused, and the params and every state tensor are
+    the same bits both ways."""
+    from kitsune.kernels import update
+
+    runs = []
+    for on in (False, True):
+        monkeypatch.setattr(update, switch, on)
+        seen = _layouts(monkeypatch, decision)
+        params, opt = run()
+        assert all(b.route is Route.TRITON for b in opt.plan.buckets), opt.plan.to_dict()
+        assert seen and all(seen) == on and any(seen) == on, seen
+        runs.append((params, opt))
+    (one, opt_one), (two, opt_two) = runs
+    for p, q in zip(one, two, strict=True):
+        assert torch.equal(p, q)
+        assert sorted(opt_one.state[p]) == sorted(opt_two.state[q])
+        for key, t in opt_one.state[p].items():
+            assert torch.equal(t, opt_two.state[q][key]), key
 
 
 VECTOR_SIZES = [(24, 40), 3000, 4104, 520, 5]  # numels that are multiples of 8: whole tiles, partial ones, tails
@@ -590,20 +613,12 @@ def test_the_vector_layout_steps_the_same_bits_as_the_interleaved_one(name, pref
 
     monkeypatch.setattr(planner, "Q8_PROGRAM", 2048)
     monkeypatch.setattr(update, "Q8_PREFETCH", prefetch)
-    runs = []
-    for vector in (False, True):
-        monkeypatch.setattr(update, "Q8_VECTOR", vector)
-        seen = _layouts(monkeypatch)
-        params, opt = _fused(CASES[name], "8bit", 64, device, VECTOR_SIZES, steps=6)
-        assert all(b.route is Route.TRITON for b in opt.plan.buckets), opt.plan.to_dict()
-        assert seen and all(seen) == vector and any(seen) == vector, seen
-        runs.append((params, opt))
-    (one, opt_one), (two, opt_two) = runs
-    for p, q in zip(one, two, strict=True):
-        assert torch.equal(p, q)
-        assert sorted(opt_one.state[p]) == sorted(opt_two.state[q])
-        for key, t in opt_one.state[p].items():
-            assert torch.equal(t, opt_two.state[q][key]), key
+    _same_bits_both_ways(
+        monkeypatch,
+        "Q8_VECTOR",
+        "_vector_layout",
+        lambda: _fused(CASES[name], "8bit", 64, device, VECTOR_SIZES, steps=6),
+    )
 
 
 @pytest.mark.parametrize("case", ["odd numel", "unaligned param", "short program"])
@@ -653,17 +668,7 @@ FLOAT_VECTOR_SIZES = [(24, 40), 3000, 4104, 520, 8]  # every numel a multiple of
 
 def _float_layouts(monkeypatch) -> list[bool]:
     """Record what `update._float_vector` decides for each float-state launch."""
-    from kitsune.kernels import update
-
-    seen: list[bool] = []
-    decide = update._float_vector
-
-    def spy(*args):
-        seen.append(decide(*args))
-        return seen[-1]
-
-    monkeypatch.setattr(update, "_float_vector", spy)
-    return seen
+    return _layouts(monkeypatch, "_float_vector")
 
 
 @pytest.mark.parametrize(
@@ -685,20 +690,12 @@ def test_float_state_vectors_step_the_same_bits(name, precision, clip, device, m
     from kitsune.kernels import update
 
     kwargs = {"max_grad_norm": 0.5} if clip else {}
-    runs = []
-    for vector in (False, True):
-        monkeypatch.setattr(update, "FLOAT_VECTOR", vector)
-        seen = _float_layouts(monkeypatch)
-        params, opt = _fused(CASES[name], precision, 64, device, FLOAT_VECTOR_SIZES, steps=5, **kwargs)
-        assert all(b.route is Route.TRITON for b in opt.plan.buckets), opt.plan.to_dict()
-        assert seen and all(seen) == vector and any(seen) == vector, seen
-        runs.append((params, opt))
-    (one, opt_one), (two, opt_two) = runs
-    for p, q in zip(one, two, strict=True):
-        assert torch.equal(p, q)
-        assert sorted(opt_one.state[p]) == sorted(opt_two.state[q])
-        for key, t in opt_one.state[p].items():
-            assert torch.equal(t, opt_two.state[q][key]), key
+    _same_bits_both_ways(
+        monkeypatch,
+        "FLOAT_VECTOR",
+        "_float_vector",
+        lambda: _fused(CASES[name], precision, 64, device, FLOAT_VECTOR_SIZES, steps=5, **kwargs),
+    )
     # where the promise would not hold, the launch declines it
     monkeypatch.setattr(update, "FLOAT_VECTOR", True)
     odd = list(FLOAT_VECTOR_SIZES)
