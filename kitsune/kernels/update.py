@@ -660,7 +660,7 @@ at 16-byte multiples promises Triton so (the kernel's FVEC): each thread's conse
 written as 16-byte vectors. Compiled for Hopper (`benchmarks/update-sass.py --state fp32`, Triton 3.9) the fp32
 AdamW program takes 64 registers instead of 127 and 776 instructions instead of 960, with 8 vector loads and 6
 vector stores a thread where it issued 35 and 26 scalar ones; the same bits (tested in the interpreter). Off until a
-GPU run measures it: on an H200 `torch.compile`'s AdamW (vector loads) ran 6% ahead of kitsune's fp32 step on
+GPU run measures it: on an H200 `torch.compile`'s generated AdamW kernels ran 6% ahead of kitsune's fp32 step on
 `llama1b` (docs/benchmarks.md)."""
 
 
