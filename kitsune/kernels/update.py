@@ -254,13 +254,12 @@ def _update_kernel(
     TILE: tl.constexpr,  # elements per pass of its loop (BLOCK with a trust ratio: LAMB's partials are per program)
 ):
     pid, t, start, numel, g_addr = _program_block(block_tensor, block_start, numel_tab, grad_tab)
-    if Q8 == 2:  # programs start at multiples of QBLOCK in a tensor and every numel is a multiple of VECTOR_ELEMS,
-        # so a thread's elements of the vector layout are all in or all out and sit at 16-byte multiples. The hints
-        # go on values made here: on the result of a call, tl.multiple_of marks every operation of the callee
-        start = tl.multiple_of(tl.load(block_start + pid), QBLOCK)
-        numel = tl.multiple_of(tl.where(g_addr != -1, tl.load(numel_tab + t), 0), _VECTOR_ELEMS)
-    if FVEC:  # programs start at multiples of VECTOR_ELEMS in a tensor, and every numel is one (`_float_vector`)
-        start = tl.multiple_of(tl.load(block_start + pid), _VECTOR_ELEMS)
+    VEC: tl.constexpr = (Q8 == 2) or FVEC
+    if VEC:  # programs start at multiples of QBLOCK (8-bit) or VECTOR_ELEMS in a tensor and every numel is a multiple
+        # of VECTOR_ELEMS, so a thread's elements are all in or all out and sit at 16-byte multiples. The hints go on
+        # values made here: on the result of a call, tl.multiple_of marks every operation of the callee
+        START_ALIGN: tl.constexpr = QBLOCK if Q8 == 2 else _VECTOR_ELEMS
+        start = tl.multiple_of(tl.load(block_start + pid), START_ALIGN)
         numel = tl.multiple_of(tl.where(g_addr != -1, tl.load(numel_tab + t), 0), _VECTOR_ELEMS)
     live = _live(g_addr, found_inf, HAS_FOUND_INF)
     # the state slots' elements this block reads and writes: offs < lim (a product, not a select, which would hide
@@ -300,7 +299,6 @@ def _update_kernel(
     a3_at = tl.load(a3_tab + t)
     c_at = tl.load(comp_tab + t)
 
-    VEC: tl.constexpr = (Q8 == 2) or FVEC
     # the elementwise work, a tile at a time: 8-bit state quantizes per tile (TILE = QBLOCK), and a program of
     # several tiles pays the per-tensor work above (hyperparameters, the bias corrections in fp64) once
     if BLOCK == TILE:
