@@ -646,10 +646,15 @@ def _vector_layout(tables: TensorTables, spec: UpdateSpec, num_warps: int) -> bo
     captured graph keeps its layout's promise."""
     if not Q8_VECTOR or spec.trust or tables.block % (QUANT_BLOCK * num_warps):
         return False
+    return _vectors_fit(tables, spec)
+
+
+def _vectors_fit(tables: TensorTables, spec: UpdateSpec, *roles: str) -> bool:
+    """What a vector path promises Triton of a launch's tensors: every numel a multiple of `VECTOR_ELEMS`, and the
+    params, the state tensors (codes, for 8 bits) and ``roles`` at `VECTOR_ALIGN` multiples."""
     if tables.numel_gcd % VECTOR_ELEMS:
         return False
-    roles = ["param"] + [f"state{i}" for i in range(1, spec.state_slots + 1)]
-    return tables.aligned(roles, VECTOR_ALIGN)
+    return tables.aligned(["param", *roles] + [f"state{i}" for i in range(1, spec.state_slots + 1)], VECTOR_ALIGN)
 
 
 FLOAT_VECTOR = False
@@ -666,10 +671,9 @@ def _float_vector(tables: TensorTables, spec: UpdateSpec) -> bool:
     """Whether this float-state launch takes vector reads and writes (`FLOAT_VECTOR`): no trust ratio, programs
     starting at multiples of `VECTOR_ELEMS` in their tensor, every numel a multiple of it, and the params, grads and
     state tensors at `VECTOR_ALIGN` multiples (a grad that moves re-sets its role, so the answer follows it)."""
-    if not FLOAT_VECTOR or spec.trust or tables.block % VECTOR_ELEMS or tables.numel_gcd % VECTOR_ELEMS:
+    if not FLOAT_VECTOR or spec.trust or tables.block % VECTOR_ELEMS:
         return False
-    roles = ["param", "grad"] + [f"state{i}" for i in range(1, spec.state_slots + 1)]
-    return tables.aligned(roles, VECTOR_ALIGN)
+    return _vectors_fit(tables, spec, "grad")
 
 
 _STATE_DTYPES = {StateFormat.FP32: tl.float32, StateFormat.BF16: tl.bfloat16}
