@@ -11,7 +11,7 @@ A proxy for GPU runs, not a timing: it shows in seconds on a CPU what a change d
 instructions and registers (registers decide the warps an SM holds). Fewer instructions need not mean faster: the
 kernel is bound by latency with few warps and waits on its table reads (Nsight Compute on an H200: issue slots 55%
 busy), and 23% more instructions made it 15% slower where they cut its table reads' cache lines by more than half
-(docs/benchmarks.md), so a change is kept only after `benchmarks/q8-sweep.py` times it on a GPU.
+(docs/benchmarks.md), so a change is kept only after `benchmarks/program-sweep.py` times it on a GPU.
 
 The launch's arguments come from a real step (a child process runs one through Triton's CPU interpreter and
 records the launch), so the kernel compiles with the constexprs the planner picks, except RNE_BF16, set as on a

@@ -43,7 +43,13 @@ _TORCH = Route.TORCH_FUSED
 Q8_PROGRAM = 64 * QUANT_BLOCK
 """Elements per program of an 8-bit update: it quantizes a tile of blocks at a time in a loop, so the per-program work
 (hyperparameters, the bias corrections in fp64, the step count's atomic) is paid once per 64 blocks (H200, GPT-2
-set, the vector layout with 2 warps: 0.752 ms with 32, 0.746 with 64, 0.769 with 128; `benchmarks/q8-sweep.py`)."""
+set, the vector layout with 2 warps: 0.752 ms with 32, 0.746 with 64, 0.769 with 128; `benchmarks/program-sweep.py`)."""
+FLOAT_PROGRAM = 4 * DEFAULT_BLOCK
+"""Elements per program of a float-state update without a trust ratio: it loops over tiles of
+`kitsune.kernels.update.FLOAT_TILE` elements, so the per-program work is paid once per four tiles (H200, 4 warps,
+vector reads, `benchmarks/program-sweep.py`: `llama1b`'s fp32 AdamW step 8.30 ms with programs of 1024 elements,
+8.17 with 4096, 8.23 with 8192, 8.36 with 16384; its bf16-state step 6.29, 5.71, 5.80, 5.87 ms; the GPT-2 set's fp32
+step 0.868, 0.854, 0.858, 0.878). LAMB's programs stay at the planner's block: its partial norms are per program."""
 _REPEATED = (
     Route.BASE_STEP,
     "a param listed more than once in the param groups: torch's step updates it once per listing (and warns), "
@@ -299,7 +305,7 @@ class Planner:
         if bp.route is Route.TRITON:
             assert info is not None and isinstance(spec, UpdateSpec)
             algo = unit_info(info, spec)
-            block = Q8_PROGRAM if spec.state == StateFormat.Q8 else self.block  # type: ignore[union-attr]
+            block = self._program(spec)
             for chunk in self._chunks(members, backward_bytes):
                 params, gis = [p for _, p in chunk], [gi for gi, _ in chunk]
                 out.units.append(FusedUnit(params, gis, algo, spec, base.state, block))  # type: ignore[arg-type]
@@ -320,6 +326,13 @@ class Planner:
             except Exception as exc:  # torch refused the flags: the optimizer's own step still works
                 bp.reason += f"; torch {bp.route.value} unavailable ({exc})"
                 bp.route = Route.BASE_STEP
+
+    def _program(self, spec: UpdateSpec) -> int:
+        """Elements per program of a fused update: `Q8_PROGRAM` for 8-bit state, the planner's block with a trust
+        ratio (LAMB's partial norms are a program's), `FLOAT_PROGRAM` otherwise."""
+        if spec.state == StateFormat.Q8:
+            return Q8_PROGRAM
+        return self.block if spec.trust else FLOAT_PROGRAM
 
     def _chunks(self, members: Members, backward_bytes: int | None) -> list[Members]:
         """A bucket's launch units: at most ``max_fusion_size`` tensors each; with updates in backward, also at most

@@ -624,7 +624,7 @@ Q8_VECTOR = True
 in `_update_kernel`): a warp per quantization block, each thread 8 consecutive elements read and written as vectors,
 a block's absmax reduced within its warp. Compiled for Hopper it issues about a third fewer instructions per element
 than the layout that interleaves a block over the program's warps (`benchmarks/update-sass.py`); on an H200 it took
-the GPT-2 set's 8-bit step from 0.886 to 0.746 ms and Llama-1B's from 8.44 to 6.86 ms (`benchmarks/q8-sweep.py`
+the GPT-2 set's 8-bit step from 0.886 to 0.746 ms and Llama-1B's from 8.44 to 6.86 ms (`benchmarks/program-sweep.py`
 switches it)."""
 VECTOR_WARPS = 2
 """Warps a program of the vector layout when the caller leaves ``num_warps`` to the launcher: the layout takes about
@@ -635,7 +635,7 @@ VECTOR_ALIGN = 16
 Q8_PREFETCH = True
 """Whether an 8-bit update of several tiles a program loads each tile's params, grads and codes a pass ahead (the
 kernel's PREFETCH): on an H200 it took the GPT-2 set's step from 1.165 to 0.930 ms in the interleaved layout, and
-from 0.848 to 0.746 ms in the vector layout with 2 warps (`benchmarks/q8-sweep.py`)."""
+from 0.848 to 0.746 ms in the vector layout with 2 warps (`benchmarks/program-sweep.py`)."""
 
 
 def _vector_layout(tables: TensorTables, spec: UpdateSpec, num_warps: int) -> bool:
@@ -657,14 +657,19 @@ def _vectors_fit(tables: TensorTables, spec: UpdateSpec, *roles: str) -> bool:
     return tables.aligned(["param", *roles] + [f"state{i}" for i in range(1, spec.state_slots + 1)], VECTOR_ALIGN)
 
 
-FLOAT_VECTOR = False
+FLOAT_VECTOR = True
 """Whether an update with float state (fp32, bf16 or the param's dtype) whose params, grads and state tensors all sit
 at 16-byte multiples promises Triton so (the kernel's FVEC): each thread's consecutive elements are then read and
 written as 16-byte vectors. Compiled for Hopper (`benchmarks/update-sass.py --state fp32`, Triton 3.9) the fp32
 AdamW program takes 64 registers instead of 127 and 776 instructions instead of 960, with 8 vector loads and 6
-vector stores a thread where it issued 35 and 26 scalar ones; the same bits (tested in the interpreter). Off until a
-GPU run measures it: on an H200 `torch.compile`'s generated AdamW kernels ran 6% ahead of kitsune's fp32 step on
-`llama1b` (docs/benchmarks.md)."""
+vector stores a thread where it issued 35 and 26 scalar ones; the same bits. On an H200 (Triton 3.6), with
+`FLOAT_TILE` tiles in programs of 8192 elements (`kitsune.fusion.planner.FLOAT_PROGRAM`), it took `llama1b`'s fp32
+AdamW step from 8.61 to 8.22 ms (99% of the copy-rate floor) and its bf16-state step from 6.99 to 5.79 ms; the GPT-2
+set's from 0.902 to 0.858 and 0.733 to 0.607 ms (docs/benchmarks.md)."""
+FLOAT_TILE = 1024
+"""Elements per pass of a float-state program's loop, when the program's block is a multiple of it (LAMB's trust
+ratio keeps one pass a program: its partial norms are a program's). A program of several tiles pays its per-tensor
+work (the table reads, the hyperparameters, the bias corrections in fp64, the step count's atomic) once."""
 
 
 def _float_vector(tables: TensorTables, spec: UpdateSpec) -> bool:
@@ -797,7 +802,8 @@ def _launch(
     seed: int,
     comp: torch.Tensor,
 ) -> None:
-    q8, prefetch, tile, warps = 0, False, tables.block, num_warps or 4
+    tile = FLOAT_TILE if not spec.trust and tables.block % FLOAT_TILE == 0 else tables.block
+    q8, prefetch, warps = 0, False, num_warps or 4
     if spec.state == StateFormat.Q8:  # 8-bit state quantizes a tile at a time: a block, or a warp's block each
         prefetch = Q8_PREFETCH and tables.block != QUANT_BLOCK and not spec.trust
         q8, tile = 1, QUANT_BLOCK

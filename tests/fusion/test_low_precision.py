@@ -114,6 +114,37 @@ def test_8bit_programs_of_any_size_step_the_same_bits(name, device, monkeypatch)
             assert torch.equal(a[key], b[key]), key
 
 
+@pytest.mark.parametrize(("name", "precision"), [("adamw", "param"), ("nadam_decoupled", "bf16"), ("lion", "param")])
+@pytest.mark.parametrize("vector", [True, False])
+def test_float_programs_of_any_size_step_the_same_bits(name, precision, vector, device, monkeypatch):
+    """A float-state program loops over tiles of `update.FLOAT_TILE` elements (`planner.FLOAT_PROGRAM` elements a
+    program). Programs of one tile, and programs of four tiles that tensors span several of (a program's last tiles
+    partial or empty), step the same bits as the default's programs, which hold each of these tensors whole: params,
+    state and step counts, NAdam's per-tensor mu_product (written by a tensor's last program) too; with vector reads
+    and without."""
+    from kitsune.fusion import planner
+    from kitsune.kernels import update
+
+    monkeypatch.setattr(update, "FLOAT_VECTOR", vector)
+    runs = []
+    for program, tile in ((planner.FLOAT_PROGRAM, update.FLOAT_TILE), (256, 64), (64, 64)):
+        monkeypatch.setattr(planner, "FLOAT_PROGRAM", program)
+        monkeypatch.setattr(update, "FLOAT_TILE", tile)
+        seen = _float_layouts(monkeypatch)
+        params, opt = _fused(CASES[name], precision, 64, device, FLOAT_VECTOR_SIZES, steps=6)
+        assert all(b.route is Route.TRITON for b in opt.plan.buckets), opt.plan.to_dict()
+        assert seen and all(seen) == vector, seen
+        assert {u.tables.block for u in opt._subsystem("fusion").units} == {program}
+        runs.append((params, opt))
+    (one, opt_one), *others = runs
+    for two, opt_two in others:
+        for p, q in zip(one, two, strict=True):
+            assert torch.equal(p, q)
+            assert sorted(opt_one.state[p]) == sorted(opt_two.state[q])
+            for key, t in opt_one.state[p].items():
+                assert torch.equal(t, opt_two.state[q][key]), key
+
+
 def _decoded(s: dict, key: str) -> torch.Tensor:
     if sf.quantized(s, key):
         return sf.dequantize(s[key + sf.CODES], s[key + sf.ABSMAX], sf.SIGNED[key])
