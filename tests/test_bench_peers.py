@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import signal
+import time
 
 import pytest
 import torch
@@ -45,6 +47,10 @@ class _SignStep(torch.optim.Optimizer):
         self.grad_norms.append([None if p.grad is None else float(p.grad.norm()) for p in params])
         if self.mode == "idle" or (self.mode == "skip_even" and self.calls % 2 == 0):
             return None
+        if self.mode == "hang" and self.calls > 1:  # as a library compiling for minutes from its second step
+            until = time.perf_counter() + 20  # (bounded: a broken time limit fails the test, it does not hang it)
+            while time.perf_counter() < until:
+                time.sleep(0.01)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -103,6 +109,26 @@ def test_a_slow_peer_times_fewer_steps(monkeypatch):
     assert built[0].calls == 2 + 5 + 5
     assert "; 5 steps a timed pass (a step took" in _note(v)
     assert "steps a timed pass" not in _note(fast)
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="the time limit needs a timer signal (POSIX)")
+def test_a_peer_past_its_time_is_stopped_and_the_next_one_runs(monkeypatch):
+    """A peer still running after PEER_SECONDS is stopped where it is (here in its second warm-up step), its row
+    says so and keeps no times; the timer and the SIGALRM handler are restored, so the next peer runs in full."""
+    from kitsune.bench import runner
+    from kitsune.bench.table import _note
+
+    handler = signal.getsignal(signal.SIGALRM)
+    monkeypatch.setattr(runner, "PEER_SECONDS", 0.5)
+    t0 = time.perf_counter()
+    v = run_peer(_fake("hangs", mode="hang"), TINY, CPU, steps=3, warmup=3, floor_ms=1.0)
+    assert time.perf_counter() - t0 < 15
+    assert v.status == "stopped" and v.device_ms is None and not v.device_ms_steps
+    assert v.reason == "ran past 0.5 s (PEER_SECONDS), in warm-up step 2 of 3", v.reason
+    assert _note(v) == f"stopped: {v.reason}"
+    assert signal.getsignal(signal.SIGALRM) is handler and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    after = run_peer(_fake("fine"), TINY, CPU, steps=3, warmup=2, floor_ms=1.0)
+    assert after.status == "ok" and len(after.device_ms_steps) == 3, after.reason
 
 
 @pytest.mark.parametrize("mode", ["idle", "skip_even"])

@@ -83,10 +83,11 @@ class PeerStatus(BaseModel):
 class VariantResult(BaseModel):
     variant: str
     label: str
-    status: Literal["ok", "skipped", "failed", "not_available", "not_timed"]
+    status: Literal["ok", "skipped", "failed", "not_available", "not_timed", "stopped"]
     reason: str | None = None
     """Why the variant was skipped, failed, is not available, or was not timed (``not_timed``: its params did not
-    move on every step, so its times would be those of a step that does nothing)."""
+    move on every step, so its times would be those of a step that does nothing; ``stopped``: a peer still running
+    after `kitsune.bench.runner.PEER_SECONDS`)."""
     device_ms: Stats | None = None
     """Device time per step (CUDA events; wall time on a CPU)."""
     host_ms: Stats | None = None

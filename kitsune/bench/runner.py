@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import shlex
+import signal
 import sys
+import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
@@ -52,6 +55,11 @@ fewer steps, at least `PEER_MIN_STEPS` (torchao's 8-bit AdamW took about a secon
 the set's 50 steps twice made a ``--peers`` run longer than a lent GPU's 10-minute call)."""
 PEER_MIN_STEPS = 5
 """The fewest steps a peer's timed pass takes, however slow its step."""
+PEER_SECONDS = 90.0
+"""The longest one peer may run on a set, from building it to its last timed step: a peer still running then is
+stopped and its row says where (a library that compiles its step for each of ``many``'s 2,000 tensors ran past a lent
+GPU's 10-minute call and took every later row with it). Enforced where a timer signal can be (the main thread on
+POSIX) and seen when the library's code next runs Python."""
 # An fp32 Lion step reads param, grad and exp_avg and writes param and exp_avg back.
 LION_BYTES_PER_PARAM = FP32_BYTES * (3 + 2)  # 20
 
@@ -77,6 +85,30 @@ def _memory_shortfall(pset: ParamSet, device: torch.device) -> str | None:
 _Body = Callable[[], tuple[StepTimes, KitsuneInfo | None]]
 
 
+class PeerStopped(Exception):
+    """A peer ran past `PEER_SECONDS` (the message says in what)."""
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float, doing: Callable[[], str]) -> Iterator[None]:
+    """Raise `PeerStopped` in the code below once ``seconds`` have passed (``doing()`` names what it was doing);
+    without a timer signal here (not the main thread, or not POSIX) the code runs unbounded."""
+    if seconds <= 0 or not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        raise PeerStopped(f"ran past {seconds:g} s (PEER_SECONDS), {doing()}")
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def _measure(result: VariantResult, body: _Body, device: torch.device, floor_ms: float) -> VariantResult:
     """Run ``body`` (which allocates, warms up and times) and fill ``result``; failures are recorded, not raised.
 
@@ -90,6 +122,8 @@ def _measure(result: VariantResult, body: _Body, device: torch.device, floor_ms:
         result.pct_of_floor = 100 * floor_ms / median if median > 0 else None
     except ParamsDidNotMove as exc:  # its times are those of a step that does nothing: none are kept
         result.status, result.reason = "not_timed", f"{exc}: not timed"
+    except PeerStopped as exc:
+        result.status, result.reason = "stopped", str(exc)
     except Exception as exc:  # one broken variant must not cost the others their numbers
         result.status, result.reason = "failed", f"{type(exc).__name__}: {exc}"
     try:
@@ -158,7 +192,8 @@ def run_peer(
     a `MoveCheck`: a peer whose params did not move on every checked step is reported as not timed. A peer that
     compiles gets at least ``COMPILED_WARMUP`` warm-up steps (heavyball's ``compile_step`` runs its first step
     eagerly and compiles on the second). A peer whose last warm-up step took longer than ``PEER_PASS_SECONDS /
-    steps`` times fewer steps (`peer_steps`): its `PeerInfo` says how many.
+    steps`` times fewer steps (`peer_steps`): its `PeerInfo` says how many. A peer still running after
+    `PEER_SECONDS` is stopped: its row's status is ``stopped``, its reason says in what.
     """
     warmup = max(warmup, COMPILED_WARMUP) if peer.compiles else warmup
     info = PeerInfo(
@@ -175,6 +210,8 @@ def run_peer(
     if shortfall is not None:
         result.status, result.reason = "skipped", shortfall
         return result
+
+    doing = ["while it was built"]  # what the peer is doing, for a stop's message
 
     def body() -> tuple[StepTimes, None]:
         params = make_params(pset, device, seed)
@@ -193,6 +230,7 @@ def run_peer(
             warnings.simplefilter("always")
             built = peer.build(params, device)
             before = _norms(grads)
+            doing[0] = "in its first step"
             built.step()
             if any(p.grad is not g for p, g in zip(params, grads, strict=True)):
                 info.grads, between = "reattached", reattach
@@ -201,6 +239,7 @@ def run_peer(
             else:
                 info.grads, between = "kept", None
             for i in range(warmup - 1):
+                doing[0] = f"in warm-up step {i + 2} of {warmup}"
                 if between is not None:
                     between()
                 if i == warmup - 2:  # the last warm-up step, timed as a step of the host pass: how long a pass takes
@@ -217,6 +256,7 @@ def run_peer(
                 info.warnings.append(message)
         result.state_bytes, info.state_paged = state_bytes(built.opt.state)
         check = MoveCheck(params, [n for n, _ in pset.shapes])
+        doing[0] = f"in its timed steps ({info.short_steps or steps} a pass)"
         times = time_steps(built.step, info.short_steps or steps, device, between=between, check=check)
         check.verify()
         info.checked_steps = check.checked_steps
@@ -224,7 +264,8 @@ def run_peer(
 
     def body_then_reset() -> tuple[StepTimes, None]:
         try:
-            return body()
+            with _time_limit(PEER_SECONDS, lambda: doing[0]):
+                return body()
         finally:
             if peer.compiles:  # compiled code and its guards would keep this peer's params and state alive
                 torch._dynamo.reset()
