@@ -119,9 +119,9 @@ def test_8bit_programs_of_any_size_step_the_same_bits(name, device, monkeypatch)
 def test_float_programs_of_any_size_step_the_same_bits(name, precision, vector, device, monkeypatch):
     """A float-state program loops over tiles of `update.FLOAT_TILE` elements (`planner.FLOAT_PROGRAM` elements a
     program). Programs of one tile, and programs of four tiles that tensors span several of (a program's last tiles
-    partial or empty), step the same bits as the default's programs, which hold each of these tensors whole: params,
-    state and step counts, NAdam's per-tensor mu_product (written by a tensor's last program) too; with vector reads
-    and without."""
+    partial or empty), step the same bits as the default's programs (of several tiles; the 4104-element tensor spans
+    two): params, state and step counts, NAdam's per-tensor mu_product (written by a tensor's last program) too; with
+    vector reads and without."""
     from kitsune.fusion import planner
     from kitsune.kernels import update
 
