@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The one script to run on a lent GPU: environment, the CUDA tests, `kitsune bench` on all sets, then the demo.
 # Writes into $OUT (default ./gpu-out): env.log, cuda-tests.log, gpu-suites.log, bench.log, bench.json, demo.log,
-# demo-profile.json, exit-codes.txt; with STAGES naming compile, e2e-compile.log and e2e-compile.json.
+# demo-profile.json, exit-codes.txt; with STAGES naming compile, e2e-compile.log and e2e-compile.json; with STAGES
+# naming peers, peers.log and peers.json (the peers' wheels in .peers/, PEER_SETS the sets: one a call, as a set with
+# every peer takes minutes).
 # Each stage has its own time limit, so a slow stage cannot starve the next; a lent GPU allows 10 minutes a call,
 # so run the stages in two or three calls (STAGES below).
 # BENCH_DEVICE=cpu runs the same stages on a CPU with tiny sets (a dry run of this script, not a measurement).
@@ -17,8 +19,11 @@ BENCH_DEVICE="${BENCH_DEVICE:-cuda}"
 STAGES=",${STAGES:-tests,suites,bench,muon,demo},"
 stage() { [[ "$STAGES" == *",$1,"* ]]; }
 
-if [ -d .whl ] && compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+wheels=()
+compgen -G ".whl/*.whl" >/dev/null && wheels+=(.whl/*.whl)
+stage peers && compgen -G ".peers/*.whl" >/dev/null && wheels+=(.peers/*.whl)
+if [ ${#wheels[@]} -gt 0 ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${wheels[@]}"
     export PYTHONPATH="/tmp/site:$PWD"
 else
     export PYTHONPATH="$PWD"
@@ -85,6 +90,14 @@ timeout 270 python3 -m kitsune.bench --device "$BENCH_DEVICE" --sets gpt2 --vari
     --json "$OUT/e2e-compile.json" 2>&1 | tee "$OUT/e2e-compile.log" || compile_rc=$?
 }
 
+# the optimizers users pick instead (kitsune bench --peers), on the sets of PEER_SETS; a peer has 90 s a set
+# (kitsune.bench.runner.PEER_SECONDS), so `many` with every peer fits a call
+peers_rc=0
+stage peers && {
+timeout 570 python3 -m kitsune.bench --device "$BENCH_DEVICE" --peers --sets "${PEER_SETS:-many}" \
+    --json "$OUT/peers.json" 2>&1 | tee "$OUT/peers.log" || peers_rc=$?
+}
+
 muon_rc=0
 stage muon && {
 timeout 200 python3 -m kitsune.bench --muon --json "$OUT/muon.json" 2>&1 | tee "$OUT/muon.log" || muon_rc=$?
@@ -97,7 +110,8 @@ timeout 90 python3 -m kitsune demo --device "$BENCH_DEVICE" --profile-out "$OUT/
 }
 
 echo "cuda tests exit code: $tests_rc (124: timed out); kernel/fusion suites on the GPU: $gpu_suites_rc;" \
-    "bench exit code: $bench_rc (1: a variant failed); compiled e2e: $compile_rc; muon bench exit code: $muon_rc;" \
+    "bench exit code: $bench_rc (1: a variant failed); compiled e2e: $compile_rc; peers: $peers_rc;" \
+    "muon bench exit code: $muon_rc;" \
     "demo exit code: $demo_rc" | tee "$OUT/exit-codes.txt"
 if [ "$tests_rc" -ne 0 ]; then
     exit "$tests_rc"
