@@ -303,8 +303,9 @@ def _update_kernel(
     # several tiles pays the per-tensor work above (hyperparameters, the bias corrections in fp64) once
     if BLOCK == TILE:
         n_tiles = 1
-    else:  # only the tiles that hold elements (none when the grad is None: numel is 0 then)
-        n_tiles = (tl.minimum(numel - start, BLOCK) + TILE - 1) // TILE
+    else:  # only the tiles that hold elements, and one (all masked) for an empty tensor or a grad that is None:
+        # NAdam's and ASGD's per-tensor scalars are computed in the loop's body
+        n_tiles = tl.maximum((tl.minimum(numel - start, BLOCK) + TILE - 1) // TILE, 1)
     if PREFETCH:  # the first tile's loads; each pass of the loop issues the next tile's before it works on its own
         offs, mask, gmask = _tile(start, numel, live, TILE, VEC)
         p_next = tl.load(_vptr(p_at, offs, DTYPE, VEC), mask=mask, other=0.0)

@@ -120,8 +120,8 @@ def test_float_programs_of_any_size_step_the_same_bits(name, precision, vector, 
     """A float-state program loops over tiles of `update.FLOAT_TILE` elements (`planner.FLOAT_PROGRAM` elements a
     program). Programs of one tile, and programs of four tiles that tensors span several of (a program's last tiles
     partial or empty), step the same bits as the default's programs (of several tiles; the 4104-element tensor spans
-    two): params, state and step counts, NAdam's per-tensor mu_product (written by a tensor's last program) too; with
-    vector reads and without."""
+    two): params, state and step counts, NAdam's per-tensor mu_product (computed in the loop, written by a tensor's
+    last program) too, an empty tensor's included; with vector reads and without."""
     from kitsune.fusion import planner
     from kitsune.kernels import update
 
@@ -131,7 +131,7 @@ def test_float_programs_of_any_size_step_the_same_bits(name, precision, vector, 
         monkeypatch.setattr(planner, "FLOAT_PROGRAM", program)
         monkeypatch.setattr(update, "FLOAT_TILE", tile)
         seen = _float_layouts(monkeypatch)
-        params, opt = _fused(CASES[name], precision, 64, device, FLOAT_VECTOR_SIZES, steps=6)
+        params, opt = _fused(CASES[name], precision, 64, device, [0, *FLOAT_VECTOR_SIZES], steps=6)
         assert all(b.route is Route.TRITON for b in opt.plan.buckets), opt.plan.to_dict()
         assert seen and all(seen) == vector, seen
         assert {u.tables.block for u in opt._subsystem("fusion").units} == {program}
