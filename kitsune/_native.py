@@ -6,8 +6,9 @@ re-allocated by ``zero_grad(set_to_none=True)``, a param's storage replaced): a 
 in Python, that is a few attribute reads a tensor, 100-400 ns each on a typical host, so on 2000 tensors the check
 alone takes most of a millisecond, more than the fused update. In C++ it is one pass over the list, tens of ns a
 tensor (14 ns with the tensors' metadata in cache, 50-160 ns from cold caches, on an x86 CPU): `unchanged` compares
-each param's and each grad's address with an int64 table, and answers False (so the step takes the full check) for
-anything it cannot read (a grad that is None or sparse, a tensor without storage).
+each param's and each grad's address with an int64 table (or the grads' alone, where the step has checked the params
+before), and answers False (so the step takes the full check) for anything it cannot read (a grad that is None or
+sparse, a tensor without storage).
 `unchanged_local` does the same for FSDP2's DTensor params through their local shards (each param must still hold
 the shard the plan resolved, and its grad's local shard must sit where the table says): the grad is read in C++,
 DTensor's ``_local_tensor`` slot directly, and the reads go in passes over all params so that a CPU whose caches
@@ -47,9 +48,9 @@ SOURCE = r"""
 
 #include <vector>
 
-// params[i] sits at table[i] and, with grads, its grad (dense) at table[n + i] (table: 2n int64 on the CPU).
-// Anything else answers false.
-bool unchanged(py::list params, const at::Tensor& table, bool grads) {
+// params[i] sits at table[i] (what: 0 or 1) and its grad (dense) at table[n + i] (what: 1 or 2; 2 leaves out the
+// params, which the step checked before) (table: 2n int64 on the CPU). Anything else answers false.
+bool unchanged(py::list params, const at::Tensor& table, int64_t what) {
   PyObject* list = params.ptr();
   const Py_ssize_t n = PyList_GET_SIZE(list);
   if (table.scalar_type() != at::kLong || !table.is_contiguous() || table.device().type() != at::kCPU ||
@@ -62,8 +63,8 @@ bool unchanged(py::list params, const at::Tensor& table, bool grads) {
       PyObject* obj = PyList_GET_ITEM(list, i);
       if (!THPVariable_Check(obj)) return false;
       const at::Tensor& p = THPVariable_Unpack(obj);
-      if (reinterpret_cast<int64_t>(p.const_data_ptr()) != want[i]) return false;
-      if (grads) {
+      if (what != 2 && reinterpret_cast<int64_t>(p.const_data_ptr()) != want[i]) return false;
+      if (what != 0) {
         const at::Tensor& g = p.grad();
         if (!g.defined() || g.layout() != at::kStrided) return false;
         if (reinterpret_cast<int64_t>(g.const_data_ptr()) != want[n + i]) return false;
@@ -242,8 +243,9 @@ def _compile() -> Any:
     module = _load(lib) if lib.exists() else _build_into(lib)
     probe = [torch.zeros(2), torch.zeros(3)]
     table = torch.tensor([t.data_ptr() for t in probe] * 2, dtype=torch.int64)
-    wrong = module.unchanged(probe, table, True) or module.same(probe, probe[:1])  # no grads; lengths differ
-    if wrong or not module.unchanged(probe, table, False):
+    # no grads (with the params or without); lengths differ
+    wrong = module.unchanged(probe, table, 1) or module.unchanged(probe, table, 2) or module.same(probe, probe[:1])
+    if wrong or not module.unchanged(probe, table, 0):
         raise RuntimeError("the compiled check gave a wrong answer on its self-test")
     return module
 

@@ -75,6 +75,7 @@ class FusionSubsystem(Subsystem):
         self._units: list[FusedUnit] = []
         self._shadows: list[TorchShadow] = []
         self._muon: list[MuonUnit] = []
+        self._handled: frozenset[torch.Tensor] = frozenset()
         self._contexts: dict[torch.device, DeviceContext] = {}
         self._specs: tuple[Any, ...] = ()
         self._info: AlgoInfo | None = None
@@ -113,6 +114,8 @@ class FusionSubsystem(Subsystem):
         planned = self._planner.plan(base, remote, backward_bytes)
         self._info, self._specs = planned.info, planned.specs
         self._units, self._muon, self._shadows = planned.units, planned.muon, planned.shadows
+        # the params a step updates itself, a set made once a plan (a step's `prepare` takes out the unhandled ones)
+        self._handled = frozenset().union(*(x.param_set for x in (*self._units, *self._muon, *self._shadows)))
         self.current_plan = plan = planned.plan
         if self.pool is not None:  # the memory pool places the units' state in its arenas
             pooled = [u for u in self._units if not u.sharded]
@@ -250,14 +253,9 @@ class FusionSubsystem(Subsystem):
                 f"grad must be dense and of its param's dtype: {fix}, or turn off max_grad_norm and float16 scaling. "
                 "Nothing was updated."
             )
-        handled: set[torch.Tensor] = set()
-        for unit in units:
-            handled.update(unit.param_set)  # a param whose grad is None is skipped by every route anyway
-        for shadow in self._shadows:
-            handled.update(shadow.param_set)
-        s.handled = handled
+        s.handled = self._handled  # a param whose grad is None is skipped by every route anyway
         if unhandled:  # sparse grads met at step time: the wrapped optimizer's own step must take them
-            handled.difference_update(unhandled)
+            s.handled = self._handled.difference(unhandled)
             s.unhandled = unhandled
             self._note_once(
                 f"{len(unhandled)} param(s) got sparse grads, or grads of another dtype than the param's: left to "

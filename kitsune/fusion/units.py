@@ -61,7 +61,7 @@ class FusedUnit:
         block: int = DEFAULT_BLOCK,
     ) -> None:
         self.params = params
-        self.param_set = set(params)  # ctx.handled.update(a set) reuses stored hashes: 20x faster than a list
+        self.param_set = set(params)  # the plan's union of these sets reuses their stored hashes
         self.group_index = group_index
         self.info = info
         self.spec = spec
@@ -246,14 +246,15 @@ class FusedUnit:
             return False
 
     def _native_check(self, grads: bool) -> bool | None:
-        """The native check of the params (and, with ``grads``, the grads) against `_table`: through the local
-        shards for FSDP2; None where it cannot answer (switched off, not built, tensor subclasses)."""
+        """The native check of the params (and, with ``grads``, the grads; only the grads where `moved` found the
+        params in place this step) against `_table`: through the local shards for FSDP2, params included; None
+        where it cannot answer (switched off, not built, tensor subclasses)."""
         checks = _native.CHECKS
         if not self.native or checks is None or not self.checks_natively:
             return None
         if self.shards is not None:
             return checks.unchanged_local(self.params, self.shards, self._table, grads)
-        return checks.unchanged(self.params, self._table, grads)
+        return checks.unchanged(self.params, self._table, (2 if self.params_checked else 1) if grads else 0)
 
     def _prepare(self, state: Any, groups: Sequence[dict[str, Any]]) -> bool:
         self._unwatch()

@@ -112,6 +112,32 @@ def test_every_change_leaves_the_fast_path(device, fast_check):
     assert 0 < len(fast_check) < 29
 
 
+def test_an_eager_step_reads_each_address_once_natively(device, monkeypatch):
+    """Outside a replayed graph a step checks the params before it decides how to clip (`FusedUnit.moved`), and its
+    prepare then checks only the grads (the native call's ``what`` = 2): one read of each address a step. A grad
+    moved after that first check is still caught (the step re-points its table and gives torch's result)."""
+    checks = _native.wait(timeout=600)
+    assert checks is not None, _native.reason()
+    calls: list[int] = []
+
+    class Recording:
+        same, unchanged_local = checks.same, checks.unchanged_local
+
+        def unchanged(self, params, table, what):
+            calls.append(int(what))
+            return checks.unchanged(params, table, what)
+
+    monkeypatch.setattr(_native, "CHECKS", Recording())
+    ours, opt, ref, ref_opt = _twins(device, capture_graph=False)
+    _train(ours, opt, ref, ref_opt, 3, in_place=True)
+    calls.clear()
+    _train(ours, opt, ref, ref_opt, 2, in_place=True)
+    assert calls == [0, 2, 0, 2], calls
+    _train(ours, opt, ref, ref_opt, 1, in_place=False)  # new grads: the grads' check answers "moved"
+    assert calls[-2:] == [0, 2], calls
+    assert_close_params(ours, ref, torch.float32)
+
+
 def test_a_grad_swapped_for_a_sparse_one_or_a_view_leaves_the_fast_path(device, check_path):
     """Changes the native check must see one by one: a grad moved to another buffer of the same size (a view into a
     larger one), a param's storage replaced between steps, a sparse grad (the optimizer's own step takes it)."""
@@ -178,10 +204,17 @@ def test_the_native_check_builds_here_and_refuses_what_it_cannot_read():
     assert checks.unchanged(ps, table, True)
     assert not checks.unchanged(ps, table[:5], True)
     assert not checks.unchanged(ps, table.to(torch.int32), True)
+    # 2: the grads alone (the step checked the params before): a param's address is not read, a grad's is
+    moved_param, moved_grad = table.clone(), table.clone()
+    moved_param[1] += 16
+    moved_grad[4] += 16
+    assert checks.unchanged(ps, moved_param, 2) and not checks.unchanged(ps, moved_param, 1)
+    assert not checks.unchanged(ps, moved_param, 0)
+    assert not checks.unchanged(ps, moved_grad, 2) and checks.unchanged(ps, moved_grad, 0)
     ps[1].grad = torch.randn(4).to_sparse()
     assert not checks.unchanged(ps, table, True) and checks.unchanged(ps, table, False)
     ps[1].grad = None
-    assert not checks.unchanged(ps, table, True)
+    assert not checks.unchanged(ps, table, True) and not checks.unchanged(ps, table, 2)
     assert not checks.unchanged([ps[0], "x", ps[2]], table, False)
     assert checks.same(ps, list(ps)) and not checks.same(ps, ps[::-1]) and not checks.same(ps, ps[:2])
     assert not checks.unchanged_local(ps, ps, table, False)  # no local shards to read: the full check, no error
