@@ -6,6 +6,7 @@ import argparse
 import io
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from kitsune.bench import (
     register,
     run_bench,
 )
-from kitsune.bench.timing import percentile
+from kitsune.bench.timing import percentile, time_steps
 
 
 def quiet() -> Console:
@@ -109,6 +110,7 @@ def test_run_bench_on_cpu_and_json_round_trip(tmp_path):
             assert v.status == "ok", v.reason
             assert v.device_ms.median > 0 and v.host_ms.median > 0 and len(v.device_ms_steps) == 2
             assert v.device_ms.p10 <= v.device_ms.median <= v.device_ms.p90
+            assert v.busy_host_ms == v.device_ms  # on a CPU the device pass's times are its calls' wall times
         assert by_name["graph"].status == "skipped" and "CUDA" in by_name["graph"].reason
         assert set(entry.ratio_to_kitsune) == {"foreach", "fused", "eager", "static", "profiled"}
         assert "profiler" in by_name["profiled"].kitsune.active_subsystems
@@ -351,3 +353,19 @@ def test_e2e_with_a_compiled_model_trains_every_side_alike():
     for e, c in zip(eager.sides, compiled.sides, strict=True):
         # the compiled forward and backward train like the eager ones, updates inside backward included
         assert c.losses == pytest.approx(e.losses, rel=1e-4), c.name
+
+
+def test_time_steps_keeps_the_host_times_of_the_back_to_back_pass():
+    """The device pass's ``step()`` calls are timed on the host too (`StepTimes.busy_host_ms`): one per step, each
+    covering the call, apart from the host pass's calls."""
+    calls: list[int] = []
+
+    def step() -> None:
+        calls.append(1)
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 0.002:  # 2 ms a call
+            pass
+
+    times = time_steps(step, 3, torch.device("cpu"))
+    assert len(calls) == 6 and len(times.busy_host_ms) == 3 and len(times.host_ms) == 3
+    assert min(times.busy_host_ms) >= 2.0 and min(times.host_ms) >= 2.0

@@ -92,6 +92,10 @@ class VariantResult(BaseModel):
     """Device time per step (CUDA events; wall time on a CPU)."""
     host_ms: Stats | None = None
     """Host time of the ``step()`` call alone, started with the device idle, no synchronize inside."""
+    busy_host_ms: Stats | None = None
+    """Host time of the ``step()`` call in the device pass, the steps back to back: where it is above ``host_ms``
+    the call waited on the GPU or the host ran slower there; where ``device_ms`` is about this, the GPU waited on the
+    host."""
     pct_of_floor: float | None = None
     """100 * floor_ms / median device ms: how close the step comes to the memory's copy rate."""
     device_ms_steps: list[float] = []

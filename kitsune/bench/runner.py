@@ -117,6 +117,7 @@ def _measure(result: VariantResult, body: _Body, device: torch.device, floor_ms:
     try:
         times, result.kitsune = body()
         result.device_ms, result.host_ms = Stats.of(times.device_ms), Stats.of(times.host_ms)
+        result.busy_host_ms = Stats.of(times.busy_host_ms) if times.busy_host_ms else None
         result.device_ms_steps, result.host_ms_steps = times.device_ms, times.host_ms
         median = result.device_ms.median
         result.pct_of_floor = 100 * floor_ms / median if median > 0 else None
@@ -532,6 +533,8 @@ def run_bench(
     def report(set_name: str, v: VariantResult) -> None:
         if v.status == "ok":
             line = f"{v.device_ms.median:.3f} ms/step, host {v.host_ms.median:.3f} ms"
+            if v.busy_host_ms is not None and v.device_ms.median != v.busy_host_ms.median:  # (CPU: the same times)
+                line += f" ({v.busy_host_ms.median:.3f} back to back)"
         else:
             line = f"{v.status}: {v.reason}"
         console.print(f"  {set_name:8s} {v.label:16s} {line}", highlight=False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from pydantic import BaseModel
@@ -68,6 +68,9 @@ class StepTimes:
     """Per step, steps back to back: CUDA-event time on a GPU; wall time of the call on a CPU."""
     host_ms: list[float]
     """Per step: wall time of the ``step()`` call alone, started with the device idle, no synchronize inside."""
+    busy_host_ms: list[float] = field(default_factory=list)
+    """Per step of the device pass: wall time of the ``step()`` call with the steps back to back. Above
+    ``host_ms``, the call waited on the GPU (a full launch queue, a blocking call) or the host ran slower there."""
 
 
 def synchronize(device: torch.device) -> None:
@@ -130,7 +133,7 @@ def time_steps(
     synchronize(device)
     if check is not None:
         check()
-    return StepTimes(device_ms=device_ms, host_ms=host_ms)
+    return StepTimes(device_ms=device_ms, host_ms=host_ms, busy_host_ms=wall_ms)
 
 
 def _copy_ms(nbytes: int, reps: int, device: torch.device) -> float:
