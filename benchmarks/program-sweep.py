@@ -50,6 +50,7 @@ def main() -> None:
     import kitsune.fusion.planner as planner
     import kitsune.kernels.update as update
     from kitsune.bench.params import get_param_set, make_params
+    from kitsune.bench.runner import ADAMW_BYTES_PER_PARAM
     from kitsune.bench.timing import copy_bandwidth, percentile, time_steps
     from kitsune.bench.variants import BYTES_PER_PARAM
 
@@ -69,8 +70,8 @@ def main() -> None:
     pset = get_param_set(args.set)
     params = make_params(pset, device)
     bandwidth, _ = copy_bandwidth(device)
-    step_bytes = {"8bit": BYTES_PER_PARAM["8bit"], "bf16": BYTES_PER_PARAM["bf16state"], "fp32": 28}[args.state]
-    floor_ms = pset.n_elements * step_bytes / bandwidth * 1e3
+    step_bytes = {"8bit": BYTES_PER_PARAM["8bit"], "bf16": BYTES_PER_PARAM["bf16state"], "fp32": ADAMW_BYTES_PER_PARAM}
+    floor_ms = pset.n_elements * step_bytes[args.state] / bandwidth * 1e3
 
     def timed(opt: Any) -> float:
         for _ in range(5):

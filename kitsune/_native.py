@@ -171,6 +171,9 @@ bool same(py::list a, py::list b) {
 }
 """
 
+PARAMS, PARAMS_AND_GRADS, GRADS = 0, 1, 2
+"""What `unchanged` compares (its ``what``): the params' addresses, both, or the grads' alone (where the step has
+checked the params before)."""
 CHECKS: Any = None
 """The compiled module once it is ready (``unchanged``, ``unchanged_local`` and ``same``), else None: read on every
 step, so a plain module attribute."""
@@ -244,8 +247,8 @@ def _compile() -> Any:
     probe = [torch.zeros(2), torch.zeros(3)]
     table = torch.tensor([t.data_ptr() for t in probe] * 2, dtype=torch.int64)
     # no grads (with the params or without); lengths differ
-    wrong = module.unchanged(probe, table, 1) or module.unchanged(probe, table, 2) or module.same(probe, probe[:1])
-    if wrong or not module.unchanged(probe, table, 0):
+    wrong = module.unchanged(probe, table, PARAMS_AND_GRADS) or module.unchanged(probe, table, GRADS)
+    if wrong or module.same(probe, probe[:1]) or not module.unchanged(probe, table, PARAMS):
         raise RuntimeError("the compiled check gave a wrong answer on its self-test")
     return module
 

@@ -254,7 +254,8 @@ class FusedUnit:
             return None
         if self.shards is not None:
             return checks.unchanged_local(self.params, self.shards, self._table, grads)
-        return checks.unchanged(self.params, self._table, (2 if self.params_checked else 1) if grads else 0)
+        what = (_native.GRADS if self.params_checked else _native.PARAMS_AND_GRADS) if grads else _native.PARAMS
+        return checks.unchanged(self.params, self._table, what)
 
     def _prepare(self, state: Any, groups: Sequence[dict[str, Any]]) -> bool:
         self._unwatch()

@@ -90,6 +90,15 @@ def _fused(make, precision: str, min_size: int, device, sizes=SIZES, params=None
     return params, opt
 
 
+def _assert_same_bits(one, opt_one, two, opt_two) -> None:
+    """Two runs' params and every state tensor (the same keys) are the same bits."""
+    for p, q in zip(one, two, strict=True):
+        assert torch.equal(p, q)
+        assert sorted(opt_one.state[p]) == sorted(opt_two.state[q])
+        for key, t in opt_one.state[p].items():
+            assert torch.equal(t, opt_two.state[q][key]), key
+
+
 @pytest.mark.parametrize("name", ["adamw", "nadam_decoupled"])
 def test_8bit_programs_of_any_size_step_the_same_bits(name, device, monkeypatch):
     """An 8-bit program quantizes its blocks one at a time in a loop over the tiles that hold elements
@@ -105,13 +114,7 @@ def test_8bit_programs_of_any_size_step_the_same_bits(name, device, monkeypatch)
         assert all(b.route is Route.TRITON for b in opt.plan.buckets), opt.plan.to_dict()
         assert "8-bit" in {b.state for b in opt.plan.buckets}
         runs.append((params, opt))
-    (one, opt_one), (many, opt_many) = runs
-    for p, q in zip(one, many, strict=True):
-        assert torch.equal(p, q)
-        a, b = opt_one.state[p], opt_many.state[q]
-        assert sorted(a) == sorted(b)
-        for key in a:
-            assert torch.equal(a[key], b[key]), key
+    _assert_same_bits(*runs[0], *runs[1])
 
 
 @pytest.mark.parametrize(("name", "precision"), [("adamw", "param"), ("nadam_decoupled", "bf16"), ("lion", "param")])
@@ -136,13 +139,8 @@ def test_float_programs_of_any_size_step_the_same_bits(name, precision, vector, 
         assert seen and all(seen) == vector, seen
         assert {u.tables.block for u in opt._subsystem("fusion").units} == {program}
         runs.append((params, opt))
-    (one, opt_one), *others = runs
-    for two, opt_two in others:
-        for p, q in zip(one, two, strict=True):
-            assert torch.equal(p, q)
-            assert sorted(opt_one.state[p]) == sorted(opt_two.state[q])
-            for key, t in opt_one.state[p].items():
-                assert torch.equal(t, opt_two.state[q][key]), key
+    for other in runs[1:]:
+        _assert_same_bits(*runs[0], *other)
 
 
 def _decoded(s: dict, key: str) -> torch.Tensor:
@@ -620,12 +618,7 @@ def _same_bits_both_ways(monkeypatch, switch: str, decision: str, run) -> None:
         assert all(b.route is Route.TRITON for b in opt.plan.buckets), opt.plan.to_dict()
         assert seen and all(seen) == on and any(seen) == on, seen
         runs.append((params, opt))
-    (one, opt_one), (two, opt_two) = runs
-    for p, q in zip(one, two, strict=True):
-        assert torch.equal(p, q)
-        assert sorted(opt_one.state[p]) == sorted(opt_two.state[q])
-        for key, t in opt_one.state[p].items():
-            assert torch.equal(t, opt_two.state[q][key]), key
+    _assert_same_bits(*runs[0], *runs[1])
 
 
 VECTOR_SIZES = [(24, 40), 3000, 4104, 520, 5]  # numels that are multiples of 8: whole tiles, partial ones, tails
@@ -687,11 +680,7 @@ def test_the_vector_layout_is_declined_where_its_promise_would_not_hold(case, de
         assert all(b.route is Route.TRITON for b in opt.plan.buckets), opt.plan.to_dict()
         assert seen and not any(seen), seen
         runs.append((ps, opt))
-    (one, opt_one), (two, opt_two) = runs
-    for p, q in zip(one, two, strict=True):
-        assert torch.equal(p, q)
-        for key, t in opt_one.state[p].items():
-            assert torch.equal(t, opt_two.state[q][key]), key
+    _assert_same_bits(*runs[0], *runs[1])
 
 
 FLOAT_VECTOR_SIZES = [(24, 40), 3000, 4104, 520, 8]  # every numel a multiple of 8: whole tiles, partial ones, tails
