@@ -189,7 +189,7 @@ def test_b_prime_takes_its_own_tiles(shape, device, monkeypatch):
     in the same order, so the result is the same bits as one config for both; and a two-config tuple still means the
     ``X X^T`` config for ``B'`` too."""
     x, plan, (syrk, syrk_c, poly), base = _launch_picked(shape, 5, device)
-    assert syrk_c == syrk  # the interpreter's table: one Gram config
+    assert syrk_c == syrk  # one Gram config for both in the table picked from
     launched = []  # (grid, BLOCK_N) of each Gram launch
     kernel = ns._syrk_kernel
 
@@ -203,7 +203,7 @@ def test_b_prime_takes_its_own_tiles(shape, device, monkeypatch):
         launched.clear()
         ns.newton_schulz_launch(x, got, plan, 1e-7, torch.bfloat16, (syrk, b_prime, poly))
         assert torch.equal(got, base)
-        assert [n for _, n in launched] == [32, 16] * len(plan)  # X X^T's wide tiles, then B''s square ones
+        assert [n for _, n in launched] == [syrk.block_n, 16] * len(plan)  # X X^T's tiles, then B''s square ones
         blocks = -(-min(x.shape[1:]) // 16)
         square_tiles = blocks * (blocks + 1) // 2  # every block of the upper triangle, one a program
         want = (
