@@ -218,6 +218,28 @@ def test_the_native_check_builds_here_and_refuses_what_it_cannot_read():
     assert not checks.unchanged([ps[0], "x", ps[2]], table, False)
     assert checks.same(ps, list(ps)) and not checks.same(ps, ps[::-1]) and not checks.same(ps, ps[:2])
     assert not checks.unchanged_local(ps, ps, table, False)  # no local shards to read: the full check, no error
+    sparse = torch.randn(4).to_sparse()  # a param without strided storage: its address cannot be read
+    assert not checks.unchanged([sparse], torch.zeros(2, dtype=torch.int64), 0)
+
+    # the reads go in passes over every param: a change anywhere in a long list is seen, in each mode
+    gen = torch.Generator().manual_seed(3)
+    many = [torch.nn.Parameter(torch.randn(int(n), generator=gen)) for n in torch.randint(1, 9, (300,), generator=gen)]
+    for p in many:
+        p.grad = torch.randn(p.shape, generator=gen)
+    table = torch.tensor([p.data_ptr() for p in many] + [p.grad.data_ptr() for p in many], dtype=torch.int64)
+    assert all(checks.unchanged(many, table, what) for what in (0, 1, 2))
+    for i in (0, 151, 299):
+        grad = many[i].grad
+        many[i].grad = grad.clone()
+        assert not checks.unchanged(many, table, 1) and not checks.unchanged(many, table, 2)
+        assert checks.unchanged(many, table, 0)
+        many[i].grad = grad
+        data = many[i].data
+        many[i].data = data.clone()
+        assert not checks.unchanged(many, table, 0) and not checks.unchanged(many, table, 1)
+        assert checks.unchanged(many, table, 2)
+        many[i].data = data
+    assert all(checks.unchanged(many, table, what) for what in (0, 1, 2))
 
 
 def test_the_native_check_reads_fsdp2_local_shards(tmp_path):
