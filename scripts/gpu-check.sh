@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one script to run on a lent GPU: environment, the CUDA tests, `kitsune bench` on all sets, then the demo.
-# Writes into $OUT (default ./gpu-out): env.log, cuda-tests.log, gpu-suites.log, bench.log, bench.json, demo.log,
+# Writes into $OUT (default ./gpu-out): env.log, cuda-tests.log, gpu-suites.log, gpu-fusion.log, bench.log, bench.json, demo.log,
 # demo-profile.json, exit-codes.txt; with STAGES naming compile, e2e-compile.log and e2e-compile.json; with STAGES
 # naming peers, peers.log and peers.json (the peers' wheels in .peers/, PEER_SETS the sets: one a call, as a set with
 # every peer takes minutes).
@@ -15,8 +15,9 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 export COLUMNS="${COLUMNS:-160}"  # rich tables in the logs: wide enough for every column
 BENCH_DEVICE="${BENCH_DEVICE:-cuda}"
-# STAGES picks what runs (a lent GPU allows 10 minutes a call: run "tests,suites" and "bench,demo" as two calls)
-STAGES=",${STAGES:-tests,suites,bench,muon,demo},"
+# STAGES picks what runs (a lent GPU allows 10 minutes a call: run "tests", "suites", "fusion" and "bench,demo"
+# as calls of their own on a fresh machine)
+STAGES=",${STAGES:-tests,suites,fusion,bench,muon,demo},"
 stage() { [[ "$STAGES" == *",$1,"* ]]; }
 
 wheels=()
@@ -63,17 +64,23 @@ else
 fi
 echo "cuda tests exit code: $tests_rc"
 
-# the CPU-interpreter suites of the kernels and the fused executor (fusion, graphs, memory, streams), on the GPU (their
-# `device` fixture is CUDA here): the same trajectories through the compiled kernels (test_live_compare checks the CPU
-# profiler's windows).
-# About 90 s once Triton's cache holds the kernels; compiling them all on a fresh machine with a slow host took
-# over 300 s, so after the CUDA tests (which compile some) this stage may need a call of its own (STAGES=suites)
+# the CPU-interpreter suites on the GPU (their `device` fixture is CUDA here): the same trajectories through the
+# compiled kernels (test_live_compare checks the CPU profiler's windows). Two stages: `suites` (the kernels, CUDA
+# graphs, memory pool, streams and optimizers, ~310 tests) and `fusion` (the fused executor, ~550). Each takes about
+# a minute once Triton's cache holds the kernels; compiling them on a fresh machine took 400 s for 850 of the 860
+# (H200, 2026-12-02), so on a fresh machine give each a call of its own (STAGES=suites, then STAGES=fusion)
+suite() {  # suite NAME LOG PATHS...: pytest on PATHS into $OUT/LOG, its exit code in gpu_suites_rc (the first failure)
+    local name=$1 log=$2 rc=0
+    shift 2
+    if stage "$name" && python3 -c "import pytest" 2>/dev/null; then
+        timeout 420 python3 -m pytest -q "$@" 2>&1 | tee "$OUT/$log" || rc=$?
+        echo "$name suite exit code: $rc"
+        [ "$gpu_suites_rc" -ne 0 ] || gpu_suites_rc=$rc
+    fi
+}
 gpu_suites_rc=0
-if stage suites && python3 -c "import pytest" 2>/dev/null; then
-    timeout 420 python3 -m pytest -q tests/kernels tests/fusion tests/graphs tests/memory tests/streams tests/optim \
-        --ignore tests/fusion/test_live_compare.py 2>&1 | tee "$OUT/gpu-suites.log" \
-        || gpu_suites_rc=$?
-fi
+suite suites gpu-suites.log tests/kernels tests/graphs tests/memory tests/streams tests/optim
+suite fusion gpu-fusion.log tests/fusion --ignore tests/fusion/test_live_compare.py
 
 bench_rc=0
 stage bench && {
@@ -109,7 +116,7 @@ timeout 90 python3 -m kitsune demo --device "$BENCH_DEVICE" --profile-out "$OUT/
     | tee "$OUT/demo.log" || demo_rc=$?
 }
 
-echo "cuda tests exit code: $tests_rc (124: timed out); kernel/fusion suites on the GPU: $gpu_suites_rc;" \
+echo "cuda tests exit code: $tests_rc (124: timed out); suites on the GPU: $gpu_suites_rc;" \
     "bench exit code: $bench_rc (1: a variant failed); compiled e2e: $compile_rc; peers: $peers_rc;" \
     "muon bench exit code: $muon_rc;" \
     "demo exit code: $demo_rc" | tee "$OUT/exit-codes.txt"
