@@ -23,7 +23,8 @@ from kitsune.bench import (
     register,
     run_bench,
 )
-from kitsune.bench.timing import percentile, time_steps
+from kitsune.bench.runner import PROFILER_ROUNDS
+from kitsune.bench.timing import StepTimes, paired_rounds, percentile, time_steps
 
 
 def quiet() -> Console:
@@ -119,6 +120,10 @@ def test_run_bench_on_cpu_and_json_round_trip(tmp_path):
         assert info is not None and info.total_params == entry.n_tensors
         assert {s["name"] for s in info.subsystems} >= {"fusion", "profiler"}
         assert info.fused_all is False or info.fusion_active  # inactive fusion never claims to have fused all
+        cost = entry.profiler_cost  # both kitsune variants ran: the profiler's cost measured in pairs too
+        assert cost is not None and entry.profiler_cost_reason is None
+        assert (cost.rounds, cost.steps) == (PROFILER_ROUNDS, 2)
+        assert all(math.isfinite(x) for x in (cost.device_pct.median, cost.host_ms.median, cost.host_ms.p90))
     torch_side, kitsune_side, scaler_side = result.phase.variants
     assert result.phase.workload == "amp_clip_phase" and torch_side.status == "ok" and torch_side.device_ms.median > 0
     assert kitsune_side.status == "ok" and kitsune_side.device_ms.median > 0
@@ -369,3 +374,33 @@ def test_time_steps_keeps_the_host_times_of_the_back_to_back_pass():
     times = time_steps(step, 3, torch.device("cpu"))
     assert len(calls) == 6 and len(times.busy_host_ms) == 3 and len(times.host_ms) == 3
     assert min(times.busy_host_ms) >= 2.0 and min(times.host_ms) >= 2.0
+
+
+def test_paired_rounds_alternate_the_sides_and_compare_each_round(monkeypatch):
+    """`paired_rounds`: off first in even rounds, on first in odd ones; each round's device share is on's median
+    over off's, less 1, and its host time on's median minus off's, each side's medians from its own `time_steps`."""
+    from kitsune.bench import timing
+
+    calls = []
+    times = {"off": iter([(2.0, 0.5), (4.0, 1.0), (3.0, 0.5)]), "on": iter([(3.0, 0.75), (5.0, 1.0), (3.0, 0.25)])}
+
+    def fake_time_steps(step, steps, device, **kwargs):
+        side = step()
+        calls.append((side, steps))
+        device_ms, host_ms = next(times[side])
+        return StepTimes(device_ms=[device_ms, device_ms * 3, 0.0], host_ms=[host_ms] * 3)
+
+    monkeypatch.setattr(timing, "time_steps", fake_time_steps)
+    device_pct, host_ms = paired_rounds(lambda: "off", lambda: "on", 3, 7, torch.device("cpu"))
+    assert calls == [("off", 7), ("on", 7), ("on", 7), ("off", 7), ("off", 7), ("on", 7)]
+    assert device_pct == pytest.approx([50.0, 25.0, 0.0]) and host_ms == pytest.approx([0.25, 0.0, -0.25])
+    with pytest.raises(ValueError, match="rounds"):
+        paired_rounds(lambda: "off", lambda: "on", 0, 7, torch.device("cpu"))
+
+
+def test_profiler_cost_is_not_measured_where_two_optimizers_do_not_fit(monkeypatch):
+    from kitsune.bench import runner
+
+    monkeypatch.setattr(runner, "_memory_shortfall", lambda pset, device, copies=1: f"{copies} copies: no room")
+    cost, reason = runner.run_profiler_cost(get_param_set("gpt2", 0.001), torch.device("cpu"), 2, 1)
+    assert cost is None and reason == "two optimizers of the set: 2 copies: no room"

@@ -108,6 +108,22 @@ class VariantResult(BaseModel):
     """Set on the rows of ``--peers`` (None on torch's and kitsune's AdamW variants)."""
 
 
+class ProfilerCost(BaseModel):
+    """What ``profile=True`` costs a step, measured in pairs: the one line with the profiler off and on (the
+    ``kitsune`` and ``profiled`` variants), both alive over copies of the same seeded params, warmed up, then
+    ``rounds`` rounds of ``steps`` steps each side, the order alternating from round to round. A round compares the
+    two sides run moments apart, so the drift between passes (a host that slows down, caches that another variant
+    left cold) cancels, as it does not between the table's rows."""
+
+    rounds: int
+    steps: int
+    """Steps a side in each round (the device pass's and again the host pass's, as `time_steps` times them)."""
+    device_pct: Stats
+    """Per round: ``100 * (on / off - 1)`` of the median ms a step back to back (CUDA events; wall time on a CPU)."""
+    host_ms: Stats
+    """Per round: the median host ms of a ``step()`` call (the GPU synchronized before it), on minus off."""
+
+
 class SetResult(BaseModel):
     name: str
     workload: Literal["adamw_step", "amp_clip_phase", "lion_step"]
@@ -125,6 +141,11 @@ class SetResult(BaseModel):
     ratio_to_kitsune: dict[str, float]
     """Per torch variant or peer: its median device ms / kitsune's (above 1: kitsune is faster); in a ``lion_step``
     set, over kitsune's fused Lion."""
+    profiler_cost: ProfilerCost | None = None
+    """With the ``kitsune`` and ``profiled`` variants both asked for: the profiler's cost measured in pairs."""
+    profiler_cost_reason: str | None = None
+    """Why the pairs were not measured where both variants were asked for (the GPU cannot hold two optimizers of
+    the set, or it failed)."""
 
 
 class BenchResult(BaseModel):

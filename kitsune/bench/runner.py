@@ -34,9 +34,17 @@ from kitsune.bench.peers import (
     state_bytes,
 )
 from kitsune.bench.peers import version as peer_version
-from kitsune.bench.results import BenchResult, KitsuneInfo, PeerInfo, PeerStatus, SetResult, VariantResult
-from kitsune.bench.table import default_console, peer_lines, print_results
-from kitsune.bench.timing import Stats, StepTimes, copy_bandwidth, synchronize, time_steps
+from kitsune.bench.results import (
+    BenchResult,
+    KitsuneInfo,
+    PeerInfo,
+    PeerStatus,
+    ProfilerCost,
+    SetResult,
+    VariantResult,
+)
+from kitsune.bench.table import default_console, peer_lines, print_results, profiler_cost_line
+from kitsune.bench.timing import Stats, StepTimes, copy_bandwidth, paired_rounds, synchronize, time_steps
 from kitsune.bench.variants import ADAMW, BYTES_PER_PARAM, DEFAULT_VARIANTS, VARIANTS, make_variant
 from kitsune.profiler.schema import collect_environment
 
@@ -71,11 +79,12 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _memory_shortfall(pset: ParamSet, device: torch.device) -> str | None:
-    """Why this set cannot fit on the GPU now (param, grad, exp_avg, exp_avg_sq: 16 bytes each), else None."""
+def _memory_shortfall(pset: ParamSet, device: torch.device, copies: int = 1) -> str | None:
+    """Why ``copies`` optimizers of this set cannot fit on the GPU now (param, grad, exp_avg, exp_avg_sq: 16 bytes
+    each), else None."""
     if device.type != "cuda":
         return None
-    need = 4 * FP32_BYTES * pset.n_elements * 1.05 + 2**29
+    need = copies * 4 * FP32_BYTES * pset.n_elements * 1.05 + 2**29
     free, _ = torch.cuda.mem_get_info(device)
     if need > free:
         return f"needs about {need / 2**30:.1f} GiB of GPU memory, {free / 2**30:.1f} GiB free"
@@ -179,6 +188,41 @@ def run_variant(
             variant.close()
 
     return _measure(result, body, device, floor_ms)
+
+
+PROFILER_ROUNDS = 10
+"""Rounds of `run_profiler_cost` (each side's steps a round: the set's, at most `PROFILER_ROUND_STEPS`)."""
+PROFILER_ROUND_STEPS = 10
+
+
+def run_profiler_cost(
+    pset: ParamSet, device: torch.device, steps: int, warmup: int, seed: int = 0
+) -> tuple[ProfilerCost | None, str | None]:
+    """``profile=True``'s cost on this set, measured in pairs (`ProfilerCost`): the ``kitsune`` and ``profiled``
+    variants built over copies of the same seeded params, each warmed up, then `PROFILER_ROUNDS` alternating rounds
+    (`paired_rounds`). ``(cost, None)``, or ``(None, why)`` where the GPU cannot hold both or a step failed."""
+    shortfall = _memory_shortfall(pset, device, copies=2)
+    if shortfall is not None:
+        return None, f"two optimizers of the set: {shortfall}"
+    round_steps = max(1, min(steps, PROFILER_ROUND_STEPS))
+    built = []
+    try:
+        for name in ("kitsune", "profiled"):
+            variant = make_variant(name, make_params(pset, device, seed))
+            built.append(variant)
+            variant.warmup(warmup)
+        device_pct, host_ms = paired_rounds(built[0].step, built[1].step, PROFILER_ROUNDS, round_steps, device)
+        cost = ProfilerCost(
+            rounds=PROFILER_ROUNDS, steps=round_steps, device_pct=Stats.of(device_pct), host_ms=Stats.of(host_ms)
+        )
+        return cost, None
+    except Exception as exc:  # the table's rows stand without it
+        return None, f"{type(exc).__name__}: {exc}"
+    finally:
+        for variant in built:
+            variant.close()
+        del built
+        _free(device)
 
 
 def run_peer(
@@ -567,6 +611,13 @@ def run_bench(
                 report(name, v)
                 progress.advance(task)
             entry.ratio_to_kitsune = _ratios(entry.variants)
+            if {"kitsune", "profiled"} <= set(variants):
+                progress.update(task, description=f"{name}: the profiler's cost in pairs")
+                progress.refresh()
+                entry.profiler_cost, entry.profiler_cost_reason = run_profiler_cost(
+                    pset, dev, entry.steps, warmup, seed
+                )
+                console.print(f"  {name:8s} {profiler_cost_line(entry)}", highlight=False)
             result.sets.append(entry)
             save()
             if lion_peers:

@@ -78,6 +78,18 @@ SECTION_HEADS = {"adamw_step": "{}", "amp_clip_phase": "{} phase", "lion_step": 
 _STATUS = {"not_available": "n/a", "not_timed": "not timed"}
 
 
+def profiler_cost_line(entry: SetResult) -> str:
+    """The set's profiler cost measured in pairs (`kitsune.bench.results.ProfilerCost`), or why it was not."""
+    c = entry.profiler_cost
+    if c is None:
+        return f"profile=True, in pairs: not measured ({entry.profiler_cost_reason})"
+    return (
+        f"profile=True, in pairs ({c.rounds} alternating rounds of {c.steps} steps a side): "
+        f"{c.device_pct.median:+.2f}% of the step (p10-p90 {c.device_pct.p10:+.2f}% to {c.device_pct.p90:+.2f}%), "
+        f"host {c.host_ms.median:+.4f} ms a step ({c.host_ms.p10:+.4f} to {c.host_ms.p90:+.4f})"
+    )
+
+
 def peer_lines(peers: list[PeerStatus]) -> list[str]:
     """The peers that did not run, a line for those not installed (grouped by what ``pip install`` takes) and one
     per reason for those skipped."""
@@ -142,6 +154,9 @@ def print_results(result: BenchResult, console: Console | None = None) -> None:
         )
     for line in notes:
         console.print(line, highlight=False)
+    for entry in result.sets:
+        if entry.profiler_cost is not None or entry.profiler_cost_reason is not None:
+            console.print(f"{entry.name}: {profiler_cost_line(entry)}", highlight=False)
     for line in peer_lines(result.peers):
         console.print(line, highlight=False)
     if result.e2e is not None:

@@ -136,6 +136,27 @@ def time_steps(
     return StepTimes(device_ms=device_ms, host_ms=host_ms, busy_host_ms=wall_ms)
 
 
+def paired_rounds(
+    off: Callable[[], object], on: Callable[[], object], rounds: int, steps: int, device: torch.device
+) -> tuple[list[float], list[float]]:
+    """``(device_pct, host_ms)``, one of each a round: ``rounds`` rounds in which ``off`` and ``on`` each run
+    `time_steps` of ``steps`` steps, ``off`` first in even rounds and ``on`` first in odd ones; ``device_pct`` is
+    ``100 * (on / off - 1)`` of their median ms a step back to back, ``host_ms`` on's median host ms a step minus
+    off's. Two steps measured moments apart share the host's state, so a round's difference is the sides' own."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
+    device_pct: list[float] = []
+    host_ms: list[float] = []
+    for r in range(rounds):
+        timed = {}
+        for name, step in (("off", off), ("on", on)) if r % 2 == 0 else (("on", on), ("off", off)):
+            times = time_steps(step, steps, device)
+            timed[name] = (percentile(times.device_ms, 50), percentile(times.host_ms, 50))
+        device_pct.append(100 * (timed["on"][0] / timed["off"][0] - 1) if timed["off"][0] > 0 else 0.0)
+        host_ms.append(timed["on"][1] - timed["off"][1])
+    return device_pct, host_ms
+
+
 def _copy_ms(nbytes: int, reps: int, device: torch.device) -> float:
     src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
