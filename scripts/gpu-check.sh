@@ -98,10 +98,11 @@ timeout 270 python3 -m kitsune.bench --device "$BENCH_DEVICE" --sets gpt2 --vari
 }
 
 # the optimizers users pick instead (kitsune bench --peers), on the sets of PEER_SETS; a peer has 90 s a set
-# (kitsune.bench.runner.PEER_SECONDS), so `many` with every peer fits a call
+# (kitsune.bench.runner.PEER_SECONDS), so `many` with every peer should fit a call; PEERS (names as --peers takes
+# them, comma-separated; default all) splits a set's peers over calls where it does not
 peers_rc=0
 stage peers && {
-timeout 570 python3 -m kitsune.bench --device "$BENCH_DEVICE" --peers --sets "${PEER_SETS:-many}" \
+timeout 570 python3 -m kitsune.bench --device "$BENCH_DEVICE" --peers "${PEERS:-all}" --sets "${PEER_SETS:-many}" \
     --json "$OUT/peers.json" 2>&1 | tee "$OUT/peers.log" || peers_rc=$?
 }
 
