@@ -155,6 +155,7 @@ def main() -> None:
         constexprs = {k: _constexpr(v, tl) for k, v in launch["constexprs"].items()}
         warps = args.warps or constexprs.pop("num_warps", 4)
         constexprs.pop("num_warps", None)
+        fp_fusion = bool(constexprs.pop("enable_fp_fusion", True))  # a compile option, as the launch passes it
         constexprs["RNE_BF16"] = False  # the interpreter's setting; a GPU launch rounds in hardware
         for item in args.set:
             name, _, value = item.partition("=")
@@ -167,7 +168,7 @@ def main() -> None:
         kernel = triton.compile(
             ASTSource(fn, signature, constexprs=fixed),
             target=GPUTarget("cuda", 90, 32),
-            options={"num_warps": warps, "num_stages": 1},
+            options={"num_warps": warps, "num_stages": 1, "enable_fp_fusion": fp_fusion},
         )
         if args.ttgir:
             Path(args.ttgir).write_text(kernel.asm["ttgir"])

@@ -12,6 +12,14 @@ from kitsune.kernels import spec
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 """The storage dtypes the kernels read and write."""
 
+FP_FUSION = True
+"""Whether the compiler may contract a multiply and an add into one fused multiply-add in kitsune's kernels (Triton's
+``enable_fp_fusion``, passed at every launch). On, as torch's CUDA kernels are compiled (nvcc's default): one rounding
+instead of two, fewer instructions. Passed explicitly so that a Triton whose default differs (Triton 3.9 warns that
+3.10 turns it off) changes neither kitsune's results nor its speed; ``TRITON_FORCE_DISABLE_FP_FUSION=1`` still turns
+it off. Where the compiler contracts depends on the code around the arithmetic, so two layouts of the same update may
+differ in the last bit with it on; the tests that compare layouts bit for bit on a GPU turn it off."""
+
 # The columns of spec's hyperparameter buffer: a @triton.jit function may read a global only if it is a constexpr
 LR, B1, B2, EPS, WD, EXTRA, TRUST_A, ADAPT, NUM_FIELDS = map(
     tl.constexpr, (spec.LR, spec.B1, spec.B2, spec.EPS, spec.WD, spec.EXTRA, spec.TRUST_A, spec.ADAPT, spec.NUM_FIELDS)

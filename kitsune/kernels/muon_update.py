@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kitsune.kernels import common as _common
 from kitsune.kernels.common import (
     B1,
     LR,
@@ -176,4 +177,5 @@ def muon_update(
         SR=sr,
         BLOCK=tables.block,
         num_warps=num_warps,
+        enable_fp_fusion=_common.FP_FUSION,
     )

@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kitsune.kernels import common as _common
 from kitsune.kernels.coefficients import (
     MUON_COEFFICIENTS,
     POLAR_EXPRESS_COEFFICIENTS,
@@ -520,6 +521,7 @@ def newton_schulz_launch(
         _prologue_kernel[(parts, batch)](
             x, x0, partials, numel, chunk, parts,
             STORE=x0 is not x, DTYPE=tl_dtype, RNE_BF16=INTERPRETED, BLOCK=PROLOGUE_BLOCK, num_warps=4,
+            enable_fp_fusion=_common.FP_FUSION,
         )  # fmt: skip
         x0_strides = (x0.stride(0), x0.stride(2), x0.stride(1)) if tall else x0.stride()
         x_now, x_strides = x0, x0_strides
@@ -531,12 +533,12 @@ def newton_schulz_launch(
             _syrk_kernel[g_x.grid](  # A = X X^T (the first: of the unnormalised X0, scaled by s^2)
                 x_now, *descs, *x_strides, gram, gram, g_x.tiles, g_x.tiles.shape[0], batch, partials, m, n, parts,
                 eps, 1.0, 0.0, 0.0, NORM=2 if first else 0, HAS_C=False, EVEN_K=n % syrk.block_k == 0,
-                TMA=descs[0] is not None, **g_x.meta,
+                TMA=descs[0] is not None, **g_x.meta, enable_fp_fusion=_common.FP_FUSION,
             )  # fmt: skip
             _syrk_kernel[g_c.grid](  # B' = c A A + b A + a I, where A A = A A^T (the first: times s)
                 gram, *gram_descs, *gram.stride(), gram, poly_b, g_c.tiles, g_c.tiles.shape[0], batch, partials,
                 m, m, parts, eps, c, b, a, NORM=1 if first else 0, HAS_C=True, EVEN_K=m % syrk_c.block_k == 0,
-                TMA=gram_descs[0] is not None, **g_c.meta,
+                TMA=gram_descs[0] is not None, **g_c.meta, enable_fp_fusion=_common.FP_FUSION,
             )  # fmt: skip
             last = it == len(coefficients) - 1
             target = out if last else xs[it % 2]
@@ -547,7 +549,7 @@ def newton_schulz_launch(
             else:
                 _poly_kernel[poly_grid](  # X = B' X, the last one straight into out, transposed back
                     poly_b, *p_descs, x_now, *x_strides, target, *t_strides, batch, m, n,
-                    TMA=p_descs[0] is not None, **poly_meta,
+                    TMA=p_descs[0] is not None, **poly_meta, enable_fp_fusion=_common.FP_FUSION,
                 )  # fmt: skip
             x_now, x_strides = target, target.stride()
 

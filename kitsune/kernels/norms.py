@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kitsune.kernels import common as _common
 from kitsune.kernels.common import TL_DTYPES, _cast, _max_keep_nan, _program_block, _ptr, _reduce
 from kitsune.kernels.multi_tensor import DEAD, TensorTables
 
@@ -344,6 +345,7 @@ class MultiTensorNorm:
                     TILE=self.tile,
                     RBLOCK=REDUCE_BLOCK,
                     num_warps=self.num_warps,
+                    enable_fp_fusion=_common.FP_FUSION,
                 )
         elif out is not None:
             out.zero_()  # no tensors: the norm of nothing
@@ -421,4 +423,5 @@ class MultiTensorNorm:
                 BLOCK=tables.block,
                 TILE=self.tile,
                 num_warps=self.num_warps,
+                enable_fp_fusion=_common.FP_FUSION,
             )

@@ -61,6 +61,7 @@ import triton
 import triton.language as tl
 
 from kitsune.kernels import codes as _tables
+from kitsune.kernels import common as _common
 from kitsune.kernels.codes import (  # noqa: F401  (CODE_SIZE, MIN_SCALE, QUANT_BLOCK, dynamic_map: re-exported)
     BUCKET_BITS,
     BUCKET_EXP_MIN,
@@ -331,7 +332,8 @@ def quantize_blockwise(
         signed = kind == 1
         packed = _tables.packed(signed, x.device) if kind else code
         _quantize_kernel[grid](
-            x.contiguous().view(-1), codes, absmax, code, n, packed, BLOCK=tile, QBLOCK=block, BUCKETED=kind
+            x.contiguous().view(-1), codes, absmax, code, n, packed, BLOCK=tile, QBLOCK=block, BUCKETED=kind,
+            enable_fp_fusion=_common.FP_FUSION,
         )  # fmt: skip
     return codes, absmax
 
@@ -372,7 +374,7 @@ def dequantize_blockwise(
         grid, tile = _grid(n, block)
         _dequantize_kernel[grid](
             codes.contiguous().view(-1), absmax.contiguous().view(-1), code, out, n, DTYPE=TL_DTYPES[out.dtype],
-            RNE_BF16=_INTERPRETED, BLOCK=tile, QBLOCK=block,
+            RNE_BF16=_INTERPRETED, BLOCK=tile, QBLOCK=block, enable_fp_fusion=_common.FP_FUSION,
         )  # fmt: skip
     return out
 
@@ -395,8 +397,9 @@ def stochastic_round_bf16(x: torch.Tensor, seed: int, offset: int = 0, *, stream
     out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
     if x.numel():
         _round_bf16_kernel[(triton.cdiv(x.numel(), TILE),)](
-            x.contiguous().view(-1), out, out, x.numel(), seed, offset, stream, STOCHASTIC=True, BLOCK=TILE
-        )
+            x.contiguous().view(-1), out, out, x.numel(), seed, offset, stream, STOCHASTIC=True, BLOCK=TILE,
+            enable_fp_fusion=_common.FP_FUSION,
+        )  # fmt: skip
     return out
 
 
@@ -408,6 +411,7 @@ def split_bf16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     lo = torch.empty_like(hi)
     if x.numel():
         _round_bf16_kernel[(triton.cdiv(x.numel(), TILE),)](
-            x.contiguous().view(-1), hi, lo, x.numel(), 0, 0, 0, STOCHASTIC=False, BLOCK=TILE
-        )
+            x.contiguous().view(-1), hi, lo, x.numel(), 0, 0, 0, STOCHASTIC=False, BLOCK=TILE,
+            enable_fp_fusion=_common.FP_FUSION,
+        )  # fmt: skip
     return hi, lo

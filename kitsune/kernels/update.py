@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kitsune.kernels import common as _common
 from kitsune.kernels.codes import BUCKETS, CODE_SIZE, PACKED_START, QUANT_BLOCK, device_tables
 from kitsune.kernels.common import (
     ADAPT,
@@ -864,4 +865,5 @@ def _launch(
         BLOCK=tables.block,
         TILE=tile,
         num_warps=warps,
+        enable_fp_fusion=_common.FP_FUSION,
     )

@@ -606,18 +606,15 @@ def _layouts(monkeypatch, decision: str = "_vector_layout") -> list[bool]:
 
 
 def _exact_arithmetic(monkeypatch) -> None:
-    """Compile the kernels without contracting a product and a sum into one fused multiply-add (Triton's
-    ``enable_fp_fusion``): where the compiler contracts depends on the code around the arithmetic, so on a GPU a
-    program of one tile and one that loops over four, or vector and scalar reads, may round the same update apart in
-    the last bit (H200: 7e-7 in a param after 6 AdamW steps). With contraction off, two layouts that give every
-    element the same arithmetic give the same bits; the CPU interpreter never contracts. Accuracy with contraction
-    on (what a run compiles) is what the trajectory tests measure against torch."""
-    import triton
+    """Compile the kernels without contracting a product and a sum into one fused multiply-add
+    (`kitsune.kernels.common.FP_FUSION` off): where the compiler contracts depends on the code around the arithmetic,
+    so on a GPU a program of one tile and one that loops over four, or vector and scalar reads, may round the same
+    update apart in the last bit (H200: 7e-7 in a param after 6 AdamW steps). With contraction off, two layouts that
+    give every element the same arithmetic give the same bits; the CPU interpreter never contracts. Accuracy with
+    contraction on (what a run compiles) is what the trajectory tests measure against torch."""
+    from kitsune.kernels import common
 
-    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None and hasattr(knobs.language, "default_fp_fusion"):
-        monkeypatch.setattr(knobs.language, "default_fp_fusion", False)
+    monkeypatch.setattr(common, "FP_FUSION", False)
 
 
 def _same_bits_both_ways(monkeypatch, switch: str, decision: str, run) -> None:
