@@ -665,9 +665,10 @@ at 16-byte multiples promises Triton so (the kernel's FVEC): each thread's conse
 written as 16-byte vectors. Compiled for Hopper (`benchmarks/update-sass.py --state fp32`, Triton 3.9) the fp32
 AdamW program takes 64 registers instead of 127 and 776 instructions instead of 960, with 8 vector loads and 6
 vector stores a thread where it issued 35 and 26 scalar ones; the same bits. On an H200 (Triton 3.6), with
-`FLOAT_TILE` tiles in programs of 8192 elements (`kitsune.fusion.planner.FLOAT_PROGRAM`), it took `llama1b`'s fp32
-AdamW step from 8.61 to 8.22 ms (99% of the copy-rate floor) and its bf16-state step from 6.99 to 5.79 ms; the GPT-2
-set's from 0.902 to 0.858 and 0.733 to 0.607 ms (docs/benchmarks.md)."""
+`FLOAT_TILE` tiles in programs of 8192 elements, it took `llama1b`'s fp32 AdamW step from 8.61 to 8.22 ms (99% of
+the copy-rate floor) and its bf16-state step from 6.99 to 5.79 ms; the GPT-2 set's from 0.902 to 0.858 and 0.733 to
+0.607 ms; programs of 4096 (`kitsune.fusion.planner.FLOAT_PROGRAM`) then measured a little faster still
+(docs/benchmarks.md)."""
 FLOAT_TILE = 1024
 """Elements per pass of a float-state program's loop, when the program's block is a multiple of it (LAMB's trust
 ratio keeps one pass a program: its partial norms are a program's). A program of several tiles pays its per-tensor
