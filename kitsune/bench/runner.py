@@ -118,6 +118,31 @@ def _time_limit(seconds: float, doing: Callable[[], str]) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
+REASON_CHARS = 400
+"""A failed row's reason at most: the exception's type and its message's first lines (an error raised inside
+``torch.compile`` can carry the whole traced graph)."""
+
+
+def failure_reason(exc: BaseException) -> str:
+    """``Type: message``, the message's first three non-blank lines joined, cut to `REASON_CHARS`."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = " ".join([f"{type(exc).__name__}:", *lines[:3]])
+    return text if len(text) <= REASON_CHARS else text[: REASON_CHARS - 3] + "..."
+
+
+def _stopped(exc: BaseException) -> PeerStopped | None:
+    """The `PeerStopped` that ``exc`` was raised from or while handling, if any: a library that catches everything
+    its compiler raises (``torch.compile``'s backends do) re-raises the time limit as an error of its own."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, PeerStopped):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
 def _measure(result: VariantResult, body: _Body, device: torch.device, floor_ms: float) -> VariantResult:
     """Run ``body`` (which allocates, warms up and times) and fill ``result``; failures are recorded, not raised.
 
@@ -132,14 +157,17 @@ def _measure(result: VariantResult, body: _Body, device: torch.device, floor_ms:
         result.pct_of_floor = 100 * floor_ms / median if median > 0 else None
     except ParamsDidNotMove as exc:  # its times are those of a step that does nothing: none are kept
         result.status, result.reason = "not_timed", f"{exc}: not timed"
-    except PeerStopped as exc:
-        result.status, result.reason = "stopped", str(exc)
     except Exception as exc:  # one broken variant must not cost the others their numbers
-        result.status, result.reason = "failed", f"{type(exc).__name__}: {exc}"
+        stopped = _stopped(exc)
+        if stopped is not None:
+            wrapped = "" if stopped is exc else f" (raised again as {type(exc).__name__})"
+            result.status, result.reason = "stopped", f"{stopped}{wrapped}"
+        else:
+            result.status, result.reason = "failed", failure_reason(exc)
     try:
         _free(device)
     except Exception as exc:  # e.g. a CUDA error left by the variant surfaces at the synchronize
-        cleanup = f"freeing memory after it: {type(exc).__name__}: {exc}"
+        cleanup = f"freeing memory after it: {failure_reason(exc)}"
         result.status, result.reason = "failed", "; ".join(filter(None, [result.reason, cleanup]))
     return result
 
@@ -219,7 +247,7 @@ def run_profiler_cost(
         )
         return cost, None
     except Exception as exc:  # the table's rows stand without it
-        return None, f"{type(exc).__name__}: {exc}"
+        return None, failure_reason(exc)
     finally:
         for variant in built:
             variant.close()
