@@ -123,6 +123,7 @@ def main() -> None:
     parser.add_argument("--state", choices=["8bit", "bf16", "fp32"], default="8bit")
     parser.add_argument("--numel", type=int, default=20_000, help="elements of the one param stepped")
     parser.add_argument("--warps", type=int, help="warps a program (default: the launch's)")
+    parser.add_argument("--maxnreg", type=int, help="cap the registers a thread (Triton's maxnreg option)")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=INT", help="override a constexpr")
     parser.add_argument("--kitsune", help="import kitsune from this folder instead of the installed one")
     parser.add_argument("--dump", help="write the whole kernel's SASS here")
@@ -152,7 +153,9 @@ def main() -> None:
         import kitsune.kernels.update as update
 
         fn = update._update_kernel
-        constexprs = {k: _constexpr(v, tl) for k, v in launch["constexprs"].items()}
+        recorded = launch["constexprs"]
+        maxnreg = args.maxnreg or (None if recorded.get("maxnreg", "None") == "None" else int(recorded["maxnreg"]))
+        constexprs = {k: _constexpr(v, tl) for k, v in recorded.items() if k != "maxnreg"}  # an option, as below
         warps = args.warps or constexprs.pop("num_warps", 4)
         constexprs.pop("num_warps", None)
         fp_fusion = bool(constexprs.pop("enable_fp_fusion", True))  # a compile option, as the launch passes it
@@ -168,7 +171,7 @@ def main() -> None:
         kernel = triton.compile(
             ASTSource(fn, signature, constexprs=fixed),
             target=GPUTarget("cuda", 90, 32),
-            options={"num_warps": warps, "num_stages": 1, "enable_fp_fusion": fp_fusion},
+            options={"num_warps": warps, "num_stages": 1, "enable_fp_fusion": fp_fusion, "maxnreg": maxnreg},
         )
         if args.ttgir:
             Path(args.ttgir).write_text(kernel.asm["ttgir"])
@@ -180,11 +183,13 @@ def main() -> None:
     if args.dump:
         Path(args.dump).write_text(sass)
     regs = re.search(r"REG:(\d+)", usage)
+    spills = re.search(r"STACK:(\d+)", usage)
     loop = _loop(sass.splitlines())
     ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in loop)
     tile = constexprs.get("TILE", 0)
     print(f"triton {triton.__version__}, sm_90: {args.optimizer} {args.state}, {warps} warps, TILE {tile}, "
-          f"BLOCK {constexprs.get('BLOCK')}, registers {regs.group(1) if regs else '?'}")  # fmt: skip
+          f"BLOCK {constexprs.get('BLOCK')}, registers {regs.group(1) if regs else '?'}, "
+          f"stack {spills.group(1) if spills else '?'} bytes")  # fmt: skip
     total = sum(1 for line in sass.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", line))
     print(f"kernel: {total} instructions")
     if not loop:

@@ -629,15 +629,27 @@ than the layout that interleaves a block over the program's warps (`benchmarks/u
 the GPT-2 set's 8-bit step from 0.886 to 0.746 ms and Llama-1B's from 8.44 to 6.86 ms (`benchmarks/program-sweep.py`
 switches it)."""
 VECTOR_WARPS = 2
-"""Warps a program of the vector layout when the caller leaves ``num_warps`` to the launcher: the layout takes about
-125 registers a thread (Triton 3.6), so programs of 2 warps keep the most warps on an SM (H200, GPT-2 set: 0.746 ms
-with 2, 0.816 with 4, 0.805 with 1, 1.42 with 8)."""
+"""Warps a program of the vector layout when the caller leaves ``num_warps`` to the launcher: with the registers it
+takes (`Q8_MAXNREG`), programs of 2 warps keep the most warps on an SM (H200, GPT-2 set, before the cap: 0.746 ms
+with 2, 0.816 with 4, 0.805 with 1, 1.42 with 8; with it, 0.659 ms with 2, 0.665 with 4, 0.701 with 1)."""
+Q8_MAXNREG: int | None = 72
+"""Registers a thread the 8-bit vector layout is compiled with (Triton's ``maxnreg``; None: the compiler's choice).
+The layout is bound by latency with few warps an SM; left to itself the compiler gives AdamW's program about 120
+registers a thread, 16 warps an SM, and 72 let 28 warps in (`benchmarks/update-sass.py --maxnreg`: 24 bytes a
+thread spill to local memory, cached in L1). With `Q8_VECTOR_PREFETCH` off, so that the registers a prefetched tile
+held are free (H200, 2026-12-02, torch 2.11, Triton 3.6, `benchmarks/program-sweep.py`, two calls): the GPT-2 set's
+8-bit step 0.707-0.712 -> 0.656-0.662 ms, Llama-1B's 6.505-6.533 -> 5.869-5.945 ms (72% -> 79-80% of its floor).
+Capped at 112 with the prefetch: 0.696 and 6.447 ms; at 80-104 with it, slower (spills in the prefetched tiles); at
+56 without it, slower (0.780 and 7.053 ms)."""
 VECTOR_ALIGN = 16
 """Bytes the params' and codes' addresses must be a multiple of for the vector layout."""
 Q8_PREFETCH = True
-"""Whether an 8-bit update of several tiles a program loads each tile's params, grads and codes a pass ahead (the
-kernel's PREFETCH): on an H200 it took the GPT-2 set's step from 1.165 to 0.930 ms in the interleaved layout, and
-from 0.848 to 0.746 ms in the vector layout with 2 warps (`benchmarks/program-sweep.py`)."""
+"""Whether an 8-bit update of several tiles a program in the interleaved layout loads each tile's params, grads and
+codes a pass ahead (the kernel's PREFETCH): on an H200 it took the GPT-2 set's step from 1.165 to 0.930 ms."""
+Q8_VECTOR_PREFETCH = False
+"""The same for the vector layout. Uncapped (`Q8_MAXNREG` None) the prefetch took the GPT-2 set's step from 0.848 to
+0.746 ms on an H200; capped at 72 registers, going without it is faster (0.659 ms): the warps it lets onto an SM
+hide more latency than a tile loaded a pass ahead."""
 
 
 def _vector_layout(tables: TensorTables, spec: UpdateSpec, num_warps: int) -> bool:
@@ -806,13 +818,14 @@ def _launch(
     comp: torch.Tensor,
 ) -> None:
     tile = FLOAT_TILE if not spec.trust and tables.block % FLOAT_TILE == 0 else tables.block
-    q8, prefetch, warps = 0, False, num_warps or 4
+    q8, prefetch, warps, maxnreg = 0, False, num_warps or 4, None
     if spec.state == StateFormat.Q8:  # 8-bit state quantizes a tile at a time: a block, or a warp's block each
-        prefetch = Q8_PREFETCH and tables.block != QUANT_BLOCK and not spec.trust
-        q8, tile = 1, QUANT_BLOCK
+        several = tables.block != QUANT_BLOCK and not spec.trust  # tiles a program: a next one to prefetch
+        q8, tile, prefetch = 1, QUANT_BLOCK, Q8_PREFETCH and several
         vector_warps = num_warps or VECTOR_WARPS
         if _vector_layout(tables, spec, vector_warps):
-            q8, tile, warps = 2, QUANT_BLOCK * vector_warps, vector_warps
+            q8, tile, warps, maxnreg = 2, QUANT_BLOCK * vector_warps, vector_warps, Q8_MAXNREG
+            prefetch = Q8_VECTOR_PREFETCH and several
     _update_kernel[(tables.num_blocks,)](
         tables.block_tensor,
         tables.block_start,
@@ -866,5 +879,6 @@ def _launch(
         BLOCK=tables.block,
         TILE=tile,
         num_warps=warps,
+        maxnreg=maxnreg,
         enable_fp_fusion=_common.FP_FUSION,
     )

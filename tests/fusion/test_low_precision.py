@@ -644,13 +644,14 @@ def test_the_vector_layout_steps_the_same_bits_as_the_interleaved_one(name, pref
     the params and codes are 16-byte aligned. Over programs of four 512-element tiles (2 warps, `VECTOR_WARPS`:
     tensors across several programs, partial tiles, a program's empty tiles), params, codes, scales and step counts
     are the same bits as the interleaved layout's, for one, two and three state slots (Lion; Adam with amsgrad and
-    L2 decay in one group, maximize in another), each tile loaded a pass ahead (`update.Q8_PREFETCH`) or not; and
-    the vector layout is the one that ran."""
+    L2 decay in one group, maximize in another), each tile loaded a pass ahead (`update.Q8_PREFETCH`,
+    `Q8_VECTOR_PREFETCH`) or not; and the vector layout is the one that ran."""
     from kitsune.fusion import planner
     from kitsune.kernels import update
 
     monkeypatch.setattr(planner, "Q8_PROGRAM", 2048)
     monkeypatch.setattr(update, "Q8_PREFETCH", prefetch)
+    monkeypatch.setattr(update, "Q8_VECTOR_PREFETCH", prefetch)
     _same_bits_both_ways(
         monkeypatch,
         "Q8_VECTOR",
