@@ -879,6 +879,6 @@ def _launch(
         BLOCK=tables.block,
         TILE=tile,
         num_warps=warps,
-        maxnreg=maxnreg,
         enable_fp_fusion=_common.FP_FUSION,
+        **({"maxnreg": maxnreg} if maxnreg else {}),  # passed only where capped: the rest compile as before
     )
