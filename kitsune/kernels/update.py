@@ -633,23 +633,30 @@ VECTOR_WARPS = 2
 takes (`Q8_MAXNREG`), programs of 2 warps keep the most warps on an SM (H200, GPT-2 set, before the cap: 0.746 ms
 with 2, 0.816 with 4, 0.805 with 1, 1.42 with 8; with it, 0.659 ms with 2, 0.665 with 4, 0.701 with 1)."""
 Q8_MAXNREG: int | None = 72
-"""Registers a thread the 8-bit vector layout is compiled with (Triton's ``maxnreg``; None: the compiler's choice).
-The layout is bound by latency with few warps an SM; left to itself the compiler gives AdamW's program about 120
-registers a thread, 16 warps an SM, and 72 let 28 warps in (`benchmarks/update-sass.py --maxnreg`: 24 bytes a
-thread spill to local memory, cached in L1). With `Q8_VECTOR_PREFETCH` off, so that the registers a prefetched tile
-held are free (H200, 2026-12-02, torch 2.11, Triton 3.6, `benchmarks/program-sweep.py`, two calls): the GPT-2 set's
-8-bit step 0.707-0.712 -> 0.656-0.662 ms, Llama-1B's 6.505-6.533 -> 5.869-5.945 ms (72% -> 79-80% of its floor).
-Capped at 112 with the prefetch: 0.696 and 6.447 ms; at 80-104 with it, slower (spills in the prefetched tiles); at
-56 without it, slower (0.780 and 7.053 ms)."""
+"""Registers a thread the 8-bit vector layout is compiled with where its state has `Q8_CAPPED_SLOTS` or more
+(Triton's ``maxnreg``; None: the compiler's choice). The layout is bound by latency with few warps an SM; left to
+itself the compiler gives AdamW's program about 120 registers a thread, 16 warps an SM, and 72 let 28 warps in
+(`benchmarks/update-sass.py --maxnreg`: 24 bytes a thread spill to local memory, cached in L1). With
+`Q8_VECTOR_PREFETCH` off, so that the registers a prefetched tile held are free (H200, 2026-12-02, torch 2.11,
+Triton 3.6, `benchmarks/program-sweep.py`, three calls): the GPT-2 set's 8-bit AdamW step 0.707-0.712 -> 0.655-0.662
+ms, Llama-1B's 6.505-6.535 -> 5.869-6.067 ms (71-72% -> 77-80% of its floor); on the GPT-2 set Adam 0.718 -> 0.663,
+RAdam 0.725 -> 0.675, NAdam 0.722 -> 0.711 ms. Capped at 112 with the prefetch: 0.696 and 6.447 ms; at 80-104 with
+it, slower (spills in the prefetched tiles); at 56 without it, slower (0.780 and 7.053 ms)."""
+Q8_CAPPED_SLOTS = 2
+"""State slots from which an 8-bit vector launch takes `Q8_MAXNREG` and `Q8_VECTOR_PREFETCH`; one with fewer (SGD's
+momentum, Lion's) keeps the compiler's registers and `Q8_PREFETCH`: SGD with momentum on the GPT-2 set ran 0.479 ms
+capped without the prefetch against 0.466 ms as before (H200, the same call as Adam's figures)."""
 VECTOR_ALIGN = 16
 """Bytes the params' and codes' addresses must be a multiple of for the vector layout."""
 Q8_PREFETCH = True
-"""Whether an 8-bit update of several tiles a program in the interleaved layout loads each tile's params, grads and
-codes a pass ahead (the kernel's PREFETCH): on an H200 it took the GPT-2 set's step from 1.165 to 0.930 ms."""
+"""Whether an 8-bit update of several tiles a program loads each tile's params, grads and codes a pass ahead (the
+kernel's PREFETCH) in the interleaved layout, and in the vector layout below `Q8_CAPPED_SLOTS`: on an H200 it took
+the GPT-2 set's step from 1.165 to 0.930 ms in the interleaved layout."""
 Q8_VECTOR_PREFETCH = False
-"""The same for the vector layout. Uncapped (`Q8_MAXNREG` None) the prefetch took the GPT-2 set's step from 0.848 to
-0.746 ms on an H200; capped at 72 registers, going without it is faster (0.659 ms): the warps it lets onto an SM
-hide more latency than a tile loaded a pass ahead."""
+"""The same for the vector layout where its state has `Q8_CAPPED_SLOTS` or more (with fewer, `Q8_PREFETCH`).
+Uncapped (`Q8_MAXNREG` None) the prefetch took the GPT-2 set's AdamW step from 0.848 to 0.746 ms on an H200; capped
+at 72 registers, going without it is faster (0.655-0.662 ms): the warps it lets onto an SM hide more latency than a
+tile loaded a pass ahead."""
 
 
 def _vector_layout(tables: TensorTables, spec: UpdateSpec, num_warps: int) -> bool:
@@ -824,8 +831,9 @@ def _launch(
         q8, tile, prefetch = 1, QUANT_BLOCK, Q8_PREFETCH and several
         vector_warps = num_warps or VECTOR_WARPS
         if _vector_layout(tables, spec, vector_warps):
-            q8, tile, warps, maxnreg = 2, QUANT_BLOCK * vector_warps, vector_warps, Q8_MAXNREG
-            prefetch = Q8_VECTOR_PREFETCH and several
+            q8, tile, warps = 2, QUANT_BLOCK * vector_warps, vector_warps
+            if spec.state_slots >= Q8_CAPPED_SLOTS:
+                maxnreg, prefetch = Q8_MAXNREG, Q8_VECTOR_PREFETCH and several
     _update_kernel[(tables.num_blocks,)](
         tables.block_tensor,
         tables.block_start,

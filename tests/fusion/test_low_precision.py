@@ -660,6 +660,41 @@ def test_the_vector_layout_steps_the_same_bits_as_the_interleaved_one(name, pref
     )
 
 
+@pytest.mark.parametrize(("name", "capped"), [("adamw", True), ("nadam_decoupled", True), ("lion", False)])
+def test_the_vector_layout_caps_registers_where_the_state_has_two_slots(name, capped, device, monkeypatch):
+    """`update.Q8_MAXNREG` and `Q8_VECTOR_PREFETCH` apply to vector launches with `Q8_CAPPED_SLOTS` state slots or
+    more (Adam's family: faster capped on an H200); one-slot launches (Lion, SGD: slower capped) keep the compiler's
+    registers and `Q8_PREFETCH`. Read from the launches a real 8-bit step makes."""
+    from kitsune.fusion import planner
+    from kitsune.kernels import update
+
+    monkeypatch.setattr(planner, "Q8_PROGRAM", 2048)  # several tiles a program: a next one to prefetch
+    seen: list[dict] = []
+    kernel = update._update_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launch = kernel[grid]
+
+            def run(*args, **kwargs):
+                seen.append({k: kwargs.get(k) for k in ("Q8", "PREFETCH", "SLOTS", "maxnreg")})
+                return launch(*args, **kwargs)
+
+            return run
+
+    monkeypatch.setattr(update, "_update_kernel", Spy())
+    _, opt = _fused(CASES[name], "8bit", 64, device, VECTOR_SIZES, steps=2)
+    assert all(b.route is Route.TRITON for b in opt.plan.buckets), opt.plan.to_dict()
+    vector = [launch for launch in seen if launch["Q8"] == 2]
+    assert vector, seen
+    for launch in vector:
+        assert (launch["SLOTS"] >= update.Q8_CAPPED_SLOTS) == capped, launch
+        if capped:
+            assert launch["maxnreg"] == update.Q8_MAXNREG and launch["PREFETCH"] == update.Q8_VECTOR_PREFETCH
+        else:
+            assert launch["maxnreg"] is None and launch["PREFETCH"] == update.Q8_PREFETCH
+
+
 @pytest.mark.parametrize("case", ["odd numel", "unaligned param", "short program"])
 def test_the_vector_layout_is_declined_where_its_promise_would_not_hold(case, device, monkeypatch):
     """The vector layout promises Triton 16-byte aligned params and codes, numels that are multiples of 8 and whole
