@@ -235,23 +235,26 @@ def run_profiler_cost(
     if shortfall is not None:
         return None, f"two optimizers of the set: {shortfall}"
     round_steps = max(1, min(steps, PROFILER_ROUND_STEPS))
-    built = []
-    try:
-        for name in ("kitsune", "profiled"):
-            variant = make_variant(name, make_params(pset, device, seed))
-            built.append(variant)
-            variant.warmup(warmup)
-        device_pct, host_ms = paired_rounds(built[0].step, built[1].step, PROFILER_ROUNDS, round_steps, device)
-        cost = ProfilerCost(
+
+    def pairs() -> ProfilerCost:  # the optimizers and params live in this frame: gone before `_free`, as in `_measure`
+        built = []
+        try:
+            for name in ("kitsune", "profiled"):
+                built.append(make_variant(name, make_params(pset, device, seed)))
+                built[-1].warmup(warmup)
+            device_pct, host_ms = paired_rounds(built[0].step, built[1].step, PROFILER_ROUNDS, round_steps, device)
+        finally:
+            for variant in built:
+                variant.close()
+        return ProfilerCost(
             rounds=PROFILER_ROUNDS, steps=round_steps, device_pct=Stats.of(device_pct), host_ms=Stats.of(host_ms)
         )
-        return cost, None
+
+    try:
+        return pairs(), None
     except Exception as exc:  # the table's rows stand without it
         return None, failure_reason(exc)
     finally:
-        for variant in built:
-            variant.close()
-        del built
         _free(device)
 
 
