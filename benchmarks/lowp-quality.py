@@ -4,11 +4,12 @@ python benchmarks/lowp-quality.py --json lowp-quality.json      # on a GPU: GPT-
 python benchmarks/lowp-quality.py --device cpu --steps 40       # a dry run at tiny size (Triton's interpreter)
 
 Trains `kitsune.bench.e2e.GPT` once per run of `kitsune.bench.quality.RUNS` (``param``: fp32 params and state;
-``bf16``, ``8bit``: that state precision; ``bf16-params``: bf16 params and state, no fp32 master weights, stochastic
-rounding; ``bf16-params-nearest``: the same rounded to nearest) with `kitsune.bench.quality.run_quality`: bf16
-autocast, clipping at 1.0, AdamW (lr ``--lr``, weight decay 0.1), a synthetic next-token task. Prints each run's
-first and final loss (the mean of the last 50 steps), the final loss relative to fp32's, its state memory, and the
-plan's state formats.
+``param-again``: the same once more, its difference the run's own noise; ``bf16``, ``8bit``: that state precision;
+``bf16-params``: bf16 params and state, no fp32 master weights, stochastic rounding; ``bf16-params-nearest``: the same
+rounded to nearest) with `kitsune.bench.quality.run_quality`: bf16 autocast, clipping at 1.0, AdamW (lr ``--lr``, weight
+decay 0.1; ``--warmup`` steps of linear warm-up, then a cosine to a tenth of it), a synthetic next-token task. Prints
+each run's first and final loss (the mean of the last 50 steps), the final loss relative to fp32's, its state memory,
+and the plan's state formats.
 """
 
 from __future__ import annotations
@@ -27,10 +28,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--lr", type=float, default=6e-4)
+    parser.add_argument("--warmup", type=int, default=30, help="steps of linear learning-rate warm-up")
+    parser.add_argument("--schedule", choices=("cosine", "constant"), default="cosine", help="after the warm-up")
     parser.add_argument("--seeds", type=int, default=1, help="runs with seeds 0..N-1 (init and batches)")
     parser.add_argument(
         "--runs",
-        default="param,bf16,8bit,bf16-params,bf16-params-nearest,bf16-params-kahan",
+        default="param,param-again,bf16,8bit,bf16-params,bf16-params-nearest,bf16-params-kahan",
         help="comma-separated, of RUNS",
     )
     parser.add_argument("--json", type=Path, default=None)
@@ -46,10 +49,16 @@ def main() -> None:
     results = []
     for seed in range(args.seeds):
         runs = args.runs.split(",")
-        result = run_quality(device, model, args.steps, args.batch, seq, runs, lr=args.lr, seed=seed)
+        result = run_quality(
+            device, model, args.steps, args.batch, seq, runs, lr=args.lr, seed=seed, warmup=args.warmup,
+            schedule=args.schedule,
+        )  # fmt: skip
         results.append(result)
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-        print(f"{device} ({name}), torch {torch.__version__}, seed {seed}, {args.steps} steps, {args.batch} x {seq}")
+        print(
+            f"{device} ({name}), torch {torch.__version__}, seed {seed}, {args.steps} steps, {args.batch} x {seq}, "
+            f"lr {args.lr} ({args.warmup} steps warm-up, then {args.schedule})"
+        )
         print(f"{'run':>19} {'first':>8} {'final':>8} {'vs fp32':>8} {'state MiB':>10} {'s':>6}  formats")
         for r in result.runs:
             print(
@@ -58,7 +67,8 @@ def main() -> None:
             )
     for precision in (r for r in args.runs.split(",") if r != "param"):
         rel = [r.relative(precision) for r in results]
-        print(f"{precision}: final loss vs fp32 state over {len(rel)} seed(s): mean {sum(rel) / len(rel):+.3%}")
+        each = ", ".join(f"{x:+.3%}" for x in rel)
+        print(f"{precision}: final loss vs fp32 over {len(rel)} seed(s): mean {sum(rel) / len(rel):+.3%} ({each})")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text("[" + ",".join(r.model_dump_json(indent=1) for r in results) + "]")

@@ -9,8 +9,10 @@ a tiny size in Triton's interpreter.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 from pydantic import BaseModel
@@ -22,6 +24,7 @@ from kitsune.optimizer import KitsuneOptimizer
 
 RUNS: dict[str, tuple[str, torch.dtype, str]] = {
     "param": ("param", torch.float32, "nearest"),
+    "param-again": ("param", torch.float32, "nearest"),
     "bf16": ("bf16", torch.float32, "nearest"),
     "8bit": ("8bit", torch.float32, "nearest"),
     "bf16-params": ("param", torch.bfloat16, "stochastic"),
@@ -29,10 +32,13 @@ RUNS: dict[str, tuple[str, torch.dtype, str]] = {
     "bf16-params-kahan": ("param", torch.bfloat16, "kahan"),
     "bf16-params-kahan-fp32-state": ("fp32", torch.bfloat16, "kahan"),
 }
-"""What each run of `run_quality` trains: ``(state_precision, the params' dtype, param_rounding)``. ``param`` is
-fp32 params with fp32 state (the reference); ``bf16-params`` trains bf16 params (and bf16 state) without fp32
-master weights, stored with stochastic rounding; ``bf16-params-nearest`` the same rounded to nearest, as torch;
-``bf16-params-kahan`` the same with Kahan compensation, ``bf16-params-kahan-fp32-state`` with fp32 state."""
+"""What each run of `run_quality` trains: ``(state_precision, the params' dtype, param_rounding)``. ``param`` is fp32
+params with fp32 state (the reference); ``param-again`` the same run once more: its difference from ``param`` is the
+run's own noise (none where the device's kernels are deterministic, as on the GPUs measured), so a precision's
+difference is not mistaken for it; ``bf16-params`` trains bf16 params (and
+bf16 state) without fp32 master weights, stored with stochastic rounding; ``bf16-params-nearest`` the same rounded to
+nearest, as torch; ``bf16-params-kahan`` the same with Kahan compensation, ``bf16-params-kahan-fp32-state`` with fp32
+state."""
 
 
 class QualityRun(BaseModel):
@@ -54,6 +60,8 @@ class QualityResult(BaseModel):
     batch: int
     seq: int
     lr: float
+    warmup: int = 0
+    schedule: Literal["constant", "cosine"] = "constant"
     runs: list[QualityRun]
 
     def relative(self, precision: str, baseline: str = "param") -> float:
@@ -98,9 +106,13 @@ def run_quality(
     tail: int = 50,
     seed: int = 0,
     min_8bit_size: int = 4096,
+    warmup: int = 0,
+    schedule: Literal["constant", "cosine"] = "constant",
 ) -> QualityResult:
     """Train once per entry of ``precisions`` (`RUNS`) from the same init on the same batches; bf16 autocast on CUDA,
-    clipping at 1.0."""
+    clipping at 1.0. The learning rate rises linearly over ``warmup`` steps, then stays (``constant``) or follows a
+    cosine to a tenth of ``lr`` at the last step (``cosine``, GPT-2's recipe), set by a torch LR scheduler on the
+    wrapped optimizer."""
     data = batches(steps, batch, seq, model.vocab, device, seed)
     torch.manual_seed(seed)
     init = GPT(model).to(device).state_dict()
@@ -115,6 +127,7 @@ def run_quality(
         )  # fmt: skip
         config = KitsuneConfig(fusion=fusion, grads={"max_norm": 1.0})
         opt = KitsuneOptimizer(torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.1), config=config)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, steps, warmup, schedule))
         losses = []
         start = time.perf_counter()
         for idx, targets in data:
@@ -123,6 +136,7 @@ def run_quality(
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            sched.step()
             losses.append(loss.detach())
         seconds = time.perf_counter() - start
         values = torch.stack(losses).float().cpu().tolist()
@@ -137,5 +151,19 @@ def run_quality(
                 state_formats=sorted({b.state for b in opt.plan.buckets}),
             )
         )
-        del opt, net
-    return QualityResult(device=str(device), model=model, steps=steps, batch=batch, seq=seq, lr=lr, runs=runs)
+        del sched, opt, net
+    return QualityResult(
+        device=str(device), model=model, steps=steps, batch=batch, seq=seq, lr=lr, warmup=warmup, schedule=schedule,
+        runs=runs,
+    )  # fmt: skip
+
+
+def lr_factor(step: int, steps: int, warmup: int, schedule: Literal["constant", "cosine"]) -> float:
+    """The learning rate of step ``step`` (0-based) over the peak: linear from ``1 / warmup`` to 1 over the first
+    ``warmup`` steps, then 1 (``constant``) or a cosine from 1 down to 0.1 at step ``steps - 1`` (``cosine``)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    span = max(steps - 1 - warmup, 1)
+    return 0.1 + 0.45 * (1.0 + math.cos(math.pi * min(step - warmup, span) / span))

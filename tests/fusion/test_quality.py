@@ -3,10 +3,11 @@ in docs/benchmarks.md trains GPT-2 small), from the same init on the same batche
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kitsune.bench.e2e import GPTConfig
-from kitsune.bench.quality import run_quality
+from kitsune.bench.quality import lr_factor, run_quality
 
 
 def test_8bit_and_bf16_state_reach_the_fp32_loss_within_one_percent(device):
@@ -25,3 +26,25 @@ def test_8bit_and_bf16_state_reach_the_fp32_loss_within_one_percent(device):
         assert -0.03 < relative < 0.01, (precision, runs[precision].final_loss, fp32.final_loss)
     assert runs["8bit"].state_bytes < 0.3 * fp32.state_bytes and runs["bf16"].state_bytes < 0.51 * fp32.state_bytes
     assert torch.isfinite(torch.tensor(runs["8bit"].losses)).all()
+
+
+def test_the_learning_rate_warms_up_linearly_then_follows_a_cosine_to_a_tenth():
+    factors = [lr_factor(step, 10, 3, "cosine") for step in range(10)]
+    assert factors[:3] == pytest.approx([1 / 3, 2 / 3, 1.0])
+    assert factors[3] == pytest.approx(1.0) and factors[-1] == pytest.approx(0.1)
+    assert all(a > b for a, b in zip(factors[3:], factors[4:], strict=False))  # falls every step after the warm-up
+    assert [lr_factor(step, 10, 2, "constant") for step in range(5)] == pytest.approx([0.5, 1, 1, 1, 1])
+    assert [lr_factor(step, 4, 0, "constant") for step in range(4)] == [1.0] * 4
+
+
+def test_a_quality_run_steps_the_schedule_on_the_wrapped_optimizer(device):
+    """The scheduler drives kitsune's learning rate: the same run with a warm-up ends elsewhere than without one,
+    and the same schedule twice ends on the same losses."""
+    model = GPTConfig(vocab=32, block=16, layers=1, heads=2, dim=16)
+    args = dict(steps=6, batch=2, seq=8, precisions=("param", "param-again"), lr=3e-3)
+    flat = run_quality(device, model, **args)
+    warm = run_quality(device, model, warmup=4, schedule="cosine", **args)
+    assert (warm.warmup, warm.schedule, flat.warmup, flat.schedule) == (4, "cosine", 0, "constant")
+    assert warm.runs[0].losses[0] == flat.runs[0].losses[0]  # the first loss is before any step
+    assert warm.runs[0].losses[1:] != flat.runs[0].losses[1:]
+    assert warm.runs[0].losses == warm.runs[1].losses
