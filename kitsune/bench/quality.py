@@ -35,10 +35,9 @@ RUNS: dict[str, tuple[str, torch.dtype, str]] = {
 """What each run of `run_quality` trains: ``(state_precision, the params' dtype, param_rounding)``. ``param`` is fp32
 params with fp32 state (the reference); ``param-again`` the same run once more: its difference from ``param`` is the
 run's own noise (none where the device's kernels are deterministic, as on the GPUs measured), so a precision's
-difference is not mistaken for it; ``bf16-params`` trains bf16 params (and
-bf16 state) without fp32 master weights, stored with stochastic rounding; ``bf16-params-nearest`` the same rounded to
-nearest, as torch; ``bf16-params-kahan`` the same with Kahan compensation, ``bf16-params-kahan-fp32-state`` with fp32
-state."""
+difference is not mistaken for it; ``bf16-params`` trains bf16 params (and bf16 state) without fp32 master weights,
+stored with stochastic rounding; ``bf16-params-nearest`` the same rounded to nearest, as torch; ``bf16-params-kahan``
+the same with Kahan compensation, ``bf16-params-kahan-fp32-state`` with fp32 state."""
 
 
 class QualityRun(BaseModel):
