@@ -45,11 +45,18 @@ Q8_PROGRAM = 64 * QUANT_BLOCK
 (hyperparameters, the bias corrections in fp64, the step count's atomic) is paid once per 64 blocks (H200, GPT-2
 set, the vector layout with 2 warps: 0.752 ms with 32, 0.746 with 64, 0.769 with 128; `benchmarks/program-sweep.py`)."""
 FLOAT_PROGRAM = 4 * DEFAULT_BLOCK
-"""Elements per program of a float-state update without a trust ratio: it loops over tiles of
-`kitsune.kernels.update.FLOAT_TILE` elements, so the per-program work is paid once per four tiles (H200, 4 warps,
-vector reads, `benchmarks/program-sweep.py`: `llama1b`'s fp32 AdamW step 8.30 ms with programs of 1024 elements,
-8.17 with 4096, 8.23 with 8192, 8.36 with 16384; its bf16-state step 6.29, 5.71, 5.80, 5.87 ms; the GPT-2 set's fp32
-step 0.868, 0.854, 0.858, 0.878). LAMB's programs stay at the planner's block: its partial norms are per program."""
+"""Elements per program of a float-state update with 2-byte state (bf16, or the param's dtype for 16-bit params),
+without a trust ratio: it loops over tiles of `kitsune.kernels.update.FLOAT_TILE` elements, so the per-program work
+is paid once per four tiles (H200, 4 warps, vector reads, `benchmarks/program-sweep.py`: `llama1b`'s bf16-state
+AdamW step 6.29 ms with programs of 1024 elements, 5.71 with 4096, 5.80 with 8192, 5.87 with 16384; with 2048,
+5.96 ms, and the GPT-2 set's 0.626 against 0.606 ms with 4096)."""
+FP32_PROGRAM = 2 * DEFAULT_BLOCK
+"""The same for fp32 state: two tiles a program. H200, 2026-12-02, torch 2.11, Triton 3.6 (`program-sweep.py
+--state fp32`, two turns each): `llama1b`'s AdamW step 8.064-8.069 ms against 8.173-8.178 with programs of 4096
+(101% and 100% of its floor; `torch.compile`'s foreach step 8.042 ms on the same machine), the GPT-2 set's 0.849-0.850
+against 0.853-0.854; with 1024 (inductor's block) 8.365, with 8192 8.209. Neither the step counter's atomic nor the
+tiles' masks weighed on it (dropped in turn, within 0.1%). LAMB's programs in either stay at the planner's block:
+its partial norms are per program."""
 _REPEATED = (
     Route.BASE_STEP,
     "a param listed more than once in the param groups: torch's step updates it once per listing (and warns), "
@@ -305,7 +312,7 @@ class Planner:
         if bp.route is Route.TRITON:
             assert info is not None and isinstance(spec, UpdateSpec)
             algo = unit_info(info, spec)
-            block = self._program(spec)
+            block = self._program(spec, members[0][1].dtype)
             for chunk in self._chunks(members, backward_bytes):
                 params, gis = [p for _, p in chunk], [gi for gi, _ in chunk]
                 out.units.append(FusedUnit(params, gis, algo, spec, base.state, block))  # type: ignore[arg-type]
@@ -327,12 +334,16 @@ class Planner:
                 bp.reason += f"; torch {bp.route.value} unavailable ({exc})"
                 bp.route = Route.BASE_STEP
 
-    def _program(self, spec: UpdateSpec) -> int:
-        """Elements per program of a fused update: `Q8_PROGRAM` for 8-bit state, the planner's block with a trust
-        ratio (LAMB's partial norms are a program's), `FLOAT_PROGRAM` otherwise."""
+    def _program(self, spec: UpdateSpec, dtype: torch.dtype) -> int:
+        """Elements per program of a fused update over params of ``dtype``: `Q8_PROGRAM` for 8-bit state, the
+        planner's block with a trust ratio (LAMB's partial norms are a program's), `FP32_PROGRAM` for fp32 state,
+        `FLOAT_PROGRAM` otherwise."""
         if spec.state == StateFormat.Q8:
             return Q8_PROGRAM
-        return self.block if spec.trust else FLOAT_PROGRAM
+        if spec.trust:
+            return self.block
+        fp32 = spec.state == StateFormat.FP32 or (spec.state == StateFormat.PARAM and dtype == torch.float32)
+        return FP32_PROGRAM if fp32 else FLOAT_PROGRAM
 
     def _chunks(self, members: Members, backward_bytes: int | None) -> list[Members]:
         """A bucket's launch units: at most ``max_fusion_size`` tensors each; with updates in backward, also at most

@@ -120,19 +120,22 @@ def test_8bit_programs_of_any_size_step_the_same_bits(name, device, monkeypatch)
 @pytest.mark.parametrize(("name", "precision"), [("adamw", "param"), ("nadam_decoupled", "bf16"), ("lion", "param")])
 @pytest.mark.parametrize("vector", [True, False])
 def test_float_programs_of_any_size_step_the_same_bits(name, precision, vector, device, monkeypatch):
-    """A float-state program loops over tiles of `update.FLOAT_TILE` elements (`planner.FLOAT_PROGRAM` elements a
-    program). Programs of one tile, and programs of four tiles that tensors span several of (a program's last tiles
-    partial or empty), step the same bits as the default's programs (of several tiles; the 4104-element tensor spans
-    two): params, state and step counts, NAdam's per-tensor mu_product (computed in the loop, written by a tensor's
-    last program) too, an empty tensor's included; with vector reads and without (`_exact_arithmetic`)."""
+    """A float-state program loops over tiles of `update.FLOAT_TILE` elements (`planner.FP32_PROGRAM` elements a
+    program for fp32 state, `planner.FLOAT_PROGRAM` for 2-byte state). Programs of one tile, and programs of four
+    tiles that tensors span several of (a program's last tiles partial or empty), step the same bits as the default's
+    programs (of several tiles; the 4104-element tensor spans more than one): params, state and step counts, NAdam's
+    per-tensor mu_product (computed in the loop, written by a tensor's last program) too, an empty tensor's included;
+    with vector reads and without (`_exact_arithmetic`)."""
     from kitsune.fusion import planner
     from kitsune.kernels import update
 
     monkeypatch.setattr(update, "FLOAT_VECTOR", vector)
     _exact_arithmetic(monkeypatch)
     runs = []
-    for program, tile in ((planner.FLOAT_PROGRAM, update.FLOAT_TILE), (256, 64), (64, 64)):
+    default = planner.FP32_PROGRAM if precision == "param" else planner.FLOAT_PROGRAM  # fp32 params here
+    for program, tile in ((default, update.FLOAT_TILE), (256, 64), (64, 64)):
         monkeypatch.setattr(planner, "FLOAT_PROGRAM", program)
+        monkeypatch.setattr(planner, "FP32_PROGRAM", program)
         monkeypatch.setattr(update, "FLOAT_TILE", tile)
         seen = _float_layouts(monkeypatch)
         params, opt = _fused(CASES[name], precision, 64, device, [0, *FLOAT_VECTOR_SIZES], steps=6)
@@ -142,6 +145,27 @@ def test_float_programs_of_any_size_step_the_same_bits(name, precision, vector, 
         runs.append((params, opt))
     for other in runs[1:]:
         _assert_same_bits(*runs[0], *other)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "precision", "fp32_state"),
+    [(torch.float32, "param", True), (torch.float32, "fp32", True), (torch.float32, "bf16", False),
+     (torch.bfloat16, "param", False), (torch.bfloat16, "fp32", True)],
+)  # fmt: skip
+def test_float_programs_follow_the_state_width(dtype, precision, fp32_state, device):
+    """fp32 state runs programs of `planner.FP32_PROGRAM` elements, 2-byte state `planner.FLOAT_PROGRAM`."""
+    from kitsune.fusion import planner
+
+    params = [torch.nn.Parameter(torch.randn(5000, device=device, dtype=dtype)) for _ in range(2)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    config = FusionConfig(state_precision=precision)
+    opt = KitsuneOptimizer(torch.optim.AdamW(params, lr=1e-3), enable_fusion=True, fusion_config=config)
+    opt.step()
+    assert all(b.route is Route.TRITON for b in opt.plan.buckets), opt.plan.to_dict()
+    want = planner.FP32_PROGRAM if fp32_state else planner.FLOAT_PROGRAM
+    assert planner.FP32_PROGRAM != planner.FLOAT_PROGRAM
+    assert {u.tables.block for u in opt._subsystem("fusion").units} == {want}
 
 
 def _decoded(s: dict, key: str) -> torch.Tensor:
