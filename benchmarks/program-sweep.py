@@ -13,7 +13,7 @@ layout that interleaves a quantization block over the program's warps), ``v`` on
 elements a thread, the default), ``n`` switches the tiles' prefetch off in both layouts (``Q8_PREFETCH``,
 ``Q8_VECTOR_PREFETCH``) and ``p`` on, and an ``rREGS`` suffix before them caps the vector layout's registers a
 thread (`kitsune.kernels.update.Q8_MAXNREG`; ``r0`` leaves them to the compiler). For float state (``--state fp32``
-or ``bf16``) BLOCK is `kitsune.fusion.planner.FLOAT_PROGRAM`, a ``tTILE`` suffix sets
+or ``bf16``) BLOCK is `kitsune.fusion.planner.FP32_PROGRAM` (fp32) or `FLOAT_PROGRAM` (bf16), a ``tTILE`` suffix sets
 `kitsune.kernels.update.FLOAT_TILE` (the elements of a pass of the program's loop), and ``i``/``v`` switch
 `kitsune.kernels.update.FLOAT_VECTOR` off/on. ``--optimizer`` steps another torch optimizer in the swept rows (the
 floor stays AdamW's bytes). The row says whether every launch took the vector path. It times ``step()`` back to
@@ -66,6 +66,8 @@ def main() -> None:
             else "default,defaulti,1024x4,4096x4,8192x4,16384x4,8192x8,8192x4t2048,16384x8t2048"
         )
     program_name = "Q8_PROGRAM" if q8 else "FLOAT_PROGRAM"
+    if args.state == "fp32" and hasattr(planner, "FP32_PROGRAM"):  # fp32 state's own program size
+        program_name = "FP32_PROGRAM"
     decision = "_vector_layout" if q8 else "_float_vector"
     vector = "Q8_VECTOR" if q8 else "FLOAT_VECTOR"
     prefetch = ("Q8_PREFETCH", "Q8_VECTOR_PREFETCH")
