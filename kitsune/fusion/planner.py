@@ -342,8 +342,7 @@ class Planner:
             return Q8_PROGRAM
         if spec.trust:
             return self.block
-        fp32 = spec.state == StateFormat.FP32 or (spec.state == StateFormat.PARAM and dtype == torch.float32)
-        return FP32_PROGRAM if fp32 else FLOAT_PROGRAM
+        return FP32_PROGRAM if state_format.dtype_of(spec.state, dtype) == torch.float32 else FLOAT_PROGRAM
 
     def _chunks(self, members: Members, backward_bytes: int | None) -> list[Members]:
         """A bucket's launch units: at most ``max_fusion_size`` tensors each; with updates in backward, also at most
