@@ -21,7 +21,7 @@ from triton.testing import do_bench
 
 from kitsune.kernels import newton_schulz as ns
 
-KERNELS = ("_prologue_kernel", "_syrk_kernel", "_poly_kernel")
+KERNELS = ("_prologue_kernel", "_syrk_kernel", "_gram_reduce_kernel", "_poly_kernel")
 """The Triton kernels of a call (any other kernel in the profile is not the call's)."""
 
 
@@ -127,11 +127,11 @@ def config_variants(
 
 
 def parse_syrk(spec: str) -> list[ns.SyrkConfig]:
-    """``bm,bn,bk,warps,stages[,tma,persistent,flatten];...`` as Gram kernel configs."""
+    """``bm,bn,bk,warps,stages[,tma,persistent,flatten[,split_k]];...`` as Gram kernel configs."""
     out = []
     for item in filter(None, spec.split(";")):
         v = [int(f) for f in item.split(",")]
-        out.append(ns.SyrkConfig(*v[:5], *(bool(f) for f in v[5:])))
+        out.append(ns.SyrkConfig(*v[:5], *(bool(f) for f in v[5:8]), *v[8:]))
     return out
 
 
@@ -169,7 +169,12 @@ def main(argv: list[str] | None = None) -> int:
             ns.newton_schulz_launch(x, out, plan, 1e-7, torch.bfloat16)
 
         row["kitsune_ms"] = do_bench(call, rep=300)
-        names = ["prologue"] + ["gram X X^T", "B' = b A + c A A + a I", "B' X"] * len(plan)
+        # a split Gram's reduce launch counts with its Gram
+        syrk, syrk_c, _ = ns.pick_configs(m, n, batch, torch.bfloat16, x.device)
+        gram, b_prime = "gram X X^T", "B' = b A + c A A + a I"
+        names = ["prologue"] + (
+            [gram] * (1 + (ns._splits(syrk, n)[0] > 1)) + [b_prime] * (1 + (ns._splits(syrk_c, m)[0] > 1)) + ["B' X"]
+        ) * len(plan)
         per: dict[str, list[float]] = defaultdict(list)
         times = kernel_times(call, args.calls)
         if len(times) == args.calls * len(names):
@@ -177,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                 per[names[i % len(names)]].append(ms)
         else:
             print(f"  {len(times)} kernels in {args.calls} calls, expected {args.calls * len(names)}", flush=True)
-        row["kernels_ms"] = {k: sum(v) / len(v) for k, v in per.items()}
+        row["kernels_ms"] = {k: sum(v) / (args.calls * (1 if k == "prologue" else len(plan))) for k, v in per.items()}
 
         row["cublas_ms"] = cublas_times(batch, m, n, *plan[0])
         flops = {

@@ -51,9 +51,16 @@ def adjust_ratio(adjust_lr_fn: str | None, shape: tuple[int, int]) -> float:
     return 1.0
 
 
-def ns_launches(steps: int) -> int:
-    """Triton launches of one Newton-Schulz call (0 iterations: the normalisation alone, in torch ops)."""
-    return 1 + 3 * steps if steps else 0
+def shape_launches(params: Sequence[torch.Tensor], steps: int) -> dict[tuple[int, int], int]:
+    """Per matrix shape of ``params``: the launches of its one Newton-Schulz call on the batch of that shape
+    (`kitsune.kernels.newton_schulz.launch_count`)."""
+    from kitsune.kernels.newton_schulz import launch_count
+
+    counts: dict[tuple[int, int], int] = {}
+    for p in params:
+        shape = matrix_shape(p)
+        counts[shape] = counts.get(shape, 0) + 1
+    return {s: launch_count((b, *s), steps, params[0].device) for s, b in counts.items()}
 
 
 def chunks(members: Members, max_fusion_size: int | None) -> list[Members]:
@@ -62,9 +69,16 @@ def chunks(members: Members, max_fusion_size: int | None) -> list[Members]:
     return [members[i : i + size] for i in range(0, len(members), size)]
 
 
+def _each(counts: dict[tuple[int, int], int]) -> str:
+    """The launches of a call per shape, as the plan's reason words them: one number, or a range where shapes differ
+    (a split Gram launches once more per iteration)."""
+    low, high = min(counts.values()), max(counts.values())
+    return str(low) if low == high else f"{low}-{high}"
+
+
 def unit_launches(params: Sequence[torch.Tensor], steps: int) -> int:
     """Launches of one unit per step: two elementwise ones and one Newton-Schulz call per matrix shape."""
-    return 2 + len({matrix_shape(p) for p in params}) * ns_launches(steps)
+    return 2 + sum(shape_launches(params, steps).values())
 
 
 def group_reason(spec: MuonSpec, config: FusionConfig) -> tuple[Route, str] | None:
@@ -118,7 +132,7 @@ def plan_bucket(bp: BucketPlan, members: Members, spec: MuonSpec, config: Fusion
     bp.route, bp.launches = Route.TRITON_MATMUL, launches
     bp.reason = (
         f"momentum and update in fused multi-tensor kernels; Newton-Schulz batched by shape ({n_shapes} shape(s), "
-        f"{ns_launches(steps)} launches each)"
+        f"{_each(shape_launches(params, steps))} launches each)"
     )
     if n_shapes > 1 and bp.device.startswith("cuda"):
         bp.reason += " on side streams"
@@ -168,7 +182,7 @@ class MuonUnit(FusedUnit):
         ratios = [adjust_ratio(spec.adjust_lr_fn, s) for s in shapes]
         self.ratio = torch.tensor(ratios, dtype=torch.float64).to(self.device)  # (T,) float64 adjust_lr factors
         self.steps = len(spec.ns_plan or ())
-        self.launches = 2 + len(self.batches) * ns_launches(self.steps)
+        self.launches = unit_launches(params, self.steps)
         """Launches per step while any grad is live."""
         self._stream_config = streams
         self._streams: list[torch.cuda.Stream] | None = None

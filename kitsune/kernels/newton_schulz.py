@@ -55,7 +55,14 @@ try:  # host-side TMA descriptors (Triton >= 3.4)
 except ImportError:  # pragma: no cover - older Triton: pointer loads only
     _TensorDescriptor = None
 
-__all__ = ["MUON_COEFFICIENTS", "POLAR_EXPRESS_COEFFICIENTS", "newton_schulz", "newton_schulz_launch", "schedule"]
+__all__ = [
+    "MUON_COEFFICIENTS",
+    "POLAR_EXPRESS_COEFFICIENTS",
+    "launch_count",
+    "newton_schulz",
+    "newton_schulz_launch",
+    "schedule",
+]
 
 SUPPORTED_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 COMPUTE_DTYPES = (torch.bfloat16, torch.float32)
@@ -81,12 +88,15 @@ def _dot(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 @triton.jit
 def _prologue_kernel(
     x_ptr,  # (batch, numel) contiguous, fp32/bf16/fp16
-    xc_ptr,  # (batch, numel) contiguous, DTYPE: the input rounded to DTYPE, stored with STORE
+    xc_ptr,  # (batch, rows, pitch) DTYPE: the input rounded to DTYPE, stored with STORE
     partials,  # (batch, P) fp32 out: sums of squares of the rounded values
     numel,
     chunk,  # elements per program, a multiple of BLOCK
     P,
+    cols,  # with PADDED: the input's row length; its copy's rows start every pitch elements
+    pitch,
     STORE: tl.constexpr,
+    PADDED: tl.constexpr,
     DTYPE: tl.constexpr,
     RNE_BF16: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -101,7 +111,10 @@ def _prologue_kernel(
         mask = idx < end
         x = _cast(tl.load(x_ptr + b * numel + idx, mask=mask, other=0.0).to(tl.float32), DTYPE, RNE_BF16)
         if STORE:
-            tl.store(xc_ptr + b * numel + idx, x, mask=mask)
+            if PADDED:
+                tl.store(xc_ptr + b * (numel // cols) * pitch + (idx // cols) * pitch + idx % cols, x, mask=mask)
+            else:
+                tl.store(xc_ptr + b * numel + idx, x, mask=mask)
         x = x.to(tl.float32)  # the norm of the operand-dtype copy, as torch takes it
         acc += x * x
     tl.store(partials + b * P + pid, tl.sum(acc, 0))
@@ -123,14 +136,17 @@ def _syrk_kernel(
     stride_xb,
     stride_xm,
     stride_xk,
-    c_ptr,  # (batch, M, M) contiguous, DTYPE: read with HAS_C
-    out_ptr,  # (batch, M, M) contiguous, DTYPE: alpha X X^T (+ beta C + diag I), times s^NORM
+    c_ptr,  # (batch, M, pitch) DTYPE: read with HAS_C
+    out_ptr,  # (batch, M, pitch) DTYPE: alpha X X^T (+ beta C + diag I), times s^NORM
+    ws_ptr,  # with SPLIT: (splits, batch, M, M) fp32 out, each split's raw sums over its part of K
     tiles,  # (n_tiles, 2) int32: (i, j), j >= i: row block i, column blocks j .. j + BLOCK_N / BLOCK_M - 1
     n_tiles,
     batch,
     partials,  # (batch, P) fp32 sums of squares, read with NORM
     M,
     K,
+    k_chunk,  # with SPLIT: the part of K one split sums, a multiple of BLOCK_K (K otherwise)
+    pitch,
     P,
     eps,
     alpha,
@@ -138,6 +154,7 @@ def _syrk_kernel(
     diag,  # with HAS_C: added on the diagonal
     NORM: tl.constexpr,  # 0, 1 or 2: the result times s^NORM, s = 1 / max(||X||_F, eps)
     HAS_C: tl.constexpr,
+    SPLIT: tl.constexpr,  # grid (tiles, batch, splits): raw partial sums to ws_ptr, `_gram_reduce_kernel` finishes
     DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
     RNE_BF16: tl.constexpr,
@@ -153,45 +170,53 @@ def _syrk_kernel(
     if PERSISTENT:
         for t in tl.range(tl.program_id(0), n_tiles * batch, tl.num_programs(0), flatten=FLATTEN):
             _syrk_tile(
-                t % n_tiles, (t // n_tiles).to(tl.int64), x_ptr, xr_desc, xc_desc, stride_xb, stride_xm, stride_xk,
-                c_ptr, out_ptr, tiles, partials, M, K, P, eps, alpha, beta, diag, NORM, HAS_C, DTYPE, PRECISION,
-                RNE_BF16, EVEN_K, TMA, P_BLOCK, BLOCK_M, BLOCK_N, BLOCK_K,
+                t % n_tiles, (t // n_tiles).to(tl.int64), 0, x_ptr, xr_desc, xc_desc, stride_xb, stride_xm,
+                stride_xk, c_ptr, out_ptr, ws_ptr, tiles, batch, partials, M, K, k_chunk, pitch, P, eps, alpha, beta,
+                diag, NORM, HAS_C, False, DTYPE, PRECISION, RNE_BF16, EVEN_K, TMA, P_BLOCK, BLOCK_M, BLOCK_N, BLOCK_K,
             )  # fmt: skip
     else:
         _syrk_tile(
-            tl.program_id(0), tl.program_id(1).to(tl.int64), x_ptr, xr_desc, xc_desc, stride_xb, stride_xm,
-            stride_xk, c_ptr, out_ptr, tiles, partials, M, K, P, eps, alpha, beta, diag, NORM, HAS_C, DTYPE,
-            PRECISION, RNE_BF16, EVEN_K, TMA, P_BLOCK, BLOCK_M, BLOCK_N, BLOCK_K,
+            tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2), x_ptr, xr_desc, xc_desc, stride_xb,
+            stride_xm, stride_xk, c_ptr, out_ptr, ws_ptr, tiles, batch, partials, M, K, k_chunk, pitch, P, eps,
+            alpha, beta, diag, NORM, HAS_C, SPLIT, DTYPE, PRECISION, RNE_BF16, EVEN_K, TMA, P_BLOCK, BLOCK_M,
+            BLOCK_N, BLOCK_K,
         )  # fmt: skip
 
 
 @triton.jit
 def _syrk_tile(
-    pid, b, x_ptr, xr_desc, xc_desc, stride_xb, stride_xm, stride_xk, c_ptr, out_ptr, tiles, partials, M, K, P, eps,
-    alpha, beta, diag, NORM: tl.constexpr, HAS_C: tl.constexpr, DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-    RNE_BF16: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, P_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    pid, b, split, x_ptr, xr_desc, xc_desc, stride_xb, stride_xm, stride_xk, c_ptr, out_ptr, ws_ptr, tiles, batch,
+    partials, M, K, k_chunk, pitch, P, eps, alpha, beta, diag, NORM: tl.constexpr, HAS_C: tl.constexpr,
+    SPLIT: tl.constexpr, DTYPE: tl.constexpr, PRECISION: tl.constexpr, RNE_BF16: tl.constexpr, EVEN_K: tl.constexpr,
+    TMA: tl.constexpr, P_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """One tile of `_syrk_kernel`: tile ``pid`` of the upper triangle of matrix ``b``."""
+    """One tile of `_syrk_kernel`: tile ``pid`` of the upper triangle of matrix ``b``, summed over the part
+    ``split`` of K."""
     ti = tl.load(tiles + 2 * pid)
     tj = tl.load(tiles + 2 * pid + 1)
     rows = ti * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tj * BLOCK_M + tl.arange(0, BLOCK_N)
+    if SPLIT:
+        k_lo = split * k_chunk
+        k_hi = tl.minimum(k_lo + k_chunk, K)
+    else:
+        k_lo = 0
+        k_hi = K
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     if TMA:
         # rows past M read the next matrix's rows (or zeros past the last): never stored; K's tail reads zeros
         row0 = (b * M + ti * BLOCK_M).to(tl.int32)
         col0 = (b * M + tj * BLOCK_M).to(tl.int32)
-        for k in range(0, K, BLOCK_K):
+        for k in range(k_lo, k_hi, BLOCK_K):
             xr = xr_desc.load([row0, k])
             xc = xc_desc.load([col0, k])
             acc = _dot(xr, tl.trans(xc), acc, PRECISION, RNE_BF16)
     else:
         ks = tl.arange(0, BLOCK_K)
         # rows past M wrap around: every load is in bounds without a mask, the extra rows are never stored
-        x_r = x_ptr + b * stride_xb + (rows % M)[:, None] * stride_xm + ks[None, :] * stride_xk
-        x_c = x_ptr + b * stride_xb + (cols % M)[:, None] * stride_xm + ks[None, :] * stride_xk
-        for k in range(0, K, BLOCK_K):
+        x_r = x_ptr + b * stride_xb + (rows % M)[:, None] * stride_xm + (k_lo + ks)[None, :] * stride_xk
+        x_c = x_ptr + b * stride_xb + (cols % M)[:, None] * stride_xm + (k_lo + ks)[None, :] * stride_xk
+        for k in range(k_lo, k_hi, BLOCK_K):
             if EVEN_K:
                 xr = tl.load(x_r)
                 xc = tl.load(x_c)
@@ -201,28 +226,87 @@ def _syrk_tile(
             acc = _dot(xr, tl.trans(xc), acc, PRECISION, RNE_BF16)
             x_r += BLOCK_K * stride_xk
             x_c += BLOCK_K * stride_xk
+    if SPLIT:  # this split's sums, as they are: the reduce kernel adds the splits in order and finishes the tile
+        mask = (rows[:, None] < M) & (cols[None, :] < M)
+        tl.store(ws_ptr + ((split * batch + b) * M + rows[:, None]) * M + cols[None, :], acc, mask=mask)
+    else:
+        _syrk_epilogue(
+            acc, ti, rows, cols, b, c_ptr, out_ptr, partials, M, pitch, P, eps, alpha, beta, diag, NORM, HAS_C,
+            DTYPE, RNE_BF16, P_BLOCK, BLOCK_M,
+        )  # fmt: skip
+
+
+@triton.jit
+def _syrk_epilogue(
+    acc, ti, rows, cols, b, c_ptr, out_ptr, partials, M, pitch, P, eps, alpha, beta, diag, NORM: tl.constexpr,
+    HAS_C: tl.constexpr, DTYPE: tl.constexpr, RNE_BF16: tl.constexpr, P_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    """A Gram tile's sums ``acc`` (rows ``rows``, columns ``cols``, row block ``ti``) finished and stored, with its
+    mirror: the norm's scale, ``B'``'s terms, the rounding to DTYPE."""
     if NORM == 2:  # the first Gram, normalised: A = (s X)(s X)^T
         s = _inv_norm(partials, b, P, eps, P_BLOCK)
         acc *= s * s
-    base = b * M * M
+    base = b * M * pitch
     mask = (rows[:, None] < M) & (cols[None, :] < M)
     if HAS_C:  # B' = c A A + b A + a I: the tile of A, once, and a on the diagonal
-        c = tl.load(c_ptr + base + rows[:, None] * M + cols[None, :], mask=mask, other=0.0)
+        c = tl.load(c_ptr + base + rows[:, None] * pitch + cols[None, :], mask=mask, other=0.0)
         acc = alpha * acc + beta * c.to(tl.float32)
         acc += tl.where(rows[:, None] == cols[None, :], diag, 0.0)
     if NORM == 1:  # the first iteration's B' carries s, for the unnormalised X0 it multiplies
         acc *= _inv_norm(partials, b, P, eps, P_BLOCK)
     out = _cast(acc, DTYPE, RNE_BF16)
-    tl.store(out_ptr + base + rows[:, None] * M + cols[None, :], out, mask=mask)
+    tl.store(out_ptr + base + rows[:, None] * pitch + cols[None, :], out, mask=mask)
     # the mirror: blocks (j, i) get the transpose; the diagonal block is its own mirror, stored once (the masks
     # compare vectors with scalars, never two scalars: the interpreter builds no mask from a scalar)
     mirror = (cols[:, None] < M) & (rows[None, :] < M) & (cols // BLOCK_M != ti)[:, None]
-    tl.store(out_ptr + base + cols[:, None] * M + rows[None, :], tl.trans(out), mask=mirror)
+    tl.store(out_ptr + base + cols[:, None] * pitch + rows[None, :], tl.trans(out), mask=mirror)
+
+
+@triton.jit
+def _gram_reduce_kernel(
+    ws_ptr,  # (splits, batch, M, M) fp32: `_syrk_kernel`'s partial sums with SPLIT
+    c_ptr,
+    out_ptr,
+    tiles,
+    batch,
+    splits,
+    partials,
+    M,
+    pitch,
+    P,
+    eps,
+    alpha,
+    beta,
+    diag,
+    NORM: tl.constexpr,
+    HAS_C: tl.constexpr,
+    DTYPE: tl.constexpr,
+    RNE_BF16: tl.constexpr,
+    P_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """A split Gram's tiles, grid (tiles, batch): the splits' sums added in split order (the same bits every run),
+    then the epilogue `_syrk_kernel` runs on an unsplit tile."""
+    pid = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    ti = tl.load(tiles + 2 * pid)
+    tj = tl.load(tiles + 2 * pid + 1)
+    rows = ti * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tj * BLOCK_M + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < M) & (cols[None, :] < M)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for s in range(0, splits):
+        acc += tl.load(ws_ptr + ((s * batch + b) * M + rows[:, None]) * M + cols[None, :], mask=mask, other=0.0)
+    _syrk_epilogue(
+        acc, ti, rows, cols, b, c_ptr, out_ptr, partials, M, pitch, P, eps, alpha, beta, diag, NORM, HAS_C, DTYPE,
+        RNE_BF16, P_BLOCK, BLOCK_M,
+    )  # fmt: skip
 
 
 @triton.jit
 def _poly_kernel(
-    b_ptr,  # (batch, M, M) contiguous, DTYPE: B' = b A + c A A + a I
+    b_ptr,  # (batch, M, b_pitch) DTYPE: B' = b A + c A A + a I
     b_desc,  # with TMA: descriptors of B' as (batch * M, M), blocks (BLOCK_M, BLOCK_K), and of X as (batch * M, N),
     x_desc,  # blocks (BLOCK_K, BLOCK_N)
     x_ptr,  # (batch, M, N) through strides, DTYPE (the first iteration: the unnormalised X0, maybe a transposed view)
@@ -233,6 +317,7 @@ def _poly_kernel(
     stride_ob,
     stride_om,
     stride_on,
+    b_pitch,
     batch,
     M,
     N,
@@ -253,21 +338,21 @@ def _poly_kernel(
         for t in tl.range(tl.program_id(0), n_tiles * batch, tl.num_programs(0), flatten=FLATTEN):
             _poly_tile(
                 t % n_tiles, (t // n_tiles).to(tl.int64), b_ptr, b_desc, x_desc, x_ptr, stride_xb, stride_xm,
-                stride_xn, out_ptr, stride_ob, stride_om, stride_on, M, N, DTYPE, PRECISION, RNE_BF16, EVEN_K, TMA,
-                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                stride_xn, out_ptr, stride_ob, stride_om, stride_on, b_pitch, M, N, DTYPE, PRECISION, RNE_BF16,
+                EVEN_K, TMA, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
             )  # fmt: skip
     else:
         _poly_tile(
             tl.program_id(0), tl.program_id(1).to(tl.int64), b_ptr, b_desc, x_desc, x_ptr, stride_xb, stride_xm,
-            stride_xn, out_ptr, stride_ob, stride_om, stride_on, M, N, DTYPE, PRECISION, RNE_BF16, EVEN_K, TMA,
-            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+            stride_xn, out_ptr, stride_ob, stride_om, stride_on, b_pitch, M, N, DTYPE, PRECISION, RNE_BF16, EVEN_K,
+            TMA, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
         )  # fmt: skip
 
 
 @triton.jit
 def _poly_tile(
     pid, b, b_ptr, b_desc, x_desc, x_ptr, stride_xb, stride_xm, stride_xn, out_ptr, stride_ob, stride_om, stride_on,
-    M, N, DTYPE: tl.constexpr, PRECISION: tl.constexpr, RNE_BF16: tl.constexpr, EVEN_K: tl.constexpr,
+    b_pitch, M, N, DTYPE: tl.constexpr, PRECISION: tl.constexpr, RNE_BF16: tl.constexpr, EVEN_K: tl.constexpr,
     TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """One tile of `_poly_kernel`: tile ``pid`` of matrix ``b``."""
@@ -289,7 +374,7 @@ def _poly_tile(
             acc = _dot(lhs, rhs, acc, PRECISION, RNE_BF16)
     else:
         ks = tl.arange(0, BLOCK_K)
-        b_tile = b_ptr + b * M * M + (rows % M)[:, None] * M + ks[None, :]
+        b_tile = b_ptr + b * M * b_pitch + (rows % M)[:, None] * b_pitch + ks[None, :]
         x_tile = x_ptr + ks[:, None] * stride_xm + (cols % N)[None, :] * stride_xn
         for k in range(0, M, BLOCK_K):
             if EVEN_K:
@@ -325,6 +410,10 @@ class SyrkConfig(NamedTuple):
     """About one program per SM, each looping over tiles, instead of one program per tile."""
     flatten: bool = False
     """With ``persistent``: flatten the tile and k loops into one software pipeline."""
+    split_k: int = 1
+    """Parts of the k loop run by separate programs (grid ``(tiles, batch, split_k)``, not persistent), their fp32
+    sums added in order by `_gram_reduce_kernel`, which finishes the tiles: for a Gram of few tiles over a long k,
+    as a tall embedding's ``768 x 50257`` (21 tiles, 50257 deep), where the unsplit grid leaves most SMs idle."""
 
 
 class PolyConfig(NamedTuple):
@@ -379,20 +468,52 @@ def pick_configs(
     syrk = SyrkConfig(128, 128, 64, 4, 3) if upper >= 100 else SyrkConfig(64, 128, 64, 4, 4)
     poly_tiles = batch * blocks * triton.cdiv(n, 256)
     poly = PolyConfig(128, 256, 64, 16, 8, 3) if poly_tiles >= 100 else PolyConfig(64, 128, 64, 8, 4, 4)
-    return syrk, syrk, poly
+    return syrk._replace(split_k=_split_k(syrk, m, n, batch, _num_sms(device))), syrk, poly
+
+
+SPLIT_MIN_K = 2048
+"""The depth a split Gram's part keeps at least: long enough for the k loop's pipeline, and the parts' fp32 sums
+(one tile each) stay a small share of the operand bytes each part loads."""
+
+
+def _split_k(cfg: SyrkConfig, m: int, k: int, batch: int, sms: int) -> int:
+    """Parts to split ``X X^T``'s k loop into: where its tiles fill at most half the SMs, enough parts for about a
+    wave, each at least `SPLIT_MIN_K` deep; 1 otherwise."""
+    blocks, wide = triton.cdiv(m, cfg.block_m), cfg.block_n // cfg.block_m
+    programs = batch * sum(triton.cdiv(blocks - i, wide) for i in range(blocks))  # as `_upper_tiles` lists them
+    if 2 * programs > sms:
+        return 1
+    return max(1, min(triton.cdiv(sms, programs), k // SPLIT_MIN_K))
 
 
 def _descriptor(t: torch.Tensor, strides: Sequence[int], rows: int, cols: int, block: list[int]) -> object | None:
     """A TMA descriptor of the ``(batch, rows, cols)`` operand ``t`` (read through ``strides``) as one
-    ``(batch * rows, cols)`` matrix, or None where TMA cannot read it: rows not contiguous and packed, addresses or
-    row pitch not 16-byte aligned, or no descriptor support in this Triton."""
+    ``(batch * rows, cols)`` matrix with rows ``strides[1]`` elements apart, or None where TMA cannot read it: rows
+    not contiguous, matrices not ``rows`` rows apart, addresses or row pitch not 16-byte aligned, or no descriptor
+    support in this Triton."""
     if _TensorDescriptor is None or t.device.type != "cuda" and not INTERPRETED:
         return None
     sb, sr, sc = strides
-    if sc != 1 or sr != cols or sb != rows * cols or (cols * t.element_size()) % 16 or t.data_ptr() % 16:
+    if sc != 1 or sr < cols or sb != rows * sr or (sr * t.element_size()) % 16 or t.data_ptr() % 16:
         return None
-    flat = t.as_strided((t.shape[0] * rows, cols), (cols, 1))
+    flat = t.as_strided((t.shape[0] * rows, cols), (sr, 1))
     return _TensorDescriptor.from_tensor(flat, block)
+
+
+PITCH_ALIGN = 16
+"""Elements a buffer's row pitch is a multiple of: Triton assumes an integer argument divisible by 16 where it is
+(so a row pitch of 16k elements lets pointer loads vectorise), and TMA wants 16-byte rows."""
+
+
+def _pitch(cols: int, dtype: torch.dtype) -> int:
+    """Elements from one row of a buffer to the next: ``cols`` rounded up to `PITCH_ALIGN` elements. Rows of an odd
+    length (a vocabulary of 50257) would leave every row but the first misaligned: no vector loads, no TMA."""
+    return -(-cols // PITCH_ALIGN) * PITCH_ALIGN
+
+
+def _buffer(batch: int, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A ``(batch, rows, cols)`` view of a buffer whose rows are `_pitch` elements apart."""
+    return torch.empty((batch, rows, _pitch(cols, dtype)), dtype=dtype, device=device)[..., :cols]
 
 
 @functools.cache
@@ -422,9 +543,11 @@ class _GramLaunch:
 
     def __init__(self, cfg: SyrkConfig, m: int, batch: int, parts: int, sms: int, device: torch.device, common: dict):
         self.cfg = cfg
+        if cfg.split_k > 1 and cfg.persistent:
+            raise ValueError(f"split_k={cfg.split_k} needs a grid of one program per tile: persistent=False")
         self.tiles = _upper_tiles(triton.cdiv(m, cfg.block_m), cfg.block_n // cfg.block_m, device)
-        n_tiles = self.tiles.shape[0]
-        self.grid = (min(n_tiles * batch, sms),) if cfg.persistent else (n_tiles, batch)
+        self.n_tiles = n_tiles = self.tiles.shape[0]
+        self.grid = (min(n_tiles * batch, sms),) if cfg.persistent else (n_tiles, batch, 1)
         self.meta = {
             "P_BLOCK": triton.next_power_of_2(parts),
             "BLOCK_M": cfg.block_m,
@@ -458,7 +581,7 @@ def newton_schulz_launch(
     ``out`` (batch, m, n) of ``dtype``. Shapes, dtypes and devices are checked by
     [`newton_schulz`][kitsune.kernels.newton_schulz.newton_schulz]; this picks tiles (unless ``configs`` says:
     ``(gram, b_prime, product)`` as `pick_configs` gives them, or ``(gram, product)`` with the ``X X^T`` config for
-    ``B'`` too) and launches ``1 + 3 * steps`` kernels."""
+    ``B'`` too) and launches ``1 + 3 * steps`` kernels, and one more per split Gram."""
     batch, m_in, n_in = x.shape
     tall = m_in > n_in
     m, n = (n_in, m_in) if tall else (m_in, n_in)  # the iteration runs on X = x^T for a tall x: A is (m, m)
@@ -475,11 +598,14 @@ def newton_schulz_launch(
     parts = triton.cdiv(numel, chunk)
     partials = torch.empty((batch, parts), dtype=torch.float32, device=x.device)
     # X0: the input rounded to the operand dtype, in the input's orientation (the first iteration reads it through
-    # strides); the input itself when it already has that dtype
-    x0 = x if x.dtype == dtype else torch.empty(x.shape, dtype=dtype, device=x.device)
-    gram = torch.empty((batch, m, m), dtype=dtype, device=x.device)  # A
-    poly_b = torch.empty_like(gram)  # B'
-    xs = [torch.empty((batch, m, n), dtype=dtype, device=x.device) for _ in range(min(2, len(coefficients) - 1))]
+    # strides); the input itself when it already has that dtype and its rows are aligned. Every buffer below has
+    # aligned rows (`_buffer`)
+    aligned = _pitch(n_in, dtype) == n_in
+    x0 = x if x.dtype == dtype and aligned else _buffer(batch, m_in, n_in, dtype, x.device)
+    gram = _buffer(batch, m, m, dtype, x.device)  # A
+    poly_b = _buffer(batch, m, m, dtype, x.device)  # B'
+    mm_pitch = gram.stride(1)
+    xs = [_buffer(batch, m, n, dtype, x.device) for _ in range(min(2, len(coefficients) - 1))]
     poly_grid = (triton.cdiv(m, poly.block_m) * triton.cdiv(n, poly.block_n), batch)
     common = {
         "DTYPE": tl_dtype,
@@ -503,6 +629,26 @@ def newton_schulz_launch(
 
     grams = {cfg: _GramLaunch(cfg, m, batch, parts, sms, x.device, common) for cfg in (syrk, syrk_c)}
     g_x, g_c = grams[syrk], grams[syrk_c]  # A = X X^T's launch and B''s (the same when one config serves both)
+    # split Grams: each split's fp32 sums, one workspace for both launches (they run one after the other)
+    x_split, c_split = _splits(g_x.cfg, n), _splits(g_c.cfg, m)  # (splits, k_chunk) of X X^T's k = n, B''s k = m
+    ws_splits = max(x_split[0], c_split[0])
+    ws = torch.empty((ws_splits, batch, m, m), dtype=torch.float32, device=x.device) if ws_splits > 1 else partials
+
+    def gram_launch(g: _GramLaunch, split, src, descs, strides, k, c, dst, alpha, beta, diag, norm, has_c) -> None:
+        n_split, k_chunk = split
+        grid = g.grid if n_split == 1 else (g.n_tiles, batch, n_split)
+        _syrk_kernel[grid](
+            src, *descs, *strides, c, dst, ws, g.tiles, g.n_tiles, batch, partials, m, k, k_chunk, mm_pitch, parts,
+            eps, alpha, beta, diag, NORM=norm, HAS_C=has_c, SPLIT=n_split > 1, EVEN_K=k % g.cfg.block_k == 0,
+            TMA=descs[0] is not None, **g.meta, enable_fp_fusion=_common.FP_FUSION,
+        )  # fmt: skip
+        if n_split > 1:
+            _gram_reduce_kernel[(g.n_tiles, batch)](
+                ws, c, dst, g.tiles, batch, n_split, partials, m, mm_pitch, parts, eps, alpha, beta, diag,
+                NORM=norm, HAS_C=has_c, DTYPE=tl_dtype, RNE_BF16=INTERPRETED, P_BLOCK=g.meta["P_BLOCK"],
+                BLOCK_M=g.cfg.block_m, BLOCK_N=g.cfg.block_n, num_warps=g.cfg.num_warps,
+                enable_fp_fusion=_common.FP_FUSION,
+            )  # fmt: skip
 
     # the descriptor of B' is the same every iteration; X's follow the buffer the iteration reads (none for cuBLAS)
     tma_product = poly.tma and not poly.cublas
@@ -519,8 +665,8 @@ def newton_schulz_launch(
     x_descs: dict[int, tuple[tuple[object, object], tuple[object, object]]] = {}
     with _device_guard(x.device):
         _prologue_kernel[(parts, batch)](
-            x, x0, partials, numel, chunk, parts,
-            STORE=x0 is not x, DTYPE=tl_dtype, RNE_BF16=INTERPRETED, BLOCK=PROLOGUE_BLOCK, num_warps=4,
+            x, x0, partials, numel, chunk, parts, n_in, x0.stride(1), STORE=x0 is not x,
+            PADDED=x0.stride(1) != n_in, DTYPE=tl_dtype, RNE_BF16=INTERPRETED, BLOCK=PROLOGUE_BLOCK, num_warps=4,
             enable_fp_fusion=_common.FP_FUSION,
         )  # fmt: skip
         x0_strides = (x0.stride(0), x0.stride(2), x0.stride(1)) if tall else x0.stride()
@@ -530,16 +676,12 @@ def newton_schulz_launch(
             if x_now.data_ptr() not in x_descs:
                 x_descs[x_now.data_ptr()] = (g_x.descs(x_now, x_strides, m, n), poly_descs(x_now, x_strides))
             descs, p_descs = x_descs[x_now.data_ptr()]
-            _syrk_kernel[g_x.grid](  # A = X X^T (the first: of the unnormalised X0, scaled by s^2)
-                x_now, *descs, *x_strides, gram, gram, g_x.tiles, g_x.tiles.shape[0], batch, partials, m, n, parts,
-                eps, 1.0, 0.0, 0.0, NORM=2 if first else 0, HAS_C=False, EVEN_K=n % syrk.block_k == 0,
-                TMA=descs[0] is not None, **g_x.meta, enable_fp_fusion=_common.FP_FUSION,
-            )  # fmt: skip
-            _syrk_kernel[g_c.grid](  # B' = c A A + b A + a I, where A A = A A^T (the first: times s)
-                gram, *gram_descs, *gram.stride(), gram, poly_b, g_c.tiles, g_c.tiles.shape[0], batch, partials,
-                m, m, parts, eps, c, b, a, NORM=1 if first else 0, HAS_C=True, EVEN_K=m % syrk_c.block_k == 0,
-                TMA=gram_descs[0] is not None, **g_c.meta, enable_fp_fusion=_common.FP_FUSION,
-            )  # fmt: skip
+            # A = X X^T (the first: of the unnormalised X0, scaled by s^2)
+            gram_launch(g_x, x_split, x_now, descs, x_strides, n, gram, gram, 1.0, 0.0, 0.0, 2 if first else 0, False)
+            # B' = c A A + b A + a I, where A A = A A^T (the first: times s)
+            gram_launch(
+                g_c, c_split, gram, gram_descs, gram.stride(), m, gram, poly_b, c, b, a, 1 if first else 0, True
+            )
             last = it == len(coefficients) - 1
             target = out if last else xs[it % 2]
             t_strides = out_strides if last else target.stride()
@@ -548,10 +690,20 @@ def newton_schulz_launch(
                 torch.bmm(poly_b, rhs, out=target.as_strided((batch, m, n), t_strides))
             else:
                 _poly_kernel[poly_grid](  # X = B' X, the last one straight into out, transposed back
-                    poly_b, *p_descs, x_now, *x_strides, target, *t_strides, batch, m, n,
+                    poly_b, *p_descs, x_now, *x_strides, target, *t_strides, mm_pitch, batch, m, n,
                     TMA=p_descs[0] is not None, **poly_meta, enable_fp_fusion=_common.FP_FUSION,
                 )  # fmt: skip
             x_now, x_strides = target, target.stride()
+
+
+def _splits(cfg: SyrkConfig, k: int) -> tuple[int, int]:
+    """``(splits, k_chunk)``: the parts of a k loop of ``k`` a split Gram runs (no empty part) and each one's depth,
+    a multiple of the k block; ``(1, k)`` unsplit."""
+    if cfg.split_k <= 1:
+        return 1, k
+    k_chunk = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    n_split = triton.cdiv(k, k_chunk)
+    return (n_split, k_chunk) if n_split > 1 else (1, k)
 
 
 class _Graph:
@@ -578,12 +730,29 @@ class _Graph:
         out.copy_(self.out)
 
 
-def graph_bytes(shape: Sequence[int], dtype: torch.dtype) -> int:
-    """Memory a captured graph keeps: its input (X0) and output, two X and A, B', the (m, m) Gram matrices, all in
-    the operand dtype."""
-    batch, m, n = shape
-    m = min(m, n)
-    return (4 * batch * m * max(m, n) + 2 * batch * m * m) * dtype.itemsize
+def graph_bytes(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> int:
+    """Memory a captured graph keeps: its input (X0) and output, the padded copy of X0 where its rows are not
+    16-byte aligned, two X, the Gram matrices A and B' (all in the operand dtype, rows padded to 16 elements), and a
+    split Gram's fp32 sums."""
+    batch, rows, cols = shape
+    m, n = sorted((rows, cols))
+    elements = 2 * batch * rows * cols + 2 * batch * m * _pitch(n, dtype) + 2 * batch * m * _pitch(m, dtype)
+    if _pitch(cols, dtype) != cols:
+        elements += batch * rows * _pitch(cols, dtype)
+    syrk, syrk_c, _ = pick_configs(m, n, batch, dtype, device)
+    splits = max(_splits(syrk, n)[0], _splits(syrk_c, m)[0])
+    return elements * dtype.itemsize + (batch * m * m * 4 * splits if splits > 1 else 0)
+
+
+def launch_count(shape: Sequence[int], steps: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Kernel launches of one call on a ``(batch, rows, cols)`` input: the prologue, three per iteration and one more
+    per split Gram (0 iterations: none, the normalisation runs in torch ops)."""
+    if not steps:
+        return 0
+    batch, rows, cols = shape
+    m, n = sorted((rows, cols))
+    syrk, syrk_c, _ = pick_configs(m, n, batch, dtype, device)
+    return 1 + (3 + (_splits(syrk, n)[0] > 1) + (_splits(syrk_c, m)[0] > 1)) * steps
 
 
 GRAPH_MAX_ELEMENTS = 2**22
@@ -603,7 +772,7 @@ def _graph_for(x: torch.Tensor, dtype: torch.dtype, plan: list[Coefficients], ep
         return None
     key = (tuple(x.shape), x.dtype, x.device, dtype, tuple(plan), eps)
     if key not in _graphs:
-        nbytes = graph_bytes(x.shape, dtype)
+        nbytes = graph_bytes(x.shape, dtype, x.device)
         if nbytes > GRAPH_CACHE_BYTES:
             return None
         while _graphs and sum(b for _, b in _graphs.values()) + nbytes > GRAPH_CACHE_BYTES:
