@@ -170,11 +170,10 @@ def main(argv: list[str] | None = None) -> int:
 
         row["kitsune_ms"] = do_bench(call, rep=300)
         # a split Gram's reduce launch counts with its Gram
-        syrk, syrk_c, _ = ns.pick_configs(m, n, batch, torch.bfloat16, x.device)
+        x_split, c_split = ns.gram_splits(*ns.pick_configs(m, n, batch, torch.bfloat16, x.device)[:2], m, n)
         gram, b_prime = "gram X X^T", "B' = b A + c A A + a I"
-        names = ["prologue"] + (
-            [gram] * (1 + (ns._splits(syrk, n)[0] > 1)) + [b_prime] * (1 + (ns._splits(syrk_c, m)[0] > 1)) + ["B' X"]
-        ) * len(plan)
+        iteration = [gram] * (1 + (x_split[0] > 1)) + [b_prime] * (1 + (c_split[0] > 1)) + ["B' X"]
+        names = ["prologue"] + iteration * len(plan)
         per: dict[str, list[float]] = defaultdict(list)
         times = kernel_times(call, args.calls)
         if len(times) == args.calls * len(names):

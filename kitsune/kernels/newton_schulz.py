@@ -413,7 +413,8 @@ class SyrkConfig(NamedTuple):
     split_k: int = 1
     """Parts of the k loop run by separate programs (grid ``(tiles, batch, split_k)``, not persistent), their fp32
     sums added in order by `_gram_reduce_kernel`, which finishes the tiles: for a Gram of few tiles over a long k,
-    as a tall embedding's ``768 x 50257`` (21 tiles, 50257 deep), where the unsplit grid leaves most SMs idle."""
+    as a tall embedding's ``768 x 50257`` (42 tiles of 64 x 128, 50257 deep), where the unsplit grid leaves most
+    SMs idle."""
 
 
 class PolyConfig(NamedTuple):
@@ -479,8 +480,7 @@ SPLIT_MIN_K = 2048
 def _split_k(cfg: SyrkConfig, m: int, k: int, batch: int, sms: int) -> int:
     """Parts to split ``X X^T``'s k loop into: where its tiles fill at most half the SMs, enough parts for about a
     wave, each at least `SPLIT_MIN_K` deep; 1 otherwise."""
-    blocks, wide = triton.cdiv(m, cfg.block_m), cfg.block_n // cfg.block_m
-    programs = batch * sum(triton.cdiv(blocks - i, wide) for i in range(blocks))  # as `_upper_tiles` lists them
+    programs = batch * len(_tile_pairs(triton.cdiv(m, cfg.block_m), cfg.block_n // cfg.block_m))
     if 2 * programs > sms:
         return 1
     return max(1, min(triton.cdiv(sms, programs), k // SPLIT_MIN_K))
@@ -505,7 +505,7 @@ PITCH_ALIGN = 16
 (so a row pitch of 16k elements lets pointer loads vectorise), and TMA wants 16-byte rows."""
 
 
-def _pitch(cols: int, dtype: torch.dtype) -> int:
+def _pitch(cols: int) -> int:
     """Elements from one row of a buffer to the next: ``cols`` rounded up to `PITCH_ALIGN` elements. Rows of an odd
     length (a vocabulary of 50257) would leave every row but the first misaligned: no vector loads, no TMA."""
     return -(-cols // PITCH_ALIGN) * PITCH_ALIGN
@@ -513,7 +513,7 @@ def _pitch(cols: int, dtype: torch.dtype) -> int:
 
 def _buffer(batch: int, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A ``(batch, rows, cols)`` view of a buffer whose rows are `_pitch` elements apart."""
-    return torch.empty((batch, rows, _pitch(cols, dtype)), dtype=dtype, device=device)[..., :cols]
+    return torch.empty((batch, rows, _pitch(cols)), dtype=dtype, device=device)[..., :cols]
 
 
 @functools.cache
@@ -529,8 +529,12 @@ def _upper_tiles(blocks: int, wide: int, device: torch.device) -> torch.Tensor:
     blocks of a row per tile, starting on the diagonal. Row by row: neighbouring programs share their row block.
     A row with a block count not a multiple of ``wide`` ends in a tile partly past the matrix (computed, not
     stored): at most one per row, 1 / (blocks + 1) of the work for ``wide`` = 2."""
-    tiles = [(i, j) for i in range(blocks) for j in range(i, blocks, wide)]
-    return torch.tensor(tiles, dtype=torch.int32).to(device)
+    return torch.tensor(_tile_pairs(blocks, wide), dtype=torch.int32).to(device)
+
+
+def _tile_pairs(blocks: int, wide: int) -> list[tuple[int, int]]:
+    """The ``(i, j)`` pairs of `_upper_tiles`, in its order."""
+    return [(i, j) for i in range(blocks) for j in range(i, blocks, wide)]
 
 
 def _device_guard(device: torch.device) -> contextlib.AbstractContextManager:
@@ -600,7 +604,7 @@ def newton_schulz_launch(
     # X0: the input rounded to the operand dtype, in the input's orientation (the first iteration reads it through
     # strides); the input itself when it already has that dtype and its rows are aligned. Every buffer below has
     # aligned rows (`_buffer`)
-    aligned = _pitch(n_in, dtype) == n_in
+    aligned = _pitch(n_in) == n_in
     x0 = x if x.dtype == dtype and aligned else _buffer(batch, m_in, n_in, dtype, x.device)
     gram = _buffer(batch, m, m, dtype, x.device)  # A
     poly_b = _buffer(batch, m, m, dtype, x.device)  # B'
@@ -630,7 +634,7 @@ def newton_schulz_launch(
     grams = {cfg: _GramLaunch(cfg, m, batch, parts, sms, x.device, common) for cfg in (syrk, syrk_c)}
     g_x, g_c = grams[syrk], grams[syrk_c]  # A = X X^T's launch and B''s (the same when one config serves both)
     # split Grams: each split's fp32 sums, one workspace for both launches (they run one after the other)
-    x_split, c_split = _splits(g_x.cfg, n), _splits(g_c.cfg, m)  # (splits, k_chunk) of X X^T's k = n, B''s k = m
+    x_split, c_split = gram_splits(syrk, syrk_c, m, n)
     ws_splits = max(x_split[0], c_split[0])
     ws = torch.empty((ws_splits, batch, m, m), dtype=torch.float32, device=x.device) if ws_splits > 1 else partials
 
@@ -706,6 +710,12 @@ def _splits(cfg: SyrkConfig, k: int) -> tuple[int, int]:
     return (n_split, k_chunk) if n_split > 1 else (1, k)
 
 
+def gram_splits(syrk: SyrkConfig, syrk_c: SyrkConfig, m: int, n: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """`_splits` of a call's two Gram launches on an ``(m, n)``, ``m <= n``, problem: ``X X^T`` (k = n) with config
+    ``syrk``, ``B'`` (k = m) with ``syrk_c``. A split launch adds one reduce launch and an fp32 workspace."""
+    return _splits(syrk, n), _splits(syrk_c, m)
+
+
 class _Graph:
     """One captured `newton_schulz_launch` with its own input and output buffers (and memory pool)."""
 
@@ -731,16 +741,16 @@ class _Graph:
 
 
 def graph_bytes(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> int:
-    """Memory a captured graph keeps: its input (X0) and output, the padded copy of X0 where its rows are not
-    16-byte aligned, two X, the Gram matrices A and B' (all in the operand dtype, rows padded to 16 elements), and a
-    split Gram's fp32 sums."""
+    """Memory a captured graph keeps: its input (X0) and output, the padded copy of X0 where its rows are no
+    multiple of 16 elements, two X, the Gram matrices A and B' (all in the operand dtype, rows padded to 16
+    elements), and a split Gram's fp32 sums."""
     batch, rows, cols = shape
     m, n = sorted((rows, cols))
-    elements = 2 * batch * rows * cols + 2 * batch * m * _pitch(n, dtype) + 2 * batch * m * _pitch(m, dtype)
-    if _pitch(cols, dtype) != cols:
-        elements += batch * rows * _pitch(cols, dtype)
+    elements = 2 * batch * rows * cols + 2 * batch * m * _pitch(n) + 2 * batch * m * _pitch(m)
+    if _pitch(cols) != cols:
+        elements += batch * rows * _pitch(cols)
     syrk, syrk_c, _ = pick_configs(m, n, batch, dtype, device)
-    splits = max(_splits(syrk, n)[0], _splits(syrk_c, m)[0])
+    splits = max(s for s, _ in gram_splits(syrk, syrk_c, m, n))
     return elements * dtype.itemsize + (batch * m * m * 4 * splits if splits > 1 else 0)
 
 
@@ -752,7 +762,7 @@ def launch_count(shape: Sequence[int], steps: int, device: torch.device, dtype: 
     batch, rows, cols = shape
     m, n = sorted((rows, cols))
     syrk, syrk_c, _ = pick_configs(m, n, batch, dtype, device)
-    return 1 + (3 + (_splits(syrk, n)[0] > 1) + (_splits(syrk_c, m)[0] > 1)) * steps
+    return 1 + (3 + sum(s > 1 for s, _ in gram_splits(syrk, syrk_c, m, n))) * steps
 
 
 GRAPH_MAX_ELEMENTS = 2**22

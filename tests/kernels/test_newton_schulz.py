@@ -242,7 +242,7 @@ def test_split_gram_sums_the_same_products(shape, device, monkeypatch):
         ns.newton_schulz_launch(x, got, plan, 1e-7, torch.bfloat16, configs)
         assert rel_err(got, base) < 1e-3
         assert rel_err(got, reference(x, 3)) < REL_ERR[torch.bfloat16]
-        parts = [ns._splits(cfg, k)[0] for cfg, k in ((configs[0], n), (configs[1], m))]
+        parts = [s for s, _ in ns.gram_splits(configs[0], configs[1], m, n)]
         tiles = len(ns._upper_tiles(-(-m // syrk.block_m), syrk.block_n // syrk.block_m, x.device))
         want = [((tiles, x.shape[0]), p) for p in parts if p > 1] * len(plan)
         assert reduces == want and want
@@ -270,7 +270,7 @@ def test_rows_of_any_length_run_on_aligned_copies(shape, device, monkeypatch):
     assert rel_err(out, reference(x.float(), 3)) < REL_ERR[torch.bfloat16]
     assert out.is_contiguous() and strides
     assert all(st[1] % 16 == 0 for st in strides if st[2] == 1)  # every row-major operand: rows 16k elements apart
-    assert ns._pitch(37, torch.bfloat16) == 48 and ns._pitch(48, torch.float32) == 48
+    assert ns._pitch(37) == 48 and ns._pitch(48) == 48
     assert rel_err(newton_schulz(g), reference(g)) < REL_ERR[torch.bfloat16]
 
 
