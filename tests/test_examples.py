@@ -249,6 +249,7 @@ CASES = [
 ]
 
 # examples that need several processes: run through torchrun in a subprocess
+GLOO_EXIT_ABORT = "terminate called without an active exception"
 TORCHRUN_CASES = [
     pytest.param("ddp.py", ["--steps", "5", "--device", "cpu"], check_ddp, id="ddp"),
     pytest.param("fsdp2.py", ["--steps", "5", "--device", "cpu"], check_fsdp2, id="fsdp2"),
@@ -277,6 +278,10 @@ def test_example_runs_under_torchrun(name, args, check, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(EXAMPLES / name)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([*cmd, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0 and GLOO_EXIT_ABORT in proc.stderr:
+        # gloo's teardown race (pytorch/pytorch#65237): a rank aborts while the interpreter exits, after the example
+        # finished and destroyed its process group; rare on a loaded machine. One more run must exit cleanly.
+        proc = subprocess.run([*cmd, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"exit code {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     check(proc.stdout, tmp_path)
 
