@@ -320,7 +320,9 @@ def _poly_kernel(
     b_pitch,
     batch,
     M,
-    N,
+    N,  # columns computed and stored
+    N_READ,  # columns of X that hold X (reads wrap around inside them)
+    PAD: tl.constexpr,  # N > N_READ: columns N_READ .. N - 1 are stored as zeros (an iteration buffer's padding)
     DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
     RNE_BF16: tl.constexpr,
@@ -338,22 +340,23 @@ def _poly_kernel(
         for t in tl.range(tl.program_id(0), n_tiles * batch, tl.num_programs(0), flatten=FLATTEN):
             _poly_tile(
                 t % n_tiles, (t // n_tiles).to(tl.int64), b_ptr, b_desc, x_desc, x_ptr, stride_xb, stride_xm,
-                stride_xn, out_ptr, stride_ob, stride_om, stride_on, b_pitch, M, N, DTYPE, PRECISION, RNE_BF16,
-                EVEN_K, TMA, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                stride_xn, out_ptr, stride_ob, stride_om, stride_on, b_pitch, M, N, N_READ, PAD, DTYPE, PRECISION,
+                RNE_BF16, EVEN_K, TMA, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
             )  # fmt: skip
     else:
         _poly_tile(
             tl.program_id(0), tl.program_id(1).to(tl.int64), b_ptr, b_desc, x_desc, x_ptr, stride_xb, stride_xm,
-            stride_xn, out_ptr, stride_ob, stride_om, stride_on, b_pitch, M, N, DTYPE, PRECISION, RNE_BF16, EVEN_K,
-            TMA, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+            stride_xn, out_ptr, stride_ob, stride_om, stride_on, b_pitch, M, N, N_READ, PAD, DTYPE, PRECISION,
+            RNE_BF16, EVEN_K, TMA, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
         )  # fmt: skip
 
 
 @triton.jit
 def _poly_tile(
     pid, b, b_ptr, b_desc, x_desc, x_ptr, stride_xb, stride_xm, stride_xn, out_ptr, stride_ob, stride_om, stride_on,
-    b_pitch, M, N, DTYPE: tl.constexpr, PRECISION: tl.constexpr, RNE_BF16: tl.constexpr, EVEN_K: tl.constexpr,
-    TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    b_pitch, M, N, N_READ, PAD: tl.constexpr, DTYPE: tl.constexpr, PRECISION: tl.constexpr, RNE_BF16: tl.constexpr,
+    EVEN_K: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """One tile of `_poly_kernel`: tile ``pid`` of matrix ``b``."""
     grid_m = tl.cdiv(M, BLOCK_M)
@@ -375,7 +378,7 @@ def _poly_tile(
     else:
         ks = tl.arange(0, BLOCK_K)
         b_tile = b_ptr + b * M * b_pitch + (rows % M)[:, None] * b_pitch + ks[None, :]
-        x_tile = x_ptr + ks[:, None] * stride_xm + (cols % N)[None, :] * stride_xn
+        x_tile = x_ptr + ks[:, None] * stride_xm + (cols % N_READ)[None, :] * stride_xn
         for k in range(0, M, BLOCK_K):
             if EVEN_K:
                 lhs = tl.load(b_tile)
@@ -386,6 +389,8 @@ def _poly_tile(
             acc = _dot(lhs, rhs, acc, PRECISION, RNE_BF16)
             b_tile += BLOCK_K
             x_tile += BLOCK_K * stride_xm
+    if PAD:
+        acc = tl.where(cols[None, :] < N_READ, acc, 0.0)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     out = _cast(acc, DTYPE, RNE_BF16)
     tl.store(out_ptr + b * stride_ob + rows[:, None] * stride_om + cols[None, :] * stride_on, out, mask=mask)
@@ -511,6 +516,19 @@ def _pitch(cols: int) -> int:
     return -(-cols // PITCH_ALIGN) * PITCH_ALIGN
 
 
+K_ALIGN = 64
+"""Columns an iteration buffer's extent is a multiple of (`_extent`): the k block of every Gram config, so the
+Grams that read it run without a k mask."""
+
+
+def _extent(n: int) -> int:
+    """Columns of an iteration buffer for an ``(m, n)`` problem: ``n`` rounded up to `K_ALIGN`, the columns past
+    ``n`` zeros (they add nothing to a Gram and B' X keeps them zero). Only the first iteration's read (of X0) and
+    the last one's write (of the result) see ``n`` itself: a vocabulary of 50257 columns otherwise masks every Gram's
+    last k block and wraps every product's column index by an odd number, and neither load then vectorises."""
+    return -(-n // K_ALIGN) * K_ALIGN
+
+
 def _buffer(batch: int, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A ``(batch, rows, cols)`` view of a buffer whose rows are `_pitch` elements apart."""
     return torch.empty((batch, rows, _pitch(cols)), dtype=dtype, device=device)[..., :cols]
@@ -609,7 +627,8 @@ def newton_schulz_launch(
     gram = _buffer(batch, m, m, dtype, x.device)  # A
     poly_b = _buffer(batch, m, m, dtype, x.device)  # B'
     mm_pitch = gram.stride(1)
-    xs = [_buffer(batch, m, n, dtype, x.device) for _ in range(min(2, len(coefficients) - 1))]
+    n_x = _extent(n)  # the iteration buffers' columns, zeros past n
+    xs = [_buffer(batch, m, n_x, dtype, x.device) for _ in range(min(2, len(coefficients) - 1))]
     poly_grid = (triton.cdiv(m, poly.block_m) * triton.cdiv(n, poly.block_n), batch)
     common = {
         "DTYPE": tl_dtype,
@@ -658,10 +677,10 @@ def newton_schulz_launch(
     tma_product = poly.tma and not poly.cublas
     b_desc = _descriptor(poly_b, poly_b.stride(), m, m, [poly.block_m, poly.block_k]) if tma_product else None
 
-    def poly_descs(x_now: torch.Tensor, strides: Sequence[int]) -> tuple[object, object]:
+    def poly_descs(x_now: torch.Tensor, strides: Sequence[int], cols: int) -> tuple[object, object]:
         if b_desc is None or m % poly.block_k:
             return None, None
-        xd = _descriptor(x_now, strides, m, n, [poly.block_k, poly.block_n])
+        xd = _descriptor(x_now, strides, m, cols, [poly.block_k, poly.block_n])
         return (b_desc, xd) if xd is not None else (None, None)
 
     gram_descs = g_c.descs(gram, gram.stride(), m, m)
@@ -674,30 +693,38 @@ def newton_schulz_launch(
             enable_fp_fusion=_common.FP_FUSION,
         )  # fmt: skip
         x0_strides = (x0.stride(0), x0.stride(2), x0.stride(1)) if tall else x0.stride()
-        x_now, x_strides = x0, x0_strides
+        x_now, x_strides, n_now = x0, x0_strides, n  # X0 has n columns, the iteration buffers n_x
         for it, (a, b, c) in enumerate(coefficients):
             first = it == 0
             if x_now.data_ptr() not in x_descs:
-                x_descs[x_now.data_ptr()] = (g_x.descs(x_now, x_strides, m, n), poly_descs(x_now, x_strides))
+                x_descs[x_now.data_ptr()] = (
+                    g_x.descs(x_now, x_strides, m, n_now),
+                    poly_descs(x_now, x_strides, n_now),
+                )
             descs, p_descs = x_descs[x_now.data_ptr()]
-            # A = X X^T (the first: of the unnormalised X0, scaled by s^2)
-            gram_launch(g_x, x_split, x_now, descs, x_strides, n, gram, gram, 1.0, 0.0, 0.0, 2 if first else 0, False)
+            # A = X X^T (the first: of the unnormalised X0, scaled by s^2); the split's parts cover n_x as well
+            gram_launch(
+                g_x, x_split, x_now, descs, x_strides, n_now, gram, gram, 1.0, 0.0, 0.0, 2 if first else 0, False
+            )
             # B' = c A A + b A + a I, where A A = A A^T (the first: times s)
             gram_launch(
                 g_c, c_split, gram, gram_descs, gram.stride(), m, gram, poly_b, c, b, a, 1 if first else 0, True
             )
             last = it == len(coefficients) - 1
-            target = out if last else xs[it % 2]
+            target, n_t = (out, n) if last else (xs[it % 2], n_x)
             t_strides = out_strides if last else target.stride()
             if poly.cublas:  # X = B' X, a plain product: cuBLAS, through strides both ways
-                rhs = x_now.as_strided((batch, m, n), x_strides)
-                torch.bmm(poly_b, rhs, out=target.as_strided((batch, m, n), t_strides))
+                cols = min(n_now, n_t)  # the columns both hold; a target's padding is zeroed apart
+                rhs = x_now.as_strided((batch, m, n_now), x_strides)[..., :cols]
+                torch.bmm(poly_b, rhs, out=target.as_strided((batch, m, n_t), t_strides)[..., :cols])
+                if n_t > cols:
+                    target[..., cols:].zero_()
             else:
                 _poly_kernel[poly_grid](  # X = B' X, the last one straight into out, transposed back
-                    poly_b, *p_descs, x_now, *x_strides, target, *t_strides, mm_pitch, batch, m, n,
-                    TMA=p_descs[0] is not None, **poly_meta, enable_fp_fusion=_common.FP_FUSION,
+                    poly_b, *p_descs, x_now, *x_strides, target, *t_strides, mm_pitch, batch, m, n_t, n_now,
+                    PAD=n_t > n_now, TMA=p_descs[0] is not None, **poly_meta, enable_fp_fusion=_common.FP_FUSION,
                 )  # fmt: skip
-            x_now, x_strides = target, target.stride()
+            x_now, x_strides, n_now = target, target.stride(), n_t
 
 
 def _splits(cfg: SyrkConfig, k: int) -> tuple[int, int]:
@@ -742,11 +769,11 @@ class _Graph:
 
 def graph_bytes(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> int:
     """Memory a captured graph keeps: its input (X0) and output, the padded copy of X0 where its rows are no
-    multiple of 16 elements, two X, the Gram matrices A and B' (all in the operand dtype, rows padded to 16
-    elements), and a split Gram's fp32 sums."""
+    multiple of 16 elements, two X (`_extent` columns), the Gram matrices A and B' (all in the operand dtype, rows
+    padded to 16 elements), and a split Gram's fp32 sums."""
     batch, rows, cols = shape
     m, n = sorted((rows, cols))
-    elements = 2 * batch * rows * cols + 2 * batch * m * _pitch(n) + 2 * batch * m * _pitch(m)
+    elements = 2 * batch * rows * cols + 2 * batch * m * _extent(n) + 2 * batch * m * _pitch(m)
     if _pitch(cols) != cols:
         elements += batch * rows * _pitch(cols)
     syrk, syrk_c, _ = pick_configs(m, n, batch, dtype, device)

@@ -274,6 +274,80 @@ def test_rows_of_any_length_run_on_aligned_copies(shape, device, monkeypatch):
     assert rel_err(newton_schulz(g), reference(g)) < REL_ERR[torch.bfloat16]
 
 
+def _nan_buffer(*args, _buffer=ns._buffer):
+    return _buffer(*args).fill_(float("nan"))
+
+
+class _Spy:
+    """Stands in for a Triton kernel: ``kernel[grid](*args, **kwargs)`` launches the real one and records
+    ``(args, kwargs)``."""
+
+    def __init__(self, kernel, calls: list):
+        self.kernel, self.calls = kernel, calls
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.kernel[grid](*args, **kwargs)
+            self.calls.append((args, kwargs))
+
+        return launch
+
+
+@pytest.mark.parametrize("shape", [(20, 37), (37, 20), (2, 9, 51), (24, 100)], ids=str)
+@pytest.mark.parametrize("split", [1, 2], ids=["unsplit", "split"])
+def test_iteration_buffers_run_to_a_whole_k_block_on_zero_columns(shape, split, device, monkeypatch):
+    """The iterations between the first read (X0, ``n`` columns) and the last write (the result) run on buffers of
+    `_extent` columns, zeros past ``n``: every Gram on them runs without a k mask (EVEN_K), every product reads and
+    writes whole blocks and keeps the padding zero, and the result is bit for bit the one of buffers exactly ``n``
+    wide (zero columns add nothing to a sum). Every buffer starts as NaN: a column left unwritten poisons the result."""
+    monkeypatch.setattr(ns, "_buffer", _nan_buffer)
+    x = _randn(shape, 29, device, torch.bfloat16)
+    x = x.unsqueeze(0) if x.dim() == 2 else x
+    m, n = sorted(x.shape[1:])
+    n_x = ns._extent(n)
+    assert n_x % ns.K_ALIGN == 0 and n_x > n
+    syrk, syrk_c, poly = ns.pick_configs(m, n, x.shape[0], torch.bfloat16, x.device)
+    configs = (syrk._replace(split_k=split), syrk_c, poly)
+    steps = 4
+    plan = ns.schedule(MUON_COEFFICIENTS, steps)
+    grams, products = [], []
+    monkeypatch.setattr(ns, "_syrk_kernel", _Spy(ns._syrk_kernel, grams))
+    monkeypatch.setattr(ns, "_poly_kernel", _Spy(ns._poly_kernel, products))
+    got = torch.empty(x.shape, dtype=torch.bfloat16, device=device)
+    ns.newton_schulz_launch(x, got, plan, 1e-7, torch.bfloat16, configs)
+
+    x_grams = [(args[14], kw["EVEN_K"]) for args, kw in grams if not kw["HAS_C"]]  # (K, EVEN_K) of each X X^T
+    assert x_grams[1:] == [(n_x, True)] * (steps - 1) and x_grams[0][0] == n
+    assert [(args[-2], args[-1], kw["PAD"]) for args, kw in products] == (
+        [(n_x, n, True)] + [(n_x, n_x, False)] * (steps - 2) + [(n, n_x, False)]
+    )
+    for args, _ in products[:-1]:  # the iteration buffers: n_x columns, the last n_x - n of them zeros
+        target = args[7]
+        assert target.shape[-1] == n_x and target.stride(1) == n_x
+        assert torch.equal(target[..., n:], torch.zeros_like(target[..., n:]))
+    assert rel_err(got, reference(x.float(), steps)) < REL_ERR[torch.bfloat16]
+
+    monkeypatch.setattr(ns, "K_ALIGN", 1)  # buffers of n columns (rows still 16-element aligned), k blocks masked
+    unpadded = torch.empty_like(got)
+    ns.newton_schulz_launch(x, unpadded, plan, 1e-7, torch.bfloat16, configs)
+    assert torch.equal(got, unpadded)
+
+
+@pytest.mark.parametrize("shape", [(96, 64), (64, 90)], ids=str)
+def test_torch_bmm_product_keeps_the_padding_zero(shape, device, monkeypatch):
+    """The cuBLAS product writes the columns the iteration buffer shares with its operand and zeroes the rest: the
+    first iteration reads X0's ``n`` columns into an `_extent` buffer, the last reads one into the result's ``n``.
+    Every buffer starts as NaN: padding left unzeroed poisons the result."""
+    monkeypatch.setattr(ns, "_buffer", _nan_buffer)
+    x = _randn(shape, 31, device, torch.bfloat16).unsqueeze(0)
+    m, n = sorted(x.shape[1:])
+    syrk, syrk_c, poly = ns.pick_configs(m, n, 1, torch.bfloat16, x.device)
+    plan = ns.schedule(MUON_COEFFICIENTS, 3)
+    got = torch.empty(x.shape, dtype=torch.bfloat16, device=device)
+    ns.newton_schulz_launch(x, got, plan, 1e-7, torch.bfloat16, (syrk, syrk_c, poly._replace(cublas=True)))
+    assert rel_err(got, reference(x.float(), 3)) < REL_ERR[torch.bfloat16]
+
+
 @pytest.mark.parametrize("shape", [(64, 80), (96, 64), (3, 48, 96)], ids=str)
 def test_product_handed_to_torch_bmm_matches_float64(shape, device, monkeypatch):
     """With ``cublas`` the product ``B' X`` runs as ``torch.bmm`` (cuBLAS on a GPU), through the same strides: the
