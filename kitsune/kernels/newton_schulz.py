@@ -93,13 +93,14 @@ def _prologue_kernel(
     numel,
     chunk,  # elements per program, a multiple of BLOCK
     P,
-    cols,  # with PADDED: the input's row length; its copy's rows start every pitch elements
+    cols,  # with PADDED: the input's row length; its copy's rows start every pitch elements, zeros in between
     pitch,
     STORE: tl.constexpr,
     PADDED: tl.constexpr,
     DTYPE: tl.constexpr,
     RNE_BF16: tl.constexpr,
     BLOCK: tl.constexpr,
+    PAD_BLOCK: tl.constexpr,  # with PADDED: a power of two >= pitch - cols
 ):
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -118,6 +119,13 @@ def _prologue_kernel(
         x = x.to(tl.float32)  # the norm of the operand-dtype copy, as torch takes it
         acc += x * x
     tl.store(partials + b * P + pid, tl.sum(acc, 0))
+    if PADDED:  # the copy's columns past `cols`: zeros, each program those of its share of the rows
+        rows = numel // cols
+        per = tl.cdiv(rows, P)
+        pad = tl.arange(0, PAD_BLOCK)
+        zeros = tl.zeros((PAD_BLOCK,), tl.float32).to(DTYPE)
+        for r in range(pid * per, tl.minimum(pid * per + per, rows)):
+            tl.store(xc_ptr + (b * rows + r) * pitch + cols + pad, zeros, mask=cols + pad < pitch)
 
 
 @triton.jit
@@ -621,13 +629,17 @@ def newton_schulz_launch(
     partials = torch.empty((batch, parts), dtype=torch.float32, device=x.device)
     # X0: the input rounded to the operand dtype, in the input's orientation (the first iteration reads it through
     # strides); the input itself when it already has that dtype and its rows are aligned. Every buffer below has
-    # aligned rows (`_buffer`)
+    # aligned rows (`_buffer`); a copy of a wide input runs to a whole k block as the iteration buffers do, the
+    # prologue writing zeros past n
     aligned = _pitch(n_in) == n_in
-    x0 = x if x.dtype == dtype and aligned else _buffer(batch, m_in, n_in, dtype, x.device)
+    n_x = _extent(n)  # the iteration buffers' columns, zeros past n
+    if x.dtype == dtype and aligned:
+        x0 = x
+    else:
+        x0 = _buffer(batch, m_in, n_in if tall else n_x, dtype, x.device)
     gram = _buffer(batch, m, m, dtype, x.device)  # A
     poly_b = _buffer(batch, m, m, dtype, x.device)  # B'
     mm_pitch = gram.stride(1)
-    n_x = _extent(n)  # the iteration buffers' columns, zeros past n
     xs = [_buffer(batch, m, n_x, dtype, x.device) for _ in range(min(2, len(coefficients) - 1))]
     poly_grid = (triton.cdiv(m, poly.block_m) * triton.cdiv(n, poly.block_n), batch)
     common = {
@@ -689,11 +701,13 @@ def newton_schulz_launch(
     with _device_guard(x.device):
         _prologue_kernel[(parts, batch)](
             x, x0, partials, numel, chunk, parts, n_in, x0.stride(1), STORE=x0 is not x,
-            PADDED=x0.stride(1) != n_in, DTYPE=tl_dtype, RNE_BF16=INTERPRETED, BLOCK=PROLOGUE_BLOCK, num_warps=4,
+            PADDED=x0.stride(1) != n_in, DTYPE=tl_dtype, RNE_BF16=INTERPRETED, BLOCK=PROLOGUE_BLOCK,
+            PAD_BLOCK=triton.next_power_of_2(max(1, x0.stride(1) - n_in)), num_warps=4,
             enable_fp_fusion=_common.FP_FUSION,
         )  # fmt: skip
         x0_strides = (x0.stride(0), x0.stride(2), x0.stride(1)) if tall else x0.stride()
-        x_now, x_strides, n_now = x0, x0_strides, n  # X0 has n columns, the iteration buffers n_x
+        # the iterate's columns in X0: n, or n_x in a wide input's copy; in the iteration buffers n_x
+        x_now, x_strides, n_now = x0, x0_strides, n if tall else x0.shape[-1]
         for it, (a, b, c) in enumerate(coefficients):
             first = it == 0
             if x_now.data_ptr() not in x_descs:
@@ -769,13 +783,13 @@ class _Graph:
 
 def graph_bytes(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> int:
     """Memory a captured graph keeps: its input (X0) and output, the padded copy of X0 where its rows are no
-    multiple of 16 elements, two X (`_extent` columns), the Gram matrices A and B' (all in the operand dtype, rows
-    padded to 16 elements), and a split Gram's fp32 sums."""
+    multiple of 16 elements (`_extent` columns for a wide matrix), two X (`_extent` columns), the Gram matrices A
+    and B' (all in the operand dtype, rows padded to 16 elements), and a split Gram's fp32 sums."""
     batch, rows, cols = shape
     m, n = sorted((rows, cols))
     elements = 2 * batch * rows * cols + 2 * batch * m * _extent(n) + 2 * batch * m * _pitch(m)
-    if _pitch(cols) != cols:
-        elements += batch * rows * _pitch(cols)
+    if _pitch(cols) != cols:  # a wide matrix's copy runs to the iteration buffers' extent
+        elements += batch * rows * (_pitch(cols) if rows > cols else _extent(cols))
     syrk, syrk_c, _ = pick_configs(m, n, batch, dtype, device)
     splits = max(s for s, _ in gram_splits(syrk, syrk_c, m, n))
     return elements * dtype.itemsize + (batch * m * m * 4 * splits if splits > 1 else 0)

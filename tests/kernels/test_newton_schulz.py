@@ -293,34 +293,49 @@ class _Spy:
         return launch
 
 
-@pytest.mark.parametrize("shape", [(20, 37), (37, 20), (2, 9, 51), (24, 100)], ids=str)
+@pytest.mark.parametrize(
+    "shape, dtype",
+    [((20, 37), torch.bfloat16), ((37, 20), torch.bfloat16), ((2, 9, 51), torch.bfloat16), ((24, 100), torch.float32),
+     ((24, 80), torch.bfloat16), ((80, 24), torch.float32)],
+    ids=str,
+)  # fmt: skip
 @pytest.mark.parametrize("split", [1, 2], ids=["unsplit", "split"])
-def test_iteration_buffers_run_to_a_whole_k_block_on_zero_columns(shape, split, device, monkeypatch):
-    """The iterations between the first read (X0, ``n`` columns) and the last write (the result) run on buffers of
-    `_extent` columns, zeros past ``n``: every Gram on them runs without a k mask (EVEN_K), every product reads and
-    writes whole blocks and keeps the padding zero, and the result is bit for bit the one of buffers exactly ``n``
-    wide (zero columns add nothing to a sum). Every buffer starts as NaN: a column left unwritten poisons the result."""
+def test_iteration_buffers_run_to_a_whole_k_block_on_zero_columns(shape, dtype, split, device, monkeypatch):
+    """The iterations run on buffers of `_extent` columns, zeros past ``n``; so does a wide input's copy (the prologue
+    writes its zeros), while an input read in place (bf16, rows of 16k elements: (24, 80)) or a tall one keeps its
+    ``n`` for the first iteration's read, and the result its ``n`` for the last write. Every Gram on a padded buffer
+    runs without a k mask (EVEN_K), every product reads and writes whole blocks and keeps the padding zero, and the
+    result is bit for bit the one of buffers exactly ``n`` wide (zero columns add nothing to a sum). Every buffer
+    starts as NaN: a column left unwritten poisons the result."""
     monkeypatch.setattr(ns, "_buffer", _nan_buffer)
-    x = _randn(shape, 29, device, torch.bfloat16)
+    x = _randn(shape, 29, device, dtype)
     x = x.unsqueeze(0) if x.dim() == 2 else x
     m, n = sorted(x.shape[1:])
     n_x = ns._extent(n)
     assert n_x % ns.K_ALIGN == 0 and n_x > n
+    tall = x.shape[1] > x.shape[2]
+    n0 = n if tall or (dtype == torch.bfloat16 and n % 16 == 0) else n_x  # X0's columns
     syrk, syrk_c, poly = ns.pick_configs(m, n, x.shape[0], torch.bfloat16, x.device)
     configs = (syrk._replace(split_k=split), syrk_c, poly)
     steps = 4
     plan = ns.schedule(MUON_COEFFICIENTS, steps)
-    grams, products = [], []
+    grams, products, prologues = [], [], []
     monkeypatch.setattr(ns, "_syrk_kernel", _Spy(ns._syrk_kernel, grams))
     monkeypatch.setattr(ns, "_poly_kernel", _Spy(ns._poly_kernel, products))
+    monkeypatch.setattr(ns, "_prologue_kernel", _Spy(ns._prologue_kernel, prologues))
     got = torch.empty(x.shape, dtype=torch.bfloat16, device=device)
     ns.newton_schulz_launch(x, got, plan, 1e-7, torch.bfloat16, configs)
 
     x_grams = [(args[14], kw["EVEN_K"]) for args, kw in grams if not kw["HAS_C"]]  # (K, EVEN_K) of each X X^T
-    assert x_grams[1:] == [(n_x, True)] * (steps - 1) and x_grams[0][0] == n
+    assert x_grams == [(n0, n0 % syrk.block_k == 0)] + [(n_x, True)] * (steps - 1)
     assert [(args[-2], args[-1], kw["PAD"]) for args, kw in products] == (
-        [(n_x, n, True)] + [(n_x, n_x, False)] * (steps - 2) + [(n, n_x, False)]
+        [(n_x, n0, n0 < n_x)] + [(n_x, n_x, False)] * (steps - 2) + [(n, n_x, False)]
     )
+    x0 = prologues[0][0][1]  # X0: the input, or its copy with its padding zeroed
+    if x0.data_ptr() != x.data_ptr():
+        assert x0.stride(1) == (ns._pitch(m) if tall else n_x)
+        padding = x0.as_strided((x.shape[0], x.shape[1], x0.stride(1)), x0.stride())[..., x.shape[2] :]
+        assert torch.equal(padding, torch.zeros_like(padding))
     for args, _ in products[:-1]:  # the iteration buffers: n_x columns, the last n_x - n of them zeros
         target = args[7]
         assert target.shape[-1] == n_x and target.stride(1) == n_x
