@@ -641,7 +641,6 @@ def newton_schulz_launch(
     poly_b = _buffer(batch, m, m, dtype, x.device)  # B'
     mm_pitch = gram.stride(1)
     xs = [_buffer(batch, m, n_x, dtype, x.device) for _ in range(min(2, len(coefficients) - 1))]
-    poly_grid = (triton.cdiv(m, poly.block_m) * triton.cdiv(n, poly.block_n), batch)
     common = {
         "DTYPE": tl_dtype,
         "PRECISION": precision,
@@ -658,8 +657,12 @@ def newton_schulz_launch(
         **common,
     }
     sms = _num_sms(x.device)
-    if poly.persistent:
-        poly_grid = (min(poly_grid[0] * batch, sms),)
+
+    def poly_grid(cols: int) -> tuple[int, ...]:
+        """The product's grid for a target of ``cols`` columns (n_x for an iteration buffer, n for the result)."""
+        tiles = triton.cdiv(m, poly.block_m) * triton.cdiv(cols, poly.block_n)
+        return (min(tiles * batch, sms),) if poly.persistent else (tiles, batch)
+
     poly_meta.update(PERSISTENT=poly.persistent, FLATTEN=poly.flatten)
 
     grams = {cfg: _GramLaunch(cfg, m, batch, parts, sms, x.device, common) for cfg in (syrk, syrk_c)}
@@ -734,7 +737,7 @@ def newton_schulz_launch(
                 if n_t > cols:
                     target[..., cols:].zero_()
             else:
-                _poly_kernel[poly_grid](  # X = B' X, the last one straight into out, transposed back
+                _poly_kernel[poly_grid(n_t)](  # X = B' X, the last one straight into out, transposed back
                     poly_b, *p_descs, x_now, *x_strides, target, *t_strides, mm_pitch, batch, m, n_t, n_now,
                     PAD=n_t > n_now, TMA=p_descs[0] is not None, **poly_meta, enable_fp_fusion=_common.FP_FUSION,
                 )  # fmt: skip

@@ -299,14 +299,15 @@ class _Spy:
      ((24, 80), torch.bfloat16), ((80, 24), torch.float32)],
     ids=str,
 )  # fmt: skip
-@pytest.mark.parametrize("split", [1, 2], ids=["unsplit", "split"])
-def test_iteration_buffers_run_to_a_whole_k_block_on_zero_columns(shape, dtype, split, device, monkeypatch):
+@pytest.mark.parametrize("split, block_n", [(1, None), (2, None), (1, 16)], ids=["unsplit", "split", "narrow"])
+def test_iteration_buffers_run_to_a_whole_k_block_on_zero_columns(shape, dtype, split, block_n, device, monkeypatch):
     """The iterations run on buffers of `_extent` columns, zeros past ``n``; so does a wide input's copy (the prologue
     writes its zeros), while an input read in place (bf16, rows of 16k elements: (24, 80)) or a tall one keeps its
     ``n`` for the first iteration's read, and the result its ``n`` for the last write. Every Gram on a padded buffer
     runs without a k mask (EVEN_K), every product reads and writes whole blocks and keeps the padding zero, and the
     result is bit for bit the one of buffers exactly ``n`` wide (zero columns add nothing to a sum). Every buffer
-    starts as NaN: a column left unwritten poisons the result."""
+    starts as NaN: a column left unwritten poisons the result. Narrow product tiles: an iteration buffer spans more
+    of them than the result, each launch its own grid."""
     monkeypatch.setattr(ns, "_buffer", _nan_buffer)
     x = _randn(shape, 29, device, dtype)
     x = x.unsqueeze(0) if x.dim() == 2 else x
@@ -316,7 +317,7 @@ def test_iteration_buffers_run_to_a_whole_k_block_on_zero_columns(shape, dtype, 
     tall = x.shape[1] > x.shape[2]
     n0 = n if tall or (dtype == torch.bfloat16 and n % 16 == 0) else n_x  # X0's columns
     syrk, syrk_c, poly = ns.pick_configs(m, n, x.shape[0], torch.bfloat16, x.device)
-    configs = (syrk._replace(split_k=split), syrk_c, poly)
+    configs = (syrk._replace(split_k=split), syrk_c, poly._replace(block_n=block_n or poly.block_n))
     steps = 4
     plan = ns.schedule(MUON_COEFFICIENTS, steps)
     grams, products, prologues = [], [], []
