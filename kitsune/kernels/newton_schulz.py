@@ -531,9 +531,10 @@ Grams that read it run without a k mask."""
 
 def _extent(n: int) -> int:
     """Columns of an iteration buffer for an ``(m, n)`` problem: ``n`` rounded up to `K_ALIGN`, the columns past
-    ``n`` zeros (they add nothing to a Gram and B' X keeps them zero). Only the first iteration's read (of X0) and
-    the last one's write (of the result) see ``n`` itself: a vocabulary of 50257 columns otherwise masks every Gram's
-    last k block and wraps every product's column index by an odd number, and neither load then vectorises."""
+    ``n`` zeros (they add nothing to a Gram and B' X keeps them zero); a wide input's copy has them too. Only an
+    input read in place (the first iteration) and the result (the last write) have ``n`` columns: a vocabulary of
+    50257 columns otherwise masks every Gram's last k block and wraps every product's column index by an odd number,
+    and neither load then vectorises."""
     return -(-n // K_ALIGN) * K_ALIGN
 
 
@@ -719,7 +720,7 @@ def newton_schulz_launch(
                     poly_descs(x_now, x_strides, n_now),
                 )
             descs, p_descs = x_descs[x_now.data_ptr()]
-            # A = X X^T (the first: of the unnormalised X0, scaled by s^2); the split's parts cover n_x as well
+            # A = X X^T (the first: of the unnormalised X0, scaled by s^2); split as for n columns (past n: zeros)
             gram_launch(
                 g_x, x_split, x_now, descs, x_strides, n_now, gram, gram, 1.0, 0.0, 0.0, 2 if first else 0, False
             )
