@@ -174,14 +174,28 @@ def main(argv: list[str] | None = None) -> int:
         gram, b_prime = "gram X X^T", "B' = b A + c A A + a I"
         iteration = [gram] * (1 + (x_split[0] > 1)) + [b_prime] * (1 + (c_split[0] > 1)) + ["B' X"]
         names = ["prologue"] + iteration * len(plan)
+        # the first iteration reads the input (through strides, or in place at its own width), the last writes
+        # the result: each can run slower than the ones between, on buffers of whole k blocks
+        place = ["first"] + [
+            "first" if i == 0 else "last" if i == len(plan) - 1 else "middle"
+            for i in range(len(plan))
+            for _ in iteration
+        ]
         per: dict[str, list[float]] = defaultdict(list)
+        per_place: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         times = kernel_times(call, args.calls)
         if len(times) == args.calls * len(names):
             for i, (_, ms) in enumerate(times):
                 per[names[i % len(names)]].append(ms)
+                per_place[names[i % len(names)]][place[i % len(names)]].append(ms)
         else:
             print(f"  {len(times)} kernels in {args.calls} calls, expected {args.calls * len(names)}", flush=True)
         row["kernels_ms"] = {k: sum(v) / (args.calls * (1 if k == "prologue" else len(plan))) for k, v in per.items()}
+        row["kernels_by_iteration_ms"] = {  # a launch's time summed per iteration, averaged over the calls
+            k: {p: sum(v) / (args.calls * (1 if p != "middle" else len(plan) - 2)) for p, v in d.items()}
+            for k, d in per_place.items()
+            if k != "prologue"
+        }
 
         row["cublas_ms"] = cublas_times(batch, m, n, *plan[0])
         flops = {
@@ -198,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
             k_txt = f"{k_ms:10.4f} {flops[key] / k_ms / 1e9:8.0f}" if k_ms else f"{'':>10} {'':>8}"
             print(f"  {key:<18} {k_txt} {c_ms:10.4f} {full / c_ms / 1e9:8.0f}", flush=True)
         print(f"  prologue {row['kernels_ms'].get('prologue', float('nan')):.4f} ms", flush=True)
+        for key, by in row["kernels_by_iteration_ms"].items():
+            print(f"  {key:<26} " + "  ".join(f"{p} {ms:.4f}" for p, ms in by.items()) + " ms", flush=True)
         syrks = parse_syrk(args.syrk)
         polys = parse_poly(args.poly, ns.pick_configs(m, n, batch, torch.bfloat16, x.device)[2])
         bprimes = parse_syrk(args.bprime)
