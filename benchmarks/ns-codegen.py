@@ -10,9 +10,9 @@ Triton's own specialisation of its arguments (an integer divisible by 16, a 16-b
 and compiles for sm_90 with the ptxas the triton wheel ships. A load of 16 bytes (`cp.async` of 16, `ld.global`
 of `.v4`) moves 8 bf16 values; a 2-byte one moves one: a launch whose operand loads are 2 bytes wide runs its tensor
 cores far below their rate (the odd-width iterate's products: ~50 TFLOP/s on an H200). The tiles are the ones
-`pick_configs` gives a GPU with ``--sms`` SMs; TMA configs compile here as pointer loads (no descriptors on a CPU).
-A proxy for GPU runs, not a timing; it uses Triton internals (the binder of `JITFunction.run`), so another Triton
-version may need it adjusted.
+`pick_configs` gives a GPU with ``--sms`` SMs, TMA descriptors included (``tma``: bulk tensor copies); each kernel's
+registers and stack (spills) come from cuobjdump. A proxy for GPU runs, not a timing; it uses Triton internals (the
+binder of `JITFunction.run`), so another Triton version may need it adjusted.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ import argparse
 import json
 import os
 import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)  # compile: the kernels must be JIT functions, not interpreted ones
@@ -36,6 +38,7 @@ from kitsune.kernels import newton_schulz as ns  # noqa: E402
 
 KERNELS = ("_prologue_kernel", "_syrk_kernel", "_gram_reduce_kernel", "_poly_kernel")
 TARGET = GPUTarget("cuda", 90, 32)
+TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
 def record(shape: tuple[int, int, int], steps: int, sms: int) -> list[dict]:
@@ -54,6 +57,8 @@ def record(shape: tuple[int, int, int], steps: int, sms: int) -> list[dict]:
             return launch
 
     ns._num_sms = lambda device: sms  # pick_configs' view of the GPU
+    interpreted = ns.INTERPRETED
+    ns.INTERPRETED = True  # TMA descriptors of CPU tensors, as of a GPU's (RNE_BF16 is set back at compile time)
     for name in KERNELS:
         setattr(ns, name, Recorder(name))
     try:
@@ -63,6 +68,7 @@ def record(shape: tuple[int, int, int], steps: int, sms: int) -> list[dict]:
         configs = ns.pick_configs(m, n, shape[0], torch.bfloat16, torch.device("cuda"))
         ns.newton_schulz_launch(x, out, ns.schedule(ns.MUON_COEFFICIENTS, steps), 1e-7, torch.bfloat16, configs)
     finally:
+        ns.INTERPRETED = interpreted
         for name, fn in real.items():
             setattr(ns, name, fn)
     for launch in launches:
@@ -75,23 +81,36 @@ def compile_launch(launch: dict, backend, cache: dict) -> dict[str, int]:
     (memoised on the specialisation)."""
     fn = launch["fn"]
     binder = create_function_from_signature(fn.signature, fn.params, backend)
-    kwargs = dict(launch["kwargs"])
+    kwargs = {**launch["kwargs"], "RNE_BF16": False}  # a GPU rounds in hardware
     bound, specialization, options = binder(*launch["args"], **kwargs)
     key = (launch["kernel"], repr(specialization), repr(sorted(kwargs.items(), key=lambda kv: kv[0])))
     if key not in cache:
         options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
         compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
-        cache[key] = widths(compiled.asm["ptx"])
+        cache[key] = {**widths(compiled.asm["ptx"]), **resources(compiled.asm["cubin"])}
     return cache[key]
 
 
+def resources(cubin: bytes) -> dict[str, int]:
+    """Registers a thread and stack bytes (spilled registers) of a compiled kernel, from cuobjdump."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.cubin"
+        path.write_bytes(cubin)
+        usage = subprocess.run([TOOLS / "cuobjdump", "-res-usage", path], capture_output=True, text=True).stdout
+    regs, stack = re.search(r"REG:(\d+)", usage), re.search(r"STACK:(\d+)", usage)
+    return {"registers": int(regs.group(1)) if regs else -1, "stack": int(stack.group(1)) if stack else -1}
+
+
 def widths(ptx: str) -> dict[str, int]:
-    """Global memory instructions of a PTX listing by bytes moved a thread: ``load16`` (16-byte ``cp.async`` or
-    ``.v4`` of 32 bits), ``load_narrow`` (anything less), and the same for stores."""
-    counts = {"load16": 0, "load_narrow": 0, "store16": 0, "store_narrow": 0}
+    """Global memory instructions of a PTX listing: ``tma`` (bulk tensor copies through a descriptor), then by bytes
+    moved a thread: ``load16`` (16-byte ``cp.async`` or ``.v4`` of 32 bits), ``load_narrow`` (anything less), and
+    the same for stores."""
+    counts = {"tma": 0, "load16": 0, "load_narrow": 0, "store16": 0, "store_narrow": 0}
     for line in ptx.splitlines():
         op = re.sub(r"^@!?%\w+\s+", "", line.strip())  # a predicate
-        if op.startswith("cp.async") and "shared.global" in op:
+        if op.startswith("cp.async.bulk.tensor"):
+            counts["tma"] += 1
+        elif op.startswith("cp.async") and "shared.global" in op:
             counts["load16" if re.search(r",\s*(?:16|0x10)\s*(?:,|;)", op) else "load_narrow"] += 1
         elif op.startswith(("ld.global", "st.global")):
             kind = "load" if op.startswith("ld") else "store"
