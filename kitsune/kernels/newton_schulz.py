@@ -104,6 +104,7 @@ def _prologue_kernel(
 ):
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
+    rows = numel // cols  # with PADDED: the rows of one matrix
     start = pid.to(tl.int64) * chunk
     end = tl.minimum(start + chunk, numel)
     acc = tl.zeros((BLOCK,), tl.float32)
@@ -113,14 +114,13 @@ def _prologue_kernel(
         x = _cast(tl.load(x_ptr + b * numel + idx, mask=mask, other=0.0).to(tl.float32), DTYPE, RNE_BF16)
         if STORE:
             if PADDED:
-                tl.store(xc_ptr + b * (numel // cols) * pitch + (idx // cols) * pitch + idx % cols, x, mask=mask)
+                tl.store(xc_ptr + (b * rows + idx // cols) * pitch + idx % cols, x, mask=mask)
             else:
                 tl.store(xc_ptr + b * numel + idx, x, mask=mask)
         x = x.to(tl.float32)  # the norm of the operand-dtype copy, as torch takes it
         acc += x * x
     tl.store(partials + b * P + pid, tl.sum(acc, 0))
     if PADDED:  # the copy's columns past `cols`: zeros, each program those of its share of the rows
-        rows = numel // cols
         per = tl.cdiv(rows, P)
         pad = tl.arange(0, PAD_BLOCK)
         zeros = tl.zeros((PAD_BLOCK,), tl.float32).to(DTYPE)
@@ -538,6 +538,13 @@ def _extent(n: int) -> int:
     return -(-n // K_ALIGN) * K_ALIGN
 
 
+def _copy_cols(rows: int, cols: int) -> int:
+    """Columns of the copy of a ``(rows, cols)`` input (X0 in the operand dtype, rows aligned): a wide input's runs
+    to the iteration buffers' `_extent`, zeros past ``cols``; a tall one's rows keep their length (its first
+    iteration reads it transposed, along its rows)."""
+    return cols if rows > cols else _extent(cols)
+
+
 def _buffer(batch: int, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A ``(batch, rows, cols)`` view of a buffer whose rows are `_pitch` elements apart."""
     return torch.empty((batch, rows, _pitch(cols)), dtype=dtype, device=device)[..., :cols]
@@ -637,7 +644,7 @@ def newton_schulz_launch(
     if x.dtype == dtype and aligned:
         x0 = x
     else:
-        x0 = _buffer(batch, m_in, n_in if tall else n_x, dtype, x.device)
+        x0 = _buffer(batch, m_in, _copy_cols(m_in, n_in), dtype, x.device)
     gram = _buffer(batch, m, m, dtype, x.device)  # A
     poly_b = _buffer(batch, m, m, dtype, x.device)  # B'
     mm_pitch = gram.stride(1)
@@ -792,8 +799,8 @@ def graph_bytes(shape: Sequence[int], dtype: torch.dtype, device: torch.device) 
     batch, rows, cols = shape
     m, n = sorted((rows, cols))
     elements = 2 * batch * rows * cols + 2 * batch * m * _extent(n) + 2 * batch * m * _pitch(m)
-    if _pitch(cols) != cols:  # a wide matrix's copy runs to the iteration buffers' extent
-        elements += batch * rows * (_pitch(cols) if rows > cols else _extent(cols))
+    if _pitch(cols) != cols:
+        elements += batch * rows * _pitch(_copy_cols(rows, cols))
     syrk, syrk_c, _ = pick_configs(m, n, batch, dtype, device)
     splits = max(s for s, _ in gram_splits(syrk, syrk_c, m, n))
     return elements * dtype.itemsize + (batch * m * m * 4 * splits if splits > 1 else 0)

@@ -183,6 +183,21 @@ def test_tma_and_persistent_variants_compute_the_same_bits(shape, variant, devic
         assert any(d is None for d in made) == (shape == (96, 64))
 
 
+class _Spy:
+    """Stands in for a Triton kernel: ``kernel[grid](*args, **kwargs)`` launches the real one and records
+    ``(grid, args, kwargs)``."""
+
+    def __init__(self, kernel, calls: list):
+        self.kernel, self.calls = kernel, calls
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.kernel[grid](*args, **kwargs)
+            self.calls.append((grid, args, kwargs))
+
+        return launch
+
+
 @pytest.mark.parametrize("shape", [(64, 80), (3, 48, 96), (2, 20, 36)], ids=str)
 def test_b_prime_takes_its_own_tiles(shape, device, monkeypatch):
     """The ``B'`` launch may take other tiles than ``X X^T``'s (`pick_configs` gives each its own): square tiles one
@@ -191,20 +206,14 @@ def test_b_prime_takes_its_own_tiles(shape, device, monkeypatch):
     ``X X^T`` config for ``B'`` too."""
     x, plan, (syrk, syrk_c, poly), base = _launch_picked(shape, 5, device)
     assert syrk_c == syrk  # one Gram config for both in the table picked from
-    launched = []  # (grid, BLOCK_N) of each Gram launch
-    kernel = ns._syrk_kernel
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **kw: launched.append((grid, kw["BLOCK_N"])) or kernel[grid](*args, **kw)
-
-    monkeypatch.setattr(ns, "_syrk_kernel", Recorder())
+    launched = []  # (grid, args, kwargs) of each Gram launch
+    monkeypatch.setattr(ns, "_syrk_kernel", _Spy(ns._syrk_kernel, launched))
     for b_prime in (ns.SyrkConfig(16, 16, 64, 1, 1), ns.SyrkConfig(16, 16, 64, 1, 1, True, True, True)):
         got = torch.empty_like(base)
         launched.clear()
         ns.newton_schulz_launch(x, got, plan, 1e-7, torch.bfloat16, (syrk, b_prime, poly))
         assert torch.equal(got, base)
-        assert [n for _, n in launched] == [syrk.block_n, 16] * len(plan)  # X X^T's tiles, then B''s square ones
+        assert [kw["BLOCK_N"] for _, _, kw in launched] == [syrk.block_n, 16] * len(plan)  # X X^T's, then B''s
         blocks = -(-min(x.shape[1:]) // 16)
         square_tiles = blocks * (blocks + 1) // 2  # every block of the upper triangle, one a program
         want = (
@@ -226,14 +235,8 @@ def test_split_gram_sums_the_same_products(shape, device, monkeypatch):
     rounding of its sums (the bf16 results here come out the same bits), as close to float64; a reduce launch per
     split Gram, over every tile, with the parts a k of that depth makes (never an empty one)."""
     x, plan, (syrk, syrk_c, poly), base = _launch_picked(shape, 13, device)
-    reduces = []  # (grid, splits) of each reduce launch
-    kernel = ns._gram_reduce_kernel
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **kw: reduces.append((grid, args[5])) or kernel[grid](*args, **kw)
-
-    monkeypatch.setattr(ns, "_gram_reduce_kernel", Recorder())
+    reduces = []  # (grid, args, kwargs) of each reduce launch
+    monkeypatch.setattr(ns, "_gram_reduce_kernel", _Spy(ns._gram_reduce_kernel, reduces))
     m, n = sorted(x.shape[1:])
     for split_x, split_c in ((3, 1), (1, 2), (4, 5)):  # B''s k (m) is short: 16-deep blocks so that it splits
         reduces.clear()
@@ -245,7 +248,7 @@ def test_split_gram_sums_the_same_products(shape, device, monkeypatch):
         parts = [s for s, _ in ns.gram_splits(configs[0], configs[1], m, n)]
         tiles = len(ns._upper_tiles(-(-m // syrk.block_m), syrk.block_n // syrk.block_m, x.device))
         want = [((tiles, x.shape[0]), p) for p in parts if p > 1] * len(plan)
-        assert reduces == want and want
+        assert [(grid, args[5]) for grid, args, _ in reduces] == want and want  # args[5]: the splits
     assert ns._splits(syrk._replace(split_k=4), 65) == (2, 64)  # 4 parts of 64-deep blocks would leave two empty
     with pytest.raises(ValueError, match="persistent=False"):
         ns.newton_schulz_launch(x, base, plan, 1e-7, torch.bfloat16, (syrk._replace(split_k=2, persistent=True), poly))
@@ -276,21 +279,6 @@ def test_rows_of_any_length_run_on_aligned_copies(shape, device, monkeypatch):
 
 def _nan_buffer(*args, _buffer=ns._buffer):
     return _buffer(*args).fill_(float("nan"))
-
-
-class _Spy:
-    """Stands in for a Triton kernel: ``kernel[grid](*args, **kwargs)`` launches the real one and records
-    ``(args, kwargs)``."""
-
-    def __init__(self, kernel, calls: list):
-        self.kernel, self.calls = kernel, calls
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.kernel[grid](*args, **kwargs)
-            self.calls.append((args, kwargs))
-
-        return launch
 
 
 @pytest.mark.parametrize(
@@ -327,17 +315,17 @@ def test_iteration_buffers_run_to_a_whole_k_block_on_zero_columns(shape, dtype, 
     got = torch.empty(x.shape, dtype=torch.bfloat16, device=device)
     ns.newton_schulz_launch(x, got, plan, 1e-7, torch.bfloat16, configs)
 
-    x_grams = [(args[14], kw["EVEN_K"]) for args, kw in grams if not kw["HAS_C"]]  # (K, EVEN_K) of each X X^T
+    x_grams = [(args[14], kw["EVEN_K"]) for _, args, kw in grams if not kw["HAS_C"]]  # (K, EVEN_K) of each X X^T
     assert x_grams == [(n0, n0 % syrk.block_k == 0)] + [(n_x, True)] * (steps - 1)
-    assert [(args[-2], args[-1], kw["PAD"]) for args, kw in products] == (
+    assert [(args[-2], args[-1], kw["PAD"]) for _, args, kw in products] == (
         [(n_x, n0, n0 < n_x)] + [(n_x, n_x, False)] * (steps - 2) + [(n, n_x, False)]
     )
-    x0 = prologues[0][0][1]  # X0: the input, or its copy with its padding zeroed
+    x0 = prologues[0][1][1]  # X0: the input, or its copy with its padding zeroed
     if x0.data_ptr() != x.data_ptr():
         assert x0.stride(1) == (ns._pitch(m) if tall else n_x)
         padding = x0.as_strided((x.shape[0], x.shape[1], x0.stride(1)), x0.stride())[..., x.shape[2] :]
         assert torch.equal(padding, torch.zeros_like(padding))
-    for args, _ in products[:-1]:  # the iteration buffers: n_x columns, the last n_x - n of them zeros
+    for _, args, _ in products[:-1]:  # the iteration buffers: n_x columns, the last n_x - n of them zeros
         target = args[7]
         assert target.shape[-1] == n_x and target.stride(1) == n_x
         assert torch.equal(target[..., n:], torch.zeros_like(target[..., n:]))
