@@ -69,16 +69,17 @@ def chunks(members: Members, max_fusion_size: int | None) -> list[Members]:
     return [members[i : i + size] for i in range(0, len(members), size)]
 
 
-def _each(counts: dict[tuple[int, int], int]) -> str:
+def _each(counts: Sequence[int]) -> str:
     """The launches of a call per shape, as the plan's reason words them: one number, or a range where shapes differ
     (a split Gram launches once more per iteration)."""
-    low, high = min(counts.values()), max(counts.values())
+    low, high = min(counts), max(counts)
     return str(low) if low == high else f"{low}-{high}"
 
 
-def unit_launches(params: Sequence[torch.Tensor], steps: int) -> int:
-    """Launches of one unit per step: two elementwise ones and one Newton-Schulz call per matrix shape."""
-    return 2 + sum(shape_launches(params, steps).values())
+def unit_launches(counts: dict[tuple[int, int], int]) -> int:
+    """Launches of one unit per step, from its `shape_launches`: two elementwise ones and one Newton-Schulz call per
+    matrix shape."""
+    return 2 + sum(counts.values())
 
 
 def group_reason(spec: MuonSpec, config: FusionConfig) -> tuple[Route, str] | None:
@@ -107,7 +108,9 @@ def plan_bucket(bp: BucketPlan, members: Members, spec: MuonSpec, config: Fusion
         )
         return
     steps = len(spec.ns_plan or ())
-    launches = sum(unit_launches([p for _, p in chunk], steps) for chunk in chunks(members, config.max_fusion_size))
+    # per unit (a chunk of the bucket): each shape's Newton-Schulz launches, for its batch in that unit
+    units = [shape_launches([p for _, p in chunk], steps) for chunk in chunks(members, config.max_fusion_size)]
+    launches = sum(unit_launches(u) for u in units)
     shapes = [matrix_shape(p) for p in params]
     plain = sum(steps * (4 * min(s) ** 2 * max(s) + 2 * min(s) ** 3) for s in shapes)
     symmetric = sum(steps * (3 * min(s) ** 2 * max(s) + min(s) ** 3) for s in shapes)
@@ -132,7 +135,7 @@ def plan_bucket(bp: BucketPlan, members: Members, spec: MuonSpec, config: Fusion
     bp.route, bp.launches = Route.TRITON_MATMUL, launches
     bp.reason = (
         f"momentum and update in fused multi-tensor kernels; Newton-Schulz batched by shape ({n_shapes} shape(s), "
-        f"{_each(shape_launches(params, steps))} launches each)"
+        f"{_each([n for u in units for n in u.values()])} launches each)"
     )
     if n_shapes > 1 and bp.device.startswith("cuda"):
         bp.reason += " on side streams"
@@ -182,7 +185,7 @@ class MuonUnit(FusedUnit):
         ratios = [adjust_ratio(spec.adjust_lr_fn, s) for s in shapes]
         self.ratio = torch.tensor(ratios, dtype=torch.float64).to(self.device)  # (T,) float64 adjust_lr factors
         self.steps = len(spec.ns_plan or ())
-        self.launches = unit_launches(params, self.steps)
+        self.launches = unit_launches(shape_launches(params, self.steps))
         """Launches per step while any grad is live."""
         self._stream_config = streams
         self._streams: list[torch.cuda.Stream] | None = None
