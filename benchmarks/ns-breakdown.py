@@ -1,7 +1,8 @@
 """Where a Newton-Schulz call's time goes on a GPU: each kernel of a 5-iteration call (torch.profiler, averaged per
 position in the iteration), next to cuBLAS doing the same products (``torch.bmm``/``torch.baddbmm``, the latter
 without the ``a I``), with TFLOP/s of the work each product does (the Gram products count their symmetric half).
-With ``--syrk``/``--bprime``/``--poly``, other kernel configs are timed against the picked ones in rotating turns.
+With ``--syrk``/``--xgram``/``--bprime``/``--poly``, other kernel configs are timed against the picked ones in rotating
+turns.
 
 python benchmarks/ns-breakdown.py --json $OUT/ns-breakdown.json     # 8 x 2048^2 and 4096^2
 python benchmarks/ns-breakdown.py --shapes 1x4096x4096 --poly 'cublas;triton'  # B' X: cuBLAS against Triton, in turns
@@ -81,11 +82,12 @@ def split_times(x: torch.Tensor, plan: list) -> dict[str, float]:
     return times
 
 
-def _timed_call(x: torch.Tensor, out: torch.Tensor, plan: list, cfg: tuple) -> object:
+def _timed_call(x: torch.Tensor, out: torch.Tensor, plan: list, cfg: tuple, graph: bool = False) -> object:
     """The call with these configs as ``newton_schulz`` would make it: replayed from a CUDA graph where it replays
-    one (small calls), launched directly otherwise."""
+    one (small calls), launched directly otherwise; with ``graph``, replayed from a graph at any size (as inside a
+    captured optimizer step, where launches cost no host time)."""
     call = lambda: ns.newton_schulz_launch(x, out, plan, 1e-7, torch.bfloat16, cfg)  # noqa: E731
-    if x.numel() > ns.GRAPH_MAX_ELEMENTS:
+    if x.numel() > ns.GRAPH_MAX_ELEMENTS and not graph:
         return call
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -104,20 +106,24 @@ def config_variants(
     syrks: list[ns.SyrkConfig],
     polys: list[ns.PolyConfig],
     bprimes: list[ns.SyrkConfig] = (),
+    xgrams: list[ns.SyrkConfig] = (),
     rounds: int = 2,
+    graph: bool = False,
 ) -> dict[str, float]:
-    """The whole call with each Gram config (for both Gram launches, or with ``bprimes`` for the ``B'`` launch
-    only) or product config, the others picked, timed in turns against the picked ones: median ms per config."""
+    """The whole call with each Gram config (for both Gram launches; with ``bprimes`` for the ``B'`` launch only,
+    with ``xgrams`` for the ``X X^T`` launch only) or product config, the others picked, timed in turns against the
+    picked ones: median ms per config."""
     batch, m, n = x.shape
     picked = ns.pick_configs(m, n, batch, torch.bfloat16, x.device)
     configs = {
         "picked": picked,
         **{f"gram {tuple(v)!r}": (v, v, picked[2]) for v in syrks},
         **{f"b' {tuple(v)!r}": (picked[0], v, picked[2]) for v in bprimes},
+        **{f"x x^t {tuple(v)!r}": (v, picked[1], picked[2]) for v in xgrams},
         **{f"product {tuple(v)!r}": (picked[0], picked[1], v) for v in polys},
     }
     out = torch.empty_like(x)
-    calls = {key: _timed_call(x, out, plan, cfg) for key, cfg in configs.items()}
+    calls = {key: _timed_call(x, out, plan, cfg, graph) for key, cfg in configs.items()}
     times: dict[str, list[float]] = {k: [] for k in configs}
     keys = list(configs)
     for r in range(rounds * len(keys)):  # each config in each place of the order alike (the clocks follow the load)
@@ -154,7 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--syrk", default="", help="Gram configs to time against the picked one, see parse_syrk")
     parser.add_argument("--bprime", default="", help="the same for the B' launch only (X X^T's config picked)")
+    parser.add_argument("--xgram", default="", help="the same for the X X^T launch only (B' picked)")
     parser.add_argument("--poly", default="", help="product configs to time against the picked one, see parse_poly")
+    parser.add_argument("--graph", action="store_true", help="time the variants replayed from CUDA graphs at any size")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     plan = ns.schedule(ns.MUON_COEFFICIENTS, 5)
@@ -217,8 +225,9 @@ def main(argv: list[str] | None = None) -> int:
         syrks = parse_syrk(args.syrk)
         polys = parse_poly(args.poly, ns.pick_configs(m, n, batch, torch.bfloat16, x.device)[2])
         bprimes = parse_syrk(args.bprime)
-        if syrks or polys or bprimes:
-            row["variants_ms"] = config_variants(x, plan, syrks, polys, bprimes)
+        xgrams = parse_syrk(args.xgram)
+        if syrks or polys or bprimes or xgrams:
+            row["variants_ms"] = config_variants(x, plan, syrks, polys, bprimes, xgrams, graph=args.graph)
             for key, ms in row["variants_ms"].items():
                 print(f"  {key:<72} {ms:8.4f} ms", flush=True)
         if batch > 1:
