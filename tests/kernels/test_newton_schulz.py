@@ -254,6 +254,25 @@ def test_split_gram_sums_the_same_products(shape, device, monkeypatch):
         ns.newton_schulz_launch(x, base, plan, 1e-7, torch.bfloat16, (syrk._replace(split_k=2, persistent=True), poly))
 
 
+def test_split_gram_parts_fill_waves():
+    """`_split_k` on a GPU's 132 SMs: tiles filling at most half of them split into enough parts for about a wave,
+    parts at least `SPLIT_MIN_K` deep; tiles filling more split only deep k loops, into parts of at least
+    `SPLIT_DEEP_K` that even out the last wave by at least a tenth."""
+    square, narrow = ns.SyrkConfig(128, 128, 64, 4, 3), ns.SyrkConfig(64, 128, 64, 4, 4)
+    cases = [  # (config, m, k, batch, parts): the tile count in the comment
+        (narrow, 768, 50257, 1, 4),  # 42 tiles: 168 programs
+        (square, 768, 50257, 1, 7),  # 21 tiles: 147
+        (square, 768, 6000, 1, 2),  # 21 tiles, but only two parts 2048 deep
+        (square, 768, 2000, 1, 1),  # too short to split
+        (narrow, 1024, 16384, 1, 1),  # 72 tiles: more than half the SMs, k too short for parts of 8192
+        (square, 2048, 32000, 1, 3),  # 136 tiles: 2 tile times unsplit, 1.5 in 2 parts, 4/3 in 3
+        (square, 2048, 8192, 1, 1),  # 136 tiles, one part of 8192
+        (square, 4096, 4096, 1, 1),  # 528 tiles: four whole waves
+        (square, 2048, 65536, 1, 6),  # 3 parts: 4/3, 6 parts: 7/6 (4 and 5: less than a tenth better than 3)
+    ]
+    assert [ns._split_k(cfg, m, k, b, 132) for cfg, m, k, b, _ in cases] == [c[-1] for c in cases]
+
+
 @pytest.mark.parametrize("shape", [(20, 37), (37, 20), (2, 9, 51)], ids=str)
 def test_rows_of_any_length_run_on_aligned_copies(shape, device, monkeypatch):
     """A bf16 input whose rows are no multiple of 16 elements is copied (rounded, as any input) into a buffer with rows
