@@ -112,7 +112,8 @@ def config_variants(
 ) -> dict[str, float]:
     """The whole call with each Gram config (for both Gram launches; with ``bprimes`` for the ``B'`` launch only,
     with ``xgrams`` for the ``X X^T`` launch only) or product config, the others picked, timed in turns against the
-    picked ones: median ms per config."""
+    picked ones: median ms per config. A call that `newton_schulz` launches directly (above
+    ``ns.GRAPH_MAX_ELEMENTS``) is also timed replayed from a graph, to see what its host launches cost."""
     batch, m, n = x.shape
     picked = ns.pick_configs(m, n, batch, torch.bfloat16, x.device)
     configs = {
@@ -124,8 +125,10 @@ def config_variants(
     }
     out = torch.empty_like(x)
     calls = {key: _timed_call(x, out, plan, cfg, graph) for key, cfg in configs.items()}
-    times: dict[str, list[float]] = {k: [] for k in configs}
-    keys = list(configs)
+    if not graph and x.numel() > ns.GRAPH_MAX_ELEMENTS:  # launched directly: beside it, the same replayed
+        calls["picked, replayed from a graph"] = _timed_call(x, out, plan, picked, graph=True)
+    times: dict[str, list[float]] = {k: [] for k in calls}
+    keys = list(calls)
     for r in range(rounds * len(keys)):  # each config in each place of the order alike (the clocks follow the load)
         for key in keys[r % len(keys) :] + keys[: r % len(keys)]:
             times[key].append(do_bench(calls[key]))
