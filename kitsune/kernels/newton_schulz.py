@@ -498,8 +498,8 @@ unsplit)."""
 
 def _split_k(cfg: SyrkConfig, m: int, k: int, batch: int, sms: int) -> int:
     """Parts to split ``X X^T``'s k loop into. Where its tiles fill at most half the SMs, enough parts for about a
-    wave, each at least `SPLIT_MIN_K` deep (two of these tiles fit on an SM at once, so a few past a wave cost
-    little: 768 x 50257, 42 tiles, 3 and 4 parts within 2% of each other). Where they fill more, parts at least
+    wave, each at least `SPLIT_MIN_K` deep (a few programs past the wave measured no slower: 768 x 50257, 42 tiles,
+    3 and 4 parts within 2% of each other on an H200). Where they fill more, parts at least
     `SPLIT_DEEP_K` deep: the count whose waves take the fewest tile times (``ceil(tiles * parts / sms) / parts``),
     a larger count only where it saves a tenth over a smaller one; 1 where no split saves that much."""
     programs = batch * len(_tile_pairs(triton.cdiv(m, cfg.block_m), cfg.block_n // cfg.block_m))
