@@ -471,7 +471,7 @@ def pick_configs(
     if dtype == torch.float32:  # ieee fp32 products run on CUDA cores: small tiles for registers and shared memory
         syrk = SyrkConfig(64, 64, 32, 4, 3)
         return syrk, syrk, PolyConfig(64, 64, 32, 8, 4, 3)
-    blocks = triton.cdiv(m, 128)
+    blocks = _common.cdiv(m, 128)
     upper = batch * blocks * (blocks + 1) // 2  # 128 x 128 tiles over the upper triangle
     if m <= 2048 and upper >= 512:
         return (
@@ -480,7 +480,7 @@ def pick_configs(
             PolyConfig(128, 256, 64, 8, 8, 3, True, True, True),
         )
     syrk = SyrkConfig(128, 128, 64, 4, 3) if upper >= 100 else SyrkConfig(64, 128, 64, 4, 4)
-    poly_tiles = batch * blocks * triton.cdiv(n, 256)
+    poly_tiles = batch * blocks * _common.cdiv(n, 256)
     poly = PolyConfig(128, 256, 64, 16, 8, 3) if poly_tiles >= 100 else PolyConfig(64, 128, 64, 8, 4, 4)
     return syrk._replace(split_k=_split_k(syrk, m, n, batch, _num_sms(device))), syrk, poly
 
@@ -502,12 +502,12 @@ def _split_k(cfg: SyrkConfig, m: int, k: int, batch: int, sms: int) -> int:
     3 and 4 parts within 2% of each other on an H200). Where they fill more, parts at least
     `SPLIT_DEEP_K` deep: the count whose waves take the fewest tile times (``ceil(tiles * parts / sms) / parts``),
     a larger count only where it saves a tenth over a smaller one; 1 where no split saves that much."""
-    programs = batch * len(_tile_pairs(triton.cdiv(m, cfg.block_m), cfg.block_n // cfg.block_m))
+    programs = batch * len(_tile_pairs(_common.cdiv(m, cfg.block_m), cfg.block_n // cfg.block_m))
     if 2 * programs <= sms:
-        return max(1, min(triton.cdiv(sms, programs), k // SPLIT_MIN_K))
+        return max(1, min(_common.cdiv(sms, programs), k // SPLIT_MIN_K))
 
     def waves(parts: int) -> float:
-        return triton.cdiv(programs * parts, sms) / parts
+        return _common.cdiv(programs * parts, sms) / parts
 
     best = 1
     for parts in range(2, k // SPLIT_DEEP_K + 1):
@@ -600,11 +600,11 @@ class _GramLaunch:
         self.cfg = cfg
         if cfg.split_k > 1 and cfg.persistent:
             raise ValueError(f"split_k={cfg.split_k} needs a grid of one program per tile: persistent=False")
-        self.tiles = _upper_tiles(triton.cdiv(m, cfg.block_m), cfg.block_n // cfg.block_m, device)
+        self.tiles = _upper_tiles(_common.cdiv(m, cfg.block_m), cfg.block_n // cfg.block_m, device)
         self.n_tiles = n_tiles = self.tiles.shape[0]
         self.grid = (min(n_tiles * batch, sms),) if cfg.persistent else (n_tiles, batch, 1)
         self.meta = {
-            "P_BLOCK": triton.next_power_of_2(parts),
+            "P_BLOCK": _common.next_power_of_2(parts),
             "BLOCK_M": cfg.block_m,
             "BLOCK_N": cfg.block_n,
             "BLOCK_K": cfg.block_k,
@@ -648,9 +648,9 @@ def newton_schulz_launch(
     precision = "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for bf16 operands
 
     numel = m * n
-    parts = min(MAX_PARTIALS, triton.cdiv(numel, PROLOGUE_BLOCK))
-    chunk = triton.cdiv(triton.cdiv(numel, parts), PROLOGUE_BLOCK) * PROLOGUE_BLOCK
-    parts = triton.cdiv(numel, chunk)
+    parts = min(MAX_PARTIALS, _common.cdiv(numel, PROLOGUE_BLOCK))
+    chunk = _common.cdiv(_common.cdiv(numel, parts), PROLOGUE_BLOCK) * PROLOGUE_BLOCK
+    parts = _common.cdiv(numel, chunk)
     partials = torch.empty((batch, parts), dtype=torch.float32, device=x.device)
     # X0: the input rounded to the operand dtype, in the input's orientation (the first iteration reads it through
     # strides); the input itself when it already has that dtype and its rows are aligned. Every buffer below has
@@ -685,7 +685,7 @@ def newton_schulz_launch(
 
     def poly_grid(cols: int) -> tuple[int, ...]:
         """The product's grid for a target of ``cols`` columns (n_x for an iteration buffer, n for the result)."""
-        tiles = triton.cdiv(m, poly.block_m) * triton.cdiv(cols, poly.block_n)
+        tiles = _common.cdiv(m, poly.block_m) * _common.cdiv(cols, poly.block_n)
         return (min(tiles * batch, sms),) if poly.persistent else (tiles, batch)
 
     poly_meta.update(PERSISTENT=poly.persistent, FLATTEN=poly.flatten)
@@ -730,7 +730,7 @@ def newton_schulz_launch(
         _prologue_kernel[(parts, batch)](
             x, x0, partials, numel, chunk, parts, n_in, x0.stride(1), STORE=x0 is not x,
             PADDED=x0.stride(1) != n_in, DTYPE=tl_dtype, RNE_BF16=INTERPRETED, BLOCK=PROLOGUE_BLOCK,
-            PAD_BLOCK=triton.next_power_of_2(max(1, x0.stride(1) - n_in)), num_warps=4,
+            PAD_BLOCK=_common.next_power_of_2(max(1, x0.stride(1) - n_in)), num_warps=4,
             enable_fp_fusion=_common.FP_FUSION,
         )  # fmt: skip
         x0_strides = (x0.stride(0), x0.stride(2), x0.stride(1)) if tall else x0.stride()
@@ -774,8 +774,8 @@ def _splits(cfg: SyrkConfig, k: int) -> tuple[int, int]:
     a multiple of the k block; ``(1, k)`` unsplit."""
     if cfg.split_k <= 1:
         return 1, k
-    k_chunk = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
-    n_split = triton.cdiv(k, k_chunk)
+    k_chunk = _common.cdiv(_common.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    n_split = _common.cdiv(k, k_chunk)
     return (n_split, k_chunk) if n_split > 1 else (1, k)
 
 

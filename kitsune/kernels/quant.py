@@ -306,7 +306,7 @@ def _check_block(block: int) -> None:
 
 def _grid(n: int, block: int) -> tuple[tuple[int], int]:
     tile = max(block, TILE)
-    return (triton.cdiv(n, tile),), tile
+    return (_common.cdiv(n, tile),), tile
 
 
 def quantize_blockwise(
@@ -325,7 +325,7 @@ def quantize_blockwise(
     code = _check_code(code, x.device)
     n = x.numel()
     codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
-    absmax = torch.empty(triton.cdiv(n, block), dtype=torch.float32, device=x.device)
+    absmax = torch.empty(_common.cdiv(n, block), dtype=torch.float32, device=x.device)
     if n:
         grid, tile = _grid(n, block)
         kind = 0 if search else next((k for k, signed in ((1, True), (2, False)) if _is_map(code, signed)), 0)
@@ -356,9 +356,9 @@ def dequantize_blockwise(
     _check_block(block)
     code = _check_code(code, codes.device)
     n = codes.numel()
-    if absmax.dtype != torch.float32 or absmax.numel() != triton.cdiv(n, block) or absmax.device != codes.device:
+    if absmax.dtype != torch.float32 or absmax.numel() != _common.cdiv(n, block) or absmax.device != codes.device:
         raise ValueError(
-            f"absmax must be float32 with ceil({n} / {block}) = {triton.cdiv(n, block)} elements on {codes.device}, "
+            f"absmax must be float32 with ceil({n} / {block}) = {_common.cdiv(n, block)} elements on {codes.device}, "
             f"got {absmax.dtype} with {absmax.numel()} on {absmax.device}"
         )
     if out is None:
@@ -396,7 +396,7 @@ def stochastic_round_bf16(x: torch.Tensor, seed: int, offset: int = 0, *, stream
         raise ValueError(f"offset must be >= 0 with offset + numel <= 2**63, got {offset}")
     out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
     if x.numel():
-        _round_bf16_kernel[(triton.cdiv(x.numel(), TILE),)](
+        _round_bf16_kernel[(_common.cdiv(x.numel(), TILE),)](
             x.contiguous().view(-1), out, out, x.numel(), seed, offset, stream, STOCHASTIC=True, BLOCK=TILE,
             enable_fp_fusion=_common.FP_FUSION,
         )  # fmt: skip
@@ -410,7 +410,7 @@ def split_bf16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     hi = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
     lo = torch.empty_like(hi)
     if x.numel():
-        _round_bf16_kernel[(triton.cdiv(x.numel(), TILE),)](
+        _round_bf16_kernel[(_common.cdiv(x.numel(), TILE),)](
             x.contiguous().view(-1), hi, lo, x.numel(), 0, 0, 0, STOCHASTIC=False, BLOCK=TILE,
             enable_fp_fusion=_common.FP_FUSION,
         )  # fmt: skip
