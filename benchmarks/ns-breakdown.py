@@ -82,12 +82,11 @@ def split_times(x: torch.Tensor, plan: list) -> dict[str, float]:
     return times
 
 
-def _timed_call(x: torch.Tensor, out: torch.Tensor, plan: list, cfg: tuple, graph: bool = False) -> object:
-    """The call with these configs as ``newton_schulz`` would make it: replayed from a CUDA graph where it replays
-    one (small calls), launched directly otherwise; with ``graph``, replayed from a graph at any size (as inside a
-    captured optimizer step, where launches cost no host time)."""
+def _timed_call(x: torch.Tensor, out: torch.Tensor, plan: list, cfg: tuple, graph: bool = True) -> object:
+    """The call with these configs replayed from a CUDA graph, as ``newton_schulz`` makes it where the graph fits in
+    its cache (and as a captured optimizer step runs it); without ``graph``, launched directly."""
     call = lambda: ns.newton_schulz_launch(x, out, plan, 1e-7, torch.bfloat16, cfg)  # noqa: E731
-    if x.numel() > ns.GRAPH_MAX_ELEMENTS and not graph:
+    if not graph:
         return call
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -108,12 +107,12 @@ def config_variants(
     bprimes: list[ns.SyrkConfig] = (),
     xgrams: list[ns.SyrkConfig] = (),
     rounds: int = 2,
-    graph: bool = False,
+    graph: bool = True,
 ) -> dict[str, float]:
     """The whole call with each Gram config (for both Gram launches; with ``bprimes`` for the ``B'`` launch only,
     with ``xgrams`` for the ``X X^T`` launch only) or product config, the others picked, timed in turns against the
-    picked ones: median ms per config. A call that `newton_schulz` launches directly (above
-    ``ns.GRAPH_MAX_ELEMENTS``) is also timed replayed from a graph, to see what its host launches cost."""
+    picked ones: median ms per config, each replayed from a CUDA graph (without ``graph``: launched directly). The
+    picked configs are also timed the other way, to see what the host's launches cost."""
     batch, m, n = x.shape
     picked = ns.pick_configs(m, n, batch, torch.bfloat16, x.device)
     configs = {
@@ -125,8 +124,8 @@ def config_variants(
     }
     out = torch.empty_like(x)
     calls = {key: _timed_call(x, out, plan, cfg, graph) for key, cfg in configs.items()}
-    if not graph and x.numel() > ns.GRAPH_MAX_ELEMENTS:  # launched directly: beside it, the same replayed
-        calls["picked, replayed from a graph"] = _timed_call(x, out, plan, picked, graph=True)
+    other = "picked, launched directly" if graph else "picked, replayed from a graph"
+    calls[other] = _timed_call(x, out, plan, picked, graph=not graph)
     times: dict[str, list[float]] = {k: [] for k in calls}
     keys = list(calls)
     for r in range(rounds * len(keys)):  # each config in each place of the order alike (the clocks follow the load)
@@ -165,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bprime", default="", help="the same for the B' launch only (X X^T's config picked)")
     parser.add_argument("--xgram", default="", help="the same for the X X^T launch only (B' picked)")
     parser.add_argument("--poly", default="", help="product configs to time against the picked one, see parse_poly")
-    parser.add_argument("--graph", action="store_true", help="time the variants replayed from CUDA graphs at any size")
+    parser.add_argument(
+        "--launched", action="store_true", help="time the variants launched directly, not replayed from CUDA graphs"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     plan = ns.schedule(ns.MUON_COEFFICIENTS, 5)
@@ -179,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         def call(x=x, out=out) -> None:
             ns.newton_schulz_launch(x, out, plan, 1e-7, torch.bfloat16)
 
-        row["kitsune_ms"] = do_bench(call, rep=300)
+        row["kitsune_ms"] = do_bench(lambda x=x, out=out: ns.newton_schulz(x, len(plan), out=out), rep=300)
         # a split Gram's reduce launch counts with its Gram
         x_split, c_split = ns.gram_splits(*ns.pick_configs(m, n, batch, torch.bfloat16, x.device)[:2], m, n)
         gram, b_prime = "gram X X^T", "B' = b A + c A A + a I"
@@ -214,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             "B' = b A + c A A + a I": batch * m**3,
             "B' X": 2 * batch * m * m * n,
         }
-        print(f"== {spec}: kitsune {row['kitsune_ms']:.4f} ms per 5-iteration call", flush=True)
+        print(f"== {spec}: newton_schulz {row['kitsune_ms']:.4f} ms per 5-iteration call", flush=True)
         print(f"  {'product':<18} {'kitsune ms':>10} {'TFLOP/s':>8} {'cuBLAS ms':>10} {'TFLOP/s':>8}")
         for key in flops:
             k_ms = row["kernels_ms"].get(key)
@@ -230,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         bprimes = parse_syrk(args.bprime)
         xgrams = parse_syrk(args.xgram)
         if syrks or polys or bprimes or xgrams:
-            row["variants_ms"] = config_variants(x, plan, syrks, polys, bprimes, xgrams, graph=args.graph)
+            row["variants_ms"] = config_variants(x, plan, syrks, polys, bprimes, xgrams, graph=not args.launched)
             for key, ms in row["variants_ms"].items():
                 print(f"  {key:<72} {ms:8.4f} ms", flush=True)
         if batch > 1:

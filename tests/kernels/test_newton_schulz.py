@@ -392,6 +392,36 @@ def test_product_handed_to_torch_bmm_matches_float64(shape, device, monkeypatch)
     assert not torch.equal(got, x.to(got.dtype))  # a result, not the input passed through
 
 
+def test_graph_cache_keeps_graphs_in_use_and_drops_stale_ones():
+    """The cache of direct calls' graphs: a hit replays what was captured; a graph that does not fit beside graphs
+    still in use launches directly (None) rather than evicting them, so two shapes never capture in turns; a graph
+    unused for more than `GRAPH_STALE_CALLS` calls makes room, least recently used first; one over the budget never
+    captures."""
+    cache = ns._GraphCache()
+    captured: list[str] = []
+
+    def get(key: str, size: int) -> object | None:
+        return cache.get((key,), lambda: size, 100, lambda: captured.append(key) or f"graph {key}")
+
+    assert get("a", 60) == "graph a" and get("a", 60) == "graph a"
+    for _ in range(ns.GRAPH_STALE_CALLS - 1):  # "a" still in use: "b" does not fit beside it, and is never captured
+        assert get("b", 50) is None
+    assert get("a", 60) == "graph a"
+    assert get("c", 30) == "graph c"  # fits beside "a"
+    assert captured == ["a", "c"]
+    for _ in range(ns.GRAPH_STALE_CALLS):
+        assert get("c", 30) == "graph c"
+    assert get("b", 50) == "graph b"  # "a" went stale: dropped for "b"; "c" stays
+    assert sorted(k for (k,) in cache.entries) == ["b", "c"] and captured == ["a", "c", "b"]
+    assert get("huge", 101) is None and len(cache) == 2
+    for _ in range(ns.GRAPH_STALE_CALLS + 1):
+        get("b", 50)
+    assert get("d", 50) == "graph d"  # "c" stale, "b" in use: "c" alone goes
+    assert sorted(k for (k,) in cache.entries) == ["b", "d"]
+    cache.clear()
+    assert len(cache) == 0
+
+
 # ---- GPU ----
 
 GPU_REL_ERR = 1.5e-2
@@ -416,16 +446,21 @@ def test_gpu_matches_float64(shape):
 
 
 @pytest.mark.cuda
-def test_gpu_graph_replay_is_bitwise_the_direct_launches():
-    """Small problems replay a captured CUDA graph: the same kernels, the same bits, fresh inputs each call."""
-    ns._graphs.clear()
+@pytest.mark.parametrize("shape", [(3, 256, 384), (2048, 4096)], ids=str)
+def test_gpu_graph_replay_is_bitwise_the_direct_launches(shape):
+    """Calls replay a captured CUDA graph where it fits in the cache (1/64 of the GPU's memory: a 2048 x 4096 call
+    holds 144 MB): the same kernels, the same bits, fresh inputs each call."""
+    ns.clear_graph_cache()
     for seed in range(2):
-        g = torch.randn(3, 256, 384, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+        g = torch.randn(shape, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
         got = newton_schulz(g)
         direct = torch.empty_like(got)
-        ns.newton_schulz_launch(g, direct, ns.schedule(MUON_COEFFICIENTS, 5), 1e-7, torch.bfloat16)
+        x = g.unsqueeze(0) if g.dim() == 2 else g
+        ns.newton_schulz_launch(x, direct.view(x.shape), ns.schedule(MUON_COEFFICIENTS, 5), 1e-7, torch.bfloat16)
         assert torch.equal(got, direct)
-    assert len(ns._graphs) == 1
+    assert len(ns._graphs[g.device]) == 1
+    ns.clear_graph_cache()
+    assert not ns._graphs
 
 
 @pytest.mark.cuda
