@@ -229,13 +229,14 @@ class MuonUnit(FusedUnit):
         # launched directly, each extra call costs host time the GPU waits on; in a CUDA graph the halves of a large
         # batch overlap each other's last, partial wave of tiles. The graph's eager warm-up steps make the same calls
         # as its capture: a kernel variant first met inside a capture would compile there, and the capture fail.
+        # They launch directly: a graph of their own (newton_schulz's cache) would never replay, only hold memory
         graphed = graphed and self.device.type == "cuda"
         capturing = graphed and torch.cuda.is_current_stream_capturing()
         calls = self.graph_calls if graphed else self.batches
         order = self._orders[graphed]
         if not order:
             for inp, out in calls:
-                newton_schulz(inp, self.steps, coefficients, spec.eps, out=out)
+                newton_schulz(inp, self.steps, coefficients, spec.eps, out=out, graph=not graphed)
             return
         cfg = self._stream_config
         if self._streams is None:
@@ -249,7 +250,7 @@ class MuonUnit(FusedUnit):
             inp, out = calls[b]
             stream = streams[s]
             with torch.cuda.stream(stream):
-                newton_schulz(inp, self.steps, coefficients, spec.eps, out=out)
+                newton_schulz(inp, self.steps, coefficients, spec.eps, out=out, graph=not graphed)
             if not capturing:  # made on the main stream, used on this one: not reused before this one is done
                 inp.record_stream(stream)
                 out.record_stream(stream)

@@ -901,12 +901,14 @@ def clear_graph_cache() -> None:
 
 
 def _graph_for(x: torch.Tensor, dtype: torch.dtype, plan: list[Coefficients], eps: float) -> _Graph | None:
-    """The captured graph for this problem, capturing it on first use; None when launching directly: a CPU tensor,
-    a graph that does not fit in the cache (`GRAPH_CACHE_SHARE`), or a caller that is itself capturing a graph (the
-    launches join theirs)."""
+    """The captured graph for this problem on the current stream, capturing it on first use; None when launching
+    directly: a CPU tensor, a graph that does not fit in the cache (`GRAPH_CACHE_SHARE`), or a caller that is itself
+    capturing a graph (the launches join theirs). Each stream has its own graph: a graph's buffers are reused by
+    every replay, which the stream's order keeps apart (two calls of one shape on two streams run at once)."""
     if x.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return None
-    key = (tuple(x.shape), x.dtype, dtype, tuple(plan), eps)
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    key = (tuple(x.shape), x.dtype, dtype, tuple(plan), eps, stream)
     size = lambda: graph_bytes(x.shape, dtype, x.device)  # noqa: E731
     return _graphs[x.device].get(key, size, _graph_budget(x.device), lambda: _Graph(x, dtype, plan, eps))
 
@@ -919,12 +921,13 @@ def newton_schulz(
     *,
     dtype: torch.dtype = torch.bfloat16,
     out: torch.Tensor | None = None,
+    graph: bool = True,
 ) -> torch.Tensor:
     """Orthogonalise each matrix of ``X``: ``steps`` quintic Newton-Schulz iterations of ``X / max(||X||_F, eps)``.
 
-    On a GPU a call replays a CUDA graph captured on the first call of its shape (and dtypes, coefficients and eps),
-    kept in a per-device cache of at most 1/64 of the device's memory; `clear_graph_cache` empties it. Inside a
-    graph capture the kernels join the caller's graph.
+    On a GPU a call replays a CUDA graph captured on the first call of its shape (and dtypes, coefficients and eps)
+    on the current stream, kept in a per-device cache of at most 1/64 of the device's memory; `clear_graph_cache`
+    empties it. Inside a graph capture the kernels join the caller's graph.
 
     Args:
         X: ``(m, n)`` or ``(batch, m, n)``, fp32/bf16/fp16, on a CUDA device (or on the CPU under
@@ -935,6 +938,7 @@ def newton_schulz(
         eps: the norm is clamped to at least ``eps`` (a zero matrix stays zero).
         dtype: the operand dtype of the products and of the result: bf16 (as torch.optim.Muon) or fp32.
         out: where to write the result (``X``'s shape, ``dtype``, contiguous); a new tensor when None.
+        graph: False launches the kernels directly, and no graph is captured or kept for this call.
 
     Returns:
         ``out``, or a new tensor of ``X``'s shape in ``dtype``.
@@ -970,9 +974,9 @@ def newton_schulz(
         out3.copy_(x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps))
         return out
     x = x.contiguous()
-    graph = _graph_for(x, dtype, plan, eps)
-    if graph is not None:
-        graph(x, out3)
+    captured = _graph_for(x, dtype, plan, eps) if graph else None
+    if captured is not None:
+        captured(x, out3)
     else:
         newton_schulz_launch(x, out3, plan, eps, dtype)
     return out

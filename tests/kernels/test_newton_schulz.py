@@ -464,6 +464,34 @@ def test_gpu_graph_replay_is_bitwise_the_direct_launches(shape):
 
 
 @pytest.mark.cuda
+def test_gpu_graphs_per_stream_and_graph_false():
+    """Calls of one shape on two streams at once each replay their own graph (a shared graph's buffers would be
+    written by both); ``graph=False`` launches directly and keeps nothing. Every result is the direct launches'."""
+    ns.clear_graph_cache()
+    gen = torch.Generator("cuda").manual_seed(3)
+    xs = [torch.randn(2, 512, 768, device="cuda", generator=gen) for _ in range(4)]
+    plan = ns.schedule(MUON_COEFFICIENTS, 5)
+    want = []
+    for x in xs:
+        want.append(torch.empty(x.shape, dtype=torch.bfloat16, device="cuda"))
+        ns.newton_schulz_launch(x, want[-1], plan, 1e-7, torch.bfloat16)
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    for _ in range(3):
+        outs = []
+        for i, x in enumerate(xs):
+            with torch.cuda.stream(streams[i % 2]):
+                outs.append(newton_schulz(x))
+        for s in streams:
+            torch.cuda.current_stream().wait_stream(s)
+        assert all(torch.equal(o, w) for o, w in zip(outs, want, strict=True))
+    assert len(ns._graphs[xs[0].device]) == 2
+    ns.clear_graph_cache()
+    assert torch.equal(newton_schulz(xs[0], graph=False), want[0]) and not len(ns._graphs[xs[0].device])
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("shape", [(4, 1024, 1536), (1536, 1000)], ids=str)
 def test_gpu_tma_and_persistent_variants(shape):
     """On the GPU the variants use other instructions (TMA, a looped grid, cuBLAS for ``B' X``) for the same sums:
