@@ -840,11 +840,14 @@ def launch_count(shape: Sequence[int], steps: int, device: torch.device, dtype: 
 GRAPH_CACHE_SHARE = 64
 """Calls replay a captured CUDA graph (`_Graph`) where it fits in the graph cache, 1 / `GRAPH_CACHE_SHARE` of the
 device's memory (2.2 GB on an H200, 1.25 GB on an 80 GB H100, 384 MB on 24 GB). A call's ``1 + 3 * steps`` Triton
-launches cost a host 40-90 us each, as much as the GPU needs to run the kernels of all but the largest problems,
-while a graph's copies in and out cost about 0.5% of the call (the copy in rounds the input to the operand dtype,
-which the prologue would do). An H200 (torch 2.11, Triton 3.6, 2026-12-03), launched directly against replayed, in
-turns: 1024 x 16384 0.99 -> 0.68 ms, 2048 x 8192 1.74 -> 1.10, 4 x 2048 x 4096 2.72 -> 2.23, 8 x 2048^2 2.58 ->
-2.53, 4096^2 2.32 -> 2.33, 2048 x 32000 3.75 -> 3.73 (the host took 0.65-1.58 ms to launch one call)."""
+launches cost a host up to 40-90 us each, as much as the GPU needs to run the kernels of all but the largest
+problems, while a graph's copies in and out cost a few percent of the call (the copy in rounds the input to the
+operand dtype, which the prologue would do). H200s (torch 2.11, Triton 3.6, 2026-12-03), launched directly against
+replayed, in turns: on a host that took 0.65-1.58 ms to launch one call, 1024 x 16384 0.99 -> 0.68 ms, 2048 x 8192
+1.74 -> 1.10, 4 x 2048 x 4096 2.72 -> 2.23, 8 x 2048^2 2.58 -> 2.53, 4096^2 2.32 -> 2.33, 2048 x 32000 3.75 -> 3.73;
+on a host whose launches hid behind the GPU the copies cost 0-4% (4096^2 2.21 -> 2.30, 12 x 768 x 3072 0.78 -> 0.81,
+8 x 2048^2 2.55 -> 2.56), while kitsune.optim.Muon's step, host-bound there too, took 3.97 against 4.85 ms on GPT-2's
+hidden matrices and the same time on 8 x 2048^2 (2.88)."""
 GRAPH_STALE_CALLS = 64
 """A cached graph not replayed in the last this many calls may be dropped to make room for another. While every
 cached graph is in use, a call whose graph does not fit launches directly: two shapes that do not fit together are
