@@ -19,12 +19,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench
 
+from kitsune.bench.timing import percentile
 from kitsune.kernels import newton_schulz as ns
-
-
-def _pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
 
 
 def measure(shape: tuple[int, ...], handle: object) -> dict[str, float]:
@@ -50,7 +46,7 @@ def measure(shape: tuple[int, ...], handle: object) -> dict[str, float]:
     row = {
         "alone_ms": do_bench(call, warmup=25, rep=200, return_mode="median"),
         "back_to_back_ms": do_bench(ten, warmup=25, rep=200, return_mode="median") / 10,
-        "host_ms": _pct(host, 0.5),
+        "host_ms": percentile(host, 50),
     }
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -75,7 +71,11 @@ def measure(shape: tuple[int, ...], handle: object) -> dict[str, float]:
     stop.set()
     thread.join()
     clocks, watts = [c for c, _ in samples], [w for _, w in samples]
-    row.update(sm_clock_p10_mhz=_pct(clocks, 0.1), sm_clock_p50_mhz=_pct(clocks, 0.5), power_p50_w=_pct(watts, 0.5))
+    row.update(
+        sm_clock_p10_mhz=percentile(clocks, 10),
+        sm_clock_p50_mhz=percentile(clocks, 50),
+        power_p50_w=percentile(watts, 50),
+    )
     return row
 
 
