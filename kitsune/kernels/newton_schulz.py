@@ -464,7 +464,8 @@ def pick_configs(
     on an H200: 255 registers, local memory traffic; 0.143 ms a launch against 0.123 for ``X X^T``); with square
     ones 0.127 ms, the whole call 2.53 against 2.56 ms in turns (``benchmarks/ns-breakdown.py --bprime``), the same
     bits.
-    Below a wave (1024^2): 64-row tiles, Gram tiles two blocks wide.
+    Below a wave (1024^2): 64-row tiles, Gram tiles two blocks wide; for ``X X^T`` over a long k the square tiles
+    split into parts instead, where `_gram_time` models that a tenth faster.
     """
     if device.type != "cuda":
         syrk = SyrkConfig(16, 32, 64, 1, 1)
@@ -480,10 +481,17 @@ def pick_configs(
             SyrkConfig(128, 128, 64, 4, 3, True),
             PolyConfig(128, 256, 64, 8, 8, 3, True, True, True),
         )
-    syrk = SyrkConfig(128, 128, 64, 4, 3) if upper >= 100 else SyrkConfig(64, 128, 64, 4, 4)
+    sms = _num_sms(device)
+    syrk = SyrkConfig(128, 128, 64, 4, 3)
+    gram = syrk._replace(split_k=_split_k(syrk, m, n, batch, sms))
+    if upper < 100:  # few square tiles: narrow ones fill more SMs, unless a split k loop fills them with square ones
+        syrk = SyrkConfig(64, 128, 64, 4, 4)
+        narrow = syrk._replace(split_k=_split_k(syrk, m, n, batch, sms))
+        if _gram_time(gram, m, n, batch, sms) >= 0.9 * _gram_time(narrow, m, n, batch, sms):
+            gram = narrow
     poly_tiles = batch * blocks * _common.cdiv(n, 256)
     poly = PolyConfig(128, 256, 64, 16, 8, 3) if poly_tiles >= 100 else PolyConfig(64, 128, 64, 8, 4, 4)
-    return syrk._replace(split_k=_split_k(syrk, m, n, batch, _num_sms(device))), syrk, poly
+    return gram, syrk, poly
 
 
 SPLIT_MIN_K = 2048
@@ -497,24 +505,51 @@ on 132 SMs, 3 parts 3.66 ms a 5-iteration call against 4.02 unsplit; 2048 x 8192
 unsplit)."""
 
 
+def _programs(cfg: SyrkConfig, m: int, batch: int) -> int:
+    """Programs of an unsplit ``X X^T`` launch on ``m`` rows: its tiles over the upper triangle, per matrix."""
+    return batch * len(_tile_pairs(_common.cdiv(m, cfg.block_m), cfg.block_n // cfg.block_m))
+
+
 def _split_k(cfg: SyrkConfig, m: int, k: int, batch: int, sms: int) -> int:
-    """Parts to split ``X X^T``'s k loop into. Where its tiles fill at most half the SMs, enough parts for about a
-    wave, each at least `SPLIT_MIN_K` deep (a few programs past the wave measured no slower: 768 x 50257, 42 tiles,
-    3 and 4 parts within 2% of each other on an H200). Where they fill more, parts at least
-    `SPLIT_DEEP_K` deep: the count whose waves take the fewest tile times (``ceil(tiles * parts / sms) / parts``),
-    a larger count only where it saves a tenth over a smaller one; 1 where no split saves that much."""
-    programs = batch * len(_tile_pairs(_common.cdiv(m, cfg.block_m), cfg.block_n // cfg.block_m))
-    if 2 * programs <= sms:
-        return max(1, min(_common.cdiv(sms, programs), k // SPLIT_MIN_K))
+    """Parts to split ``X X^T``'s k loop into: the count whose waves take the fewest tile times
+    (``ceil(tiles * parts / sms) / parts``), a larger count only where it saves a tenth over a smaller one; 1 where
+    no split saves that much. Each part is at least `SPLIT_MIN_K` deep where the tiles fill at most half the SMs,
+    `SPLIT_DEEP_K` where they fill more (there a split only evens out the last wave)."""
+    programs = _programs(cfg, m, batch)
+    depth = SPLIT_MIN_K if 2 * programs <= sms else SPLIT_DEEP_K
 
     def waves(parts: int) -> float:
         return _common.cdiv(programs * parts, sms) / parts
 
     best = 1
-    for parts in range(2, k // SPLIT_DEEP_K + 1):
+    for parts in range(2, k // depth + 1):
         if waves(parts) < 0.9 * waves(best):
             best = parts
     return best
+
+
+SQUARE_GRAM_COST = 1.6
+"""A 128 x 128 Gram tile's time per k step over a 64 x 128 tile's: twice the products for 4/3 the loads. Fit to
+5-iteration calls replayed from CUDA graphs on an H200 (Triton 3.6), with `SPLIT_COST_K`: 1024 x 4096, 72 programs
+a launch either way, 64 x 128 tiles unsplit 0.202 ms against 128 x 128 ones in 2 parts 0.214; 1024 x 16384, 0.687
+against 0.654."""
+
+SPLIT_COST_K = 1300
+"""A split Gram's reduce launch (the parts' fp32 sums added in order, the tiles finished), in k steps of one
+64 x 128 tile: about 5 us at 1024 rows on an H200, fit with `SQUARE_GRAM_COST`."""
+
+
+def _gram_time(cfg: SyrkConfig, m: int, k: int, batch: int, sms: int) -> float:
+    """A model of an ``X X^T`` launch's time, in k steps of one 64 x 128 tile: its waves of programs, each as deep as
+    a part of the k loop, the tile's cost per step (`SQUARE_GRAM_COST` for 128 x 128), and a split's reduce launch.
+    It decides where the few 128 x 128 tiles of a Gram over a long k, split, beat twice as many 64 x 128 ones (H200,
+    5-iteration calls in turns: 1024 x 16384 0.726 -> 0.591 ms in 7 parts, 1024 x 8192 0.360 -> 0.334 in 3, GPT-2's
+    768 x 50257 1.260 -> 1.174 in 6; a sweep of 1024 x 16384's part counts, replayed from graphs, had 7 the fastest:
+    3 0.597, 4 0.612, 6 0.572, 7 0.570, 8 0.639 ms)."""
+    parts, depth = _splits(cfg, k)
+    waves = _common.cdiv(_programs(cfg, m, batch) * parts, sms)
+    cost = SQUARE_GRAM_COST if cfg.block_m == cfg.block_n else 1.0
+    return waves * depth * cost + (SPLIT_COST_K if parts > 1 else 0)
 
 
 def _descriptor(t: torch.Tensor, strides: Sequence[int], rows: int, cols: int, block: list[int]) -> object | None:

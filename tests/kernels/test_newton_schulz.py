@@ -255,13 +255,14 @@ def test_split_gram_sums_the_same_products(shape, device, monkeypatch):
 
 
 def test_split_gram_parts_fill_waves():
-    """`_split_k` on a GPU's 132 SMs: tiles filling at most half of them split into enough parts for about a wave,
-    parts at least `SPLIT_MIN_K` deep; tiles filling more split only deep k loops, into parts of at least
-    `SPLIT_DEEP_K` that even out the last wave by at least a tenth."""
+    """`_split_k` on a GPU's 132 SMs: the part count whose waves take the fewest tile times, a larger one only where
+    it saves a tenth; parts at least `SPLIT_MIN_K` deep where the tiles fill at most half the SMs, `SPLIT_DEEP_K`
+    where they fill more (there a split only evens out the last wave)."""
     square, narrow = ns.SyrkConfig(128, 128, 64, 4, 3), ns.SyrkConfig(64, 128, 64, 4, 4)
     cases = [  # (config, m, k, batch, parts): the tile count in the comment
-        (narrow, 768, 50257, 1, 4),  # 42 tiles: 168 programs
-        (square, 768, 50257, 1, 7),  # 21 tiles: 147
+        (narrow, 768, 50257, 1, 3),  # 42 tiles: 126 programs, a wave (4 parts: 168, two waves)
+        (square, 768, 50257, 1, 6),  # 21 tiles: 126
+        (square, 1024, 16384, 1, 7),  # 36 tiles: 3 parts a wave of 1/3 the depth, 7 parts two of 1/7
         (square, 768, 6000, 1, 2),  # 21 tiles, but only two parts 2048 deep
         (square, 768, 2000, 1, 1),  # too short to split
         (narrow, 1024, 16384, 1, 1),  # 72 tiles: more than half the SMs, k too short for parts of 8192
@@ -271,6 +272,31 @@ def test_split_gram_parts_fill_waves():
         (square, 2048, 65536, 1, 6),  # 3 parts: 4/3, 6 parts: 7/6 (4 and 5: less than a tenth better than 3)
     ]
     assert [ns._split_k(cfg, m, k, b, 132) for cfg, m, k, b, _ in cases] == [c[-1] for c in cases]
+
+
+def test_gram_tiles_by_modelled_time(monkeypatch):
+    """On a GPU's 132 SMs, a Gram of few 128 x 128 tiles takes 64 x 128 ones, twice as many, unless its k loop is
+    long enough to split into parts that fill the SMs with the square ones (`_gram_time` a tenth shorter); the
+    ``B'`` launch (k = m, never split) keeps the narrow tiles there."""
+    monkeypatch.setattr(ns, "_num_sms", lambda device: 132)
+    cuda = torch.device("cuda")  # pick_configs only reads the SM count from it
+
+    def picked(batch, m, n):
+        gram, b_prime, _ = ns.pick_configs(m, n, batch, torch.bfloat16, cuda)
+        return (gram.block_m, gram.block_n, gram.split_k), (b_prime.block_m, b_prime.block_n, b_prime.split_k)
+
+    narrow = (64, 128, 1)
+    assert picked(1, 1024, 16384) == ((128, 128, 7), narrow)  # 36 tiles x 7 parts against 72 tiles 16384 deep
+    assert picked(1, 768, 50257) == ((128, 128, 6), narrow)  # GPT-2's wte: 21 x 6 against 42 x 3
+    assert picked(1, 1024, 4096) == (narrow, narrow)  # 2 parts of 2048: no shorter than 72 narrow tiles
+    assert picked(1, 512, 8192) == ((64, 128, 4), narrow)  # 10 square tiles: 4 parts leave most SMs idle
+    assert picked(2, 1024, 16384) == ((64, 128, 2), narrow)  # 72 square tiles: no part count fills a wave better
+    assert picked(1, 768, 3072) == (narrow, narrow)  # GPT-2's hidden matrices: too short to split
+    assert picked(1, 4096, 4096) == ((128, 128, 1), (128, 128, 1))
+    t = ns._gram_time
+    square = ns.SyrkConfig(128, 128, 64, 4, 3)
+    assert t(square._replace(split_k=2), 1024, 4096, 1, 132) == 2048 * ns.SQUARE_GRAM_COST + ns.SPLIT_COST_K
+    assert t(square._replace(split_k=7), 1024, 16384, 1, 132) == 2 * 2368 * ns.SQUARE_GRAM_COST + ns.SPLIT_COST_K
 
 
 @pytest.mark.parametrize("shape", [(20, 37), (37, 20), (2, 9, 51)], ids=str)
@@ -430,7 +456,10 @@ GPU_REL_ERR = 1.5e-2
 
 @pytest.mark.cuda
 @pytest.mark.parametrize(
-    "shape", [(1024, 1024), (4096, 4096), (4096, 1024), (1024, 4096), (8, 2048, 2048), (1000, 1500)], ids=str
+    "shape",
+    [(1024, 1024), (4096, 4096), (4096, 1024), (1024, 4096), (8, 2048, 2048), (1000, 1500)]
+    + [(16384, 1024), (768, 50257)],  # Grams of few square tiles, split 7 and 6 ways
+    ids=str,
 )
 def test_gpu_matches_float64(shape):
     g = torch.randn(shape, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
