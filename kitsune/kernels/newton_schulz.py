@@ -473,6 +473,13 @@ def pick_configs(
     if dtype == torch.float32:  # ieee fp32 products run on CUDA cores: small tiles for registers and shared memory
         syrk = SyrkConfig(64, 64, 32, 4, 3)
         return syrk, syrk, PolyConfig(64, 64, 32, 8, 4, 3)
+    return _bf16_configs(m, n, batch, _num_sms(device))
+
+
+@functools.lru_cache(maxsize=256)
+def _bf16_configs(m: int, n: int, batch: int, sms: int) -> tuple[SyrkConfig, SyrkConfig, PolyConfig]:
+    """`pick_configs` for bf16 operands on a GPU of ``sms`` SMs; kept, as a direct call picks on every call
+    (up to 20 us for a long split Gram's part counts)."""
     blocks = _common.cdiv(m, 128)
     upper = batch * blocks * (blocks + 1) // 2  # 128 x 128 tiles over the upper triangle
     if m <= 2048 and upper >= 512:
@@ -481,7 +488,6 @@ def pick_configs(
             SyrkConfig(128, 128, 64, 4, 3, True),
             PolyConfig(128, 256, 64, 8, 8, 3, True, True, True),
         )
-    sms = _num_sms(device)
     syrk = SyrkConfig(128, 128, 64, 4, 3)
     gram = syrk._replace(split_k=_split_k(syrk, m, n, batch, sms))
     if upper < 100:  # few square tiles: narrow ones fill more SMs, unless a split k loop fills them with square ones
