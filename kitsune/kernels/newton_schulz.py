@@ -580,7 +580,7 @@ PITCH_ALIGN = 16
 def _pitch(cols: int) -> int:
     """Elements from one row of a buffer to the next: ``cols`` rounded up to `PITCH_ALIGN` elements. Rows of an odd
     length (a vocabulary of 50257) would leave every row but the first misaligned: no vector loads, no TMA."""
-    return -(-cols // PITCH_ALIGN) * PITCH_ALIGN
+    return _common.cdiv(cols, PITCH_ALIGN) * PITCH_ALIGN
 
 
 K_ALIGN = 64
@@ -594,7 +594,7 @@ def _extent(n: int) -> int:
     input read in place (the first iteration) and the result (the last write) have ``n`` columns: a vocabulary of
     50257 columns otherwise masks every Gram's last k block and wraps every product's column index by an odd number,
     and neither load then vectorises."""
-    return -(-n // K_ALIGN) * K_ALIGN
+    return _common.cdiv(n, K_ALIGN) * K_ALIGN
 
 
 def _copy_cols(rows: int, cols: int) -> int:
@@ -924,9 +924,6 @@ class _GraphCache:
         graph = capture()
         self.entries[key] = (graph, nbytes, self.calls)
         return graph
-
-    def clear(self) -> None:
-        self.entries.clear()
 
 
 _graphs: defaultdict[torch.device, _GraphCache] = defaultdict(_GraphCache)

@@ -444,8 +444,6 @@ def test_graph_cache_keeps_graphs_in_use_and_drops_stale_ones():
         get("b", 50)
     assert get("d", 50) == "graph d"  # "c" stale, "b" in use: "c" alone goes
     assert sorted(k for (k,) in cache.entries) == ["b", "d"]
-    cache.clear()
-    assert len(cache) == 0
 
 
 # ---- GPU ----
