@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import threading
 import time
 from pathlib import Path
 
@@ -21,9 +20,10 @@ from triton.testing import do_bench
 
 from kitsune.bench.timing import percentile
 from kitsune.kernels import newton_schulz as ns
+from kitsune.profiler.nvml import NvmlSampler, cuda_uuid, normalize_uuid
 
 
-def measure(shape: tuple[int, ...], handle: object) -> dict[str, float]:
+def measure(shape: tuple[int, ...]) -> dict[str, float]:
     """The timings and samples of one shape (ms, MHz, W)."""
     g = torch.randn(shape, device="cuda")  # fp32, as an optimizer's momentum buffer
     out = torch.empty(shape, device="cuda", dtype=torch.bfloat16)
@@ -54,23 +54,16 @@ def measure(shape: tuple[int, ...], handle: object) -> dict[str, float]:
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     row["kernels_ms"] = sum(e.time_range.elapsed_us() for e in kernels) / 1e3 / 10
-    samples: list[tuple[int, float]] = []
-    stop = threading.Event()
-
-    def sample() -> None:
-        while not stop.is_set():
-            clock = pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM)
-            samples.append((clock, pynvml.nvmlDeviceGetPowerUsage(handle) / 1e3))
-            time.sleep(0.002)
-
-    thread = threading.Thread(target=sample)
-    thread.start()
+    sampler = NvmlSampler(torch.cuda.current_device(), interval_s=0.002)
+    if not sampler.start():
+        raise SystemExit(f"NVML: {sampler.reason}")
     for _ in range(100):
         call()
     torch.cuda.synchronize()
-    stop.set()
-    thread.join()
-    clocks, watts = [c for c, _ in samples], [w for _, w in samples]
+    sampler.stop()
+    samples = sampler.samples
+    clocks = [s.sm_clock_mhz for s in samples if s.sm_clock_mhz is not None]
+    watts = [s.power_w for s in samples if s.power_w is not None]
     row.update(
         sm_clock_p10_mhz=percentile(clocks, 10),
         sm_clock_p50_mhz=percentile(clocks, 50),
@@ -88,14 +81,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("needs a CUDA GPU")
     pynvml.nvmlInit()
     index = torch.cuda.current_device()
-    handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+    uuid = normalize_uuid(cuda_uuid(index))  # NVML numbers devices its own way, not as CUDA_VISIBLE_DEVICES does
+    handles = (pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount()))
+    handle = next(h for h in handles if normalize_uuid(pynvml.nvmlDeviceGetUUID(h)) == uuid)
     limit = pynvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1e3
     top = pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM)
     print(f"{torch.cuda.get_device_name(index)}: power cap {limit:.0f} W, SM clock up to {top} MHz", flush=True)
     rows = {}
     for spec in args.shapes.split(","):
         shape = tuple(int(v) for v in spec.split("x"))
-        rows[spec] = r = measure(shape, handle)
+        rows[spec] = r = measure(shape)
         print(
             f"{spec}: alone {r['alone_ms']:.3f} ms, back to back {r['back_to_back_ms']:.3f}, kernels of a burst "
             f"{r['kernels_ms']:.3f}, host {r['host_ms']:.3f} | SM clock p10/p50 {r['sm_clock_p10_mhz']}/"
