@@ -49,20 +49,29 @@ SOURCE = r"""
 #include <vector>
 
 // params[i] sits at table[i] (what: 0 or 1) and its grad (dense) at table[n + i] (what: 1 or 2; 2 leaves out the
-// params, which the step checked before) (table: 2n int64 on the CPU). Anything else answers false.
+// params, which the step checked before), each contiguous, of dtype and of table[2n + i] elements (table: 3n int64
+// on the CPU): a tensor re-strided, re-typed or resized where it sat (``p.data = p.data.t()``, a grad of another
+// layout in a block the allocator handed out again) is a change as much as a move. Anything else answers false.
 // A param's address is two dependent reads away from its Python object (the TensorImpl, then its storage), its
 // grad's four (the autograd meta, the grad's TensorImpl, its storage). Between steps, backward and the kernels'
 // launches push these objects out of the CPU's caches, so the reads go in passes over every param, each pass
 // prefetching what the next one reads: the CPU waits for many misses at once, not for one param's chain after
 // another's (2000 params on a CPU, caches flushed: about 190 ns a param against 390 one param at a time).
-bool unchanged(py::list params, const at::Tensor& table, int64_t what) {
+// The metadata the kernels rely on besides the address: dense and contiguous, the dtype they read, the numel planned.
+static inline bool same_layout(const c10::TensorImpl* t, caffe2::TypeMeta dtype, int64_t numel) {
+  return t->layout() == at::kStrided && t->dtype() == dtype && t->numel() == numel && t->is_contiguous();
+}
+
+bool unchanged(py::list params, const at::Tensor& table, int64_t what, at::ScalarType scalar_type) {
   PyObject* list = params.ptr();
   const Py_ssize_t n = PyList_GET_SIZE(list);
   if (table.scalar_type() != at::kLong || !table.is_contiguous() || table.device().type() != at::kCPU ||
-      table.numel() != 2 * n) {
+      table.numel() != 3 * n) {
     return false;
   }
   const int64_t* want = table.const_data_ptr<int64_t>();
+  const int64_t* numels = want + 2 * n;
+  const caffe2::TypeMeta dtype = caffe2::TypeMeta::fromScalarType(scalar_type);
   const bool check_params = what != 2;
   const bool check_grads = what != 0;
   try {
@@ -71,8 +80,8 @@ bool unchanged(py::list params, const at::Tensor& table, int64_t what) {
       PyObject* obj = PyList_GET_ITEM(list, i);
       if (!THPVariable_Check(obj)) return false;
       impls[i] = THPVariable_Unpack(obj).unsafeGetTensorImpl();
-      __builtin_prefetch(impls[i]);
-      __builtin_prefetch(reinterpret_cast<const char*>(impls[i]) + 64);
+      __builtin_prefetch(impls[i]);  // the storage and autograd meta pointers
+      __builtin_prefetch(reinterpret_cast<const char*>(impls[i]) + 128);  // offset, numel, dtype, contiguity
     }
     for (Py_ssize_t i = 0; i < n; ++i) {  // the TensorImpls: prefetch their storages and autograd metas
       if (check_params) __builtin_prefetch(impls[i]->unsafe_storage().unsafeGetStorageImpl());
@@ -80,7 +89,10 @@ bool unchanged(py::list params, const at::Tensor& table, int64_t what) {
     }
     std::vector<const c10::TensorImpl*> grads(check_grads ? n : 0);
     for (Py_ssize_t i = 0; i < n; ++i) {  // the params' addresses; the grads' TensorImpls
-      if (check_params && reinterpret_cast<int64_t>(impls[i]->data()) != want[i]) return false;
+      if (check_params && (reinterpret_cast<int64_t>(impls[i]->data()) != want[i] ||
+                           !same_layout(impls[i], dtype, numels[i]))) {
+        return false;
+      }
       if (check_grads) {
         const c10::AutogradMetaInterface* meta = impls[i]->autograd_meta();
         if (meta == nullptr) return false;
@@ -88,14 +100,14 @@ bool unchanged(py::list params, const at::Tensor& table, int64_t what) {
         if (!g.defined()) return false;
         grads[i] = g.unsafeGetTensorImpl();
         __builtin_prefetch(grads[i]);
-        __builtin_prefetch(reinterpret_cast<const char*>(grads[i]) + 64);
+        __builtin_prefetch(reinterpret_cast<const char*>(grads[i]) + 128);
       }
     }
     for (Py_ssize_t i = 0; check_grads && i < n; ++i) {
       __builtin_prefetch(grads[i]->unsafe_storage().unsafeGetStorageImpl());
     }
     for (Py_ssize_t i = 0; check_grads && i < n; ++i) {  // the grads' addresses
-      if (grads[i]->layout() != at::kStrided) return false;
+      if (!same_layout(grads[i], dtype, numels[i])) return false;
       if (reinterpret_cast<int64_t>(grads[i]->data()) != want[n + i]) return false;
     }
   } catch (...) {  // a tensor without storage, or any other surprise: the full check sorts it out
@@ -133,19 +145,23 @@ static PyObject* slot_attr(PyObject* obj, PyObject* name) {
 }
 
 // FSDP2: params[i] (a DTensor) still holds locals[i] as its local shard, which sits at table[i], and, with grads,
-// its grad's local shard (dense) sits at table[n + i]. Anything else answers false. Right after backward these
+// its grad's local shard sits at table[n + i]; each shard contiguous, of dtype and of table[2n + i] elements.
+// Anything else answers false. Right after backward these
 // objects are out of the CPU's caches, so the reads go in passes over every param, each pass's reads independent of
 // one another: the CPU waits for many misses at once, not for one param's chain of them after another's.
-bool unchanged_local(py::list params, py::list locals, const at::Tensor& table, bool grads) {
+bool unchanged_local(py::list params, py::list locals, const at::Tensor& table, bool grads,
+                     at::ScalarType scalar_type) {
   PyObject* list = params.ptr();
   PyObject* shards = locals.ptr();
   const Py_ssize_t n = PyList_GET_SIZE(list);
   if (PyList_GET_SIZE(shards) != n || table.scalar_type() != at::kLong || !table.is_contiguous() ||
-      table.device().type() != at::kCPU || table.numel() != 2 * n) {
+      table.device().type() != at::kCPU || table.numel() != 3 * n) {
     return false;
   }
   static PyObject* local_name = PyUnicode_InternFromString("_local_tensor");
   const int64_t* want = table.const_data_ptr<int64_t>();
+  const int64_t* numels = want + 2 * n;
+  const caffe2::TypeMeta dtype = caffe2::TypeMeta::fromScalarType(scalar_type);
   try {
     // pass 1: each param holds the shard planned; its grad, the wrapper tensor's, read in C++
     std::vector<py::object> wrapped;
@@ -167,7 +183,9 @@ bool unchanged_local(py::list params, py::list locals, const at::Tensor& table, 
     for (Py_ssize_t i = 0; i < n; ++i) {
       PyObject* shard = PyList_GET_ITEM(shards, i);
       if (!is_tensor(shard)) return false;
-      if (reinterpret_cast<int64_t>(THPVariable_Unpack(shard).const_data_ptr()) != want[i]) return false;
+      const at::Tensor& local = THPVariable_Unpack(shard);
+      if (!same_layout(local.unsafeGetTensorImpl(), dtype, numels[i])) return false;
+      if (reinterpret_cast<int64_t>(local.const_data_ptr()) != want[i]) return false;
       if (grads) {
         py::object g = py::reinterpret_steal<py::object>(slot_attr(wrapped[i].ptr(), local_name));
         if (g.ptr() == nullptr || !is_tensor(g.ptr())) return false;
@@ -177,7 +195,7 @@ bool unchanged_local(py::list params, py::list locals, const at::Tensor& table, 
     // pass 3: the grads' local shards' addresses
     for (Py_ssize_t i = 0; grads && i < n; ++i) {
       const at::Tensor& t = THPVariable_Unpack(grad_locals[i].ptr());
-      if (!t.defined() || t.layout() != at::kStrided) return false;
+      if (!t.defined() || !same_layout(t.unsafeGetTensorImpl(), dtype, numels[i])) return false;
       if (reinterpret_cast<int64_t>(t.const_data_ptr()) != want[n + i]) return false;
     }
   } catch (...) {  // a tensor without storage, or any other surprise: the full check sorts it out
@@ -273,10 +291,12 @@ def _compile() -> Any:
     lib = cache_dir() / f"{name()}.so"
     module = _load(lib) if lib.exists() else _build_into(lib)
     probe = [torch.zeros(2), torch.zeros(3)]
-    table = torch.tensor([t.data_ptr() for t in probe] * 2, dtype=torch.int64)
-    # no grads (with the params or without); lengths differ
-    wrong = module.unchanged(probe, table, PARAMS_AND_GRADS) or module.unchanged(probe, table, GRADS)
-    if wrong or module.same(probe, probe[:1]) or not module.unchanged(probe, table, PARAMS):
+    table = torch.tensor([t.data_ptr() for t in probe] * 2 + [2, 3], dtype=torch.int64)
+    f32 = torch.float32
+    # no grads (with the params or without); another dtype; lengths differ
+    wrong = module.unchanged(probe, table, PARAMS_AND_GRADS, f32) or module.unchanged(probe, table, GRADS, f32)
+    wrong = wrong or module.unchanged(probe, table, PARAMS, torch.float16)
+    if wrong or module.same(probe, probe[:1]) or not module.unchanged(probe, table, PARAMS, f32):
         raise RuntimeError("the compiled check gave a wrong answer on its self-test")
     return module
 

@@ -226,7 +226,7 @@ def conform(s: dict[str, Any], key: str, p: torch.Tensor, fmt: StateFormat) -> l
         if shard.dtype != torch.uint8 or shard.device != device or not shard.is_contiguous():
             # torch's load_state_dict casts every state tensor of a float param to the param's dtype: codes are
             # integers from 0 to 255, exact in every float dtype, so the cast back loses nothing
-            shard = shard.to(device=device, dtype=torch.uint8, memory_format=torch.contiguous_format)
+            shard = shard.to(device=device, dtype=torch.uint8).contiguous()
         if shard.data_ptr() % CODES_ALIGN:  # a view at an odd offset: the kernel reads the codes in words or vectors
             shard = shard.clone()
         if shard is not fsdp.local(codes):
@@ -243,10 +243,20 @@ def conform(s: dict[str, Any], key: str, p: torch.Tensor, fmt: StateFormat) -> l
     _check_shape(key, t, p)
     if sharded:  # FSDP2: a DTensor sharded as its param, as torch keeps the state
         t = s[key] = fsdp.like_param(t, p)
-    shard = fsdp.local(t)
-    if t.dtype != dtype or shard.device != device or not shard.is_contiguous():
-        t = s[key] = t.to(device=device, dtype=dtype, memory_format=torch.contiguous_format)
+    s[key] = t = dense(t, p, device, dtype)
     return [t]
+
+
+def dense(t: torch.Tensor, p: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """State tensor ``t`` (``p``'s shape) as the kernels address it: ``dtype`` on ``device``, its shard contiguous;
+    ``t`` itself where it is already. A copy is made with ``.contiguous()``: ``t.to(memory_format=contiguous_format)``
+    returns a dense non-contiguous tensor (a transposed one) as it is."""
+    if t.dtype != dtype or fsdp.local(t).device != device:
+        t = t.to(device=device, dtype=dtype)
+    shard = fsdp.local(t)
+    if not shard.is_contiguous():
+        t = fsdp.wrap_local(shard.contiguous(), p) if fsdp.is_dtensor(t) else t.contiguous()
+    return t
 
 
 def check_codes(s: Mapping[str, Any], key: str, p: torch.Tensor) -> None:

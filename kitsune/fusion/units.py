@@ -30,6 +30,7 @@ def _plain(t: torch.Tensor) -> bool:
 _DTYPE = attrgetter("dtype")
 _DATA_PTR = torch.Tensor.data_ptr
 _IS_CONTIGUOUS = torch.Tensor.is_contiguous
+_NUMEL = torch.Tensor.numel
 _PTRS_EQUAL = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 """torch's C++ check that tensors still sit at known addresses (CUDA builds; torch.compile's CUDA graphs use it for
 their static inputs): the check while `kitsune._native` builds or where it cannot. One call for a whole list, but
@@ -75,8 +76,8 @@ class FusedUnit:
         self._param_ptrs = self.param_addresses = self._addresses(params)
         self.tables.set_role("param", self._param_ptrs)
         self._grad_ptrs: list[int] | None = None
-        self._table = int64_tensor(self._param_ptrs * 2)
-        """The native check's int64 table: the params' addresses, then the grads' as of `_grad_ptrs`."""
+        self._table = int64_tensor(self._param_ptrs * 2 + self.numels)
+        """The native check's int64 table: the params' addresses, the grads' as of `_grad_ptrs`, the numels."""
         self.grad_addresses: list[int] = [DEAD] * len(params)
         """The grad table as uploaded: what the kernels read this step (-1 for a grad that is None)."""
         self._copied: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -169,11 +170,13 @@ class FusedUnit:
             moved = not same  # a step `_unchanged` checks
         elif self.plain_tensors and self._grad_ptrs is not None and _PTRS_EQUAL is not None:
             try:
-                moved = not _PTRS_EQUAL(self.params, self._param_ptrs, self._every)
+                same = _PTRS_EQUAL(self.params, self._param_ptrs, self._every)
+                moved = not (same and self._layout_holds(self.params))
             except (TypeError, RuntimeError, ValueError):
                 moved = True
         else:
             moved = self._addresses(self.params) != self._param_ptrs
+            moved = moved or not self._layout_holds(self._locals(self.params))
         self.params_checked = not moved
         return moved
 
@@ -239,10 +242,16 @@ class FusedUnit:
             return False
         grads = list(map(_GRAD, self.params))
         try:  # a grad that is None (or sparse, or without storage) raises: the full check sorts it out
-            return _PTRS_EQUAL(grads, self._grad_ptrs, self._every) and (  # type: ignore[misc]
-                self.params_checked or _PTRS_EQUAL(self.params, self._param_ptrs, self._every)  # type: ignore[misc]
+            return (
+                _PTRS_EQUAL(grads, self._grad_ptrs, self._every)  # type: ignore[misc]
+                and self._layout_holds(grads)
+                and (
+                    self.params_checked
+                    or _PTRS_EQUAL(self.params, self._param_ptrs, self._every)  # type: ignore[misc]
+                    and self._layout_holds(self.params)
+                )
             )
-        except (TypeError, RuntimeError, ValueError):
+        except (TypeError, RuntimeError, ValueError, AttributeError):
             return False
 
     def _native_check(self, grads: bool) -> bool | None:
@@ -253,9 +262,9 @@ class FusedUnit:
         if not self.native or checks is None or not self.checks_natively:
             return None
         if self.shards is not None:
-            return checks.unchanged_local(self.params, self.shards, self._table, grads)
+            return checks.unchanged_local(self.params, self.shards, self._table, grads, self.dtype)
         what = (_native.GRADS if self.params_checked else _native.PARAMS_AND_GRADS) if grads else _native.PARAMS
-        return checks.unchanged(self.params, self._table, what)
+        return checks.unchanged(self.params, self._table, what, self.dtype)
 
     def _prepare(self, state: Any, groups: Sequence[dict[str, Any]]) -> bool:
         self._unwatch()
@@ -273,21 +282,30 @@ class FusedUnit:
             grads = self._grads()
             ptrs = self._slow_ptrs(grads)
             dead = ptrs.count(DEAD)
-        if not self.params_checked and self._addresses(self.params) != self._param_ptrs:
-            # p.data was replaced (model.half(), an EMA swap, a device move): the param table would point at
-            # freed memory, and the grads may well sit at their old addresses, so this is checked every step
+        if not self.params_checked and (
+            self._addresses(self.params) != self._param_ptrs or not self._layout_holds(self._locals(self.params))
+        ):
+            # p.data was replaced (model.half(), an EMA swap, a device move), or re-strided or resized where it sat
+            # (p.data = p.data.t()): the param table would point at freed memory, or the plan at the wrong route,
+            # and the grads may well sit at their old addresses, so this is checked every step
             self.stale = True
             return False
-        if ptrs != self._grad_ptrs:
+        sorted_out = grads is not None  # `_slow_ptrs` has sorted out the grads of another dtype
+        changed = ptrs != self._grad_ptrs
+        if not changed:  # where they sat, but re-strided, re-typed or resized there: a change all the same
+            grads = self._grads() if grads is None else grads
+            changed = not self._grads_hold(grads, ptrs)
+        if changed:
             if grads is None:
                 grads = self._grads()
-                if set(map(_DTYPE, grads)) != {self.dtype}:  # e.g. fp32 grads of bf16 params (p.grad_dtype)
-                    ptrs = self._slow_ptrs(grads)
-                    dead = ptrs.count(DEAD)
+            if not sorted_out and set(map(_DTYPE, grads)) != {self.dtype}:  # fp32 grads of bf16 params (grad_dtype)
+                ptrs = self._slow_ptrs(grads)
+                dead = ptrs.count(DEAD)
+            self._check_sizes(grads, ptrs)
             if self.slots is not None and self.slots.grad_arena is not None:
                 grads, ptrs = self._adopt_grads(grads, ptrs)
             self._grad_ptrs = upload = ptrs
-            self._table[len(ptrs) :] = int64_tensor(ptrs)
+            self._table[len(ptrs) : 2 * len(ptrs)] = int64_tensor(ptrs)
             live = [g for g in grads if g is not None and g.layout == torch.strided] if dead else grads
             self._copied = []
             if not all(map(_IS_CONTIGUOUS, live)):
@@ -320,6 +338,44 @@ class FusedUnit:
                 ptrs[i] = grads[i].data_ptr()
                 slots.adoptions += 1
         return grads, ptrs
+
+    def _layout_holds(self, tensors: list[torch.Tensor]) -> bool:
+        """Whether ``tensors`` (plain tensors or local shards, one per param, none None) are what the kernels read
+        besides their addresses: contiguous, of the unit's dtype, of the planned sizes. C-level maps."""
+        return (
+            all(map(_IS_CONTIGUOUS, tensors))
+            and set(map(_DTYPE, tensors)) == {self.dtype}
+            and list(map(_NUMEL, tensors)) == self.numels
+        )
+
+    def _grads_hold(self, grads: list[torch.Tensor | None], ptrs: list[int]) -> bool:
+        """`_layout_holds` for the grads the kernels read (those not `DEAD` in ``ptrs``)."""
+        if DEAD not in ptrs:
+            return self._layout_holds(grads)  # type: ignore[arg-type]
+        return all(
+            g.is_contiguous() and g.dtype == self.dtype and g.numel() == n
+            for g, a, n in zip(grads, ptrs, self.numels, strict=True)
+            if a != DEAD and g is not None
+        )
+
+    def _locals(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``tensors``, or their local shards in a sharded unit."""
+        return list(map(fsdp.LOCAL, tensors)) if self.sharded else tensors
+
+    def _check_sizes(self, grads: list[torch.Tensor | None], ptrs: list[int]) -> None:
+        """Raise, before anything changes, where a grad the kernels would read has another size than its param (the
+        kernels read and write a param's numel of it): ``p.data`` resized after backward, a grad set by hand."""
+        if not ptrs.count(DEAD) and list(map(_NUMEL, grads)) == self.numels:  # type: ignore[arg-type]
+            return
+        for i, (g, a) in enumerate(zip(grads, ptrs, strict=True)):
+            if a != DEAD and g is not None and g.numel() != self.numels[i]:
+                p = fsdp.local(self.params[i])
+                raise ValueError(
+                    f"kitsune: a param of shape {tuple(p.shape)} has a grad of shape {tuple(g.shape)} (param "
+                    f"{self.group_index[i]}'s group): a grad must have its param's shape, as in torch.optim. Was "
+                    "p.data resized after backward? Set p.grad = None (or to a grad of the param's shape) before "
+                    "the step. Nothing was updated."
+                )
 
     def _addresses(self, tensors: Any) -> list[int]:
         """The data pointers of ``tensors`` (an iterable), of their local shards in a sharded unit: C-level maps."""
@@ -488,8 +544,7 @@ def _conform(s: dict, key: str, p: torch.Tensor) -> torch.Tensor:
         t = s[key] = fsdp.like_param(t, p)
     if t.shape != p.shape:
         raise ValueError(f"optimizer state {key!r} has shape {tuple(t.shape)}, its param {tuple(p.shape)}")
-    if t.dtype != p.dtype or t.device != p.device or not t.is_contiguous():
-        t = s[key] = t.to(device=p.device, dtype=p.dtype, memory_format=torch.contiguous_format)
+    t = s[key] = state_format.dense(t, p, fsdp.local(p).device, p.dtype)
     return t
 
 

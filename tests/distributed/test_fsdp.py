@@ -105,8 +105,8 @@ class _Counting:
         self.real, self.hits = real, hits
         self.unchanged, self.same = real.unchanged, real.same
 
-    def unchanged_local(self, params, shards, table, grads: bool) -> bool:
-        same = self.real.unchanged_local(params, shards, table, grads)
+    def unchanged_local(self, params, shards, table, grads: bool, dtype: torch.dtype) -> bool:
+        same = self.real.unchanged_local(params, shards, table, grads, dtype)
         if same and grads:
             self.hits.append(1)
         return same

@@ -31,8 +31,8 @@ class _Counting:
     def __init__(self, real, hits: list[int]) -> None:
         self.real, self.hits, self.same = real, hits, real.same
 
-    def unchanged(self, params, table, grads: bool) -> bool:
-        same = self.real.unchanged(params, table, grads)
+    def unchanged(self, params, table, grads: bool, dtype: torch.dtype) -> bool:
+        same = self.real.unchanged(params, table, grads, dtype)
         if same and grads:
             self.hits.append(1)
         return same
@@ -123,9 +123,9 @@ def test_an_eager_step_reads_each_address_once_natively(device, monkeypatch):
     class Recording:
         same, unchanged_local = checks.same, checks.unchanged_local
 
-        def unchanged(self, params, table, what):
+        def unchanged(self, params, table, what, dtype):
             calls.append(int(what))
-            return checks.unchanged(params, table, what)
+            return checks.unchanged(params, table, what, dtype)
 
     monkeypatch.setattr(_native, "CHECKS", Recording())
     ours, opt, ref, ref_opt = _twins(device, capture_graph=False)
@@ -193,53 +193,81 @@ def test_native_checks_can_be_switched_off(device):
 
 
 def test_the_native_check_builds_here_and_refuses_what_it_cannot_read():
-    """CI has a compiler: the build must succeed there. Its contract: True by address, False (never an error or a
-    crash) for a None or sparse grad, a non-tensor, a table of the wrong size or dtype."""
+    """CI has a compiler: the build must succeed there. Its contract: True by address, layout, dtype and size; False
+    (never an error or a crash) for a None or sparse grad, a non-tensor, a table of the wrong size or dtype, and a
+    tensor re-strided, re-typed or resized where it sat."""
     checks = _native.wait(timeout=600)
     assert checks is not None, _native.reason()
+    f32 = torch.float32
     ps = [torch.nn.Parameter(torch.randn(4)) for _ in range(3)]
     for p in ps:
         p.grad = torch.randn(4)
-    table = torch.tensor([p.data_ptr() for p in ps] + [p.grad.data_ptr() for p in ps], dtype=torch.int64)
-    assert checks.unchanged(ps, table, True)
-    assert not checks.unchanged(ps, table[:5], True)
-    assert not checks.unchanged(ps, table.to(torch.int32), True)
+    table = torch.tensor([p.data_ptr() for p in ps] + [p.grad.data_ptr() for p in ps] + [4] * 3, dtype=torch.int64)
+    assert checks.unchanged(ps, table, True, f32)
+    assert not checks.unchanged(ps, table, True, torch.bfloat16) and not checks.unchanged(ps, table, 0, torch.float64)
+    assert not checks.unchanged(ps, table[:8], True, f32)
+    assert not checks.unchanged(ps, table.to(torch.int32), True, f32)
     # 2: the grads alone (the step checked the params before): a param's address is not read, a grad's is
     moved_param, moved_grad = table.clone(), table.clone()
     moved_param[1] += 16
     moved_grad[4] += 16
-    assert checks.unchanged(ps, moved_param, 2) and not checks.unchanged(ps, moved_param, 1)
-    assert not checks.unchanged(ps, moved_param, 0)
-    assert not checks.unchanged(ps, moved_grad, 2) and checks.unchanged(ps, moved_grad, 0)
+    assert checks.unchanged(ps, moved_param, 2, f32) and not checks.unchanged(ps, moved_param, 1, f32)
+    assert not checks.unchanged(ps, moved_param, 0, f32)
+    assert not checks.unchanged(ps, moved_grad, 2, f32) and checks.unchanged(ps, moved_grad, 0, f32)
+    resized = table.clone()
+    resized[7] = 3  # the plan's numel of ps[1]
+    assert not any(checks.unchanged(ps, resized, what, f32) for what in (0, 1, 2))
     ps[1].grad = torch.randn(4).to_sparse()
-    assert not checks.unchanged(ps, table, True) and checks.unchanged(ps, table, False)
+    assert not checks.unchanged(ps, table, True, f32) and checks.unchanged(ps, table, False, f32)
     ps[1].grad = None
-    assert not checks.unchanged(ps, table, True) and not checks.unchanged(ps, table, 2)
-    assert not checks.unchanged([ps[0], "x", ps[2]], table, False)
+    assert not checks.unchanged(ps, table, True, f32) and not checks.unchanged(ps, table, 2, f32)
+    assert not checks.unchanged([ps[0], "x", ps[2]], table, False, f32)
     assert checks.same(ps, list(ps)) and not checks.same(ps, ps[::-1]) and not checks.same(ps, ps[:2])
-    assert not checks.unchanged_local(ps, ps, table, False)  # no local shards to read: the full check, no error
+    assert not checks.unchanged_local(ps, ps, table, False, f32)  # no local shards to read: the full check, no error
     sparse = torch.randn(4).to_sparse()  # a param without strided storage: its address cannot be read
-    assert not checks.unchanged([sparse], torch.zeros(2, dtype=torch.int64), 0)
+    assert not checks.unchanged([sparse], torch.tensor([0, 0, 4]), 0, f32)
+
+    # where they sat, another layout: a transposed view, a shrunk view, another dtype
+    square = [torch.nn.Parameter(torch.randn(3, 3))]
+    square[0].grad = torch.randn(3, 3)
+    table = torch.tensor([square[0].data_ptr(), square[0].grad.data_ptr(), 9])
+    assert checks.unchanged(square, table, 1, f32)
+    grad = square[0].grad
+    square[0].grad = grad.t()
+    assert not checks.unchanged(square, table, 2, f32) and checks.unchanged(square, table, 0, f32)
+    square[0].grad = grad
+    square[0].data = square[0].data.t()
+    assert not checks.unchanged(square, table, 0, f32) and checks.unchanged(square, table, 2, f32)
+    square[0].data = square[0].data.t()
+    assert checks.unchanged(square, table, 1, f32)
+    square[0].data = square[0].data.view(-1)[:4]
+    assert not checks.unchanged(square, table, 0, f32)
+    square[0].data = torch.randn(3, 3)  # nine floats, then nine bf16 where they sat
+    table[0] = square[0].data_ptr()
+    square[0].data = square[0].data.view(torch.bfloat16).view(-1)[:9]
+    assert not checks.unchanged(square, table, 0, f32) and checks.unchanged(square, table, 0, torch.bfloat16)
 
     # the reads go in passes over every param: a change anywhere in a long list is seen, in each mode
     gen = torch.Generator().manual_seed(3)
     many = [torch.nn.Parameter(torch.randn(int(n), generator=gen)) for n in torch.randint(1, 9, (300,), generator=gen)]
     for p in many:
         p.grad = torch.randn(p.shape, generator=gen)
-    table = torch.tensor([p.data_ptr() for p in many] + [p.grad.data_ptr() for p in many], dtype=torch.int64)
-    assert all(checks.unchanged(many, table, what) for what in (0, 1, 2))
+    table = torch.tensor(
+        [p.data_ptr() for p in many] + [p.grad.data_ptr() for p in many] + [p.numel() for p in many], dtype=torch.int64
+    )
+    assert all(checks.unchanged(many, table, what, f32) for what in (0, 1, 2))
     for i in (0, 151, 299):
         grad = many[i].grad
         many[i].grad = grad.clone()
-        assert not checks.unchanged(many, table, 1) and not checks.unchanged(many, table, 2)
-        assert checks.unchanged(many, table, 0)
+        assert not checks.unchanged(many, table, 1, f32) and not checks.unchanged(many, table, 2, f32)
+        assert checks.unchanged(many, table, 0, f32)
         many[i].grad = grad
         data = many[i].data
         many[i].data = data.clone()
-        assert not checks.unchanged(many, table, 0) and not checks.unchanged(many, table, 1)
-        assert checks.unchanged(many, table, 2)
+        assert not checks.unchanged(many, table, 0, f32) and not checks.unchanged(many, table, 1, f32)
+        assert checks.unchanged(many, table, 2, f32)
         many[i].data = data
-    assert all(checks.unchanged(many, table, what) for what in (0, 1, 2))
+    assert all(checks.unchanged(many, table, what, f32) for what in (0, 1, 2))
 
 
 def test_the_native_check_reads_fsdp2_local_shards(tmp_path):
@@ -259,26 +287,33 @@ def test_the_native_check_reads_fsdp2_local_shards(tmp_path):
         shards = [p._local_tensor for p in params]
         for p, g in zip(params, grads, strict=True):
             p.grad = DTensor.from_local(g, mesh, [Shard(0)])
-        table = torch.tensor([t.data_ptr() for t in shards + [p.grad._local_tensor for p in params]])
-        assert checks.unchanged_local(params, shards, table, True)
-        assert checks.unchanged_local(params, shards, table, True)  # the slot's offset, cached, reads the same
-        assert not checks.unchanged_local(params, shards[:2], table, True)
-        assert not checks.unchanged_local(params, shards, table[:5], True)
+        table = torch.tensor([t.data_ptr() for t in shards + [p.grad._local_tensor for p in params]] + [4] * 3)
+        assert checks.unchanged_local(params, shards, table, True, torch.float32)
+        # the slot's offset, cached, reads the same
+        assert checks.unchanged_local(params, shards, table, True, torch.float32)
+        assert not checks.unchanged_local(params, shards[:2], table, True, torch.float32)
+        assert not checks.unchanged_local(params, shards, table[:8], True, torch.float32)
+        assert not checks.unchanged_local(params, shards, table, True, torch.float16)
+        g = params[0].grad._local_tensor
+        params[0].grad._local_tensor = g.view(2, 2).t()  # the grad's shard re-strided where it sat
+        assert not checks.unchanged_local(params, shards, table, True, torch.float32)
+        params[0].grad._local_tensor = g
         old = params[1].grad
         params[1].grad = DTensor.from_local(grads[1].clone(), mesh, [Shard(0)])  # a new grad: another address
-        assert not checks.unchanged_local(params, shards, table, True)
-        assert checks.unchanged_local(params, shards, table, False)
+        assert not checks.unchanged_local(params, shards, table, True, torch.float32)
+        assert checks.unchanged_local(params, shards, table, False, torch.float32)
         params[1].grad = None
-        assert not checks.unchanged_local(params, shards, table, True)
+        assert not checks.unchanged_local(params, shards, table, True, torch.float32)
         params[1].grad = old
-        assert checks.unchanged_local(params, shards, table, True)
+        assert checks.unchanged_local(params, shards, table, True, torch.float32)
         moved = list(shards)
         moved[2] = shards[2].clone()  # the plan's shard is no longer the param's
-        assert not checks.unchanged_local(params, moved, table, False)
+        assert not checks.unchanged_local(params, moved, table, False, torch.float32)
         plain = [torch.nn.Parameter(s.clone()) for s in shards]  # no local shards to read
-        assert not checks.unchanged_local(plain, shards, table, False)
-        assert not checks.unchanged_local([params[0], "x", params[2]], shards, table, False)
-        assert checks.unchanged_local(params, shards, table, True)  # a plain tensor in between left the cache sound
+        assert not checks.unchanged_local(plain, shards, table, False, torch.float32)
+        assert not checks.unchanged_local([params[0], "x", params[2]], shards, table, False, torch.float32)
+        # a plain tensor in between left the cache sound
+        assert checks.unchanged_local(params, shards, table, True, torch.float32)
     finally:
         dist.destroy_process_group()
     assert _native.name().startswith("kitsune_native_" + torch.__version__.replace(".", "_").replace("+", "_"))

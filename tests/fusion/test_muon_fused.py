@@ -150,6 +150,33 @@ def test_torch_muon_state_dict_round_trip(device):
     _assert_buffers_close(opt, ref)
 
 
+def test_a_loaded_momentum_of_transposed_strides_is_read_as_torch_reads_it(device):
+    """A checkpoint whose momentum buffers have the param's shape but transposed strides (converted between
+    layouts): torch.optim.Muon's ops read them as strided; the fused step must see the same values."""
+    shapes = [(16, 32), (32, 16)]
+    params, twins = make_params(shapes, torch.float32, device), make_params(shapes, torch.float32, device)
+    opt, ref = KitsuneOptimizer(_torch_muon(params), enable_fusion=True), _torch_muon(twins)
+    for step in range(2):
+        for p, t, g in zip(params, twins, random_grads(params, step), strict=True):
+            p.grad, t.grad = g.clone(), g.clone()
+        ref.step()
+    saved = copy.deepcopy(ref.state_dict())
+    for s in saved["state"].values():
+        s["momentum_buffer"] = s["momentum_buffer"].t().contiguous().t()
+    with torch.no_grad():
+        for p, t in zip(params, twins, strict=True):
+            p.copy_(t)
+    opt.load_state_dict(saved)
+    for step in range(2, 6):
+        for p, t, g in zip(params, twins, random_grads(params, step), strict=True):
+            p.grad, t.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+    assert opt.plan.buckets[0].route is Route.TRITON_MATMUL
+    _assert_within_band(params, twins, 4, [None, None], [LR, LR])
+    _assert_buffers_close(opt, ref)
+
+
 def test_lr_scheduler_reads_lr_from_the_device_context(device):
     """A scheduler writes param_groups' lr: the fused path reads it from the device buffer, no re-plan."""
     shapes, steps = [(16, 32)], 20

@@ -55,6 +55,18 @@ def _momentum_replaced(opt: Any, params: list) -> None:
     s["momentum_buffer"] = _fill(s["momentum_buffer"], 4)
 
 
+def _strided_moment(opt: Any, params: list) -> None:
+    """The same values with transposed strides (a checkpoint converted between layouts): torch's ops read it as
+    strided; flat reads would scramble it."""
+    s = opt.state[params[0]]
+    s["exp_avg"] = _fill(s["exp_avg"], 5).t().contiguous().t()
+
+
+def _strided_momentum(opt: Any, params: list) -> None:
+    s = opt.state[params[0]]
+    s["momentum_buffer"] = _fill(s["momentum_buffer"], 6).t().contiguous().t()
+
+
 ADAMW = (lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1), "adamw")
 SGD = (lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9), "sgd")
 CASES = [
@@ -66,6 +78,8 @@ CASES = [
     (SGD, _clear),
     (SGD, _momentum_none),
     (SGD, _momentum_replaced),
+    (ADAMW, _strided_moment),
+    (SGD, _strided_momentum),
 ]
 
 
@@ -376,3 +390,130 @@ def test_a_storage_that_sends_a_param_to_another_route_changes_how_the_grads_are
     graphs = opt._subsystem("graphs")
     if path == "graph":
         assert not graphs.active and "not all fused" in graphs.reason, graphs.reason
+
+
+# -- a tensor changed where it sat: the same address, another layout ------------------------------------------------
+OPTS = [SGD, ADAMW]
+
+
+def _in_place_grads(params: list, twins: list, step: int, bufs: list) -> None:
+    """This step's grads written into ``bufs`` (the same tensors every step: the addresses stay, so only a check of
+    more than the addresses sees what the tests change), the twins' as copies; where a buffer is None, only the
+    twin's (the test sets the param's)."""
+    for p, t, g, b in zip(params, twins, random_grads(params, step), bufs, strict=True):
+        if b is not None:
+            b.copy_(g)
+            p.grad = b
+        t.grad = g.to(t.grad_dtype or t.dtype, copy=True)
+
+
+@pytest.mark.parametrize("make", OPTS, ids=lambda c: c[1])
+def test_a_grad_re_strided_where_it_sat_is_read_as_torch_reads_it(make, device):
+    """From step 2 the grad is a transposed view of the buffer the earlier grads lived in: the same address, the same
+    values, another layout (the allocator hands blocks out again). Read as flat memory it would be the transpose."""
+    params = make_params([(6, 6), 9], torch.float32, device)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt, ref = KitsuneOptimizer(make[0](params), enable_fusion=True), make[0](twins)
+    bufs = [torch.empty_like(p) for p in params]
+    for step in range(6):
+        _in_place_grads(params, twins, step, bufs if step < 2 else [None, bufs[1]])
+        if step >= 2:
+            g = twins[0].grad
+            bufs[0].copy_(g.t())
+            params[0].grad = bufs[0].t()  # g's values, at the same address, transposed
+            assert torch.equal(params[0].grad, g) and params[0].grad.data_ptr() == bufs[0].data_ptr()
+        opt.step()
+        ref.step()
+        _assert_same(params, twins, opt, ref, step)
+    assert opt.plan.fused_tensors == len(params)
+
+
+def test_a_grad_re_typed_where_it_sat_goes_to_the_optimizers_own_step(device):
+    """bf16 grads of a bf16 param, then (p.grad_dtype) fp32 grads in the same block: read as bf16 they would be
+    garbage; the param takes the wrapped optimizer's step, as a grad of another dtype does anywhere else."""
+    params = make_params([(4, 8), 16], torch.bfloat16, device)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt, ref = KitsuneOptimizer(SGD[0](params), enable_fusion=True), SGD[0](twins)
+    wide = torch.empty(4, 8, device=device)  # fp32: room for the bf16 grads in its first half
+    bufs = [wide.view(torch.bfloat16).view(-1)[:32].view(4, 8), torch.empty_like(params[1])]
+    for step in range(6):
+        if step == 2:
+            for p in (params[0], twins[0]):
+                p.grad = None
+                p.grad_dtype = torch.float32
+        _in_place_grads(params, twins, step, bufs if step < 2 else [None, bufs[1]])
+        if step >= 2:
+            wide.copy_(twins[0].grad)
+            params[0].grad = wide
+            assert params[0].grad.data_ptr() == bufs[0].data_ptr()
+        opt.step()
+        ref.step()
+        for p, t in zip(params, twins, strict=True):  # bf16 rounding apart (read as bf16, fp32 grads are garbage)
+            torch.testing.assert_close(p, t, rtol=1e-2, atol=1e-2)
+    assert opt.plan.fused_tensors == len(params)  # planned fused; params[0] left to SGD's own step from step 2
+
+
+@pytest.mark.parametrize("make", OPTS, ids=lambda c: c[1])
+def test_a_param_re_strided_where_it_sat_is_planned_again(make, device):
+    """``p.data = p.data.t()`` keeps the address: the step must still see a non-contiguous param (torch's foreach
+    path takes it, as the planner routes any non-contiguous param)."""
+    params = make_params([(5, 5), 7], torch.float32, device)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt, ref = KitsuneOptimizer(make[0](params), enable_fusion=True), make[0](twins)
+    for step in range(6):
+        if step == 2:
+            for p in (params[0], twins[0]):
+                p.data = p.data.t()
+        _set_grads(params, twins, step)
+        opt.step()
+        ref.step()
+        _assert_same(params, twins, opt, ref, step)
+    assert sorted((b.route.value, b.tensors) for b in opt.plan.buckets) == [("torch_foreach", 1), ("triton", 1)]
+
+
+def test_a_param_shrunk_where_it_sat_is_planned_again(device):
+    """``p.data = p.data[:8]`` keeps the address and shrinks the param: the kernels must update 8 elements, not 16."""
+    params = make_params([16, 7], torch.float32, device)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    make = lambda ps: torch.optim.SGD(ps, lr=0.05)  # noqa: E731 (no state: nothing of the old size is kept)
+    opt, ref = KitsuneOptimizer(make(params), enable_fusion=True), make(twins)
+    full = params[0].data
+    bufs = [torch.empty_like(p) for p in params]
+    for step in range(5):
+        if step == 2:
+            tail = full[8:].clone()
+            for p in (params[0], twins[0]):
+                p.grad = None
+                p.data = p.data[:8]
+            bufs[0] = bufs[0][:8]  # the grad shrinks where it sat too
+        _in_place_grads(params, twins, step, bufs)
+        opt.step()
+        ref.step()
+        _assert_same(params, twins, opt, ref, step)
+    assert params[0].data_ptr() == full.data_ptr() and torch.equal(full[8:], tail)  # untouched since step 2
+    assert opt.plan.fused_tensors == 2
+
+
+@pytest.mark.parametrize("clip", [None, 1.0], ids=["plain", "clip"])
+def test_a_grad_of_another_size_than_its_param_is_refused_and_loses_nothing(clip, device):
+    """A param resized after backward keeps its old grad: torch's step raises on the size; the fused kernels would
+    read and write a param's numel of the grad. Refused before anything changes."""
+    from kitsune import GradConfig
+
+    params = make_params([12, 7], torch.float32, device)
+    opt = KitsuneOptimizer(torch.optim.SGD(params, lr=0.05), enable_fusion=True, grad_config=GradConfig(max_norm=clip))
+    for step in range(2):
+        for p, g in zip(params, random_grads(params, step), strict=True):
+            p.grad = g
+        opt.step()
+    params[0].data = torch.randn(20, device=device)
+    before = [p.detach().clone() for p in params]
+    grads = [p.grad.clone() for p in params]
+    with pytest.raises(ValueError, match=r"has a grad of shape \(12,\).*Nothing was updated"):
+        opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, params, strict=True))
+    assert all(torch.equal(a, p.grad) for a, p in zip(grads, params, strict=True))
+    assert opt.step_count == 2
+    params[0].grad = torch.randn(20, device=device)  # the fix the message names: a grad of the param's shape
+    opt.step()
+    assert opt.step_count == 3 and not torch.equal(before[0], params[0])

@@ -38,9 +38,9 @@ def checks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         same = _native.CHECKS.same if _native.CHECKS is not None else None
 
         @staticmethod
-        def unchanged(params, table, grads):
+        def unchanged(params, table, grads, dtype):
             calls.append(len(params))
-            return _native_module.unchanged(params, table, grads)
+            return _native_module.unchanged(params, table, grads, dtype)
 
     _native_module = _native.CHECKS
     monkeypatch.setattr(units, "_PTRS_EQUAL", counted)
