@@ -425,6 +425,7 @@ def _update_kernel(
                         VEC,
                     ),
                     v,
+                    propagate_nan=tl.PropagateNan.ALL,  # as torch.maximum: a nan grad makes max_exp_avg_sq nan
                 )
                 _sstore(s3_at, a3_at, offs, tstart, lim, v, qmap, SIGNS & 4, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK, VEC)
             # 1 - beta**step in fp64: in fp32 the early steps (1 - 0.999) would lose four digits

@@ -73,3 +73,32 @@ def test_lion_sign_of_a_non_finite_value_is_torchs(bad, device):
 
     _run(params, twins, opt, ref, steps=6, poison=poison)
     assert not params[0].isnan().any()
+
+
+NAN_GRAD = {
+    "adam_amsgrad": lambda ps: torch.optim.Adam(ps, lr=0.01, amsgrad=True),
+    "adamw_amsgrad": lambda ps: torch.optim.AdamW(ps, lr=0.01, amsgrad=True, weight_decay=0.1),
+    "adamax": lambda ps: torch.optim.Adamax(ps, lr=0.01),
+    "nadam": lambda ps: torch.optim.NAdam(ps, lr=0.01),
+    "rmsprop_centered": lambda ps: torch.optim.RMSprop(ps, lr=0.01, centered=True, momentum=0.5),
+}
+
+
+@pytest.mark.parametrize("name", list(NAN_GRAD))
+def test_a_nan_grad_reaches_the_state_as_torchs_step_takes_it(name, device):
+    """A nan grad element at step 2: torch's state holds nan where its maths puts one (torch.maximum keeps nan, so
+    amsgrad's max_exp_avg_sq turns nan), and so must the fused step's (the params alone hide it: they turn nan either
+    way)."""
+    params, twins, opt, ref = _twins(NAN_GRAD[name], device)
+
+    def poison(step, *grads):
+        if step == 2:
+            for g in grads:
+                g[2, 3] = math.nan
+
+    _run(params, twins, opt, ref, steps=4, poison=poison)
+    ours, theirs = opt.state_dict()["state"], ref.state_dict()["state"]
+    for k, state in theirs.items():
+        for key, v in state.items():
+            torch.testing.assert_close(ours[k][key], v, rtol=1e-5, atol=1e-6, equal_nan=True, msg=f"{name} {k} {key}")
+    assert params[0].isnan().any()
