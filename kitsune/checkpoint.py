@@ -29,12 +29,24 @@ def check_own_state(ours: Any, subsystems: Sequence[Subsystem]) -> dict[str, Any
         return {}
     if not isinstance(ours, Mapping):
         raise ValueError(f"the state dict's {KEY!r} entry must be a dict, got {type(ours).__name__}")
+    unknown = sorted(map(str, set(ours) - {"version", "step_count", "subsystems"}))
+    if unknown:
+        raise ValueError(
+            f"the state dict's {KEY!r} entry has keys kitsune does not write ({', '.join(unknown)}): it holds "
+            "version, step_count and subsystems. Drop the entry to load the optimizer's state alone."
+        )
+    for key in ("version", "step_count"):
+        value = ours.get(key, 0)
+        if type(value) is not int or value < 0:  # bool is no count either
+            raise ValueError(f"the state dict's {KEY!r} entry has {key}={value!r}: a whole number >= 0 is expected")
     if ours.get("version", 0) > VERSION:
         raise ValueError(
             f"this checkpoint's kitsune state has version {ours['version']}, newer than this kitsune "
             f"understands ({VERSION}): upgrade kitsune-optim"
         )
     saved = ours.get("subsystems", {})
+    if not isinstance(saved, Mapping):
+        raise ValueError(f"the state dict's {KEY!r} entry has subsystems of type {type(saved).__name__}: a dict")
     for s in subsystems:
         if s.name in saved:
             s.check_state_dict(saved[s.name])
@@ -42,11 +54,9 @@ def check_own_state(ours: Any, subsystems: Sequence[Subsystem]) -> dict[str, Any
 
 
 def load_own_state(ours: dict[str, Any], subsystems: Sequence[Subsystem]) -> int | None:
-    """Load a checked entry into ``subsystems``; returns the saved step count (None for an empty entry)."""
-    if not ours:
-        return None
+    """Load a checked entry into ``subsystems``; returns the saved step count (None where the entry has none)."""
     saved = ours.get("subsystems", {})
     for s in subsystems:
         if s.name in saved:
             s.load_state_dict(saved[s.name])
-    return int(ours.get("step_count", 0))
+    return ours.get("step_count")

@@ -429,8 +429,10 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         base = self._optimizer
         before = base.state, base.param_groups
         sd, low = state_format.split_low(sd)  # 8-bit state goes around torch's cast to the params' dtype
-        base.load_state_dict(sd)  # torch checks the groups before it changes anything
         try:
+            # torch checks the groups before it changes anything, but its optimizers' __setstate__ read the loaded
+            # state after it is in place (a missing 'step' raises there): what raises puts the old state back
+            base.load_state_dict(sd)
             state_format.restore_low(base, sd["param_groups"], low)
             self._fusion.check_loaded()  # and kitsune the state its fused units will bind, before they do
         except BaseException:

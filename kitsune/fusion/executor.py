@@ -185,10 +185,23 @@ class FusionSubsystem(Subsystem):
                     continue
                 spec = info.spec(groups[unit.group_index[i]])
                 algo = unit_info(info, spec)
+                for key in algo.scalars:  # type: ignore[union-attr]
+                    v = s.get(key)
+                    if v is not None and not (isinstance(v, (int, float)) or _strided(v) and v.numel() == 1):
+                        raise ValueError(
+                            f"this state dict's {key!r} for a param of shape {tuple(p.shape)} is {_what(v)}, not a "
+                            "number or a one-element tensor. Nothing was loaded: the optimizer keeps its state"
+                        )
                 for key in algo.state_keys(spec):  # type: ignore[union-attr]
                     t = s.get(key) if key else None
                     low = key and t is None and state_format.quantized(s, key)
                     name, t = (key + state_format.CODES, s[key + state_format.CODES]) if low else (key, t)
+                    if t is not None and not _strided(t):
+                        raise ValueError(
+                            f"this state dict's {name!r} for a param of shape {tuple(p.shape)} is {_what(t)}: the "
+                            "fused kernels read a dense tensor of the param's shape. Nothing was loaded: the "
+                            "optimizer keeps its state"
+                        )
                     if isinstance(t, torch.Tensor) and t.shape != p.shape:
                         raise ValueError(
                             f"this state dict's {name!r} for a param of shape {tuple(p.shape)} has shape "
@@ -587,3 +600,15 @@ class FusionSubsystem(Subsystem):
 def _on(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
     """``t`` on ``device`` (None stays None)."""
     return t if t is None or t.device == device else t.to(device)
+
+
+def _strided(v: Any) -> bool:
+    """A dense tensor (what the fused kernels can address)."""
+    return isinstance(v, torch.Tensor) and v.layout == torch.strided
+
+
+def _what(v: Any) -> str:
+    """How an error names a state value the fused path cannot take."""
+    if isinstance(v, torch.Tensor):
+        return f"a {str(v.layout).removeprefix('torch.')} tensor of shape {tuple(v.shape)}"
+    return f"a {type(v).__name__}"

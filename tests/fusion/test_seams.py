@@ -247,8 +247,15 @@ def test_load_of_a_file_path_names_the_fix(device):
 
 @pytest.mark.parametrize(
     ("entry", "match"),
-    [([1, 2], "'kitsune' entry must be a dict"), ({"subsystems": {"amp": {"scale": "x"}}}, "loss scaler")],
-    ids=["list", "bad_scaler"],
+    [
+        ([1, 2], "'kitsune' entry must be a dict"),
+        ({"subsystems": {"amp": {"scale": "x"}}}, "loss scaler"),
+        ({"foo": 1}, "keys kitsune does not write"),
+        ({"version": 1, "step_count": -5}, "step_count=-5"),
+        ({"version": "abc", "step_count": 3}, "version='abc'"),
+        ({"version": 1, "step_count": 3, "subsystems": [1]}, "subsystems of type list"),
+    ],
+    ids=["list", "bad_scaler", "unknown_key", "negative_count", "text_version", "subsystems_list"],
 )
 def test_a_malformed_kitsune_entry_names_the_problem_and_loads_nothing(entry, match, device):
     params = make_params([(4, 3), 5], torch.float32, device)
@@ -263,6 +270,40 @@ def test_a_malformed_kitsune_entry_names_the_problem_and_loads_nothing(entry, ma
         opt.load_state_dict(sd)
     _assert_unchanged(before, opt)
     assert opt.param_groups[0]["lr"] == 0.1
+
+
+@pytest.mark.parametrize(
+    ("spoil", "error", "match"),
+    [
+        (lambda st: st.__setitem__("exp_avg", [0.5] * 12), ValueError, "'exp_avg' .* is a list"),
+        (lambda st: st.__setitem__("exp_avg", torch.ones(4, 3).to_sparse()), ValueError, "sparse_coo tensor"),
+        (lambda st: st.__setitem__("step", torch.ones(2)), ValueError, "'step' .* one-element tensor"),
+        (lambda st: st.pop("step"), KeyError, "step"),  # torch's AdamW raises in its __setstate__, state in place
+    ],
+    ids=["list", "sparse", "step_shape", "no_step"],
+)
+def test_a_checkpoint_of_values_the_step_cannot_read_loads_nothing(spoil, error, match, device):
+    """Values a step could not read fail the load, not a later step, and leave the optimizer as it was: the old
+    state bound and working (a step after the failed load goes on as a twin that never tried)."""
+    params = make_params([(4, 3), 5], torch.float32, device)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = KitsuneOptimizer(torch.optim.AdamW(params, lr=0.1), enable_fusion=True)
+    ref = KitsuneOptimizer(torch.optim.AdamW(twins, lr=0.1), enable_fusion=True)
+    for step in range(2):
+        _step([(params, opt), (twins, ref)], step)
+    sd = copy.deepcopy(opt.state_dict())
+    spoil(sd["state"][0])
+    sd["param_groups"][0]["lr"] = 0.5
+    before = _snapshot(opt)
+    with pytest.raises(error, match=match):
+        opt.load_state_dict(sd)
+    _assert_unchanged(before, opt)
+    assert opt.param_groups[0]["lr"] == 0.1
+    for step in range(2, 5):
+        _step([(params, opt), (twins, ref)], step)
+    for p, t in zip(params, twins, strict=True):
+        assert torch.equal(p, t)
+    assert opt.plan.fused_tensors == 2
 
 
 # -- 4. missing state keys raise as torch does --------------------------------------------------------------------
