@@ -6,6 +6,7 @@ import argparse
 import io
 import json
 import math
+import re
 import time
 
 import pytest
@@ -404,3 +405,56 @@ def test_profiler_cost_is_not_measured_where_two_optimizers_do_not_fit(monkeypat
     monkeypatch.setattr(runner, "_memory_shortfall", lambda pset, device, copies=1: f"{copies} copies: no room")
     cost, reason = runner.run_profiler_cost(get_param_set("gpt2", 0.001), torch.device("cpu"), 2, 1)
     assert cost is None and reason == "two optimizers of the set: 2 copies: no room"
+
+
+RATIO = re.compile(r"\d\.\d+x\b|\d%")
+
+
+def test_a_cpu_run_is_a_smoke_test_and_prints_no_ratio(tmp_path):
+    """On a CPU kitsune is a pass-through: the tables show the times with ``-`` for every ratio, no end-to-end ratio
+    and no label of GPU work, and the output says once that the run is a smoke test; the JSON keeps the times and
+    carries the flag. The same result on a GPU (the flag off) prints its ratios."""
+    from kitsune.bench.table import CPU_SMOKE, print_results
+
+    buf = io.StringIO()
+    console = Console(file=buf, width=200, color_system=None)
+    path = tmp_path / "bench.json"
+    result = run_bench(
+        sets=["gpt2"], variants=["fused", "kitsune"], device="cpu", steps=1, e2e=True, e2e_steps=1, e2e_batch=1,
+        json_path=path, console=console,
+    )  # fmt: skip
+    text = buf.getvalue()
+    assert result.cpu_smoke and json.loads(path.read_text())["cpu_smoke"] is True
+    assert result.sets[0].variants[0].device_ms.median > 0 and result.sets[0].ratio_to_kitsune  # kept in the JSON
+    flat = " ".join(text.split())
+    assert flat.count(CPU_SMOKE) == 1 and flat.index(CPU_SMOKE) > flat.index("last loss")  # once, after the tables
+    assert not RATIO.search(text), text
+    assert "tokens/s over torch's" not in text and "profile=True, in pairs" not in text
+    rows = [line for line in text.splitlines() if line.startswith("│") and ("torch" in line or "kitsune" in line)]
+    assert [row.split("│")[7:9] for row in rows[:2]] == [["       - ", "           - "]] * 2  # % floor, t / kitsune
+    e2e = [side.label for side in result.e2e.sides]
+    assert len(e2e) == 8 and not any(
+        "graph" in label or "inside backward" in label or "fused" in label for label in e2e
+    )
+
+    buf.seek(0), buf.truncate()
+    print_results(result.model_copy(update={"cpu_smoke": False}), console)
+    assert RATIO.search(buf.getvalue()) and "tokens/s over torch's" in buf.getvalue()
+    old = {k: v for k, v in json.loads(path.read_text()).items() if k != "cpu_smoke"}  # a file from before the flag
+    assert BenchResult.model_validate(old).cpu_smoke is False
+
+
+def test_an_unknown_compile_backend_is_one_line_before_anything_runs(monkeypatch, capsys):
+    """``--compile BOGUS``: torch.compile fails only at the model's first forward, after the other timings; the name
+    is checked against torch's backends first."""
+    from kitsune.bench import runner
+    from kitsune.bench.e2e import run_e2e
+
+    monkeypatch.setattr(runner, "run_variant", lambda *a, **k: pytest.fail("timed before the backend was checked"))
+    assert main(["--sets", "gpt2", "--device", "cpu", "--e2e", "--compile", "bogus"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1 and "Traceback" not in captured.err
+    assert captured.err.startswith("kitsune bench: --compile: torch ") and "backend 'bogus'" in captured.err
+    assert "inductor" in captured.err
+    with pytest.raises(ValueError, match="no torch.compile backend 'bogus'"):
+        run_e2e(torch.device("cpu"), steps=1, warmup=1, compile_backend="bogus")

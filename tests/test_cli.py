@@ -75,6 +75,40 @@ def test_demo_help_describes_every_option(capsys):
     assert "--seed SEED seed of the model's init and the synthetic batches (default 0)" in text
 
 
+@pytest.mark.parametrize(
+    ("command", "says"),
+    [
+        (
+            ["demo"],
+            [
+                "Train a tiny GPT",
+                "--profile-out PROFILE_OUT where to write the profile JSON (default kitsune-profile.json)",
+            ],
+        ),
+        (["doctor"], ["Report what this machine supports"]),
+        (
+            ["bench"],
+            [
+                "smoke test of the command, not a comparison",
+                "--sets SETS comma-separated, of gpt2,many,llama1b (default: all)",
+            ],
+        ),
+    ],
+    ids=["demo", "doctor", "bench"],
+)
+def test_help_describes_the_command_and_its_defaults(capsys, monkeypatch, command, says):
+    """Each command's ``--help`` has a description under its usage line, and options with a default state it."""
+    monkeypatch.setenv("COLUMNS", "400")  # argparse would wrap kitsune-profile.json after its hyphen
+    with pytest.raises(SystemExit) as info:
+        main([*command, "--help"])
+    assert info.value.code == 0
+    text = capsys.readouterr().out
+    assert text.split("\n\n")[1].strip(), "no description between the usage and the options"
+    flat = " ".join(text.split())
+    for phrase in says:
+        assert phrase in flat
+
+
 def test_version_names_kitsune_torch_and_triton(capsys):
     import torch
 

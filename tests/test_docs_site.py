@@ -347,3 +347,28 @@ def test_read_the_docs_installs_the_docs_extra():
     listed = {line.strip() for line in lines if line.strip() and not line.startswith("#")}
     assert wanted and listed == wanted
     assert "requirements: docs/requirements.txt" in (ROOT / ".readthedocs.yaml").read_text()
+
+
+def test_installation_page_lists_every_extra_with_its_packages():
+    """docs/installation.md's Extras table has a row per extra of pyproject.toml, naming each of its packages."""
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    section = pyproject.split("[project.optional-dependencies]")[1].split("\n[")[0]
+    extras = {
+        m[1]: re.findall(r'"([A-Za-z0-9_.-]+)', m[2]) for m in re.finditer(r"^(\w+) = \[(.*)\]\s*$", section, re.M)
+    }
+    assert {"dev", "docs", "bench"} <= extras.keys(), extras
+    rows = dict(re.findall(r"^\| `(\w+)` \| (.*) \|$", (ROOT / "docs" / "installation.md").read_text(), re.M))
+    assert rows.keys() == extras.keys()
+    for extra, packages in extras.items():
+        missing = [p for p in packages if p.lower() not in rows[extra].lower()]
+        assert not missing, f"the {extra} row misses {missing}"
+
+
+def test_configuration_page_snippets_run_as_written():
+    """docs/configuration.md's ```python snippets run pasted into a fresh interpreter: each imports and defines what
+    it uses."""
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    found = re.findall(r"^```python[^\n]*\n(.*?)^```", page, re.M | re.S)
+    assert found, "no snippet found"
+    for source in found:
+        exec(compile(source, "docs/configuration.md", "exec"), {"__name__": "__main__"})

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import runpy
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -298,3 +299,20 @@ def test_every_example_is_tested_and_documented():
         assert re.search(how, doc, re.M), f"{path.name}: the docstring should say how to run it"
         if path.name != "basic.py":
             assert '"--steps"' in source and '"--device"' in source, f"{path.name}: --steps and --device"
+
+
+WRITES = re.compile(r'out_dir / "([^"]+)"|"--profile-out", default="([^"]+)"')
+
+
+def test_what_the_examples_write_is_ignored_by_git():
+    """Each file or folder an example writes by default (into the current directory, the repository's root as the
+    docs run them) is in .gitignore, so running the examples leaves ``git status`` clean."""
+    if shutil.which("git") is None or not (EXAMPLES.parent / ".git").exists():
+        pytest.skip("not a git checkout")
+    written = {a or b for path in sorted((EXAMPLES).glob("*.py")) for a, b in WRITES.findall(path.read_text())}
+    assert {"basic-profile.json", "ckpt-torch.pt", "trace.json", "accelerate-state"} <= written, written
+    # NAME/x: ignored when NAME is, whether .gitignore names a file or a folder (a folder's pattern ends in "/")
+    paths = [f"{name}/x" for name in sorted(written)]
+    cmd = ["git", "check-ignore", "--no-index", *paths]
+    proc = subprocess.run(cmd, cwd=EXAMPLES.parent, capture_output=True, text=True)
+    assert sorted(proc.stdout.split()) == paths, f"not in .gitignore: {sorted(set(paths) - set(proc.stdout.split()))}"

@@ -53,7 +53,10 @@ def _scale(text: str) -> float:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``bench`` options, shared by ``kitsune bench`` and ``python -m kitsune.bench``."""
     parser.add_argument(
-        "--sets", type=_names(PARAM_SETS), default=list(PARAM_SETS), help="comma-separated: gpt2,many,llama1b"
+        "--sets",
+        type=_names(PARAM_SETS),
+        default=list(PARAM_SETS),
+        help=f"comma-separated, of {','.join(PARAM_SETS)} (default: all)",
     )
     parser.add_argument(
         "--variants",
@@ -178,7 +181,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         help="time torch's AdamW variants against kitsune's",
         description="Time an AdamW step with torch foreach, torch fused, torch fused + CUDA graph and kitsune; with "
         "--peers, also with the optimizers users pick instead (bitsandbytes, torchao, optimi, heavyball, lion-pytorch, "
-        "a compiled torch step), where installed.",
+        "a compiled torch step), where installed. On a CPU the run is a smoke test of the command, not a comparison.",
     )
     add_arguments(parser)
     parser.set_defaults(func=run_from_args)
@@ -189,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m kitsune.bench``: the same options as ``kitsune bench``."""
     parser = argparse.ArgumentParser(
         prog="python -m kitsune.bench",
-        description="Time an AdamW step with torch foreach, torch fused, torch fused + CUDA graph and kitsune.",
+        description="Time an AdamW step with torch foreach, torch fused, torch fused + CUDA graph and kitsune. On a "
+        "CPU the run is a smoke test of the command, not a comparison.",
     )
     add_arguments(parser)
     return run_from_args(parser.parse_args(argv))

@@ -138,6 +138,31 @@ SIDES = {
     "kitsune_noclip": "kitsune, no clip: step after backward, graph",
 }
 """Each side's name and label, in the order they are built and reported."""
+CPU_SIDES = {
+    "torch": "torch: AdamW, clip_grad_norm_, zero_grad",
+    "kitsune": "kitsune: max_grad_norm=1.0",
+    "kitsune_zero": "kitsune: max_grad_norm=1.0, zero_in_step=True",
+    "torch_noclip": "torch, no clip: AdamW, zero_grad",
+    "kitsune_backward": "kitsune, no clip: step_in_backward=True",
+    "kitsune_backward_flat": "kitsune, no clip: step_in_backward=True, flat_grads=True",
+    "kitsune_backward_current": "kitsune, no clip: step_in_backward=True, backward_stream='current'",
+    "kitsune_noclip": "kitsune, no clip",
+}
+"""The labels on a CPU: the settings each side asked for. Those of `SIDES` say what a GPU runs (a fused step, a CUDA
+graph, updates inside backward); a CPU runs none of it: torch's AdamW is not fused there, and every kitsune side
+runs AdamW's own step in ``step()``."""
+
+
+def check_compile_backend(name: str) -> None:
+    """Raise a ValueError of one line unless ``torch.compile`` knows the backend ``name``: checked before anything
+    runs, since ``torch.compile`` itself fails only at the first forward, after the other timings."""
+    from torch._dynamo import list_backends
+
+    if name not in list_backends(exclude_tags=()):  # every registered one, the debug ones (aot_eager) included
+        raise ValueError(
+            f"torch {torch.__version__} has no torch.compile backend {name!r}: choose one of "
+            f"{', '.join(list_backends())}, or a debug one such as aot_eager (torch._dynamo.list_backends())"
+        )
 
 
 FLAT_POOL = 16 << 30
@@ -243,8 +268,12 @@ def run_e2e(
 
     ``compile_backend``: run every side's model through ``torch.compile(model, backend=compile_backend)``
     (``"inductor"``, torch's default, or any backend name torch knows); the sides share the compiled code, which
-    the first side's warm-up compiles."""
+    the first side's warm-up compiles; an unknown backend is a ValueError before anything runs. On a CPU the sides
+    are labelled with `CPU_SIDES`."""
+    if compile_backend is not None:
+        check_compile_backend(compile_backend)
     cfg, data, init = e2e_inputs(device, batch, seq, seed=seed)
+    labels = SIDES if device.type == "cuda" else CPU_SIDES
     seq = data[0].shape[1] - 1
     # build and warm up each side in turn, measuring its own peak memory (above what the others hold); then time
     # the sides in turns, block by block, so a busy host slows all of them alike
@@ -261,7 +290,7 @@ def run_e2e(
     block = min(BLOCK, steps)
     times = _in_turns([step for step, _, _ in built], data, steps, device, first=warmup, block=block)
     sides = []
-    for (name, label), (_, losses, peak), (ms, timed_losses) in zip(SIDES.items(), built, times, strict=True):
+    for (name, label), (_, losses, peak), (ms, timed_losses) in zip(labels.items(), built, times, strict=True):
         all_losses = [float(x) for x in losses + timed_losses]
         stats = Stats.of(ms)
         sides.append(

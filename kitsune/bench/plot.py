@@ -37,6 +37,8 @@ def bench_svg(result: BenchResult, title: str | None = None) -> str:
     sets = sections(result)
     env = result.environment
     title = title or f"AdamW step, {env.device_name or result.device}: % of the bandwidth floor (higher is faster)"
+    if result.cpu_smoke:  # kitsune is a pass-through on a CPU: its bars and torch's time the same step
+        title += "; a CPU smoke run, not a comparison"
     width = _LABEL + _BAR + 170
     y = 40
     parts: list[str] = []

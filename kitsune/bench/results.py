@@ -155,6 +155,11 @@ class BenchResult(BaseModel):
     environment: Environment
     device: str
     timer: Literal["cuda_events", "perf_counter"]
+    cpu_smoke: bool = False
+    """A run on a CPU: a smoke test of the command, not a comparison. kitsune is a pass-through there (its fused
+    kernels and CUDA graphs need CUDA), so its rows run torch's own step and any ratio between rows is noise; the
+    printed tables leave the ratios out, the raw times stay here. False in files written before the field (their
+    ``timer`` is ``perf_counter`` on a CPU)."""
     copy_bandwidth_gbs: float
     """Measured device-to-device copy rate, read + write bytes, in GB/s (1e9)."""
     copy_buffer_bytes: int

@@ -74,6 +74,15 @@ def sections(result: BenchResult) -> list[SetResult]:
     return [*entries, *lion.values(), *([result.phase] if result.phase is not None else [])]
 
 
+CPU_SMOKE = (
+    "a CPU run is a smoke test of the command, not a comparison: kitsune is a pass-through on a CPU (its fused "
+    "kernels and CUDA graphs need CUDA), so its rows run torch's own step and a ratio would only measure noise; the "
+    "tables leave the ratios out. Compare on a GPU."
+)
+"""The line a CPU run (``BenchResult.cpu_smoke``) ends with."""
+NOT_SHOWN = "-"
+"""A cell a CPU run leaves out: a ratio, or the peak memory it does not measure."""
+
 SECTION_HEADS = {"adamw_step": "{}", "amp_clip_phase": "{} phase", "lion_step": "{} Lion"}
 _STATUS = {"not_available": "n/a", "not_timed": "not timed"}
 
@@ -112,11 +121,15 @@ def print_results(result: BenchResult, console: Console | None = None) -> None:
     """The results as one rich table (a section per set, a row per variant), then the notes it refers to.
 
     A ``--peers`` run adds a column of state memory, a Lion section per set, and the peers that are not installed.
+    A CPU run (``cpu_smoke``) shows its times with ``-`` for the ratios (``% floor``, ``t / kitsune``), leaves out
+    the profiler's cost in pairs and the end-to-end ratios, and ends with `CPU_SMOKE`.
     """
     console = console or default_console()
+    smoke = result.cpu_smoke
     entries = sections(result)
     with_state = any(v.state_bytes is not None for entry in entries for v in entry.variants)
     title = f"AdamW fp32, {result.environment.device_name}, copy {result.copy_bandwidth_gbs:,.0f} GB/s"
+    title += ", CPU smoke test" if smoke else ""
     table = Table(title=title + (" (Lion sections: fp32 Lion)" if result.lion else ""))
     names = ["set", "variant", "ms/step", "p10-p90", "host ms", "floor ms", "% floor", "t / kitsune"]
     for name in [*names, *(["state MiB"] if with_state else [])]:
@@ -138,8 +151,8 @@ def print_results(result: BenchResult, console: Console | None = None) -> None:
                 f"{v.device_ms.p10:.3f}-{v.device_ms.p90:.3f}" if ok else "",
                 f"{v.host_ms.median:.3f}" if ok else "",
                 f"{entry.floor_ms:.3f}" if i == 0 else "",
-                _pct(v.pct_of_floor) if ok else "",
-                "" if ratio is None else f"{ratio:.2f}x" if ratio >= 0.1 else f"{ratio:.2g}x",
+                NOT_SHOWN if smoke and ok else _pct(v.pct_of_floor) if ok else "",
+                NOT_SHOWN if smoke and ok else _ratio(ratio),
                 *([_state(v, entry)] if with_state else []),
                 end_section=i == len(entry.variants) - 1,
             )
@@ -155,15 +168,23 @@ def print_results(result: BenchResult, console: Console | None = None) -> None:
     for line in notes:
         console.print(line, highlight=False)
     for entry in result.sets:
-        if entry.profiler_cost is not None or entry.profiler_cost_reason is not None:
+        if not smoke and (entry.profiler_cost is not None or entry.profiler_cost_reason is not None):
             console.print(f"{entry.name}: {profiler_cost_line(entry)}", highlight=False)
     for line in peer_lines(result.peers):
         console.print(line, highlight=False)
     if result.e2e is not None:
-        print_e2e(result.e2e, console)
+        print_e2e(result.e2e, console, cpu_smoke=smoke)
+    if smoke:
+        console.print(CPU_SMOKE, highlight=False)
 
 
-def print_e2e(e2e: E2EResult, console: Console) -> None:
+def _ratio(ratio: float | None) -> str:
+    return "" if ratio is None else f"{ratio:.2f}x" if ratio >= 0.1 else f"{ratio:.2g}x"
+
+
+def print_e2e(e2e: E2EResult, console: Console, cpu_smoke: bool = False) -> None:
+    """The end-to-end table and the line of its ratios; ``cpu_smoke``: no peak memory (not measured on a CPU) and no
+    ratios, only how far the clipped sides' losses differ."""
     m = e2e.model
     table = Table(
         title=f"end to end: GPT ({e2e.n_params / 1e6:.3g}M params, {m.layers} layers, {m.dim} wide"
@@ -179,14 +200,17 @@ def print_e2e(e2e: E2EResult, console: Console) -> None:
             f"{side.step_ms.median:.2f}",
             f"{side.step_ms.p10:.2f}-{side.step_ms.p90:.2f}",
             f"{side.tokens_per_s:,.0f}",
-            f"{side.peak_memory_bytes / 2**30:.2f} GiB",
+            NOT_SHOWN if cpu_smoke else f"{side.peak_memory_bytes / 2**30:.2f} GiB",
             f"{side.last_loss:.4f}",
         )
     console.print(table)
+    losses = f"the clipped sides' losses over the first 10 steps differ by at most {e2e.max_loss_diff_first_10:.2g}"
+    if cpu_smoke:
+        console.print(losses, highlight=False)
+        return
     console.print(
         f"kitsune's tokens/s over torch's: {e2e.ratio:.3f}x with clipping; without, {e2e.ratio_noclip:.3f}x with the "
         f"updates inside backward ({e2e.ratio_noclip_current:.3f}x on backward's stream) and "
-        f"{e2e.ratio_noclip_step:.3f}x with the step after backward; the clipped sides' losses over the first 10 "
-        f"steps differ by at most {e2e.max_loss_diff_first_10:.2g}",
+        f"{e2e.ratio_noclip_step:.3f}x with the step after backward; {losses}",
         highlight=False,
     )

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
 import torch
 from pydantic import BaseModel, Field, ValidationError
 
+from kitsune._paths import check_output_path
 from kitsune.profiler.core import ProfilerMetrics, StepRecord
 from kitsune.profiler.nvml import NvmlReport
 
@@ -178,8 +179,13 @@ def build_profile(opt: Profiled) -> Profile:
 
 
 def save_profile(opt: Profiled, path: str | Path) -> Path:
-    """Write `build_profile` of ``opt`` to ``path`` as JSON (UTF-8), creating its folder."""
-    path = Path(path)
+    """Write `build_profile` of ``opt`` to ``path`` as JSON (UTF-8), creating its folder.
+
+    Raises:
+        ValueError: nothing can be written at ``path`` (a directory, ``""``, a path under a regular file, a folder
+            this user may not write); the one line names the path and the problem, and nothing is written.
+    """
+    path = check_output_path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(build_profile(opt).model_dump_json(indent=2), encoding="utf-8")
     return path
@@ -217,7 +223,7 @@ def load_profile(path: str | Path) -> Profile:
         if first["type"] == "json_invalid":
             reason = first.get("ctx", {}).get("error", first["msg"])
             raise ValueError(f"{path} is not JSON ({reason}), so not {what}") from exc
-        if first["type"] == "model_type":
+        if first["type"] == "model_type" and first["loc"] == ():  # a nested record's is named below, as any field's
             raise ValueError(f"{path} is JSON but its top level is not an object, so not {what}") from exc
         version = next((e for e in errors if e["loc"] == ("schema_version",)), None)
         if version is not None:

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kitsune._paths import check_output_path
 from kitsune.profiler.core import Profiler, StepRecord
 from kitsune.profiler.nvml import FIELDS, NvmlReport
 from kitsune.profiler.schema import Profile
@@ -81,7 +82,13 @@ def trace_events(steps: list[StepRecord], timing: str, nvml: NvmlReport | None) 
 
 
 def export_chrome_trace(source: Profile | Profiler | Profiled, path: str | Path) -> Path:
-    """Write ``source``'s steps (and NVML samples) as a Chrome trace JSON file; returns the path."""
+    """Write ``source``'s steps (and NVML samples) as a Chrome trace JSON file; returns the path.
+
+    Raises:
+        TypeError: ``source`` is none of those (or a KitsuneOptimizer without ``profile=True``).
+        ValueError: nothing can be written at ``path`` (a directory, ``""``, a path under a regular file, a folder
+            this user may not write); the one line names the path and the problem, and nothing is written.
+    """
     if isinstance(source, Profile):
         steps, timing, nvml = source.steps, source.metrics.timing if source.metrics else "host_clock", source.nvml
     elif isinstance(source, Profiler):
@@ -93,7 +100,7 @@ def export_chrome_trace(source: Profile | Profiler | Profiled, path: str | Path)
             f"export_chrome_trace needs a Profile, a Profiler or a KitsuneOptimizer with profile=True, "
             f"got {type(source).__name__}"
         )
-    out = Path(path)
+    out = check_output_path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     data = {"traceEvents": trace_events(steps, timing, nvml), "displayTimeUnit": "ms"}
     out.write_text(json.dumps(data), encoding="utf-8")

@@ -361,3 +361,50 @@ def test_load_profile_names_what_is_wrong(opt, tmp_path):
         load_profile(tmp_path / "bin.json")
     with pytest.raises(FileNotFoundError):
         load_profile(tmp_path / "missing.json")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "expected"),
+    [
+        ("steps", ["x"], "is not a kitsune profile: steps.0: Input should be an object"),
+        ("environment", "x", "is not a kitsune profile: environment: Input should be an object"),
+        ("metrics", 3, "is not a kitsune profile: metrics: Input should be an object"),
+    ],
+)
+def test_load_profile_names_a_malformed_nested_record(opt, tmp_path, field, value, expected):
+    """An object at the top whose record is not one: the message names the field, not "its top level"."""
+    data = json.loads(build_profile(opt).model_dump_json())
+    data[field] = value
+    (tmp_path / "p.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError) as info:
+        load_profile(tmp_path / "p.json")
+    assert str(info.value) == f"{tmp_path / 'p.json'} {expected}"
+
+
+@pytest.mark.parametrize(
+    ("name", "problem"),
+    [
+        ("", ".: is a directory, not a file"),
+        ("adir", "{p}: is a directory, not a file"),
+        ("afile/out.json", "{p}: {d}/afile is a file, not a directory"),
+        ("afile/sub/out.json", "{p}: {d}/afile is a file, not a directory"),
+    ],
+    ids=["empty", "directory", "under-a-file", "deep-under-a-file"],
+)
+@pytest.mark.parametrize("write", ["save_profile", "export_chrome_trace", "write_html"])
+def test_writers_refuse_a_bad_path_before_writing(opt, tmp_path, monkeypatch, write, name, problem):
+    """save_profile, export_chrome_trace and write_html check the path as the commands do (one ValueError naming the
+    path and the problem), not with the OS error of a half-made directory; nothing is written."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "afile").write_text("")
+    path = tmp_path / name if name else ""
+    writers = {
+        "save_profile": opt.save_profile,
+        "export_chrome_trace": opt.export_chrome_trace,
+        "write_html": lambda p: write_html(build_profile(opt), p),
+    }
+    with pytest.raises(ValueError) as info:
+        writers[write](path)
+    assert str(info.value) == problem.format(p=path, d=tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "afile"] and not any((tmp_path / "adir").iterdir())
