@@ -368,10 +368,15 @@ def test_torch_has_the_cpp_check_on_cuda_and_it_refuses_none():
 def test_the_native_check_reads_cuda_tensors():
     checks = _native.wait(timeout=600)
     assert checks is not None, _native.reason()
-    ps = [torch.nn.Parameter(torch.randn(4, device="cuda")) for _ in range(3)]
+    ps = [torch.nn.Parameter(torch.randn(2, 2, device="cuda")) for _ in range(3)]
     for p in ps:
         p.grad = torch.randn_like(p)
-    table = torch.tensor([p.data_ptr() for p in ps] + [p.grad.data_ptr() for p in ps], dtype=torch.int64)
-    assert checks.unchanged(ps, table, True)
+    table = torch.tensor([p.data_ptr() for p in ps] + [p.grad.data_ptr() for p in ps] + [4] * 3, dtype=torch.int64)
+    assert checks.unchanged(ps, table, True, torch.float32)
+    assert not checks.unchanged(ps, table, True, torch.bfloat16)
+    grad = ps[1].grad
+    ps[1].grad = grad.t()  # where it sat, transposed
+    assert not checks.unchanged(ps, table, True, torch.float32)
+    ps[1].grad = grad
     ps[2].grad = torch.randn_like(ps[2])
-    assert not checks.unchanged(ps, table, True)
+    assert not checks.unchanged(ps, table, True, torch.float32)
