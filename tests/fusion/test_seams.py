@@ -245,6 +245,16 @@ def test_load_of_a_file_path_names_the_fix(device):
         opt.load_state_dict("ckpt.pt")  # type: ignore[arg-type]
 
 
+def _refused_load(opt: KitsuneOptimizer, sd: dict[str, Any], error: type[Exception], match: str) -> None:
+    """Loading ``sd`` (its lr changed to 0.5, from 0.1) raises ``error`` and changes nothing, the lr included."""
+    sd["param_groups"][0]["lr"] = 0.5
+    before = _snapshot(opt)
+    with pytest.raises(error, match=match):
+        opt.load_state_dict(sd)
+    _assert_unchanged(before, opt)
+    assert opt.param_groups[0]["lr"] == 0.1
+
+
 @pytest.mark.parametrize(
     ("entry", "match"),
     [
@@ -264,12 +274,7 @@ def test_a_malformed_kitsune_entry_names_the_problem_and_loads_nothing(entry, ma
     opt.step()
     sd = opt.state_dict()
     sd["kitsune"] = entry
-    sd["param_groups"][0]["lr"] = 0.5
-    before = _snapshot(opt)
-    with pytest.raises(ValueError, match=match):
-        opt.load_state_dict(sd)
-    _assert_unchanged(before, opt)
-    assert opt.param_groups[0]["lr"] == 0.1
+    _refused_load(opt, sd, ValueError, match)
 
 
 @pytest.mark.parametrize(
@@ -293,12 +298,7 @@ def test_a_checkpoint_of_values_the_step_cannot_read_loads_nothing(spoil, error,
         _step([(params, opt), (twins, ref)], step)
     sd = copy.deepcopy(opt.state_dict())
     spoil(sd["state"][0])
-    sd["param_groups"][0]["lr"] = 0.5
-    before = _snapshot(opt)
-    with pytest.raises(error, match=match):
-        opt.load_state_dict(sd)
-    _assert_unchanged(before, opt)
-    assert opt.param_groups[0]["lr"] == 0.1
+    _refused_load(opt, sd, error, match)
     for step in range(2, 5):
         _step([(params, opt), (twins, ref)], step)
     for p, t in zip(params, twins, strict=True):

@@ -279,6 +279,16 @@ def test_grads_of_another_dtype_go_to_the_optimizers_own_step(device):
     assert params[0].grad.dtype == torch.float32 and not params[0].isnan().any()
 
 
+def _refused_unchanged(opt: Any, params: list, match: str) -> None:
+    """The step raises ``ValueError`` (matching ``match``) and leaves every param and grad as they were."""
+    before = [p.detach().clone() for p in params]
+    grads = [p.grad.clone() for p in params]
+    with pytest.raises(ValueError, match=match):
+        opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, params, strict=True))
+    assert all(torch.equal(a, p.grad) for a, p in zip(grads, params, strict=True))
+
+
 def test_grads_of_another_dtype_with_the_fused_grad_pass_are_refused_and_lose_nothing(device):
     from kitsune import GradConfig
 
@@ -287,12 +297,7 @@ def test_grads_of_another_dtype_with_the_fused_grad_pass_are_refused_and_lose_no
     opt = KitsuneOptimizer(SGD[0](params), enable_fusion=True, grad_config=GradConfig(max_norm=1.0))
     for p, g in zip(params, random_grads(params, 0), strict=True):
         p.grad = g.float() if p is params[0] else g
-    before = [p.detach().clone() for p in params]
-    grads = [p.grad.clone() for p in params]
-    with pytest.raises(ValueError, match=r"p.grad_dtype = None"):
-        opt.step()
-    assert all(torch.equal(a, b) for a, b in zip(before, params, strict=True))
-    assert all(torch.equal(a, p.grad) for a, p in zip(grads, params, strict=True))
+    _refused_unchanged(opt, params, r"p.grad_dtype = None")
     assert opt.step_count == 0 and not any(opt.state.values())
 
 
@@ -507,13 +512,9 @@ def test_a_grad_of_another_size_than_its_param_is_refused_and_loses_nothing(clip
             p.grad = g
         opt.step()
     params[0].data = torch.randn(20, device=device)
-    before = [p.detach().clone() for p in params]
-    grads = [p.grad.clone() for p in params]
-    with pytest.raises(ValueError, match=r"has a grad of shape \(12,\).*Nothing was updated"):
-        opt.step()
-    assert all(torch.equal(a, p) for a, p in zip(before, params, strict=True))
-    assert all(torch.equal(a, p.grad) for a, p in zip(grads, params, strict=True))
+    resized = params[0].detach().clone()
+    _refused_unchanged(opt, params, r"has a grad of shape \(12,\).*Nothing was updated")
     assert opt.step_count == 2
     params[0].grad = torch.randn(20, device=device)  # the fix the message names: a grad of the param's shape
     opt.step()
-    assert opt.step_count == 3 and not torch.equal(before[0], params[0])
+    assert opt.step_count == 3 and not torch.equal(resized, params[0])
