@@ -371,8 +371,8 @@ class FusedUnit:
             if a != DEAD and g is not None and g.numel() != self.numels[i]:
                 p = fsdp.local(self.params[i])
                 raise ValueError(
-                    f"kitsune: a param of shape {tuple(p.shape)} has a grad of shape {tuple(g.shape)} (param "
-                    f"{self.group_index[i]}'s group): a grad must have its param's shape, as in torch.optim. Was "
+                    f"kitsune: a param of shape {tuple(p.shape)} (in param group {self.group_index[i]}) has a grad "
+                    f"of shape {tuple(g.shape)}: a grad must have its param's shape, as in torch.optim. Was "
                     "p.data resized after backward? Set p.grad = None (or to a grad of the param's shape) before "
                     "the step. Nothing was updated."
                 )
