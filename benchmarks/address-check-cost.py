@@ -74,10 +74,11 @@ def main(argv: list[str] | None = None) -> int:
             params = [torch.nn.Parameter(torch.randn(64, device=device)) for _ in range(n)]
             for p in params:
                 p.grad = torch.randn(64, device=device)
-            table = torch.tensor([p.data_ptr() for p in params] + [p.grad.data_ptr() for p in params])
+            # the params' addresses, the grads', the numels (the check compares layout, dtype and size too)
+            table = torch.tensor([p.data_ptr() for p in params] + [p.grad.data_ptr() for p in params] + [64] * n)
 
             def native(params: list[Any] = params, table: Any = table) -> bool:
-                return checks.unchanged(params, table, _native.PARAMS_AND_GRADS)
+                return checks.unchanged(params, table, _native.PARAMS_AND_GRADS, torch.float32)
 
             if not native():
                 raise RuntimeError("the native check answered False on unchanged params")
