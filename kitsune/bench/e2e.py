@@ -128,29 +128,28 @@ class E2EResult(BaseModel):
 
 ADAMW = {"lr": 3e-4, "weight_decay": 0.1, "betas": (0.9, 0.95)}
 SIDES = {
-    "torch": "torch: fused AdamW, clip_grad_norm_, zero_grad",
-    "kitsune": "kitsune: clip in the step, graph",
-    "kitsune_zero": "kitsune: clip and zero in the step, graph",
-    "torch_noclip": "torch, no clip: fused AdamW, zero_grad",
-    "kitsune_backward": "kitsune, no clip: updates inside backward",
-    "kitsune_backward_flat": "kitsune, no clip: updates inside backward, flat grads",
-    "kitsune_backward_current": "kitsune, no clip: updates inside backward, on backward's stream",
-    "kitsune_noclip": "kitsune, no clip: step after backward, graph",
+    "torch": ("torch: fused AdamW, clip_grad_norm_, zero_grad", "torch: AdamW, clip_grad_norm_, zero_grad"),
+    "kitsune": ("kitsune: clip in the step, graph", "kitsune: max_grad_norm=1.0"),
+    "kitsune_zero": ("kitsune: clip and zero in the step, graph", "kitsune: max_grad_norm=1.0, zero_in_step=True"),
+    "torch_noclip": ("torch, no clip: fused AdamW, zero_grad", "torch, no clip: AdamW, zero_grad"),
+    "kitsune_backward": (
+        "kitsune, no clip: updates inside backward",
+        "kitsune, no clip: step_in_backward=True",
+    ),
+    "kitsune_backward_flat": (
+        "kitsune, no clip: updates inside backward, flat grads",
+        "kitsune, no clip: step_in_backward=True, flat_grads=True",
+    ),
+    "kitsune_backward_current": (
+        "kitsune, no clip: updates inside backward, on backward's stream",
+        "kitsune, no clip: step_in_backward=True, backward_stream='current'",
+    ),
+    "kitsune_noclip": ("kitsune, no clip: step after backward, graph", "kitsune, no clip"),
 }
-"""Each side's name and label, in the order they are built and reported."""
-CPU_SIDES = {
-    "torch": "torch: AdamW, clip_grad_norm_, zero_grad",
-    "kitsune": "kitsune: max_grad_norm=1.0",
-    "kitsune_zero": "kitsune: max_grad_norm=1.0, zero_in_step=True",
-    "torch_noclip": "torch, no clip: AdamW, zero_grad",
-    "kitsune_backward": "kitsune, no clip: step_in_backward=True",
-    "kitsune_backward_flat": "kitsune, no clip: step_in_backward=True, flat_grads=True",
-    "kitsune_backward_current": "kitsune, no clip: step_in_backward=True, backward_stream='current'",
-    "kitsune_noclip": "kitsune, no clip",
-}
-"""The labels on a CPU: the settings each side asked for. Those of `SIDES` say what a GPU runs (a fused step, a CUDA
-graph, updates inside backward); a CPU runs none of it: torch's AdamW is not fused there, and every kitsune side
-runs AdamW's own step in ``step()``."""
+"""Each side's name and its labels, on a GPU and on a CPU, in the order they are built and reported. The GPU's say
+what runs there (a fused step, a CUDA graph, updates inside backward); a CPU runs none of it (torch's AdamW is not
+fused there, and every kitsune side runs AdamW's own step in ``step()``), so its labels name the settings each side
+asked for."""
 
 
 def check_compile_backend(name: str) -> None:
@@ -269,11 +268,11 @@ def run_e2e(
     ``compile_backend``: run every side's model through ``torch.compile(model, backend=compile_backend)``
     (``"inductor"``, torch's default, or any backend name torch knows); the sides share the compiled code, which
     the first side's warm-up compiles; an unknown backend is a ValueError before anything runs. On a CPU the sides
-    are labelled with `CPU_SIDES`."""
+    are labelled with their CPU labels (`SIDES`)."""
     if compile_backend is not None:
         check_compile_backend(compile_backend)
     cfg, data, init = e2e_inputs(device, batch, seq, seed=seed)
-    labels = SIDES if device.type == "cuda" else CPU_SIDES
+    labels = {name: gpu if device.type == "cuda" else cpu for name, (gpu, cpu) in SIDES.items()}
     seq = data[0].shape[1] - 1
     # build and warm up each side in turn, measuring its own peak memory (above what the others hold); then time
     # the sides in turns, block by block, so a busy host slows all of them alike
