@@ -63,6 +63,11 @@ class AlgoInfo:
     low_precision: bool = False
     """Whether ``FusionConfig.state_precision`` applies: its state may be kept in fp32, bf16 or 8 bits (every key is
     a moment or an accumulator; `kitsune.fusion.state_format.SIGNED` names them)."""
+    one_dtype: bool = False
+    """torch's own step needs each grad in its param's dtype (it lerps the grad into state made like the param):
+    given a grad of another dtype (``p.grad_dtype``) it raises after it has bumped ``step`` and applied weight decay,
+    so the fused executor refuses such a grad before anything changes. kitsune.optim's optimizers refuse it in their
+    own step (`kitsune.optim.base.EagerOptimizer`)."""
     aux: AlgoInfo | None = None
     """The algorithm of the groups whose spec is an `UpdateSpec` in an optimizer that is mostly something
     else (kitsune.optim.Muon's ``use_muon=False`` groups run AdamW): their fused units use it."""
@@ -127,6 +132,7 @@ ALGOS: dict[type, AlgoInfo] = {
         12,
         torch_fused_devices=_FUSED_DEVICES,
         low_precision=True,
+        one_dtype=True,
     ),
     torch.optim.AdamW: AlgoInfo(
         "AdamW",
@@ -138,6 +144,7 @@ ALGOS: dict[type, AlgoInfo] = {
         12,
         torch_fused_devices=_FUSED_DEVICES,
         low_precision=True,
+        one_dtype=True,
     ),
     torch.optim.SGD: AlgoInfo(
         "SGD",
@@ -194,6 +201,7 @@ ALGOS: dict[type, AlgoInfo] = {
         fills=(("mu_product", lambda g: 1.0),),
         host_scalars=("step", "mu_product"),
         low_precision=True,
+        one_dtype=True,
     ),
     torch.optim.RAdam: AlgoInfo(
         "RAdam",
@@ -204,6 +212,7 @@ ALGOS: dict[type, AlgoInfo] = {
         lambda s: 7,
         10,  # step, lerp_, mul_, addcmul_, sqrt, add_, div_, reciprocal_, add_, addcmul_
         low_precision=True,
+        one_dtype=True,
     ),
     torch.optim.Adamax: AlgoInfo(
         "Adamax",
@@ -214,6 +223,7 @@ ALGOS: dict[type, AlgoInfo] = {
         lambda s: 7,
         7,  # step, lerp_, mul_, abs, add_, maximum_, addcdiv_
         low_precision=True,
+        one_dtype=True,
     ),
     torch.optim.Adadelta: AlgoInfo(
         "Adadelta",

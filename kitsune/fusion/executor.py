@@ -249,6 +249,8 @@ class FusionSubsystem(Subsystem):
         self.forget_checks()
         units = (*self._units, *self._muon)
         unhandled = [p for unit in units for p in unit.unhandled]
+        if unhandled:
+            self._refuse_mixed(units)
         if unhandled and s.fused_grads and (self._needs_norm(s) or s.grad_scale is not None):
             self.undo()
             g = unhandled[0].grad
@@ -279,6 +281,23 @@ class FusionSubsystem(Subsystem):
             if self._needs_norm(s):
                 self._bind_norm()
         return live
+
+    def _refuse_mixed(self, units: tuple[FusedUnit, ...]) -> None:
+        """Raise before anything changes for a grad of another dtype than its param (``p.grad_dtype``) left to a
+        wrapped optimizer whose own step needs one dtype (`AlgoInfo.one_dtype`): torch's would raise halfway."""
+        for unit in units:
+            if not unit.info.one_dtype:
+                continue
+            for p in unit.unhandled:
+                g = p.grad
+                if g is not None and g.layout == torch.strided and g.dtype != p.dtype:
+                    self.undo()
+                    raise ValueError(
+                        f"kitsune: a {tuple(p.shape)} {p.dtype} param has a {g.dtype} grad (p.grad_dtype), which "
+                        f"{type(self._base).__name__}'s step cannot take: it needs each grad in its param's dtype "
+                        "and would raise halfway through the step. Keep the grads in the params' dtype "
+                        "(p.grad_dtype = None), or the params in the grads' dtype. Nothing was updated."
+                    )
 
     def prepare_unit(self, unit: FusedUnit) -> bool:
         """One unit's host work for an update inside backward: False when it has no grad or a param moved."""

@@ -15,8 +15,15 @@ class EagerOptimizer(torch.optim.Optimizer):
     group (its params with a grad, their grads, and what `_init_state` returns for each), then calls
     `_update` group by group with the grads negated where the group has ``maximize``, and returns the
     closure's loss. Whatever can raise does so before the first update of any group (torch.optim checks one group
-    at a time): a step that raises leaves every param as it was, and one refusing a sparse grad every state too.
+    at a time): a step that raises leaves every param as it was, and one refusing a sparse grad, or a grad of
+    another dtype than its param where `_one_dtype` says the math cannot take one, every state too.
     """
+
+    def _one_dtype(self, group: dict[str, Any]) -> bool:
+        """Whether ``group``'s math needs each grad in its param's dtype (``lerp`` into state made like the param,
+        as torch.optim.AdamW's): a grad of another dtype (``p.grad_dtype``) is then refused before anything
+        changes. False: the math takes it as it is."""
+        return False
 
     def _algorithm(self, group: dict[str, Any]) -> str:
         """The name a refusal gives for ``group``'s algorithm."""
@@ -42,6 +49,14 @@ class EagerOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             if any(p.grad is not None and p.grad.is_sparse for p in group["params"]):
                 raise RuntimeError(f"{self._algorithm(group)} does not support sparse gradients")
+            if self._one_dtype(group):
+                for p in group["params"]:
+                    if p.grad is not None and p.grad.dtype != p.dtype:
+                        raise ValueError(
+                            f"{self._algorithm(group)} needs each grad in its param's dtype: a {tuple(p.shape)} "
+                            f"{p.dtype} param has a {p.grad.dtype} grad. Keep the grads in the params' dtype "
+                            "(p.grad_dtype = None). Nothing was updated."
+                        )
         gathered = [self._init_group(group) for group in self.param_groups]
         for group, (params, grads, states) in zip(self.param_groups, gathered, strict=True):
             if params:

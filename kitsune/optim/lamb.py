@@ -103,6 +103,9 @@ class LAMB(EagerOptimizer):
         }
         super().__init__(params, defaults)
 
+    def _one_dtype(self, group: dict[str, Any]) -> bool:
+        return True  # lerp into exp_avg, made like the param
+
     def _init_state(self, p: torch.Tensor, group: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         state = self.state[p]
         if len(state) == 0:

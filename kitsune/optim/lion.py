@@ -44,6 +44,9 @@ class Lion(EagerOptimizer):
         defaults = {"lr": lr, "betas": betas, "weight_decay": weight_decay, "maximize": maximize}
         super().__init__(params, defaults)
 
+    def _one_dtype(self, group: dict[str, Any]) -> bool:
+        return True  # lerp into exp_avg, made like the param
+
     def _init_state(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
         state = self.state[p]
         if len(state) == 0:

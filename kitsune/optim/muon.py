@@ -188,6 +188,9 @@ class Muon(EagerOptimizer):
     def _algorithm(self, group: dict[str, Any]) -> str:
         return "Muon" if group["use_muon"] else "AdamW"
 
+    def _one_dtype(self, group: dict[str, Any]) -> bool:
+        return not group["use_muon"]  # torch's AdamW math; Muon's momentum is made like the grad
+
     def _init_state(self, p: torch.Tensor, group: dict[str, Any]) -> Any:
         state = self.state[p]
         if group["use_muon"]:
@@ -195,7 +198,14 @@ class Muon(EagerOptimizer):
                 raise RuntimeError("Muon does not support complex parameters")
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-            return state["momentum_buffer"]
+            buf = state["momentum_buffer"]
+            if buf.dtype != p.grad.dtype:  # lerp_ would raise halfway through the step
+                raise ValueError(
+                    f"Muon needs each grad in its momentum buffer's dtype: a {tuple(p.shape)} param has a "
+                    f"{p.grad.dtype} grad and a {buf.dtype} buffer (made like its first grad). Keep the grads in "
+                    "one dtype (p.grad_dtype), or convert the buffer. Nothing was updated."
+                )
+            return buf
         if "step" not in state:  # torch.optim.AdamW's state: a CPU float step, moments like the param
             scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
             state["step"] = torch.tensor(0.0, dtype=scalar)

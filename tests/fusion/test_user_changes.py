@@ -13,6 +13,7 @@ import torch
 from twins import make_params, ptrs_equal_stand_in, random_grads
 
 from kitsune import KitsuneOptimizer
+from kitsune.optim import LAMB, Lion
 
 # every structural change must be seen by either per-step address check (tests/conftest.py, check_path)
 pytestmark = pytest.mark.usefixtures("check_path")
@@ -299,6 +300,59 @@ def test_grads_of_another_dtype_with_the_fused_grad_pass_are_refused_and_lose_no
         p.grad = g.float() if p is params[0] else g
     _refused_unchanged(opt, params, r"p.grad_dtype = None")
     assert opt.step_count == 0 and not any(opt.state.values())
+
+
+ONE_DTYPE = [torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adamax]
+
+
+def test_torchs_optimizers_that_need_one_dtype_are_the_ones_kitsune_names():
+    """`AlgoInfo.one_dtype` against the installed torch: its step raises on a grad of another dtype than its param
+    exactly for the optimizers kitsune refuses it for (a torch that starts taking one shows up here)."""
+    from kitsune.fusion.algos import ALGOS
+
+    torch_classes = [cls for cls in ALGOS if cls.__module__.startswith("torch.optim")]
+    assert set(ONE_DTYPE) <= set(torch_classes) and len(torch_classes) >= 11
+    for cls in torch_classes:
+        p = torch.nn.Parameter(torch.randn(6, 4, dtype=torch.bfloat16))  # 2-D: torch.optim.Muon takes only those
+        p.grad_dtype = torch.float32
+        p.grad = torch.randn(6, 4)
+        try:
+            cls([p], lr=0.01).step()
+            raised = False
+        except RuntimeError:
+            raised = True
+        assert raised == ALGOS[cls].one_dtype, cls.__name__
+
+
+@pytest.mark.parametrize("cls", [*ONE_DTYPE, Lion, LAMB], ids=lambda c: c.__name__)
+def test_a_grad_of_another_dtype_the_step_cannot_take_is_refused_and_loses_nothing(cls, device):
+    """Adam's family lerps a grad into state made like the param: torch's step raises on a float32 grad of a
+    bfloat16 param after bumping ``step`` (and, for AdamW, decaying the weights). kitsune refuses it before, and
+    kitsune's Lion and LAMB, whose own step takes such a param off the fused path, refuse it there."""
+    import copy
+
+    params = make_params(SIZES, torch.bfloat16, device)
+    opt = KitsuneOptimizer(cls(params, lr=0.01, weight_decay=0.1), enable_fusion=True)
+    for step in range(3):
+        for p, g in zip(params, random_grads(params, step), strict=True):
+            p.grad = g
+        opt.step()
+    assert opt.plan.fused_tensors == len(params)
+    params[1].grad = None
+    params[1].grad_dtype = torch.float32
+    for p, g in zip(params, random_grads(params, 3), strict=True):
+        p.grad = g.float() if p is params[1] else g
+    saved = copy.deepcopy(opt.state_dict())
+    _refused_unchanged(opt, params, r"p.grad_dtype = None")
+    assert opt.step_count == 3
+    after = opt.state_dict()
+    for i, entry in saved["state"].items():
+        assert all(torch.equal(v, after["state"][i][k]) for k, v in entry.items()), i
+    params[1].grad = None
+    params[1].grad_dtype = None
+    params[1].grad = random_grads(params, 3)[1]
+    opt.step()  # with the grad in its param's dtype, the step runs
+    assert opt.step_count == 4
 
 
 def test_a_refused_step_keeps_the_state_earlier_steps_made(device, monkeypatch):

@@ -81,3 +81,34 @@ def test_state_missing_a_key_raises_key_error_before_any_update(cls, key):
         opt.step()
     for p, want in zip(resumed, before, strict=True):
         assert torch.equal(p, want)
+
+
+@pytest.mark.parametrize("warmup", [0, 3])
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_grad_of_another_dtype_is_refused_before_anything_changes_or_taken_as_it_is(name, warmup):
+    """A float64 grad of a float32 param (``p.grad_dtype``) in the last group: the math that lerps it into state
+    made like the param (Lion, LAMB, Muon's AdamW groups, as torch.optim.AdamW) is refused with nothing changed;
+    the math that makes its state like the grad takes it, as torch.optim.SGD does: LARS always, Muon until its
+    momentum buffer exists (made like the first grad, it then needs that dtype)."""
+    params = _params(seed=0)
+    opt = OPTIMIZERS[name]([{"params": params[:2]}, {"params": params[2:]}])
+    for step in range(warmup):
+        _set_grads(params, seed=1 + step)
+        opt.step()
+    _set_grads(params, seed=100)
+    params[2].grad = None
+    params[2].grad_dtype = torch.float64
+    params[2].grad = torch.randn(params[2].shape, dtype=torch.float64)
+    before = [p.detach().clone() for p in params]
+    state = copy.deepcopy(opt.state_dict()["state"])
+    if name == "LARS" or (name == "Muon" and not warmup):
+        opt.step()
+        assert all(not torch.equal(p, want) for p, want in zip(params, before, strict=True))
+        return
+    algorithm = "AdamW" if name == "Muon+AdamW" else name
+    needs = "its momentum buffer's dtype" if name == "Muon" else "its param's dtype"  # a buffer made like the grad
+    with pytest.raises(ValueError, match=rf"^{algorithm} needs each grad in {needs}.*p.grad_dtype"):
+        opt.step()
+    for p, want in zip(params, before, strict=True):
+        assert torch.equal(p, want)
+    _assert_same_state(opt.state_dict()["state"], state)
