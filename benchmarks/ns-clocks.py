@@ -1,7 +1,8 @@
 """Why a Newton-Schulz call timed back to back runs longer than its kernels: per shape, the call timed alone (L2
 flushed between calls, as ``kitsune bench --muon`` times it), ten calls back to back, the kernels' sum from a short
-profiled burst, the host's time to issue one call, and the GPU's SM clock and power (NVML) sampled over 100
-back-to-back calls. A GPU at its power cap lowers its clock under sustained matmuls.
+profiled burst, the host's time to issue one call, and the GPU's SM clock and power (NVML) sampled over 3 s of
+back-to-back calls (the last 1.5 s counted: NVML averages power over a second). A GPU at its power cap lowers its
+clock under sustained matmuls.
 
 python benchmarks/ns-clocks.py --shapes 1x4096x4096,8x2048x2048
 """
@@ -21,6 +22,11 @@ from triton.testing import do_bench
 from kitsune.bench.timing import percentile
 from kitsune.kernels import newton_schulz as ns
 from kitsune.profiler.nvml import NvmlSampler, cuda_uuid, normalize_uuid
+
+BURST_S = 3.0
+"""How long the calls run back to back while NVML is sampled."""
+SETTLE_S = 1.5
+"""Samples taken this long into the burst and later count (NVML averages power over a second)."""
 
 
 def measure(shape: tuple[int, ...]) -> dict[str, float]:
@@ -57,11 +63,15 @@ def measure(shape: tuple[int, ...]) -> dict[str, float]:
     sampler = NvmlSampler(torch.cuda.current_device(), interval_s=0.002)
     if not sampler.start():
         raise SystemExit(f"NVML: {sampler.reason}")
-    for _ in range(100):
-        call()
-    torch.cuda.synchronize()
+    start = time.perf_counter()
+    while time.perf_counter() - start < BURST_S:
+        ten()
+        torch.cuda.synchronize()
     sampler.stop()
-    samples = sampler.samples
+    # NVML's power on Ampere and newer is the driver's average over the last second: the first second of samples
+    # still holds what ran before the burst (the profiled calls, idle time)
+    first = sampler.samples[0].t_us if sampler.samples else 0.0
+    samples = [s for s in sampler.samples if s.t_us - first >= SETTLE_S * 1e6]
     clocks = [s.sm_clock_mhz for s in samples if s.sm_clock_mhz is not None]
     watts = [s.power_w for s in samples if s.power_w is not None]
     row.update(
