@@ -68,8 +68,8 @@ def measure(shape: tuple[int, ...]) -> dict[str, float]:
         ten()
         torch.cuda.synchronize()
     sampler.stop()
-    # NVML's power on Ampere and newer is the driver's average over the last second: the first second of samples
-    # still holds what ran before the burst (the profiled calls, idle time)
+    # NVML's power on Ampere (not A100) and newer is the driver's average over the last second: the first second of
+    # samples still holds what ran before the burst (the profiled calls, idle time)
     first = sampler.samples[0].t_us if sampler.samples else 0.0
     samples = [s for s in sampler.samples if s.t_us - first >= SETTLE_S * 1e6]
     clocks = [s.sm_clock_mhz for s in samples if s.sm_clock_mhz is not None]
