@@ -273,9 +273,20 @@ class _Steady:
 
 
 def _group_values(groups: list[dict[str, Any]]) -> tuple:
-    """Each group's values (its params list, the same object while the structure key holds, compares by identity)."""
-    return tuple(tuple(g.values()) for g in groups)
+    """Each group's values: its params list as it is (the same object while the structure key holds, compared by
+    identity), every other list copied to a tuple, so that ``group["betas"][0] = x`` on the same list compares
+    unequal (a container compares its own items by identity first)."""
+    rows = []
+    for g in groups:
+        params = g["params"]
+        rows.append(tuple([tuple(v) if type(v) is list and v is not params else v for v in g.values()]))
+    return tuple(rows)
 
 
 def _has_tensor(values: tuple) -> bool:
-    return any(isinstance(v, torch.Tensor) for row in values for v in row)
+    """A tensor among the values or in a tuple of them (``betas=(torch.tensor(0.9), ...)``), which changes in place."""
+    return any(
+        isinstance(v, torch.Tensor) or (type(v) is tuple and any(isinstance(x, torch.Tensor) for x in v))
+        for row in values
+        for v in row
+    )

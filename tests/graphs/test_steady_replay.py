@@ -128,6 +128,35 @@ def test_every_change_leaves_the_steady_replay_and_matches_torch(device, change)
         assert backend.captured == captured + 1
 
 
+@pytest.mark.parametrize("how", ["list", "tensors"])
+def test_betas_changed_inside_their_container_reach_the_step(device, how):
+    """``group["betas"][0] = x`` on a list, or betas given as CPU tensors changed with ``fill_``: the same container
+    object every step, whose items changed. A list's new items refresh the buffer and the replay stays steady;
+    tensor betas, like a tensor lr, take the full path, which reads their values each step."""
+
+    def make(ps: list) -> torch.optim.Optimizer:
+        if how == "list":
+            return torch.optim.Adam(ps, lr=1e-2)
+        return torch.optim.Adam(ps, lr=1e-2, betas=(torch.tensor(0.9), torch.tensor(0.99)))
+
+    ref, ours, ref_opt, opt, _ = _twins(device, make)
+    if how == "list":  # torch's Adam keeps its betas as a tuple: each side its own list
+        ref_opt.param_groups[0]["betas"], opt.param_groups[0]["betas"] = [0.9, 0.99], [0.9, 0.99]
+    for step in range(14):
+        for params, o in ((ref, ref_opt), (ours, opt)):
+            grads_in_place(params, step)
+            o.step()
+            beta1, beta2 = 0.5 + 0.03 * step, 0.9 + 0.005 * step
+            held = o.param_groups[0]["betas"]
+            if how == "list":
+                held[0], held[1] = beta1, beta2
+            else:
+                held[0].fill_(beta1)
+                held[1].fill_(beta2)
+        assert_close_params(ours, ref, torch.float32)
+    assert _steady(opt) == (10 if how == "list" else 0)  # warm-up 3, the capture, then steady
+
+
 def test_no_steady_replay_when_turned_off(device):
     """GraphConfig(steady_replay=False) sends every step through the full path (with the profiler on, the steady
     replay runs outside its sampled windows: tests/profiler/test_cost.py)."""
