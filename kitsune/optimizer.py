@@ -316,7 +316,10 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             self._grads.apply(s, groups, handoff[0] if handoff and not s.fused_grads else None)
             if not self._grads.skip_on_host(s, self._device_side):
                 live = fusion.prepare(s) if executes else []
-                if self._leftover or closure is not None or s.unhandled or s.baseline:
+                # params met with grads the fused kernels cannot take (sparse, another dtype) go to the wrapped step,
+                # which cannot skip on the device: an overflow is read on the host for it, as GradScaler.step does
+                skip_wrapped = bool(s.unhandled) and self._device_side and self._grads.skip_on_host(s, False)
+                if (self._leftover or closure is not None or s.unhandled or s.baseline) and not skip_wrapped:
                     out = self._wrapped.run(s.handled, closure)  # the wrapped step's own checks raise here
                     loss = out if closure is not None else loss
                     if s.phases is not None:

@@ -596,6 +596,8 @@ class TorchShadow:
                 if k not in self._SKIP:
                     shadow[k] = v
         if found_inf is not None and self.route is Route.TORCH_FUSED:
+            # torch's fused steps subtract found_inf from their step tensors: 0-dim, as GradScaler's (kitsune's is (1,))
+            found_inf = found_inf.reshape(())
             self.opt.grad_scale, self.opt.found_inf = None, found_inf  # type: ignore[attr-defined]
             try:
                 self._step(self.opt)

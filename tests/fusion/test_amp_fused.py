@@ -102,3 +102,69 @@ def test_users_grad_scaler_with_fused_kernel_needs_no_sync_in_step(device):
     assert ref_scale == our_scale and opt.host_syncs == 0
     for a, b in zip(ref, ours, strict=True):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+
+
+def test_fp16_loop_with_a_bucket_on_torchs_fused_route_equals_grad_scaler(device):
+    """A bucket the planner leaves to torch's ``fused=True`` step reads kitsune's found_inf as torch's fused
+    optimizers read GradScaler's (a 0-dim tensor they subtract from their step counts)."""
+    from kitsune import FusionConfig
+
+    make_opt = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)  # noqa: E731
+    steps = 20
+    ref_params, ref_scales = _torch_loop(make_opt, steps, device)
+    model = small_model(device=device)
+    cfg = AMPConfig(dtype=torch.float16, init_scale=2.0**10, growth_interval=4)
+    opt = KitsuneOptimizer(
+        make_opt(model.parameters()),
+        enable_fusion=True,
+        enable_amp=True,
+        amp_config=cfg,
+        fusion_config=FusionConfig(min_fusion_benefit=1e9),  # torch's fused step, whatever the model predicts
+    )
+    assert {b.route.value for b in opt.plan.buckets} == {"torch_fused"}
+    scales = []
+    for step, (x, y) in enumerate(batches(steps, device=device)):
+        opt.backward(nn.functional.mse_loss(model(x), y))
+        _poison(model, step)
+        opt.step()
+        opt.zero_grad()
+        scales.append(opt.loss_scale)
+    assert scales == ref_scales and opt.skipped_steps == len(INF_STEPS) - sum(s >= steps for s in INF_STEPS)
+    for ours, ref in zip(model.parameters(), ref_params, strict=True):
+        torch.testing.assert_close(ours.detach(), ref, atol=1e-5, rtol=1e-5)
+    want = steps - opt.skipped_steps
+    assert all(s["step"].item() == want for s in opt.state.values())
+
+
+def test_users_grad_scaler_after_unscale_skips_an_overflow_for_sparse_grads_too(device):
+    """``scaler.unscale_(opt)`` (to clip), then ``scaler.step(opt)``: a sparse grad goes to the wrapped step, which
+    cannot skip on the device; on an overflowing step it must not run (torch skips the whole step)."""
+    import copy
+
+    torch.manual_seed(0)
+    emb, lin = nn.Embedding(20, 6, sparse=True).to(device), nn.Linear(6, 1).to(device)
+    sides = [(emb, lin), (copy.deepcopy(emb), copy.deepcopy(lin))]
+    runs = []
+    for wrap, (e, lin_) in zip((True, False), sides, strict=True):
+        base = torch.optim.SGD([*e.parameters(), *lin_.parameters()], lr=0.1)
+        opt = KitsuneOptimizer(base, enable_fusion=True) if wrap else base
+        if wrap:
+            assert opt.plan.fused_tensors == 3  # planned before any grad: the sparse ones go to SGD's own step
+        scaler = torch.amp.GradScaler(device.type, init_scale=256.0)
+        gen = torch.Generator().manual_seed(1)
+        for step in range(8):
+            idx = torch.randint(0, 20, (5,), generator=gen).to(device)
+            y = torch.randn(5, 1, generator=gen).to(device)
+            loss = ((lin_(e(idx)) - y) ** 2).sum() * (float("inf") if step in (2, 5) else 1.0)
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(lin_.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        runs.append(([p.detach().clone() for p in (*e.parameters(), *lin_.parameters())], scaler.get_scale()))
+    (ours, our_scale), (ref, ref_scale) = runs
+    assert our_scale == ref_scale
+    for a, b in zip(ours, ref, strict=True):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
