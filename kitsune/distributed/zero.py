@@ -156,20 +156,37 @@ class ShardSubsystem(Subsystem):
             return
         params = [self._model_of.get(id(p), p) for g in groups for p in g["params"]]
         signature = [(tuple(p.shape), str(p.dtype), p.device.type, p.requires_grad) for p in params]
+        reasons = tuple(whole_reason(base, g) for g in groups)
+        # what decides the buckets and the collectives: a rank that differs would run collectives of other sizes
+        setup = {
+            "stage": cfg.stage,
+            "bucket_bytes": cfg.bucket_bytes,
+            "overlap": cfg.overlap,
+            "gather_in_forward": cfg.gather_in_forward,
+            "norm_type": norm_type,
+            "whole params (per group)": reasons,
+        }
         everyone: list[Any] = [None] * self.world
-        dist.all_gather_object(everyone, signature, group=self.group)
-        if any(s != signature for s in everyone):
-            bad = next(r for r, s in enumerate(everyone) if s != signature)
+        dist.all_gather_object(everyone, (signature, setup), group=self.group)
+        if any(s != signature for s, _ in everyone):
+            bad = next(r for r, (s, _) in enumerate(everyone) if s != signature)
             raise ValueError(
                 f"rank {bad}'s optimizer holds other params than rank {self.rank}'s (shapes, dtypes, requires_grad, "
                 "in param group order): every rank must build the same model and param groups"
             )
+        for r, (_, theirs) in enumerate(everyone):
+            differ = [f"{k}={theirs[k]!r} on rank {r}, {v!r} here" for k, v in setup.items() if theirs[k] != v]
+            if differ:
+                raise ValueError(
+                    f"rank {r}'s ShardConfig or optimizer differs from rank {self.rank}'s: {'; '.join(differ)}. Every "
+                    "rank must build the KitsuneOptimizer with the same settings (they decide the buckets and the "
+                    "collectives each rank runs)"
+                )
         trainable = [p for p in params if p.requires_grad]
         if not trainable:
             self._drop("no param requires grad: nothing to update", base)
             return
         self._norm_type = norm_type
-        reasons = tuple(whole_reason(base, g) for g in groups)
         key = (self.world, self.rank, cfg.bucket_bytes, tuple(map(id, params)), tuple(signature), reasons)
         if key != self._key:  # a re-plan that changed nothing keeps the buffers (and grads already reduced)
             whole_of: dict[int, str] = {}

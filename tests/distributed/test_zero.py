@@ -429,12 +429,34 @@ def _low_precision(rank: int, world: int) -> dict:
     return out
 
 
+def _mismatches(rank: int, world: int) -> dict:
+    """Ranks that built their optimizers differently: each build's error on this rank (None: it built)."""
+    from kitsune import KitsuneOptimizer, ShardConfig
+
+    def build(params, shard) -> str | None:
+        try:
+            KitsuneOptimizer(torch.optim.AdamW(params, lr=1e-2), shard_config=shard, capture_graph=False)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    model = _model()
+    other = _Net(side=True) if rank == 1 else model  # rank 1 holds more params
+    return {
+        "params": build(list(other.parameters()), ShardConfig(stage=1, bucket_bytes=BUCKET_BYTES)),
+        "stage": build(list(model.parameters()), ShardConfig(stage=1 + rank, bucket_bytes=BUCKET_BYTES)),
+        "bucket_bytes": build(list(model.parameters()), ShardConfig(stage=1, bucket_bytes=BUCKET_BYTES * (1 + rank))),
+        "same": build(list(model.parameters()), ShardConfig(stage=1, bucket_bytes=BUCKET_BYTES)),
+    }
+
+
 def _cases(rank: int, world: int) -> dict:
     return {
         **{name: _run_case(name, case, rank, world) for name, case in CASES.items()},
         "regroup": _regroup(rank, world),
         "regroup_midstep": _regroup_midstep(rank, world),
         "low_precision": _low_precision(rank, world),
+        "mismatches": _mismatches(rank, world),
     }
 
 
@@ -813,3 +835,14 @@ def test_low_precision_state_under_zero(ranks, precision):
         assert got["plain_keys"] == ["exp_avg", "exp_avg_sq", "step"]
         for a, b in zip(got["resumed"], got["continued"], strict=True):  # 8-bit state decoded re-encodes as it was
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_ranks_built_differently_raise_on_every_rank_before_any_collective_of_the_step(ranks):
+    """Other params, another stage or another bucket size on one rank: every rank raises a ValueError naming the
+    difference at build time, instead of running collectives of other sizes (gloo aborts; NCCL hangs)."""
+    for rank, res in enumerate(ranks):
+        got = res["mismatches"]
+        assert "holds other params" in got["params"], rank
+        assert "stage=" in got["stage"] and "same settings" in got["stage"], rank
+        assert "bucket_bytes=" in got["bucket_bytes"], rank
+        assert got["same"] is None, rank
