@@ -249,6 +249,8 @@ class FusionSubsystem(Subsystem):
         self.forget_checks()
         units = (*self._units, *self._muon)
         unhandled = [p for unit in units for p in unit.unhandled]
+        for shadow in self._shadows:
+            unhandled += shadow.find_unhandled()
         if unhandled:
             self._refuse_mixed(units)
         if unhandled and s.fused_grads and (self._needs_norm(s) or s.grad_scale is not None):
@@ -283,12 +285,16 @@ class FusionSubsystem(Subsystem):
         return live
 
     def _refuse_mixed(self, units: tuple[FusedUnit, ...]) -> None:
-        """Raise before anything changes for a grad of another dtype than its param (``p.grad_dtype``) left to a
-        wrapped optimizer whose own step needs one dtype (`AlgoInfo.one_dtype`): torch's would raise halfway."""
-        for unit in units:
-            if not unit.info.one_dtype:
+        """Raise before anything changes for a grad of another dtype than its param (``p.grad_dtype``) that a unit
+        or a shadow leaves to a wrapped optimizer whose own step needs one dtype (`AlgoInfo.one_dtype`): torch's
+        would raise halfway."""
+        left = [(unit.info, unit.unhandled) for unit in units]
+        if self._info is not None:
+            left += [(self._info, shadow.unhandled) for shadow in self._shadows]
+        for info, params in left:
+            if not info.one_dtype:
                 continue
-            for p in unit.unhandled:
+            for p in params:
                 g = p.grad
                 if g is not None and g.layout == torch.strided and g.dtype != p.dtype:
                     self.undo()

@@ -582,11 +582,25 @@ class TorchShadow:
         self.params = [p for ps in params_by_group.values() for p in ps]
         self.param_set = set(self.params)
         self.route = route
+        self.unhandled: list[torch.Tensor] = []
+        """Params whose grad this step torch's fused step cannot take (sparse, or of another dtype than the param):
+        `find_unhandled` leaves them to the wrapped optimizer's own step, as a fused unit does."""
         self.opt = type(base)(groups)
         self.opt.state = base.state
         fn = type(self.opt).step
         # beneath torch's hook runner: global step hooks belong to the user's step, not to this inner one
         self._step = fn.__wrapped__ if getattr(fn, "hooked", False) and hasattr(fn, "__wrapped__") else fn
+
+    def find_unhandled(self) -> list[torch.Tensor]:
+        """Before anything changes: the params whose grads torch's ``fused=True`` step cannot take this step (it
+        raises on a sparse grad, e.g. from ``nn.Embedding(sparse=True)``, or one of another dtype); the foreach
+        route takes what the wrapped optimizer's own step takes."""
+        if self.route is not Route.TORCH_FUSED:
+            return []
+        self.unhandled = [
+            p for p in self.params if (g := p.grad) is not None and (g.layout != torch.strided or g.dtype != p.dtype)
+        ]
+        return self.unhandled
 
     def step(self, groups: Sequence[dict[str, Any]], found_inf: torch.Tensor | None = None) -> None:
         """One step of torch's implementation; ``found_inf`` (fused route only) skips it on the device, through
@@ -595,6 +609,19 @@ class TorchShadow:
             for k, v in groups[gi].items():
                 if k not in self._SKIP:
                     shadow[k] = v
+        if self.unhandled:  # the wrapped step took these: hidden from this one
+            hidden = [(p, p.grad) for p in self.unhandled]
+            for p, _ in hidden:
+                p.grad = None
+            try:
+                self._run(found_inf)
+            finally:
+                for p, g in hidden:
+                    p.grad = g
+            return
+        self._run(found_inf)
+
+    def _run(self, found_inf: torch.Tensor | None) -> None:
         if found_inf is not None and self.route is Route.TORCH_FUSED:
             # torch's fused steps subtract found_inf from their step tensors: 0-dim, as GradScaler's (kitsune's is (1,))
             found_inf = found_inf.reshape(())

@@ -572,3 +572,24 @@ def test_a_grad_of_another_size_than_its_param_is_refused_and_loses_nothing(clip
     params[0].grad = torch.randn(20, device=device)  # the fix the message names: a grad of the param's shape
     opt.step()
     assert opt.step_count == 3 and not torch.equal(resized, params[0])
+
+
+def test_a_grad_of_another_dtype_on_torchs_fused_route_is_refused_and_loses_nothing(device):
+    """The same on a bucket the planner leaves to torch's ``fused=True`` AdamW: refused before anything changes."""
+    from kitsune import FusionConfig
+
+    params = make_params(SIZES, torch.bfloat16, device)
+    fusion = FusionConfig(min_fusion_benefit=1e9)
+    opt = KitsuneOptimizer(torch.optim.AdamW(params, lr=0.01), enable_fusion=True, fusion_config=fusion)
+    assert {b.route.value for b in opt.plan.buckets} == {"torch_fused"}
+    for step in range(2):
+        for p, g in zip(params, random_grads(params, step), strict=True):
+            p.grad = g
+        opt.step()
+    params[2].grad = None
+    params[2].grad_dtype = torch.float32
+    for p, g in zip(params, random_grads(params, 2), strict=True):
+        p.grad = g.float() if p is params[2] else g
+    steps = [opt.state[p]["step"].clone() for p in params]
+    _refused_unchanged(opt, params, r"p.grad_dtype = None")
+    assert opt.step_count == 2 and all(torch.equal(opt.state[p]["step"], s) for p, s in zip(params, steps, strict=True))
