@@ -81,6 +81,8 @@ class FusionSubsystem(Subsystem):
         self._info: AlgoInfo | None = None
         self._logged: set[str] = set()
         self._steps = 0
+        self._state_seen: tuple[Any, int] = (None, 0)
+        """The wrapped optimizer's state dict and its size after the last plan or step (`_state_moved`)."""
         self._launches_last_step = 0
         self._launches_total = 0
         self._launches_last_norm = 0
@@ -114,6 +116,7 @@ class FusionSubsystem(Subsystem):
         planned = self._planner.plan(base, remote, backward_bytes)
         self._info, self._specs = planned.info, planned.specs
         self._units, self._muon, self._shadows = planned.units, planned.muon, planned.shadows
+        self._prepared = []  # the last step's units: the old plan's go with it (their slots hold the pool's arenas)
         # the params a step updates itself, a set made once a plan (a step's `prepare` takes out the unhandled ones)
         self._handled = frozenset().union(*(x.param_set for x in (*self._units, *self._muon, *self._shadows)))
         self.current_plan = plan = planned.plan
@@ -156,11 +159,25 @@ class FusionSubsystem(Subsystem):
         for b in plan.buckets:
             if not b.route.fused:
                 self._note_once(f"{b.tensors} {b.optimizer} tensor(s) on {b.route.value}: {b.reason}", b.reason)
+        self._see_state()
         if self.executes:
             self.activate()
         else:
             reasons = "; ".join(sorted({b.reason for b in plan.buckets})) or "no params"
             self.deactivate(f"nothing to fuse: {reasons}")
+
+    def _see_state(self) -> None:
+        """Note the wrapped optimizer's state dict and its size as a plan or a step left them (`_state_moved`)."""
+        state = self._base.state
+        self._state_seen = (state, len(state))
+
+    def _state_moved(self) -> bool:
+        """Whether the wrapped optimizer's state dict was replaced, or lost or gained params, since the last plan or
+        step (``state.clear()``, ``del state[p]``, ``optimizer.state = ...``). The units' weak references see a
+        bound tensor freed; these leave the old tensors alive wherever something else holds them (a state_dict()
+        taken before holds the very dicts), and the kernels would go on updating them."""
+        state = self._base.state
+        return state is not self._state_seen[0] or len(state) != self._state_seen[1]
 
     def _replan(self) -> None:
         self.plan(self._base, *self._plan_args)
@@ -230,8 +247,8 @@ class FusionSubsystem(Subsystem):
         before), point the tables at this step's grads, create missing state, refresh the hyperparameter buffer.
         Fills ``s.handled`` and ``s.unhandled``; returns the units with a live grad."""
         groups, state = self._base.param_groups, self._base.state
-        if not s.structure_checked and self._switches_changed(groups):
-            self._replan()  # a switch changed (e.g. momentum set to 0, amsgrad turned on): new kernel variants
+        if not s.structure_checked and (self._switches_changed(groups) or self._state_moved()):
+            self._replan()  # a switch changed (e.g. momentum set to 0, amsgrad turned on), or the state dict did
         done = s.updated_in_backward  # units the stream scheduler updated inside backward
         todo = [unit for i, unit in enumerate(self._units) if i not in done] if done else self._units
         live = [unit for unit in todo if unit.prepare(state, groups)]
@@ -306,8 +323,13 @@ class FusionSubsystem(Subsystem):
                     )
 
     def prepare_unit(self, unit: FusedUnit) -> bool:
-        """One unit's host work for an update inside backward: False when it has no grad or a param moved."""
-        return unit.prepare(self._base.state, self._base.param_groups) and not unit.stale
+        """One unit's host work for an update inside backward: False when it has no grad, a param moved or the state
+        dict changed (the step re-plans)."""
+        if self._state_moved():
+            return False
+        ready = unit.prepare(self._base.state, self._base.param_groups) and not unit.stale
+        self._see_state()  # the state this unit's lazy init made
+        return ready
 
     def undo(self) -> None:
         """A step that raised after `prepare`: remove the state it created (a failed step creates none), and
@@ -340,7 +362,7 @@ class FusionSubsystem(Subsystem):
         moved or a state tensor the tables point at was freed, each of which re-plans (and may send params to
         another route, which changes that). Every unit is asked, so that each one's `FusedUnit.prepare` skips
         the param check this step."""
-        if self._switches_changed(self._base.param_groups):
+        if self._switches_changed(self._base.param_groups) or self._state_moved():
             return True
         units = (*self._units, *self._muon)
         return any([unit.moved() for unit in units]) or any(unit.state_freed for unit in units)
@@ -355,7 +377,7 @@ class FusionSubsystem(Subsystem):
         sparse grads pending: then the last step's tables, norm binding and launches hold for this one as well (the
         caller has checked that the groups' values are those the last step used). C++ checks (or, with static
         addresses, the units' watches) only, no uploads."""
-        return all(u.still() for units in (self._units, self._muon) for u in units)
+        return not self._state_moved() and all(u.still() for units in (self._units, self._muon) for u in units)
 
     def refresh_values(self, groups: list[dict[str, Any]]) -> bool:
         """A group's values changed between two steady replays: refresh the hyperparameter buffers, or return False
@@ -381,6 +403,7 @@ class FusionSubsystem(Subsystem):
         self._launches_total += 1
 
     def _count_step(self, launches: int) -> None:
+        self._see_state()  # after every route of the step made its lazy state
         self._steps += 1
         self._launches_last_step = launches
         self._launches_total += launches
@@ -559,6 +582,7 @@ class FusionSubsystem(Subsystem):
         self._handed_over = []
         for unit in (*self._units, *self._muon):
             unit.bind(self._base.state)
+        self._see_state()
 
     # -- what the orchestrator and the summary read ----------------------------------------------------------------
     def owned_params(self) -> list[torch.Tensor]:

@@ -127,6 +127,34 @@ def test_state_changed_by_hand_is_read_as_torch_reads_it(opt_case, change, pool,
     assert opt.plan.fused_tensors == len(params)  # the fused path ran throughout, before and after the change
 
 
+@pytest.mark.parametrize("pool", [None, 0], ids=["pool", "no-pool"])
+@pytest.mark.parametrize(
+    ("opt_case", "change"),
+    [(ADAMW, _clear), (ADAMW, _delete), (ADAMW, _new_state_object), (SGD, _clear)],
+    ids=lambda c: getattr(c, "__name__", None) or c[1],
+)
+def test_state_dropped_while_a_state_dict_taken_before_holds_it(opt_case, change, pool, device):
+    """A state_dict() taken before the change holds the very per-param dicts torch's state held, so the dropped
+    tensors stay alive (no weak reference dies): the step must still start that state afresh, as torch's does, and
+    leave the held checkpoint as torch's is (the dropped params' entries as they were)."""
+    make, _ = opt_case
+    params, twins, opt, ref = _twins(make, pool, device)
+    held = ref_held = None
+    for step in range(10):
+        _set_grads(params, twins, step)
+        if step == 5:
+            held, ref_held = opt.state_dict(), ref.state_dict()
+            change(opt, params)
+            change(ref, twins)
+        opt.step()
+        ref.step()
+        _assert_same(params, twins, opt, ref, step)
+    assert opt.plan.fused_tensors == len(params)
+    for i, st in ref_held["state"].items():
+        for key, v in st.items():
+            torch.testing.assert_close(held["state"][i][key], v, rtol=1e-5, atol=1e-6, check_device=False)
+
+
 def _swap(opt: Any, params: list, spare: torch.nn.Parameter) -> None:
     opt.param_groups[0]["params"][1] = spare
 
