@@ -35,6 +35,10 @@ ALIGN_BYTES = 256
 """Every slot starts on a 256-byte boundary, as the CUDA caching allocator aligns its blocks."""
 
 
+_NO_ROOM = -1
+"""The offset of a slot given no room in its arena (a frozen param's)."""
+
+
 class Arena:
     """One flat buffer of one dtype on one device; slots are reserved first, the buffer allocated on first use."""
 
@@ -88,17 +92,25 @@ class UnitSlots:
         self.params = unit.params
         self.keys = [k for k in unit.info.state_keys(unit.spec) if k]
         self.step_arena, self.grad_arena = step_arena, grad_arena
-        self.offsets: dict[str, list[tuple[Arena, int, torch.Size]]] = defaultdict(list)
-        """Per state entry name: each param's (arena, offset, shape)."""
+        self.offsets: dict[str, list[tuple[Arena, int, torch.Size, torch.dtype]]] = defaultdict(list)
+        """Per state entry name: each param's (arena, offset, shape, dtype); offset `_NO_ROOM` for a frozen param."""
         extra = extra_keys(unit.spec)  # the Kahan compensation, in the param's dtype whatever the state's format
-        for p in unit.params:
+        # a frozen param (requires_grad=False) gets no state while it stays frozen, as in torch: no room for it (a
+        # frozen backbone would fill the arena, and every saved state dict, with zeros); unfrozen, its state gets
+        # tensors of its own until a plan lays it out
+        self.trainable = [p.requires_grad for p in unit.params]
+        for p, trainable in zip(unit.params, self.trainable, strict=True):
             for key, fmt in [(k, unit.spec.state) for k in self.keys] + [(k, StateFormat.PARAM) for k in extra]:
                 for name, dtype, shape in entries(key, fmt, p):
                     arena = arena_for(dtype)
-                    self.offsets[name].append((arena, arena.reserve(shape.numel()), shape))
+                    self.offsets[name].append(
+                        (arena, arena.reserve(shape.numel()) if trainable else _NO_ROOM, shape, dtype)
+                    )
         numels = [p.numel() for p in unit.params]
         self.scalar_offsets = (
-            {k: [step_arena.reserve(1) for _ in numels] for k in unit.info.scalars} if step_arena is not None else {}
+            {k: [step_arena.reserve(1) if t else _NO_ROOM for t in self.trainable] for k in unit.info.scalars}
+            if step_arena is not None
+            else {}
         )
         self.grad_offsets = [grad_arena.reserve(n) for n in numels] if grad_arena is not None else []
         self._views: dict[tuple[str, int], weakref.ref] = {}
@@ -108,20 +120,34 @@ class UnitSlots:
         self.adoptions = 0
         """Grads copied into the grad arena (counted by the unit)."""
 
-    def view(self, key: str, i: int) -> torch.Tensor:
+    def view(self, key: str, i: int, claim: bool = False) -> torch.Tensor:
         """The arena view that holds ``state[params[i]][key]`` (``"step"`` and the other scalars: a 0-dim float32
-        view)."""
+        view). ``claim``: the caller writes new state there (lazy init, a load). A view still alive then is not the
+        state's any more (the state was cleared, deleted or loaded over) but is held elsewhere (a ``state_dict()``
+        taken before holds the very tensors, as torch's would): writing there would change what they hold, so the
+        new state gets a tensor of its own, as torch's lazy init and load give it."""
         ref = self._views.get((key, i))
         v = ref() if ref is not None else None
+        if v is not None and claim:
+            return self._own(key, i)
         if v is None:
             if key in self.scalar_offsets:
                 assert self.step_arena is not None
-                v = self.step_arena.view(self.scalar_offsets[key][i], torch.Size())
+                offset = self.scalar_offsets[key][i]
+                v = self.step_arena.view(offset, torch.Size()) if offset != _NO_ROOM else self._own(key, i)
             else:
-                arena, offset, shape = self.offsets[key][i]
-                v = arena.view(offset, shape)
+                arena, offset, shape, _ = self.offsets[key][i]
+                v = arena.view(offset, shape) if offset != _NO_ROOM else self._own(key, i)
             self._views[(key, i)] = weakref.ref(v)
         return v
+
+    def _own(self, key: str, i: int) -> torch.Tensor:
+        """A zeroed tensor of its own for ``state[params[i]][key]``, in the slot's dtype, shape and device."""
+        if key in self.scalar_offsets:
+            assert self.step_arena is not None
+            return torch.zeros((), dtype=torch.float32, device=self.step_arena.device)
+        arena, _, shape, dtype = self.offsets[key][i]
+        return torch.zeros(shape, dtype=dtype, device=arena.device)
 
     def grad_view(self, i: int) -> torch.Tensor:
         """The arena view for ``params[i]``'s grad: the one ``p.grad`` holds, or a new one. The slots keep only a
@@ -141,13 +167,16 @@ class UnitSlots:
 
     def alloc(self, i: int) -> Any:
         """An allocator for `kitsune.fusion.algos.init_state`: state key -> this param's arena view."""
-        return lambda key: self.view(key, i)
+        return lambda key: self.view(key, i, claim=True)
 
     def adopt(self, state: dict, i: int, key: str) -> torch.Tensor:
         """Make ``state[key]`` the arena view, copying in whatever tensor stands there (a loaded checkpoint's, already
         in the view's format: `kitsune.fusion.state_format.conform` converts it first)."""
-        v = self.view(key, i)
         t = state[key]
+        ref = self._views.get((key, i))
+        if ref is not None and ref() is t:
+            return t
+        v = self.view(key, i, claim=True)
         if t is not v:
             v.copy_(t.reshape(v.shape) if key in self.scalar_offsets else t)
             state[key] = v
@@ -226,13 +255,14 @@ class MemoryPool(Subsystem):
             self._units, self._outside = [], list(units)
             self.deactivate("memory_pool_size=0: optimizer state stays in per-tensor allocations")
             return
-        if not units:
+        if not units:  # the arenas go with the last units (state still in their views keeps its own storage alive)
+            self._arenas, self._units, self._outside, self._layout, self._slots = {}, [], [], (), []
             self.deactivate("no param takes the fused kernel, so no state is kitsune's to place")
             return
         layout = tuple(
             (str(u.device), u.dtype, u.info.name, tuple(k for k in u.info.state_keys(u.spec) if k), u.spec.state,
              getattr(u.spec, "kahan", False), u.info.scalars, tuple(map(id, u.params)),
-             tuple(p.numel() for p in u.params))
+             tuple(p.numel() for p in u.params), tuple(p.requires_grad for p in u.params))
             for u in units
         )  # fmt: skip
         if layout == self._layout:

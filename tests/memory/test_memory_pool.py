@@ -114,6 +114,42 @@ def test_checkpoints_move_between_the_pool_and_plain_torch(device):
         assert back.state[g]["step"].item() == 30
 
 
+def test_a_load_leaves_the_state_dict_taken_before_it_as_it_was(device):
+    """Try a checkpoint, then go back: ``current = opt.state_dict()``, load an older one, load ``current``. torch's
+    load puts new tensors in the state, so ``current`` keeps its values; the pool must not copy the older values
+    into the arena views ``current`` holds. The run then continues as torch's from ``current``."""
+    import copy
+
+    make = lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.05)  # noqa: E731
+    sides = []
+    for kitsune in (True, False):
+        params = make_params(SIZES, torch.float32, device)
+        opt = KitsuneOptimizer(make(params), config=pooled()) if kitsune else make(params)
+
+        def run(steps, o=opt, ps=params):
+            for step in steps:
+                for p, g in zip(ps, random_grads(ps, step), strict=True):
+                    p.grad = g
+                o.step()
+
+        run(range(5))
+        older = copy.deepcopy(opt.state_dict())
+        run(range(5, 8))
+        current = opt.state_dict()
+        kept = copy.deepcopy(current)
+        opt.load_state_dict(older)
+        for i, st in kept["state"].items():  # the load changed nothing that `current` holds
+            assert all(torch.equal(current["state"][i][k], v) for k, v in st.items()), i
+        opt.load_state_dict(current)
+        run(range(8, 12))
+        sides.append((params, opt))
+    (ours, opt), (ref, ref_opt) = sides
+    assert opt.plan.fused_tensors == len(ours)
+    for a, b in zip(ours, ref, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert all(opt.state[p]["step"].item() == 12 for p in ours)
+
+
 def test_state_built_before_the_plan_is_adopted(device):
     # Adagrad creates its "sum" state in __init__: the pool copies it into the arena at plan time
     make = lambda p: torch.optim.Adagrad(p, lr=0.1, initial_accumulator_value=0.3)  # noqa: E731
@@ -242,3 +278,60 @@ def test_peak_memory_of_the_phase_is_no_higher_than_torch_fused():
     torch_peak = peak(lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True))
     kitsune_peak = peak(lambda ps: KitsuneOptimizer(torch.optim.AdamW(ps, lr=1e-3), config=pooled()))
     assert kitsune_peak <= torch_peak, (kitsune_peak, torch_peak)
+
+
+def test_frozen_params_take_no_room_and_start_their_state_when_unfrozen(device):
+    """A frozen backbone handed to the optimizer with the rest (``AdamW(model.parameters())``): torch gives it no
+    state; the arena holds none for it (it would fill the arena, and every saved state dict, with zeros). Unfrozen
+    mid-run, it trains as torch's, its state in tensors of its own."""
+    make = lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.05)  # noqa: E731
+    sides = []
+    for kitsune in (True, False):
+        params = make_params([(60, 40), 40, (6, 5), 6], torch.float32, device)
+        for p in params[:2]:
+            p.requires_grad_(False)
+        opt = KitsuneOptimizer(make(params), config=pooled()) if kitsune else make(params)
+        for step in range(12):
+            if step == 6:
+                for p in params[:2]:
+                    p.requires_grad_(True)
+            for p, g in zip(params, random_grads(params, step), strict=True):
+                p.grad = g if p.requires_grad else None
+            opt.step()
+            if kitsune and step == 5:
+                assert len(opt.state) == 2
+                reserved = opt._subsystem("memory").report()["bytes_per_device"][str(device)]["reserved"]
+                assert reserved < 4 * 1024  # the trainable 36 elements' state and steps; the frozen 2440 none
+        sides.append((params, opt))
+    (ours, opt), (ref, _) = sides
+    assert opt.plan.fused_tensors == len(ours)
+    for a, b in zip(ours, ref, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert [opt.state[p]["step"].item() for p in ours] == [6, 6, 12, 12]
+
+
+def test_the_arenas_go_when_no_param_takes_the_fused_kernel(device):
+    """``model.double()``: every param leaves the fused route (float64), its moments are converted into tensors of
+    their own, and the old arenas are freed rather than held for the optimizer's lifetime."""
+    import gc
+    import weakref
+
+    params = make_params(SIZES, torch.float32, device)
+    opt = KitsuneOptimizer(torch.optim.AdamW(params, lr=1e-2), config=pooled())
+    for step in range(3):
+        for p, g in zip(params, random_grads(params, step), strict=True):
+            p.grad = g
+        opt.step()
+    memory = opt._subsystem("memory")
+    # the moments' arenas (the step counts stay float32 views, as torch keeps steps: their arena lives on in them)
+    buffers = [weakref.ref(a.buffer) for key, a in memory._arenas.items() if "step" not in key and a.buffer is not None]
+    assert buffers
+    for p in params:
+        p.data = p.data.double()
+    for step in range(3, 6):
+        for p, g in zip(params, random_grads(params, step), strict=True):
+            p.grad = g.double()
+        opt.step()
+    gc.collect()
+    assert opt.plan.fused_tensors == 0 and not memory.active
+    assert memory.report()["bytes_per_device"] == {} and all(b() is None for b in buffers)
