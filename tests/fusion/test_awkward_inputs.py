@@ -233,7 +233,7 @@ def test_amsgrad_switched_on_mid_run_raises_as_torch_then_follows_a_maximum_adde
 
 
 @pytest.mark.parametrize("amp", [False, True], ids=["plain", "float16"])
-def test_sparse_grads_on_torchs_fused_route_go_to_the_optimizers_own_step(amp):
+def test_sparse_grads_on_torchs_fused_route_go_to_the_optimizers_own_step(amp, device):
     """A bucket the planner leaves to torch's ``fused=True`` step (float64 params; or a min_fusion_benefit above the
     model's prediction): ``_fused_sgd`` raises on a sparse grad, so those params take SGD's own step, as on the
     Triton route. 15 steps against torch, with float16 scaling against its GradScaler loop."""
@@ -241,18 +241,20 @@ def test_sparse_grads_on_torchs_fused_route_go_to_the_optimizers_own_step(amp):
 
     def run(kitsune: bool) -> list[torch.Tensor]:
         torch.manual_seed(0)
-        emb, head = torch.nn.Embedding(20, 4, sparse=True).double(), torch.nn.Linear(4, 1).double()
+        emb = torch.nn.Embedding(20, 4, sparse=True).double().to(device)
+        head = torch.nn.Linear(4, 1).double().to(device)
         inner = torch.optim.SGD([*emb.parameters(), *head.parameters()], lr=0.1, momentum=0.9)
         extra = FP16 if amp else {}
         fusion = {"enable_fusion": True, "fusion_config": FusionConfig(min_fusion_benefit=1e9)}
         opt = KitsuneOptimizer(inner, **fusion, **extra) if kitsune else inner
         if kitsune:
             assert {b.route.value for b in opt.plan.buckets} == {"torch_fused"}
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if amp and not kitsune else None
+        scaler = torch.amp.GradScaler(device.type, init_scale=2.0**10) if amp and not kitsune else None
         gen = torch.Generator().manual_seed(5)
         for _ in range(15):
-            idx = torch.randint(0, 20, (12,), generator=gen)
-            loss = torch.nn.functional.mse_loss(head(emb(idx)), torch.randn(12, 1, generator=gen).double())
+            idx = torch.randint(0, 20, (12,), generator=gen).to(device)
+            target = torch.randn(12, 1, generator=gen).double().to(device)
+            loss = torch.nn.functional.mse_loss(head(emb(idx)), target)
             opt.zero_grad()
             if kitsune and amp:
                 opt.backward(loss)

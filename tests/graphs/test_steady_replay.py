@@ -134,25 +134,22 @@ def test_betas_changed_inside_their_container_reach_the_step(device, how):
     object every step, whose items changed. A list's new items refresh the buffer and the replay stays steady;
     tensor betas, like a tensor lr, take the full path, which reads their values each step."""
 
-    def make(ps: list) -> torch.optim.Optimizer:
-        if how == "list":
-            return torch.optim.Adam(ps, lr=1e-2)
-        return torch.optim.Adam(ps, lr=1e-2, betas=(torch.tensor(0.9), torch.tensor(0.99)))
-
-    ref, ours, ref_opt, opt, _ = _twins(device, make)
-    if how == "list":  # torch's Adam keeps its betas as a tuple: each side its own list
-        ref_opt.param_groups[0]["betas"], opt.param_groups[0]["betas"] = [0.9, 0.99], [0.9, 0.99]
+    ref, ours, ref_opt, opt, _ = _twins(device, lambda ps: torch.optim.Adam(ps, lr=1e-2))
+    # torch's Adam keeps its betas as a tuple; tensor betas need its capturable step on a GPU, so its side takes the
+    # same values as floats
+    ours_betas = [0.9, 0.99] if how == "list" else (torch.tensor(0.9), torch.tensor(0.99))
+    opt.param_groups[0]["betas"], ref_opt.param_groups[0]["betas"] = ours_betas, (0.9, 0.99)
     for step in range(14):
         for params, o in ((ref, ref_opt), (ours, opt)):
             grads_in_place(params, step)
             o.step()
-            beta1, beta2 = 0.5 + 0.03 * step, 0.9 + 0.005 * step
-            held = o.param_groups[0]["betas"]
-            if how == "list":
-                held[0], held[1] = beta1, beta2
-            else:
-                held[0].fill_(beta1)
-                held[1].fill_(beta2)
+        beta1, beta2 = 0.5 + 0.03 * step, 0.9 + 0.005 * step
+        ref_opt.param_groups[0]["betas"] = (beta1, beta2)
+        if how == "list":
+            ours_betas[0], ours_betas[1] = beta1, beta2
+        else:
+            ours_betas[0].fill_(beta1)
+            ours_betas[1].fill_(beta2)
         assert_close_params(ours, ref, torch.float32)
     assert _steady(opt) == (10 if how == "list" else 0)  # warm-up 3, the capture, then steady
 
