@@ -33,6 +33,18 @@ def _torch_loop(make_opt, steps: int, device: torch.device) -> tuple[list[torch.
     return [p.detach() for p in model.parameters()], scales
 
 
+def _kitsune_loop(model: nn.Module, opt: KitsuneOptimizer, steps: int, device: torch.device) -> list[float]:
+    """The loop of `_torch_loop` through kitsune's own scaler; the loss scale after each step."""
+    scales = []
+    for step, (x, y) in enumerate(batches(steps, device=device)):
+        opt.backward(nn.functional.mse_loss(model(x), y))
+        _poison(model, step)
+        opt.step()
+        opt.zero_grad()
+        scales.append(opt.loss_scale)
+    return scales
+
+
 @pytest.mark.parametrize(
     "make_opt",
     [
@@ -49,13 +61,7 @@ def test_fused_fp16_loop_equals_grad_scaler_without_host_syncs(make_opt, device)
     model = small_model(device=device)
     cfg = AMPConfig(dtype=torch.float16, init_scale=2.0**10, growth_interval=4)
     opt = KitsuneOptimizer(make_opt(model.parameters()), enable_fusion=True, enable_amp=True, amp_config=cfg)
-    scales = []
-    for step, (x, y) in enumerate(batches(steps, device=device)):
-        opt.backward(nn.functional.mse_loss(model(x), y))
-        _poison(model, step)
-        opt.step()
-        opt.zero_grad()
-        scales.append(opt.loss_scale)
+    scales = _kitsune_loop(model, opt, steps, device)
 
     assert opt.plan.fused_tensors == len(ref_params)
     assert opt.host_syncs == 0 and opt.base_steps == 0  # every skip was decided on the device
@@ -122,13 +128,7 @@ def test_fp16_loop_with_a_bucket_on_torchs_fused_route_equals_grad_scaler(device
         fusion_config=FusionConfig(min_fusion_benefit=1e9),  # torch's fused step, whatever the model predicts
     )
     assert {b.route.value for b in opt.plan.buckets} == {"torch_fused"}
-    scales = []
-    for step, (x, y) in enumerate(batches(steps, device=device)):
-        opt.backward(nn.functional.mse_loss(model(x), y))
-        _poison(model, step)
-        opt.step()
-        opt.zero_grad()
-        scales.append(opt.loss_scale)
+    scales = _kitsune_loop(model, opt, steps, device)
     assert scales == ref_scales and opt.skipped_steps == len(INF_STEPS) - sum(s >= steps for s in INF_STEPS)
     for ours, ref in zip(model.parameters(), ref_params, strict=True):
         torch.testing.assert_close(ours.detach(), ref, atol=1e-5, rtol=1e-5)

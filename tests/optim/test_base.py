@@ -31,6 +31,17 @@ def _set_grads(params: list[torch.nn.Parameter], seed: int) -> None:
         p.grad = torch.randn(p.shape, generator=gen)
 
 
+def _stepped(name: str, warmup: int) -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer]:
+    """``OPTIMIZERS[name]`` over two groups of fresh params after ``warmup`` steps, with the next step's grads set."""
+    params = _params(seed=0)
+    opt = OPTIMIZERS[name]([{"params": params[:2]}, {"params": params[2:]}])
+    for step in range(warmup):
+        _set_grads(params, seed=1 + step)
+        opt.step()
+    _set_grads(params, seed=100)
+    return params, opt
+
+
 def _assert_same_state(got: dict, want: dict) -> None:
     assert got.keys() == want.keys()
     for index, state in want.items():
@@ -42,12 +53,7 @@ def _assert_same_state(got: dict, want: dict) -> None:
 @pytest.mark.parametrize("warmup", [0, 3])
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_sparse_grad_in_a_later_group_changes_nothing(name, warmup):
-    params = _params(seed=0)
-    opt = OPTIMIZERS[name]([{"params": params[:2]}, {"params": params[2:]}])
-    for step in range(warmup):
-        _set_grads(params, seed=1 + step)
-        opt.step()
-    _set_grads(params, seed=100)
+    params, opt = _stepped(name, warmup)
     params[2].grad = params[2].grad.to_sparse()
     before = [p.detach().clone() for p in params]
     state = copy.deepcopy(opt.state_dict()["state"])
@@ -90,12 +96,7 @@ def test_a_grad_of_another_dtype_is_refused_before_anything_changes_or_taken_as_
     made like the param (Lion, LAMB, Muon's AdamW groups, as torch.optim.AdamW) is refused with nothing changed;
     the math that makes its state like the grad takes it, as torch.optim.SGD does: LARS always, Muon until its
     momentum buffer exists (made like the first grad, it then needs that dtype)."""
-    params = _params(seed=0)
-    opt = OPTIMIZERS[name]([{"params": params[:2]}, {"params": params[2:]}])
-    for step in range(warmup):
-        _set_grads(params, seed=1 + step)
-        opt.step()
-    _set_grads(params, seed=100)
+    params, opt = _stepped(name, warmup)
     params[2].grad = None
     params[2].grad_dtype = torch.float64
     params[2].grad = torch.randn(params[2].shape, dtype=torch.float64)
