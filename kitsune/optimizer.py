@@ -382,7 +382,9 @@ class KitsuneOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the grads of every param as ``torch.optim.Optimizer.zero_grad`` does (see
-        `kitsune.grads.GradPass.zero_grad` for ``GradConfig(zero_in_step=True)`` and flat grads)."""
+        `kitsune.grads.GradPass.zero_grad` for ``GradConfig(zero_in_step=True)`` and flat grads); with updates inside
+        backward, a backward that did not reach ``step()`` is forgotten (see `StreamScheduler.discard_backward`)."""
+        self._streams.discard_backward()
         self._grads.zero_grad(self._optimizer, set_to_none, self._zero_grad_profile_name)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

@@ -297,16 +297,22 @@ class StreamScheduler(Subsystem):
         self._bytes_total += sum(sizes)
         self._bytes_in_backward += sum(sizes[i] for i in self._launched)
 
+    def discard_backward(self) -> None:
+        """``zero_grad()``: the grads of a backward that did not reach ``step()`` (one that raised midway, an OOM) are
+        dropped, so its counts go too and the next backward counts afresh. A unit whose grads were all in by then has
+        already updated inside that backward: that update stays."""
+        for seen in self._seen:  # in place: the hooks hold these sets
+            seen.clear()
+        self._launched = set()
+        self._refreshed = False
+
     def finish(self) -> None:
         """After the step: count it, reset the units' grad counts and capture the units warmed up enough (the
         optimizer re-plans this scheduler when the fused executor re-planned inside the step)."""
         if not self.active:
             return
         self._steps += 1
-        for seen in self._seen:  # in place: the hooks hold these sets
-            seen.clear()
-        self._launched = set()
-        self._refreshed = False
+        self.discard_backward()
         if self._events:
             self._last_events, self._events = self._events, []
         if self.graph_reason is None and self._fusion.plan_version == self._version:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -182,6 +184,39 @@ def test_accumulating_without_the_context_is_refused_at_the_second_backward(devi
     opt.zero_grad()
     nn.functional.mse_loss(net(x, True), y).backward()
     opt.step()
+
+
+def test_a_backward_that_raised_midway_is_forgotten_at_zero_grad(device):
+    """A backward that raises after some grads came in (an OOM in an earlier layer's backward), then zero_grad()
+    and the next batch, as a loop that skips a failed batch does: the next backward counts afresh and the run goes
+    on as torch's (no unit had all its grads, so nothing was updated inside the failed backward)."""
+
+    class Fails(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("out of memory (simulated)")
+
+    net, twin = twins(device)
+    opt = KitsuneOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-2), config=in_backward(bucket_bytes=1 << 20))
+    ref = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    assert opt.plan.fused_tensors == len(list(net.parameters())) and len(opt._subsystem("fusion").units) == 1
+    x, y = torch.randn(4, 6, device=device), torch.randn(4, 3, device=device)
+    with pytest.raises(RuntimeError, match="simulated"):  # the last layer's grads arrive, then the failure
+        nn.functional.mse_loss(net.c(net.b(Fails.apply(net.a(x)))), y).backward()
+    opt.zero_grad()
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        x, y = torch.randn(4, 6, generator=gen).to(device), torch.randn(4, 3, generator=gen).to(device)
+        for model, o in ((net, opt), (twin, ref)):
+            nn.functional.mse_loss(model(x, True), y).backward()
+            o.step()
+            o.zero_grad()
+    for p, q in zip(net.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
 def test_step_inside_accumulating_is_an_error(device):
