@@ -137,6 +137,20 @@ class Muon(EagerOptimizer):
         super().__init__(params, defaults)
         self.process_group = process_group
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """torch's ``load_state_dict`` (and unpickling) land here with the saved groups: a ``torch.optim.Muon``
+        checkpoint's groups have no ``use_muon`` and no ``betas``; they are Muon groups, given this optimizer's
+        defaults for what they leave out, as torch's optimizers fill keys added since a checkpoint was saved."""
+        super().__setstate__(state)
+        defaults = getattr(self, "defaults", {})
+        for group in self.param_groups:
+            group.setdefault("use_muon", True)
+            if not group["use_muon"]:
+                for key, value in ADAMW_DEFAULTS.items():
+                    group.setdefault(key, value)
+            for key, value in defaults.items():
+                group.setdefault(key, value)
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if not param_group.get("use_muon", self.defaults["use_muon"]):
             for key, value in ADAMW_DEFAULTS.items():  # before the Muon defaults fill them in

@@ -177,6 +177,33 @@ def test_state_dict_round_trip_with_torch(device):
     assert back.param_groups[0]["use_muon"] and "momentum_buffer" in back.state[back.param_groups[0]["params"][0]]
 
 
+def test_a_checkpoint_of_torchs_muon_loads_and_steps(device):
+    """torch.optim.Muon's own groups have no ``use_muon`` or ``betas``: loaded into kitsune's Muon they are Muon
+    groups with its defaults for those, and the run goes on as torch's."""
+    ours, theirs = _twins(SHAPES[:2], device)
+    torch_opt = torch.optim.Muon(theirs, lr=0.02, weight_decay=0.1)
+    for step in range(3):
+        _set_grads([theirs], step, device)
+        torch_opt.step()
+    saved = copy.deepcopy(torch_opt.state_dict())
+    assert "use_muon" not in saved["param_groups"][0]
+    with torch.no_grad():
+        for p, q in zip(ours, theirs, strict=True):
+            p.copy_(q)
+    opt = Muon(ours, lr=0.02)
+    opt.load_state_dict(saved)
+    assert opt.param_groups[0]["use_muon"] and opt.param_groups[0]["weight_decay"] == 0.1
+    for step in range(3, 6):
+        _set_grads([ours, theirs], step, device)
+        opt.step()
+        torch_opt.step()
+    for p, q in zip(ours, theirs, strict=True):
+        if _triton_path(p.device):
+            torch.testing.assert_close(p, q, rtol=1e-2, atol=1e-3)  # bf16 Newton-Schulz on the GPU
+        else:
+            assert torch.equal(p, q)
+
+
 def test_coefficient_schedules(device):
     """A per-iteration schedule of one triple is that triple; Polar Express runs and gives another update."""
     results = []
