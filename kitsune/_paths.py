@@ -46,3 +46,12 @@ def check_output_path(path: str | os.PathLike[str]) -> Path:
         missing = "it" if parent == out.parent else "its directories"
         raise ValueError(f"{out}: cannot create {missing} in {parent} (permission denied)")
     return out
+
+
+def write_output(path: str | os.PathLike[str], text: str) -> Path:
+    """Write ``text`` (UTF-8) to ``path``, making its missing directories, after `check_output_path`: a path nothing
+    can be written at is a ValueError of one line, and nothing is written. Returns the path."""
+    out = check_output_path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text, encoding="utf-8")
+    return out

@@ -8,7 +8,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from kitsune._paths import check_output_path
+from kitsune._paths import write_output
 from kitsune.profiler.core import TimeStats, quantile
 from kitsune.profiler.nvml import FIELDS
 from kitsune.profiler.schema import Profile
@@ -404,7 +404,4 @@ def render_html(profile: Profile) -> str:
 def write_html(profile: Profile, path: str | Path) -> Path:
     """Write the report page for ``profile``; returns the path. A path nothing can be written at (as ``kitsune report
     --html`` checks it) is a ValueError of one line, and nothing is written."""
-    out = check_output_path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render_html(profile), encoding="utf-8")
-    return out
+    return write_output(path, render_html(profile))

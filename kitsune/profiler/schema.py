@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
 import torch
 from pydantic import BaseModel, Field, ValidationError
 
-from kitsune._paths import check_output_path
+from kitsune._paths import write_output
 from kitsune.profiler.core import ProfilerMetrics, StepRecord
 from kitsune.profiler.nvml import NvmlReport
 
@@ -185,10 +185,7 @@ def save_profile(opt: Profiled, path: str | Path) -> Path:
         ValueError: nothing can be written at ``path`` (a directory, ``""``, a path under a regular file, a folder
             this user may not write); the one line names the path and the problem, and nothing is written.
     """
-    path = check_output_path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(build_profile(opt).model_dump_json(indent=2), encoding="utf-8")
-    return path
+    return write_output(path, build_profile(opt).model_dump_json(indent=2))
 
 
 READS: tuple[str, ...] = get_args(Profile.model_fields["schema_version"].annotation)

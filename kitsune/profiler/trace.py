@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kitsune._paths import check_output_path
+from kitsune._paths import write_output
 from kitsune.profiler.core import Profiler, StepRecord
 from kitsune.profiler.nvml import FIELDS, NvmlReport
 from kitsune.profiler.schema import Profile
@@ -100,8 +100,5 @@ def export_chrome_trace(source: Profile | Profiler | Profiled, path: str | Path)
             f"export_chrome_trace needs a Profile, a Profiler or a KitsuneOptimizer with profile=True, "
             f"got {type(source).__name__}"
         )
-    out = check_output_path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
     data = {"traceEvents": trace_events(steps, timing, nvml), "displayTimeUnit": "ms"}
-    out.write_text(json.dumps(data), encoding="utf-8")
-    return out
+    return write_output(path, json.dumps(data))
