@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -67,16 +68,25 @@ class WrappedStep:
         fn = type(base).step
         # torch wraps every Optimizer.step with its hook runner; call beneath it (the hooks run from the wrapper)
         raw = fn.__wrapped__ if getattr(fn, "hooked", False) and hasattr(fn, "__wrapped__") else fn
-        hidden = [(p, p.grad) for g in base.param_groups for p in g["params"] if p in handled] if handled else []
-        for p, _ in hidden:
-            p.grad = None
-        try:
+        mine = [p for g in base.param_groups for p in g["params"] if p in handled] if handled else []
+        with grads_hidden(mine):
             out = raw(base, closure) if closure is not None else raw(base)
-        finally:
-            for p, grad in hidden:
-                p.grad = grad
         self.steps += 1
         return out
+
+
+@contextlib.contextmanager
+def grads_hidden(params: Iterable[torch.Tensor]) -> Iterator[None]:
+    """The grads of ``params`` set to None for the block, so that a step inside skips them (another route updates
+    them), and put back afterwards, whatever the block raised."""
+    hidden = [(p, p.grad) for p in params]
+    for p, _ in hidden:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, grad in hidden:
+            p.grad = grad
 
 
 def refuse_per_evaluation_passes(optimizer: torch.optim.Optimizer, clip: bool, scaling: bool) -> None:

@@ -16,6 +16,7 @@ from kitsune.fusion.algos import AlgoInfo, extra_keys, init_state, missing_key
 from kitsune.fusion.plan import Route
 from kitsune.kernels.multi_tensor import DEAD, DEFAULT_BLOCK, TensorTables, int64_tensor
 from kitsune.kernels.spec import StateFormat, UpdateSpec
+from kitsune.wrapped import grads_hidden
 
 _GRAD = attrgetter("grad")
 _NO_TORCH_FUNCTION = torch._C._disabled_torch_function_impl
@@ -609,17 +610,8 @@ class TorchShadow:
             for k, v in groups[gi].items():
                 if k not in self._SKIP:
                     shadow[k] = v
-        if self.unhandled:  # the wrapped step took these: hidden from this one
-            hidden = [(p, p.grad) for p in self.unhandled]
-            for p, _ in hidden:
-                p.grad = None
-            try:
-                self._run(found_inf)
-            finally:
-                for p, g in hidden:
-                    p.grad = g
-            return
-        self._run(found_inf)
+        with grads_hidden(self.unhandled):  # the wrapped step took these
+            self._run(found_inf)
 
     def _run(self, found_inf: torch.Tensor | None) -> None:
         if found_inf is not None and self.route is Route.TORCH_FUSED:
