@@ -98,17 +98,15 @@ class UnitSlots:
         # a frozen param (requires_grad=False) gets no state while it stays frozen, as in torch: no room for it (a
         # frozen backbone would fill the arena, and every saved state dict, with zeros); unfrozen, its state gets
         # tensors of its own until a plan lays it out
-        self.trainable = [p.requires_grad for p in unit.params]
-        for p, trainable in zip(unit.params, self.trainable, strict=True):
+        trainable = [p.requires_grad for p in unit.params]
+        for p, room in zip(unit.params, trainable, strict=True):
             for key, fmt in [(k, unit.spec.state) for k in self.keys] + [(k, StateFormat.PARAM) for k in extra]:
                 for name, dtype, shape in entries(key, fmt, p):
                     arena = arena_for(dtype)
-                    self.offsets[name].append(
-                        (arena, arena.reserve(shape.numel()) if trainable else _NO_ROOM, shape, dtype)
-                    )
+                    self.offsets[name].append((arena, arena.reserve(shape.numel()) if room else _NO_ROOM, shape, dtype))
         numels = [p.numel() for p in unit.params]
         self.scalar_offsets = (
-            {k: [step_arena.reserve(1) if t else _NO_ROOM for t in self.trainable] for k in unit.info.scalars}
+            {k: [step_arena.reserve(1) if t else _NO_ROOM for t in trainable] for k in unit.info.scalars}
             if step_arena is not None
             else {}
         )
@@ -176,10 +174,9 @@ class UnitSlots:
         ref = self._views.get((key, i))
         if ref is not None and ref() is t:
             return t
-        v = self.view(key, i, claim=True)
-        if t is not v:
-            v.copy_(t.reshape(v.shape) if key in self.scalar_offsets else t)
-            state[key] = v
+        v = self.view(key, i, claim=True)  # never ``t``: a new view, or a tensor of its own
+        v.copy_(t.reshape(v.shape) if key in self.scalar_offsets else t)
+        state[key] = v
         return v
 
     def adopt_grad(self, i: int, grad: torch.Tensor) -> torch.Tensor:
