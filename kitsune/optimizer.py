@@ -10,6 +10,7 @@ before everything that can fail has been checked, and hooks run where torch runs
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
@@ -36,7 +37,7 @@ from kitsune.profiler.summary import print_summary
 from kitsune.profiler.trace import export_chrome_trace
 from kitsune.streams import StreamScheduler
 from kitsune.subsystem import Accumulation, PlannedGroups, StepState, Subsystem, make_fusion, unique_params
-from kitsune.wrapped import WrappedStep, refuse_per_evaluation_passes, run_hooked
+from kitsune.wrapped import WrappedStep, refuse_per_evaluation_passes, run_hooked, step_closure
 
 _Closure = Callable[[], Any]
 
@@ -257,23 +258,28 @@ class KitsuneOptimizer(torch.optim.Optimizer):
                 warnings.warn(f"kitsune: {s.name} was asked for but is inactive: {s.reason}", UserWarning, stacklevel=4)
 
     # -- the step -----------------------------------------------------------------------------------------------
-    def step(self, closure: _Closure | None = None) -> Any:  # type: ignore[override]
-        """One optimizer step; torch's hook order around it: global and then this optimizer's pre-hooks, the
-        wrapped optimizer's pre-hooks, the update, its post-hooks, this optimizer's and then the global post-hooks."""
+    def step(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """One optimizer step, ``step(closure=None)`` as torch's; torch's hook order around it: global and then this
+        optimizer's pre-hooks, the wrapped optimizer's pre-hooks, the update, its post-hooks, this optimizer's and
+        then the global post-hooks. Hooks get the arguments as the caller passed them (a closure by keyword stays a
+        keyword) and may return new ones, as with torch's optimizers."""
         pre, post = self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks
-        if not (pre or post or _global_pre or _global_post):
-            return self._step(closure)  # torch's hook runner costs a profiler label (about 50 us of host time)
-        return run_hooked(self, self._step, closure, pre, post)
+        if not (pre or post or _global_pre or _global_post or torch.autograd._profiler_enabled()):
+            return self._step(*args, **kwargs)  # torch's hook runner costs a profiler label (about 50 us of host time)
+        return run_hooked(self, self._step, (self, *args), kwargs, pre, post)
 
     step.hooked = True  # type: ignore[attr-defined]  # torch's hook runner leaves it alone: it runs them itself
+    step.__signature__ = inspect.signature(torch.optim.Optimizer.step)  # type: ignore[attr-defined]
 
-    def _step(self, closure: _Closure | None = None) -> Any:
+    def _step(self, *args: Any, **kwargs: Any) -> Any:
         profiling = self._profiler.active
         s = StepState(self._step_count + 1, profiling and self._baseline_now())
         if profiling:
             self._profiler.start(s)  # the whole step is timed, the wrapped optimizer's hooks included
         try:
-            self._wrapped.pre_hooks()  # before anything changes, as the wrapped optimizer's own step runs them
+            # before anything changes, as the wrapped optimizer's own step runs them; they may change the arguments
+            args, kwargs = self._wrapped.pre_hooks(args, kwargs)
+            closure = step_closure(*args, **kwargs)
             steady = closure is None and "found_inf" not in self.__dict__ and self._graphs.active
             loss = None
             base = self._optimizer
@@ -284,7 +290,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             raise
         self._step_count = s.step
         self._grads.finish(s)
-        self._wrapped.post_hooks()
+        self._wrapped.post_hooks(args, kwargs)
         if profiling:
             self._profiler.stop(s)
         return loss

@@ -15,25 +15,44 @@ from torch.optim.optimizer import _global_optimizer_pre_hooks as _global_pre
 def run_hooked(
     opt: torch.optim.Optimizer,
     body: Callable[..., Any],
-    closure: Callable[[], Any] | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
     pre_hooks: Mapping[int, Callable[..., Any]],
     post_hooks: Mapping[int, Callable[..., Any]],
 ) -> Any:
-    """``body(closure)`` between ``opt``'s step hooks, as torch's hook runner does: the global pre-hooks, then
-    ``opt``'s ``pre_hooks`` (each may return new ``(args, kwargs)``), the body under the profiler label torch gives
-    a step, then ``opt``'s ``post_hooks`` and the global ones."""
-    args, kwargs = (opt,) if closure is None else (opt, closure), {}
-    for hook in (*_global_pre.values(), *pre_hooks.values()):
+    """``body(*args[1:], **kwargs)`` (``args[0]`` is ``opt``, the rest as the caller passed them) as torch's hook
+    runner runs a step: under the profiler label torch gives a step, the global pre-hooks, then ``opt``'s
+    ``pre_hooks`` (each may return new ``(args, kwargs)``), the body, then ``opt``'s ``post_hooks`` and the global
+    ones, with the arguments the pre-hooks left."""
+    with torch.autograd.profiler.record_function(f"Optimizer.step#{type(opt).__name__}.step"):
+        args, kwargs = run_pre_hooks(opt, (*_global_pre.values(), *pre_hooks.values()), args, kwargs)
+        out = body(*args[1:], **kwargs)
+        for hook in (*post_hooks.values(), *_global_post.values()):
+            hook(opt, args, kwargs)
+    return out
+
+
+def run_pre_hooks(
+    opt: torch.optim.Optimizer, hooks: Iterable[Callable[..., Any]], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Step pre-hooks in order, each given ``(opt, args, kwargs)`` and free to return new ``(args, kwargs)`` for the
+    next hook and the step; anything else but None raises, as torch's hook runner does."""
+    for hook in hooks:
         result = hook(opt, args, kwargs)
         if result is not None:
             if not (isinstance(result, tuple) and len(result) == 2):
-                raise RuntimeError(f"a step pre-hook must return None or (args, kwargs), got {result!r}")
+                raise RuntimeError(
+                    f"{type(opt).__name__}.step's pre-hook {getattr(hook, '__qualname__', hook)} must return None or "
+                    f"a tuple of (new_args, new_kwargs), but got {result!r}"
+                )
             args, kwargs = result
-    with torch.autograd.profiler.record_function(f"Optimizer.step#{type(opt).__name__}.step"):
-        out = body(*args[1:], **kwargs)
-    for hook in (*post_hooks.values(), *_global_post.values()):
-        hook(opt, args, kwargs)
-    return out
+    return args, kwargs
+
+
+def step_closure(closure: Callable[[], Any] | None = None) -> Callable[[], Any] | None:
+    """The closure of ``step(*args, **kwargs)``, bound as torch's ``Optimizer.step(closure=None)`` binds it (a
+    TypeError for anything else)."""
+    return closure
 
 
 class WrappedStep:
@@ -45,22 +64,26 @@ class WrappedStep:
         self.steps = 0
         """Steps in which the wrapped optimizer's own step ran."""
 
-    def pre_hooks(self) -> None:
-        """The wrapped optimizer's step pre-hooks (registered on it, not on the wrapper), as its step would run them."""
+    def pre_hooks(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The wrapped optimizer's step pre-hooks (registered on it, not on the wrapper), as its own step would run
+        them: given ``(base, *args)`` and ``kwargs`` (the step's arguments as the caller passed them), each free to
+        return new ones. Returns the arguments, without ``base``, that the step then takes."""
         base = self.base
         hooks = base._optimizer_step_pre_hooks
-        if hooks:  # (no list to copy on the common step)
-            for hook in list(hooks.values()):
-                hook(base, (base,), {})
+        if not hooks:  # (no list to copy on the common step)
+            return args, kwargs
+        args, kwargs = run_pre_hooks(base, list(hooks.values()), (base, *args), kwargs)
+        return tuple(args[1:]), kwargs
 
-    def post_hooks(self) -> None:
-        """Its step post-hooks; and the mark LR schedulers built on the wrapped optimizer look for."""
+    def post_hooks(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Its step post-hooks, given the arguments its pre-hooks left; and the mark LR schedulers built on the
+        wrapped optimizer look for."""
         base = self.base
         base._opt_called = True  # type: ignore[attr-defined]
         hooks = base._optimizer_step_post_hooks
         if hooks:
             for hook in list(hooks.values()):
-                hook(base, (base,), {})
+                hook(base, (base, *args), kwargs)
 
     def run(self, handled: Collection[torch.Tensor], closure: Callable[[], Any] | None) -> Any:
         """The wrapped step for every param not in ``handled`` (their grads are hidden from it meanwhile)."""

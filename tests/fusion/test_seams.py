@@ -165,7 +165,14 @@ def test_a_wrapped_optimizers_pre_hook_runs_before_the_update(graphs, device):
     opt = KitsuneOptimizer(torch.optim.SGD([p], lr=1.0), enable_fusion=True, capture_graph=graphs)
     if graphs:
         _graphs_on(opt, device)
-    opt.base_optimizer.register_step_pre_hook(lambda o, *_: [q.grad.mul_(0.5) for q in o.param_groups[0]["params"]])
+
+    def halve(
+        o: torch.optim.Optimizer, *_: Any
+    ) -> None:  # (a hook returning anything but None or (args, kwargs) raises)
+        for q in o.param_groups[0]["params"]:
+            q.grad.mul_(0.5)
+
+    opt.base_optimizer.register_step_pre_hook(halve)
     for step in range(8):
         p.grad = torch.ones_like(p)
         with torch.no_grad():
