@@ -445,6 +445,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             # state after it is in place (a missing 'step' raises there): what raises puts the old state back
             base.load_state_dict(sd)
             state_format.restore_low(base, sd["param_groups"], low)
+            state_format.check_loaded(base.state)  # 8-bit state, for every param, before anything decodes it
             self._fusion.check_loaded()  # and kitsune the state its fused units will bind, before they do
         except BaseException:
             base.state, base.param_groups = before

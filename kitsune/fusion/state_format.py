@@ -12,7 +12,8 @@ floating-point state to the param's dtype). 8-bit state replaces each state tens
   decodes as ``table[code] * absmax``.
 
 torch's key is absent, so a plain torch optimizer handed an 8-bit state dict stops with ``KeyError: 'exp_avg'`` at
-its first step instead of reading codes as values; `convert_state_dict` turns one into the other. The quantizer here
+its first step instead of reading codes as values (but torch.optim.SGD, which starts a missing ``momentum_buffer``
+afresh); `convert_state_dict` turns one into the other. The quantizer here
 is plain torch (CPU or GPU, no Triton) and gives the bits the fused kernels give.
 
 FSDP2 params (DTensors sharded on dim 0, `kitsune.distributed.fsdp`): each rank quantizes its local shard. The codes
@@ -24,6 +25,7 @@ elements, as a shard's block scales are no DTensor of any global shape. A checkp
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -264,6 +266,9 @@ def check_codes(s: Mapping[str, Any], key: str, p: torch.Tensor) -> None:
     sharded as the param, and one absmax per `QUANT_BLOCK` of the elements the codes hold (those of the local shard
     for a DTensor)."""
     codes = s[key + CODES]
+    if not isinstance(codes, torch.Tensor) or fsdp.local(codes).layout != torch.strided:
+        what = f"a {codes.layout} tensor" if isinstance(codes, torch.Tensor) else f"a {type(codes).__name__}"
+        raise ValueError(f"optimizer state {key + CODES!r} is {what}: 8-bit codes are a dense tensor of the param's")
     _check_shape(key + CODES, codes, p)
     if fsdp.is_dtensor(codes):
         if not fsdp.is_dtensor(p) or (codes.device_mesh, codes.placements) != (p.device_mesh, p.placements):
@@ -273,7 +278,32 @@ def check_codes(s: Mapping[str, Any], key: str, p: torch.Tensor) -> None:
                 f"{codes.device_mesh}, its param {where}: a shard's 8-bit blocks decode on their own rank only "
                 "(state_dict() holds them decoded)"
             )
-    check_blocks(s, key, fsdp.local(codes).numel())
+    shard = fsdp.local(codes)
+    if shard.dtype != torch.uint8 and shard.numel():  # a cast copy (torch's load casts float params' state): exact?
+        bad = shard.is_complex() or shard.dtype == torch.bool
+        if not bad:
+            lo, hi = shard.min().item(), shard.max().item()
+            bad = lo < 0 or hi >= CODE_SIZE or (shard.is_floating_point() and not torch.equal(shard, shard.round()))
+        if bad:
+            raise ValueError(
+                f"optimizer state {key + CODES!r} ({str(shard.dtype).removeprefix('torch.')}) holds values that are "
+                f"no 8-bit codes (integers 0 to {CODE_SIZE - 1}): codes are never reinterpreted"
+            )
+    check_blocks(s, key, shard.numel())
+
+
+def check_loaded(state: Mapping[Any, Any]) -> None:
+    """Raise ``ValueError`` unless every param's 8-bit state in ``state`` decodes (`check_codes`): run on a loaded
+    state before anything binds, decodes or converts it, for every param alike (the fused units' and those the
+    wrapped optimizer's own step updates, which decode it into torch's keys). Changes nothing."""
+    for p, s in state.items():
+        if not isinstance(p, torch.Tensor) or not isinstance(s, Mapping):
+            continue
+        for key in quantized_keys(s):
+            try:
+                check_codes(s, key, p)
+            except ValueError as exc:
+                raise ValueError(f"{exc}. Nothing was loaded: the optimizer keeps its state") from None
 
 
 def check_blocks(s: Mapping[str, Any], key: str, numel: int) -> None:
@@ -285,6 +315,11 @@ def check_blocks(s: Mapping[str, Any], key: str, numel: int) -> None:
         raise ValueError(
             f"optimizer state {key + ABSMAX!r} has {got} elements where its {numel} elements need {blocks} "
             f"(one per {QUANT_BLOCK})"
+        )
+    if absmax.dim() != 1 or not absmax.is_floating_point():
+        raise ValueError(
+            f"optimizer state {key + ABSMAX!r} is a {str(absmax.dtype).removeprefix('torch.')} tensor of shape "
+            f"{tuple(absmax.shape)}: the block scales are one-dimensional floats ({blocks} of them)"
         )
 
 
@@ -313,7 +348,7 @@ def convert_state_dict(
     if not isinstance(state_dict, Mapping) or "state" not in state_dict:
         raise TypeError("convert_state_dict takes an optimizer state dict (a mapping with a 'state' entry)")
     fmt = PRECISIONS[precision]
-    out = dict(state_dict)
+    out = {k: copy.deepcopy(v) for k, v in state_dict.items() if k != "state"}  # param_groups (tensor lrs) too
     out["state"] = {pid: _convert(dict(s), fmt, min_8bit_size) for pid, s in state_dict["state"].items()}
     return out
 
@@ -403,7 +438,7 @@ def restore_low(optimizer: torch.optim.Optimizer, saved_groups: list[dict[str, A
             loaded = st.get(k)
             if k in SIGNED and isinstance(loaded, torch.Tensor) and loaded.dtype == t.dtype:
                 continue  # torch's cast kept it as it was
-            st[k] = t.to(p.device)
+            st[k] = t.to(p.device) if isinstance(t, torch.Tensor) else t  # (`check_loaded` refuses what is no tensor)
 
 
 def entries(key: str, fmt: StateFormat, p: torch.Tensor) -> list[tuple[str, torch.dtype, torch.Size]]:

@@ -385,6 +385,94 @@ def test_codes_or_absmax_of_the_wrong_size_are_refused_and_nothing_changes(devic
             assert torch.equal(t, after["state"][pid][key]), key
 
 
+def _bad_8bit_state_dicts(sd: dict) -> list[tuple[str, dict]]:
+    """Copies of an 8-bit state dict, each with one entry that does not decode: ``(what the error names, copy)``."""
+    cases = []
+
+    def case(match, key, change):
+        bad = copy.deepcopy(sd)
+        bad["state"][0][key] = change(bad["state"][0][key])
+        cases.append((match, bad))
+
+    case("exp_avg_codes' has shape", "exp_avg_codes", lambda t: t.reshape(-1)[:10])
+    case("exp_avg_absmax' has 1 elements", "exp_avg_absmax", lambda t: t[:1])
+    case("one-dimensional", "exp_avg_absmax", lambda t: t.view(1, -1))
+    case("no 8-bit codes", "exp_avg_codes", lambda t: t.long() + 300)  # would wrap around as uint8
+    case("no 8-bit codes", "exp_avg_codes", lambda t: t.float() + 0.5)
+    case("dense tensor", "exp_avg_codes", lambda t: t.tolist())
+    return cases
+
+
+@pytest.mark.parametrize("where", ["fusion off", "a param the fused kernel does not take"])
+def test_8bit_state_that_does_not_decode_is_refused_for_params_not_fused_too(where, device):
+    """The wrapped optimizer's own step decodes 8-bit state into torch's keys; codes or scales that do not fit are
+    refused before anything changes, as for the fused units, and the optimizer steps on afterwards."""
+    params, src = _fused(CASES["adamw"], "8bit", 64, device)
+    sd = copy.deepcopy(src.state_dict())
+    mine = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    if where == "fusion off":
+        opt = KitsuneOptimizer(torch.optim.AdamW(mine, lr=0.01), enable_fusion=False)
+    else:  # a non-contiguous param goes to torch's foreach path
+        mine[0] = torch.nn.Parameter(torch.randn(mine[0].shape[::-1], device=device).t())
+        opt = KitsuneOptimizer(
+            torch.optim.AdamW(mine, lr=0.01),
+            enable_fusion=True,
+            fusion_config=FusionConfig(state_precision="8bit", min_8bit_size=64),
+        )
+    for p in mine:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    if where != "fusion off":  # the others are fused, the transposed one is not
+        assert {b.route for b in opt.plan.buckets} == {Route.TRITON, Route.TORCH_FOREACH}
+    before = copy.deepcopy(opt.state_dict())
+    for match, bad in _bad_8bit_state_dicts(sd):
+        with pytest.raises(ValueError, match=match):
+            opt.load_state_dict(bad)
+        after = opt.state_dict()
+        assert sorted(after["state"][0]) == sorted(before["state"][0]), match
+        for pid, st in before["state"].items():
+            for key, t in st.items():
+                assert torch.equal(t, after["state"][pid][key]), (match, key)
+    opt.step()  # still steps
+    assert opt.step_count == 2
+
+
+def test_8bit_codes_of_another_integer_or_float_dtype_load_when_they_are_codes(device):
+    params, opt = _fused(CASES["adamw"], "8bit", 64, device)
+    sd = copy.deepcopy(opt.state_dict())
+    codes = sd["state"][0]["exp_avg_codes"].clone()
+    for cast in (torch.int64, torch.float32):
+        bad = copy.deepcopy(sd)
+        bad["state"][0]["exp_avg_codes"] = codes.to(cast)
+        opt.load_state_dict(bad)
+        assert torch.equal(opt.state[params[0]]["exp_avg_codes"], codes)
+    for match, bad in _bad_8bit_state_dicts(sd):  # and the fused units refuse the others, changing nothing
+        with pytest.raises(ValueError, match=match):
+            opt.load_state_dict(bad)
+        assert torch.equal(opt.state[params[0]]["exp_avg_codes"], codes)
+
+
+def test_convert_state_dict_shares_no_tensor_with_its_input():
+    params, opt = _fused(CASES["adamw"], "8bit", 64, torch.device("cpu"))
+    opt.param_groups[0]["lr"] = torch.tensor(0.01)
+    sd = opt.state_dict()
+    mine = {id(t) for t in _tensors(sd)}
+    for precision in ("fp32", "bf16", "8bit", "param"):
+        out = kitsune.convert_state_dict(sd, precision, min_8bit_size=64)
+        assert not mine & {id(t) for t in _tensors(out)}, precision
+        assert out["param_groups"] is not sd["param_groups"]
+
+
+def _tensors(x) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _tensors(v)]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _tensors(v)]
+    return []
+
+
 def test_convert_state_dict_both_ways_and_its_errors():
     params, opt = _fused(CASES["adamw"], "param", 64, torch.device("cpu"))
     sd = opt.state_dict()
