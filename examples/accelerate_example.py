@@ -65,10 +65,20 @@ def train(use_kitsune: bool, args: argparse.Namespace) -> tuple[Accelerator, nn.
     return accelerator, model, optimizer, losses
 
 
+def positive_int(text: str) -> int:
+    """An argparse ``type``: a whole number of at least 1, as a count of steps needs."""
+    value = int(text)  # not a number: argparse's "invalid positive_int value"
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> float:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200, help="optimizer steps (each of --accum micro-batches)")
-    parser.add_argument("--accum", type=int, default=2, help="gradient accumulation steps")
+    parser.add_argument(
+        "--steps", type=positive_int, default=200, help="optimizer steps (each of --accum micro-batches)"
+    )
+    parser.add_argument("--accum", type=positive_int, default=2, help="gradient accumulation steps")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default="no")
     parser.add_argument("--out-dir", type=Path, default=Path("."), help="where accelerate-state/ is written")

@@ -33,9 +33,17 @@ from torch import nn
 from kitsune import AMPConfig, KitsuneOptimizer
 
 
+def positive_int(text: str) -> int:
+    """An argparse ``type``: a whole number of at least 1, as a count of steps needs."""
+    value = int(text)  # not a number: argparse's "invalid positive_int value"
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> float:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=positive_int, default=200)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
     parser.add_argument("--overflow-at", type=int, default=None, metavar="STEP", help="inject an inf loss (float16)")

@@ -80,9 +80,17 @@ def max_abs_diff(a: nn.Module, b: nn.Module) -> float:
     return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters(), strict=True))
 
 
+def positive_int(text: str) -> int:
+    """An argparse ``type``: a whole number of at least 1, as a count of steps needs."""
+    value = int(text)  # not a number: argparse's "invalid positive_int value"
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200, help="steps of the whole run")
+    parser.add_argument("--steps", type=positive_int, default=200, help="steps of the whole run")
     parser.add_argument("--save-at", type=int, default=None, help="checkpoint after this many steps (default: half)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out-dir", type=Path, default=Path("."), help="where the checkpoints are written")

@@ -84,9 +84,17 @@ def train(args: argparse.Namespace, device: torch.device, local_rank: int) -> in
     return 1 if diff != 0 or moved == 0 else 0
 
 
+def positive_int(text: str) -> int:
+    """An argparse ``type``: a whole number of at least 1, as a count of steps needs."""
+    value = int(text)  # not a number: argparse's "invalid positive_int value"
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--steps", type=positive_int, default=100)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     if "LOCAL_RANK" not in os.environ:

@@ -112,9 +112,17 @@ def fit(use_kitsune: bool, args: argparse.Namespace) -> tuple[Regressor, L.Train
     return module, trainer
 
 
+def positive_int(text: str) -> int:
+    """An argparse ``type``: a whole number of at least 1, as a count of steps needs."""
+    value = int(text)  # not a number: argparse's "invalid positive_int value"
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> float:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=positive_int, default=200)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--precision", choices=["32-true", "bf16-mixed", "16-mixed"], default="32-true")
     parser.add_argument("--clip", choices=["lightning", "hook", "kitsune"], default="lightning", help="who clips")

@@ -25,9 +25,17 @@ from kitsune import KitsuneOptimizer
 from kitsune.optim import Lion
 
 
+def positive_int(text: str) -> int:
+    """An argparse ``type``: a whole number of at least 1, as a count of steps needs."""
+    value = int(text)  # not a number: argparse's "invalid positive_int value"
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> float:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=positive_int, default=200)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     device = torch.device(args.device)

@@ -287,6 +287,32 @@ def test_example_runs_under_torchrun(name, args, check, tmp_path):
     check(proc.stdout, tmp_path)
 
 
+STEP_COUNTS = [
+    pytest.param(
+        path.name,
+        marks={"lightning_example.py": NEEDS_LIGHTNING, "accelerate_example.py": NEEDS_ACCELERATE}.get(path.name, ()),
+        id=path.stem,
+    )
+    for path in sorted(EXAMPLES.glob("*.py"))
+    if '"--steps"' in path.read_text()
+]
+
+
+@pytest.mark.parametrize("value", ["0", "-5"])
+@pytest.mark.parametrize("name", STEP_COUNTS)
+def test_a_step_count_below_one_is_an_argparse_error(name, value, tmp_path, monkeypatch, capsys):
+    """``--steps 0``: argparse's usage and one error line, before any training (not an error from a loop that never
+    ran)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [name, "--steps", value])
+    with pytest.raises(SystemExit) as info:
+        runpy.run_path(str(EXAMPLES / name), run_name="__main__")
+    assert info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and list(tmp_path.iterdir()) == []
+    assert captured.err.splitlines()[-1] == f"{name}: error: argument --steps: must be at least 1, got {value}"
+
+
 def test_every_example_is_tested_and_documented():
     tested = {p.values[0] for p in (*CASES, *TORCHRUN_CASES)}
     listed = (EXAMPLES.parent / "docs" / "quickstart.md").read_text()
