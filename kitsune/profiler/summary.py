@@ -116,7 +116,10 @@ class Explained:
 
 
 def pass_through_line(profile: Profile) -> str | None:
-    """What a run in which kitsune updated no param itself means, or None when kitsune did update params."""
+    """What a run in which kitsune updated no param itself means, or None when kitsune did update params or before
+    the first step (no step has updated any: `summary_renderables` says so instead)."""
+    if profile.step_count == 0:
+        return None
     active = {s.name for s in profile.subsystems if s.active}
     if active & {"fusion", "shard", "amp"} or (profile.config.get("grads") or {}).get("max_norm") is not None:
         return None
@@ -414,7 +417,10 @@ def summary_renderables(profile: Profile) -> list[RenderableType]:
         f"[bold]kitsune[/] summary: {headline(profile)}",
         Prose(f"{env.device} ({env.device_name}), torch {env.torch}, kitsune {env.kitsune}", style="dim"),
     ]
-    if explained.pass_through:
+    if profile.step_count == 0:
+        said = f"which step updates the params ({profile.optimizer}'s own or kitsune's) is said after the first"
+        out.append(Prose(f"no step has run yet: {said}"))
+    elif explained.pass_through:
         out.append(Prose(explained.pass_through, style="bold"))
     out.append(subsystem_table(profile.subsystems, explained.details))
     if profile.plan:

@@ -106,6 +106,17 @@ def test_cpu_summary_reads_well_and_says_what_pass_through_means(cpu_run, width)
     assert "bytes_per_step 5.8 KiB" in flat
 
 
+@pytest.mark.parametrize("profile", [True, False])
+def test_summary_before_the_first_step_claims_no_update(profile):
+    """Right after construction no step has updated anything: the summary says so, not what updated the params."""
+    opt = KitsuneOptimizer(torch.optim.AdamW(small_model().parameters()), profile=profile)
+    flat = " ".join(_render(opt, 160).split())
+    assert "pass-through" not in flat and "updated every param" not in flat and "bit-identical" not in flat
+    assert (
+        "no step has run yet: which step updates the params (AdamW's own or kitsune's) is said after the first" in flat
+    )
+
+
 @pytest.mark.parametrize("width", WIDTHS)
 def test_fused_summary_reads_well(fused_run, width):
     flat = _check(_render(fused_run, width), width, _reasons(fused_run))
