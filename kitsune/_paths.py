@@ -20,13 +20,8 @@ def _stat(path: Path, out: Path) -> os.stat_result | None:
         raise ValueError(f"{out}: cannot check it ({exc.strerror or exc})") from None
 
 
-def check_output_path(path: str | os.PathLike[str]) -> Path:
-    """``path`` as a Path when a file can be written there; else a ValueError of one line naming it and the problem.
-
-    Refused: a directory; a file this user may not write; a path under a regular file; a path whose missing
-    directories cannot be made in the nearest existing one (not writable). Nothing is created: the writers make the
-    missing directories themselves.
-    """
+def _refuse(path: str | os.PathLike[str]) -> Path:
+    """``path`` as a Path unless what is there (or its nearest existing folder) rules a file out; else a ValueError."""
     out = Path(path)
     found = _stat(out, out)
     if found is not None:
@@ -48,10 +43,77 @@ def check_output_path(path: str | os.PathLike[str]) -> Path:
     return out
 
 
+def _failed(out: Path, exc: OSError) -> ValueError:
+    """The one line for an OSError met while making ``out``'s folders or writing it: the path, the reason, the fix."""
+    what = "write it" if exc.filename is None or Path(exc.filename) == out else f"create {exc.filename}"
+    return ValueError(f"{out}: cannot {what} ({exc.strerror or exc}): name a path in a folder this user can write")
+
+
+def _make_folders(out: Path) -> list[Path]:
+    """Make ``out``'s missing folders; returns those made, outermost first. On an OSError none is left behind."""
+    missing = []
+    parent = out.parent
+    while _stat(parent, out) is None:
+        missing.append(parent)
+        parent = parent.parent
+    made: list[Path] = []
+    for folder in reversed(missing):
+        try:
+            folder.mkdir()
+        except FileExistsError:  # made meanwhile by someone else: theirs to keep
+            continue
+        except OSError as exc:
+            _remove(made)
+            raise _failed(out, exc) from exc
+        made.append(folder)
+    return made
+
+
+def _remove(made: list[Path]) -> None:
+    """Remove the folders ``_make_folders`` made, innermost first, where they are still empty."""
+    for folder in reversed(made):
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+
+
+def check_output_path(path: str | os.PathLike[str]) -> Path:
+    """``path`` as a Path when a file can be written there; else a ValueError of one line naming it and the problem.
+
+    Refused: a directory; a file this user may not write; a path under a regular file; a path whose missing
+    directories cannot be made in the nearest existing one (not writable); a path where making the directories or
+    the file fails (``/proc``, a read-only mount, which permission bits alone do not show). The check makes the
+    missing directories and opens the file, then removes what it made: nothing is left behind, and an existing file
+    is not changed.
+    """
+    out = _refuse(path)
+    made = _make_folders(out)
+    existed = out.exists()
+    try:
+        with open(out, "a" if existed else "x", encoding="utf-8"):  # "a": an existing file is not truncated
+            pass
+        if not existed:
+            out.unlink()
+    except OSError as exc:
+        _remove(made)
+        raise _failed(out, exc) from exc
+    _remove(made)
+    return out
+
+
 def write_output(path: str | os.PathLike[str], text: str) -> Path:
-    """Write ``text`` (UTF-8) to ``path``, making its missing directories, after `check_output_path`: a path nothing
-    can be written at is a ValueError of one line, and nothing is written. Returns the path."""
-    out = check_output_path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text, encoding="utf-8")
+    """Write ``text`` (UTF-8) to ``path``, making its missing directories. A path nothing can be written at (what
+    `check_output_path` refuses, or one where making a directory or writing fails) is a ValueError of one line naming
+    the path, the reason and the fix; then the directories made and a file begun are removed. Returns the path."""
+    out = _refuse(path)
+    made = _make_folders(out)
+    existed = out.exists()
+    try:
+        out.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        if not existed:
+            out.unlink(missing_ok=True)
+        _remove(made)
+        raise _failed(out, exc) from exc
     return out

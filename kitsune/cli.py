@@ -106,12 +106,27 @@ def build_parser() -> argparse.ArgumentParser:
     from kitsune.profiler.report import register as register_report
 
     register_report(sub)
+    for command in sub.choices.values():  # for `_parse`: the parser to refuse an unknown argument after the command
+        command.set_defaults(command_parser=command)
     return parser
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``parser.parse_args``, with an unknown argument after the command refused by that command's parser: its usage
+    and ``kitsune CMD: error:``, not the top level's. One before the command is the top level's."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        tokens = sys.argv[1:] if argv is None else argv
+        # the top-level options take no value: the command is the first token that is not an option
+        before = tokens[: tokens.index(args.command)] if args.command is not None else tokens
+        owner = parser if args.command is None or any(a in before for a in unknown) else args.command_parser
+        owner.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     if args.command is None:
         parser.error("the following arguments are required: command")
     return args.func(args)

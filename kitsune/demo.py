@@ -23,6 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 from rich.table import Table
 from torch import nn
 
+from kitsune._paths import check_output_path
 from kitsune.fusion import Route
 from kitsune.optimizer import KitsuneOptimizer
 from kitsune.profiler.core import quantile
@@ -226,7 +227,13 @@ def run_demo(
     seed: int = 0,
     console: Console | None = None,
 ) -> DemoResult:
-    """Train the tiny GPT with the plain torch AdamW and with KitsuneOptimizer; print what that shows and return it."""
+    """Train the tiny GPT with the plain torch AdamW and with KitsuneOptimizer; print what that shows and return it.
+
+    Raises:
+        ValueError: nothing can be written at ``profile_path`` (see `kitsune._paths.check_output_path`); checked
+            before the training, which would otherwise run in full before the profile is saved.
+    """
+    check_output_path(profile_path)
     console = console or Console()
     dev = torch.device(
         "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)

@@ -124,11 +124,24 @@ def test_version_names_kitsune_torch_and_triton(capsys):
     assert capsys.readouterr().out == f"kitsune {kitsune.__version__} (torch {torch.__version__}, {triton})\n"
 
 
-@pytest.mark.parametrize("argv", [["--bogus"], ["--bogus", "doctor"], ["doctor", "--bogus"]])
+@pytest.mark.parametrize("argv", [["--bogus"], ["--bogus", "doctor"]])
 def test_an_unknown_option_is_named(capsys, argv):
-    """``kitsune --bogus``: argparse names the option, before and after the command, not a missing command."""
+    """``kitsune --bogus``: argparse names the option, before the command too, not a missing command."""
     err = _argparse_error(capsys, argv)
     assert err.splitlines()[-1] == "kitsune: error: unrecognized arguments: --bogus"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["demo", "--bogus"], ["doctor", "--bogus"], ["report", "p.json", "--bogus"], ["bench", "--bogus", "3"]],
+    ids=["demo", "doctor", "report", "bench"],
+)
+def test_an_unknown_option_after_the_command_is_the_commands_error(capsys, argv):
+    """After the command, an unknown option is refused with that command's usage and name, as its own options are."""
+    err = _argparse_error(capsys, argv)
+    command, unknown = argv[0], " ".join(a for a in argv[1:] if a != "p.json")
+    assert err.startswith(f"usage: kitsune {command} ")
+    assert err.splitlines()[-1] == f"kitsune {command}: error: unrecognized arguments: {unknown}"
 
 
 def test_no_command_is_still_an_error(capsys):
@@ -266,6 +279,49 @@ def test_a_bad_output_path_is_one_line_before_any_work(tmp_path, profile_json, c
     assert captured.out == ""  # nothing ran: no demo banner, no bench table, no summary
     assert captured.err == f"{prefix} {problem.format(p=path, d=work)}\n"
     assert sorted(p.name for p in work.iterdir()) == ["adir", "afile"] and not any((work / "adir").iterdir())
+
+
+UNWRITABLE = "/proc/kitsune-no-such-dir/out.json"
+"""A path that passes the permission check as root but that nothing can be made at: /proc takes no new entries."""
+
+
+@pytest.mark.skipif(not Path("/proc/self").exists(), reason="needs Linux /proc")
+@pytest.mark.parametrize("command", COMMANDS)
+def test_an_output_that_cannot_be_made_is_one_line_before_any_work(profile_json, capsys, command):
+    """A path the permission check passes but where the folder or the file cannot be made (root, a read-only mount):
+    found by making them before any work, not by a traceback at the end of the run."""
+    argv, prefix = COMMANDS[command]
+    assert main([a.format(profile=profile_json) for a in argv] + [UNWRITABLE]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (
+        f"{prefix} {UNWRITABLE}: cannot create {Path(UNWRITABLE).parent} (No such file or directory): name a path "
+        "in a folder this user can write\n"
+    )
+
+
+def test_the_output_check_leaves_nothing_behind(tmp_path, monkeypatch):
+    """The check makes the missing folders and the file, then removes them, whether the file could be made or not;
+    an existing file is left as it was."""
+    from kitsune._paths import check_output_path
+
+    path = tmp_path / "new" / "sub" / "out.json"
+    assert check_output_path(path) == path and list(tmp_path.iterdir()) == []
+    (tmp_path / "old.json").write_text("kept")
+    assert check_output_path(tmp_path / "old.json") == tmp_path / "old.json"
+    assert (tmp_path / "old.json").read_text() == "kept"
+
+    def read_only(file, mode, **kwargs):
+        raise OSError(30, "Read-only file system", str(file))
+
+    monkeypatch.setattr("kitsune._paths.open", read_only, raising=False)
+    with pytest.raises(ValueError) as info:
+        check_output_path(path)
+    assert (
+        str(info.value)
+        == f"{path}: cannot write it (Read-only file system): name a path in a folder this user can write"
+    )
+    assert [p.name for p in tmp_path.iterdir()] == ["old.json"]
 
 
 @pytest.mark.parametrize(

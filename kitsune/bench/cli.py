@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from kitsune._paths import check_output_path
+from kitsune._paths import check_output_path, write_output
 from kitsune.bench.params import PARAM_SETS
 from kitsune.bench.peers import PEERS
 from kitsune.bench.runner import run_bench
@@ -146,7 +146,6 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 def _run_muon(args: argparse.Namespace) -> int:
     import json
-    from pathlib import Path
 
     import torch
 
@@ -168,9 +167,11 @@ def _run_muon(args: argparse.Namespace) -> int:
         print(f"kitsune bench --muon: {exc}", file=sys.stderr)
         return 2
     if args.json_path is not None:
-        path = Path(args.json_path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=2, default=str))
+        try:  # checked before the run; a disk that fills up meanwhile is still one line
+            write_output(args.json_path, json.dumps(result, indent=2, default=str))
+        except ValueError as exc:
+            print(f"kitsune bench: --json {exc}", file=sys.stderr)
+            return 2
     return 0
 
 

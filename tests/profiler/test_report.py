@@ -408,3 +408,43 @@ def test_writers_refuse_a_bad_path_before_writing(opt, tmp_path, monkeypatch, wr
         writers[write](path)
     assert str(info.value) == problem.format(p=path, d=tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "afile"] and not any((tmp_path / "adir").iterdir())
+
+
+UNWRITABLE = "/proc/kitsune-no-such-dir/out.json"
+"""A path that passes the permission check as root but that nothing can be made at: /proc takes no new entries."""
+
+
+@pytest.mark.skipif(not Path("/proc/self").exists(), reason="needs Linux /proc")
+@pytest.mark.parametrize("write", ["save_profile", "export_chrome_trace", "write_html"])
+def test_writers_turn_an_os_error_into_one_line(opt, write):
+    """Where making the folder or the file fails although the permissions allow it (root, a read-only mount), the
+    writers raise the promised one-line ValueError naming the path, the reason and the fix, not the OSError."""
+    writers = {
+        "save_profile": opt.save_profile,
+        "export_chrome_trace": opt.export_chrome_trace,
+        "write_html": lambda p: write_html(build_profile(opt), p),
+    }
+    with pytest.raises(ValueError) as info:
+        writers[write](UNWRITABLE)
+    assert str(info.value) == (
+        f"{UNWRITABLE}: cannot create {Path(UNWRITABLE).parent} (No such file or directory): name a path in a "
+        "folder this user can write"
+    )
+
+
+def test_a_failed_write_leaves_no_folder_or_file_behind(opt, tmp_path, monkeypatch):
+    """An OSError while writing: the ValueError, and the folders made for the file are removed with the file."""
+
+    def read_only(self, *args, **kwargs):
+        self.touch()  # a file begun, then the write fails
+        raise OSError(30, "Read-only file system", str(self))
+
+    monkeypatch.setattr(Path, "write_text", read_only)
+    path = tmp_path / "new" / "sub" / "p.json"
+    with pytest.raises(ValueError) as info:
+        opt.save_profile(path)
+    assert (
+        str(info.value)
+        == f"{path}: cannot write it (Read-only file system): name a path in a folder this user can write"
+    )
+    assert list(tmp_path.iterdir()) == []
