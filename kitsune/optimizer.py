@@ -247,7 +247,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         # how to clip and unscale (a re-plan may change that), except: with ZeRO one rank alone may see a move, and
         # a full re-plan there runs collectives the other ranks do not; with updates inside backward the units
         # updated there must not be updated again. Those re-plan the fused executor alone inside its prepare.
-        self._precheck = fusion.active and not in_backward and not sharded
+        self._precheck = fusion.watches and not in_backward and not sharded
         self._device_side = not self._leftover and not sharded and fusion.consumes_found_inf
 
     def _warn_requested_but_inactive(self) -> None:

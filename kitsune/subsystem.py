@@ -211,6 +211,8 @@ class NoFusion(PlaceholderSubsystem):
     def owned_params(self) -> list[torch.Tensor]:
         return []
 
+    watches = False
+
     def needs_replan(self) -> bool:
         return False
 

@@ -31,7 +31,7 @@ from kitsune.fusion.algos import AlgoInfo
 from kitsune.fusion.context import DeviceContext
 from kitsune.fusion.muon_unit import MuonUnit
 from kitsune.fusion.plan import CostModel, Plan, Route
-from kitsune.fusion.planner import Planner, unit_info
+from kitsune.fusion.planner import Planner, group_switches, unit_info
 from kitsune.fusion.units import FusedUnit, TorchShadow
 from kitsune.kernels.multi_tensor import DEFAULT_BLOCK
 from kitsune.kernels.spec import StateFormat
@@ -74,10 +74,13 @@ class FusionSubsystem(Subsystem):
         self._plan_args: tuple[Collection[torch.Tensor], int | None] = (frozenset(), None)
         self._units: list[FusedUnit] = []
         self._shadows: list[TorchShadow] = []
+        self._idle: list[torch.Tensor] = []
+        """The params of a plan that fuses none (`needs_replan` watches their storages), else empty."""
+        self._idle_ptrs: list[int] = []
         self._muon: list[MuonUnit] = []
         self._handled: frozenset[torch.Tensor] = frozenset()
         self._contexts: dict[torch.device, DeviceContext] = {}
-        self._specs: tuple[Any, ...] = ()
+        self._switches: tuple[Any, ...] = ()
         self._info: AlgoInfo | None = None
         self._logged: set[str] = set()
         self._steps = 0
@@ -114,7 +117,10 @@ class FusionSubsystem(Subsystem):
         self._plan_version += 1
         self._base, self._plan_args = base, (remote, backward_bytes)
         planned = self._planner.plan(base, remote, backward_bytes)
-        self._info, self._specs = planned.info, planned.specs
+        low_params = {p for u in planned.units if u.spec.state != StateFormat.PARAM for p in u.params}
+        if state_format.decode_others(base.state, low_params):  # the others' 8-bit state, or float state of another
+            planned = self._planner.plan(base, remote, backward_bytes)  # dtype, now as their steps read it: route that
+        self._info, self._switches = planned.info, planned.switches
         self._units, self._muon, self._shadows = planned.units, planned.muon, planned.shadows
         self._prepared = []  # the last step's units: the old plan's go with it (their slots hold the pool's arenas)
         # the params a step updates itself, a set made once a plan (a step's `prepare` takes out the unhandled ones)
@@ -135,8 +141,10 @@ class FusionSubsystem(Subsystem):
             unit.defaults = base.defaults
             self._contexts.setdefault(unit.device, DeviceContext(unit.device, self._info.row))  # type: ignore[union-attr]
         self.executes = bool(self._units or self._shadows or self._muon)
+        # nothing to run: the params' storages, for a move that may change their routes (model.cuda() after wrapping)
+        self._idle = [] if self.executes else [p for g in base.param_groups for p in g["params"] if p not in remote]
+        self._idle_ptrs = _storages(self._idle)
         low = [u for u in self._units if u.spec.state != StateFormat.PARAM]
-        state_format.decode_others(base.state, {p for u in low for p in u.params})  # the others' 8-bit state
         names = ", ".join(sorted({state_format.NAMES[u.spec.state] for u in low}))
         self.low_precision = (
             f"low-precision optimizer state ({names}; FusionConfig.state_precision): the wrapped optimizer's own step "
@@ -360,10 +368,21 @@ class FusionSubsystem(Subsystem):
         moved or a state tensor the tables point at was freed, each of which re-plans (and may send params to
         another route, which changes that). Every unit is asked, so that each one's `FusedUnit.prepare` skips
         the param check this step."""
-        if self._switches_changed(self._base.param_groups) or self._state_moved():
+        if self._switches_changed(self._base.param_groups):
+            return True
+        if not self.active:  # nothing fused or bound: a switch (differentiable=False) or a storage moved to another
+            return _storages(self._idle) != self._idle_ptrs  # device or dtype may change the routes
+        if self._state_moved():
             return True
         units = (*self._units, *self._muon)
         return any([unit.moved() for unit in units]) or any(unit.state_freed for unit in units)
+
+    @property
+    def watches(self) -> bool:
+        """Whether a step asks `needs_replan`: the plan is of an algorithm with switches, fused or not (a group
+        whose ``differentiable`` is cleared, or params built on the CPU and moved to the GPU after wrapping, come
+        to the fused kernel)."""
+        return self._info is not None
 
     def forget_checks(self) -> None:
         """`needs_replan`'s finding holds for one step: after its prepare, or a step that raised."""
@@ -392,7 +411,7 @@ class FusionSubsystem(Subsystem):
 
     def _switches_changed(self, groups: list[dict[str, Any]]) -> bool:
         """Whether a group's kernel switches differ from the plan's (another compiled variant is needed)."""
-        return self._info is not None and tuple(self._info.spec(g) for g in groups) != self._specs
+        return self._info is not None and group_switches(self._info, groups) != self._switches
 
     def count_replay(self) -> None:
         """Book a step that replayed the captured launches without coming through `prepare`."""
@@ -659,3 +678,8 @@ def _what(v: Any) -> str:
     if isinstance(v, torch.Tensor):
         return f"a {str(v.layout).removeprefix('torch.')} tensor of shape {tuple(v.shape)}"
     return f"a {type(v).__name__}"
+
+
+def _storages(params: list[torch.Tensor]) -> list[int]:
+    """The data pointers of ``params`` (of their local shards for DTensors)."""
+    return [fsdp.local(p).data_ptr() for p in params]

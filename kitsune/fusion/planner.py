@@ -87,7 +87,9 @@ class Planned:
     plan: Plan
     info: AlgoInfo | None
     specs: tuple[Any, ...]
-    """Each group's compile-time switches (a change of any re-plans)."""
+    """Each group's compile-time switches (`AlgoInfo.spec`)."""
+    switches: tuple[Any, ...] = ()
+    """`group_switches` as this plan saw them: a change of any plans again."""
     units: list[FusedUnit] = field(default_factory=list)
     muon: list[muon_unit.MuonUnit] = field(default_factory=list)
     shadows: list[TorchShadow] = field(default_factory=list)
@@ -153,7 +155,7 @@ class Planner:
                 buckets[key].append((gi, p))
                 notes[key] |= _group_notes(g) | ({note} if note else set())
 
-        out = Planned(Plan(), info, specs)
+        out = Planned(Plan(), info, specs, group_switches(info, groups))
         for key, members in buckets.items():
             device, dtype, spec, route, reason = key
             bp = self._plan_bucket(base, info, specs, device, dtype, spec, route, reason, members)
@@ -467,6 +469,15 @@ def torch_route(info: AlgoInfo, device: torch.device, dtype: torch.dtype) -> Rou
 def unit_info(info: AlgoInfo | None, spec: Any) -> AlgoInfo | None:
     """The algorithm a bucket's units run: the optimizer's, or its auxiliary one (kitsune.optim.Muon's AdamW)."""
     return info.aux if info is not None and info.aux is not None and isinstance(spec, UpdateSpec) else info
+
+
+def group_switches(info: AlgoInfo | None, groups: list[dict[str, Any]]) -> tuple[Any, ...]:
+    """What in each group's options decides its params' kernel variant or route: the algorithm's switches
+    (`AlgoInfo.spec`) and whether a group reason sends it to the optimizer's own step (``differentiable=True``).
+    The fused executor compares them with the plan's every step."""
+    if info is None:
+        return ()
+    return tuple((info.spec(g), _group_reason(g) is not None) for g in groups)
 
 
 def _group_reason(g: dict[str, Any]) -> tuple[Route, str] | None:

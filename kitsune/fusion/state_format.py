@@ -373,20 +373,26 @@ def _convert(s: dict[str, Any], fmt: StateFormat, min_8bit_size: int) -> dict[st
     return s
 
 
-def decode_others(state: Mapping[Any, dict[str, Any]], keep: set[torch.Tensor]) -> None:
+def decode_others(state: Mapping[Any, dict[str, Any]], keep: set[torch.Tensor]) -> bool:
     """Decode the 8-bit state of every param not in ``keep`` (the params low-precision units update) into torch's
     keys, in the param's dtype, and cast its float state of another dtype (kept through a load by `restore_low`) to
     the param's: the step that updates those params (torch's, or a fused unit in the param's format) reads that. A
-    checkpoint saved with any ``state_precision`` so loads into any optimizer that holds the params."""
+    checkpoint saved with any ``state_precision`` so loads into any optimizer that holds the params, and a param
+    whose dtype changed after its state was made (``model.double()``) has its state converted, as the fused units
+    convert theirs. Returns whether anything changed (the routes were chosen on the state as it was)."""
+    changed = False
     for p, s in state.items():
         if p in keep or not isinstance(p, torch.Tensor) or not isinstance(s, dict):
             continue
         for key in quantized_keys(s):
+            changed |= s.get(key) is None  # (a float tensor set next to the codes wins: nothing to decode)
             decode(s, key, p)
         for key in SIGNED:
             t = s.get(key)
             if isinstance(t, torch.Tensor) and t.is_floating_point() and p.is_floating_point() and t.dtype != p.dtype:
                 s[key] = t.to(p.dtype)
+                changed = True
+    return changed
 
 
 def decode(s: dict[str, Any], key: str, p: torch.Tensor) -> None:

@@ -270,3 +270,37 @@ def test_sparse_grads_on_torchs_fused_route_go_to_the_optimizers_own_step(amp, d
 
     for a, b in zip(run(True), run(False), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("name", "route"), [("Adam", "torch_fused"), ("AdamW", "torch_fused"), ("NAdam", "torch_foreach")]
+)
+def test_params_cast_to_float64_mid_run_go_to_torchs_path_with_their_state_cast(name, route, device):
+    """``model.double()`` after some steps: torch's own step raises (float32 state, float64 grads); kitsune casts the
+    state as it does for a move between float16, bfloat16 and float32, and the plan routes the params as it would
+    have from the start (torch's fused or foreach path: the plan was stale on the wrapped step before). The
+    trajectory equals torch's with its state cast by hand at the same step."""
+    cls = getattr(torch.optim, name)
+    params = make_params([7, (3, 5)], torch.float32, device)
+    twins = [p.detach().clone().requires_grad_() for p in params]
+    opt = KitsuneOptimizer(cls(params, lr=0.05, weight_decay=0.1), enable_fusion=True)
+    ref = cls(twins, lr=0.05, weight_decay=0.1)
+    routes = []
+    for step in range(8):
+        if step == 3:
+            for ps in (params, twins):
+                for p in ps:
+                    p.data = p.data.double()
+            for t in twins:  # by hand for torch, which would raise
+                st = ref.state[t]
+                for key in ("exp_avg", "exp_avg_sq"):
+                    st[key] = st[key].double()
+        for p, t, g in zip(params, twins, random_grads(params, step), strict=True):
+            p.grad, t.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+        routes.append({b.route.value for b in opt.plan.buckets})
+    assert routes == [{"triton"}] * 3 + [{route}] * 5
+    for p, t in zip(params, twins, strict=True):
+        assert p.dtype == torch.float64 and opt.state[p]["exp_avg"].dtype == torch.float64
+        torch.testing.assert_close(p, t, rtol=1e-6, atol=1e-7)

@@ -106,6 +106,29 @@ def test_differentiable_keeps_its_own_step(device):
     assert all(torch.equal(a, b) for a, b in zip(params, twins, strict=True))
 
 
+def test_differentiable_set_mid_run_goes_to_its_own_step_and_back(device):
+    """``differentiable`` is a group's route, as a kernel switch is its variant: set or cleared between steps, the
+    next step plans again (the plan says so), and the params follow torch's SGD either way."""
+    params = [p.requires_grad_(False) for p in make_params(SIZES, torch.float32, device)]
+    twins = [p.detach().clone() for p in params]
+    opt = KitsuneOptimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9), enable_fusion=True)
+    ref = torch.optim.SGD(twins, lr=0.1, momentum=0.9)
+    routes = []
+    for step in range(6):
+        if step in (2, 4):
+            for o in (opt, ref):
+                o.param_groups[0]["differentiable"] = step == 2
+        for ps in (params, twins):
+            for p, g in zip(ps, random_grads(ps, step), strict=True):
+                p.grad = g
+        opt.step()
+        ref.step()
+        routes.append(_only_bucket(opt).route)
+    assert routes == [Route.TRITON] * 2 + [Route.BASE_STEP] * 2 + [Route.TRITON] * 2
+    for a, b in zip(params, twins, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
 def test_complex_params_keep_their_own_step(device):
     real = make_params([3], torch.float32, device)
     cplx = torch.nn.Parameter(torch.randn(3, dtype=torch.complex64, device=device))
@@ -370,3 +393,35 @@ def test_lion_fused_by_default_and_the_plan_shows_the_model(device):
     table = console.export_text()
     assert f"({bucket.predicted_ms['triton']:g} vs {bucket.predicted_ms['base_step']:g} ms)" in table
     assert json.loads(json.dumps(opt.plan.to_dict()))["buckets"][0]["predicted_ms"] == bucket.predicted_ms
+
+
+def test_params_moved_where_the_kernel_runs_after_wrapping_are_fused(device, monkeypatch):
+    """An optimizer built over CPU params and the model moved to the GPU afterwards (``model.cuda()`` replaces each
+    param's storage): the plan that fused nothing ("CPU tensors") is made again at the next step, and the params
+    take the fused kernel, their trajectory torch's. On the CPU the interpreter stands in for the GPU: off while the
+    optimizer is built, on when the storages move."""
+    model = torch.nn.Linear(6, 4)
+    twin = torch.nn.Linear(6, 4)
+    twin.load_state_dict(model.state_dict())
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    opt = KitsuneOptimizer(torch.optim.AdamW(model.parameters(), lr=0.05), enable_fusion=True)
+    ref = torch.optim.AdamW(twin.parameters(), lr=0.05)
+    assert {b.route for b in opt.plan.buckets} == {Route.BASE_STEP}
+    assert "CPU tensors" in _only_bucket(opt).reason
+    if device.type == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    routes = []
+    for step in range(6):
+        if step == 2:  # as model.cuda() does: every param's storage replaced
+            for m in (model, twin):
+                for p in m.parameters():
+                    p.data = p.data.to(device, copy=True)
+        for m in (model, twin):
+            for p, g in zip(m.parameters(), random_grads(list(m.parameters()), step), strict=True):
+                p.grad = g.to(p.device)
+        opt.step()
+        ref.step()
+        routes.append({b.route for b in opt.plan.buckets})
+    assert routes == [{Route.BASE_STEP}] * 2 + [{Route.TRITON}] * 4
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

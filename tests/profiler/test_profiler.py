@@ -214,7 +214,11 @@ def test_probe_and_live_comparison_on_gpu():
         if step == 12:  # inside the baseline stretch: steps moved to the host for torch's foreach path
             assert all(opt.state[p]["step"].device.type == "cpu" for p in params)
         if step == 4:  # a probe step: a sync inside step() is caught and located
-            handle = opt.base_optimizer.register_step_pre_hook(lambda *_: syncs.item())
+
+            def sync(*_):  # a host sync before the step (its return value must be None, as for torch's hooks)
+                syncs.item()
+
+            handle = opt.base_optimizer.register_step_pre_hook(sync)
         opt.step()
         ref.step()
         if step == 4:
