@@ -396,10 +396,10 @@ def test_lion_fused_by_default_and_the_plan_shows_the_model(device):
 
 
 def test_params_moved_where_the_kernel_runs_after_wrapping_are_fused(device, monkeypatch):
-    """An optimizer built over CPU params and the model moved to the GPU afterwards (``model.cuda()`` replaces each
-    param's storage): the plan that fused nothing ("CPU tensors") is made again at the next step, and the params
-    take the fused kernel, their trajectory torch's. On the CPU the interpreter stands in for the GPU: off while the
-    optimizer is built, on when the storages move."""
+    """An optimizer built over CPU params and the model moved to the GPU afterwards, before the first step
+    (``model.cuda()`` replaces each param's storage): the plan that fused nothing ("CPU tensors") is made again at
+    the next step, and the params take the fused kernel, their trajectory torch's. On the CPU the interpreter stands
+    in for the GPU: off while the optimizer is built, on when the storages move."""
     model = torch.nn.Linear(6, 4)
     twin = torch.nn.Linear(6, 4)
     twin.load_state_dict(model.state_dict())
@@ -412,7 +412,7 @@ def test_params_moved_where_the_kernel_runs_after_wrapping_are_fused(device, mon
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     routes = []
     for step in range(6):
-        if step == 2:  # as model.cuda() does: every param's storage replaced
+        if step == 0:  # as model.cuda() does: every param's storage replaced
             for m in (model, twin):
                 for p in m.parameters():
                     p.data = p.data.to(device, copy=True)
@@ -422,6 +422,6 @@ def test_params_moved_where_the_kernel_runs_after_wrapping_are_fused(device, mon
         opt.step()
         ref.step()
         routes.append({b.route for b in opt.plan.buckets})
-    assert routes == [{Route.BASE_STEP}] * 2 + [{Route.TRITON}] * 4
+    assert routes == [{Route.TRITON}] * 6
     for a, b in zip(model.parameters(), twin.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
