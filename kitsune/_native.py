@@ -36,6 +36,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,9 +50,10 @@ SOURCE = r"""
 #include <vector>
 
 // params[i] sits at table[i] (what: 0 or 1) and its grad (dense) at table[n + i] (what: 1 or 2; 2 leaves out the
-// params, which the step checked before), each contiguous, of dtype and of table[2n + i] elements (table: 3n int64
-// on the CPU): a tensor re-strided, re-typed or resized where it sat (``p.data = p.data.t()``, a grad of another
-// layout in a block the allocator handed out again) is a change as much as a move. Anything else answers false.
+// params, which the step checked before), each contiguous, of dtype and of table[2n + i] elements, the param of the
+// shape whose `shape_key` is table[3n + i] (table: 4n int64 on the CPU): a tensor re-strided, re-typed, resized or
+// reshaped where it sat (``p.data = p.data.t()``, ``p.data = p.data.view(...)``, a grad of another layout in a
+// block the allocator handed out again) is a change as much as a move. Anything else answers false.
 // A param's address is two dependent reads away from its Python object (the TensorImpl, then its storage), its
 // grad's four (the autograd meta, the grad's TensorImpl, its storage). Between steps, backward and the kernels'
 // launches push these objects out of the CPU's caches, so the reads go in passes over every param, each pass
@@ -62,15 +64,23 @@ static inline bool same_layout(const c10::TensorImpl* t, caffe2::TypeMeta dtype,
   return t->layout() == at::kStrided && t->dtype() == dtype && t->numel() == numel && t->is_contiguous();
 }
 
+// A tensor's sizes as one number: 64-bit FNV-1a over them, shifted to 63 bits (kitsune._native.shape_key).
+static inline int64_t shape_key(const c10::TensorImpl* t) {
+  uint64_t h = 14695981039346656037ULL;
+  for (const int64_t size : t->sizes()) h = (h ^ static_cast<uint64_t>(size)) * 1099511628211ULL;
+  return static_cast<int64_t>(h >> 1);
+}
+
 bool unchanged(py::list params, const at::Tensor& table, int64_t what, at::ScalarType scalar_type) {
   PyObject* list = params.ptr();
   const Py_ssize_t n = PyList_GET_SIZE(list);
   if (table.scalar_type() != at::kLong || !table.is_contiguous() || table.device().type() != at::kCPU ||
-      table.numel() != 3 * n) {
+      table.numel() != 4 * n) {
     return false;
   }
   const int64_t* want = table.const_data_ptr<int64_t>();
   const int64_t* numels = want + 2 * n;
+  const int64_t* shapes = want + 3 * n;
   const caffe2::TypeMeta dtype = caffe2::TypeMeta::fromScalarType(scalar_type);
   const bool check_params = what != 2;
   const bool check_grads = what != 0;
@@ -90,7 +100,7 @@ bool unchanged(py::list params, const at::Tensor& table, int64_t what, at::Scala
     std::vector<const c10::TensorImpl*> grads(check_grads ? n : 0);
     for (Py_ssize_t i = 0; i < n; ++i) {  // the params' addresses; the grads' TensorImpls
       if (check_params && (reinterpret_cast<int64_t>(impls[i]->data()) != want[i] ||
-                           !same_layout(impls[i], dtype, numels[i]))) {
+                           !same_layout(impls[i], dtype, numels[i]) || shape_key(impls[i]) != shapes[i])) {
         return false;
       }
       if (check_grads) {
@@ -145,7 +155,8 @@ static PyObject* slot_attr(PyObject* obj, PyObject* name) {
 }
 
 // FSDP2: params[i] (a DTensor) still holds locals[i] as its local shard, which sits at table[i], and, with grads,
-// its grad's local shard sits at table[n + i]; each shard contiguous, of dtype and of table[2n + i] elements.
+// its grad's local shard sits at table[n + i]; each shard contiguous, of dtype and of table[2n + i] elements, the
+// param's of the shape keyed table[3n + i].
 // Anything else answers false. Right after backward these
 // objects are out of the CPU's caches, so the reads go in passes over every param, each pass's reads independent of
 // one another: the CPU waits for many misses at once, not for one param's chain of them after another's.
@@ -155,12 +166,13 @@ bool unchanged_local(py::list params, py::list locals, const at::Tensor& table, 
   PyObject* shards = locals.ptr();
   const Py_ssize_t n = PyList_GET_SIZE(list);
   if (PyList_GET_SIZE(shards) != n || table.scalar_type() != at::kLong || !table.is_contiguous() ||
-      table.device().type() != at::kCPU || table.numel() != 3 * n) {
+      table.device().type() != at::kCPU || table.numel() != 4 * n) {
     return false;
   }
   static PyObject* local_name = PyUnicode_InternFromString("_local_tensor");
   const int64_t* want = table.const_data_ptr<int64_t>();
   const int64_t* numels = want + 2 * n;
+  const int64_t* shapes = want + 3 * n;
   const caffe2::TypeMeta dtype = caffe2::TypeMeta::fromScalarType(scalar_type);
   try {
     // pass 1: each param holds the shard planned; its grad, the wrapper tensor's, read in C++
@@ -185,6 +197,7 @@ bool unchanged_local(py::list params, py::list locals, const at::Tensor& table, 
       if (!is_tensor(shard)) return false;
       const at::Tensor& local = THPVariable_Unpack(shard);
       if (!same_layout(local.unsafeGetTensorImpl(), dtype, numels[i])) return false;
+      if (shape_key(local.unsafeGetTensorImpl()) != shapes[i]) return false;
       if (reinterpret_cast<int64_t>(local.const_data_ptr()) != want[i]) return false;
       if (grads) {
         py::object g = py::reinterpret_steal<py::object>(slot_attr(wrapped[i].ptr(), local_name));
@@ -216,6 +229,16 @@ bool same(py::list a, py::list b) {
   return true;
 }
 """
+
+
+def shape_key(shape: Sequence[int]) -> int:
+    """``shape`` as one int64, as the native check computes it from a tensor's sizes (64-bit FNV-1a, 63 bits): the
+    last quarter of its table."""
+    h = 14695981039346656037
+    for size in shape:
+        h = ((h ^ size) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
+    return h >> 1
+
 
 PARAMS, PARAMS_AND_GRADS, GRADS = 0, 1, 2
 """What `unchanged` compares (its ``what``): the params' addresses, both, or the grads' alone (where the step has
@@ -291,11 +314,15 @@ def _compile() -> Any:
     lib = cache_dir() / f"{name()}.so"
     module = _load(lib) if lib.exists() else _build_into(lib)
     probe = [torch.zeros(2), torch.zeros(3)]
-    table = torch.tensor([t.data_ptr() for t in probe] * 2 + [2, 3], dtype=torch.int64)
+    keys = [shape_key(t.shape) for t in probe]
+    table = torch.tensor([t.data_ptr() for t in probe] * 2 + [2, 3] + keys, dtype=torch.int64)
     f32 = torch.float32
-    # no grads (with the params or without); another dtype; lengths differ
+    # no grads (with the params or without); another dtype; another shape; lengths differ
     wrong = module.unchanged(probe, table, PARAMS_AND_GRADS, f32) or module.unchanged(probe, table, GRADS, f32)
     wrong = wrong or module.unchanged(probe, table, PARAMS, torch.float16)
+    reshaped = table.clone()
+    reshaped[-1] = shape_key((3, 1))
+    wrong = wrong or module.unchanged(probe, reshaped, PARAMS, f32)
     if wrong or module.same(probe, probe[:1]) or not module.unchanged(probe, table, PARAMS, f32):
         raise RuntimeError("the compiled check gave a wrong answer on its self-test")
     return module

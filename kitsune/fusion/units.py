@@ -32,6 +32,7 @@ _DTYPE = attrgetter("dtype")
 _DATA_PTR = torch.Tensor.data_ptr
 _IS_CONTIGUOUS = torch.Tensor.is_contiguous
 _NUMEL = torch.Tensor.numel
+_SHAPE = attrgetter("shape")
 _PTRS_EQUAL = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 """torch's C++ check that tensors still sit at known addresses (CUDA builds; torch.compile's CUDA graphs use it for
 their static inputs): the check while `kitsune._native` builds or where it cannot. One call for a whole list, but
@@ -73,12 +74,15 @@ class FusedUnit:
         """FSDP2 DTensor params (one bucket never mixes them with plain ones): the kernels address the local shards
         of the params, grads and state."""
         self.numels = [fsdp.local(p).numel() for p in params]
+        self.shapes = [fsdp.local(p).shape for p in params]
+        """The params' (local shards') shapes as planned: the state's, and for Muon the matrices'."""
         self.tables = TensorTables(self.device, self.numels, group_index, block)
         self._param_ptrs = self.param_addresses = self._addresses(params)
         self.tables.set_role("param", self._param_ptrs)
         self._grad_ptrs: list[int] | None = None
-        self._table = int64_tensor(self._param_ptrs * 2 + self.numels)
-        """The native check's int64 table: the params' addresses, the grads' as of `_grad_ptrs`, the numels."""
+        self._table = int64_tensor(self._param_ptrs * 2 + self.numels + list(map(_native.shape_key, self.shapes)))
+        """The native check's int64 table: the params' addresses, the grads' as of `_grad_ptrs`, the numels, the
+        params' shape keys."""
         self.grad_addresses: list[int] = [DEAD] * len(params)
         """The grad table as uploaded: what the kernels read this step (-1 for a grad that is None)."""
         self._copied: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -342,11 +346,12 @@ class FusedUnit:
 
     def _layout_holds(self, tensors: list[torch.Tensor]) -> bool:
         """Whether ``tensors`` (plain tensors or local shards, one per param, none None) are what the kernels read
-        besides their addresses: contiguous, of the unit's dtype, of the planned sizes. C-level maps."""
+        besides their addresses: contiguous, of the unit's dtype, of the planned shapes (a param reshaped where it
+        sat, ``p.data = p.data.view(...)``, no longer fits its state). C-level maps."""
         return (
             all(map(_IS_CONTIGUOUS, tensors))
             and set(map(_DTYPE, tensors)) == {self.dtype}
-            and list(map(_NUMEL, tensors)) == self.numels
+            and list(map(_SHAPE, tensors)) == self.shapes
         )
 
     def _grads_hold(self, grads: list[torch.Tensor | None], ptrs: list[int]) -> bool:

@@ -202,10 +202,13 @@ def test_the_native_check_builds_here_and_refuses_what_it_cannot_read():
     ps = [torch.nn.Parameter(torch.randn(4)) for _ in range(3)]
     for p in ps:
         p.grad = torch.randn(4)
-    table = torch.tensor([p.data_ptr() for p in ps] + [p.grad.data_ptr() for p in ps] + [4] * 3, dtype=torch.int64)
+    keys = [_native.shape_key((4,))] * 3
+    table = torch.tensor(
+        [p.data_ptr() for p in ps] + [p.grad.data_ptr() for p in ps] + [4] * 3 + keys, dtype=torch.int64
+    )
     assert checks.unchanged(ps, table, True, f32)
     assert not checks.unchanged(ps, table, True, torch.bfloat16) and not checks.unchanged(ps, table, 0, torch.float64)
-    assert not checks.unchanged(ps, table[:8], True, f32)
+    assert not checks.unchanged(ps, table[:9], True, f32)
     assert not checks.unchanged(ps, table.to(torch.int32), True, f32)
     # 2: the grads alone (the step checked the params before): a param's address is not read, a grad's is
     moved_param, moved_grad = table.clone(), table.clone()
@@ -217,6 +220,10 @@ def test_the_native_check_builds_here_and_refuses_what_it_cannot_read():
     resized = table.clone()
     resized[7] = 3  # the plan's numel of ps[1]
     assert not any(checks.unchanged(ps, resized, what, f32) for what in (0, 1, 2))
+    reshaped = table.clone()
+    reshaped[10] = _native.shape_key((2, 2))  # the plan's shape of ps[1]: the param's own is (4,)
+    assert not any(checks.unchanged(ps, reshaped, what, f32) for what in (0, 1))
+    assert checks.unchanged(ps, reshaped, 2, f32)  # the grads alone: the params' shapes were checked before
     ps[1].grad = torch.randn(4).to_sparse()
     assert not checks.unchanged(ps, table, True, f32) and checks.unchanged(ps, table, False, f32)
     ps[1].grad = None
@@ -225,12 +232,12 @@ def test_the_native_check_builds_here_and_refuses_what_it_cannot_read():
     assert checks.same(ps, list(ps)) and not checks.same(ps, ps[::-1]) and not checks.same(ps, ps[:2])
     assert not checks.unchanged_local(ps, ps, table, False, f32)  # no local shards to read: the full check, no error
     sparse = torch.randn(4).to_sparse()  # a param without strided storage: its address cannot be read
-    assert not checks.unchanged([sparse], torch.tensor([0, 0, 4]), 0, f32)
+    assert not checks.unchanged([sparse], torch.tensor([0, 0, 4, _native.shape_key((4,))]), 0, f32)
 
     # where they sat, another layout: a transposed view, a shrunk view, another dtype
     square = [torch.nn.Parameter(torch.randn(3, 3))]
     square[0].grad = torch.randn(3, 3)
-    table = torch.tensor([square[0].data_ptr(), square[0].grad.data_ptr(), 9])
+    table = torch.tensor([square[0].data_ptr(), square[0].grad.data_ptr(), 9, _native.shape_key((3, 3))])
     assert checks.unchanged(square, table, 1, f32)
     grad = square[0].grad
     square[0].grad = grad.t()
@@ -245,6 +252,7 @@ def test_the_native_check_builds_here_and_refuses_what_it_cannot_read():
     square[0].data = torch.randn(3, 3)  # nine floats, then nine bf16 where they sat
     table[0] = square[0].data_ptr()
     square[0].data = square[0].data.view(torch.bfloat16).view(-1)[:9]
+    table[3] = _native.shape_key((9,))
     assert not checks.unchanged(square, table, 0, f32) and checks.unchanged(square, table, 0, torch.bfloat16)
 
     # the reads go in passes over every param: a change anywhere in a long list is seen, in each mode
@@ -253,7 +261,11 @@ def test_the_native_check_builds_here_and_refuses_what_it_cannot_read():
     for p in many:
         p.grad = torch.randn(p.shape, generator=gen)
     table = torch.tensor(
-        [p.data_ptr() for p in many] + [p.grad.data_ptr() for p in many] + [p.numel() for p in many], dtype=torch.int64
+        [p.data_ptr() for p in many]
+        + [p.grad.data_ptr() for p in many]
+        + [p.numel() for p in many]
+        + [_native.shape_key(p.shape) for p in many],
+        dtype=torch.int64,
     )
     assert all(checks.unchanged(many, table, what, f32) for what in (0, 1, 2))
     for i in (0, 151, 299):
@@ -287,12 +299,16 @@ def test_the_native_check_reads_fsdp2_local_shards(tmp_path):
         shards = [p._local_tensor for p in params]
         for p, g in zip(params, grads, strict=True):
             p.grad = DTensor.from_local(g, mesh, [Shard(0)])
-        table = torch.tensor([t.data_ptr() for t in shards + [p.grad._local_tensor for p in params]] + [4] * 3)
+        ptrs = [t.data_ptr() for t in shards + [p.grad._local_tensor for p in params]]
+        table = torch.tensor(ptrs + [4] * 3 + [_native.shape_key((4,))] * 3)
         assert checks.unchanged_local(params, shards, table, True, torch.float32)
         # the slot's offset, cached, reads the same
         assert checks.unchanged_local(params, shards, table, True, torch.float32)
         assert not checks.unchanged_local(params, shards[:2], table, True, torch.float32)
-        assert not checks.unchanged_local(params, shards, table[:8], True, torch.float32)
+        assert not checks.unchanged_local(params, shards, table[:11], True, torch.float32)
+        reshaped = table.clone()
+        reshaped[10] = _native.shape_key((2, 2))  # the plan's shape of params[1]'s shard: its own is (4,)
+        assert not checks.unchanged_local(params, shards, reshaped, False, torch.float32)
         assert not checks.unchanged_local(params, shards, table, True, torch.float16)
         g = params[0].grad._local_tensor
         params[0].grad._local_tensor = g.view(2, 2).t()  # the grad's shard re-strided where it sat
@@ -371,7 +387,10 @@ def test_the_native_check_reads_cuda_tensors():
     ps = [torch.nn.Parameter(torch.randn(2, 2, device="cuda")) for _ in range(3)]
     for p in ps:
         p.grad = torch.randn_like(p)
-    table = torch.tensor([p.data_ptr() for p in ps] + [p.grad.data_ptr() for p in ps] + [4] * 3, dtype=torch.int64)
+    keys = [_native.shape_key((2, 2))] * 3
+    table = torch.tensor(
+        [p.data_ptr() for p in ps] + [p.grad.data_ptr() for p in ps] + [4] * 3 + keys, dtype=torch.int64
+    )
     assert checks.unchanged(ps, table, True, torch.float32)
     assert not checks.unchanged(ps, table, True, torch.bfloat16)
     grad = ps[1].grad

@@ -11,7 +11,7 @@ import pytest
 import torch
 from twins import make_params, random_grads
 
-from kitsune import AMPConfig, KitsuneOptimizer
+from kitsune import AMPConfig, FusionConfig, KitsuneOptimizer
 
 FP16 = {"enable_amp": True, "amp_config": AMPConfig(dtype=torch.float16, init_scale=2.0**10)}
 
@@ -237,7 +237,6 @@ def test_sparse_grads_on_torchs_fused_route_go_to_the_optimizers_own_step(amp, d
     """A bucket the planner leaves to torch's ``fused=True`` step (float64 params; or a min_fusion_benefit above the
     model's prediction): ``_fused_sgd`` raises on a sparse grad, so those params take SGD's own step, as on the
     Triton route. 15 steps against torch, with float16 scaling against its GradScaler loop."""
-    from kitsune import FusionConfig
 
     def run(kitsune: bool) -> list[torch.Tensor]:
         torch.manual_seed(0)
@@ -303,4 +302,44 @@ def test_params_cast_to_float64_mid_run_go_to_torchs_path_with_their_state_cast(
     assert routes == [{"triton"}] * 3 + [{route}] * 5
     for p, t in zip(params, twins, strict=True):
         assert p.dtype == torch.float64 and opt.state[p]["exp_avg"].dtype == torch.float64
+        torch.testing.assert_close(p, t, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+@pytest.mark.parametrize("name", ["Adam", "SGD"])
+def test_a_param_reshaped_where_it_sits_is_refused_as_torch_refuses_it(name, native, device):
+    """``p.data = p.data.view(...)`` keeps the storage and the size: only the shape tells. torch's step raises (its
+    state keeps the old shape); the fused step refuses it before anything changes, and steps on as torch once the
+    param has its shape back."""
+    import copy
+
+    def make(ps):
+        return torch.optim.Adam(ps, lr=0.05) if name == "Adam" else torch.optim.SGD(ps, lr=0.05, momentum=0.9)
+
+    params = make_params([(4, 6), 5], torch.float32, device)
+    twins = [p.detach().clone().requires_grad_() for p in params]
+    opt = KitsuneOptimizer(make(params), enable_fusion=True, fusion_config=FusionConfig(native_checks=native))
+    ref = make(twins)
+    for step in range(6):
+        for p, t, g in zip(params, twins, random_grads(params, step), strict=True):
+            p.grad, t.grad = g.clone(), g.clone()
+        if step == 3:
+            torch_copy = copy.deepcopy(ref)  # torch's own step raises too (on a copy: it may change state first)
+            p0 = torch_copy.param_groups[0]["params"][0]
+            p0.data, p0.grad = p0.data.view(6, 4), p0.grad.view(6, 4)
+            with pytest.raises(RuntimeError, match="size"):
+                torch_copy.step()
+            p = params[0]
+            p.data, p.grad = p.data.view(6, 4), p.grad.view(6, 4)
+            before = [q.detach().clone() for q in params]
+            state = {k: v.clone() for k, v in opt.state[p].items() if torch.is_tensor(v)}
+            with pytest.raises(ValueError, match=r"has shape \(4, 6\), its param \(6, 4\)"):
+                opt.step()
+            assert all(torch.equal(a, b) for a, b in zip(params, before, strict=True))
+            assert all(torch.equal(opt.state[p][k], v) for k, v in state.items())
+            p.data, p.grad = p.data.view(4, 6), p.grad.view(4, 6)
+        opt.step()
+        ref.step()
+        assert {b.route.value for b in opt.plan.buckets} == {"triton"}
+    for p, t in zip(params, twins, strict=True):
         torch.testing.assert_close(p, t, rtol=1e-6, atol=1e-7)
