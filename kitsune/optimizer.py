@@ -25,7 +25,7 @@ from kitsune import checkpoint
 from kitsune.amp import AMPSubsystem
 from kitsune.config import AMPConfig, FusionConfig, GradConfig, KitsuneConfig, ShardConfig, StreamConfig, resolve_config
 from kitsune.distributed.zero import ShardSubsystem
-from kitsune.fusion import state_format
+from kitsune.fusion import algos, state_format
 from kitsune.fusion.algos import trust_ratios
 from kitsune.grads import GradPass
 from kitsune.graphs import GraphSubsystem
@@ -445,8 +445,9 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             # state after it is in place (a missing 'step' raises there): what raises puts the old state back
             base.load_state_dict(sd)
             state_format.restore_low(base, sd["param_groups"], low)
-            state_format.check_loaded(base.state)  # 8-bit state, for every param, before anything decodes it
-            self._fusion.check_loaded()  # and kitsune the state its fused units will bind, before they do
+            # kitsune checks what torch's load does not, for every param, before anything binds or decodes it
+            state_format.check_loaded(base.state)  # 8-bit state
+            algos.check_loaded(base)  # the algorithm's state: tensors of the params' shapes, numeric step counts
         except BaseException:
             base.state, base.param_groups = before
             raise

@@ -216,9 +216,6 @@ class NoFusion(PlaceholderSubsystem):
     def needs_replan(self) -> bool:
         return False
 
-    def check_loaded(self) -> None:
-        pass
-
 
 def make_fusion(cfg: KitsuneConfig, pool: Any) -> Any:
     """The fused executor for ``cfg`` (handed the memory ``pool``), or `NoFusion` with the reason."""

@@ -400,3 +400,32 @@ def test_global_step_hooks_run_once_and_pre_hook_may_replace_args():
             h.remove()
     assert isinstance(loss, torch.Tensor)
     assert seen == [("global-pre", "KitsuneOptimizer"), ("global-post", "KitsuneOptimizer")]
+
+
+@pytest.mark.parametrize("enable_fusion", [False, True], ids=["fusion off", "fusion on, nothing fused"])
+@pytest.mark.parametrize("name", ["AdamW", "SGD", "Rprop"])
+def test_a_state_dict_of_another_model_is_refused_where_no_param_is_fused(name, enable_fusion):
+    """Without a fused param (fusion off, or CPU params outside the interpreter) the wrapped optimizer's own step
+    updates every param, and torch's load takes state of another shape silently, to raise at the next step. kitsune
+    refuses it at load, changing nothing, and the optimizer steps on as before."""
+    kwargs = {"momentum": 0.9} if name == "SGD" else {}
+
+    def trained(model):
+        opt = getattr(torch.optim, name)(model.parameters(), lr=0.01, **kwargs)
+        model(torch.randn(2, model.in_features)).sum().backward()
+        opt.step()
+        return opt
+
+    torch.manual_seed(0)
+    mine, other = nn.Linear(8, 8), nn.Linear(4, 16)
+    opt = KitsuneOptimizer(trained(mine), enable_fusion=enable_fusion)
+    assert not any(b.route.fused for b in opt.plan.buckets) if opt.plan else True
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match="saved for another model"):
+        opt.load_state_dict(trained(other).state_dict())
+    after = opt.state_dict()
+    for pid, st in before["state"].items():
+        for key, t in st.items():
+            assert torch.equal(t, after["state"][pid][key]) if torch.is_tensor(t) else t == after["state"][pid][key]
+    mine(torch.randn(2, 8)).sum().backward()
+    opt.step()

@@ -497,3 +497,63 @@ def trust_ratios(optimizer: torch.optim.Optimizer) -> bool:
     every grad before the first update."""
     info = ALGOS.get(type(optimizer))
     return info is not None and any(info.spec(g).trust for g in optimizer.param_groups)
+
+
+def unit_info(info: AlgoInfo | None, spec: Any) -> AlgoInfo | None:
+    """The algorithm a bucket's units run: the optimizer's, or its auxiliary one (kitsune.optim.Muon's AdamW)."""
+    return info.aux if info is not None and info.aux is not None and isinstance(spec, UpdateSpec) else info
+
+
+def check_loaded(base: torch.optim.Optimizer) -> None:
+    """After the wrapped optimizer loaded a state dict and before anything binds or steps on it: raise
+    ``ValueError`` where a param's state cannot be what its algorithm keeps (a tensor of another shape than its
+    param: a checkpoint of another model, or of the same params in another order; a step count that is no number),
+    for every param of an algorithm kitsune knows, whichever step updates it (a fused kernel, torch's path or the
+    optimizer's own: torch's would raise halfway through its step). 8-bit state is `state_format.check_loaded`'s.
+    Changes nothing."""
+    info = ALGOS.get(type(base))
+    if info is None:
+        return
+    state = base.state
+    for g in base.param_groups:
+        spec = info.spec(g)
+        algo = unit_info(info, spec)
+        for p in g["params"]:
+            s = state.get(p)
+            if not s:
+                continue
+            for key in algo.scalars:  # type: ignore[union-attr]
+                v = s.get(key)
+                if v is not None and not (isinstance(v, (int, float)) or _strided(v) and v.numel() == 1):
+                    raise ValueError(
+                        f"this state dict's {key!r} for a param of shape {tuple(p.shape)} is {_what(v)}, not a "
+                        "number or a one-element tensor. Nothing was loaded: the optimizer keeps its state"
+                    )
+            for key in algo.state_keys(spec):  # type: ignore[union-attr]
+                t = s.get(key) if key else None
+                if t is None:  # absent, or 8-bit (state_format.check_loaded checks that)
+                    continue
+                if not _strided(t):
+                    raise ValueError(
+                        f"this state dict's {key!r} for a param of shape {tuple(p.shape)} is {_what(t)}: "
+                        f"{info.name} keeps a dense tensor of the param's shape. Nothing was loaded: the optimizer "
+                        "keeps its state"
+                    )
+                if t.shape != p.shape:
+                    raise ValueError(
+                        f"this state dict's {key!r} for a param of shape {tuple(p.shape)} has shape "
+                        f"{tuple(t.shape)}: it was saved for another model or another param order. Nothing was "
+                        "loaded: the optimizer keeps its state"
+                    )
+
+
+def _strided(v: Any) -> bool:
+    """A dense tensor."""
+    return isinstance(v, torch.Tensor) and v.layout == torch.strided
+
+
+def _what(v: Any) -> str:
+    """How an error names a state value that cannot be the algorithm's."""
+    if isinstance(v, torch.Tensor):
+        return f"a {str(v.layout).removeprefix('torch.')} tensor of shape {tuple(v.shape)}"
+    return f"a {type(v).__name__}"

@@ -31,7 +31,7 @@ from kitsune.fusion.algos import AlgoInfo
 from kitsune.fusion.context import DeviceContext
 from kitsune.fusion.muon_unit import MuonUnit
 from kitsune.fusion.plan import CostModel, Plan, Route
-from kitsune.fusion.planner import Planner, group_switches, unit_info
+from kitsune.fusion.planner import Planner, group_switches
 from kitsune.fusion.units import FusedUnit, TorchShadow
 from kitsune.kernels.multi_tensor import DEFAULT_BLOCK
 from kitsune.kernels.spec import StateFormat
@@ -194,45 +194,6 @@ class FusionSubsystem(Subsystem):
     def param_groups(self) -> list[dict[str, Any]]:
         """The wrapped optimizer's param groups, which the plan was made over."""
         return self._base.param_groups
-
-    def check_loaded(self) -> None:
-        """After the wrapped optimizer loaded a state dict and before anything binds it: raise where a fused unit
-        could not take the loaded state (a tensor of another shape than its param: a checkpoint of another model,
-        or of the same params in another order). Changes nothing."""
-        info = self._info
-        if info is None:
-            return
-        groups, state = self._base.param_groups, self._base.state
-        for unit in (*self._units, *self._muon):
-            for i, p in enumerate(unit.params):
-                s = state.get(p)
-                if not s:
-                    continue
-                spec = info.spec(groups[unit.group_index[i]])
-                algo = unit_info(info, spec)
-                for key in algo.scalars:  # type: ignore[union-attr]
-                    v = s.get(key)
-                    if v is not None and not (isinstance(v, (int, float)) or _strided(v) and v.numel() == 1):
-                        raise ValueError(
-                            f"this state dict's {key!r} for a param of shape {tuple(p.shape)} is {_what(v)}, not a "
-                            "number or a one-element tensor. Nothing was loaded: the optimizer keeps its state"
-                        )
-                for key in algo.state_keys(spec):  # type: ignore[union-attr]
-                    t = s.get(key) if key else None
-                    if t is None:  # absent, or 8-bit (state_format.check_loaded checked that for every param)
-                        continue
-                    if not _strided(t):
-                        raise ValueError(
-                            f"this state dict's {key!r} for a param of shape {tuple(p.shape)} is {_what(t)}: the "
-                            "fused kernels read a dense tensor of the param's shape. Nothing was loaded: the "
-                            "optimizer keeps its state"
-                        )
-                    if t.shape != p.shape:
-                        raise ValueError(
-                            f"this state dict's {key!r} for a param of shape {tuple(p.shape)} has shape "
-                            f"{tuple(t.shape)}: it was saved for another model or another param order. Nothing was "
-                            "loaded: the optimizer keeps its state"
-                        )
 
     @property
     def trust(self) -> bool:
@@ -666,18 +627,6 @@ class FusionSubsystem(Subsystem):
 def _on(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
     """``t`` on ``device`` (None stays None)."""
     return t if t is None or t.device == device else t.to(device)
-
-
-def _strided(v: Any) -> bool:
-    """A dense tensor (what the fused kernels can address)."""
-    return isinstance(v, torch.Tensor) and v.layout == torch.strided
-
-
-def _what(v: Any) -> str:
-    """How an error names a state value the fused path cannot take."""
-    if isinstance(v, torch.Tensor):
-        return f"a {str(v.layout).removeprefix('torch.')} tensor of shape {tuple(v.shape)}"
-    return f"a {type(v).__name__}"
 
 
 def _storages(params: list[torch.Tensor]) -> list[int]:

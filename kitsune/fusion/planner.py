@@ -29,7 +29,7 @@ import torch
 from kitsune.config import FusionConfig, GradConfig, StreamConfig
 from kitsune.distributed import fsdp
 from kitsune.fusion import muon_unit, state_format
-from kitsune.fusion.algos import ALGOS, OWN_STEP, AlgoInfo
+from kitsune.fusion.algos import ALGOS, OWN_STEP, AlgoInfo, unit_info
 from kitsune.fusion.plan import BucketPlan, CostModel, Plan, Route
 from kitsune.fusion.units import FusedUnit, TorchShadow
 from kitsune.kernels.codes import QUANT_BLOCK
@@ -464,11 +464,6 @@ def torch_route(info: AlgoInfo, device: torch.device, dtype: torch.dtype) -> Rou
     if device.type in info.torch_fused_devices and dtype in _TORCH_DTYPES:
         return Route.TORCH_FUSED
     return Route.TORCH_FOREACH if info.torch_foreach else Route.BASE_STEP
-
-
-def unit_info(info: AlgoInfo | None, spec: Any) -> AlgoInfo | None:
-    """The algorithm a bucket's units run: the optimizer's, or its auxiliary one (kitsune.optim.Muon's AdamW)."""
-    return info.aux if info is not None and info.aux is not None and isinstance(spec, UpdateSpec) else info
 
 
 def group_switches(info: AlgoInfo | None, groups: list[dict[str, Any]]) -> tuple[Any, ...]:
