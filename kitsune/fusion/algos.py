@@ -275,7 +275,7 @@ ALGOS: dict[type, AlgoInfo] = {
             Algo.SGD,
             maximize=bool(g.get("maximize", False)),
             momentum=g["momentum"] != 0,
-            nesterov=bool(g.get("nesterov", False)),
+            nesterov=g["momentum"] != 0 and bool(g["nesterov"]),  # read as the eager step reads it (a KeyError)
             trust=Trust.LARS,
         ),
         lambda g: (
@@ -286,7 +286,7 @@ ALGOS: dict[type, AlgoInfo] = {
             g["weight_decay"],
             g["dampening"],
             g["trust_coefficient"],
-            float(bool(g.get("layer_adaptation", True))),
+            float(bool(g["layer_adaptation"])),
         ),
         lambda s: ("momentum_buffer",) if s.momentum else (),
         False,
@@ -305,9 +305,9 @@ ALGOS: dict[type, AlgoInfo] = {
             g["betas"][1],
             g["eps"],
             g["weight_decay"],
-            float(bool(g.get("bias_correction", True))),
-            math.inf if g.get("max_trust_ratio") is None else g["max_trust_ratio"],
-            float(bool(g.get("layer_adaptation", True))),
+            float(bool(g["bias_correction"])),  # each key read as the eager step reads it: missing, a KeyError
+            _max_trust_ratio(g),
+            float(bool(g["layer_adaptation"])),
         ),
         lambda s: ("exp_avg", "exp_avg_sq"),
         True,
@@ -317,6 +317,13 @@ ALGOS: dict[type, AlgoInfo] = {
         torch_foreach=False,
     ),
 }
+
+
+def _max_trust_ratio(g: dict[str, Any]) -> float:
+    """LAMB's cap on the trust ratio (inf for None), read where the eager step reads it: with layer adaptation."""
+    if not g["layer_adaptation"] or g["max_trust_ratio"] is None:
+        return math.inf
+    return g["max_trust_ratio"]
 
 
 OWN_STEP: dict[type, str] = {
@@ -333,8 +340,10 @@ OWN_STEP: dict[type, str] = {
 
 
 def _muon_spec(schedules: bool) -> Callable[[dict[str, Any]], MuonSpec]:
-    """A Muon group's switches. ``schedules``: ``ns_coefficients`` may be one triple per iteration (kitsune's Muon);
-    torch.optim.Muon takes exactly one triple. ``ns_plan`` is None for settings the optimizer's own step rejects."""
+    """A Muon group's switches. ``schedules`` (kitsune's Muon): ``ns_coefficients`` may be one triple per iteration,
+    params of more than two dims are flattened into matrices, and ``maximize`` is an option; torch.optim.Muon takes
+    exactly one triple and 2-D params only, and has no ``maximize``. ``ns_plan`` is None for settings the
+    optimizer's own step rejects."""
 
     def spec(g: dict[str, Any]) -> MuonSpec:
         coefficients, steps = g["ns_coefficients"], g["ns_steps"]
@@ -346,7 +355,14 @@ def _muon_spec(schedules: bool) -> Callable[[dict[str, Any]], MuonSpec]:
                 plan = tuple(schedule(coefficients, steps)) if steps else ()
             except ValueError:
                 pass
-        return MuonSpec(bool(g["nesterov"]), g["adjust_lr_fn"] or "original", plan, float(g["eps"]))
+        return MuonSpec(
+            bool(g["nesterov"]),
+            g["adjust_lr_fn"] or "original",
+            plan,
+            float(g["eps"]),
+            matrices_only=not schedules,
+            maximize=schedules and bool(g.get("maximize", False)),
+        )
 
     return spec
 
@@ -360,11 +376,14 @@ def _muon_bytes(s: MuonSpec | UpdateSpec) -> int:
     return 6 if isinstance(s, MuonSpec) else 7
 
 
-_MUON_SCHEDULES, _ADAMW = _muon_spec(True), _adam_spec(True)
+_MUON_SCHEDULES = _muon_spec(True)
 
 
 def _kitsune_muon_spec(g: dict[str, Any]) -> MuonSpec | UpdateSpec:
-    return _MUON_SCHEDULES(g) if g["use_muon"] else _ADAMW(g)
+    if g["use_muon"]:
+        return _MUON_SCHEDULES(g)
+    # its AdamW groups: decoupled decay, maximize by the eager step's negated grads, never amsgrad (whatever the key)
+    return UpdateSpec(Algo.ADAM, maximize=bool(g.get("maximize", False)), decoupled_wd=True)
 
 
 ALGOS[Muon] = AlgoInfo(

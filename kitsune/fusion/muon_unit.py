@@ -93,6 +93,8 @@ def group_reason(spec: MuonSpec, config: FusionConfig) -> tuple[Route, str] | No
             "ns_coefficients or ns_steps the optimizer's own step rejects (torch.optim.Muon takes one (a, b, c) "
             "triple, kitsune.optim.Muon also one per iteration; ns_steps an int below 100): its own step runs"
         )
+    if spec.maximize:
+        return Route.BASE_STEP, "maximize=True: the fused Muon kernels descend only, so the optimizer's own step runs"
     return None
 
 
@@ -100,7 +102,7 @@ def plan_bucket(bp: BucketPlan, members: Members, spec: MuonSpec, config: Fusion
     """Route a Muon bucket whose params the fused kernels can take: ``triton_matmul`` when the cost model predicts at
     least ``min_fusion_benefit`` over the optimizer's own per-matrix loop, else that loop (``base_step``)."""
     params = [p for _, p in members]
-    flat = [p for p in params if p.dim() < 2]
+    flat = [p for p in params if p.dim() < 2 or spec.matrices_only and p.dim() != 2]
     if flat:
         bp.reason = (
             f"a {flat[0].dim()}-D param in a Muon group: Muon orthogonalises matrices, so the optimizer's own step "

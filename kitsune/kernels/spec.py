@@ -133,6 +133,12 @@ class MuonSpec:
     stochastic: bool = False
     """bf16 params written back with stochastic rounding (``FusionConfig.param_rounding``; the planner sets it): the
     decay and the orthogonalised update in fp32, one stochastic store."""
+    matrices_only: bool = False
+    """torch.optim.Muon: its step takes 2-D params only (kitsune's flattens the others into matrices); a param of
+    another shape goes to that step, which rejects it."""
+    maximize: bool = False
+    """kitsune.optim.Muon's ``maximize``: the fused kernels descend only, so such a group takes the optimizer's own
+    step."""
 
     has_step = False
     """torch.optim.Muon keeps no step count."""

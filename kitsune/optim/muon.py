@@ -62,11 +62,14 @@ def zeropower_via_newtonschulz(grad: torch.Tensor, coefficients: list[Coefficien
 
 
 def adjust_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> float:
-    """torch.optim.Muon's LR adjustment for an ``(A, B)`` matrix (a conv weight's is ``(out, in * kh * kw)``)."""
+    """torch.optim.Muon's LR adjustment for an ``(A, B)`` matrix (a conv weight's is ``(out, in * kh * kw)``); a
+    function it does not know (set in a group after it was checked) leaves lr as it is, as torch's does."""
     rows, cols = shape[0], shape[1]
     if adjust_lr_fn is None or adjust_lr_fn == "original":
         return lr * math.sqrt(max(1, rows / cols))
-    return lr * 0.2 * math.sqrt(max(rows, cols))
+    if adjust_lr_fn == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(rows, cols))
+    return lr
 
 
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -343,3 +343,35 @@ def test_a_param_reshaped_where_it_sits_is_refused_as_torch_refuses_it(name, nat
         assert {b.route.value for b in opt.plan.buckets} == {"triton"}
     for p, t in zip(params, twins, strict=True):
         torch.testing.assert_close(p, t, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "key"),
+    [
+        ("LAMB", {"bias_correction": False}, "bias_correction"),
+        ("LAMB", {"max_trust_ratio": 0.5}, "max_trust_ratio"),
+        ("LAMB", {}, "layer_adaptation"),
+        ("LARS", {"momentum": 0.9, "nesterov": True}, "nesterov"),
+        ("LARS", {}, "layer_adaptation"),
+    ],
+)
+def test_a_kitsune_optim_group_key_deleted_raises_as_the_eager_step_before_anything_changes(name, options, key, device):
+    """LAMB's and LARS's own steps read these keys from the group (a KeyError when one is gone); the fused step read
+    them with defaults and went on, with bias correction back on. Now it raises the same KeyError, changing
+    nothing."""
+    import kitsune.optim
+
+    params = make_params([(4, 6), 5], torch.float32, device)
+    opt = KitsuneOptimizer(getattr(kitsune.optim, name)(params, lr=0.01, **options), enable_fusion=True)
+    for step in range(2):
+        for p, g in zip(params, random_grads(params, step), strict=True):
+            p.grad = g
+        if step == 1:
+            del opt.param_groups[0][key]
+            before = [p.detach().clone() for p in params]
+            with pytest.raises(KeyError, match=key):
+                opt.step()
+            assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+        else:
+            opt.step()
+            assert {b.route.value for b in opt.plan.buckets} == {"triton"}

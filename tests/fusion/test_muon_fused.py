@@ -418,3 +418,92 @@ def test_real_sizes_against_torch_muon():
     assert opt.plan.buckets[0].route is Route.TRITON_MATMUL
     _assert_within_band(params, ref_params, 20, [None] * 6, [LR] * 6)
     _assert_buffers_close(opt, ref)
+
+
+@INACTIVE
+def test_kitsune_muon_maximize_takes_its_own_step(device):
+    """kitsune.optim.Muon's ``maximize`` negates the grads in its own step; the fused kernels descend only, so such
+    a group takes that step (the plan says why), set from the start or between steps, and the params climb as the
+    eager optimizer's do."""
+    steps = 6
+
+    def groups(ps):
+        return [{"params": ps[:2], "maximize": True}, {"params": ps[2:]}]
+
+    ref_params, _ = trajectory(_kitsune_muon, K_SHAPES[:3], torch.float32, device, steps, groups=groups)
+    params, opt = trajectory(_kitsune_muon, K_SHAPES[:3], torch.float32, device, steps, fused=True, groups=groups)
+    routes = sorted((b.route.value, b.tensors) for b in opt.plan.buckets)
+    assert routes == [("base_step", 2), ("triton_matmul", 1)]
+    assert any("maximize=True" in b.reason for b in opt.plan.buckets)
+    for p, q in zip(params, ref_params, strict=True):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-5)
+    opt.param_groups[1]["maximize"] = True  # between steps: planned again
+    for p, g in zip(params, random_grads(params, steps), strict=True):
+        p.grad = g
+    opt.step()
+    assert {b.route.value for b in opt.plan.buckets} == {"base_step"}
+
+
+def test_kitsune_muon_adamw_groups_ignore_amsgrad_as_its_step_does(device):
+    """The eager step runs AdamW without amsgrad whatever the group says; so does the fused kernel."""
+    steps = 10
+
+    def groups(ps):
+        return [{"params": ps[:3]}, {"params": ps[3:], "use_muon": False, "lr": 1e-2, "amsgrad": True}]
+
+    ref_params, ref = trajectory(_kitsune_muon, K_SHAPES, torch.float32, device, steps, groups=groups)
+    params, opt = trajectory(_kitsune_muon, K_SHAPES, torch.float32, device, steps, fused=True, groups=groups)
+    assert {b.optimizer: b.route for b in opt.plan.buckets}["Muon/AdamW"] is Route.TRITON
+    for p, q in zip(params, ref_params, strict=True):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-5)
+    assert sorted(opt.state[params[3]]) == sorted(ref.state[ref_params[3]]) == ["exp_avg", "exp_avg_sq", "step"]
+
+
+def test_torch_muon_takes_2d_params_only_as_its_own_step(device):
+    """torch.optim.Muon rejects a param of other than two dims (kitsune's flattens it): the bucket goes to torch's
+    step, which raises its own error and leaves the params as it leaves them without kitsune."""
+    params = make_params([(16, 32), (16, 32)], torch.float32, device)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = KitsuneOptimizer(torch.optim.Muon(params, lr=LR), enable_fusion=True)
+    ref = torch.optim.Muon(twins, lr=LR)
+    for step in range(2):
+        if step == 1:
+            for ps, o in ((params, opt), (twins, ref)):
+                ps[1].data = ps[1].data.view(16, 4, 8)  # its state dropped: a new param as far as Muon knows
+                del o.state[ps[1]]
+        for ps in (params, twins):
+            for p, g in zip(ps, random_grads(ps, step), strict=True):
+                p.grad = g.view(p.shape)
+        if step == 0:
+            opt.step()
+            ref.step()
+            assert {b.route for b in opt.plan.buckets} == {Route.TRITON_MATMUL}
+            continue
+        for o in (opt, ref):
+            with pytest.raises(ValueError, match="2D"):
+                o.step()
+    assert {b.route for b in opt.plan.buckets} == {Route.BASE_STEP}
+    assert "3-D param in a Muon group" in opt.plan.buckets[0].reason
+    for p, t in zip(params, twins, strict=True):  # the fused first step's bf16 Newton-Schulz against torch's fp32
+        torch.testing.assert_close(p, t, atol=1e-3, rtol=0)
+
+
+def test_an_adjust_lr_fn_set_by_hand_that_muon_does_not_know_leaves_lr_as_torch(device):
+    """Checked when a group is added, not when set by hand later: torch's Muon then leaves lr as it is; kitsune's
+    eager and fused steps do the same."""
+    assert adjust_lr(0.1, "Original", (64, 64)) == 0.1 == 0.1 * muon_unit.adjust_ratio("Original", (64, 64))
+    assert adjust_lr(0.1, "match_rms_adamw", (64, 16)) == pytest.approx(0.1 * 0.2 * 8)
+    steps = 4
+
+    def groups(ps):
+        return [{"params": ps}]
+
+    def make(groups):
+        opt = _kitsune_muon(groups)
+        opt.param_groups[0]["adjust_lr_fn"] = "Original"
+        return opt
+
+    ref_params, _ = trajectory(make, [(32, 32)], torch.float32, device, steps, groups=groups)
+    params, opt = trajectory(make, [(32, 32)], torch.float32, device, steps, fused=True, groups=groups)
+    assert opt.plan.buckets[0].route is Route.TRITON_MATMUL
+    torch.testing.assert_close(params[0], ref_params[0], atol=1e-5, rtol=1e-5)
