@@ -9,7 +9,9 @@ import json
 import math
 import re
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -381,6 +383,15 @@ def test_load_profile_names_a_malformed_nested_record(opt, tmp_path, field, valu
     assert str(info.value) == f"{tmp_path / 'p.json'} {expected}"
 
 
+def _writers(opt) -> dict[str, Callable[[Any], Any]]:
+    """The three writers of the profiler's files, each taking a path."""
+    return {
+        "save_profile": opt.save_profile,
+        "export_chrome_trace": opt.export_chrome_trace,
+        "write_html": lambda p: write_html(build_profile(opt), p),
+    }
+
+
 @pytest.mark.parametrize(
     ("name", "problem"),
     [
@@ -399,13 +410,8 @@ def test_writers_refuse_a_bad_path_before_writing(opt, tmp_path, monkeypatch, wr
     (tmp_path / "adir").mkdir()
     (tmp_path / "afile").write_text("")
     path = tmp_path / name if name else ""
-    writers = {
-        "save_profile": opt.save_profile,
-        "export_chrome_trace": opt.export_chrome_trace,
-        "write_html": lambda p: write_html(build_profile(opt), p),
-    }
     with pytest.raises(ValueError) as info:
-        writers[write](path)
+        _writers(opt)[write](path)
     assert str(info.value) == problem.format(p=path, d=tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "afile"] and not any((tmp_path / "adir").iterdir())
 
@@ -419,13 +425,8 @@ UNWRITABLE = "/proc/kitsune-no-such-dir/out.json"
 def test_writers_turn_an_os_error_into_one_line(opt, write):
     """Where making the folder or the file fails although the permissions allow it (root, a read-only mount), the
     writers raise the promised one-line ValueError naming the path, the reason and the fix, not the OSError."""
-    writers = {
-        "save_profile": opt.save_profile,
-        "export_chrome_trace": opt.export_chrome_trace,
-        "write_html": lambda p: write_html(build_profile(opt), p),
-    }
     with pytest.raises(ValueError) as info:
-        writers[write](UNWRITABLE)
+        _writers(opt)[write](UNWRITABLE)
     assert str(info.value) == (
         f"{UNWRITABLE}: cannot create {Path(UNWRITABLE).parent} (No such file or directory): name a path in a "
         "folder this user can write"
