@@ -32,6 +32,7 @@ from kitsune.fusion.units import FusedUnit
 from kitsune.kernels.coefficients import MUON_COEFFICIENTS
 from kitsune.kernels.multi_tensor import DEFAULT_BLOCK
 from kitsune.kernels.spec import MuonSpec
+from kitsune.optim.muon import adjust_lr
 
 Members = Sequence[tuple[int, torch.Tensor]]  # (group index, param)
 
@@ -42,13 +43,9 @@ def matrix_shape(p: torch.Tensor) -> tuple[int, int]:
 
 
 def adjust_ratio(adjust_lr_fn: str | None, shape: tuple[int, int]) -> float:
-    """torch.optim.Muon's factor on lr for an ``(A, B)`` matrix (1.0 for a function it does not know)."""
-    a, b = shape
-    if adjust_lr_fn in (None, "original"):
-        return math.sqrt(max(1, a / b)) if b else 1.0
-    if adjust_lr_fn == "match_rms_adamw":
-        return 0.2 * math.sqrt(max(a, b))
-    return 1.0
+    """torch.optim.Muon's factor on lr for an ``(A, B)`` matrix: the eager step's `kitsune.optim.muon.adjust_lr` of
+    lr 1 (1.0 for a function it does not know), and 1.0 for a matrix without columns, whose update is empty."""
+    return adjust_lr(1.0, adjust_lr_fn, shape) if shape[1] else 1.0
 
 
 def shape_launches(params: Sequence[torch.Tensor], steps: int) -> dict[tuple[int, int], int]:
