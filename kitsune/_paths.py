@@ -5,9 +5,12 @@ Checked before any work, so a bad path costs one line and exit code 2, not a tra
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 def _stat(path: Path, out: Path) -> os.stat_result | None:
@@ -87,33 +90,38 @@ def check_output_path(path: str | os.PathLike[str]) -> Path:
     missing directories and opens the file, then removes what it made: nothing is left behind, and an existing file
     is not changed.
     """
-    out = _refuse(path)
-    made = _make_folders(out)
-    existed = out.exists()
-    try:
+
+    def touch(out: Path, existed: bool) -> None:
         with open(out, "a" if existed else "x", encoding="utf-8"):  # "a": an existing file is not truncated
             pass
-        if not existed:
-            out.unlink()
-    except OSError as exc:
-        _remove(made)
-        raise _failed(out, exc) from exc
-    _remove(made)
-    return out
+
+    return _make(path, touch, keep=False)
 
 
 def write_output(path: str | os.PathLike[str], text: str) -> Path:
     """Write ``text`` (UTF-8) to ``path``, making its missing directories. A path nothing can be written at (what
     `check_output_path` refuses, or one where making a directory or writing fails) is a ValueError of one line naming
     the path, the reason and the fix; then the directories made and a file begun are removed. Returns the path."""
+    return _make(path, lambda out, _: out.write_text(text, encoding="utf-8"), keep=True)
+
+
+def _make(path: str | os.PathLike[str], write: Callable[[Path, bool], Any], keep: bool) -> Path:
+    """``write(out, existed)`` at ``path`` after `_refuse` and with its missing folders made; an OSError is the
+    one-line ValueError, with the folders made and a file begun removed. ``keep=False`` (a check): what was made is
+    removed afterwards too."""
     out = _refuse(path)
     made = _make_folders(out)
     existed = out.exists()
     try:
-        out.write_text(text, encoding="utf-8")
+        write(out, existed)
+        if not (keep or existed):
+            out.unlink()
     except OSError as exc:
         if not existed:
-            out.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # (the one line below says what failed)
+                out.unlink(missing_ok=True)
         _remove(made)
         raise _failed(out, exc) from exc
+    if not keep:
+        _remove(made)
     return out
