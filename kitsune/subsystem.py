@@ -190,6 +190,7 @@ class NoFusion(PlaceholderSubsystem):
     """The fused executor where fusion is off or cannot run here: it owns no param and runs nothing."""
 
     executes = False
+    watches = False
     trust = False
     consumes_found_inf = True
     plan_version = 0
@@ -210,8 +211,6 @@ class NoFusion(PlaceholderSubsystem):
 
     def owned_params(self) -> list[torch.Tensor]:
         return []
-
-    watches = False
 
     def needs_replan(self) -> bool:
         return False
