@@ -1,5 +1,5 @@
 """The norm pass alone (kitsune.kernels.norms.MultiTensorNorm) on a parameter set of ``kitsune bench``: device time
-per launch against the floor of reading every grad once, for a few block sizes and warp counts; with ``--clip``
+per launch against the floor of reading every grad once, for a few block sizes, tiles and warp counts; with ``--clip``
 also the clip launch (``MultiTensorNorm.clip_``, a read and a write of every grad) against its floor.
 
 python benchmarks/norm-sweep.py --set gpt2                 # on a GPU
@@ -21,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--blocks", default="2048,4096,8192,16384")
     parser.add_argument("--warps", default="4,8")
+    parser.add_argument("--tiles", default=None, help="NORM_TILE values to try (default: the module's)")
     parser.add_argument("--reps", type=int, default=100)
     parser.add_argument("--reduce-blocks", default=None, help="REDUCE_BLOCK values to try (default: the module's)")
     parser.add_argument("--clip", action="store_true", help="also time the clip launch")
@@ -63,23 +64,31 @@ def main(argv: list[str] | None = None) -> int:
     if args.reduce_blocks:
         reduce_blocks = [int(r) for r in args.reduce_blocks.split(",")]
     out = torch.zeros((), device=device)
-    for rblock in reduce_blocks:
+    tiles = [norms_module.NORM_TILE] if not args.tiles else [int(t) for t in args.tiles.split(",")]
+    configs = [
+        (rblock, tile, block, warps)
+        for rblock in reduce_blocks
+        for tile in tiles
+        for block in map(int, args.blocks.split(","))
+        for warps in map(int, args.warps.split(","))
+        if tile <= block
+    ]
+    for rblock, tile, block, warps in configs:
         norms_module.REDUCE_BLOCK = rblock
-        for block in map(int, args.blocks.split(",")):
-            for warps in map(int, args.warps.split(",")):
-                label = f"  block {block:6d} warps {warps:2d} reduce {rblock:5d}:"
-                norm = MultiTensorNorm(numels, device, block=block, num_warps=warps)
-                got = norm(grads).total
-                torch.testing.assert_close(got, want, rtol=1e-4, atol=0)
-                if device.type != "cuda":
-                    print(label, "ok")
-                    continue
-                ms = timed(norm.launch)
-                line = f"{label} norm {ms:.4f} ms ({floor_ms / ms:.0%} of the floor)"
-                if args.clip:
-                    clip_ms = timed(lambda norm=norm: norm.clip_(1e30, out))  # a coefficient of 1: grads unchanged
-                    line += f", clip {clip_ms:.4f} ms ({2 * floor_ms / clip_ms:.0%})"
-                print(line)
+        norms_module.NORM_TILE = tile  # read when a MultiTensorNorm is made
+        label = f"  block {block:6d} tile {tile:5d} warps {warps:2d} reduce {rblock:5d}:"
+        norm = MultiTensorNorm(numels, device, block=block, num_warps=warps)
+        got = norm(grads).total
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=0)
+        if device.type != "cuda":
+            print(label, "ok")
+            continue
+        ms = timed(norm.launch)
+        line = f"{label} norm {ms:.4f} ms ({floor_ms / ms:.0%} of the floor)"
+        if args.clip:
+            clip_ms = timed(lambda norm=norm: norm.clip_(1e30, out))  # a coefficient of 1: grads unchanged
+            line += f", clip {clip_ms:.4f} ms ({2 * floor_ms / clip_ms:.0%})"
+        print(line)
     return 0
 
 
