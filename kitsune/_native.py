@@ -50,7 +50,7 @@ SOURCE = r"""
 #include <vector>
 
 // params[i] sits at table[i] (what: 0 or 1) and its grad (dense) at table[n + i] (what: 1 or 2; 2 leaves out the
-// params, which the step checked before), each contiguous, of dtype and of table[2n + i] elements, the param of the
+// params, which the step checked before), each contiguous, of dtype and of table[2n + i] elements, both of the
 // shape whose `shape_key` is table[3n + i] (table: 4n int64 on the CPU): a tensor re-strided, re-typed, resized or
 // reshaped where it sat (``p.data = p.data.t()``, ``p.data = p.data.view(...)``, a grad of another layout in a
 // block the allocator handed out again) is a change as much as a move. Anything else answers false.
@@ -117,7 +117,7 @@ bool unchanged(py::list params, const at::Tensor& table, int64_t what, at::Scala
       __builtin_prefetch(grads[i]->unsafe_storage().unsafeGetStorageImpl());
     }
     for (Py_ssize_t i = 0; check_grads && i < n; ++i) {  // the grads' addresses
-      if (!same_layout(grads[i], dtype, numels[i])) return false;
+      if (!same_layout(grads[i], dtype, numels[i]) || shape_key(grads[i]) != shapes[i]) return false;
       if (reinterpret_cast<int64_t>(grads[i]->data()) != want[n + i]) return false;
     }
   } catch (...) {  // a tensor without storage, or any other surprise: the full check sorts it out
@@ -156,7 +156,7 @@ static PyObject* slot_attr(PyObject* obj, PyObject* name) {
 
 // FSDP2: params[i] (a DTensor) still holds locals[i] as its local shard, which sits at table[i], and, with grads,
 // its grad's local shard sits at table[n + i]; each shard contiguous, of dtype and of table[2n + i] elements, the
-// param's of the shape keyed table[3n + i].
+// param's and its grad's of the shape keyed table[3n + i].
 // Anything else answers false. Right after backward these
 // objects are out of the CPU's caches, so the reads go in passes over every param, each pass's reads independent of
 // one another: the CPU waits for many misses at once, not for one param's chain of them after another's.
@@ -209,6 +209,7 @@ bool unchanged_local(py::list params, py::list locals, const at::Tensor& table, 
     for (Py_ssize_t i = 0; grads && i < n; ++i) {
       const at::Tensor& t = THPVariable_Unpack(grad_locals[i].ptr());
       if (!t.defined() || !same_layout(t.unsafeGetTensorImpl(), dtype, numels[i])) return false;
+      if (shape_key(t.unsafeGetTensorImpl()) != shapes[i]) return false;
       if (reinterpret_cast<int64_t>(t.const_data_ptr()) != want[n + i]) return false;
     }
   } catch (...) {  // a tensor without storage, or any other surprise: the full check sorts it out

@@ -89,8 +89,11 @@ class GradPass:
         if self._shard.active:
             self._shard.begin(s)
         fused = s.fused_grads = self._fusable and not s.baseline
-        if self._scaler is not None:
-            self._scaler.check_scaled()
+        scaler = self._scaler
+        if scaler is not None and not scaler.loss_scaled and _every_lr_zero(groups):
+            s.unscaled, scaler = True, None  # torch.distributed.checkpoint's state init: no loss, nothing to unscale
+        if scaler is not None:
+            scaler.check_scaled()
         clip = self.config.max_norm
         if clip is not None and not fused:
             _refuse_sparse(self._params(groups))
@@ -99,8 +102,8 @@ class GradPass:
             s.found_inf = handoff[1]
         if fused:
             s.max_norm = clip
-            if self._scaler is not None:
-                s.grad_scale, s.check_inf = self._scaler.scale, True
+            if scaler is not None:
+                s.grad_scale, s.check_inf = scaler.scale, True
             elif handoff is not None:
                 s.grad_scale = handoff[0]
         s.grad_write = 2 if self.config.zero_in_step else int(fused and (s.grad_scale is not None or clip is not None))
@@ -120,7 +123,7 @@ class GradPass:
             unscale_and_check(
                 self._dense_grads(groups), handoff_scale.double().reciprocal().float(), s.found_inf.clone()
             )
-        if self._scaler is not None:
+        if self._scaler is not None and not s.unscaled:
             grads = self._shard.owned_grads() if self._shard.active else self._dense_grads(groups)
             s.found_inf = self._scaler.unscale(grads)
         if s.reduce is not None and s.found_inf is not None:  # an overflow on any rank skips the step on all
@@ -301,3 +304,13 @@ def _versions(grads: Sequence[torch.Tensor | None]) -> list[int]:
         return list(map(_VERSION, grads))
     except AttributeError:  # a None grad
         return [-1 if g is None else g._version for g in grads]
+
+
+def _every_lr_zero(groups: list[dict[str, Any]]) -> bool:
+    """Whether every group's lr is 0 (a tensor lr read on the host: only asked of a step whose loss was not
+    scaled, which otherwise raises)."""
+    try:
+        lrs = [float(g["lr"]) for g in groups if "lr" in g]
+    except (TypeError, ValueError, RuntimeError):
+        return False
+    return bool(lrs) and all(lr == 0.0 for lr in lrs)

@@ -55,6 +55,16 @@ class _Shared:
         setattr(obj._optimizer, self.name, value)
 
 
+class _SharedState(_Shared):
+    """The wrapped optimizer's ``state``, read after the lazy state of steps AMP skipped on the device is gone
+    (`kitsune.fusion.FusionSubsystem.settle_skips`): what a reader sees is what torch's skipped step leaves."""
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is not None and "_fusion" in obj.__dict__:
+            obj._fusion.settle_skips()
+        return super().__get__(obj, owner)
+
+
 class KitsuneOptimizer(torch.optim.Optimizer):
     """Wrap ``optimizer`` and run its step through kitsune's subsystems.
 
@@ -149,7 +159,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
 
     # the wrapped optimizer's own objects, read and written through the wrapper
     param_groups: list[dict[str, Any]] = _Shared()  # type: ignore[assignment]
-    state: Any = _Shared()
+    state: Any = _SharedState()
     defaults: dict[str, Any] = _Shared()  # type: ignore[assignment]
 
     # -- public properties --------------------------------------------------------------------------------------
@@ -272,6 +282,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
     step.__signature__ = inspect.signature(torch.optim.Optimizer.step)  # type: ignore[attr-defined]
 
     def _step(self, *args: Any, **kwargs: Any) -> Any:
+        self._fusion.settle_skips()  # a skipped step's lazy state goes before hooks or a plan see it
         profiling = self._profiler.active
         s = StepState(self._step_count + 1, profiling and self._baseline_now())
         if profiling:
@@ -342,7 +353,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         return loss
 
     def _finish(self, s: StepState) -> None:
-        if self.config.amp.scales_loss:
+        if self.config.amp.scales_loss and not s.unscaled:
             self._amp.finish(s.found_inf, scale_updated=s.graphed)
         if self._shard.active:
             self._shard.finish()
@@ -394,11 +405,19 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         self._grads.zero_grad(self._optimizer, set_to_none, self._zero_grad_profile_name)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a param group to the wrapped optimizer (its defaults fill the gaps) and re-plan."""
+        """Add a param group to the wrapped optimizer (its defaults fill the gaps) and re-plan; a group the plan
+        cannot take (a switch of the wrong type, ``momentum="0.9"``) is removed again before the error is raised."""
         if not hasattr(self, "_optimizer"):  # called by torch internals before __init__ finished
             raise RuntimeError("KitsuneOptimizer is not initialised yet")
+        groups = self._optimizer.param_groups
+        count = len(groups)
         self._optimizer.add_param_group(param_group)
-        self._replan()
+        try:
+            self._replan()
+        except BaseException:
+            del groups[count:]
+            self._replan()  # the plan of the groups as they were
+            raise
 
     # -- checkpoints and copies ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
@@ -406,6 +425,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         state of FSDP2 params is decoded into torch's keys as fp32 DTensors, as torch keeps FSDP2 state (see
         `kitsune.fusion.state_format.for_checkpoint`)."""
         self._shard.wait_params()  # a checkpoint saves the model's params next to it
+        self._fusion.settle_skips()
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
         sd = self._optimizer.state_dict()
@@ -430,6 +450,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
                 f"load_state_dict takes the dict state_dict() returned, got {type(state_dict).__name__}: for a file, "
                 "load it first (optimizer.load_state_dict(torch.load(path)['optimizer']), say)"
             )
+        self._fusion.settle_skips()  # before the state is replaced: a later settle would drop loaded state
         sd = self._shard.filter_load(dict(state_dict))  # a sharded run keeps its own share
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             out = hook(self, sd)
@@ -448,11 +469,12 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             # kitsune checks what torch's load does not, for every param, before anything binds or decodes it
             state_format.check_loaded(base.state)  # 8-bit state
             algos.check_loaded(base)  # the algorithm's state: tensors of the params' shapes, numeric step counts
+            self._replan()  # a loaded group the planner cannot read (momentum="0.9") raises here
         except BaseException:
             base.state, base.param_groups = before
+            self._replan()  # the plan of the state as it was
             raise
         self._load_own_state(ours)
-        self._replan()
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
@@ -463,6 +485,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         self._shard.wait_params()  # a copy holds the params as they are
+        self._fusion.settle_skips()
         ours = checkpoint.own_state(self._subsystems, self._step_count)
         return {"optimizer": self._optimizer, "config": self.config, "kitsune": ours}
 

@@ -82,6 +82,10 @@ class StepState:
     """Params whose grads the fused update zeroed (``zero_in_step``)."""
     external_scaler: bool = False
     """A user's ``torch.amp.GradScaler`` handed this step its ``grad_scale`` and ``found_inf``."""
+    unscaled: bool = False
+    """float16 AMP, a step whose loss was not scaled while every group's lr is 0, as the step with zero grads that
+    torch.distributed.checkpoint's state-dict helpers run to make an empty optimizer's state: it runs without the
+    loss scaler (nothing unscaled, no scale update), as the plain optimizer takes it."""
 
 
 class Accumulation:
@@ -211,6 +215,9 @@ class NoFusion(PlaceholderSubsystem):
 
     def owned_params(self) -> list[torch.Tensor]:
         return []
+
+    def settle_skips(self) -> None:
+        """Nothing fused, no lazy state of a skipped step to remove."""
 
     def needs_replan(self) -> bool:
         return False

@@ -95,6 +95,11 @@ class AMPSubsystem(Subsystem):
             setattr(self, name, getattr(self, name).to(device))
 
     # -- the step (float16 only; kitsune.grads calls these) ---------------------------------------------------------
+    @property
+    def loss_scaled(self) -> bool:
+        """Whether the grads this step reads came from a loss scaled by ``optimizer.backward``."""
+        return self._loss_scaled
+
     def check_scaled(self) -> None:
         """Raise, before the step changes anything, when this step's loss was not scaled."""
         if not self._loss_scaled:
@@ -186,13 +191,19 @@ class AMPSubsystem(Subsystem):
             return
         try:
             scale, tracker = float(state["scale"]), int(state["growth_tracker"])
+            skipped = int(state.get("skipped_steps", 0))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(
                 f"the loss scaler's saved state is unreadable ({type(exc).__name__}: {exc}): it needs a numeric "
-                "'scale' and 'growth_tracker', as state_dict() writes them"
+                "'scale', 'growth_tracker' and 'skipped_steps', as state_dict() writes them"
             ) from None
-        if not 0 < scale < float("inf") or tracker < 0:
-            raise ValueError(f"the loss scaler's saved state holds scale={scale}, growth_tracker={tracker}")
+        # the device holds the tracker as int32 and the skipped steps as int64
+        if not 0 < scale < float("inf") or not 0 <= tracker < 2**31 or not 0 <= skipped < 2**63:
+            raise ValueError(
+                f"the loss scaler's saved state holds scale={scale}, growth_tracker={tracker}, "
+                f"skipped_steps={skipped}: a scale must be positive and finite, the counts whole numbers from 0 "
+                "(the growth tracker below 2**31)"
+            )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not self.scaling or not state:

@@ -511,11 +511,28 @@ def _init_low(
             state[name] = alloc(name).copy_(state[name])
 
 
+def group_specs(info: AlgoInfo, groups: list[dict[str, Any]]) -> tuple[Any, ...]:
+    """Each group's kernel switches (`AlgoInfo.spec`); a switch of a type they cannot be read from (``momentum="0.9"``)
+    raises ``TypeError`` naming the group, before anything changes (a missing key raises ``KeyError`` as the
+    optimizer's own step does)."""
+    specs = []
+    for i, g in enumerate(groups):
+        try:
+            specs.append(info.spec(g))
+        except (TypeError, ValueError) as exc:
+            raise TypeError(
+                f"kitsune: param group {i} of {info.name} holds a switch of a type its step cannot read "
+                f"({type(exc).__name__}: {exc}): give it a number or a bool, as torch.optim takes it. Nothing was "
+                "changed."
+            ) from exc
+    return tuple(specs)
+
+
 def trust_ratios(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer`` scales updates by per-tensor trust ratios (LAMB, LARS): those need one norm pass over
     every grad before the first update."""
     info = ALGOS.get(type(optimizer))
-    return info is not None and any(info.spec(g).trust for g in optimizer.param_groups)
+    return info is not None and any(spec.trust for spec in group_specs(info, optimizer.param_groups))
 
 
 def unit_info(info: AlgoInfo | None, spec: Any) -> AlgoInfo | None:
@@ -534,8 +551,7 @@ def check_loaded(base: torch.optim.Optimizer) -> None:
     if info is None:
         return
     state = base.state
-    for g in base.param_groups:
-        spec = info.spec(g)
+    for g, spec in zip(base.param_groups, group_specs(info, base.param_groups), strict=True):
         algo = unit_info(info, spec)
         for p in g["params"]:
             s = state.get(p)

@@ -94,6 +94,9 @@ class FusionSubsystem(Subsystem):
         self._handed_over: list[tuple[dict[str, Any], str, torch.device]] = []
         self._prepared: list[FusedUnit] = []
         """The units this step's `prepare` went through (whose lazy state `undo` removes)."""
+        self._pending_skips: list[tuple[list[torch.Tensor], torch.Tensor, Any]] = []
+        """Steps that created lazy state and may have been skipped by AMP on the device: the params, a pinned copy
+        of the overflow flag, the event after which it holds (`settle_skips`)."""
         self._trust = False
         self._offsets: list[int] = []
         self._norm: Any = None
@@ -231,6 +234,8 @@ class FusionSubsystem(Subsystem):
                 self._prepared = [*self._units, *self._muon]
                 live = [unit for unit in self._prepared if unit.prepare(state, groups)]
         self.forget_checks()
+        if s.grad_write == 1:  # unscaled or clipped, left in the grads (zeroed ones are zeroed in place)
+            self._refuse_overlapping()
         units = (*self._units, *self._muon)
         unhandled = [p for unit in units for p in unit.unhandled]
         for shadow in self._shadows:
@@ -267,6 +272,23 @@ class FusionSubsystem(Subsystem):
             if self._needs_norm(s):
                 self._bind_norm()
         return live
+
+    def _refuse_overlapping(self) -> None:
+        """Raise before anything changes for a grad whose elements share memory (``.expand()``) on a step that
+        leaves the grads unscaled or clipped (AMP, ``max_grad_norm``): the kernels read a contiguous copy, and what
+        they write could not be copied back (torch's ``clip_grad_norm_`` and ``GradScaler.unscale_`` raise on such a
+        grad too)."""
+        for unit in self._units:
+            g = unit.overlapping_grad
+            if g is not None:
+                self.undo()
+                raise ValueError(
+                    f"kitsune: a grad of shape {tuple(g.shape)} and strides {g.stride()} has elements that share "
+                    "memory (made by .expand()?): with float16 loss scaling or max_grad_norm the step writes every "
+                    "grad back unscaled or clipped, which such a grad cannot take (torch's clip_grad_norm_ and "
+                    "GradScaler.unscale_ refuse it too). Give the param a grad of its own memory "
+                    "(p.grad = p.grad.clone()). Nothing was updated."
+                )
 
     def _refuse_mixed(self, units: tuple[FusedUnit, ...]) -> None:
         """Raise before anything changes for a grad of another dtype than its param (``p.grad_dtype``) that a unit
@@ -307,6 +329,44 @@ class FusionSubsystem(Subsystem):
                 state.pop(p, None)
         self._prepared = []
         self.forget_checks()
+
+    def _note_skip(self, s: StepState) -> None:
+        """A step whose prepare created the lazy state of params on their first grad, with AMP's overflow flag on the
+        device: if the flag skipped the update, that state must go again, as torch's skipped step never creates it
+        (a checkpoint would hold zero moments, and an SGD ``momentum_buffer`` that torch's next step takes for one
+        already started). The flag is copied to the host behind the launch, without a sync; `settle_skips` reads it
+        before anything else looks at the state. On the CPU it is read at once."""
+        found_inf = s.found_inf
+        created = [p for unit in self._prepared for p in unit.created]
+        if found_inf is None or not created:
+            return
+        if not found_inf.is_cuda:
+            if found_inf.item():
+                self._drop_state(created)
+            return
+        if torch.cuda.is_current_stream_capturing():
+            return
+        flag = torch.empty((), dtype=found_inf.dtype, pin_memory=True)
+        flag.copy_(found_inf.reshape(()), non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self._pending_skips.append((created, flag, done))
+
+    def settle_skips(self) -> None:
+        """Remove the state that steps skipped by AMP's overflow flag created (`_note_skip`): at the next step, and
+        before the state is read through the optimizer (``state``, ``state_dict``, a load, a copy). Waits only for
+        those steps' own work, long done by the next step."""
+        pending, self._pending_skips = self._pending_skips, []
+        for created, flag, done in pending:
+            done.synchronize()
+            if flag.item():
+                self._drop_state(created)
+
+    def _drop_state(self, params: list[torch.Tensor]) -> None:
+        """Remove ``params``' state (the units bound to it see it freed and plan again at the next step)."""
+        state = self._base.state
+        for p in params:
+            state.pop(p, None)
 
     def run_fallbacks(self, s: StepState) -> None:
         """torch's fused/foreach steps for the buckets routed to them (``found_inf`` skips the fused route on the
@@ -451,9 +511,10 @@ class FusionSubsystem(Subsystem):
         grad_write = s.grad_write if live else 0
         for unit in live:
             if grad_write:
-                unit.copy_back()
+                unit.copy_back(zeroed=grad_write == 2)
         if grad_write == 2:
             s.zeroed = [p for unit in live for p in unit.params]
+        self._note_skip(s)
         if launches is None:
             launches, self._launches_last_launch = (self._launches_last_launch if live else 0), 0
         self._count_step(launches)

@@ -29,7 +29,7 @@ import torch
 from kitsune.config import FusionConfig, GradConfig, StreamConfig
 from kitsune.distributed import fsdp
 from kitsune.fusion import muon_unit, state_format
-from kitsune.fusion.algos import ALGOS, OWN_STEP, AlgoInfo, unit_info
+from kitsune.fusion.algos import ALGOS, OWN_STEP, AlgoInfo, group_specs, unit_info
 from kitsune.fusion.plan import BucketPlan, CostModel, Plan, Route
 from kitsune.fusion.units import FusedUnit, TorchShadow
 from kitsune.kernels.codes import QUANT_BLOCK
@@ -119,7 +119,7 @@ class Planner:
         units' size in bytes of params when updates run inside backward, else None."""
         groups = base.param_groups
         info = ALGOS.get(type(base))
-        specs = tuple(info.spec(g) for g in groups) if info else ()
+        specs = group_specs(info, groups) if info else ()
         whole = self._optimizer_reason(base, info)
         mesh: list[Any] = []  # the one device mesh of the FSDP2 params the fused kernel takes
         buckets: dict[tuple, Members] = defaultdict(list)
@@ -472,7 +472,8 @@ def group_switches(info: AlgoInfo | None, groups: list[dict[str, Any]]) -> tuple
     The fused executor compares them with the plan's every step."""
     if info is None:
         return ()
-    return tuple((info.spec(g), _group_reason(g) is not None) for g in groups)
+    specs = group_specs(info, groups)
+    return tuple((spec, _group_reason(g) is not None) for spec, g in zip(specs, groups, strict=True))
 
 
 def _group_reason(g: dict[str, Any]) -> tuple[Route, str] | None:

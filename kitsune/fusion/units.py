@@ -153,6 +153,16 @@ class FusedUnit:
         return not self._state_intact.ok
 
     @property
+    def overlapping_grad(self) -> torch.Tensor | None:
+        """A grad the kernels read through a contiguous copy whose elements share memory (``.expand()``: a
+        stride 0 over a size above 1), or None: a step that writes the grads unscaled or clipped could not copy them
+        back into it, as torch's ``clip_grad_norm_`` and ``GradScaler.unscale_`` cannot write it."""
+        for grad, _ in self._copied:
+            if any(st == 0 and n > 1 for st, n in zip(grad.stride(), grad.shape, strict=True)):
+                return grad
+        return None
+
+    @property
     def copies_grads(self) -> bool:
         """Whether this step's grads stand in as contiguous copies (non-contiguous grads): new every step, so the
         launch cannot be replayed from a CUDA graph."""
@@ -359,8 +369,8 @@ class FusedUnit:
         if DEAD not in ptrs:
             return self._layout_holds(grads)  # type: ignore[arg-type]
         return all(
-            g.is_contiguous() and g.dtype == self.dtype and g.numel() == n
-            for g, a, n in zip(grads, ptrs, self.numels, strict=True)
+            g.is_contiguous() and g.dtype == self.dtype and g.shape == shape
+            for g, a, shape in zip(grads, ptrs, self.shapes, strict=True)
             if a != DEAD and g is not None
         )
 
@@ -369,12 +379,13 @@ class FusedUnit:
         return list(map(fsdp.LOCAL, tensors)) if self.sharded else tensors
 
     def _check_sizes(self, grads: list[torch.Tensor | None], ptrs: list[int]) -> None:
-        """Raise, before anything changes, where a grad the kernels would read has another size than its param (the
-        kernels read and write a param's numel of it): ``p.data`` resized after backward, a grad set by hand."""
-        if not ptrs.count(DEAD) and list(map(_NUMEL, grads)) == self.numels:  # type: ignore[arg-type]
+        """Raise, before anything changes, where a grad the kernels would read has another shape than its param (the
+        kernels read and write a param's numel of it, element for element): ``p.data`` resized after backward, a
+        grad set by hand (one of the same numel but another shape too: torch's step raises on it)."""
+        if not ptrs.count(DEAD) and list(map(_SHAPE, grads)) == self.shapes:  # type: ignore[arg-type]
             return
         for i, (g, a) in enumerate(zip(grads, ptrs, strict=True)):
-            if a != DEAD and g is not None and g.numel() != self.numels[i]:
+            if a != DEAD and g is not None and g.shape != self.shapes[i]:
                 p = fsdp.local(self.params[i])
                 raise ValueError(
                     f"kitsune: a param of shape {tuple(p.shape)} (in param group {self.group_index[i]}) has a grad "
@@ -391,11 +402,17 @@ class FusedUnit:
         grads = list(map(_GRAD, self.params))
         return [None if g is None else g._local_tensor for g in grads] if self.sharded else grads
 
-    def copy_back(self) -> None:
-        """After a launch that wrote the grads (unscaled, clipped or zeroed): copy what it wrote into contiguous
-        stand-ins back into the non-contiguous grads they stand for."""
-        for grad, copy in self._copied:
-            grad.copy_(copy)
+    def copy_back(self, zeroed: bool) -> None:
+        """After a launch that wrote the grads (unscaled or clipped; ``zeroed``: zeroed): write what it wrote into
+        contiguous stand-ins into the non-contiguous grads they stand for, with autograd off as an optimizer's step
+        writes (a grad that is a view of a leaf that requires grad takes it). Zeroed grads are zeroed in place,
+        which a grad whose elements share memory takes too (``zero_grad(set_to_none=False)`` does the same)."""
+        with torch.no_grad():
+            for grad, copy in self._copied:
+                if zeroed:
+                    grad.zero_()
+                else:
+                    grad.copy_(copy)
 
     def _slow_ptrs(self, grads: list[torch.Tensor | None]) -> list[int]:
         if {self.dtype, None} >= {None if g is None else g.dtype for g in grads}:

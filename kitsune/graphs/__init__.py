@@ -140,6 +140,8 @@ class GraphSubsystem(Subsystem):
             why = "the profiler's baseline step"
         elif s.external_scaler:
             why = "a user's GradScaler hands a new found_inf every step"
+        elif s.unscaled:
+            why = "an unscaled step at lr 0 (torch.distributed.checkpoint's state init) runs without the scaler"
         elif any(unit.copies_grads for unit in live):
             why = "non-contiguous grads are copied every step"
         if why is not None:

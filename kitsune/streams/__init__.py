@@ -234,7 +234,7 @@ class StreamScheduler(Subsystem):
         else:
             self._run(index, unit, ctx, graph)
         if ctx.grad_write:
-            unit.copy_back()
+            unit.copy_back(zeroed=ctx.grad_write == 2)
         self._launched.add(index)
 
     def _run(self, index: int, unit: Any, ctx: StepState, graph: Any) -> None:

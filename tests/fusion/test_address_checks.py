@@ -193,9 +193,9 @@ def test_native_checks_can_be_switched_off(device):
 
 
 def test_the_native_check_builds_here_and_refuses_what_it_cannot_read():
-    """CI has a compiler: the build must succeed there. Its contract: True by address, layout, dtype and size; False
-    (never an error or a crash) for a None or sparse grad, a non-tensor, a table of the wrong size or dtype, and a
-    tensor re-strided, re-typed or resized where it sat."""
+    """CI has a compiler: the build must succeed there. Its contract: True by address, layout, dtype, size and shape;
+    False (never an error or a crash) for a None or sparse grad, a non-tensor, a table of the wrong size or dtype, and
+    a tensor re-strided, re-typed, resized or reshaped where it sat (a grad too: it must have its param's shape)."""
     checks = _native.wait(timeout=600)
     assert checks is not None, _native.reason()
     f32 = torch.float32
@@ -222,8 +222,12 @@ def test_the_native_check_builds_here_and_refuses_what_it_cannot_read():
     assert not any(checks.unchanged(ps, resized, what, f32) for what in (0, 1, 2))
     reshaped = table.clone()
     reshaped[10] = _native.shape_key((2, 2))  # the plan's shape of ps[1]: the param's own is (4,)
-    assert not any(checks.unchanged(ps, reshaped, what, f32) for what in (0, 1))
-    assert checks.unchanged(ps, reshaped, 2, f32)  # the grads alone: the params' shapes were checked before
+    assert not any(checks.unchanged(ps, reshaped, what, f32) for what in (0, 1, 2))  # a grad has the param's shape
+    g = ps[1].grad
+    ps[1].grad.data = g.data.view(2, 2)  # the grad reshaped where it sits: the param's numel, not its shape
+    assert not any(checks.unchanged(ps, table, what, f32) for what in (1, 2)) and checks.unchanged(ps, table, 0, f32)
+    ps[1].grad.data = g.data.view(4)
+    assert checks.unchanged(ps, table, 2, f32)
     ps[1].grad = torch.randn(4).to_sparse()
     assert not checks.unchanged(ps, table, True, f32) and checks.unchanged(ps, table, False, f32)
     ps[1].grad = None

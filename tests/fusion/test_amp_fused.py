@@ -168,3 +168,107 @@ def test_users_grad_scaler_after_unscale_skips_an_overflow_for_sparse_grads_too(
     for a, b in zip(ours, ref, strict=True):
         assert torch.isfinite(a).all()
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, dampening=0.5),
+        lambda ps: torch.optim.Adam(ps, lr=1e-2),
+    ],
+    ids=["sgd_dampening", "adam"],
+)
+@pytest.mark.parametrize("scaler", ["grad_scaler", "kitsune_amp"])
+def test_a_skipped_step_creates_no_state(make_opt, scaler, device):
+    """An overflow on a param's first step: torch's skipped step never makes its state; the fused step made it
+    before the device-side skip and kept it (zero moments in the checkpoint; an SGD momentum_buffer that torch's
+    next step, after a load, took for one already started). The lazy state goes with the skip: the state and the
+    checkpoint are torch's, and the plain optimizer resumed from the checkpoint steps as torch's own."""
+    steps, overflow = 6, {0, 3}
+    model = small_model(device=device)
+    twin = small_model(device=device)
+    late = list(model.parameters())[-1]  # gets its first grad at step 3, an overflowing step too
+    cfg = AMPConfig(dtype=torch.float16, init_scale=2.0**10)
+    kw = {"enable_amp": True, "amp_config": cfg} if scaler == "kitsune_amp" else {}
+    opt = KitsuneOptimizer(make_opt(model.parameters()), enable_fusion=True, **kw)
+    ref = make_opt(twin.parameters())
+    assert {b.route.value for b in opt.plan.buckets} == {"triton"}
+    scalers = [torch.amp.GradScaler(device.type, init_scale=2.0**10) for _ in range(2)]
+    for step, (x, y) in enumerate(batches(steps, device=device)):
+        for m, o, sc in ((model, opt, scalers[0]), (twin, ref, scalers[1])):
+            loss = nn.functional.mse_loss(m(x), y)
+            if o is opt and scaler == "kitsune_amp":
+                opt.backward(loss)
+            else:
+                sc.scale(loss).backward()
+            if step < 3:
+                list(m.parameters())[-1].grad = None  # the last param's first grad comes at step 3
+            if step in overflow:
+                next(m.parameters()).grad.view(-1)[0] = float("inf")
+            if o is opt and scaler == "kitsune_amp":
+                opt.step()
+            else:
+                sc.step(o)
+                sc.update()
+            o.zero_grad()
+        if step in overflow:  # what torch's skip leaves: no state for a param that has not stepped yet
+            assert len(opt.state) == len(ref.state), step
+            assert (late in opt.state) == (list(twin.parameters())[-1] in ref.state)
+    sd = opt.state_dict()
+    sd.pop("kitsune")
+    assert sd["state"].keys() == ref.state_dict()["state"].keys()
+    resumed = make_opt(model.parameters())  # the plain optimizer from kitsune's checkpoint, one more step each
+    resumed.load_state_dict(sd)
+    x, y = batches(steps + 1, device=device)[-1]
+    for m, o in ((model, resumed), (twin, ref)):
+        nn.functional.mse_loss(m(x), y).backward()
+        o.step()
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_dcp_state_dict_helpers_run_their_zero_lr_init_step_under_float16_amp(device):
+    """torch.distributed.checkpoint's get/set_optimizer_state_dict make an empty optimizer's state with a step of zero
+    grads at lr 0, without a scaled loss: float16 AMP refused it, and the helpers raised with every lr left at 0.
+    The step runs without the scaler (no scale update), and a resume through the helpers goes on as one through
+    load_state_dict."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    cfg = AMPConfig(dtype=torch.float16, init_scale=2.0**10, growth_interval=2)
+
+    def fresh() -> tuple[nn.Module, KitsuneOptimizer]:
+        model = small_model(device=device)
+        opt = KitsuneOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=1e-2), enable_fusion=True, enable_amp=True, amp_config=cfg
+        )
+        return model, opt
+
+    def train(model: nn.Module, opt: KitsuneOptimizer, data: list) -> None:
+        for x, y in data:
+            opt.backward(nn.functional.mse_loss(model(x), y))
+            opt.step()
+            opt.zero_grad()
+
+    data = batches(6, device=device)
+    model, opt = fresh()
+    assert {b.route.value for b in opt.plan.buckets} == {"triton"}
+    train(model, opt, data[:3])
+    sd = get_optimizer_state_dict(model, opt)
+    plain = opt.state_dict()
+    runs = []
+    for how in ("dcp", "load_state_dict"):
+        m2, o2 = fresh()
+        m2.load_state_dict(model.state_dict())
+        if how == "dcp":
+            set_optimizer_state_dict(m2, o2, sd)
+            assert o2.param_groups[0]["lr"] == 1e-2 and all(p.grad is None for p in m2.parameters())
+            assert o2.loss_scale == 2.0**10 and o2.skipped_steps == 0  # the init step left the scaler alone
+        else:
+            o2.load_state_dict(plain)
+        train(m2, o2, data[3:])
+        runs.append([p.detach().clone() for p in m2.parameters()])
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)
+    m3, o3 = fresh()  # and on a fresh optimizer, get runs the same init step
+    assert get_optimizer_state_dict(m3, o3)["param_groups"][0]["lr"] == 1e-2
+    assert o3.param_groups[0]["lr"] == 1e-2

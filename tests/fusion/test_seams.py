@@ -18,7 +18,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from twins import make_params, random_grads, record_graphs
 
-from kitsune import AMPConfig, GradConfig, KitsuneOptimizer, StreamConfig
+from kitsune import AMPConfig, FusionConfig, GradConfig, KitsuneOptimizer, StreamConfig
 from kitsune.optim import LAMB, Lion, Muon
 
 
@@ -156,6 +156,135 @@ def test_a_step_refusing_to_clip_sparse_grads_changes_nothing(device):
     _assert_unchanged(before, opt)
 
 
+def _expanded_grads(params: list[torch.nn.Parameter], step: int) -> None:
+    """Fresh grads of ``step``; the second param's (a vector) is one value expanded, its elements sharing memory."""
+    for p, g in zip(params, random_grads(params, step), strict=True):
+        p.grad = g
+    params[1].grad = random_grads(params, step)[1][:1].expand(params[1].shape)
+
+
+def test_a_clipped_step_refuses_a_grad_whose_elements_share_memory_and_changes_nothing(device):
+    """The fused step writes clipped grads back; an expanded grad cannot take that (torch's clip_grad_norm_ refuses
+    it too): refused before anything changes, and after the named fix the steps go on as torch's clip and step."""
+    params = make_params([(4, 5), 7, (3, 3)], torch.float32, device)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = KitsuneOptimizer(torch.optim.Adam(params, lr=0.1), enable_fusion=True, max_grad_norm=1.0)
+    ref = torch.optim.Adam(twins, lr=0.1)
+    assert {b.route.value for b in opt.plan.buckets} == {"triton"}
+    for step in range(4):
+        _expanded_grads(params, step)
+        _expanded_grads(twins, step)
+        if step == 1:
+            before = _snapshot(opt)
+            with pytest.raises(ValueError, match=r"share memory .*p\.grad = p\.grad\.clone\(\)"):
+                opt.step()
+            _assert_unchanged(before, opt)
+        for p in (*params, *twins):
+            p.grad = p.grad.clone()  # the fix the error names
+        opt.step()
+        torch.nn.utils.clip_grad_norm_(twins, 1.0)
+        ref.step()
+        for p, t in zip(params, twins, strict=True):
+            torch.testing.assert_close(p, t, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(p.grad, t.grad, rtol=1e-5, atol=1e-6)  # the clipped grads, written back
+    assert opt.step_count == 4
+
+
+def test_zero_in_step_zeroes_a_grad_whose_elements_share_memory(device):
+    """With zero_in_step the grads end as zeros, which an expanded grad takes in place (as zero_grad does): the
+    steps match torch's step then zero_grad(set_to_none=False)."""
+    params = make_params([(4, 5), 7, (3, 3)], torch.float32, device)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    zero = GradConfig(zero_in_step=True)
+    opt = KitsuneOptimizer(torch.optim.Adam(params, lr=0.1), enable_fusion=True, grad_config=zero)
+    ref = torch.optim.Adam(twins, lr=0.1)
+    assert {b.route.value for b in opt.plan.buckets} == {"triton"}
+    for step in range(4):
+        _expanded_grads(params, step)
+        _expanded_grads(twins, step)
+        opt.step()
+        ref.step()
+        ref.zero_grad(set_to_none=False)
+        for p, t in zip(params, twins, strict=True):
+            torch.testing.assert_close(p, t, rtol=1e-5, atol=1e-6)
+            assert torch.equal(p.grad, t.grad) and not p.grad.any()
+
+
+@pytest.mark.parametrize("leaf", [True, False], ids=["view_of_a_leaf", "view_of_a_product"])
+def test_a_clipped_grad_that_is_a_view_of_a_tensor_requiring_grad_is_written_back(leaf, device):
+    """A grad that is a transposed view of a tensor requiring grad: the clipped values are written back with
+    autograd off, as torch's clip_grad_norm_ writes them (the write used to raise after the update)."""
+    params = make_params([(4, 5), 7], torch.float32, device)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = KitsuneOptimizer(torch.optim.Adam(params, lr=0.1), enable_fusion=True, max_grad_norm=0.5)
+    ref = torch.optim.Adam(twins, lr=0.1)
+    for step in range(3):
+        for ps in (params, twins):
+            for p, g in zip(ps, random_grads(ps, step), strict=True):
+                p.grad = g
+            base = random_grads(ps, step + 100)[0].t().contiguous().requires_grad_(True)
+            ps[0].grad = base.t() if leaf else (base * 1).t()
+        opt.step()
+        torch.nn.utils.clip_grad_norm_(twins, 0.5)
+        ref.step()
+        for p, t in zip(params, twins, strict=True):
+            torch.testing.assert_close(p, t, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(p.grad, t.grad, rtol=1e-5, atol=1e-6)
+    assert opt.step_count == 3
+
+
+@pytest.mark.parametrize("where", ["new_tensor", "same_memory"])
+@pytest.mark.parametrize("native", [True, False], ids=["native_check", "python_check"])
+def test_a_grad_of_the_params_numel_but_another_shape_is_refused(where, native, device):
+    """A (4, 5) param whose grad is (5, 4): torch's step raises on it; the fused one read it as flat memory and
+    updated silently. Refused now before anything changes, whether the grad is a new tensor or the old memory
+    reshaped where it sits, and by the native check as by the Python one."""
+    params = make_params([(4, 5), 7], torch.float32, device)
+    opt = KitsuneOptimizer(
+        torch.optim.Adam(params, lr=0.1), enable_fusion=True, fusion_config=FusionConfig(native_checks=native)
+    )
+    for step in range(2):
+        for p, g in zip(params, random_grads(params, step), strict=True):
+            p.grad = g
+        opt.step()
+    g = params[0].grad
+    params[0].grad.data = torch.randn(5, 4, device=device) if where == "new_tensor" else g.data.view(5, 4)
+    before = _snapshot(opt)
+    with pytest.raises(ValueError, match=r"has a grad of shape \(5, 4\)"):
+        opt.step()
+    _assert_unchanged(before, opt)
+
+
+def test_add_param_group_the_plan_cannot_read_is_taken_back(device):
+    """A group whose switch has the wrong type (momentum="0.9"): the plan raises, and the group is removed again
+    (it was left in place, with a plan of the old groups); the optimizer then steps as its twin that never tried."""
+    params, twins, opt, ref = _twins(lambda ps: torch.optim.RMSprop(ps[:2], lr=0.01), [(4, 3), 5, 6], device)
+    _step([(params, opt), (twins, ref)], 0)
+    with pytest.raises(TypeError, match="param group 1 of RMSprop holds a switch of a type"):
+        opt.add_param_group({"params": [params[2]], "momentum": "0.9"})
+    assert len(opt.param_groups) == 1 and sum(b.tensors for b in opt.plan.buckets) == 2
+    opt.add_param_group({"params": [params[2]], "momentum": 0.9})
+    ref.add_param_group({"params": [twins[2]], "momentum": 0.9})
+    for step in range(1, 4):
+        _step([(params, opt), (twins, ref)], step)
+    for p, t in zip(params, twins, strict=True):
+        torch.testing.assert_close(p, t, rtol=1e-5, atol=1e-6)
+
+
+def test_a_checkpoint_whose_group_the_plan_cannot_read_loads_nothing(device):
+    """A loaded group with momentum="0.9" (torch's load takes it; its step would raise): the plan raises inside the
+    load, which puts the old state and groups back."""
+    params = make_params([(4, 3), 5], torch.float32, device)
+    opt = KitsuneOptimizer(torch.optim.RMSprop(params, lr=0.1), enable_fusion=True)
+    _step([(params, opt)], 0)
+    sd = opt.state_dict()
+    sd["param_groups"][0]["momentum"] = "0.9"
+    _refused_load(opt, sd, TypeError, "param group 0 of RMSprop holds a switch of a type")
+    assert {b.route.value for b in opt.plan.buckets} == {"triton"}
+    _step([(params, opt)], 1)  # and it still steps
+    assert opt.step_count == 2
+
+
 # -- 2. hooks run where torch runs them ---------------------------------------------------------------------------
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 def test_a_wrapped_optimizers_pre_hook_runs_before_the_update(graphs, device):
@@ -271,8 +400,21 @@ def _refused_load(opt: KitsuneOptimizer, sd: dict[str, Any], error: type[Excepti
         ({"version": 1, "step_count": -5}, "step_count=-5"),
         ({"version": "abc", "step_count": 3}, "version='abc'"),
         ({"version": 1, "step_count": 3, "subsystems": [1]}, "subsystems of type list"),
+        ({"subsystems": {"amp": {"scale": 1024.0, "growth_tracker": 7, "skipped_steps": "x"}}}, "skipped_steps"),
+        ({"subsystems": {"amp": {"scale": 1024.0, "growth_tracker": 2**40}}}, "growth_tracker=1099511627776"),
+        ({"subsystems": {"amp": {"scale": 1024.0, "growth_tracker": 3, "skipped_steps": -5}}}, "skipped_steps=-5"),
     ],
-    ids=["list", "bad_scaler", "unknown_key", "negative_count", "text_version", "subsystems_list"],
+    ids=[
+        "list",
+        "bad_scaler",
+        "unknown_key",
+        "negative_count",
+        "text_version",
+        "subsystems_list",
+        "text_skipped",
+        "huge_tracker",
+        "negative_skipped",
+    ],
 )
 def test_a_malformed_kitsune_entry_names_the_problem_and_loads_nothing(entry, match, device):
     params = make_params([(4, 3), 5], torch.float32, device)
