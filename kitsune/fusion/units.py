@@ -31,7 +31,6 @@ def _plain(t: torch.Tensor) -> bool:
 _DTYPE = attrgetter("dtype")
 _DATA_PTR = torch.Tensor.data_ptr
 _IS_CONTIGUOUS = torch.Tensor.is_contiguous
-_NUMEL = torch.Tensor.numel
 _SHAPE = attrgetter("shape")
 _PTRS_EQUAL = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 """torch's C++ check that tensors still sit at known addresses (CUDA builds; torch.compile's CUDA graphs use it for
