@@ -45,13 +45,21 @@ class DeviceContext:
 
     def _upload(self, rows: tuple[tuple[Any, ...], ...]) -> None:
         host = torch.zeros((len(rows), NUM_FIELDS), dtype=torch.float64)
-        self._device_values = []
+        device_values = []
         for i, row in enumerate(rows):
             for j, value in enumerate(row):
                 if isinstance(value, _DeviceValue):
-                    self._device_values.append((i, j, value.tensor))
-                else:
+                    device_values.append((i, j, value.tensor))
+                    continue
+                try:
                     host[i, j] = float(value)
+                except (TypeError, ValueError) as exc:  # before anything changed: the buffer keeps its values
+                    raise TypeError(
+                        f"kitsune: param group {i} holds {value!r} ({type(value).__name__}) where its step reads a "
+                        f"number ({exc}): give the hyperparameter a number or a one-element tensor, as torch.optim "
+                        "takes it. Nothing was changed."
+                    ) from exc
+        self._device_values = device_values
         if self.buffer is None or self.buffer.shape[0] != len(rows):
             self.buffer = host.to(self.device)
         else:  # keep the buffer's address: kernels (and captured graphs) hold it

@@ -255,6 +255,29 @@ def test_a_grad_of_the_params_numel_but_another_shape_is_refused(where, native, 
     _assert_unchanged(before, opt)
 
 
+@pytest.mark.parametrize("value", ["abc", None, [0.1]], ids=["text", "none", "list"])
+def test_a_hyperparameter_that_is_no_number_is_refused_naming_the_group(value, device):
+    """lr set by hand to something the step cannot read as a number: the error names the group and the value (it
+    was float()'s bare message), nothing changes, and with the lr put back the steps go on as a twin's."""
+    params, twins, opt, ref = _twins(lambda ps: torch.optim.AdamW(ps, lr=0.1), [(4, 3), 5], device)
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(3, device=device))], "lr": 0.05})
+    ref.add_param_group({"params": [torch.nn.Parameter(opt.param_groups[1]["params"][0].detach().clone())], "lr": 0.05})
+    pairs = [(params + opt.param_groups[1]["params"], opt), (twins + ref.param_groups[1]["params"], ref)]
+    _step(pairs, 0)
+    opt.param_groups[1]["lr"] = value
+    for p, g in zip(pairs[0][0], random_grads(pairs[0][0], 1), strict=True):
+        p.grad = g
+    before = _snapshot(opt)
+    with pytest.raises(TypeError, match=r"param group 1 holds .* where its step reads a number"):
+        opt.step()
+    _assert_unchanged(before, opt)
+    opt.param_groups[1]["lr"] = 0.05
+    for step in range(1, 4):
+        _step(pairs, step)
+    for p, t in zip(*(ps for ps, _ in pairs), strict=True):
+        torch.testing.assert_close(p, t, rtol=1e-5, atol=1e-6)
+
+
 def test_add_param_group_the_plan_cannot_read_is_taken_back(device):
     """A group whose switch has the wrong type (momentum="0.9"): the plan raises, and the group is removed again
     (it was left in place, with a plan of the old groups); the optimizer then steps as its twin that never tried."""
