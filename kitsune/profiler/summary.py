@@ -41,7 +41,7 @@ def _counts_bytes(key: str) -> bool:
 
 def readable_value(key: str, value: Any, in_bytes: bool = False) -> str:
     """One report or config value for people: byte counts (keys naming bytes, and what is nested under them) in
-    KiB/MiB/GiB, floats to 4 digits, nested dicts as ``name (key: value, ...)``, lists comma-separated."""
+    KiB/MiB/GiB, floats to 4 digits unless whole, nested dicts as ``name (key: value, ...)``, lists comma-separated."""
     in_bytes = in_bytes or _counts_bytes(key)
     if isinstance(value, Mapping):
         items = [
@@ -55,8 +55,8 @@ def readable_value(key: str, value: Any, in_bytes: bool = False) -> str:
         return str(value)
     if isinstance(value, int) and in_bytes:
         return format_bytes(value)
-    if isinstance(value, float):
-        return f"{value:.4g}"
+    if isinstance(value, float):  # a whole number in full (a loss scale of 65536), others to 4 digits
+        return f"{value:.0f}" if value.is_integer() and abs(value) < 1e15 else f"{value:.4g}"
     return str(value)
 
 
@@ -216,17 +216,56 @@ def predicted_speedup(b: Mapping[str, Any]) -> str:
     return speedup_text(dict(b))
 
 
+class WideOrStacked:
+    """A table where its columns fit the console at their narrowest (every column legible, the wrapped ones at
+    their longest word), else each row as a block of ``column  value`` lines under the title: at 80 columns a
+    plan's seven columns do not fit, and rich would squeeze the bucket label away."""
+
+    def __init__(self, title: str, columns: list[str], rows: list[list[Any]], right: Sequence[str] = ()) -> None:
+        self.title, self.columns, self.rows = title, columns, rows
+        self.table = Table(title=title, title_justify="left")
+        for col in columns:
+            wraps = col == columns[0]
+            self.table.add_column(col, justify="right" if col in right else "left", no_wrap=not wraps)
+        for row in rows:
+            self.table.add_row(*row)
+
+    def needed(self) -> int:
+        """The table's narrowest width that shows every column whole: the no-wrap columns at their longest cell,
+        the first at its longest word, each with its padding and rule (rich's own measure allows less)."""
+
+        def text(cell: Any) -> str:
+            return cell.text if isinstance(cell, Prose) else str(cell)
+
+        widths = []
+        for j, col in enumerate(self.columns):
+            cells = [text(row[j]) for row in self.rows]
+            words = [w for c in cells for w in c.split()] if j == 0 else cells
+            widths.append(max([len(col), *map(len, words)]))
+        return sum(widths) + 3 * len(widths) + 1
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        if self.needed() <= options.max_width:
+            yield self.table
+            return
+        yield Prose(self.title)
+        for row in self.rows:
+            block = Table(show_header=False, box=None, padding=(0, 1, 0, 2))
+            block.add_column("column", style="dim", no_wrap=True)
+            block.add_column("value")
+            for col, value in zip(self.columns, row, strict=True):
+                block.add_row(col, value)
+            yield block
+
+
 def bucket_table(rows: list[dict[str, Any]], explained: Explained) -> Group:
-    """The plan's buckets, one row each (the columns of ``rich.print(opt.plan)``); the reasons, each once, numbered
-    in a list under the table, where they wrap at the full width."""
+    """The plan's buckets, one row each (the columns of ``rich.print(opt.plan)``), stacked where the console is
+    too narrow for them; the reasons, each once, numbered in a list under the table, where they wrap at the full
+    width."""
     title = "plan: buckets (speedup: the cost model's prediction, fused vs fallback ms, not a measurement)"
-    table = Table(title=title, title_justify="left")
-    table.add_column("bucket")
-    table.add_column("route", no_wrap=True)
-    for col in ("tensors", "elements", "launches", "speedup", "note"):
-        table.add_column(col, justify="right", no_wrap=True)
-    for b, n in zip(rows, explained.bucket_notes, strict=False):
-        table.add_row(
+    columns = ["bucket", "route", "tensors", "elements", "launches", "speedup", "note"]
+    cells = [
+        [
             Prose(bucket_label(b)),
             str(b.get("route", "")),
             str(b.get("tensors", "")),
@@ -234,7 +273,10 @@ def bucket_table(rows: list[dict[str, Any]], explained: Explained) -> Group:
             str(b.get("launches", "")),
             predicted_speedup(b),
             f"[{n}]",
-        )
+        ]
+        for b, n in zip(rows, explained.bucket_notes, strict=False)
+    ]
+    table = WideOrStacked(title, columns, cells, right=columns[2:])
     notes = [Prose(f"[{i}] {text}", indent="    ") for i, text in enumerate(explained.notes, 1)]
     return Group(table, *notes)
 
@@ -342,7 +384,8 @@ def probe_lines(metrics: ProfilerMetrics) -> list[str]:
     if probe.reason:
         lines.append(f"  note: {probe.reason}")
     if metrics.floor_ms is not None and metrics.bytes_per_step is not None:
-        pct = f", the median step is at {metrics.pct_of_floor:.0f}% of it" if metrics.pct_of_floor is not None else ""
+        pct = metrics.pct_of_floor
+        pct = f"; the median step runs at {pct:.0f}% of that speed (floor / median)" if pct is not None else ""
         lines.append(
             f"bandwidth floor: the update moves {format_bytes(metrics.bytes_per_step)} per step; at the measured "
             f"{probe.copy_bandwidth_gbs:,.0f} GB/s that takes {metrics.floor_ms:.4f} ms{pct}"
@@ -428,8 +471,13 @@ def summary_renderables(profile: Profile) -> list[RenderableType]:
     metrics = profile.metrics
     if metrics is None:
         out.append("step timings: profiling is off (pass profile=True to record them)")
-    elif metrics.step_time is None:
+    elif metrics.step_time is None and profile.step_count == 0:
         out.append("step timings: no step has run yet")
+    elif metrics.step_time is None:  # steps ran, none recorded: a reset, a load, or only the windows' steps
+        out.append(
+            f"step timings: none recorded of the {profile.step_count} step(s) so far (the profiler was reset, the "
+            "state loaded, or the steps were the probe's or the comparison's)"
+        )
     else:
         out.append(timing_table(metrics))
     if metrics is not None:

@@ -124,7 +124,24 @@ def test_fused_summary_reads_well(fused_run, width):
     assert "pool_size_bytes: 512.0 MiB" in flat and "bytes_per_device: " in flat and "(reserved: " in flat
     assert "static_addresses" not in flat  # None: left out
     assert "fused_launches_per_step: 1" in flat and re.search(r"\[1\] fused Triton multi-tensor kernel", flat)
+    # the bucket's label, whole: at 80 columns the seven columns do not fit, and rich squeezed it away
+    assert f"AdamW (decoupled_wd) float32 {fused_run.plan.buckets[0].device}" in flat
     assert "live comparison with torch.optim.adamw.AdamW.step" in flat
+
+
+def test_summary_after_a_reset_or_a_load_says_no_step_was_recorded():
+    """Steps ran but none is recorded (the profiler reset, or the state loaded into a new optimizer): the summary
+    says so, not that no step has run (which contradicted its own headline)."""
+    m = small_model()
+    opt = KitsuneOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), profile=True)
+    train(m, opt, batches(5))
+    opt.profiler.reset()
+    other = KitsuneOptimizer(torch.optim.SGD(small_model().parameters(), lr=0.1), profile=True)
+    other.load_state_dict(opt.state_dict())
+    for o in (opt, other):
+        flat = " ".join(_render(o, 160).split())
+        assert "5 steps" in flat and "no step has run yet" not in flat
+        assert "step timings: none recorded of the 5 step(s) so far" in flat
 
 
 def test_readable_writes_nested_reports_and_bytes_for_people():
@@ -140,6 +157,7 @@ def test_readable_writes_nested_reports_and_bytes_for_people():
         "pool_size_bytes: 512.0 MiB; bytes_per_device: cuda:0 (reserved: 3.0 GiB, allocated: 1.5 KiB); params: 12; "
         "fraction_bytes: 0.25; stopped: none"
     )
+    assert readable({"loss_scale": 65536.0, "lr": 0.00123456}) == "loss_scale: 65536; lr: 0.001235"  # whole: in full
 
 
 @pytest.mark.parametrize("width", [20, 33, 47, 80])
