@@ -74,8 +74,10 @@ def main(argv: list[str] | None = None) -> int:
             params = [torch.nn.Parameter(torch.randn(64, device=device)) for _ in range(n)]
             for p in params:
                 p.grad = torch.randn(64, device=device)
-            # the params' addresses, the grads', the numels (the check compares layout, dtype and size too)
-            table = torch.tensor([p.data_ptr() for p in params] + [p.grad.data_ptr() for p in params] + [64] * n)
+            # the params' addresses, the grads', the numels and the shapes' keys (the check compares layout, dtype,
+            # size and shape too)
+            addresses = [p.data_ptr() for p in params] + [p.grad.data_ptr() for p in params]
+            table = torch.tensor(addresses + [64] * n + [_native.shape_key((64,))] * n)
 
             def native(params: list[Any] = params, table: Any = table) -> bool:
                 return checks.unchanged(params, table, _native.PARAMS_AND_GRADS, torch.float32)
