@@ -158,6 +158,17 @@ class UnitSlots:
             self._grad_refs[i] = weakref.ref(v)
         return v
 
+    def release_grad(self, i: int) -> None:
+        """Where the view of ``params[i]``'s grad slot is still held elsewhere while ``p.grad`` is another tensor
+        (``p.grad`` set to None or replaced by hand, the old grad kept by the user): give that view memory of its
+        own, with its values, before the slot takes the next grad or the arena is zeroed, so the kept tensor stays
+        as torch leaves a grad it no longer holds."""
+        ref = self._grad_refs.get(i)
+        v = ref() if ref is not None else None
+        if v is not None and self.params[i].grad is not v:
+            v.data = v.detach().clone()
+            del self._grad_refs[i]
+
     def holds_grad(self, i: int, grad: torch.Tensor) -> bool:
         """Whether ``grad`` is the arena view of ``params[i]``'s grad."""
         ref = self._grad_refs.get(i)
@@ -181,6 +192,7 @@ class UnitSlots:
 
     def adopt_grad(self, i: int, grad: torch.Tensor) -> torch.Tensor:
         """Put this param's grad into its arena slot; returns the view that is now ``p.grad``."""
+        self.release_grad(i)
         v = self.grad_view(i)
         if grad is not v:
             v.copy_(grad)
@@ -312,6 +324,8 @@ class MemoryPool(Subsystem):
                 g = p.grad
                 if g is not None and slots.holds_grad(i, g):
                     covered.add(p)
+                else:  # the arena's fill below must not zero an old grad the user kept
+                    slots.release_grad(i)
         if covered <= already_zero:
             return covered
         for (_, _, *kind), arena in self._arenas.items():

@@ -218,6 +218,41 @@ def test_flat_grads_are_arena_views_accumulated_and_zeroed_in_place(device):
     assert memory.report()["grad_adoptions"] == 2 * n  # once at the start, once after model.zero_grad()
 
 
+@pytest.mark.parametrize("how", ["set_to_none", "replaced"])
+def test_flat_grads_leave_an_old_grad_the_user_kept_as_torch_does(how, device):
+    """A grad kept by the user once ``p.grad`` no longer holds it (set to None by ``model.zero_grad()``, or replaced
+    by hand): the pool's next grad went into the same slot, overwriting the kept tensor and making it ``p.grad``
+    again, and the arena's zeroing zeroed it. It keeps its values and stays apart now, as with torch, and the
+    training goes on as torch's."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3).to(device)
+    twin = torch.nn.Linear(4, 3).to(device)
+    twin.load_state_dict(model.state_dict())
+    opt = KitsuneOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), config=pooled(flat_grads=True))
+    plain = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(3)
+    kept = {}
+    for step in range(6):
+        x = torch.randn(5, 4, generator=gen).to(device)
+        for m, o in ((model, opt), (twin, plain)):
+            m(x).square().sum().backward()
+            if step == 2:
+                kept[o] = (m.weight.grad, m.weight.grad.clone())
+                if how == "replaced":
+                    m.weight.grad = m.weight.grad * 0.5
+            o.step()
+            if step == 2 and how == "set_to_none":
+                m.zero_grad()  # p.grad = None: the next backward makes a new grad
+            else:
+                o.zero_grad(set_to_none=False)
+    held, values = kept[opt]
+    assert torch.equal(held, values) and held is not model.weight.grad
+    assert held.untyped_storage().data_ptr() != model.weight.grad.untyped_storage().data_ptr()
+    assert model.weight.grad.untyped_storage().data_ptr() == model.bias.grad.untyped_storage().data_ptr()  # arena
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 def test_flat_grads_zero_grad_keeps_grads_even_with_set_to_none(device):
     params = make_params([10, 20], torch.float32, device)
     opt = KitsuneOptimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9), config=pooled(flat_grads=True))
