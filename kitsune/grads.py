@@ -17,6 +17,7 @@ and `GradPass.zero_grad` then leaves those alone.
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
 from collections.abc import Sequence
 from operator import attrgetter
@@ -34,6 +35,7 @@ from kitsune.subsystem import StepState, unique_params
 
 _GRAD = attrgetter("grad")
 _VERSION = attrgetter("_version")
+_DEREF = weakref.ref.__call__
 _BASE_ZERO_GRAD = torch.optim.Optimizer.zero_grad
 
 
@@ -62,7 +64,7 @@ class GradPass:
         self._last_norm: torch.Tensor | None = None
         self._norm_is_static = False
         """Whether ``_last_norm`` is a CUDA graph's static buffer, which the next replay overwrites."""
-        self._zeroed: tuple[list[torch.Tensor], list[int], list[int]] | None = None
+        self._zeroed: tuple[list[torch.Tensor], list[int], list[int], list[Any]] | None = None
         self.host_syncs = 0
         """Host syncs made inside ``step()`` so far (reading found_inf for a step the device cannot skip)."""
 
@@ -161,7 +163,7 @@ class GradPass:
         self._norm_is_static = s.graphed and s.grad_norm is not None
         if s.zeroed:
             grads = list(map(_GRAD, s.zeroed))
-            self._zeroed = (s.zeroed, list(map(id, grads)), _versions(grads))
+            self._zeroed = (s.zeroed, list(map(id, grads)), _versions(grads), _refs(grads))
         else:
             self._zeroed = None
 
@@ -232,14 +234,17 @@ class GradPass:
         flat = pool.flat_grads
         n_params = sum(len(g["params"]) for g in groups)
         if zeroed is not None:
-            params, ids, versions = zeroed
+            # the very tensors the step zeroed: the same ids while each is still alive (a grad replaced after the
+            # step and freed may hand its id to the new one, whose version counter can match), the same versions
+            params, ids, versions, refs = zeroed
             grads = list(map(_GRAD, params))
-            if not flat and len(params) == n_params and list(map(id, grads)) == ids and _versions(grads) == versions:
+            same = list(map(id, grads)) == ids and _alive_ids(refs) == ids
+            if not flat and len(params) == n_params and same and _versions(grads) == versions:
                 return  # the step zeroed every param's grad, and nothing wrote to them since: nothing to do
             skip = {
                 p
-                for p, g, i, v in zip(params, grads, ids, versions, strict=True)
-                if g is not None and id(g) == i and g._version == v
+                for p, g, v, r in zip(params, grads, versions, refs, strict=True)
+                if g is not None and r is not None and r() is g and g._version == v
             }
         if flat:  # grads in the pool's arena: zeroed in place, kept (not set to None)
             skip |= pool.zero_grads(already_zero=skip)
@@ -314,3 +319,19 @@ def _every_lr_zero(groups: list[dict[str, Any]]) -> bool:
     except (TypeError, ValueError, RuntimeError):
         return False
     return bool(lrs) and all(lr == 0.0 for lr in lrs)
+
+
+def _refs(grads: Sequence[torch.Tensor | None]) -> list[Any]:
+    """Weak references to ``grads`` (None for a None grad): whether each is still the same tensor, never held."""
+    try:
+        return list(map(weakref.ref, grads))
+    except TypeError:  # a None grad
+        return [None if g is None else weakref.ref(g) for g in grads]
+
+
+def _alive_ids(refs: Sequence[Any]) -> list[int]:
+    """The ids of what ``refs`` (from `_refs`) still refer to: ``id(None)`` for a freed tensor or a None grad."""
+    try:
+        return list(map(id, map(_DEREF, refs)))
+    except TypeError:  # a None grad had no reference
+        return [id(None if r is None else r()) for r in refs]
