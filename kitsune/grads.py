@@ -35,7 +35,6 @@ from kitsune.subsystem import StepState, unique_params
 
 _GRAD = attrgetter("grad")
 _VERSION = attrgetter("_version")
-_DEREF = weakref.ref.__call__
 _BASE_ZERO_GRAD = torch.optim.Optimizer.zero_grad
 
 
@@ -332,6 +331,6 @@ def _refs(grads: Sequence[torch.Tensor | None]) -> list[Any]:
 def _alive_ids(refs: Sequence[Any]) -> list[int]:
     """The ids of what ``refs`` (from `_refs`) still refer to: ``id(None)`` for a freed tensor or a None grad."""
     try:
-        return list(map(id, map(_DEREF, refs)))
+        return [id(r()) for r in refs]
     except TypeError:  # a None grad had no reference
         return [id(None if r is None else r()) for r in refs]
