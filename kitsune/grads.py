@@ -63,7 +63,7 @@ class GradPass:
         self._last_norm: torch.Tensor | None = None
         self._norm_is_static = False
         """Whether ``_last_norm`` is a CUDA graph's static buffer, which the next replay overwrites."""
-        self._zeroed: tuple[list[torch.Tensor], list[int], list[int], list[Any]] | None = None
+        self._zeroed: tuple[list[torch.Tensor], list[int], list[Any]] | None = None
         self.host_syncs = 0
         """Host syncs made inside ``step()`` so far (reading found_inf for a step the device cannot skip)."""
 
@@ -162,7 +162,7 @@ class GradPass:
         self._norm_is_static = s.graphed and s.grad_norm is not None
         if s.zeroed:
             grads = list(map(_GRAD, s.zeroed))
-            self._zeroed = (s.zeroed, list(map(id, grads)), _versions(grads), _refs(grads))
+            self._zeroed = (s.zeroed, _versions(grads), _refs(grads))
         else:
             self._zeroed = None
 
@@ -233,11 +233,11 @@ class GradPass:
         flat = pool.flat_grads
         n_params = sum(len(g["params"]) for g in groups)
         if zeroed is not None:
-            # the very tensors the step zeroed: the same ids while each is still alive (a grad replaced after the
-            # step and freed may hand its id to the new one, whose version counter can match), the same versions
-            params, ids, versions, refs = zeroed
+            # the very tensors the step zeroed (compared through weak references: a grad replaced after the step and
+            # freed may hand its id to the new one, whose version counter can match), at the same versions
+            params, versions, refs = zeroed
             grads = list(map(_GRAD, params))
-            same = list(map(id, grads)) == ids and _alive_ids(refs) == ids
+            same = _alive_ids(refs) == list(map(id, grads))
             if not flat and len(params) == n_params and same and _versions(grads) == versions:
                 return  # the step zeroed every param's grad, and nothing wrote to them since: nothing to do
             skip = {

@@ -337,8 +337,10 @@ class FusionSubsystem(Subsystem):
         already started). The flag is copied to the host behind the launch, without a sync; `settle_skips` reads it
         before anything else looks at the state. On the CPU it is read at once."""
         found_inf = s.found_inf
+        if found_inf is None:  # no AMP this step: nothing skips it
+            return
         created = [p for unit in self._prepared for p in unit.created]
-        if found_inf is None or not created:
+        if not created:
             return
         if not found_inf.is_cuda:
             if found_inf.item():
