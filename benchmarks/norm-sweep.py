@@ -22,7 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", default="2048,4096,8192,16384")
     parser.add_argument("--warps", default="4,8")
     parser.add_argument("--tiles", default=None, help="NORM_TILE values to try (default: the module's)")
-    parser.add_argument("--reps", type=int, default=100)
+    parser.add_argument("--reps", type=int, default=15, help="event pairs per timing (the median is reported)")
+    parser.add_argument("--batch", type=int, default=50, help="launches back to back between two events")
+    parser.add_argument("--scale", action="store_true", help="divide by a loss scale first, as the AMP step does")
     parser.add_argument("--reduce-blocks", default=None, help="REDUCE_BLOCK values to try (default: the module's)")
     parser.add_argument("--clip", action="store_true", help="also time the clip launch")
     args = parser.parse_args(argv)
@@ -48,16 +50,19 @@ def main(argv: list[str] | None = None) -> int:
     reps = args.reps if device.type == "cuda" else 1
 
     def timed(fn: Any) -> float:
+        """Median ms a launch over ``reps`` event pairs, each around ``batch`` launches back to back (one launch
+        between a pair of events times the launch gap as much as the kernel: variants 10% apart did not sort)."""
         for _ in range(5):
             fn()
         times = []
         for _ in range(reps):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            for _ in range(args.batch):
+                fn()
             end.record()
             end.synchronize()
-            times.append(start.elapsed_time(end))
+            times.append(start.elapsed_time(end) / args.batch)
         return statistics.median(times)
 
     reduce_blocks = [norms_module.REDUCE_BLOCK]
@@ -83,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         if device.type != "cuda":
             print(label, "ok")
             continue
-        ms = timed(norm.launch)
+        scale = torch.full((), 65536.0, device=device) if args.scale else None
+        ms = timed(lambda norm=norm, scale=scale: norm.launch(scale, invert_scale=True))
         line = f"{label} norm {ms:.4f} ms ({floor_ms / ms:.0%} of the floor)"
         if args.clip:
             clip_ms = timed(lambda norm=norm: norm.clip_(1e30, out))  # a coefficient of 1: grads unchanged

@@ -18,7 +18,7 @@ CODES_ALIGN = 16
 """Bytes the address of a tensor of 8-bit codes is a multiple of: the fused update reads codes a 4-byte word at a time
 (`kitsune.kernels.update._q8_raw`), so a word never straddles two tensors' bytes in a way that breaks the byte order,
 and a masked word read never leaves the allocation; its vector layout reads a thread's 8 codes as one vector, which
-needs 16 (`kitsune.kernels.update.VECTOR_ALIGN`)."""
+needs 16 (`kitsune.kernels.common.VECTOR_ALIGN`)."""
 
 
 def dynamic_map(signed: bool = True) -> torch.Tensor:

@@ -84,10 +84,28 @@ def _hyper_row(hyper, group_tab, t):
     return hyper + tl.load(group_tab + t).to(tl.int64) * NUM_FIELDS
 
 
+VECTOR_ELEMS = 8
+"""Elements of a thread in a vector layout (the update's 8-bit ``Q8 == 2`` and float FVEC, the norms' VEC): every
+numel of such a launch is a multiple of it, and every program starts at a multiple of it in its tensor."""
+VECTOR_ALIGN = 16
+"""Bytes every address of a vector layout's tensors must be a multiple of."""
+
+
 @triton.jit
 def _ptr(addr, offs, DTYPE: tl.constexpr):
     """Elements ``offs`` of the DTYPE tensor at the int64 address ``addr``."""
     return addr.to(tl.pointer_type(DTYPE)) + offs
+
+
+@triton.jit
+def _vptr(addr, offs, DTYPE: tl.constexpr, VEC: tl.constexpr):
+    """`_ptr`, and with VEC (a vector layout) the promise that ``addr`` is a multiple of `VECTOR_ALIGN` bytes: with
+    ``offs`` from a multiple of `VECTOR_ELEMS`, Triton then gives each thread consecutive elements and reads them in
+    vectors."""
+    base = addr.to(tl.pointer_type(DTYPE))
+    if VEC:
+        base = tl.multiple_of(base, 16)
+    return base + offs
 
 
 @triton.jit

@@ -28,7 +28,16 @@ import triton
 import triton.language as tl
 
 from kitsune.kernels import common as _common
-from kitsune.kernels.common import TL_DTYPES, _cast, _max_keep_nan, _program_block, _ptr, _reduce
+from kitsune.kernels.common import (
+    TL_DTYPES,
+    VECTOR_ALIGN,
+    VECTOR_ELEMS,
+    _cast,
+    _max_keep_nan,
+    _program_block,
+    _reduce,
+    _vptr,
+)
 from kitsune.kernels.multi_tensor import DEAD, TensorTables
 
 _CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -39,43 +48,76 @@ _NUMEL = torch.Tensor.numel
 _IS_CONTIGUOUS = torch.Tensor.is_contiguous
 _DTYPE = attrgetter("dtype")
 _DEVICE = attrgetter("device")
-NORM_BLOCK = 8192
+NORM_BLOCK = 16384
 """Elements per program, read ``NORM_TILE`` at a time: each program ends with a counter atomic (a memory fence), so
-fewer, longer programs spend less of the launch there. On an H100 (``benchmarks/norm-sweep.py``, GPT-2 124M grads in
-fp32, unscaled by a loss scale): 0.21 ms a launch against 0.31 ms with one 4096-element tile a program."""
+fewer, longer programs spend less of the launch there. On an H200 (``benchmarks/norm-sweep.py --scale``, GPT-2 124M
+grads in fp32, Triton 3.6): 0.119 ms a launch (100% of the copy-rate floor of reading them once) against 0.126 ms
+with 8192-element programs; with the read of an element at a time and int64 offsets of the kernels before the
+vector reads, 0.150 ms."""
 NORM_TILE = 2048
 """Elements a program holds in registers at a time; 4096-element tiles in 8192-element blocks ran slower."""
 REDUCE_BLOCK = 1024
 """Partials a finishing block reads per loop iteration."""
+_VECTOR_ELEMS = tl.constexpr(VECTOR_ELEMS)
+NORM_VECTOR = True
+"""Whether launches whose tensors all sit at 16-byte multiples, with numels of multiples of 8, read them in 16-byte
+vectors (`MultiTensorNorm.vector`): Triton cannot know the alignment of an address read from a table, and
+otherwise reads an element at a time. On an H200 (8192-element programs, the GPT-2 set) 0.126 ms a launch against
+0.195 ms an element at a time."""
 
 
 @triton.jit
-def _load_f32(addr, offs, mask, code):
-    """Elements ``offs`` of the tensor at ``addr`` (dtype code ``code``) as fp32, 0 where masked."""
+def _local(start, n, BLOCK: tl.constexpr):
+    """How many of a block's BLOCK elements from ``start`` exist in a tensor of ``n`` (int32; <= 0: none).
+
+    The kernels address a block as one base (the tensor's address plus ``start``) and int32 offsets within it, its
+    tiles masked by this count: int64 offsets per element (and the compares on them) cost the norm pass about a
+    tenth of its speed on the GPT-2 set (benchmarks/norm-sweep.py)."""
+    return tl.minimum(n - start, BLOCK).to(tl.int32)
+
+
+@triton.jit
+def _vector_block(block_start, numel_tab, pid, t, addr):
+    """`_program_block`'s ``start`` and ``n`` (0 for a skipped tensor) with the promise of a vector launch: both are
+    multiples of `VECTOR_ELEMS` (made here, where the hint holds: the `_vptr` reads and their masks keep it)."""
+    start = tl.multiple_of(tl.load(block_start + pid), _VECTOR_ELEMS)
+    n = tl.multiple_of(tl.load(numel_tab + t), _VECTOR_ELEMS) * (addr != -1).to(tl.int64)
+    return start, n
+
+
+@triton.jit
+def _load_f32(addr, start, loc, mask, code, VEC: tl.constexpr, VOLATILE: tl.constexpr = False):
+    """Elements ``start + loc`` of the tensor at ``addr`` (dtype code ``code``) as fp32, 0 where masked; VEC: in
+    vectors (`_vptr`).
+
+    VOLATILE: read memory again, so that a second read of the same elements is not served from the registers of a
+    first (which would keep the first read's tiles live across the kernel: a third slower norm pass)."""
     if code == 0:
-        x = tl.load(_ptr(addr, offs, tl.float32), mask=mask, other=0.0)
+        x = tl.load(_vptr(addr, start, tl.float32, VEC) + loc, mask=mask, other=0.0, volatile=VOLATILE)
     elif code == 1:
-        x = tl.load(_ptr(addr, offs, tl.bfloat16), mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(_vptr(addr, start, tl.bfloat16, VEC) + loc, mask=mask, other=0.0, volatile=VOLATILE).to(tl.float32)
     else:
-        x = tl.load(_ptr(addr, offs, tl.float16), mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(_vptr(addr, start, tl.float16, VEC) + loc, mask=mask, other=0.0, volatile=VOLATILE).to(tl.float32)
     return x
 
 
 @triton.jit
-def _store_f32(addr, offs, mask, code, x, RNE_BF16: tl.constexpr):
-    """Store fp32 ``x`` into the tensor at ``addr``, rounded to its dtype (code ``code``)."""
+def _store_f32(addr, start, loc, mask, code, x, RNE_BF16: tl.constexpr, VEC: tl.constexpr):
+    """Store fp32 ``x`` into elements ``start + loc`` of the tensor at ``addr``, rounded to its dtype."""
     if code == 0:
-        tl.store(_ptr(addr, offs, tl.float32), x, mask=mask)
+        tl.store(_vptr(addr, start, tl.float32, VEC) + loc, x, mask=mask)
     elif code == 1:
-        tl.store(_ptr(addr, offs, tl.bfloat16), _cast(x, tl.bfloat16, RNE_BF16), mask=mask)
+        tl.store(_vptr(addr, start, tl.bfloat16, VEC) + loc, _cast(x, tl.bfloat16, RNE_BF16), mask=mask)
     else:
-        tl.store(_ptr(addr, offs, tl.float16), x.to(tl.float16), mask=mask)
+        tl.store(_vptr(addr, start, tl.float16, VEC) + loc, x.to(tl.float16), mask=mask)
 
 
 @triton.jit
-def _load_scaled(addr, offs, mask, code, scale, HAS_SCALE: tl.constexpr):
-    """Elements ``offs`` as fp32, times ``scale`` when HAS_SCALE, 0 where masked."""
-    x = _load_f32(addr, offs, mask, code)
+def _load_scaled(
+    addr, start, loc, mask, code, scale, HAS_SCALE: tl.constexpr, VEC: tl.constexpr, VOLATILE: tl.constexpr = False
+):
+    """Elements ``start + loc`` as fp32, times ``scale`` when HAS_SCALE, 0 where masked."""
+    x = _load_f32(addr, start, loc, mask, code, VEC, VOLATILE)
     if HAS_SCALE:
         x = tl.where(mask, x * scale, 0.0)
     return x
@@ -105,8 +147,11 @@ def _norm_kernel(
     BLOCK: tl.constexpr,
     TILE: tl.constexpr,
     RBLOCK: tl.constexpr,
+    VEC: tl.constexpr,
 ):
     pid, t, start, n, addr = _program_block(block_tensor, block_start, numel_tab, addr_tab)
+    if VEC:
+        start, n = _vector_block(block_start, numel_tab, pid, t, addr)
     code = tl.load(code_tab + t)
     scale = 1.0
     if HAS_SCALE:
@@ -115,11 +160,12 @@ def _norm_kernel(
             scale = (1.0 / scale.to(tl.float64)).to(tl.float32)
         scale = tl.where(t < num_global, scale, 1.0)  # the tensors past num_global: as they are
     # the block in tiles: a program reads BLOCK elements, but holds TILE in registers at a time
+    rem = _local(start, n, BLOCK)
     acc = tl.zeros((TILE,), tl.float32)
     for i in tl.static_range(BLOCK // TILE):
-        if start + i * TILE < n:  # a tensor's last block may need fewer tiles (small tensors: one)
-            offs = start + i * TILE + tl.arange(0, TILE).to(tl.int64)
-            x = _load_scaled(addr, offs, offs < n, code, scale, HAS_SCALE)
+        if i * TILE < rem:  # a tensor's last block may need fewer tiles (small tensors: one)
+            loc = i * TILE + tl.arange(0, TILE)
+            x = _load_scaled(addr, start, loc, loc < rem, code, scale, HAS_SCALE, VEC)
             if INF_NORM:
                 acc = tl.maximum(acc, tl.abs(x), propagate_nan=tl.PropagateNan.ALL)
             else:
@@ -135,8 +181,8 @@ def _norm_kernel(
         if part - part != 0.0:
             bad = 0
             for i in tl.static_range(BLOCK // TILE):
-                offs = start + i * TILE + tl.arange(0, TILE).to(tl.int64)
-                x = _load_scaled(addr, offs, offs < n, code, scale, HAS_SCALE)
+                loc = i * TILE + tl.arange(0, TILE)
+                x = _load_scaled(addr, start, loc, loc < rem, code, scale, HAS_SCALE, VEC, VOLATILE=True)
                 bad += tl.max(((x - x) != 0.0).to(tl.int32), 0)  # x - x is nan exactly for inf and nan
             if bad != 0:
                 tl.atomic_or(sync + 1, 1)
@@ -178,8 +224,11 @@ def _clip_kernel(
     RNE_BF16: tl.constexpr,
     BLOCK: tl.constexpr,
     TILE: tl.constexpr,
+    VEC: tl.constexpr,
 ):
     pid, t, start, n, addr = _program_block(block_tensor, block_start, numel_tab, addr_tab)
+    if VEC:
+        start, n = _vector_block(block_start, numel_tab, pid, t, addr)
     code = tl.load(code_tab + t)
     norm = tl.load(total)
     if pid == 0:
@@ -187,12 +236,13 @@ def _clip_kernel(
     # torch: clamp(max_norm / (norm + 1e-6), max=1), where a float divided by a tensor is reciprocal() * max_norm
     coef = tl.math.div_rn(1.0, norm + 1e-6) * max_norm
     coef = tl.where(coef > 1.0, 1.0, coef)  # a nan coefficient stays nan, as with torch.clamp
+    rem = _local(start, n, BLOCK)
     for i in tl.static_range(BLOCK // TILE):
-        if start + i * TILE < n:
-            offs = start + i * TILE + tl.arange(0, TILE).to(tl.int64)
-            mask = offs < n
-            x = _load_f32(addr, offs, mask, code)
-            _store_f32(addr, offs, mask, code, x * coef, RNE_BF16)
+        if i * TILE < rem:
+            loc = i * TILE + tl.arange(0, TILE)
+            mask = loc < rem
+            x = _load_f32(addr, start, loc, mask, code, VEC)
+            _store_f32(addr, start, loc, mask, code, x * coef, RNE_BF16, VEC)
 
 
 INTERPRETED = type(_norm_kernel).__name__ == "InterpretedFunction"
@@ -344,6 +394,7 @@ class MultiTensorNorm:
                     BLOCK=tables.block,
                     TILE=self.tile,
                     RBLOCK=REDUCE_BLOCK,
+                    VEC=self.vector(),
                     num_warps=self.num_warps,
                     enable_fp_fusion=_common.FP_FUSION,
                 )
@@ -393,6 +444,18 @@ class MultiTensorNorm:
             self._dtypes = None
         self.tables.set_role("x", addresses)
 
+    def vector(self) -> bool:
+        """Whether the launches over the tensors bound now read them in vectors (the kernels' VEC): every numel a
+        multiple of `VECTOR_ELEMS` and every address of `VECTOR_ALIGN` (the answer is kept until an address
+        moves). A captured launch keeps the answer it was captured with, so a graph of it is keyed on this."""
+        tables = self.tables
+        return (
+            NORM_VECTOR
+            and tables.numel_gcd % VECTOR_ELEMS == 0
+            and tables.block % VECTOR_ELEMS == 0
+            and tables.aligned(["x"], VECTOR_ALIGN)
+        )
+
     def clip_(self, max_norm: float, out: torch.Tensor) -> None:
         """Multiply the tensors of the last call in place by ``min(max_norm / (total + 1e-6), 1)``, with ``total``
         read on the device (no host sync), and store ``total`` rounded to ``out``'s dtype in the () tensor ``out``.
@@ -422,6 +485,7 @@ class MultiTensorNorm:
                 RNE_BF16=INTERPRETED,
                 BLOCK=tables.block,
                 TILE=self.tile,
+                VEC=self.vector(),
                 num_warps=self.num_warps,
                 enable_fp_fusion=_common.FP_FUSION,
             )

@@ -35,6 +35,8 @@ from kitsune.kernels.common import (
     LR,
     TL_DTYPES,
     TRUST_A,
+    VECTOR_ALIGN,
+    VECTOR_ELEMS,
     WD,
     _cast,
     _hyper_row,
@@ -44,6 +46,7 @@ from kitsune.kernels.common import (
     _ptr,
     _reduce,
     _tile_masks,
+    _vptr,
 )
 from kitsune.kernels.multi_tensor import TensorTables
 from kitsune.kernels.quant import (
@@ -65,9 +68,6 @@ def _add_wd(g, wd, p):
 
 
 _CODE_SIZE = tl.constexpr(CODE_SIZE)
-VECTOR_ELEMS = 8
-"""Elements of a thread in the vector layout (``Q8 == 2``) and with vector float state (FVEC): every numel of such a
-launch is a multiple of it."""
 _VECTOR_ELEMS = tl.constexpr(VECTOR_ELEMS)
 _BUCKETS = tl.constexpr(BUCKETS)
 _PACKED_START = tl.constexpr(PACKED_START)
@@ -84,16 +84,6 @@ def _tile(start, n, live, BLOCK: tl.constexpr, VEC: tl.constexpr):
         inside = offs < n
         return offs, tl.where(live, inside, False), inside
     return _tile_masks(start, n, live, BLOCK)
-
-
-@triton.jit
-def _vptr(addr, offs, DTYPE: tl.constexpr, VEC: tl.constexpr):
-    """`_ptr`, and with VEC the promise that ``addr`` is a multiple of 16 bytes (``Q8 == 2``, or FVEC): with ``offs``
-    from a multiple of VECTOR_ELEMS, Triton then gives each thread consecutive elements and reads them in vectors."""
-    base = addr.to(tl.pointer_type(DTYPE))
-    if VEC:
-        base = tl.multiple_of(base, 16)
-    return base + offs
 
 
 @triton.jit
@@ -647,8 +637,6 @@ Q8_CAPPED_SLOTS = 2
 """State slots from which an 8-bit vector launch takes `Q8_MAXNREG` and `Q8_VECTOR_PREFETCH`; one with fewer (SGD's
 momentum, Lion's) keeps the compiler's registers and `Q8_PREFETCH`: SGD with momentum on the GPT-2 set ran 0.479 ms
 capped without the prefetch against 0.466 ms as before (H200, the same call as Adam's figures)."""
-VECTOR_ALIGN = 16
-"""Bytes the params' and codes' addresses must be a multiple of for the vector layout."""
 Q8_PREFETCH = True
 """Whether an 8-bit update of several tiles a program loads each tile's params, grads and codes a pass ahead (the
 kernel's PREFETCH) in the interleaved layout, and in the vector layout below `Q8_CAPPED_SLOTS`: on an H200 it took
@@ -702,6 +690,14 @@ def _float_vector(tables: TensorTables, spec: UpdateSpec) -> bool:
     if not FLOAT_VECTOR or spec.trust or tables.block % VECTOR_ELEMS:
         return False
     return _vectors_fit(tables, spec, "grad")
+
+
+def grad_vector(tables: TensorTables, spec: UpdateSpec) -> bool:
+    """The one variant an update launch picks from its grads' addresses, which move between steps without a
+    re-plan: whether a float-state launch reads and writes in vectors (`FLOAT_VECTOR`). A captured launch keeps
+    the variant it was captured with, so a graph is keyed on this (a vector read of a misaligned grad is a CUDA
+    error)."""
+    return spec.state != StateFormat.Q8 and _float_vector(tables, spec)
 
 
 _STATE_DTYPES = {StateFormat.FP32: tl.float32, StateFormat.BF16: tl.bfloat16}
@@ -878,7 +874,7 @@ def _launch(
         RNE_BF16=_INTERPRETED,
         SDTYPE=_STATE_DTYPES.get(spec.state, TL_DTYPES[dtype]),
         Q8=q8,
-        FVEC=q8 == 0 and _float_vector(tables, spec),
+        FVEC=grad_vector(tables, spec),
         SIGNS=spec.signed if q8 else 0,
         SLOTS=spec.state_slots,
         PREFETCH=prefetch,

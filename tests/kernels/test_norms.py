@@ -367,3 +367,28 @@ def test_one_bf16_tensor_over_2_31_elements():
     total = kitsune.clip_grad_norm_([p], 2.0, norm_type=INF)
     assert total.item() == 4.0 and total.dtype == torch.bfloat16
     assert g[-1].item() == -2.0 and g[0].item() == 0.5  # coefficient 2 / (4 + 1e-6), products rounded to bf16
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_vector_reads_only_where_every_tensor_allows_them(dtype, device):
+    """Tensors at 16-byte multiples with numels of multiples of 8 are read in vectors; one view at an odd offset of
+    a buffer, or one numel that is not a multiple of 8, reads every tensor an element at a time. The norms and the
+    clip are the same either way (float64 references)."""
+    sizes = [64, 8 * 37, 8]
+    norm = MultiTensorNorm(sizes, device, block=64)
+    buffer = _randn([sum(sizes) + 1], device, dtype, seed=2)[0]
+    aligned = _randn(sizes, device, dtype, seed=3)
+    offset = [buffer[1 : 1 + sizes[0]], *aligned[1:]]  # 2 or 4 bytes past a 16-byte multiple
+    for tensors, vector in [(aligned, True), (offset, False), (aligned, True)]:
+        _check(norm(tensors), tensors, 2.0)
+        assert norm.vector() is vector
+    odd = MultiTensorNorm([64, 12], device, block=64)
+    tensors = _randn([64, 12], device, dtype, seed=4)
+    _check(odd(tensors), tensors, 2.0)
+    assert odd.vector() is False
+    total = _ref(offset, 2.0)[1]
+    want = [(t.double() * min(0.5 / (total.item() + 1e-6), 1.0)).to(dtype) for t in offset]
+    norm(offset)
+    norm.clip_(0.5, torch.zeros((), device=device))
+    for got, ref in zip(offset, want, strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-2 if dtype != torch.float32 else 1e-6, atol=1e-6)
