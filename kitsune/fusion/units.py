@@ -434,9 +434,17 @@ class FusedUnit:
 
     def _init_new(self, ptrs: list[int], state: Any, groups: Sequence[dict[str, Any]]) -> None:
         fresh = [i for i in self.uninit if ptrs[i] != DEAD]
-        self.created = [self.params[i] for i in fresh]
         if not fresh:
+            self.created = []
             return
+        # state made since the plan by another hand (the wrapped optimizer's own step for a grad the kernel could
+        # not take, or a warm start set by hand) is kept, as torch's step keeps it; a private step count then says
+        # its buffer is not new (the kernel starts a count of 0 from the grad)
+        made = [i for i in fresh if _has_state(state, self.params[i], self.info, self.spec)]
+        if made and self._private_steps is not None:
+            self._private_steps[made] = 1.0
+        fresh = [i for i in fresh if i not in made]
+        self.created = [self.params[i] for i in fresh]
         for i in fresh:
             p = self.params[i]
             alloc = self.slots.alloc(i) if self.slots is not None else None

@@ -621,3 +621,43 @@ def test_a_grad_of_another_dtype_on_torchs_fused_route_is_refused_and_loses_noth
     steps = [opt.state[p]["step"].clone() for p in params]
     _refused_unchanged(opt, params, r"p.grad_dtype = None")
     assert opt.step_count == 2 and all(torch.equal(opt.state[p]["step"], s) for p, s in zip(params, steps, strict=True))
+
+
+@pytest.mark.parametrize("momentum", ["nesterov", "dampening"])
+@pytest.mark.parametrize("made_by", ["wrapped_step", "by_hand"])
+def test_sgd_momentum_made_by_another_hand_is_kept(made_by, momentum, device):
+    """SGD keeps no step count in its state, so the fused kernel counts privately to tell a new momentum buffer
+    (started from the grad) from one under way. A buffer made after the plan by another hand, the wrapped step's
+    (a param whose first grad had another dtype) or the user's (a warm start), is under way: 20 steps equal
+    torch's, the fused route throughout after the first."""
+    kw = {"nesterov": True} if momentum == "nesterov" else {"dampening": 0.3}
+    sizes = [(5, 3), 16, 7]
+    ref, ours = make_params(sizes, torch.float32, device), make_params(sizes, torch.float32, device)
+    ref_opt = torch.optim.SGD(ref, lr=0.05, momentum=0.9, **kw)
+    base = torch.optim.SGD(ours, lr=0.05, momentum=0.9, **kw)
+    for o, params in ((ref_opt, ref), (base, ours)):
+        for p in params:
+            o.state[p]  # an empty entry, as any read of torch's state defaultdict makes
+    opt = KitsuneOptimizer(base, enable_fusion=True)
+    for step in range(20):
+        grads = random_grads(ours, step)
+        if step == 0 and made_by == "by_hand":
+            for o, params in ((ref_opt, ref), (opt, ours)):
+                for i, p in enumerate(params):
+                    o.state[p]["momentum_buffer"] = _fill(torch.empty_like(p), 10 + i)
+        for params in (ref, ours):
+            for i, (p, g) in enumerate(zip(params, grads, strict=True)):
+                wide = step == 0 and made_by == "wrapped_step" and i == 1
+                if wide:
+                    p.grad_dtype = torch.float64
+                p.grad = g.double() if wide else g.clone()
+        ref_opt.step()
+        opt.step()
+        ours[1].grad_dtype = ref[1].grad_dtype = None
+        if step > 0:
+            assert opt.plan.fused_tensors == len(ours)
+    for p, q in zip(ref, ours, strict=True):
+        torch.testing.assert_close(q.detach(), p.detach(), atol=1e-5, rtol=1e-5)
+        # torch keeps the float64 buffer its step made from a float64 grad; kitsune's kernel holds the param's dtype
+        got, want = opt.state[q]["momentum_buffer"], ref_opt.state[p]["momentum_buffer"]
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, check_dtype=False)
