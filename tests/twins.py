@@ -130,9 +130,38 @@ def ptrs_equal_stand_in(tensors, ptrs, indices) -> bool:
     return True
 
 
+class _Launches:
+    """Record the Triton launches made inside a ``with``: each kernel's name, its compile-time switches (keyword
+    arguments) and its host scalars (positional numbers): what a CUDA graph freezes at capture."""
+
+    def __enter__(self) -> list[tuple]:
+        import triton.runtime.interpreter as interpreter
+        import triton.runtime.jit as jit
+
+        self.log: list[tuple] = []
+        self.saved = [(cls, cls.run) for cls in (interpreter.InterpretedFunction, jit.JITFunction)]
+        log = self.log
+        for cls, run in self.saved:
+
+            def recording(kernel, *args, grid, warmup, _run=run, **kwargs):
+                if not warmup:
+                    scalars = tuple(a for a in args if isinstance(a, bool | int | float))
+                    log.append((kernel.__name__, scalars, tuple(sorted(kwargs.items()))))
+                return _run(kernel, *args, grid=grid, warmup=warmup, **kwargs)
+
+            cls.run = recording
+        return log
+
+    def __exit__(self, *exc: object) -> None:
+        for cls, run in self.saved:
+            cls.run = run
+
+
 class RecordingBackend:
     """A CUDA graph backend for CPU tests: capture records the callable without running it (a real capture runs
-    nothing), replay runs it; ``fail`` makes every capture raise."""
+    nothing), replay runs it; ``fail`` makes every capture raise. As a real graph freezes its launches at capture,
+    every replay must make the launches of the first (the same kernels, switches and host scalars): one that
+    would replay a stale variant raises."""
 
     def __init__(self, fail: bool = False) -> None:
         self.fail = fail
@@ -154,11 +183,18 @@ class RecordingBackend:
         if self.fail:
             raise RuntimeError("operation not permitted when stream is capturing")
         self.captured += 1
-        return fn
+        return [fn, None]
 
     def replay(self, graph) -> None:
         self.replayed += 1
-        graph()
+        with _Launches() as launches:
+            graph[0]()
+        if graph[1] is None:
+            graph[1] = launches
+        elif launches != graph[1]:
+            pairs = zip(graph[1], launches, strict=False)
+            changed = next(((a, b) for a, b in pairs if a != b), f"{len(graph[1])} launches, then {len(launches)}")
+            raise AssertionError(f"a replay launches other kernel variants than its capture: {changed}")
 
 
 def record_graphs(opt: KitsuneOptimizer, backend: RecordingBackend | None = None) -> RecordingBackend:

@@ -217,15 +217,20 @@ class FusionSubsystem(Subsystem):
         before), point the tables at this step's grads, create missing state, refresh the hyperparameter buffer.
         Fills ``s.handled`` and ``s.unhandled``; returns the units with a live grad."""
         groups, state = self._base.param_groups, self._base.state
+        done = s.updated_in_backward  # units (of the plan as it stands) the stream scheduler updated inside backward
+        updated = [p for i in done for p in self._units[i].params] if done else []
         if not s.structure_checked and (self._switches_changed(groups) or self._state_moved()):
             self._replan()  # a switch changed (e.g. momentum set to 0, amsgrad turned on), or the state dict did
-        done = s.updated_in_backward  # units the stream scheduler updated inside backward
-        todo = [unit for i, unit in enumerate(self._units) if i not in done] if done else self._units
-        live = [unit for unit in todo if unit.prepare(state, groups)]
+            self.check(s)  # the new plan's units: amsgrad turned on over a state without max_exp_avg_sq raises
+            live = self._prepare_all(state, groups, updated)
+            todo = self._units
+        else:
+            todo = [unit for i, unit in enumerate(self._units) if i not in done] if done else self._units
+            live = [unit for unit in todo if unit.prepare(state, groups)]
         if any(unit.stale for unit in todo):
             self._replan()  # a param's storage moved or a state tensor was freed; rebind everything and scan again
             todo = self._units
-            live = [unit for unit in todo if unit.prepare(state, groups)]
+            live = self._prepare_all(state, groups, updated)
         self._prepared = [*todo, *self._muon]
         if self._muon:
             live += [unit for unit in self._muon if unit.prepare(state, groups)]
@@ -310,6 +315,30 @@ class FusionSubsystem(Subsystem):
                         "and would raise halfway through the step. Keep the grads in the params' dtype "
                         "(p.grad_dtype = None), or the params in the grads' dtype. Nothing was updated."
                     )
+
+    def _prepare_all(self, state: Any, groups: list[dict[str, Any]], updated: list[torch.Tensor]) -> list[FusedUnit]:
+        """Prepare every unit of a new plan; the params ``updated`` inside backward by the old plan's units are
+        skipped this step, as params without a grad (their units of the new plan group them otherwise)."""
+        if not updated:
+            return [unit for unit in self._units if unit.prepare(state, groups)]
+        grads = [p.grad for p in updated]
+        try:
+            for p in updated:
+                p.grad = None
+            return [unit for unit in self._units if unit.prepare(state, groups)]
+        finally:
+            for p, g in zip(updated, grads, strict=True):
+                p.grad = g
+
+    def begin_backward(self) -> bool:
+        """Before a backward's first update: whether the plan holds for this step (no group's switch changed, the
+        state dict is the plan's); then the hyperparameters' last change is uploaded. False: no update launches
+        inside this backward, and step() re-plans and updates every param with the switches the groups hold now, as
+        torch's step would."""
+        if self._switches_changed(self._base.param_groups) or self._state_moved():
+            return False
+        self.refresh_contexts()
+        return True
 
     def prepare_unit(self, unit: FusedUnit) -> bool:
         """One unit's host work for an update inside backward: False when it has no grad, a param moved or the state
@@ -463,6 +492,18 @@ class FusionSubsystem(Subsystem):
         if self._trust:
             addresses += [a for u in self._units for a in u.param_addresses]
         self._norm.bind_addresses(addresses, self._norm_dtypes)
+
+    def grad_layout(self, s: StepState, units: list[FusedUnit]) -> tuple[bool, ...]:
+        """The variants `launch` picks from this step's grad addresses (vector reads or not: the update's per unit,
+        then the norm pass's), after `prepare` bound them. A captured launch keeps the variants it was captured
+        with, so a graph of it is keyed on this: grads that move to addresses a vector read cannot take are then
+        captured again, not replayed into a misaligned read."""
+        from kitsune.kernels.update import grad_vector
+
+        layout = tuple(grad_vector(unit.tables, unit.spec) for unit in self._units if unit in units)
+        if self._needs_norm(s) and self._norm is not None:
+            layout += (self._norm.vector(),)
+        return layout
 
     def launch(self, s: StepState, units: list[FusedUnit]) -> None:
         """The device half of a step: the norm pass when the step needs one, then one update launch per unit in

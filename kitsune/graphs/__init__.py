@@ -157,7 +157,7 @@ class GraphSubsystem(Subsystem):
             if scaler is not None:
                 scaler.update_scale(s.found_inf)
 
-        key = (fusion.plan_version, id(s.grad_scale), s.check_inf, scaler is not None)
+        key = (fusion.plan_version, id(s.grad_scale), s.check_inf, scaler is not None, fusion.grad_layout(s, units))
         how = self._run(s, key, device_work)
         fusion.finish(s, units, launches=1 if how == "replay" else None)
         if how == "replay" and self._may_steady and not s.unhandled:
@@ -167,11 +167,14 @@ class GraphSubsystem(Subsystem):
         """Do this step's device work: eagerly while warming up, by capturing it once, then by replaying.
 
         ``key`` names everything the captured work depends on beyond the device buffers' contents (the plan's
-        version, the identity of the scale tensor, the step's switches); a new key means capture again. Returns
+        version, the identity of the scale tensor, the step's switches, the variants the grads' addresses pick); a
+        new key means capture again. Returns
         how the work ran: ``"warmup"``, ``"capture"``, ``"replay"`` or ``"failed"``.
         """
         if self._graph is not None and key != self._key:
-            self.invalidate("the step's inputs changed (loss scaler, clipping or AMP switches)")
+            self.invalidate(
+                "the step's inputs changed (loss scaler, clipping or AMP switches, or the grads' alignment)"
+            )
         if self._graph is None and self._warm < self.config.warmup_steps:
             self.backend.eager(device_work, self._device)
             self._warm += 1

@@ -81,7 +81,7 @@ class StreamScheduler(Subsystem):
         self._clip, self._scaling = clip, scaling
         self._step_state = step_state
         self._version = -1
-        self._graphs: dict[int, Any] = {}
+        self._graphs: dict[int, tuple[Any, tuple[bool, ...]]] = {}  # a unit's graph and the variants it holds
         self._eager: dict[int, int] = {}
         self.captures = 0
         self.replays = 0
@@ -94,6 +94,8 @@ class StreamScheduler(Subsystem):
         self._accumulating = accumulation if accumulation is not None else Accumulation()
         """Set inside ``optimizer.accumulating()``: backward passes there launch no updates."""
         self._refreshed = False
+        self._open = True
+        """Whether this backward's updates may launch: False when the plan no longer holds (`begin_backward`)."""
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._ready: dict[int, Any] = {}
         """Per unit, the event the side stream waits on (recorded on backward's stream): made once, reused."""
@@ -202,9 +204,11 @@ class StreamScheduler(Subsystem):
     def _launch(self, index: int) -> None:
         fusion = self._fusion
         unit = fusion.units[index]
-        if not self._refreshed:  # hyperparameters (an LR scheduler's last change) once per backward
-            fusion.refresh_contexts()
+        if not self._refreshed:  # once per backward: the plan still holds, and the hyperparameters' last change
             self._refreshed = True
+            self._open = fusion.begin_backward()
+        if not self._open:
+            return  # a switch changed (maximize, amsgrad, ...) or the state dict did: step() re-plans, updates all
         if not fusion.prepare_unit(unit):
             return  # no grad after all, or a param's storage moved: step() re-plans and updates it
         ctx = self._step_state()
@@ -239,8 +243,14 @@ class StreamScheduler(Subsystem):
 
     def _run(self, index: int, unit: Any, ctx: StepState, graph: Any) -> None:
         """One unit's update: its graph's replay once captured, else the launch itself (counted towards warm-up)."""
+        if graph is not None and graph[1] != self._fusion.grad_layout(ctx, [unit]):
+            # the grads moved to addresses that pick another kernel variant than the captured one (vector reads of
+            # aligned grads): warm up and capture again
+            del self._graphs[index]
+            self._eager[index] = 0
+            graph = None
         if graph is not None and not unit.copies_grads:  # non-contiguous grads are new copies every step: run eagerly
-            self.backend.replay(graph)
+            self.backend.replay(graph[0])
             self.replays += 1
             return
         self._fusion.launch(ctx, [unit])
@@ -257,7 +267,8 @@ class StreamScheduler(Subsystem):
                 continue
             ctx = self._step_state()
             try:
-                self._graphs[index] = self.backend.capture(lambda u=unit, c=ctx: fusion.launch(c, [u]), unit.device)
+                graph = self.backend.capture(lambda u=unit, c=ctx: fusion.launch(c, [u]), unit.device)
+                self._graphs[index] = (graph, fusion.grad_layout(ctx, [unit]))
             except Exception as exc:  # a capture that fails must not stop training: launch eagerly from now on
                 self.graph_reason = f"capture failed, launching eagerly: {type(exc).__name__}: {exc}"
                 self._graphs = {}

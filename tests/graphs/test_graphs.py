@@ -126,6 +126,39 @@ def test_grads_reallocated_or_none_need_no_recapture(device):
     assert opt._subsystem("graphs").recaptures == []
 
 
+@pytest.mark.parametrize("clip", [None, 0.5], ids=["update", "update_and_norm_pass"])
+def test_grads_moved_off_16_byte_multiples_are_captured_again(device, clip):
+    """The update and the norm pass read grads at 16-byte multiples in vectors, a variant a graph freezes. Grads
+    that move to views at an 8-byte offset of one buffer (a misaligned vector read is a CUDA error) make the step
+    capture again, not replay the vector variant (the recording backend raises on a replay of another variant);
+    moved back, the same. The trajectory stays torch's."""
+    sizes = [(8, 4), 16, 24, 8]  # numels of multiples of 8: the vector variants apply
+    ref, ours = make_params(sizes, torch.float32, device), make_params(sizes, torch.float32, device)
+    ref_opt = torch.optim.SGD(ref, lr=0.05, momentum=0.9)
+    opt = KitsuneOptimizer(torch.optim.SGD(ours, lr=0.05, momentum=0.9), enable_fusion=True, max_grad_norm=clip)
+    backend = record_graphs(opt)
+    assert opt.plan.fused_tensors == len(ours)
+    flat = torch.zeros(sum(p.numel() for p in ours) + 2, device=device)
+    for step in range(16):
+        _set_grads(ref, step)
+        grads = random_grads(ours, step)
+        if 5 <= step < 11:  # views of one buffer at an 8-byte offset, as a bucketed all-reduce may hand them
+            offset = 2
+            for p, g in zip(ours, grads, strict=True):
+                p.grad = flat[offset : offset + p.numel()].view_as(p).copy_(g)
+                offset += p.numel()
+        else:
+            for p, g in zip(ours, grads, strict=True):
+                p.grad = g
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(ref, clip)
+        ref_opt.step()
+        opt.step()
+    assert backend.captured == 3
+    assert any("alignment" in reason for reason in opt._subsystem("graphs").recaptures)
+    _close(ref, ours)
+
+
 @pytest.mark.parametrize("change", ["add_param_group", "load_state_dict", "storage", "switch"])
 def test_structural_changes_replan_and_recapture(device, change):
     ref, ours, ref_opt, opt = _twins(device)

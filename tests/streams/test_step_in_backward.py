@@ -315,6 +315,29 @@ def test_units_replay_captured_updates_after_warmup(graphed, device):
         assert backend.captured == 2 * units
 
 
+def test_a_unit_graph_is_captured_again_when_its_grads_pick_another_variant(device, monkeypatch):
+    """A unit's captured update freezes the kernel variant its grads' addresses picked (vector reads at 16-byte
+    multiples). When the variants the grads pick now differ from the captured ones, the unit's graph is dropped,
+    warmed up and captured again, never replayed; the steps stay torch's."""
+    net, twin = twins(device, 7)
+    opt = KitsuneOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-2), config=in_backward())
+    backend = RecordingBackend()
+    opt.scheduler.backend = backend
+    opt._replan()
+    fusion = opt._subsystem("fusion")
+    units = len(fusion.units)
+    ref_opt = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    assert run(net, opt, steps=8) == pytest.approx(run(twin, ref_opt, steps=8), rel=1e-5, abs=1e-6)
+    assert backend.captured == units
+    layout = fusion.grad_layout
+    monkeypatch.setattr(fusion, "grad_layout", lambda s, units: tuple(not v for v in layout(s, units)))
+    replayed = backend.replayed
+    assert run(net, opt, steps=1) == pytest.approx(run(twin, ref_opt, steps=1), rel=1e-5, abs=1e-6)
+    assert backend.replayed == replayed  # no unit replayed a graph of the other variant
+    assert run(net, opt, steps=8) == pytest.approx(run(twin, ref_opt, steps=8), rel=1e-5, abs=1e-6)
+    assert backend.captured == 2 * units
+
+
 def test_graphs_off_without_capture_or_on_cpu(device):
     net, _ = twins(device, 6)
     opt = KitsuneOptimizer(torch.optim.AdamW(net.parameters()), config=in_backward(graphs={"enabled": False}))
@@ -324,20 +347,40 @@ def test_graphs_off_without_capture_or_on_cpu(device):
         assert opt.scheduler.graph_reason == "needs CUDA params"
 
 
-@pytest.mark.parametrize("switch", ["maximize", "amsgrad"])
-def test_a_switch_changed_mid_run_updates_each_param_once(switch, device):
-    """A kernel switch turned on between steps: the units the hooks updated inside backward are not updated again in
-    step() (the new kernels take over from the next backward). Each param's step count is the steps taken."""
-    net, _ = twins(device)
+@pytest.mark.parametrize("change", ["maximize", "amsgrad", "storage", "state_tensor"])
+def test_a_change_between_steps_updates_each_param_once_as_torch(change, device):
+    """A change between steps that the plan must follow: a kernel switch turned on (no update launches inside that
+    backward; step() re-plans and updates every param with the new switch, as torch's step does, or raises as torch
+    does before anything changed: amsgrad without max_exp_avg_sq in the state), or a param's
+    storage or a state tensor replaced in a unit backward reaches last (the units updated inside backward are
+    skipped by the re-planned step, though the new plan groups the params otherwise). Every param is updated once
+    a step: the trajectory is torch's, and each param's step count the steps taken."""
+    net, twin = twins(device)
     opt = KitsuneOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-2), config=in_backward())
+    ref_opt = torch.optim.AdamW(twin.parameters(), lr=1e-2)
     assert opt.scheduler.in_backward and len(opt._subsystem("fusion").units) > 1
     gen = torch.Generator().manual_seed(7)
     for step in range(6):
         if step == 3:
-            opt.param_groups[0][switch] = True
+            for o, model in ((opt, net), (ref_opt, twin)):
+                if change in ("maximize", "amsgrad"):
+                    o.param_groups[0][change] = True
+                elif change == "storage":
+                    model.a.weight.data = model.a.weight.data.clone()  # the first layer: backward reaches it last
+                else:
+                    o.state[model.a.weight]["exp_avg"] = o.state[model.a.weight]["exp_avg"].clone()
         x, y = torch.randn(8, 6, generator=gen).to(device), torch.randn(8, 3, generator=gen).to(device)
-        nn.functional.mse_loss(net(x, use_branch=True), y).backward()
-        opt.step()
-        opt.zero_grad()
-    assert {float(opt.state[p]["step"]) for p in net.parameters()} == {6.0}
-    assert all(torch.isfinite(p).all() for p in net.parameters())
+        for model, o in ((net, opt), (twin, ref_opt)):
+            nn.functional.mse_loss(model(x, use_branch=True), y).backward()
+            if change == "amsgrad" and step == 3:  # torch's step raises: the state has no max_exp_avg_sq
+                with pytest.raises(KeyError, match="max_exp_avg_sq"):
+                    o.step()
+            else:
+                o.step()
+            o.zero_grad()
+        if change == "amsgrad" and step == 3:
+            break
+    steps = 3.0 if change == "amsgrad" else 6.0  # a step that raised updated nothing, inside backward neither
+    assert {float(opt.state[p]["step"]) for p in net.parameters()} == {steps}
+    for p, q in zip(net.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
