@@ -52,6 +52,8 @@ class DeviceContext:
                     device_values.append((i, j, value.tensor))
                     continue
                 try:
+                    if isinstance(value, str | bytes):  # float() would parse it; torch's step raises TypeError
+                        raise TypeError("text is not a number")
                     host[i, j] = float(value)
                 except (TypeError, ValueError) as exc:  # before anything changed: the buffer keeps its values
                     raise TypeError(

@@ -218,12 +218,16 @@ class FusedUnit:
 
     def _watch(self) -> None:
         """Static addresses: after a full check that found every grad there, dense, contiguous, in place and every
-        param's state made, hold weak references to the grads and to the params' storages. Freeing any of them
-        (``p.grad = None``, ``model.zero_grad()``, a grad autograd replaced, ``p.data = ...`` or ``model.half()``
-        dropping the old storage) breaks the watch, and the next step checks everything again. What it cannot see
-        is a grad or storage replaced while something else still holds the old one (GraphConfig's docs)."""
+        param's state made, hold weak references to the grads and to the grads' and params' storages. Freeing any of
+        them (``p.grad = None``, ``model.zero_grad()``, a grad autograd replaced, ``p.grad.data = ...``, ``p.data =
+        ...`` or ``model.half()`` dropping the old storage) breaks the watch, and the next step checks everything
+        again. What it cannot see is a grad or storage replaced while something else still holds the old one
+        (GraphConfig's docs)."""
         try:
-            tensors = [*map(_GRAD, self.params), *(p.untyped_storage() for p in self.params)]
+            grads = list(map(_GRAD, self.params))
+            # the grads' storages too: ``p.grad.data = ...`` or ``p.grad.set_(...)`` keep the grad object
+            storages = [t.untyped_storage() for t in (*grads, *self.params)]
+            tensors = [*grads, *storages]
             intact = _Intact()
             self._watched = [weakref.ref(t, intact) for t in tensors]
         except (TypeError, RuntimeError, NotImplementedError):  # a tensor without storage: check every step

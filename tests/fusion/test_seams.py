@@ -255,7 +255,7 @@ def test_a_grad_of_the_params_numel_but_another_shape_is_refused(where, native, 
     _assert_unchanged(before, opt)
 
 
-@pytest.mark.parametrize("value", ["abc", None, [0.1]], ids=["text", "none", "list"])
+@pytest.mark.parametrize("value", ["abc", "0.01", None, [0.1]], ids=["text", "numeric_text", "none", "list"])
 def test_a_hyperparameter_that_is_no_number_is_refused_naming_the_group(value, device):
     """lr set by hand to something the step cannot read as a number: the error names the group and the value (it
     was float()'s bare message), nothing changes, and with the lr put back the steps go on as a twin's."""

@@ -100,6 +100,8 @@ def test_default_checks_every_step(device, checks):
 CHANGES = [
     "model_zero_grad",  # every p.grad set to None (nothing else holding them), new grads from the next backward
     "kitsune_zero_grad",  # optimizer.zero_grad() (set_to_none=True)
+    "grad_data",  # p.grad.data = a copy: the same grad object over new memory (the old storage freed)
+    "grad_set",  # p.grad.set_(a copy's storage): the same
     "some_none",  # one param without a grad for a step: torch skips it
     "storage",  # p.data = ... (the old storage freed): a re-plan
     "flat_grads",  # grads in the pool's arena, set to None by model.zero_grad(): the pool holds its views weakly
@@ -129,6 +131,12 @@ def test_every_freed_grad_or_storage_is_noticed_and_matches_torch(device, change
                     p.grad = None
             if step % 4 == 0 and change == "kitsune_zero_grad":
                 o.zero_grad()
+            if step % 4 == 0 and change in ("grad_data", "grad_set"):
+                for p in params:
+                    if change == "grad_data":
+                        p.grad.data = p.grad.data.clone()
+                    else:
+                        p.grad.set_(p.grad.clone())
             grads_in_place(params, step, skip={1} if change == "some_none" and step % 4 == 0 else ())
             o.step()
         assert_close_params(ours, ref, torch.float32)
