@@ -279,13 +279,21 @@ class _Steady:
 
 def _group_values(groups: list[dict[str, Any]]) -> tuple:
     """Each group's values: its params list as it is (the same object while the structure key holds, compared by
-    identity), every other list copied to a tuple, so that ``group["betas"][0] = x`` on the same list compares
-    unequal (a container compares its own items by identity first)."""
+    identity), every other list or tuple copied to a tuple, nested ones too, so that ``group["betas"][0] = x`` or
+    ``group["ns_coefficients"][0][0] = x`` on the same lists compares unequal (a container compares its own items by
+    identity first)."""
     rows = []
     for g in groups:
         params = g["params"]
-        rows.append(tuple([tuple(v) if type(v) is list and v is not params else v for v in g.values()]))
+        rows.append(tuple([_copied(v) if v is not params else v for v in g.values()]))
     return tuple(rows)
+
+
+def _copied(value: Any) -> Any:
+    """``value`` with every list and tuple in it copied to a tuple (other values as they are)."""
+    if type(value) is list or type(value) is tuple:
+        return tuple([_copied(v) for v in value])
+    return value
 
 
 def _has_tensor(values: tuple) -> bool:

@@ -194,3 +194,32 @@ def test_muon_steady_replays_equal_the_eager_fused_step(device):
     graphed, opt = run(True)
     assert _steady(opt) == 8
     assert all(torch.equal(p, q) for p, q in zip(eager, graphed, strict=True))
+
+
+def test_a_switch_nested_in_lists_changed_in_place_leaves_the_steady_replay(device):
+    """kitsune.optim.Muon's per-iteration ``ns_coefficients`` as a list of lists, one inner item changed in place: the
+    steady replay sees it (nested lists are copied for the comparison, not only the outer one), re-plans, and the
+    steps equal the eager fused step's."""
+    from kitsune.optim import Muon
+
+    shapes = [(8, 16), (8, 16)]
+
+    def run(graphed: bool) -> tuple[list[torch.Tensor], KitsuneOptimizer]:
+        params = make_params(shapes, torch.float32, device)
+        coefficients = [[3.4445, -4.7750, 2.0315], [3.4445, -4.7750, 2.0315]]
+        base = Muon([{"params": params, "ns_coefficients": coefficients, "ns_steps": 2}], lr=0.02)
+        opt = KitsuneOptimizer(base, enable_fusion=True, capture_graph=graphed)
+        if graphed:
+            record_graphs(opt)
+        for step in range(10):
+            if step == 6:
+                opt.param_groups[0]["ns_coefficients"][0][0] = 2.0
+            grads_in_place(params, step)
+            opt.step()
+        return params, opt
+
+    eager, _ = run(False)
+    graphed, opt = run(True)
+    assert _steady(opt) > 0
+    for p, q in zip(eager, graphed, strict=True):
+        torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-6)
