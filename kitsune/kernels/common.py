@@ -115,6 +115,15 @@ def _role_ptr(tab, t, offs, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _pow_step(b, step):
+    """``b ** step`` for a whole-number ``step`` (a step count), as torch's ``beta ** step``: a negative ``b`` too,
+    where ``exp2(step * log2(b))`` alone is nan (torch checks betas only when the optimizer is built)."""
+    mag = tl.exp2(step * tl.log2(tl.abs(b)))
+    odd = step - 2.0 * tl.floor(step * 0.5)
+    return tl.where((b < 0.0) & (odd != 0.0), -mag, mag)
+
+
+@triton.jit
 def _lerp(a, b, w):
     """torch.lerp's formula: ``a + w (b - a)`` for ``|w| < 0.5``, else ``b - (b - a)(1 - w)`` (exact at w = 1), as one
     select of the end it starts from and one multiply-add (``b + (w - 1)(b - a)`` is the same number: ``w - 1`` is

@@ -42,6 +42,7 @@ from kitsune.kernels.common import (
     _hyper_row,
     _lerp,
     _live,
+    _pow_step,
     _program_block,
     _ptr,
     _reduce,
@@ -368,8 +369,8 @@ def _update_kernel(
             else:
                 m = tl.load(s1_ptr, mask=mask, other=0.0).to(tl.float32)
                 v = tl.load(s2_ptr, mask=mask, other=0.0).to(tl.float32)
-            bias1 = tl.where(extra != 0.0, 1.0 - tl.exp2(step * tl.log2(b1)), 1.0).to(tl.float32)
-            bias2 = tl.where(extra != 0.0, 1.0 - tl.exp2(step * tl.log2(b2)), 1.0).to(tl.float32)
+            bias1 = tl.where(extra != 0.0, 1.0 - _pow_step(b1, step), 1.0).to(tl.float32)
+            bias2 = tl.where(extra != 0.0, 1.0 - _pow_step(b2, step), 1.0).to(tl.float32)
             u = _add_wd((m / bias1) / (tl.sqrt(v / bias2) + eps), wd, p)
             if TRUST == 2:
                 tl.store(partials + pid, tl.sum(tl.where(mask, u * u, 0.0), 0))
@@ -419,8 +420,8 @@ def _update_kernel(
                 )
                 _sstore(s3_at, a3_at, offs, tstart, lim, v, qmap, SIGNS & 4, SDTYPE, Q8, RNE_BF16, TILE, QBLOCK, VEC)
             # 1 - beta**step in fp64: in fp32 the early steps (1 - 0.999) would lose four digits
-            bias1 = 1.0 - tl.exp2(step * tl.log2(b1))
-            bias2_sqrt = tl.sqrt(1.0 - tl.exp2(step * tl.log2(b2)))
+            bias1 = 1.0 - _pow_step(b1, step)
+            bias2_sqrt = tl.sqrt(1.0 - _pow_step(b2, step))
             step_size = (lr / bias1).to(tl.float32)
             denom = tl.sqrt(v) / bias2_sqrt.to(tl.float32) + eps
             p = p - step_size * (m / denom)
@@ -554,8 +555,8 @@ def _update_kernel(
                 v = v + (1.0 - b2).to(tl.float32) * g * g
             _sstore2(s1_at, a1_at, m, SIGNS & 1, s2_at, a2_at, v, SIGNS & 2, offs, tstart, lim, qmap,
                      SDTYPE, Q8, RNE_BF16, TILE, QBLOCK, VEC)  # fmt: skip
-            bias1 = 1.0 - tl.exp2(step * tl.log2(b1))
-            beta2_t = tl.exp2(step * tl.log2(b2))
+            bias1 = 1.0 - _pow_step(b1, step)
+            beta2_t = _pow_step(b2, step)
             if ALGO == 5:  # NAdam: mu_t = beta1 (1 - 0.5 * 0.96^(t momentum_decay)); EXTRA = momentum_decay log2(0.96)
                 mu = b1 * (1.0 - 0.5 * tl.exp2(step * extra))
                 mu_next = b1 * (1.0 - 0.5 * tl.exp2((step + 1.0) * extra))

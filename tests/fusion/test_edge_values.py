@@ -105,3 +105,22 @@ def test_a_nan_grad_reaches_the_state_as_torchs_step_takes_it(name, device):
                 ours[k][key], v, rtol=1e-5, atol=1e-6, equal_nan=True, check_device=False, msg=f"{name} {k} {key}"
             )
     assert params[0].isnan().any()
+
+
+NEGATIVE_BETA1 = {
+    "adam": lambda ps: torch.optim.Adam(ps, lr=0.01),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1),
+    "radam": lambda ps: torch.optim.RAdam(ps, lr=0.01),
+    "adamax": lambda ps: torch.optim.Adamax(ps, lr=0.01),
+    "nadam": lambda ps: torch.optim.NAdam(ps, lr=0.01),
+}
+
+
+@pytest.mark.parametrize("name", NEGATIVE_BETA1)
+def test_a_negative_beta1_set_after_construction_steps_as_torchs(name, device):
+    """torch checks betas only when the optimizer is built; a negative beta1 set afterwards steps (its bias
+    correction ``1 - beta1 ** step`` alternates sign). The kernels' power of a negative base was nan."""
+    params, twins, opt, ref = _twins(NEGATIVE_BETA1[name], device)
+    for o in (opt, ref):
+        o.param_groups[0]["betas"] = (-0.5, 0.999)
+    _run(params, twins, opt, ref, 12)
