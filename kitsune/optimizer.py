@@ -265,7 +265,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         asked = {"amp": cfg.amp.enabled, "fusion": cfg.fusion.enabled, "shard": cfg.shard.stage}
         for s in self._subsystems:
             if asked.get(s.name) and not s.active:
-                warnings.warn(f"kitsune: {s.name} was asked for but is inactive: {s.reason}", UserWarning, stacklevel=4)
+                warnings.warn(f"kitsune: {s.name} was asked for but is inactive: {s.reason}", UserWarning, stacklevel=3)
 
     # -- the step -----------------------------------------------------------------------------------------------
     def step(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]

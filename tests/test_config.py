@@ -324,3 +324,20 @@ def test_documented_coercions_still_work():
     opt = KitsuneOptimizer(_tiny_sgd(), max_grad_norm=1, num_streams=2, memory_pool_size=0, zero_stage=0)
     assert opt.config.grads.max_norm == 1.0 and type(opt.config.grads.max_norm) is float
     assert opt.config.streams.num_streams == 2 and opt.config.memory.pool_size == 0
+
+
+def test_a_profiler_section_in_a_kitsune_config_profiles_as_the_other_sections_do():
+    """``KitsuneConfig(profiler=ProfilerConfig(...))`` turns the profiler on, as a fusion or AMP section turns its
+    subsystem on (its settings were ignored with the profiler off); ``KitsuneConfig()`` and ``profile=False`` leave it
+    off, and ``enabled=False`` in the section too."""
+    params = [torch.nn.Parameter(torch.randn(3))]
+    opt = KitsuneOptimizer(
+        torch.optim.SGD(params, lr=0.1), config=KitsuneConfig(profiler=ProfilerConfig(compare_steps=10))
+    )
+    assert opt.profiler is not None and opt.config.profiler.compare_steps == 10
+    for off in (
+        KitsuneOptimizer(torch.optim.SGD(params, lr=0.1), config=KitsuneConfig()),
+        KitsuneOptimizer(torch.optim.SGD(params, lr=0.1)),
+        KitsuneOptimizer(torch.optim.SGD(params, lr=0.1), config=KitsuneConfig(profiler=ProfilerConfig(enabled=False))),
+    ):
+        assert off.profiler is None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import sys
 
 import pytest
 import torch
@@ -429,3 +430,17 @@ def test_a_state_dict_of_another_model_is_refused_where_no_param_is_fused(name, 
             assert torch.equal(t, after["state"][pid][key]) if torch.is_tensor(t) else t == after["state"][pid][key]
     mine(torch.randn(2, 8)).sum().backward()
     opt.step()
+
+
+def test_the_inactive_subsystem_warning_points_at_the_users_line():
+    """Fusion asked for on CPU params (no Triton interpreter): the warning names the line that built the optimizer,
+    not one inside kitsune or the interpreter's ``sys:1``."""
+    import warnings
+
+    params = [torch.nn.Parameter(torch.randn(3))]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = sys._getframe().f_lineno + 1
+        KitsuneOptimizer(torch.optim.SGD(params, lr=0.1), enable_fusion=True)
+    inactive = [w for w in caught if "was asked for but is inactive" in str(w.message)]
+    assert inactive and inactive[0].filename == __file__ and inactive[0].lineno == line
