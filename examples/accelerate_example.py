@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 from torch import nn
 
 from kitsune import KitsuneOptimizer
+from kitsune.cli import device_arg, output_dir
 
 
 def train(use_kitsune: bool, args: argparse.Namespace) -> tuple[Accelerator, nn.Module, object, list[float]]:
@@ -79,9 +79,10 @@ def main(argv: list[str] | None = None) -> float:
         "--steps", type=positive_int, default=200, help="optimizer steps (each of --accum micro-batches)"
     )
     parser.add_argument("--accum", type=positive_int, default=2, help="gradient accumulation steps")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", type=device_arg, choices=["cpu", "cuda"], default="auto", help="auto, cpu or cuda")
     parser.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default="no")
-    parser.add_argument("--out-dir", type=Path, default=Path("."), help="where accelerate-state/ is written")
+    files = output_dir("accelerate-state/optimizer.bin")  # checked before the run
+    parser.add_argument("--out-dir", type=files, default=".", help="where accelerate-state/ is written")
     args = parser.parse_args(argv)
 
     accelerator, model, optimizer, losses = train(use_kitsune=True, args=args)
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> float:
     print(f"micro-batches {len(losses)}, accumulation {args.accum}, kitsune steps {kitsune_opt.step_count}")
     k = max(1, min(5, len(losses) // 4))
     first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
-    print(f"loss (mean of {k} micro-batches): first {first:.4f} -> last {last:.4f}")
+    print(f"loss (mean of {k} micro-batch{'es' * (k != 1)}): first {first:.4f} -> last {last:.4f}")
     if kitsune_opt.step_count != args.steps:
         sys.exit(f"kitsune made {kitsune_opt.step_count} steps, expected {args.steps}")
 

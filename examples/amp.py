@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from kitsune import AMPConfig, KitsuneOptimizer
+from kitsune.cli import device_arg
 
 
 def positive_int(text: str) -> int:
@@ -44,7 +45,7 @@ def positive_int(text: str) -> int:
 def main(argv: list[str] | None = None) -> float:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=positive_int, default=200)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", type=device_arg, default="auto", help="auto (GPU when there is one), cpu, cuda")
     parser.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
     parser.add_argument("--overflow-at", type=int, default=None, metavar="STEP", help="inject an inf loss (float16)")
     args = parser.parse_args(argv)
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> float:
 
     k = max(1, min(5, args.steps // 4))
     first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
-    print(f"loss (mean of {k} steps): first {first:.4f} -> last {last:.4f}")
+    print(f"loss (mean of {k} step{'s' * (k != 1)}): first {first:.4f} -> last {last:.4f}")
     print(
         f"loss scale {optimizer.loss_scale:g}, skipped steps {optimizer.skipped_steps}, "
         f"host syncs in step() {optimizer.host_syncs}"

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from kitsune import KitsuneOptimizer
+from kitsune.cli import output_file
 
 
 def positive_int(text: str) -> int:
@@ -24,7 +25,7 @@ def positive_int(text: str) -> int:
 def main(argv: list[str] | None = None) -> float:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=positive_int, default=200)
-    parser.add_argument("--profile-out", default="basic-profile.json")
+    parser.add_argument("--profile-out", default="basic-profile.json", type=output_file)  # checked before the run
     args = parser.parse_args(argv)
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

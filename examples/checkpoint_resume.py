@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from kitsune import KitsuneOptimizer
+from kitsune.cli import device_arg, output_dir
 
 
 def make_batch(step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,8 +93,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=positive_int, default=200, help="steps of the whole run")
     parser.add_argument("--save-at", type=int, default=None, help="checkpoint after this many steps (default: half)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out-dir", type=Path, default=Path("."), help="where the checkpoints are written")
+    parser.add_argument("--device", type=device_arg, default="auto", help="auto (GPU when there is one), cpu, cuda")
+    files = output_dir("ckpt-kitsune.pt", "ckpt-torch.pt")  # checked before the run
+    parser.add_argument("--out-dir", type=files, default=".", help="where the checkpoints are written")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     total = args.steps
@@ -115,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     kitsune_ckpt = args.out_dir / "ckpt-kitsune.pt"
     save(kitsune_ckpt, model, optimizer, scheduler, save_at)
     print(
-        f"saved {kitsune_ckpt} after {save_at} steps (lr {scheduler.get_last_lr()[0]:.2e}, "
+        f"saved {kitsune_ckpt} after {save_at} step{'s' * (save_at != 1)} (lr {scheduler.get_last_lr()[0]:.2e}, "
         f"optimizer keys {sorted(optimizer.state_dict())})"
     )
 
@@ -124,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     train(model, optimizer, scheduler, 0, save_at, device)
     torch_ckpt = args.out_dir / "ckpt-torch.pt"
     save(torch_ckpt, model, optimizer, scheduler, save_at)
-    print(f"saved {torch_ckpt} after {save_at} steps (a plain torch.optim.AdamW checkpoint)")
+    print(f"saved {torch_ckpt} after {save_at} step{'s' * (save_at != 1)} (a plain torch.optim.AdamW checkpoint)")
 
     diffs = {"plain torch, uninterrupted": max_abs_diff(torch_model, ref_model)}
     runs = [

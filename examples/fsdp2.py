@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from kitsune import KitsuneOptimizer
+from kitsune.cli import device_arg
 
 
 def say(line: str) -> None:
@@ -88,7 +89,7 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
         say(f"optimizer state of param 0: {', '.join(kinds)}")
         k = max(1, min(5, args.steps // 4))
         first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
-        say(f"loss (mean of {k} steps): first {first:.4f} -> last {last:.4f}")
+        say(f"loss (mean of {k} step{'s' * (k != 1)}): first {first:.4f} -> last {last:.4f}")
         verdict = "identical" if diff == 0 else "DIFFERENT"
         say(f"full params on all {world} ranks after {args.steps} steps: {verdict} ({mine.numel()} values)")
     return 1 if diff != 0 or moved == 0 else 0
@@ -105,7 +106,7 @@ def positive_int(text: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=positive_int, default=100)
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", type=device_arg, choices=["cpu", "cuda"], default="auto", help="auto, cpu or cuda")
     args = parser.parse_args(argv)
     if "LOCAL_RANK" not in os.environ:
         parser.error("run it with torchrun: torchrun --nproc_per_node=2 examples/fsdp2.py --steps 5")

@@ -34,7 +34,6 @@ import argparse
 import logging
 import sys
 import warnings
-from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -43,6 +42,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 
 from kitsune import KitsuneOptimizer
+from kitsune.cli import device_arg, output_dir
 
 
 class Regressor(L.LightningModule):
@@ -123,11 +123,12 @@ def positive_int(text: str) -> int:
 def main(argv: list[str] | None = None) -> float:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=positive_int, default=200)
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", type=device_arg, choices=["cpu", "cuda"], default="auto", help="auto, cpu or cuda")
     parser.add_argument("--precision", choices=["32-true", "bf16-mixed", "16-mixed"], default="32-true")
     parser.add_argument("--clip", choices=["lightning", "hook", "kitsune"], default="lightning", help="who clips")
     parser.add_argument("--clip-val", type=float, default=1.0, help="the global 2-norm the grads are clipped to")
-    parser.add_argument("--out-dir", type=Path, default=Path("."), help="where lightning.ckpt is written")
+    files = output_dir("lightning.ckpt")  # checked before the run
+    parser.add_argument("--out-dir", type=files, default=".", help="where lightning.ckpt is written")
     args = parser.parse_args(argv)
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # no "GPU available: ..." banner
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")  # a tiny in-memory data set

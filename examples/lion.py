@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from kitsune import KitsuneOptimizer
+from kitsune.cli import device_arg
 from kitsune.optim import Lion
 
 
@@ -36,7 +37,7 @@ def positive_int(text: str) -> int:
 def main(argv: list[str] | None = None) -> float:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=positive_int, default=200)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", type=device_arg, default="auto", help="auto (GPU when there is one), cpu, cuda")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
 
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> float:
 
     k = max(1, min(5, args.steps // 4))
     first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
-    print(f"loss (mean of {k} steps): first {first:.4f} -> last {last:.4f}")
+    print(f"loss (mean of {k} step{'s' * (k != 1)}): first {first:.4f} -> last {last:.4f}")
     diff = max((p - q).abs().max().item() for p, q in zip(model.parameters(), twin.parameters(), strict=True))
     # on CUDA the fused kernel rounds differently, and sign() turns a rounding difference near 0 into a whole step
     same = "bit-identical" if diff == 0 else f"fused vs eager rounding, turned by sign() into steps of lr={lr:g}"

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from kitsune import KitsuneOptimizer
+from kitsune.cli import device_arg, output_dir
 from kitsune.cli import main as kitsune_cli
 from kitsune.profiler.schema import load_profile
 from kitsune.profiler.trace import export_chrome_trace
@@ -44,8 +45,9 @@ def positive_int(text: str) -> int:
 def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=positive_int, default=200)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out-dir", type=Path, default=Path("."), help="where the three files are written")
+    parser.add_argument("--device", type=device_arg, default="auto", help="auto (GPU when there is one), cpu, cuda")
+    files = output_dir("profile.json", "trace.json", "report.html")  # checked before the run
+    parser.add_argument("--out-dir", type=files, default=".", help="where the three files are written")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
 
@@ -71,19 +73,19 @@ def main(argv: list[str] | None = None) -> Path:
     optimizer.print_summary()
 
     # 2. the profile and the trace
-    args.out_dir.mkdir(parents=True, exist_ok=True)
     profile_path = optimizer.save_profile(args.out_dir / "profile.json")
     trace_path = export_chrome_trace(optimizer, args.out_dir / "trace.json")
     events = json.loads(trace_path.read_text())["traceEvents"]
     steps_in_trace = sum(1 for e in events if e["ph"] == "X") // 2  # one event per step on each of two tracks
     print(f"profile: {profile_path}")
-    print(f"trace:   {trace_path} ({steps_in_trace} steps; open it in chrome://tracing or https://ui.perfetto.dev)")
+    print(f"trace:   {trace_path} (steps: {steps_in_trace}; open it in chrome://tracing or https://ui.perfetto.dev)")
 
     # 3. the profile read back, as the `kitsune report` command does
     profile = load_profile(profile_path)
     step_time = profile.metrics.step_time
     print(
-        f"profile.json holds {len(profile.steps)} steps, p50 step {step_time.p50_ms:.3f} ms ({profile.metrics.timing})"
+        f"profile.json read back: steps {len(profile.steps)}, p50 step {step_time.p50_ms:.3f} ms "
+        f"({profile.metrics.timing})"
     )
 
     html_path = args.out_dir / "report.html"

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kitsune import KitsuneOptimizer
+from kitsune.cli import device_arg
 from kitsune.distributed import consolidated_state_dict
 
 
@@ -88,7 +89,7 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
     if rank == 0:
         k = max(1, min(5, args.steps // 4))
         first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
-        say(f"loss (mean of {k} steps): first {first:.4f} -> last {last:.4f}")
+        say(f"loss (mean of {k} step{'s' * (k != 1)}): first {first:.4f} -> last {last:.4f}")
         verdict = "identical" if diff == 0 else "DIFFERENT"
         say(f"params on all {world} ranks after {args.steps} steps: {verdict} ({mine.numel()} values)")
         plain = torch.optim.AdamW(nn.Sequential(*(nn.Linear(*s) for s in sizes)).parameters())
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=positive_int, default=100)
     parser.add_argument("--stage", type=int, choices=[1, 2], default=2)
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", type=device_arg, choices=["cpu", "cuda"], default="auto", help="auto, cpu or cuda")
     args = parser.parse_args(argv)
     if "LOCAL_RANK" not in os.environ:
         parser.error("run it with torchrun: torchrun --nproc_per_node=2 examples/zero.py --steps 5")

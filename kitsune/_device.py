@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import re
 
 import torch
@@ -38,3 +39,12 @@ def parse_device(text: str) -> torch.device:
         gpus = "cuda:0" if count == 1 else f"cuda:0 to cuda:{count - 1}"
         raise ValueError(f"{text} asked for, but torch sees {count} CUDA GPU{'s' * (count != 1)}: use {gpus} or cuda")
     return torch.device("cuda", index)
+
+
+def device_arg(text: str) -> str:
+    """An argparse ``type`` for ``--device``: `parse_device`'s device as text (``auto`` -> ``cpu`` or ``cuda``), its
+    ValueError as argparse's one error line, before any work."""
+    try:
+        return str(parse_device(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

@@ -1,9 +1,15 @@
-"""The ``kitsune`` command."""
+"""The ``kitsune`` command, and the argparse ``type`` helpers its subcommands and the examples share: a bad
+``--device``, output file or output folder is one error line before any work."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+from kitsune._device import device_arg
+from kitsune._paths import output_dir, output_file
+
+__all__ = ["build_parser", "device_arg", "main", "output_dir", "output_file", "positive_int"]
 
 
 def positive_int(text: str) -> int:

@@ -27,7 +27,7 @@ from kitsune._paths import check_output_path
 from kitsune.fusion import Route
 from kitsune.optimizer import KitsuneOptimizer
 from kitsune.profiler.core import quantile
-from kitsune.profiler.summary import Prose, times
+from kitsune.profiler.summary import Prose, count, times
 
 
 class Block(nn.Module):
@@ -233,7 +233,7 @@ def run_demo(
         ValueError: nothing can be written at ``profile_path`` (see `kitsune._paths.check_output_path`); checked
             before the training, which would otherwise run in full before the profile is saved.
     """
-    check_output_path(profile_path)
+    profile_path = check_output_path(profile_path)  # "~" expanded
     console = console or Console()
     dev = torch.device(
         "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
@@ -255,7 +255,7 @@ def run_demo(
     n_params = sum(p.numel() for p in fresh()[0].parameters())
     flags = ", ".join(f"{k}={v}" for k, v in settings.items())
     console.print(
-        f"[bold]kitsune demo[/]: TinyGPT ({n_params / 1e6:.2f}M params) on {dev.type}, {steps} steps, "
+        f"[bold]kitsune demo[/]: TinyGPT ({n_params / 1e6:.2f}M params) on {dev.type}, {count(steps, 'step')}, "
         f"AdamW(lr=3e-3, weight_decay=0.1), same seed and batches on every side"
     )
     if timed:
@@ -288,9 +288,7 @@ def run_demo(
     assert isinstance(kitsune_side.opt, KitsuneOptimizer) and isinstance(profiled.opt, KitsuneOptimizer)
     pass_through = not _updates_params(kitsune_side.opt)
     timing = None if pass_through else _timing(torch_side.result, kitsune_side.result, n)
-    result = DemoResult(
-        torch_side.result, kitsune_side.result, profiled.opt, Path(profile_path), dev, pass_through, timing
-    )
+    result = DemoResult(torch_side.result, kitsune_side.result, profiled.opt, profile_path, dev, pass_through, timing)
     _print_comparison(result, console)
     profiled.opt.print_summary(console=console)
     path = profiled.opt.save_profile(profile_path)
@@ -301,7 +299,7 @@ def run_demo(
 def _print_comparison(result: DemoResult, console: Console) -> None:
     torch_run, ours = result.baseline, result.kitsune
     steps = len(torch_run.losses)
-    console.print(f"[bold]torch vs kitsune[/] ({steps} steps each)")
+    console.print(f"[bold]torch vs kitsune[/] ({count(steps, 'step')} each)")
     facts = Table.grid(padding=(0, 2))
     facts.add_column(no_wrap=True)
     facts.add_column()
@@ -322,13 +320,14 @@ def _print_comparison(result: DemoResult, console: Console) -> None:
         )
         facts.add_row("speed", Prose(speed))
     elif timing is None:
-        few = f"not compared: {steps} steps are too few for 3 timed blocks after the warm-up (try --steps 40)"
-        facts.add_row("speed", Prose(few))
+        are = "is" if steps == 1 else "are"
+        few = f"{count(steps, 'step')} {are} too few for 3 timed blocks after the warm-up (try --steps 40)"
+        facts.add_row("speed", Prose(f"not compared: {few}"))
     else:
         source = "CUDA events" if result.device.type == "cuda" else "wall clock"
         how = (
-            f"{timing.blocks} blocks of {timing.block} steps a side, alternating, after one warm-up block left "
-            f"out; the profiler off on both sides; optimizer.step() timed with {source}"
+            f"{timing.blocks} blocks of {count(timing.block, 'step')} a side, alternating, after one warm-up block "
+            f"left out; the profiler off on both sides; optimizer.step() timed with {source}"
         )
         facts.add_row("timed", Prose(how))
     console.print(facts)

@@ -22,11 +22,11 @@ def _nvml() -> tuple[bool, str]:
     try:
         import pynvml
     except ImportError:
-        return False, "nvidia-ml-py is not installed (pip install nvidia-ml-py)"
+        return False, "nvidia-ml-py is not installed: pip install nvidia-ml-py"
     try:
         pynvml.nvmlInit()
     except Exception as exc:  # pynvml raises NVMLError subclasses; any failure means "no NVML here"
-        return False, f"NVML unavailable: {exc}"
+        return False, f"nvmlInit failed: {exc}"
     try:
         driver = pynvml.nvmlSystemGetDriverVersion()
         count = pynvml.nvmlDeviceGetCount()
@@ -96,7 +96,7 @@ def print_doctor(console: Console | None = None) -> dict[str, Any]:
         triton_line += " (TRITON_INTERPRET=1: kernels run in the CPU interpreter)"
     table.add_row("Triton", triton_line)
     n = info["nvml"]
-    table.add_row("NVML", f"{ok if n['available'] else bad} {n['detail']}")
+    table.add_row("NVML", f"{ok} {n['detail']}" if n["available"] else f"{bad} ({n['detail']})")
     console.print(table)
     console.print("with enable_fusion=True, profile=True" + (", enable_amp=True" if c["available"] else "") + ":")
     console.print(subsystem_table(info["subsystems"]))

@@ -458,3 +458,100 @@ def test_an_unknown_compile_backend_is_one_line_before_anything_runs(monkeypatch
     assert "inductor" in captured.err
     with pytest.raises(ValueError, match="no torch.compile backend 'bogus'"):
         run_e2e(torch.device("cpu"), steps=1, warmup=1, compile_backend="bogus")
+
+
+def _interrupt_at(monkeypatch, set_name: str) -> None:
+    """Ctrl-C while the first variant of ``set_name`` is timed."""
+    import kitsune.bench.runner as runner
+
+    real = runner.run_variant
+
+    def run_variant(name, pset, *args, **kwargs):
+        if pset.name == set_name:
+            raise KeyboardInterrupt
+        return real(name, pset, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "run_variant", run_variant)
+
+
+BENCH = ["--variants", "fused", "--steps", "1", "--warmup", "1", "--device", "cpu"]
+
+
+def test_ctrl_c_is_one_line_naming_the_sets_saved(tmp_path, monkeypatch, capsys):
+    """Ctrl-C after the first set: exit code 130 and one line saying where the sets done so far are; the JSON (saved
+    whole after each set) holds them, marked complete: false."""
+    path = tmp_path / "b.json"
+    path.write_text('{"an older": "complete run"}')
+    _interrupt_at(monkeypatch, "many")
+    assert main(["--sets", "gpt2,many", *BENCH, "--json", str(path)]) == 130
+    err = capsys.readouterr().err
+    assert err == f"kitsune bench: interrupted: the sets done so far (gpt2) are in {path} (complete: false)\n"
+    saved = BenchResult.load(path)
+    assert not saved.complete and [s.name for s in saved.sets] == ["gpt2"]
+    assert [p.name for p in tmp_path.iterdir()] == ["b.json"]  # no temporary file left
+
+
+@pytest.mark.parametrize("old", [True, False], ids=["old-file", "no-file"])
+def test_ctrl_c_before_the_first_set_leaves_the_old_file(tmp_path, monkeypatch, capsys, old):
+    path = tmp_path / "b.json"
+    if old:
+        path.write_text('{"an older": "complete run"}')
+    _interrupt_at(monkeypatch, "gpt2")
+    assert main(["--sets", "gpt2", *BENCH, "--json", str(path)]) == 130
+    kept = f"{path} is untouched" if old else f"{path} was not written"
+    assert capsys.readouterr().err == f"kitsune bench: interrupted before the first set was done: {kept}\n"
+    assert (path.read_text() == '{"an older": "complete run"}') if old else not path.exists()
+
+
+def test_a_name_given_twice_runs_once(tmp_path):
+    parser = argparse.ArgumentParser(prog="kitsune")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["bench", "--sets", "gpt2,many,gpt2", "--variants", "fused,fused,kitsune"])
+    assert args.sets == ["gpt2", "many"] and args.variants == ["fused", "kitsune"]
+
+
+def test_plot_says_what_is_wrong_in_one_line(tmp_path, capsys):
+    """``python -m kitsune.bench.plot``: --help exits 0; a missing file, a JSON that is no bench result (a profile)
+    and a folder as the output are one line each, exit code 2; a partial run is charted and said to be partial."""
+    from kitsune.bench.plot import main as plot
+
+    assert plot(["--help"]) == 0
+    assert capsys.readouterr().out.startswith("usage: python -m kitsune.bench.plot BENCH.json OUT.svg\n\nA ")
+
+    missing = tmp_path / "missing.json"
+    assert plot([str(missing), str(tmp_path / "o.svg")]) == 2
+    assert capsys.readouterr().err == f"python -m kitsune.bench.plot: {missing}: no such file\n"
+
+    profile = tmp_path / "p.json"
+    profile.write_text(json.dumps({"schema_version": "1.1", "steps": [], "subsystems": []}))
+    assert plot([str(profile), str(tmp_path / "o.svg")]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"python -m kitsune.bench.plot: {profile}: is a profile, not a bench result: read it with kitsune report "
+        f"{profile}\n"
+    )
+
+    other = tmp_path / "other.json"
+    other.write_text('{"a": 1}')
+    assert plot([str(other), str(tmp_path / "o.svg")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"python -m kitsune.bench.plot: {other}: is not a kitsune bench --json result (")
+    assert err.count("\n") == 1
+
+    bench = tmp_path / "b.json"
+    run_bench(sets=["gpt2"], variants=["fused"], device="cpu", steps=1, json_path=bench, console=quiet())
+    assert plot([str(bench), str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (
+        f"python -m kitsune.bench.plot: {tmp_path}: is a directory, not a file: name a file in it\n"
+    )
+    partial = BenchResult.load(bench)
+    partial.complete = False
+    partial.save(bench)
+    assert plot([str(bench), str(tmp_path / "o.svg")]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == f"{tmp_path / 'o.svg'}\n"
+    assert captured.err == (
+        f"note: {bench} is a partial run (complete: false; the run was stopped or is still going): the chart shows "
+        "what was done (gpt2)\n"
+    )
+    assert "a partial run (complete: false)" in (tmp_path / "o.svg").read_text()

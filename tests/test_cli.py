@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -86,6 +87,7 @@ def test_demo_help_describes_every_option(capsys):
             ],
         ),
         (["doctor"], ["Report what this machine supports"]),
+        (["report"], ["Read a profile JSON written by save_profile()", "--trace a Chrome trace"]),
         (
             ["bench"],
             [
@@ -94,7 +96,7 @@ def test_demo_help_describes_every_option(capsys):
             ],
         ),
     ],
-    ids=["demo", "doctor", "bench"],
+    ids=["demo", "doctor", "report", "bench"],
 )
 def test_help_describes_the_command_and_its_defaults(capsys, monkeypatch, command, says):
     """Each command's ``--help`` has a description under its usage line, and options with a default state it."""
@@ -241,7 +243,7 @@ def _deny_writes_to(monkeypatch, directory: Path) -> None:
 
 
 BAD_OUTPUTS = {
-    "directory": ("adir", None, "{p}: is a directory, not a file"),
+    "directory": ("adir", None, "{p}: is a directory, not a file: name a file in it"),
     "under-a-file": ("afile/out.json", None, "{p}: {d}/afile is a file, not a directory"),
     "deep-under-a-file": ("afile/sub/out.json", None, "{p}: {d}/afile is a file, not a directory"),
     "file-not-writable": ("afile", "afile", "{p}: is not writable (permission denied)"),
@@ -311,16 +313,17 @@ def test_the_output_check_leaves_nothing_behind(tmp_path, monkeypatch):
     assert check_output_path(tmp_path / "old.json") == tmp_path / "old.json"
     assert (tmp_path / "old.json").read_text() == "kept"
 
-    def read_only(file, mode, **kwargs):
-        raise OSError(30, "Read-only file system", str(file))
+    real_open = os.open
 
-    monkeypatch.setattr("kitsune._paths.open", read_only, raising=False)
+    def read_only(file, *args, **kwargs):  # the file next to the output, which the check makes and removes
+        if Path(file).parent == path.parent:
+            raise OSError(errno.EROFS, "Read-only file system", str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", read_only)
     with pytest.raises(ValueError) as info:
         check_output_path(path)
-    assert (
-        str(info.value)
-        == f"{path}: cannot write it (Read-only file system): name a path in a folder this user can write"
-    )
+    assert str(info.value) == f"{path}: cannot write it (read-only file system): name a path on a writable disk"
     assert [p.name for p in tmp_path.iterdir()] == ["old.json"]
 
 
@@ -346,3 +349,38 @@ def test_report_makes_missing_directories_of_its_outputs(profile_json, capsys):
     html, trace = profile_json.parent / "a" / "b" / "r.html", profile_json.parent / "c" / "t.json"
     assert main(["report", str(profile_json), "--html", str(html), "--trace", str(trace)]) == 0
     assert html.read_text().startswith("<!DOCTYPE html>") and json.loads(trace.read_text())
+
+
+@pytest.mark.parametrize("command", ["demo", "bench", "bench-muon"])
+def test_an_empty_output_path_is_said_to_be_empty(capsys, command):
+    """``--profile-out ''`` / ``--json ''``: the path is empty (not ".: is a directory", what Path("") reads as)."""
+    argv, prefix = COMMANDS[command]
+    assert main([*argv, ""]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == f"{prefix} '': the path is empty: name a file\n"
+
+
+def test_demo_of_one_step_counts_it_as_one(tmp_path, capsys, monkeypatch):
+    """ "1 step", not "1 steps", in the demo's lines and the summary it prints; "~" in --profile-out is the home
+    folder, and the line printed names the file written."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["demo", "--steps", "1", "--device", "cpu", "--profile-out", "~/p.json"]) == 0
+    text = capsys.readouterr().out
+    assert "1 steps" not in text and "on cpu, 1 step, AdamW" in text and "(1 step each)" in text
+    assert "29 params, 1 step\n" in text and "step time (1 step timed, host clock)" in text
+    assert f"profile written to {tmp_path / 'p.json'}" in text and (tmp_path / "p.json").is_file()
+
+
+def test_doctor_says_why_nvml_is_missing_once(capsys, monkeypatch):
+    """The NVML row reads "no (nvmlInit failed: ...)", not "no NVML unavailable: ..."."""
+    import types
+
+    def fail() -> None:
+        raise RuntimeError("NVML Shared Library Not Found")
+
+    monkeypatch.setitem(sys.modules, "pynvml", types.SimpleNamespace(nvmlInit=fail))
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["doctor"]) == 0
+    text = capsys.readouterr().out
+    assert "no (nvmlInit failed: NVML Shared Library Not Found)" in text and "NVML unavailable" not in text

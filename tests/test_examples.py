@@ -38,7 +38,7 @@ NEEDS_LIGHTNING, NEEDS_ACCELERATE = needs("lightning"), needs("accelerate")
 
 def first_last_loss(out: str) -> tuple[float, float]:
     """The example's own "loss (mean of k steps): first A -> last B" line."""
-    m = re.search(r"loss \(mean of \d+ (?:steps|micro-batches)\): first ([\d.]+) -> last ([\d.]+)", out)
+    m = re.search(r"loss \(mean of \d+ (?:steps?|micro-batch(?:es)?)\): first ([\d.]+) -> last ([\d.]+)", out)
     assert m, out
     return float(m[1]), float(m[2])
 
@@ -311,6 +311,53 @@ def test_a_step_count_below_one_is_an_argparse_error(name, value, tmp_path, monk
     captured = capsys.readouterr()
     assert captured.out == "" and list(tmp_path.iterdir()) == []
     assert captured.err.splitlines()[-1] == f"{name}: error: argument --steps: must be at least 1, got {value}"
+
+
+NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="cuda is a valid --device here")
+BAD_ARGUMENTS = [
+    pytest.param("amp.py", ["--device", "gpu"], "--device: choose auto, cpu, cuda or cuda:N", id="amp-gpu"),
+    pytest.param("lion.py", ["--device", "cuda"], "--device: cuda asked for, but torch", id="lion-cuda", marks=NO_GPU),
+    pytest.param("ddp.py", ["--device", "cuda"], "--device: cuda asked for, but torch", id="ddp-cuda", marks=NO_GPU),
+    pytest.param("basic.py", ["--profile-out", "adir"], "--profile-out: adir: is a directory", id="basic-folder"),
+    pytest.param("basic.py", ["--profile-out", "out/"], "--profile-out: out/: ends with '/'", id="basic-slash"),
+    pytest.param(
+        "profiler_report.py",
+        ["--out-dir", "/proc/kitsune-no-such-dir"],
+        "--out-dir: /proc/kitsune-no-such-dir/profile.json: cannot create /proc/kitsune-no-such-dir",
+        id="profiler-proc",
+        marks=pytest.mark.skipif(not Path("/proc/self").exists(), reason="needs Linux /proc"),
+    ),
+    pytest.param(
+        "checkpoint_resume.py",
+        ["--out-dir", "afile"],
+        "--out-dir: afile/ckpt-kitsune.pt: afile is a file, not a directory",
+        id="ckpt-file",
+    ),
+]
+
+
+@pytest.mark.parametrize("name, args, problem", BAD_ARGUMENTS)
+def test_a_bad_argument_is_one_error_line_before_any_training(name, args, problem, tmp_path, monkeypatch, capsys):
+    """A ``--device`` torch cannot use and an output nothing can be written at are refused by argparse, through the
+    ``kitsune`` commands' own checks: usage and one error line, exit code 2, nothing trained or written."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setattr(sys, "argv", [name, "--steps", "2", *args])
+    with pytest.raises(SystemExit) as info:
+        runpy.run_path(str(EXAMPLES / name), run_name="__main__")
+    assert info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "Traceback" not in captured.err
+    assert captured.err.splitlines()[-1].startswith(f"{name}: error: argument {problem}"), captured.err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "afile"] and not any((tmp_path / "adir").iterdir())
+
+
+def test_a_mean_of_one_step_is_one_step(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["amp.py", "--steps", "2", "--device", "cpu", "--dtype", "bfloat16"])
+    runpy.run_path(str(EXAMPLES / "amp.py"), run_name="__main__")
+    assert "loss (mean of 1 step): first" in capsys.readouterr().out
 
 
 def test_every_example_is_tested_and_documented():

@@ -5,21 +5,24 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from kitsune._paths import check_output_path, write_output
 from kitsune.bench.params import PARAM_SETS
 from kitsune.bench.peers import PEERS
+from kitsune.bench.results import BenchResult
 from kitsune.bench.runner import run_bench
 from kitsune.bench.variants import DEFAULT_VARIANTS, VARIANTS
 from kitsune.cli import positive_int
 
 
 def _names(choices: dict[str, Any]) -> Callable[[str], list[str]]:
-    """An argparse ``type``: comma-separated names, each one of ``choices``, at least one."""
+    """An argparse ``type``: comma-separated names, each one of ``choices``, at least one; a repeated name counts
+    once (``gpt2,gpt2`` times gpt2 once)."""
 
     def parse(text: str) -> list[str]:
-        names = [n.strip() for n in text.split(",") if n.strip()]
+        names = list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))  # each once, in order
         if not names:  # "" or ",": a run of nothing would exit 0 having timed nothing
             raise argparse.ArgumentTypeError(f"no name given: choose one or more of {', '.join(choices)}")
         bad = [n for n in names if n not in choices]
@@ -108,15 +111,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    """``func`` of the ``bench`` subcommand: run it, return the exit code."""
+    """``func`` of the ``bench`` subcommand: run it, return the exit code (130 after Ctrl-C, with one line saying
+    where the sets done so far are)."""
     if args.json_path is not None:
         try:  # before the run: the JSON is first written after the first set is timed
-            check_output_path(args.json_path)
+            args.json_path = check_output_path(args.json_path)  # "~" expanded
         except ValueError as exc:
             print(f"kitsune bench: --json {exc}", file=sys.stderr)
             return 2
-    if args.muon:
-        return _run_muon(args)
+    before = _identity(args.json_path)
+    try:
+        return _run_muon(args) if args.muon else _run(args)
+    except KeyboardInterrupt:
+        print(f"kitsune bench: {_interrupted(args.json_path, before)}", file=sys.stderr)
+        return 130
+
+
+def _identity(path: Path | None) -> tuple[int, int, int] | None:
+    """What tells a file apart from the one that replaces it (each save is a new file): inode, mtime, size."""
+    try:
+        found = path.stat() if path is not None else None
+    except OSError:
+        return None
+    return None if found is None else (found.st_ino, found.st_mtime_ns, found.st_size)
+
+
+def _interrupted(path: Path | None, before: tuple[int, int, int] | None) -> str:
+    """The line for Ctrl-C: where what was timed so far is, or that nothing was written (and an older file is
+    untouched: every save replaces the file whole, or not at all)."""
+    if path is None:
+        return "interrupted (nothing written: without --json the numbers are only printed)"
+    if _identity(path) == before:
+        kept = f"{path} is untouched" if before is not None else f"{path} was not written"
+        return f"interrupted before the first set was done: {kept}"
+    try:
+        names = ", ".join(s.name for s in BenchResult.load(path).sets) or "the environment only"
+    except (OSError, ValueError):
+        names = "a partial run"
+    return f"interrupted: the sets done so far ({names}) are in {path} (complete: false)"
+
+
+def _run(args: argparse.Namespace) -> int:
     variants = args.variants or (PEER_VARIANTS if args.peers is not None else list(DEFAULT_VARIANTS))
     try:
         result = run_bench(

@@ -8,10 +8,14 @@ axis; its label gives the median ms/step. Variants that did not run are listed w
 
 from __future__ import annotations
 
+import json
 import sys
 from html import escape
 from pathlib import Path
 
+from pydantic import ValidationError
+
+from kitsune._paths import as_path, write_output
 from kitsune.bench.results import BenchResult, SetResult
 from kitsune.bench.table import SECTION_HEADS, sections
 
@@ -39,6 +43,8 @@ def bench_svg(result: BenchResult, title: str | None = None) -> str:
     title = title or f"AdamW step, {env.device_name or result.device}: % of the bandwidth floor (higher is faster)"
     if result.cpu_smoke:  # kitsune is a pass-through on a CPU: its bars and torch's time the same step
         title += "; a CPU smoke run, not a comparison"
+    if not result.complete:  # saved after a set, then stopped (Ctrl-C) or still running
+        title += "; a partial run (complete: false)"
     width = _LABEL + _BAR + 170
     y = 40
     parts: list[str] = []
@@ -82,19 +88,68 @@ def bench_svg(result: BenchResult, title: str | None = None) -> str:
 
 
 def write_svg(json_path: str | Path, svg_path: str | Path) -> Path:
-    """Read a ``--json`` result and write its chart."""
-    out = Path(svg_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(bench_svg(BenchResult.load(json_path)))
-    return out
+    """Read a ``--json`` result and write its chart (atomically, ``~`` expanded); returns the path written.
+
+    Raises:
+        FileNotFoundError: nothing at ``json_path``.
+        ValueError: ``json_path`` is not a bench result, or nothing can be written at ``svg_path``; one line.
+    """
+    return write_output(svg_path, bench_svg(load_result(json_path)))
+
+
+def load_result(path: str | Path) -> BenchResult:
+    """``BenchResult.load`` with a one-line ValueError for what is not a bench result (a profile, any other JSON)."""
+    path = as_path(path)
+    if path.is_dir():
+        raise ValueError(f"{path}: is a directory, not a kitsune bench --json result")
+    try:
+        return BenchResult.load(path)
+    except ValidationError as exc:
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except ValueError:  # not UTF-8, not JSON
+            raise ValueError(f"{path}: is not JSON, so not a kitsune bench --json result") from exc
+        if isinstance(data, dict) and {"steps", "subsystems"} <= data.keys():
+            raise ValueError(f"{path}: is a profile, not a bench result: read it with kitsune report {path}") from exc
+        first = exc.errors(include_url=False)[0]
+        where = ".".join(str(part) for part in first["loc"]) or "top level"
+        raise ValueError(
+            f"{path}: is not a kitsune bench --json result ({where}: {first['msg']}): name a file that "
+            "kitsune bench --json wrote"
+        ) from exc
+
+
+USAGE = "usage: python -m kitsune.bench.plot BENCH.json OUT.svg"
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    if args and args[0] in ("-h", "--help"):
+        print(f"{USAGE}\n\n{__doc__.strip()}")
+        return 0
     if len(args) != 2:
-        print("usage: python -m kitsune.bench.plot BENCH.json OUT.svg", file=sys.stderr)
+        print(USAGE, file=sys.stderr)
         return 2
-    print(write_svg(args[0], args[1]))
+    try:
+        result = load_result(args[0])
+        out = write_output(args[1], bench_svg(result))
+    except FileNotFoundError:
+        print(f"python -m kitsune.bench.plot: {args[0]}: no such file", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"python -m kitsune.bench.plot: {args[0]}: cannot read it ({exc.strerror or exc})", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"python -m kitsune.bench.plot: {exc}", file=sys.stderr)
+        return 2
+    if not result.complete:
+        done = ", ".join(s.name for s in result.sets) or "no set"
+        print(
+            f"note: {args[0]} is a partial run (complete: false; the run was stopped or is still going): the chart "
+            f"shows what was done ({done})",
+            file=sys.stderr,
+        )
+    print(out)
     return 0
 
 

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
+from kitsune._paths import write_output
 from kitsune.bench.e2e import E2EResult
 from kitsune.bench.timing import Stats
 from kitsune.profiler.schema import Environment
@@ -176,10 +177,13 @@ class BenchResult(BaseModel):
     """False while the run is still going (the JSON is rewritten after every set)."""
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(self.model_dump_json(indent=2))
-        return path
+        """Write the JSON to ``path`` (``~`` expanded), making its folder; returns the path.
+
+        Atomic (`kitsune._paths.write_output`): the run saves after every set, and a save that fails or is
+        interrupted leaves the previous file whole. A path nothing can be written at is that function's one-line
+        ValueError.
+        """
+        return write_output(path, self.model_dump_json(indent=2))
 
     @classmethod
     def load(cls, path: str | Path) -> BenchResult:

@@ -21,6 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from kitsune import _native
 from kitsune._device import parse_device
+from kitsune._paths import as_path
 from kitsune.bench.e2e import check_compile_backend, run_e2e
 from kitsune.bench.params import ParamSet, get_param_set, make_params, refill_grads
 from kitsune.bench.peers import (
@@ -704,5 +705,5 @@ def run_bench(
     save()
     print_results(result, console)
     if json_path is not None:
-        console.print(f"results written to {json_path}")
+        console.print(f"results written to {as_path(json_path)}", soft_wrap=True, markup=False)  # "~" expanded
     return result

@@ -179,11 +179,13 @@ def build_profile(opt: Profiled) -> Profile:
 
 
 def save_profile(opt: Profiled, path: str | Path) -> Path:
-    """Write `build_profile` of ``opt`` to ``path`` as JSON (UTF-8), creating its folder.
+    """Write `build_profile` of ``opt`` to ``path`` (``~`` expanded) as JSON (UTF-8), creating its folder; returns
+    the path written. Atomic: a failed write (a full disk) leaves an older file at ``path`` as it was.
 
     Raises:
-        ValueError: nothing can be written at ``path`` (a directory, ``""``, a path under a regular file, a folder
-            this user may not write); the one line names the path and the problem, and nothing is written.
+        ValueError: nothing can be written at ``path`` (a directory, ``""``, a path ending in "/", under a regular
+            file, a folder this user may not write, a full disk); the one line names the path, what happened and
+            the fix, and nothing is written.
     """
     return write_output(path, build_profile(opt).model_dump_json(indent=2))
 
@@ -197,11 +199,12 @@ def load_profile(path: str | Path) -> Profile:
 
     Raises:
         FileNotFoundError: nothing at ``path``.
-        ValueError: ``path`` is a directory, not UTF-8 text, not JSON, a profile of another ``schema_version``, or
-            JSON that is not a profile; the message is one line naming the problem (``kitsune report`` prints it).
-            A pydantic ``ValidationError``, when there is one, is its ``__cause__``.
+        ValueError: ``path`` is a directory, empty, not UTF-8 text, not JSON, a ``kitsune bench --json`` result, a
+            profile of another ``schema_version``, or JSON that is not a profile; the message is one line naming the
+            problem (``kitsune report`` prints it). A pydantic ``ValidationError``, when there is one, is its
+            ``__cause__``.
     """
-    path = Path(path)
+    path = Path(path).expanduser()
     what = "a profile JSON written by save_profile()"
     if path.is_dir():
         raise ValueError(f"{path} is a directory, not {what}")
@@ -212,6 +215,8 @@ def load_profile(path: str | Path) -> Profile:
         raise ValueError(
             f"{path} is not UTF-8 text (byte {exc.start} is 0x{data[exc.start]:02x}), so not {what}"
         ) from None
+    if not text.strip():  # a save that never ran, or a truncated copy
+        raise ValueError(f"{path}: the file is empty, so not {what}")
     try:
         return Profile.model_validate_json(text)
     except ValidationError as exc:
@@ -222,16 +227,28 @@ def load_profile(path: str | Path) -> Profile:
             raise ValueError(f"{path} is not JSON ({reason}), so not {what}") from exc
         if first["type"] == "model_type" and first["loc"] == ():  # a nested record's is named below, as any field's
             raise ValueError(f"{path} is JSON but its top level is not an object, so not {what}") from exc
+        raw = json.loads(text)
+        if {"sets", "copy_bandwidth_gbs"} <= raw.keys():  # before the version: a bench result has one of its own
+            raise ValueError(
+                f"{path} is a kitsune bench --json result, not a profile: chart it with python -m kitsune.bench.plot "
+                f"{path} OUT.svg"
+            ) from exc
         version = next((e for e in errors if e["loc"] == ("schema_version",)), None)
         if version is not None:
             from kitsune import __version__
 
-            writer = json.loads(text).get("environment")
+            writer = raw.get("environment")
             writer = writer.get("kitsune") if isinstance(writer, dict) else None
+            problem = f"{path}: schema_version {version['input']!r} is not one this kitsune reads ({', '.join(READS)})"
+            if writer == __version__:  # this very version wrote it: saving again would not change a thing
+                raise ValueError(
+                    f"{problem}, yet kitsune {writer}, this version, wrote it (it writes {SCHEMA_VERSION}): the file "
+                    f"was changed after it was saved: save the profile again from the run, or restore the file"
+                ) from exc
             by = f"; written by kitsune {writer}" if isinstance(writer, str) else ""
             raise ValueError(
-                f"{path}: schema_version {version['input']!r} is not one this kitsune reads ({', '.join(READS)}){by}: "
-                f"re-save the profile with kitsune {__version__}, or read it with the version that wrote it"
+                f"{problem}{by}: re-save the profile with kitsune {__version__}, or read it with the version that "
+                "wrote it"
             ) from exc
         where = ".".join(str(part) for part in first["loc"]) or "top level"
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import textwrap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
 from rich.measure import Measurement
@@ -25,6 +25,11 @@ from kitsune.profiler.schema import MemoryInfo, Profile, SubsystemStatus, build_
 
 if TYPE_CHECKING:
     from kitsune.profiler.schema import Profiled
+
+
+def count(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural unless ``n`` is 1: "1 step", "20 steps"."""
+    return f"{n} {noun}{'s' * (n != 1)}"
 
 
 def format_bytes(n: float) -> str:
@@ -308,10 +313,10 @@ def plan_tables(plan: dict[str, Any], explained: Explained) -> list[RenderableTy
 def timing_table(metrics: ProfilerMetrics) -> Table:
     source = "CUDA events" if metrics.timing == "cuda_events" else "host clock"
     kept = metrics.step_time.count if metrics.step_time else 0
-    title = f"step time ({metrics.steps_timed} steps timed, {source})"
+    title = f"step time ({count(metrics.steps_timed, 'step')} timed, {source})"
     if metrics.step_time is not None and kept < metrics.steps_timed:
         left_out = "probe, baseline and dropped steps left out"
-        title = f"step time ({kept} of {metrics.steps_timed} steps: {left_out}; {source})"
+        title = f"step time ({kept} of {count(metrics.steps_timed, 'step')}: {left_out}; {source})"
     table = Table(title=title, title_justify="left")
     table.add_column("ms/step")
     for col in ("p50", "p90", "mean", "min", "max"):
@@ -410,7 +415,7 @@ def window_line(metrics: ProfilerMetrics) -> str | None:
         return None
     parts = []
     for w in metrics.windows:
-        part = f"{WINDOW_NAMES[w.window]} {w.steps} of {metrics.steps_timed} steps ({_pct(w.pct_of_steps)}), "
+        part = f"{WINDOW_NAMES[w.window]} {w.steps} of {count(metrics.steps_timed, 'step')} ({_pct(w.pct_of_steps)}), "
         part += _duration(w.ms)
         if w.pct_of_time is not None and metrics.run_ms is not None:
             part += f" of the run's {_duration(metrics.run_ms)} ({_pct(w.pct_of_time)})"
@@ -448,8 +453,8 @@ def headline(profile: Profile) -> str:
     if profile.param_groups is not None:
         parts.append(f"{profile.param_groups} param group(s)")
     if profile.num_params is not None:
-        parts.append(f"{profile.num_params} params")
-    parts.append(f"{profile.step_count} steps")
+        parts.append(count(profile.num_params, "param"))
+    parts.append(count(profile.step_count, "step"))
     return ", ".join(parts)
 
 
@@ -498,12 +503,23 @@ def summary_renderables(profile: Profile) -> list[RenderableType]:
     return out
 
 
-def render_summary(profile: Profile, console: Console | None = None) -> None:
-    """Print the summary of a profile (live or loaded with ``load_profile``)."""
-    console = console or Console()
+def as_console(console: Console | TextIO | None) -> Console:
+    """``console`` as a rich Console: None -> the terminal's; a text file (``sys.stdout``, an open file,
+    ``io.StringIO``) -> a Console writing to it. Anything else is a TypeError naming what to pass."""
+    if console is None or isinstance(console, Console):
+        return console or Console()
+    if callable(getattr(console, "write", None)):
+        return Console(file=console)
+    raise TypeError(f"console: expected a rich Console or a text file such as sys.stdout, got {type(console).__name__}")
+
+
+def render_summary(profile: Profile, console: Console | TextIO | None = None) -> None:
+    """Print the summary of a profile (live or loaded with ``load_profile``) to ``console``: a rich Console, a text
+    file (``sys.stdout``, ``io.StringIO``) or None for the terminal."""
+    console = as_console(console)
     for item in summary_renderables(profile):
         console.print(item)
 
 
-def print_summary(opt: Profiled, console: Console | None = None) -> None:
+def print_summary(opt: Profiled, console: Console | TextIO | None = None) -> None:
     render_summary(build_profile(opt), console)

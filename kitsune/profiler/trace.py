@@ -85,9 +85,10 @@ def export_chrome_trace(source: Profile | Profiler | Profiled, path: str | Path)
     """Write ``source``'s steps (and NVML samples) as a Chrome trace JSON file; returns the path.
 
     Raises:
-        TypeError: ``source`` is none of those (or a KitsuneOptimizer without ``profile=True``).
-        ValueError: nothing can be written at ``path`` (a directory, ``""``, a path under a regular file, a folder
-            this user may not write); the one line names the path and the problem, and nothing is written.
+        TypeError: ``source`` is none of those.
+        ValueError: ``source`` is a KitsuneOptimizer built without ``profile=True`` (it records no step); or nothing
+            can be written at ``path`` (see `kitsune._paths.write_output`): the one line names the path, what
+            happened and the fix, and nothing is written.
     """
     if isinstance(source, Profile):
         steps, timing, nvml = source.steps, source.metrics.timing if source.metrics else "host_clock", source.nvml
@@ -95,6 +96,11 @@ def export_chrome_trace(source: Profile | Profiler | Profiled, path: str | Path)
         steps, timing, nvml = source.records, source.get_metrics().timing, source.nvml
     elif getattr(source, "profiler", None) is not None:
         return export_chrome_trace(source.profiler, path)  # type: ignore[union-attr]
+    elif hasattr(source, "profiler"):  # a KitsuneOptimizer built without the profiler: it recorded no step
+        raise ValueError(
+            f"export_chrome_trace: this {type(source).__name__} records no steps: build it with profile=True "
+            "(KitsuneOptimizer(optimizer, profile=True)) to trace its steps"
+        )
     else:
         raise TypeError(
             f"export_chrome_trace needs a Profile, a Profiler or a KitsuneOptimizer with profile=True, "

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import html
 import io
 import json
 import math
+import os
 import re
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -395,8 +398,8 @@ def _writers(opt) -> dict[str, Callable[[Any], Any]]:
 @pytest.mark.parametrize(
     ("name", "problem"),
     [
-        ("", ".: is a directory, not a file"),
-        ("adir", "{p}: is a directory, not a file"),
+        ("", "'': the path is empty: name a file"),
+        ("adir", "{p}: is a directory, not a file: name a file in it"),
         ("afile/out.json", "{p}: {d}/afile is a file, not a directory"),
         ("afile/sub/out.json", "{p}: {d}/afile is a file, not a directory"),
     ],
@@ -434,18 +437,115 @@ def test_writers_turn_an_os_error_into_one_line(opt, write):
 
 
 def test_a_failed_write_leaves_no_folder_or_file_behind(opt, tmp_path, monkeypatch):
-    """An OSError while writing: the ValueError, and the folders made for the file are removed with the file."""
+    """An OSError while writing (a disk that fills up once the file is begun): the ValueError, and the folders made
+    for the file are removed with the file begun."""
 
-    def read_only(self, *args, **kwargs):
-        self.touch()  # a file begun, then the write fails
-        raise OSError(30, "Read-only file system", str(self))
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(Path, "write_text", read_only)
+    monkeypatch.setattr(os, "fsync", full)
     path = tmp_path / "new" / "sub" / "p.json"
     with pytest.raises(ValueError) as info:
         opt.save_profile(path)
     assert (
         str(info.value)
-        == f"{path}: cannot write it (Read-only file system): name a path in a folder this user can write"
+        == f"{path}: cannot write it (the disk is full): free some space, or name a path on another disk"
     )
     assert list(tmp_path.iterdir()) == []
+
+
+def test_load_profile_tells_a_bench_result_from_a_profile(tmp_path):
+    """A ``kitsune bench --json`` file given to ``kitsune report``: said to be a bench result, with what reads it, not
+    "re-save the profile" (its schema_version "1" is the bench result's own)."""
+    bench = {"schema_version": "1", "created": "2024-01-01T00:00:00Z", "sets": [], "copy_bandwidth_gbs": 1.0}
+    path = tmp_path / "b.json"
+    path.write_text(json.dumps(bench))
+    with pytest.raises(ValueError) as info:
+        load_profile(path)
+    assert str(info.value) == (
+        f"{path} is a kitsune bench --json result, not a profile: chart it with python -m kitsune.bench.plot {path} "
+        "OUT.svg"
+    )
+
+
+def test_an_unknown_version_written_by_this_kitsune_is_not_told_to_re_save(opt, tmp_path):
+    from kitsune import __version__
+
+    data = json.loads(build_profile(opt).model_dump_json())
+    data["schema_version"] = "9.9"
+    assert data["environment"]["kitsune"] == __version__
+    (tmp_path / "p.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError) as info:
+        load_profile(tmp_path / "p.json")
+    message = str(info.value)
+    assert f"re-save the profile with kitsune {__version__}" not in message
+    assert f"yet kitsune {__version__}, this version, wrote it (it writes 1.1): the file was changed" in message
+
+
+@pytest.mark.parametrize("text", ["", "\n  \n"], ids=["empty", "whitespace"])
+def test_an_empty_profile_file_is_said_to_be_empty(tmp_path, capsys, text):
+    path = tmp_path / "p.json"
+    path.write_text(text)
+    assert kitsune_main(["report", str(path)]) == 2
+    assert capsys.readouterr().err == (
+        f"kitsune report: {path}: the file is empty, so not a profile JSON written by save_profile()\n"
+    )
+
+
+def test_export_chrome_trace_without_the_profiler_names_the_fix(tmp_path):
+    m = small_model()
+    plain = KitsuneOptimizer(torch.optim.AdamW(m.parameters()))
+    with pytest.raises(ValueError, match=r"records no steps: build it with profile=True"):
+        plain.export_chrome_trace(tmp_path / "t.json")
+    with pytest.raises(TypeError, match="got object"):  # what is no optimizer at all stays a TypeError
+        export_chrome_trace(object(), tmp_path / "t.json")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_report_refuses_to_trace_a_profile_without_steps(tmp_path, capsys):
+    m = small_model()
+    path = KitsuneOptimizer(torch.optim.AdamW(m.parameters())).save_profile(tmp_path / "p.json")
+    assert kitsune_main(["report", str(path), "--trace", str(tmp_path / "t.json")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert captured.err.startswith(f"kitsune report: --trace: {path} holds no steps to trace")
+    assert "profile=True" in captured.err and not (tmp_path / "t.json").exists()
+
+
+def test_print_summary_takes_a_text_file_as_its_console(opt, capsys):
+    """``print_summary(console=sys.stdout)`` (or any text file) prints there; what is neither a Console nor a file is
+    a TypeError naming what to pass."""
+    opt.print_summary(console=sys.stdout)
+    assert "kitsune summary: AdamW" in capsys.readouterr().out
+    buf = io.StringIO()
+    opt.print_summary(console=buf)
+    assert "kitsune summary: AdamW" in buf.getvalue()
+    with pytest.raises(TypeError, match="expected a rich Console or a text file such as sys.stdout, got int"):
+        opt.print_summary(console=3)
+
+
+def test_report_expands_home_and_prints_the_path_written(opt, tmp_path, monkeypatch, capsys):
+    """``~`` in the profile, ``--html=~/...`` and ``--trace`` (a shell leaves them as they are) is the home folder:
+    no ./~ folder, and the line printed names the file written."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    assert opt.save_profile("~/p.json") == home / "p.json"
+    assert kitsune_main(["report", "~/p.json", "--html=~/r/r.html", "--trace", "~/t.json"]) == 0
+    out = capsys.readouterr().out
+    assert f"wrote {home / 'r' / 'r.html'}" in out and f"wrote {home / 't.json'}" in out
+    assert sorted(p.name for p in home.iterdir()) == ["p.json", "r", "t.json"] and list(work.iterdir()) == []
+
+
+@pytest.mark.parametrize("flag", ["--html", "--trace"])
+def test_report_refuses_an_output_that_names_a_folder(opt, tmp_path, monkeypatch, capsys, flag):
+    """``--html reports/``: a folder meant, not a file named reports; refused before anything is written."""
+    monkeypatch.chdir(tmp_path)
+    path = opt.save_profile("p.json")
+    assert kitsune_main(["report", str(path), flag, "reports/"]) == 2
+    assert capsys.readouterr().err == (
+        f"kitsune report: {flag} reports/: ends with '/', so it names a folder: name a file in it\n"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]
