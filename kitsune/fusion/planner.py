@@ -62,6 +62,36 @@ _REPEATED = (
     "a param listed more than once in the param groups: torch's step updates it once per listing (and warns), "
     "so the optimizer's own step keeps that; list each param once to fuse it",
 )
+_SHARED = (
+    Route.BASE_STEP,
+    "a param whose memory overlaps another param's (two Parameters over one tensor): one fused launch would update "
+    "both at once, a race, so the optimizer's own step updates them one after the other, as without kitsune",
+)
+
+
+def _sharing_memory(params: list[torch.Tensor]) -> set[int]:
+    """The ids of the params whose memory overlaps another param's (different objects over one storage: views, or
+    two Parameters made from one tensor). Plain tensors only; a plan-time sweep over their address spans."""
+    spans = []
+    for p in params:
+        try:
+            if fsdp.is_dtensor(p) or p.numel() == 0 or p.device.type not in ("cuda", "cpu"):
+                continue
+            extent = 1 + sum((size - 1) * abs(stride) for size, stride in zip(p.shape, p.stride(), strict=True))
+            start = p.data_ptr()
+        except (RuntimeError, ValueError, NotImplementedError):  # no memory to read (a lazy or tensor-subclass param)
+            continue
+        spans.append((str(p.device), start, start + extent * p.element_size(), id(p)))
+    spans.sort()
+    shared: set[int] = set()
+    reach: tuple[str, int, int] | None = None  # the device, furthest end so far and its param's id
+    for device, start, end, pid in spans:
+        if reach is not None and reach[0] == device and start < reach[1]:
+            shared.update((pid, reach[2]))
+        if reach is None or reach[0] != device or end > reach[1]:
+            reach = (device, end, pid)
+    return shared
+
 
 Members = list[tuple[int, torch.Tensor]]  # (group index, param)
 
@@ -125,6 +155,7 @@ class Planner:
         buckets: dict[tuple, Members] = defaultdict(list)
         notes: dict[tuple, set[str]] = defaultdict(set)
         listed = Counter(id(p) for g in groups for p in g["params"])
+        shared = _sharing_memory([p for g in groups for p in g["params"] if listed[id(p)] == 1])
         for gi, g in enumerate(groups):
             spec = specs[gi] if info else None
             group_reason = whole or _group_reason(g)
@@ -137,6 +168,8 @@ class Planner:
                     route, reason = group_reason
                 elif listed[id(p)] > 1:
                     route, reason = _REPEATED
+                elif id(p) in shared:
+                    route, reason = _SHARED
                 else:
                     route, reason = _param_reason(p)
                 if route is None and fsdp.is_dtensor(p):

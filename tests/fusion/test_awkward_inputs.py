@@ -375,3 +375,34 @@ def test_a_kitsune_optim_group_key_deleted_raises_as_the_eager_step_before_anyth
         else:
             opt.step()
             assert {b.route.value for b in opt.plan.buckets} == {"triton"}
+
+
+def test_params_over_overlapping_memory_take_the_optimizers_own_step(device):
+    """Two Parameters over overlapping memory (made from views of one tensor): one fused launch would update both at
+    once, a race on a GPU, so both take the wrapped optimizer's own step, which updates them one after the other,
+    the plan saying why; a param beside them, and disjoint views of one tensor, stay fused. 10 steps equal torch's."""
+
+    def params():
+        base = torch.arange(12, dtype=torch.float32, device=device) / 7 - 0.5
+        halves = torch.linspace(-1, 1, 8, device=device)
+        return [
+            torch.nn.Parameter(base[:8]),
+            torch.nn.Parameter(base[4:]),  # overlaps the first
+            torch.nn.Parameter(halves[:4]),
+            torch.nn.Parameter(halves[4:]),  # disjoint from the one before
+            torch.nn.Parameter(torch.randn(5, generator=torch.Generator().manual_seed(0)).to(device)),
+        ]
+
+    ours, ref = params(), params()
+    opt = KitsuneOptimizer(torch.optim.SGD(ours, lr=0.1, momentum=0.9), enable_fusion=True)
+    ref_opt = torch.optim.SGD(ref, lr=0.1, momentum=0.9)
+    assert opt.plan.fused_tensors == 3
+    own = [b for b in opt.plan.buckets if not b.route.fused]
+    assert len(own) == 1 and "overlaps another param's" in own[0].reason
+    for step in range(10):
+        for params_, o in ((ours, opt), (ref, ref_opt)):
+            for p, g in zip(params_, random_grads(params_, step), strict=True):
+                p.grad = g
+            o.step()
+    for p, q in zip(ours, ref, strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-6)
