@@ -58,7 +58,7 @@ class GradPass:
         self._kernels = kernels
         self._fusable = False
         self._repeated = False
-        self._clipped_before: tuple[list[tuple[int, int]], torch.Tensor] | None = None
+        self._clipped_before: tuple[tuple[list[Any], list[int]], torch.Tensor] | None = None
         """After a step that raised once it had clipped the grads: their versions and the norm, for the retry."""
         self._last_norm: torch.Tensor | None = None
         self._norm_is_static = False
@@ -134,7 +134,7 @@ class GradPass:
         if self.config.max_norm is None:
             return
         retry = self._clipped_before
-        if retry is not None and retry[0] == self._grad_marks(groups):
+        if retry is not None and self._marks_hold(retry[0], groups):
             s.grad_norm = retry[1]  # a retry of a step that raised after clipping these grads
         else:
             s.grad_norm = self._clip(self._params(groups), s.reduce)
@@ -183,9 +183,20 @@ class GradPass:
         model.parameters())."""
         return unique_params(groups) if self._repeated else [p for g in groups for p in g["params"]]
 
-    def _grad_marks(self, groups: list[dict[str, Any]]) -> list[tuple[int, int]]:
-        """Each grad's identity and version counter: equal only while no backward or in-place op touched them."""
-        return [(id(g), g._version) for p in self._params(groups) if (g := p.grad) is not None]
+    def _grad_marks(self, groups: list[dict[str, Any]]) -> tuple[list[Any], list[int]]:
+        """Weak references to the grads and their version counters: they hold only while the very same tensors are
+        the grads and no backward or in-place op touched them (an id alone can be a freed grad's, reused)."""
+        grads = [p.grad for p in self._params(groups)]
+        return _refs(grads), _versions(grads)
+
+    def _marks_hold(self, marks: tuple[list[Any], list[int]], groups: list[dict[str, Any]]) -> bool:
+        grads = [p.grad for p in self._params(groups)]
+        refs, versions = marks
+        return (
+            len(refs) == len(grads)
+            and all((r is None and g is None) or (r is not None and r() is g) for r, g in zip(refs, grads, strict=True))
+            and versions == _versions(grads)
+        )
 
     def _dense_grads(self, groups: list[dict[str, Any]]) -> list[torch.Tensor]:
         """The dense tensors that unscaling divides: each grad, or a sparse grad's values. As torch's GradScaler

@@ -188,3 +188,35 @@ def test_users_grad_scaler_drives_the_wrapper(unscale_first):
     (ref, ref_scale), (ours, our_scale) = results
     assert ref_scale == our_scale
     assert all(torch.equal(a, b) for a, b in zip(ref, ours, strict=True))
+
+
+def test_a_retry_on_new_grads_clips_them_afresh():
+    """A step raised after clipping; the grads are then replaced by new tensors (the old ones freed) with the same
+    version counters, as a new backward into set-to-None grads may leave them. The retry must clip the new grads,
+    not take the failed step's norm for them (a new grad often takes a freed one's id): over 30 rounds the params
+    equal torch's clip and step on the new grads."""
+    from kitsune import GradConfig
+
+    for round_ in range(30):
+        model = small_model()
+        twin = small_model()
+        twin.load_state_dict(model.state_dict())
+        opt = KitsuneOptimizer(_FlakySGD(model.parameters(), {1}, lr=0.1), grad_config=GradConfig(max_norm=0.5))
+        x, y = batches(1)[0]
+        nn.functional.mse_loss(model(x), y).backward()
+        with pytest.raises(OSError):
+            opt.step()
+        gen = torch.Generator().manual_seed(round_)
+        for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+            version, new = p.grad._version, torch.randn(p.shape, generator=gen) * 3
+            p.grad = None  # the clipped grad freed: its id free for the next tensor
+            g = torch.empty(p.shape)
+            g.copy_(new)
+            for _ in range(version - 1):
+                g.mul_(1.0)
+            p.grad, q.grad = g, new
+        opt.step()
+        torch.nn.utils.clip_grad_norm_(twin.parameters(), 0.5)
+        torch.optim.SGD(twin.parameters(), lr=0.1).step()
+        for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=lambda m, r=round_: f"round {r}: {m}")
