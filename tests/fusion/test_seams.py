@@ -724,3 +724,39 @@ def test_sgd_momentum_with_a_layer_moved_to_float64_mid_run_matches_torch(device
     # would have from the start
     assert len(fallback) == 1 and fallback[0].route.value == "torch_fused" and "float64 params" in fallback[0].reason
     assert opt.state[params[1]]["momentum_buffer"].dtype == torch.float64
+
+
+def test_a_step_refused_before_its_prepare_keeps_the_state_the_last_step_made(device):
+    """float16 AMP: after a good first step (its lazy state made), ``loss.backward()`` without the loss scale is
+    refused by the grads' checks, before the fused executor prepares anything. The refusal changes nothing: the
+    first step's state stays (it was taken back as if the refused step had made it), and the corrected retry steps
+    as a twin that never erred (AdamW's step counts 2)."""
+    from kitsune import AMPConfig
+
+    def make(params):
+        opt = KitsuneOptimizer(
+            torch.optim.AdamW(params, lr=0.1), enable_fusion=True, enable_amp=True,
+            amp_config=AMPConfig(dtype=torch.float16),
+        )  # fmt: skip
+        assert opt.plan.fused_tensors == len(params)
+        return opt
+
+    params, twins = make_params([(4, 3), 5], torch.float32, device), make_params([(4, 3), 5], torch.float32, device)
+    opt, ref = make(params), make(twins)
+    for step in range(2):
+        for ps, o in ((params, opt), (twins, ref)):
+            loss = sum((p * g).sum() for p, g in zip(ps, random_grads(ps, step), strict=True))
+            if step == 1 and o is opt:
+                loss.backward()  # the slip: without opt.backward(loss)'s scale
+                before = _snapshot(opt)
+                with pytest.raises(RuntimeError, match="optimizer.backward"):
+                    opt.step()
+                _assert_unchanged(before, opt)
+                opt.zero_grad()
+                loss = sum((p * g).sum() for p, g in zip(ps, random_grads(ps, step), strict=True))
+            o.backward(loss)
+            o.step()
+            o.zero_grad()
+    assert {float(opt.state[p]["step"]) for p in params} == {2.0}
+    for p, t in zip(params, twins, strict=True):
+        torch.testing.assert_close(p, t, rtol=0, atol=0)
