@@ -192,11 +192,7 @@ class GradPass:
     def _marks_hold(self, marks: tuple[list[Any], list[int]], groups: list[dict[str, Any]]) -> bool:
         grads = [p.grad for p in self._params(groups)]
         refs, versions = marks
-        return (
-            len(refs) == len(grads)
-            and all((r is None and g is None) or (r is not None and r() is g) for r, g in zip(refs, grads, strict=True))
-            and versions == _versions(grads)
-        )
+        return _alive_ids(refs) == list(map(id, grads)) and _versions(grads) == versions
 
     def _dense_grads(self, groups: list[dict[str, Any]]) -> list[torch.Tensor]:
         """The dense tensors that unscaling divides: each grad, or a sparse grad's values. As torch's GradScaler

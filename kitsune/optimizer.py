@@ -346,7 +346,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
                     (self._graphs if self._graphs.active else fusion).execute(s, live)
         except BaseException:
             if executes:
-                fusion.undo(s)
+                fusion.undo()
             self._grads.abandon(s, groups)
             raise
         self._finish(s)

@@ -93,8 +93,8 @@ class FusionSubsystem(Subsystem):
         self._plan_version = 0
         self._handed_over: list[tuple[dict[str, Any], str, torch.device]] = []
         self._prepared: list[FusedUnit] = []
-        self._prepared_for: StepState | None = None
-        """The units this step's `prepare` went through (whose lazy state `undo` removes)."""
+        """The units this step's `prepare` went through (whose lazy state `undo` removes); emptied when the step
+        finishes, so a later step that raises before its own `prepare` takes back nothing."""
         self._pending_skips: list[tuple[list[torch.Tensor], torch.Tensor, Any]] = []
         """Steps that created lazy state and may have been skipped by AMP on the device: the params, a pinned copy
         of the overflow flag, the event after which it holds (`settle_skips`)."""
@@ -218,7 +218,6 @@ class FusionSubsystem(Subsystem):
         before), point the tables at this step's grads, create missing state, refresh the hyperparameter buffer.
         Fills ``s.handled`` and ``s.unhandled``; returns the units with a live grad."""
         groups, state = self._base.param_groups, self._base.state
-        self._prepared_for = s  # the step whose lazy state `undo` may take back
         done = s.updated_in_backward  # units (of the plan as it stands) the stream scheduler updated inside backward
         updated = [p for i in done for p in self._units[i].params] if done else []
         if not s.structure_checked and (self._switches_changed(groups) or self._state_moved()):
@@ -351,14 +350,10 @@ class FusionSubsystem(Subsystem):
         self._see_state()  # the state this unit's lazy init made
         return ready
 
-    def undo(self, s: StepState | None = None) -> None:
+    def undo(self) -> None:
         """A step that raised after `prepare`: remove the state it created (a failed step creates none), and
-        check the params' storages again on the retry. With ``s``, the step that raised: one that raised before its
-        own `prepare` (a refusal of the grads' checks) created nothing, and the state the last step created stays."""
-        if s is not None and self._prepared_for is not s:
-            self._prepared = []
-            self.forget_checks()
-            return
+        check the params' storages again on the retry. A step that raised before its `prepare` (a refusal of the
+        grads' checks) finds nothing to remove: `finish` emptied the last step's list."""
         state = self._base.state
         for unit in self._prepared:
             for p in unit.created:
@@ -565,7 +560,7 @@ class FusionSubsystem(Subsystem):
         if grad_write == 2:
             s.zeroed = [p for unit in live for p in unit.params]
         self._note_skip(s)
-        self._prepared, self._prepared_for = [], None  # the state this step created is kept from here on
+        self._prepared = []  # the state this step created is kept from here on
         if launches is None:
             launches, self._launches_last_launch = (self._launches_last_launch if live else 0), 0
         self._count_step(launches)
