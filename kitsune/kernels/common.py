@@ -3,6 +3,9 @@ rounding to a storage dtype and a fixed-order reduction."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -89,6 +92,13 @@ VECTOR_ELEMS = 8
 numel of such a launch is a multiple of it, and every program starts at a multiple of it in its tensor."""
 VECTOR_ALIGN = 16
 """Bytes every address of a vector layout's tensors must be a multiple of."""
+
+
+def vectors_fit(tables: Any, roles: Sequence[str]) -> bool:
+    """Whether a launch over ``tables`` (a `kitsune.kernels.multi_tensor.TensorTables`) may promise Triton a vector
+    layout for the tensors of ``roles``: every numel a multiple of `VECTOR_ELEMS` and each of their addresses a
+    multiple of `VECTOR_ALIGN` (the tables keep that answer until a role moves)."""
+    return tables.numel_gcd % VECTOR_ELEMS == 0 and tables.aligned(roles, VECTOR_ALIGN)
 
 
 @triton.jit

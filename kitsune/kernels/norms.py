@@ -30,13 +30,13 @@ import triton.language as tl
 from kitsune.kernels import common as _common
 from kitsune.kernels.common import (
     TL_DTYPES,
-    VECTOR_ALIGN,
     VECTOR_ELEMS,
     _cast,
     _max_keep_nan,
     _program_block,
     _reduce,
     _vptr,
+    vectors_fit,
 )
 from kitsune.kernels.multi_tensor import DEAD, TensorTables
 
@@ -86,18 +86,15 @@ def _vector_block(block_start, numel_tab, pid, t, addr):
 
 
 @triton.jit
-def _load_f32(addr, start, loc, mask, code, VEC: tl.constexpr, VOLATILE: tl.constexpr = False):
+def _load_f32(addr, start, loc, mask, code, VEC: tl.constexpr):
     """Elements ``start + loc`` of the tensor at ``addr`` (dtype code ``code``) as fp32, 0 where masked; VEC: in
-    vectors (`_vptr`).
-
-    VOLATILE: read memory again, so that a second read of the same elements is not served from the registers of a
-    first (which would keep the first read's tiles live across the kernel: a third slower norm pass)."""
+    vectors (`_vptr`)."""
     if code == 0:
-        x = tl.load(_vptr(addr, start, tl.float32, VEC) + loc, mask=mask, other=0.0, volatile=VOLATILE)
+        x = tl.load(_vptr(addr, start, tl.float32, VEC) + loc, mask=mask, other=0.0)
     elif code == 1:
-        x = tl.load(_vptr(addr, start, tl.bfloat16, VEC) + loc, mask=mask, other=0.0, volatile=VOLATILE).to(tl.float32)
+        x = tl.load(_vptr(addr, start, tl.bfloat16, VEC) + loc, mask=mask, other=0.0).to(tl.float32)
     else:
-        x = tl.load(_vptr(addr, start, tl.float16, VEC) + loc, mask=mask, other=0.0, volatile=VOLATILE).to(tl.float32)
+        x = tl.load(_vptr(addr, start, tl.float16, VEC) + loc, mask=mask, other=0.0).to(tl.float32)
     return x
 
 
@@ -113,11 +110,9 @@ def _store_f32(addr, start, loc, mask, code, x, RNE_BF16: tl.constexpr, VEC: tl.
 
 
 @triton.jit
-def _load_scaled(
-    addr, start, loc, mask, code, scale, HAS_SCALE: tl.constexpr, VEC: tl.constexpr, VOLATILE: tl.constexpr = False
-):
+def _load_scaled(addr, start, loc, mask, code, scale, HAS_SCALE: tl.constexpr, VEC: tl.constexpr):
     """Elements ``start + loc`` as fp32, times ``scale`` when HAS_SCALE, 0 where masked."""
-    x = _load_f32(addr, start, loc, mask, code, VEC, VOLATILE)
+    x = _load_f32(addr, start, loc, mask, code, VEC)
     if HAS_SCALE:
         x = tl.where(mask, x * scale, 0.0)
     return x
@@ -182,7 +177,7 @@ def _norm_kernel(
             bad = 0
             for i in tl.static_range(BLOCK // TILE):
                 loc = i * TILE + tl.arange(0, TILE)
-                x = _load_scaled(addr, start, loc, loc < rem, code, scale, HAS_SCALE, VEC, VOLATILE=True)
+                x = _load_scaled(addr, start, loc, loc < rem, code, scale, HAS_SCALE, VEC)
                 bad += tl.max(((x - x) != 0.0).to(tl.int32), 0)  # x - x is nan exactly for inf and nan
             if bad != 0:
                 tl.atomic_or(sync + 1, 1)
@@ -448,13 +443,7 @@ class MultiTensorNorm:
         """Whether the launches over the tensors bound now read them in vectors (the kernels' VEC): every numel a
         multiple of `VECTOR_ELEMS` and every address of `VECTOR_ALIGN` (the answer is kept until an address
         moves). A captured launch keeps the answer it was captured with, so a graph of it is keyed on this."""
-        tables = self.tables
-        return (
-            NORM_VECTOR
-            and tables.numel_gcd % VECTOR_ELEMS == 0
-            and tables.block % VECTOR_ELEMS == 0
-            and tables.aligned(["x"], VECTOR_ALIGN)
-        )
+        return NORM_VECTOR and self.tables.block % VECTOR_ELEMS == 0 and vectors_fit(self.tables, ["x"])
 
     def clip_(self, max_norm: float, out: torch.Tensor) -> None:
         """Multiply the tensors of the last call in place by ``min(max_norm / (total + 1e-6), 1)``, with ``total``

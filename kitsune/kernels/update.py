@@ -35,7 +35,6 @@ from kitsune.kernels.common import (
     LR,
     TL_DTYPES,
     TRUST_A,
-    VECTOR_ALIGN,
     VECTOR_ELEMS,
     WD,
     _cast,
@@ -48,6 +47,7 @@ from kitsune.kernels.common import (
     _reduce,
     _tile_masks,
     _vptr,
+    vectors_fit,
 )
 from kitsune.kernels.multi_tensor import TensorTables
 from kitsune.kernels.quant import (
@@ -663,9 +663,7 @@ def _vector_layout(tables: TensorTables, spec: UpdateSpec, num_warps: int) -> bo
 def _vectors_fit(tables: TensorTables, spec: UpdateSpec, *roles: str) -> bool:
     """What a vector path promises Triton of a launch's tensors: every numel a multiple of `VECTOR_ELEMS`, and the
     params, the state tensors (codes, for 8 bits) and ``roles`` at `VECTOR_ALIGN` multiples."""
-    if tables.numel_gcd % VECTOR_ELEMS:
-        return False
-    return tables.aligned(["param", *roles] + [f"state{i}" for i in range(1, spec.state_slots + 1)], VECTOR_ALIGN)
+    return vectors_fit(tables, ["param", *roles] + [f"state{i}" for i in range(1, spec.state_slots + 1)])
 
 
 FLOAT_VECTOR = True
