@@ -557,8 +557,10 @@ class FusionSubsystem(Subsystem):
         for unit in live:
             if grad_write:
                 unit.copy_back(zeroed=grad_write == 2)
-        if grad_write == 2:
-            s.zeroed = [p for unit in live for p in unit.params]
+        if grad_write == 2:  # the grads the kernels zeroed: not those left to the wrapped step (sparse, other dtype)
+            s.zeroed = [
+                p for unit in live for p in (_kept(unit.params, unit.unhandled) if unit.unhandled else unit.params)
+            ]
         self._note_skip(s)
         self._prepared = []  # the state this step created is kept from here on
         if launches is None:
@@ -739,3 +741,9 @@ def _on(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
 def _storages(params: list[torch.Tensor]) -> list[int]:
     """The data pointers of ``params`` (of their local shards for DTensors)."""
     return [fsdp.local(p).data_ptr() for p in params]
+
+
+def _kept(params: list[torch.Tensor], left: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``params`` without those in ``left`` (by identity)."""
+    out = set(map(id, left))
+    return [p for p in params if id(p) not in out]

@@ -130,6 +130,36 @@ def test_zero_grad_after_zero_in_step_clears_a_grad_replaced_by_a_new_tensor(set
         lin.zero_grad()
 
 
+@pytest.mark.parametrize("flat", [False, True], ids=["grads", "flat_grads"])
+def test_zero_grad_after_zero_in_step_clears_grads_left_to_the_wrapped_step(flat, device):
+    """A sparse embedding grad goes to SGD's own step beside the fused Linear: the kernel never zeroed it, so
+    zero_grad must clear it (it was kept, and each backward added onto the last: 0.1 off torch after 6 steps)."""
+    from kitsune import FusionConfig, KitsuneConfig, MemoryConfig
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 3)).to(device)
+
+    ref_model, ours = model(), model()
+    ref = torch.optim.SGD(ref_model.parameters(), lr=0.05)
+    config = KitsuneConfig(
+        fusion=FusionConfig(), grads=GradConfig(zero_in_step=True), memory=MemoryConfig(flat_grads=flat)
+    )
+    opt = KitsuneOptimizer(torch.optim.SGD(ours.parameters(), lr=0.05), config=config)
+    assert "triton" in {b.route.value for b in opt.plan.buckets}
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(6):
+        idx = torch.randint(0, 10, (5, 3), generator=gen).to(device)
+        y = torch.randn(5, 3, 3, generator=gen).to(device)
+        for m, o in ((ref_model, ref), (ours, opt)):
+            nn.functional.mse_loss(m(idx), y).backward()
+            o.step()
+            o.zero_grad()
+        assert ours[0].weight.grad is None
+        for a, b in zip(ref_model.parameters(), ours.parameters(), strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
 def _scaled_backward(params: list[torch.Tensor], grads: list[torch.Tensor], scale_loss) -> None:
     # d/dp sum(p * g) = g, so each param's grad is the loss scale times g (exact: the scale is a power of two)
     loss = sum((p * g).sum() for p, g in zip(params, grads, strict=True))
