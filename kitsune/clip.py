@@ -142,4 +142,5 @@ def clip_grad_norm_(
         )
     out = torch.empty((), dtype=reduce(torch.promote_types, set(key[3])), device=key[0])
     norm.clip_(max_norm, out)
+    torch.autograd.graph.increment_version(grads)  # written in place, as torch's mul_ marks them
     return out

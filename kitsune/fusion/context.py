@@ -33,15 +33,23 @@ class DeviceContext:
 
     def refresh(self, groups: Sequence[dict[str, Any]]) -> bool:
         """Bring the buffer up to date with ``groups``; return whether the host values changed."""
-        rows = tuple(self._row(g) for g in groups)
-        if any(isinstance(v, torch.Tensor) for row in rows for v in row):
-            rows = tuple(tuple(_key(v) for v in row) for row in rows)
+        rows = self._rows(groups)
         changed = rows != self._cached
         if changed:
             self._upload(rows)
         for i, j, value in self._device_values:
             self.buffer[i, j].copy_(value, non_blocking=True)  # type: ignore[index]
         return changed
+
+    def differs(self, groups: Sequence[dict[str, Any]]) -> bool:
+        """Whether ``groups``' host values differ from those last uploaded (nothing is uploaded)."""
+        return self._cached is not None and self._rows(groups) != self._cached
+
+    def _rows(self, groups: Sequence[dict[str, Any]]) -> tuple[tuple[Any, ...], ...]:
+        rows = tuple(self._row(g) for g in groups)
+        if any(isinstance(v, torch.Tensor) for row in rows for v in row):
+            rows = tuple(tuple(_key(v) for v in row) for row in rows)
+        return rows
 
     def _upload(self, rows: tuple[tuple[Any, ...], ...]) -> None:
         host = torch.zeros((len(rows), NUM_FIELDS), dtype=torch.float64)

@@ -341,6 +341,12 @@ class FusionSubsystem(Subsystem):
         self.refresh_contexts()
         return True
 
+    def hyper_changed(self) -> bool:
+        """Whether a group's hyperparameters changed since the last upload: since the updates inside this backward,
+        which used the uploaded values (a value set between ``backward()`` and ``step()``)."""
+        groups = self._base.param_groups
+        return any(context.differs(groups) for context in self._contexts.values())
+
     def prepare_unit(self, unit: FusedUnit) -> bool:
         """One unit's host work for an update inside backward: False when it has no grad, a param moved or the state
         dict changed (the step re-plans)."""

@@ -28,8 +28,10 @@ report) are recorded on one step in ``TIMED_EVERY``.
 
 It needs every update to be computable from its own bucket's grads, so it stays off (with the reason) under global
 clipping (``max_grad_norm``), float16 loss scaling (the overflow check reads every grad first) and LAMB/LARS
-trust ratios (one norm pass over every grad). On CPU tensors (Triton's interpreter) the same hooks run the updates
-synchronously: the logic is the same, there is just nothing to overlap.
+trust ratios (one norm pass over every grad), and under torch.distributed with more than one rank (DDP averages the
+grads after the per-param hooks). A grad or hyperparameter changed between backward and ``step()`` (a clip by hand,
+an lr set late) is refused at ``step()``: the updates inside backward already read them. On CPU tensors (Triton's
+interpreter) the same hooks run the updates synchronously: the logic is the same, there is just nothing to overlap.
 """
 
 from __future__ import annotations
@@ -90,7 +92,8 @@ class StreamScheduler(Subsystem):
         self._handles: list[Any] = []
         self._seen: list[set[int]] = []
         """Per unit, the params whose grads this backward finished (a second backward before step() is refused)."""
-        self._launched: set[int] = set()
+        self._launched: dict[int, tuple[list[torch.Tensor], list[Any], list[int]]] = {}
+        """The units updated inside this backward, each with the grads it read and their versions (`_marks`)."""
         self._accumulating = accumulation if accumulation is not None else Accumulation()
         """Set inside ``optimizer.accumulating()``: backward passes there launch no updates."""
         self._refreshed = False
@@ -136,6 +139,12 @@ class StreamScheduler(Subsystem):
             return "LAMB/LARS trust ratios come from one norm pass over every grad"
         if any(is_dtensor(p) for g in groups for p in g["params"]):
             return "FSDP2 params: FSDP2 sets the sharded grads after its reduce-scatter, past the per-param grad hooks"
+        world = _world_size()
+        if world > 1:
+            return (
+                f"torch.distributed runs {world} ranks: DDP (or an all-reduce in the loop) averages the grads after "
+                "backward's per-param hooks, so updates inside backward would use each rank's own grads"
+            )
         return None
 
     def unit_bytes(self, groups: list[dict[str, Any]], trust: bool) -> int | None:
@@ -158,7 +167,7 @@ class StreamScheduler(Subsystem):
             return
         self._version = fusion.plan_version
         self._seen = [set() for _ in units]
-        self._launched = set()
+        self._launched = {}
         self._graphs, self._eager = {}, {}
         self._ready = {}
         self.graph_reason = self._why_no_graphs(units)
@@ -239,7 +248,7 @@ class StreamScheduler(Subsystem):
             self._run(index, unit, ctx, graph)
         if ctx.grad_write:
             unit.copy_back(zeroed=ctx.grad_write == 2)
-        self._launched.add(index)
+        self._launched[index] = _marks(unit.params)  # the grads this update read, to see a later change
 
     def _run(self, index: int, unit: Any, ctx: StepState, graph: Any) -> None:
         """One unit's update: its graph's replay once captured, else the launch itself (counted towards warm-up)."""
@@ -295,6 +304,8 @@ class StreamScheduler(Subsystem):
                 "updates cannot wait for its overflow check. Use bfloat16 autocast, kitsune's own scaler with "
                 "step_in_backward=False, or turn step_in_backward off"
             )
+        if self._launched:
+            self._refuse_changes_since_backward()
         if self._events:  # where the backward stream stands when step() begins: the end of backward
             self._step_event = torch.cuda.Event(enable_timing=True)
             self._step_event.record(torch.cuda.current_stream(self._event_device))
@@ -308,13 +319,34 @@ class StreamScheduler(Subsystem):
         self._bytes_total += sum(sizes)
         self._bytes_in_backward += sum(sizes[i] for i in self._launched)
 
+    def _refuse_changes_since_backward(self) -> None:
+        """Raise, before this step changes anything, where the grads or hyperparameters that the updates inside
+        backward read changed since (torch's step would use the values it finds): those updates cannot be redone."""
+        changed = sum(_changed(*marks) for marks in self._launched.values())
+        if changed:
+            raise RuntimeError(
+                f"kitsune: the grads of {changed} param(s) changed after their update ran inside backward "
+                "(StreamConfig(step_in_backward=True)): torch.nn.utils.clip_grad_norm_, p.grad.mul_(...), "
+                "p.grad = ..., or a grad hook registered after the optimizer was built. Those updates used the grads "
+                "as backward left them, so the change is not applied. Clip with GradConfig(max_norm=...) (the "
+                "updates then run in step()), change the grads in a hook registered before the optimizer, or turn "
+                "step_in_backward off. This step changed nothing more."
+            )
+        if self._fusion.hyper_changed():
+            raise RuntimeError(
+                "kitsune: a param group's hyperparameters (lr, betas, weight_decay, ...) changed after the updates "
+                "inside backward ran with the old ones (StreamConfig(step_in_backward=True)). Set them before the "
+                "forward pass (an LR scheduler's step() after optimizer.step() already does), or turn "
+                "step_in_backward off. This step changed nothing more."
+            )
+
     def discard_backward(self) -> None:
         """``zero_grad()``: the grads of a backward that did not reach ``step()`` (one that raised midway, an OOM) are
         dropped, so its counts go too and the next backward counts afresh. A unit whose grads were all in by then has
         already updated inside that backward: that update stays."""
         for seen in self._seen:  # in place: the hooks hold these sets
             seen.clear()
-        self._launched = set()
+        self._launched = {}
         self._refreshed = False
 
     def finish(self) -> None:
@@ -357,6 +389,25 @@ class StreamScheduler(Subsystem):
             if overlap is not None:
                 out["last_step_overlap"] = overlap
         return out
+
+
+def _marks(params: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[Any], list[int]]:
+    """``params``, their grads and the grads' version counters (-1 for None)."""
+    grads = [p.grad for p in params]
+    return params, grads, [-1 if g is None else g._version for g in grads]
+
+
+def _changed(params: list[torch.Tensor], grads: list[Any], versions: list[int]) -> int:
+    """How many of ``params`` hold another grad than `_marks` saw, or the same one written since."""
+    return sum(
+        p.grad is not g or (g is not None and g._version != v) for p, g, v in zip(params, grads, versions, strict=True)
+    )
+
+
+def _world_size() -> int:
+    """The default process group's size, 1 without one."""
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _remove(handles: list[Any]) -> None:

@@ -18,6 +18,8 @@ FEATURES = {
     "fused": {"enable_fusion": True},
     "fused_clip_zero": {"enable_fusion": True, "max_grad_norm": 0.5, "zero_in_step": True},
     "fused_bf16_profile": {"enable_fusion": True, "amp": "bf16", "profile": True, "max_grad_norm": 1.0},
+    # updates inside backward would read each rank's own grads before DDP averages them: they run in step()
+    "fused_step_in_backward": {"enable_fusion": True, "step_in_backward": True},
 }
 
 
@@ -32,9 +34,11 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _optimizer(params, features: dict):
-    from kitsune import AMPConfig, GradConfig, KitsuneOptimizer
+    from kitsune import AMPConfig, GradConfig, KitsuneOptimizer, StreamConfig
 
     kwargs = {k: v for k, v in features.items() if k in ("enable_fusion", "profile")}
+    if features.get("step_in_backward"):
+        kwargs["stream_config"] = StreamConfig(step_in_backward=True)
     if "amp" in features:
         kwargs.update(enable_amp=True, amp_config=AMPConfig(dtype=torch.bfloat16))
     grads = GradConfig(max_norm=features.get("max_grad_norm"), zero_in_step=features.get("zero_in_step", False))
@@ -58,9 +62,13 @@ def _features(rank: int, world: int) -> dict:
         model = torch.nn.parallel.DistributedDataParallel(_model())
         opt = _optimizer(model.parameters(), features)
         _train(model, opt, _batches(), rank, world)
-        fusion = next(s for s in opt.subsystem_status() if s["name"] == "fusion")
+        status = {s["name"]: s for s in opt.subsystem_status()}
         params = [p.detach() for p in model.module.parameters()]
-        out[name] = {"params": params, "fused": fusion["report"]["params_fused"]}
+        out[name] = {
+            "params": params,
+            "fused": status["fusion"]["report"]["params_fused"],
+            "streams": (status["streams"]["active"], status["streams"]["reason"]),
+        }
     return out
 
 
@@ -87,3 +95,11 @@ def test_ddp_two_ranks_equal_one_process(name, trained, monkeypatch):
             torch.testing.assert_close(got, want.detach(), atol=tol, rtol=tol)
     for a, b in zip(ranks[0]["params"], ranks[1]["params"], strict=True):
         assert torch.equal(a, b)  # DDP keeps the replicas identical
+
+
+def test_ddp_turns_updates_inside_backward_off_with_the_reason(trained):
+    """Each rank's hooks fire on its own grads, before DDP averages them (the ranks drifted apart by 0.1 in 5 steps):
+    the updates run in step(), on the averaged grads, and the streams report says why."""
+    for r in trained:
+        active, reason = r["fused_step_in_backward"]["streams"]
+        assert not active and "torch.distributed runs 2 ranks" in reason

@@ -269,6 +269,17 @@ def test_clip_skips_none_grads_and_accepts_one_tensor(device):
     torch.testing.assert_close(params[2].grad, copies[2].grad, rtol=1e-6, atol=0.0)
 
 
+def test_clip_marks_the_grads_written_as_torch_does(device):
+    """The kernel writes the grads through their addresses: their version counters move as torch's in-place mul_
+    moves them, so code that watches a grad for changes (autograd, updates inside backward) sees the clip."""
+    params, copies = _twins([torch.randn(5, device=device) * 3, torch.randn(3, device=device) * 3])
+    before = [p.grad._version for p in params]
+    kitsune.clip_grad_norm_(params, 1.0)
+    torch.nn.utils.clip_grad_norm_(copies, 1.0)
+    assert all(p.grad._version > v for p, v in zip(params, before, strict=True))
+    assert all(q.grad._version > v for q, v in zip(copies, before, strict=True))  # torch's too
+
+
 def test_clip_edge_cases_follow_torch(device, caplog, monkeypatch):
     from kitsune import clip
 

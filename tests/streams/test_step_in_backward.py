@@ -180,8 +180,9 @@ def test_accumulating_without_the_context_is_refused_at_the_second_backward(devi
     nn.functional.mse_loss(net(x, True), y).backward()
     with pytest.raises(RuntimeError, match="optimizer.accumulating"):
         nn.functional.mse_loss(net(x, True), y).backward()
-    opt.step()  # the step after the refusal still works, and the next backward starts a fresh count
-    opt.zero_grad()
+    with pytest.raises(RuntimeError, match="changed after their update ran inside backward"):
+        opt.step()  # the refused backward added to grads that the first one's updates had read
+    opt.zero_grad()  # forgets them: the next backward starts a fresh count
     nn.functional.mse_loss(net(x, True), y).backward()
     opt.step()
 
@@ -384,3 +385,49 @@ def test_a_change_between_steps_updates_each_param_once_as_torch(change, device)
     assert {float(opt.state[p]["step"]) for p in net.parameters()} == {steps}
     for p, q in zip(net.parameters(), twin.parameters(), strict=True):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["torch_clip", "kitsune_clip", "mul_", "new_grad", "lr"],
+)
+def test_a_change_between_backward_and_step_is_refused_not_lost(change, device):
+    """The updates inside backward read the grads and hyperparameters as backward left them: a clip, an in-place
+    scale, a grad replaced (an all-reduce's result) or an lr set before step() would have been silently ignored (0.01
+    to 0.12 off torch in 10 steps). step() raises naming the fix and changes nothing more; without the change the
+    loop trains as torch's."""
+    import kitsune
+
+    net, twin = twins(device)
+    opt = KitsuneOptimizer(torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9), config=in_backward())
+    ref = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
+    assert opt.scheduler.in_backward
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        x, y = torch.randn(8, 6, generator=gen).to(device), torch.randn(8, 3, generator=gen).to(device)
+        for model, o in ((net, opt), (twin, ref)):
+            nn.functional.mse_loss(model(x, True), y).backward()
+            o.step()
+            o.zero_grad()
+        for a, b in zip(net.parameters(), twin.parameters(), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    nn.functional.mse_loss(net(x, True), y).backward()  # the updates run in here
+    after_backward = [p.detach().clone() for p in net.parameters()]
+    state = [v.clone() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    if change == "torch_clip":
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1e-3)
+    elif change == "kitsune_clip":
+        kitsune.clip_grad_norm_(net.parameters(), 1e-3)
+    elif change == "mul_":
+        net.c.weight.grad.mul_(2.0)
+    elif change == "new_grad":
+        net.c.bias.grad = net.c.bias.grad * 0.5
+    else:
+        opt.param_groups[0]["lr"] = 0.01
+    match = "hyperparameters" if change == "lr" else "changed after their update ran inside backward"
+    with pytest.raises(RuntimeError, match=match):
+        opt.step()
+    for p, q in zip(net.parameters(), after_backward, strict=True):
+        assert torch.equal(p, q)
+    now = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    assert all(torch.equal(a, b) for a, b in zip(now, state, strict=True))
