@@ -230,8 +230,9 @@ class GraphConfig(_Config):
     torch's own CUDA graph recipe requires of its static inputs. kitsune then skips the per-step check of every
     grad's and param's address (about 0.3 us a param) and watches them through weak references instead: a grad or
     storage that is freed (``model.zero_grad()``, ``p.data = ...``, ``model.half()``) is still noticed. A grad or
-    storage replaced while your code keeps a reference to the old one is not, nor a param given another view of its
-    own storage (``p.data = p.data.t()``): leave this off if you do that (see the CUDA graphs guide)."""
+    storage replaced while your code keeps a reference to the old one is not, nor a param or grad given another view
+    of its own storage (``p.data = p.data.t()``, ``p.grad.t_()``): leave this off if you do that (see the CUDA graphs
+    guide)."""
 
 
 class MemoryConfig(_Config):

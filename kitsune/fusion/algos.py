@@ -7,6 +7,7 @@ param group to the kernel's compile-time `UpdateSpec`, to its row of the hyperpa
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 from collections.abc import Callable
@@ -79,13 +80,27 @@ class AlgoInfo:
         return ("step",) * self.step_in_state + self.scalar_keys
 
 
-def _adam_spec(decoupled: bool) -> Callable[[dict[str, Any]], UpdateSpec]:
+def _switches(cls: type) -> Callable[[dict[str, Any], str], bool]:
+    """How ``cls``'s step reads a switch of a group: a key its constructor takes (so this torch puts it in every
+    group) is read as ``group[key]``, a KeyError once deleted, as torch's step raises before anything changes; a key
+    this torch's class does not know is off."""
+    known = frozenset(inspect.signature(cls.__init__).parameters)
+
+    def switch(g: dict[str, Any], key: str) -> bool:
+        return bool(g[key]) if key in known else bool(g.get(key, False))
+
+    return switch
+
+
+def _adam_spec(cls: type, decoupled: bool) -> Callable[[dict[str, Any]], UpdateSpec]:
+    switch = _switches(cls)
+
     def spec(g: dict[str, Any]) -> UpdateSpec:
         return UpdateSpec(
             Algo.ADAM,
-            maximize=bool(g.get("maximize", False)),
-            decoupled_wd=decoupled or bool(g.get("decoupled_weight_decay", False)),
-            amsgrad=bool(g.get("amsgrad", False)),
+            maximize=switch(g, "maximize"),
+            decoupled_wd=decoupled or switch(g, "decoupled_weight_decay"),
+            amsgrad=switch(g, "amsgrad"),
         )
 
     return spec
@@ -104,17 +119,37 @@ def _rmsprop_keys(s: UpdateSpec) -> tuple[str | None, ...]:
     return keys[: s.state_slots]
 
 
-def _spec(algo: Algo) -> Callable[[dict[str, Any]], UpdateSpec]:
+def _spec(cls: type, algo: Algo) -> Callable[[dict[str, Any]], UpdateSpec]:
     """The switches of the algorithms that have only ``maximize`` and (NAdam, RAdam) ``decoupled_weight_decay``."""
+    switch = _switches(cls)
 
     def spec(g: dict[str, Any]) -> UpdateSpec:
-        return UpdateSpec(
-            algo,
-            maximize=bool(g.get("maximize", False)),
-            decoupled_wd=bool(g.get("decoupled_weight_decay", False)),
-        )
+        return UpdateSpec(algo, maximize=switch(g, "maximize"), decoupled_wd=switch(g, "decoupled_weight_decay"))
 
     return spec
+
+
+def _sgd_spec(g: dict[str, Any]) -> UpdateSpec:
+    return UpdateSpec(
+        Algo.SGD,
+        maximize=_SGD_SWITCH(g, "maximize"),
+        momentum=g["momentum"] != 0,
+        nesterov=_SGD_SWITCH(g, "nesterov"),
+    )
+
+
+def _rmsprop_spec(g: dict[str, Any]) -> UpdateSpec:
+    return UpdateSpec(
+        Algo.RMSPROP,
+        maximize=_RMSPROP_SWITCH(g, "maximize"),
+        momentum=g["momentum"] > 0,
+        centered=_RMSPROP_SWITCH(g, "centered"),
+    )
+
+
+_SGD_SWITCH = _switches(torch.optim.SGD)
+_RMSPROP_SWITCH = _switches(torch.optim.RMSprop)
+_ADAGRAD_SWITCH = _switches(torch.optim.Adagrad)
 
 
 _LOG2_096 = math.log2(0.96)
@@ -124,7 +159,7 @@ _FUSED_DEVICES = ("cuda", "cpu", "xpu", "mps")
 ALGOS: dict[type, AlgoInfo] = {
     torch.optim.Adam: AlgoInfo(
         "Adam",
-        _adam_spec(False),
+        _adam_spec(torch.optim.Adam, False),
         _adam_row,
         _adam_keys,
         True,
@@ -136,7 +171,7 @@ ALGOS: dict[type, AlgoInfo] = {
     ),
     torch.optim.AdamW: AlgoInfo(
         "AdamW",
-        _adam_spec(True),
+        _adam_spec(torch.optim.AdamW, True),
         _adam_row,
         _adam_keys,
         True,
@@ -148,12 +183,7 @@ ALGOS: dict[type, AlgoInfo] = {
     ),
     torch.optim.SGD: AlgoInfo(
         "SGD",
-        lambda g: UpdateSpec(
-            Algo.SGD,
-            maximize=bool(g.get("maximize", False)),
-            momentum=g["momentum"] != 0,
-            nesterov=bool(g.get("nesterov", False)),
-        ),
+        _sgd_spec,
         lambda g: (g["lr"], g["momentum"], 0.0, 0.0, g["weight_decay"], g["dampening"]),
         lambda s: ("momentum_buffer",) if s.momentum else (),
         False,
@@ -165,7 +195,7 @@ ALGOS: dict[type, AlgoInfo] = {
     ),
     torch.optim.Adagrad: AlgoInfo(
         "Adagrad",
-        lambda g: UpdateSpec(Algo.ADAGRAD, maximize=bool(g.get("maximize", False))),
+        lambda g: UpdateSpec(Algo.ADAGRAD, maximize=_ADAGRAD_SWITCH(g, "maximize")),
         lambda g: (g["lr"], 0.0, 0.0, g["eps"], g["weight_decay"], g["lr_decay"]),
         lambda s: ("sum",),
         True,
@@ -176,12 +206,7 @@ ALGOS: dict[type, AlgoInfo] = {
     ),
     torch.optim.RMSprop: AlgoInfo(
         "RMSprop",
-        lambda g: UpdateSpec(
-            Algo.RMSPROP,
-            maximize=bool(g.get("maximize", False)),
-            momentum=g["momentum"] > 0,
-            centered=bool(g.get("centered", False)),
-        ),
+        _rmsprop_spec,
         lambda g: (g["lr"], g["momentum"], g["alpha"], g["eps"], g["weight_decay"], 0.0),
         _rmsprop_keys,
         True,
@@ -191,7 +216,7 @@ ALGOS: dict[type, AlgoInfo] = {
     ),
     torch.optim.NAdam: AlgoInfo(
         "NAdam",
-        _spec(Algo.NADAM),
+        _spec(torch.optim.NAdam, Algo.NADAM),
         lambda g: (g["lr"], g["betas"][0], g["betas"][1], g["eps"], g["weight_decay"], g["momentum_decay"] * _LOG2_096),
         lambda s: ("exp_avg", "exp_avg_sq"),
         True,
@@ -205,7 +230,7 @@ ALGOS: dict[type, AlgoInfo] = {
     ),
     torch.optim.RAdam: AlgoInfo(
         "RAdam",
-        _spec(Algo.RADAM),
+        _spec(torch.optim.RAdam, Algo.RADAM),
         lambda g: (g["lr"], g["betas"][0], g["betas"][1], g["eps"], g["weight_decay"], 0.0),
         lambda s: ("exp_avg", "exp_avg_sq"),
         True,
@@ -216,7 +241,7 @@ ALGOS: dict[type, AlgoInfo] = {
     ),
     torch.optim.Adamax: AlgoInfo(
         "Adamax",
-        _spec(Algo.ADAMAX),
+        _spec(torch.optim.Adamax, Algo.ADAMAX),
         lambda g: (g["lr"], g["betas"][0], g["betas"][1], g["eps"], g["weight_decay"], 0.0),
         lambda s: ("exp_avg", "exp_inf"),
         True,
@@ -227,7 +252,7 @@ ALGOS: dict[type, AlgoInfo] = {
     ),
     torch.optim.Adadelta: AlgoInfo(
         "Adadelta",
-        _spec(Algo.ADADELTA),
+        _spec(torch.optim.Adadelta, Algo.ADADELTA),
         lambda g: (g["lr"], 0.0, g["rho"], g["eps"], g["weight_decay"], 0.0),
         lambda s: ("square_avg", "acc_delta"),
         True,
@@ -237,7 +262,7 @@ ALGOS: dict[type, AlgoInfo] = {
     ),
     torch.optim.Rprop: AlgoInfo(
         "Rprop",
-        _spec(Algo.RPROP),
+        _spec(torch.optim.Rprop, Algo.RPROP),
         lambda g: (g["lr"], g["etas"][0], g["etas"][1], 0.0, 0.0, g["step_sizes"][0], g["step_sizes"][1]),
         lambda s: ("prev", "step_size"),
         True,
@@ -247,7 +272,7 @@ ALGOS: dict[type, AlgoInfo] = {
     ),
     torch.optim.ASGD: AlgoInfo(
         "ASGD",
-        _spec(Algo.ASGD),
+        _spec(torch.optim.ASGD, Algo.ASGD),
         lambda g: (g["lr"], g["lambd"], g["alpha"], 0.0, g["weight_decay"], g["t0"]),
         lambda s: ("ax",),
         True,

@@ -639,12 +639,46 @@ class TorchShadow:
     def step(self, groups: Sequence[dict[str, Any]], found_inf: torch.Tensor | None = None) -> None:
         """One step of torch's implementation; ``found_inf`` (fused route only) skips it on the device, through
         the ``grad_scale``/``found_inf`` attributes torch's fused optimizers read for ``GradScaler``."""
+        foreach = self.route is Route.TORCH_FOREACH
+        adam = isinstance(self.opt, torch.optim.Adam)
         for shadow, gi in zip(self.opt.param_groups, self.group_index, strict=True):
             for k, v in groups[gi].items():
                 if k not in self._SKIP:
                     shadow[k] = v
+            if foreach and adam:
+                # torch's Adam turns foreach off for a tensor lr without capturable (its foreach code refuses one)
+                shadow["foreach"] = not (isinstance(shadow["lr"], torch.Tensor) and not shadow.get("capturable"))
         with grads_hidden(self.unhandled):  # the wrapped step took these
-            self._run(found_inf)
+            late = self._late_momentum()
+            if not late:
+                self._run(found_inf)
+                return
+            # torch's fused SGD starts every momentum buffer or none in one call: the params whose buffer starts
+            # this step (a first grad after the others') take a call of their own, as the wrapped SGD steps them
+            with grads_hidden(late):
+                self._run(found_inf)
+            late_ids = set(map(id, late))
+            with grads_hidden([p for p in self.params if id(p) not in late_ids]):
+                self._run(found_inf)
+
+    def _late_momentum(self) -> list[torch.Tensor]:
+        """On torch's fused SGD with momentum: the params with a grad and no momentum buffer yet, where others with a
+        grad have one (else [])."""
+        if self.route is not Route.TORCH_FUSED or not isinstance(self.opt, torch.optim.SGD):
+            return []
+        state = self.opt.state
+        late, started = [], False
+        for group in self.opt.param_groups:
+            if group["momentum"] == 0:
+                continue
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if state.get(p, {}).get("momentum_buffer") is None:
+                    late.append(p)
+                else:
+                    started = True
+        return late if started else []
 
     def _run(self, found_inf: torch.Tensor | None) -> None:
         if found_inf is not None and self.route is Route.TORCH_FUSED:
