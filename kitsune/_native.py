@@ -314,7 +314,7 @@ def _compile() -> Any:
     every one of them is whole."""
     lib = cache_dir() / f"{name()}.so"
     module = _load(lib) if lib.exists() else _build_into(lib)
-    probe = [torch.zeros(2), torch.zeros(3)]
+    probe = [torch.zeros(2, dtype=torch.float32), torch.zeros(3, dtype=torch.float32)]  # any default dtype
     keys = [shape_key(t.shape) for t in probe]
     table = torch.tensor([t.data_ptr() for t in probe] * 2 + [2, 3] + keys, dtype=torch.int64)
     f32 = torch.float32

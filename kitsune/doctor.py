@@ -44,7 +44,7 @@ def diagnose() -> dict[str, Any]:
     triton_version, triton_error = _triton()
     nvml_ok, nvml_detail = _nvml()
     device = torch.device("cuda" if cuda else "cpu")
-    probe = torch.nn.Parameter(torch.zeros(4, device=device))
+    probe = torch.nn.Parameter(torch.zeros(4, dtype=torch.float32, device=device))
     with _quiet_warnings():
         opt = KitsuneOptimizer(torch.optim.AdamW([probe]), enable_fusion=True, enable_amp=cuda, profile=True)
     return {

@@ -119,7 +119,7 @@ def quantize(x: torch.Tensor, signed: bool, exact_extremes: bool = False) -> tup
     finite = ax < math.inf
     table = _tables.code(signed, x.device)
     if not rows:
-        absmax = torch.zeros(0, device=x.device)
+        absmax = torch.zeros(0, dtype=torch.float32, device=x.device)
     elif exact_extremes and signed:
         kept = torch.where(finite, blocks, 0.0)
         absmax = torch.maximum(kept.amax(1), -kept.amin(1) / -table[0])

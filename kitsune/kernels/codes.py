@@ -87,8 +87,9 @@ def bucket_table(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
         out.append(zero + int((d == d.min()).nonzero().min()))  # the nearest; a tie to the smaller magnitude
     half = (code[:-1] + code[1:]) / 2  # exact: the sum of two fp32 neighbours fits a double, and halving is exact
     t = half.float()  # the nearest fp32; the threshold is the smallest fp32 strictly above the midpoint
-    t = torch.where(t.double() > half, t, torch.nextafter(t, torch.tensor(math.inf)))
-    return torch.tensor(out, dtype=torch.uint8), torch.cat([t, torch.tensor([math.inf])])
+    t = torch.where(t.double() > half, t, torch.nextafter(t, torch.tensor(math.inf, dtype=torch.float32)))
+    inf = torch.tensor([math.inf], dtype=torch.float32)  # whatever torch's default dtype: the table is fp32 words
+    return torch.tensor(out, dtype=torch.uint8), torch.cat([t, inf])
 
 
 def packed_table(signed: bool) -> torch.Tensor:

@@ -403,3 +403,16 @@ def test_the_native_check_reads_cuda_tensors():
     ps[1].grad = grad
     ps[2].grad = torch.randn_like(ps[2])
     assert not checks.unchanged(ps, table, True, torch.float32)
+
+
+def test_the_native_self_test_passes_under_a_float64_default_dtype():
+    """The build's self-test made its probes in torch's default dtype and checked them as float32: built while the
+    default was float64 (a model built in double first), it failed, and every step ran the slower Python checks."""
+    if _native.wait(timeout=600) is None:
+        pytest.skip(f"the native check cannot build here: {_native.reason()}")
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert _native._compile() is not None  # loads the built module and runs the self-test; raises if wrong
+    finally:
+        torch.set_default_dtype(saved)

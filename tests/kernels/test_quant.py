@@ -199,6 +199,23 @@ def _max_gap(code: torch.Tensor) -> float:
 # -- quantization: tests ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("signed", [True, False])
+def test_tables_do_not_depend_on_torchs_default_dtype(signed):
+    """Built while torch's default dtype was float64, the packed table read float64 thresholds as int32 words (307
+    of 4096 codes one off, for the rest of the process: the tables are built once). Every table is the same fp32."""
+    from kitsune.kernels import codes
+
+    want = codes.packed_table(signed), codes.bucket_table(signed)
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        got = codes.packed_table(signed), codes.bucket_table(signed)
+    finally:
+        torch.set_default_dtype(saved)
+    assert torch.equal(got[0], want[0])
+    assert got[1][1].dtype == torch.float32 and torch.equal(got[1][1], want[1][1])
+
+
 @pytest.mark.parametrize("block", [256, 64, 2048])
 @pytest.mark.parametrize("kind", ["normal", "outliers", "decades", "zero_blocks", "subnormal"])
 @pytest.mark.parametrize("map_name", ["signed", "unsigned"])
