@@ -112,9 +112,11 @@ class VariantResult(BaseModel):
 class ProfilerCost(BaseModel):
     """What ``profile=True`` costs a step, measured in pairs: the one line with the profiler off and on (the
     ``kitsune`` and ``profiled`` variants), both alive over copies of the same seeded params, warmed up, then
-    ``rounds`` rounds of ``steps`` steps each side, the order alternating from round to round. A round compares the
-    two sides run moments apart, so the drift between passes (a host that slows down, caches that another variant
-    left cold) cancels, as it does not between the table's rows."""
+    ``rounds`` rounds of ``steps`` steps each side, the order alternating from round to round, half of them on a
+    pair built with the profiler off first and half on one built with it on first (the side built second ran faster
+    on a host-bound set, whichever it was). A round compares the two sides run moments apart, so the drift between
+    passes (a host that slows down, caches that another variant left cold) cancels, as it does not between the
+    table's rows."""
 
     rounds: int
     steps: int

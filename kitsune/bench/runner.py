@@ -220,7 +220,7 @@ def run_variant(
 
 
 PROFILER_ROUNDS = 10
-"""Rounds of `run_profiler_cost`."""
+"""Rounds of `run_profiler_cost`: half on a pair built with the profiler off first, half on one built on first."""
 PROFILER_ROUND_STEPS = 10
 """Steps a side in each of its rounds (fewer where the set's timed steps are fewer): 10 rounds of 10 add about 400
 steps to a set, 3 s on `llama1b`."""
@@ -230,29 +230,39 @@ def run_profiler_cost(
     pset: ParamSet, device: torch.device, steps: int, warmup: int, seed: int = 0
 ) -> tuple[ProfilerCost | None, str | None]:
     """``profile=True``'s cost on this set, measured in pairs (`ProfilerCost`): the ``kitsune`` and ``profiled``
-    variants built over copies of the same seeded params, each warmed up, then `PROFILER_ROUNDS` alternating rounds
-    (`paired_rounds`). ``(cost, None)``, or ``(None, why)`` where the GPU cannot hold both or a step failed."""
+    variants built over copies of the same seeded params, each warmed up, then alternating rounds (`paired_rounds`):
+    half of `PROFILER_ROUNDS` on a pair built off first, half on a pair built on first. The side built second ran
+    faster on a host-bound set whichever it was (its objects land in fresh memory, the first's in the holes the
+    table's rows left), so one build order alone measured that, not the profiler. ``(cost, None)``, or
+    ``(None, why)`` where the GPU cannot hold both or a step failed."""
     shortfall = _memory_shortfall(pset, device, copies=2)
     if shortfall is not None:
         return None, f"two optimizers of the set: {shortfall}"
     round_steps = max(1, min(steps, PROFILER_ROUND_STEPS))
+    rounds = max(1, PROFILER_ROUNDS // 2)
 
-    def pairs() -> ProfilerCost:  # the optimizers and params live in this frame: gone before `_free`, as in `_measure`
-        built = []
+    def pairs(order: tuple[str, str]) -> tuple[list[float], list[float]]:
+        built: dict[str, Any] = {}  # the optimizers and params live in this frame: gone before `_free`
         try:
-            for name in ("kitsune", "profiled"):
-                built.append(make_variant(name, make_params(pset, device, seed)))
-                built[-1].warmup(warmup)
-            device_pct, host_ms = paired_rounds(built[0].step, built[1].step, PROFILER_ROUNDS, round_steps, device)
+            for name in order:
+                built[name] = make_variant(name, make_params(pset, device, seed))
+                built[name].warmup(warmup)
+            return paired_rounds(built["kitsune"].step, built["profiled"].step, rounds, round_steps, device)
         finally:
-            for variant in built:
+            for variant in built.values():
                 variant.close()
-        return ProfilerCost(
-            rounds=PROFILER_ROUNDS, steps=round_steps, device_pct=Stats.of(device_pct), host_ms=Stats.of(host_ms)
-        )
 
     try:
-        return pairs(), None
+        device_pct, host_ms = [], []
+        for order in (("kitsune", "profiled"), ("profiled", "kitsune")):
+            pct, host = pairs(order)
+            _free(device)
+            device_pct += pct
+            host_ms += host
+        cost = ProfilerCost(
+            rounds=len(device_pct), steps=round_steps, device_pct=Stats.of(device_pct), host_ms=Stats.of(host_ms)
+        )
+        return cost, None
     except Exception as exc:  # the table's rows stand without it
         return None, failure_reason(exc)
     finally:

@@ -93,7 +93,8 @@ def profiler_cost_line(entry: SetResult) -> str:
     if c is None:
         return f"profile=True, in pairs: not measured ({entry.profiler_cost_reason})"
     return (
-        f"profile=True, in pairs ({c.rounds} alternating rounds of {c.steps} steps a side): "
+        f"profile=True, in pairs ({c.rounds} alternating rounds of {c.steps} steps a side, on two pairs built in "
+        "either order): "
         f"{c.device_pct.median:+.2f}% of the step (p10-p90 {c.device_pct.p10:+.2f}% to {c.device_pct.p90:+.2f}%), "
         f"host {c.host_ms.median:+.4f} ms a step ({c.host_ms.p10:+.4f} to {c.host_ms.p90:+.4f})"
     )
