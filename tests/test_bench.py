@@ -130,6 +130,10 @@ def test_run_bench_on_cpu_and_json_round_trip(tmp_path):
     assert kitsune_side.status == "ok" and kitsune_side.device_ms.median > 0
     assert scaler_side.status == "ok" and scaler_side.variant == "kitsune_scaler"
     assert result.phase.ratio_to_kitsune.keys() == {"fused", "kitsune_scaler"}
+    # kitsune's sides say what they ran with (a fallback would show in the notes, not pass for kitsune's time)
+    assert torch_side.kitsune is None
+    assert kitsune_side.kitsune is not None and "amp" in kitsune_side.kitsune.active_subsystems
+    assert scaler_side.kitsune is not None and scaler_side.kitsune.total_params == len(get_param_set("gpt2").shapes)
 
     loaded = BenchResult.load(path)
     assert loaded == result
