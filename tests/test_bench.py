@@ -160,6 +160,15 @@ def test_run_bench_on_cpu_and_json_round_trip(tmp_path):
     assert main([str(path)]) == 2
 
 
+def test_a_warmup_too_short_for_kitsunes_capture_is_refused_on_cuda(monkeypatch):
+    """With fewer warm-up steps than kitsune's eager steps and its capture, the capture was timed as a step."""
+    from kitsune.bench import runner
+
+    monkeypatch.setattr(runner, "_resolve_device", lambda device: torch.device("cuda"))
+    with pytest.raises(ValueError, match="warmup must be at least 4 on CUDA, got 3"):
+        run_bench(sets=["gpt2"], warmup=3, console=quiet())
+
+
 def test_run_bench_rejects_bad_input():
     with pytest.raises(ValueError, match="unknown variant"):
         run_bench(sets=["gpt2"], variants=["sgd"], device="cpu", console=quiet())
@@ -262,7 +271,7 @@ def test_module_entry_point(capsys):
 
 @pytest.mark.cuda
 def test_every_variant_times_on_gpu():
-    result = run_bench(sets=["gpt2"], device=None, steps=5, warmup=3, console=quiet())  # the CLI's --device auto
+    result = run_bench(sets=["gpt2"], device=None, steps=5, warmup=4, console=quiet())  # the CLI's --device auto
     assert result.timer == "cuda_events" and result.copy_bandwidth_gbs > 100
     entry = result.sets[0]
     assert entry.scale == 1.0 and entry.n_tensors == 148

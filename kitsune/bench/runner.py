@@ -47,6 +47,7 @@ from kitsune.bench.results import (
 from kitsune.bench.table import default_console, peer_lines, print_results, profiler_cost_line
 from kitsune.bench.timing import Stats, StepTimes, copy_bandwidth, paired_rounds, synchronize, time_steps
 from kitsune.bench.variants import ADAMW, BYTES_PER_PARAM, DEFAULT_VARIANTS, VARIANTS, kitsune_info, make_variant
+from kitsune.config import GraphConfig
 from kitsune.profiler.schema import collect_environment
 
 FP32_BYTES = 4
@@ -544,6 +545,12 @@ def run_bench(
     scale = scale if scale is not None else (1.0 if cuda else 0.001)
     if warmup < 1:
         raise ValueError(f"warmup must be at least 1 (the graph variant captures after it), got {warmup}")
+    least = GraphConfig().warmup_steps + 1  # kitsune's eager steps, then the one that captures its graph
+    if cuda and warmup < least:
+        raise ValueError(
+            f"warmup must be at least {least} on CUDA, got {warmup}: kitsune captures its CUDA graph after "
+            f"{least - 1} eager steps, and a capture inside the timed steps would be timed as a step"
+        )
     if steps is not None and steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
     if (compile_backend is not None or e2e_steps is not None or e2e_batch is not None) and not e2e:
