@@ -61,12 +61,17 @@ def test_step_rows_include_the_fusion_planner():
 
     timing = {"device_ms": 1.0, "host_ms": 0.5}
     step = {"torch": {"device_ms": 4.0, "host_ms": 3.0}, "kitsune": timing, "planner": timing}
-    result = {"device": "GPU", "matmul_tflops": 1.0, "newton_schulz": [], "muon_step": step}
+    ns = {"size": 1024, "torch_ms": 0.26, "torch_graph_ms": 0.21, "kitsune_ms": 0.1, "speedup": 2.6}
+    ns |= {"speedup_over_graph": 2.1, "torch_tflops": 1.0, "kitsune_tflops": 1.0, "kitsune_pct_of_matmul": 50.0}
+    ns |= {"kitsune_effective_tflops": 1.5}
+    result = {"device": "GPU", "matmul_tflops": 1.0, "newton_schulz": [ns], "muon_step": step}
     result["muon_step"] |= {"speedup": 4.0, "planner_speedup": 4.0}
     out = StringIO()
-    print_muon_results(result, Console(file=out, width=200))
+    print_muon_results(result, Console(file=out, width=250))
     assert "KitsuneOptimizer(torch.optim.Muon, enable_fusion=True)" in out.getvalue()
     assert out.getvalue().count("4.00x") == 2
+    # torch's function replayed from a CUDA graph beside its direct calls: kitsune's calls replay graphs too
+    assert "torch graph ms" in out.getvalue() and "0.210" in out.getvalue() and "2.10x" in out.getvalue()
 
 
 def test_step_timing_rotates_the_order_and_warms_each_optimizer(monkeypatch):

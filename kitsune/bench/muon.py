@@ -6,9 +6,10 @@
 FLOPs: an iteration on an ``(m, n)`` matrix, ``m <= n``, is three products. The plain algorithm (torch's) does
 ``2 m^2 n`` (``X X^T``) + ``2 m^3`` (``A A``) + ``2 m^2 n`` (``B X``); the symmetric one (kitsune's) computes only
 the upper triangle of the two symmetric products: ``m^2 n + m^3 + 2 m^2 n``, two thirds for a square matrix. The
-table reports each implementation's rate on the FLOPs it executes (plain for torch, symmetric for kitsune, whose %
-of the dense bf16 matmul rate is measured in the same run), and kitsune's "effective" rate, the plain FLOPs over its
-time: the rate a plain implementation would need to match it.
+table reports torch's function called directly (as torch.optim.Muon calls it) and replayed from a CUDA graph (as
+kitsune's `newton_schulz` replays its launches), each implementation's rate on the FLOPs it executes (plain for
+torch, symmetric for kitsune, whose % of the dense bf16 matmul rate is measured in the same run), and kitsune's
+"effective" rate, the plain FLOPs over its time: the rate a plain implementation would need to match it.
 
 The Muon step is timed three ways on the same params and grads: torch.optim.Muon, kitsune.optim.Muon, and
 torch.optim.Muon wrapped in ``KitsuneOptimizer(..., enable_fusion=True)``, which the fusion planner runs on its
@@ -80,6 +81,22 @@ def _ms(fn) -> float:
     return do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
+def _graphed(fn: Callable[[torch.Tensor], object], g: torch.Tensor) -> Callable[[], None]:
+    """``fn(g)`` captured in a CUDA graph, torch's recipe (warm-up calls on a side stream first): its replay. kitsune's
+    `newton_schulz` replays graphs of its own launches, so its rows are compared with torch's function replayed too,
+    where no host launches the kernels one by one."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn(g)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn(g)
+    return graph.replay
+
+
 def _warm_stepper(make: Factory, device: torch.device, gen: torch.Generator) -> Callable[[], object]:
     """The ``step`` of an optimizer from ``make`` over fresh ``STEP_SHAPES`` params with random grads, after three
     steps (compile, create state, capture)."""
@@ -148,14 +165,17 @@ def run_muon_bench(device: torch.device | str, console: Console | None = None, s
         for n in NS_SIZES:
             g = torch.randn(n, n, device=device)  # an fp32 momentum buffer, as the optimizer hands it over
             torch_ms = _ms(lambda g=g: torch_ns(g))
+            torch_graph_ms = _ms(_graphed(torch_ns, g))
             kitsune_ms = _ms(lambda g=g: newton_schulz(g, NS_STEPS))
             plain, sym = flops(n, n)
             rows.append(
                 {
                     "size": n,
                     "torch_ms": torch_ms,
+                    "torch_graph_ms": torch_graph_ms,
                     "kitsune_ms": kitsune_ms,
                     "speedup": torch_ms / kitsune_ms,
+                    "speedup_over_graph": torch_graph_ms / kitsune_ms,
                     "flops_plain": plain,
                     "flops_symmetric": sym,
                     "torch_tflops": plain / torch_ms / 1e9,
@@ -183,16 +203,19 @@ def print_muon_results(result: dict[str, Any], console: Console) -> None:
         title=f"Newton-Schulz, {NS_STEPS} iterations, bf16 ({result['device']}; bf16 matmul "
         f"{MATMUL_SIZE}^2: {result['matmul_tflops']:.0f} TFLOP/s)"
     )
-    for col in ("size", "torch ms", "kitsune ms", "speedup", "torch TFLOP/s (plain)"):
+    for col in ("size", "torch ms", "torch graph ms", "kitsune ms", "speedup", "over the graph"):
         table.add_column(col, justify="right")
+    table.add_column("torch TFLOP/s (plain)", justify="right")
     for col in ("kitsune TFLOP/s (symmetric)", "% of matmul", "kitsune effective TFLOP/s (plain)"):
         table.add_column(col, justify="right")
     for r in result["newton_schulz"]:
         table.add_row(
             f"{r['size']}^2",
             f"{r['torch_ms']:.3f}",
+            f"{r['torch_graph_ms']:.3f}" if "torch_graph_ms" in r else "-",
             f"{r['kitsune_ms']:.3f}",
             f"{r['speedup']:.2f}x",
+            f"{r['speedup_over_graph']:.2f}x" if "speedup_over_graph" in r else "-",
             f"{r['torch_tflops']:.0f}",
             f"{r['kitsune_tflops']:.0f}",
             f"{r['kitsune_pct_of_matmul']:.0f}%",
