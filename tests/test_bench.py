@@ -357,8 +357,8 @@ def test_e2e_turns_rotate_the_order_and_give_every_side_the_same_batches():
     for k, (_, losses) in enumerate(out):
         assert [int(x) for x in losses] == [3, 4, 5, 6, 7, 0]  # the same batches, in the same order
         assert [b for s, b in calls if s == k] == [3, 4, 5, 6, 7, 0]
-    firsts = [calls[i][0] for i in range(0, len(calls), 6)]  # who goes first in each round
-    assert firsts == [0, 1, 2]
+    orders = [[calls[i + j][0] for j in range(0, 6, 2)] for i in range(0, len(calls), 6)]  # each round's order
+    assert orders == [[0, 1, 2], [1, 0, 2], [2, 0, 1]]  # each first once; every other round backwards
     assert [s for s, _ in calls[:6]] == [0, 0, 1, 1, 2, 2]  # each side runs its block in one turn
 
 

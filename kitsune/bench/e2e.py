@@ -337,11 +337,11 @@ def _in_turns(
     """Each side's milliseconds per step (one value per block: the block's time over its steps) and losses (left on
     the device).
 
-    The sides take turns block by block, ``block`` steps each, the order rotating round by round. The GPU is
-    synchronised before each block, so no side's first step runs on, or waits behind, the GPU work the side before
-    it left queued (taking turns step by step gave each side a head start as long as its predecessor's queued
-    tail); within a block one step's GPU tail overlaps the next step's host work, as in training. Every side sees
-    the same batches in the same order."""
+    The sides take turns block by block, ``block`` steps each, the order rotating round by round and reversed every
+    other round. The GPU is synchronised before each block, so no side's first step runs on, or waits behind, the GPU
+    work the side before it left queued (taking turns step by step gave each side a head start as long as its
+    predecessor's queued tail); within a block one step's GPU tail overlaps the next step's host work, as in
+    training. Every side sees the same batches in the same order."""
     import time
 
     cuda = device.type == "cuda"
@@ -349,7 +349,9 @@ def _in_turns(
     n = len(steps_fns)
     for r in range(max(1, steps // block)):
         batches = [data[(first + r * block + j) % len(data)] for j in range(block)]
-        for k in [(r + o) % n for o in range(n)]:
+        # rotated round by round, and run backwards every other round: each side goes first as often, and follows
+        # each of its neighbours as often (the GPU's clocks depend on the work just before)
+        for k in [(r + o) % n if r % 2 == 0 else (r - o) % n for o in range(n)]:
             step = steps_fns[k]
             synchronize(device)
             if cuda:
