@@ -70,6 +70,22 @@ def run(
     return losses
 
 
+def side_by_side(
+    net: Net, twin: Net, opt: torch.optim.Optimizer, ref: torch.optim.Optimizer, device: torch.device, batch: int = 8
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Four steps of the same random batches through both, the params compared after each; the last batch."""
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        x, y = torch.randn(batch, 6, generator=gen).to(device), torch.randn(batch, 3, generator=gen).to(device)
+        for model, o in ((net, opt), (twin, ref)):
+            nn.functional.mse_loss(model(x, True), y).backward()
+            o.step()
+            o.zero_grad()
+        for a, b in zip(net.parameters(), twin.parameters(), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    return x, y
+
+
 class _null:
     def __enter__(self) -> None:
         return None
@@ -209,15 +225,7 @@ def test_a_backward_that_raised_midway_is_forgotten_at_zero_grad(device):
     with pytest.raises(RuntimeError, match="simulated"):  # the last layer's grads arrive, then the failure
         nn.functional.mse_loss(net.c(net.b(Fails.apply(net.a(x)))), y).backward()
     opt.zero_grad()
-    gen = torch.Generator().manual_seed(3)
-    for _ in range(4):
-        x, y = torch.randn(4, 6, generator=gen).to(device), torch.randn(4, 3, generator=gen).to(device)
-        for model, o in ((net, opt), (twin, ref)):
-            nn.functional.mse_loss(model(x, True), y).backward()
-            o.step()
-            o.zero_grad()
-    for p, q in zip(net.parameters(), twin.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    side_by_side(net, twin, opt, ref, device, batch=4)
 
 
 def test_step_inside_accumulating_is_an_error(device):
@@ -402,15 +410,7 @@ def test_a_change_between_backward_and_step_is_refused_not_lost(change, device):
     opt = KitsuneOptimizer(torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9), config=in_backward())
     ref = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
     assert opt.scheduler.in_backward
-    gen = torch.Generator().manual_seed(3)
-    for _ in range(4):
-        x, y = torch.randn(8, 6, generator=gen).to(device), torch.randn(8, 3, generator=gen).to(device)
-        for model, o in ((net, opt), (twin, ref)):
-            nn.functional.mse_loss(model(x, True), y).backward()
-            o.step()
-            o.zero_grad()
-        for a, b in zip(net.parameters(), twin.parameters(), strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    x, y = side_by_side(net, twin, opt, ref, device)
     nn.functional.mse_loss(net(x, True), y).backward()  # the updates run in here
     after_backward = [p.detach().clone() for p in net.parameters()]
     state = [v.clone() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
