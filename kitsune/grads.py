@@ -232,6 +232,13 @@ class GradPass:
         those are left as they are (allocated, ``set_to_none`` notwithstanding) unless something changed them
         since (a backward pass bumps a grad's version counter), so the step's zeroing is the only pass over them.
         With ``MemoryConfig(flat_grads=True)`` the pool's grad arenas are zeroed in one fill each."""
+        if torch.autograd._profiler_enabled():  # the label torch's zero_grad gives a trace, whatever runs under it
+            with torch.autograd.profiler.record_function(label):
+                self._zero_grad(base, set_to_none)
+        else:
+            self._zero_grad(base, set_to_none)
+
+    def _zero_grad(self, base: torch.optim.Optimizer, set_to_none: bool) -> None:
         groups = base.param_groups
         self._shard.zero_grad()  # sharded grads already reduced are discarded too
         zeroed, self._zeroed = self._zeroed, None
@@ -259,11 +266,7 @@ class GradPass:
         elif zeroed is None and type(base).zero_grad is not _BASE_ZERO_GRAD:
             base.zero_grad(set_to_none=set_to_none)  # an optimizer's own zero_grad is kept
             return
-        if torch.autograd._profiler_enabled():  # the label torch's zero_grad gives a trace
-            with torch.autograd.profiler.record_function(label):
-                _zero_grads(groups, skip, set_to_none)
-        else:
-            _zero_grads(groups, skip, set_to_none)
+        _zero_grads(groups, skip, set_to_none)
 
 
 def _refuse_sparse(params: list[torch.Tensor]) -> None:

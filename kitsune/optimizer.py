@@ -490,7 +490,9 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         return {"optimizer": self._optimizer, "config": self.config, "kitsune": ours}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["optimizer"], config=state["config"])  # type: ignore[misc]
+        # KitsuneOptimizer's own __init__, not a subclass's (whose signature may differ), as torch's __setstate__
+        # restores an optimizer without calling its class's __init__
+        KitsuneOptimizer.__init__(self, state["optimizer"], config=state["config"])
         self._load_own_state(checkpoint.check_own_state(state["kitsune"], self._subsystems))
 
     def __repr__(self) -> str:

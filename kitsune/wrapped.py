@@ -27,6 +27,7 @@ def run_hooked(
     with torch.autograd.profiler.record_function(f"Optimizer.step#{type(opt).__name__}.step"):
         args, kwargs = run_pre_hooks(opt, (*_global_pre.values(), *pre_hooks.values()), args, kwargs)
         out = body(*args[1:], **kwargs)
+        opt._optimizer_step_code()  # where torch's memory profiler reads the optimizer's state (OPTIMIZER_STATE)
         for hook in (*post_hooks.values(), *_global_post.values()):
             hook(opt, args, kwargs)
     return out

@@ -444,3 +444,38 @@ def test_the_inactive_subsystem_warning_points_at_the_users_line():
         KitsuneOptimizer(torch.optim.SGD(params, lr=0.1), enable_fusion=True)
     inactive = [w for w in caught if "was asked for but is inactive" in str(w.message)]
     assert inactive and inactive[0].filename == __file__ and inactive[0].lineno == line
+
+
+class _SGDWithItsOwnInit(KitsuneOptimizer):
+    """A subclass whose constructor takes other arguments than KitsuneOptimizer's (module-level: pickle finds it)."""
+
+    def __init__(self, params, lr: float) -> None:
+        super().__init__(torch.optim.SGD(params, lr=lr, momentum=0.9))
+
+
+def test_a_subclass_with_its_own_init_copies_and_pickles_as_torchs_do():
+    """Copies and pickles restored by calling the subclass's __init__ with KitsuneOptimizer's arguments (TypeError:
+    unexpected keyword 'config'); torch restores an optimizer without its class's __init__, and so does kitsune."""
+    p = nn.Parameter(torch.randn(5))
+    opt = _SGDWithItsOwnInit([p], lr=0.1)
+    p.grad = torch.randn(5)
+    opt.step()
+    for clone in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt)), copy.copy(opt)):
+        assert type(clone) is _SGDWithItsOwnInit
+        q = clone.param_groups[0]["params"][0]
+        assert torch.equal(clone.state[q]["momentum_buffer"], opt.state[p]["momentum_buffer"])
+
+
+def test_the_memory_profiler_sees_the_optimizer_step(monkeypatch):
+    """torch's step wrapper calls Optimizer._optimizer_step_code after each step under a profiler: torch's memory
+    profiler hooks it to tell optimizer state from params (its OPTIMIZER_STATE category). kitsune's step calls it
+    too, once a step."""
+    calls: list[str] = []
+    monkeypatch.setattr(torch.optim.Optimizer, "_optimizer_step_code", lambda self: calls.append(type(self).__name__))
+    p = nn.Parameter(torch.randn(5))
+    opt = KitsuneOptimizer(torch.optim.Adam([p], lr=0.1))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        for _ in range(3):
+            p.grad = torch.randn(5)
+            opt.step()
+    assert calls.count("KitsuneOptimizer") == 3

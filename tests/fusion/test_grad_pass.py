@@ -290,3 +290,26 @@ def test_clip_with_a_fallback_bucket_runs_as_its_own_pass(device):
         torch.testing.assert_close(opt.last_grad_norm.double(), want.double(), atol=1e-6, rtol=1e-6)
     for p, q in zip(ref_model.parameters(), model.parameters(), strict=True):
         torch.testing.assert_close(q.detach(), p.detach(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("setting", ["zero_in_step", "flat_grads"])
+def test_zero_grad_carries_torchs_profiler_label_when_the_step_zeroed_already(setting, device):
+    """torch's zero_grad always runs under its profiler label; with the grads already zeroed (by the fused step, or
+    the arena's one fill) kitsune's returned before it, and the trace had no zero_grad."""
+    from kitsune import FusionConfig, KitsuneConfig, MemoryConfig
+
+    params = make_params([6, 5], torch.float32, device)
+    config = KitsuneConfig(
+        fusion=FusionConfig(),
+        grads=GradConfig(zero_in_step=setting == "zero_in_step"),
+        memory=MemoryConfig(flat_grads=setting == "flat_grads"),
+    )
+    opt = KitsuneOptimizer(torch.optim.Adam(params, lr=0.1), config=config)
+    assert {b.route.value for b in opt.plan.buckets} == {"triton"}
+    for q, g in zip(params, _grads(params, 0), strict=True):
+        q.grad = g
+    opt.step()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        opt.zero_grad()
+    names = [e.name for e in prof.events()]
+    assert names.count("Optimizer.zero_grad#KitsuneOptimizer.zero_grad") == 1
