@@ -458,6 +458,52 @@ def test_profiler_cost_runs_half_its_rounds_on_a_pair_built_in_each_order(monkey
     assert compared == [("kitsune", "profiled", half), ("kitsune", "profiled", half)]
 
 
+def test_kitsune_against_the_cuda_graph_is_measured_in_pairs_built_in_each_order(monkeypatch):
+    """The table's t / kitsune divides medians of passes run one after another; the headline ratio against torch's
+    CUDA graph is also measured in pairs (half the rounds on a pair built kitsune first), the graph's time over
+    kitsune's each round, and printed with its spread."""
+    from kitsune.bench import runner
+    from kitsune.bench.results import SetResult
+    from kitsune.bench.table import paired_line
+
+    built, compared = [], []
+
+    class Variant:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def warmup(self, n: int) -> None:
+            pass
+
+        def step(self) -> str:
+            return self.name
+
+        def close(self) -> None:
+            pass
+
+    def make_variant(name, params):
+        built.append(name)
+        return Variant(name)
+
+    def paired(off, on, rounds, steps, device):
+        compared.append((off(), on()))
+        return [140.0] * rounds, [0.002] * rounds  # the graph 2.4x kitsune's time each round
+
+    monkeypatch.setattr(runner, "make_variant", make_variant)
+    monkeypatch.setattr(runner, "paired_rounds", paired)
+    ratio, reason = runner.run_paired_ratio(get_param_set("many", 0.001), torch.device("cpu"), 4, 1)
+    assert reason is None and ratio.against == "graph" and ratio.rounds == runner.PROFILER_ROUNDS
+    assert built == ["kitsune", "graph", "graph", "kitsune"] and compared == [("kitsune", "graph")] * 2
+    assert ratio.ratio.median == pytest.approx(2.4) and ratio.steps == 4
+    entry = SetResult.model_construct(name="many", paired=ratio, paired_reason=None)
+    assert "2.40x (p10-p90 2.40x to 2.40x)" in paired_line(entry)
+    monkeypatch.setattr(runner, "_memory_shortfall", lambda pset, device, copies=1: "no room")
+    assert runner.run_paired_ratio(get_param_set("many", 0.001), torch.device("cpu"), 4, 1) == (
+        None,
+        "two optimizers of the set: no room",
+    )
+
+
 RATIO = re.compile(r"\d\.\d+x\b|\d%")
 
 

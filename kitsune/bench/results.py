@@ -109,6 +109,21 @@ class VariantResult(BaseModel):
     """Set on the rows of ``--peers`` (None on torch's and kitsune's AdamW variants)."""
 
 
+class PairedRatio(BaseModel):
+    """One variant against kitsune, measured in pairs as `ProfilerCost` is: both alive over copies of the same seeded
+    params, warmed up, then ``rounds`` rounds of ``steps`` steps each side, the order alternating, half the rounds on
+    a pair built with kitsune first and half on one built with the other first."""
+
+    against: str
+    """The other variant (``graph``: torch's fused, capturable AdamW replayed from a CUDA graph)."""
+    rounds: int
+    steps: int
+    ratio: Stats
+    """Per round: the other's median ms a step back to back over kitsune's (above 1: kitsune is faster)."""
+    host_ms: Stats
+    """Per round: the other's median host ms of a ``step()`` call minus kitsune's."""
+
+
 class ProfilerCost(BaseModel):
     """What ``profile=True`` costs a step, measured in pairs: the one line with the profiler off and on (the
     ``kitsune`` and ``profiled`` variants), both alive over copies of the same seeded params, warmed up, then
@@ -149,6 +164,11 @@ class SetResult(BaseModel):
     profiler_cost_reason: str | None = None
     """Why the pairs were not measured where both variants were asked for (the GPU cannot hold two optimizers of
     the set, or it failed)."""
+    paired: PairedRatio | None = None
+    """On CUDA, with the ``kitsune`` and ``graph`` variants both asked for: kitsune against torch's CUDA graph recipe
+    measured in pairs (the table's ``t / kitsune`` divides medians of passes run one after another)."""
+    paired_reason: str | None = None
+    """Why that pair was not measured where both variants were asked for."""
 
 
 class BenchResult(BaseModel):

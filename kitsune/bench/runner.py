@@ -38,13 +38,14 @@ from kitsune.bench.peers import version as peer_version
 from kitsune.bench.results import (
     BenchResult,
     KitsuneInfo,
+    PairedRatio,
     PeerInfo,
     PeerStatus,
     ProfilerCost,
     SetResult,
     VariantResult,
 )
-from kitsune.bench.table import default_console, peer_lines, print_results, profiler_cost_line
+from kitsune.bench.table import default_console, paired_line, peer_lines, print_results, profiler_cost_line
 from kitsune.bench.timing import Stats, StepTimes, copy_bandwidth, paired_rounds, synchronize, time_steps
 from kitsune.bench.variants import ADAMW, BYTES_PER_PARAM, DEFAULT_VARIANTS, VARIANTS, kitsune_info, make_variant
 from kitsune.config import GraphConfig
@@ -231,14 +232,52 @@ def run_profiler_cost(
     pset: ParamSet, device: torch.device, steps: int, warmup: int, seed: int = 0
 ) -> tuple[ProfilerCost | None, str | None]:
     """``profile=True``'s cost on this set, measured in pairs (`ProfilerCost`): the ``kitsune`` and ``profiled``
-    variants built over copies of the same seeded params, each warmed up, then alternating rounds (`paired_rounds`):
-    half of `PROFILER_ROUNDS` on a pair built off first, half on a pair built on first. The side built second ran
-    faster on a host-bound set whichever it was (its objects land in fresh memory, the first's in the holes the
-    table's rows left), so one build order alone measured that, not the profiler. ``(cost, None)``, or
-    ``(None, why)`` where the GPU cannot hold both or a step failed."""
+    variants built over copies of the same seeded params, each warmed up, then alternating rounds (`_in_pairs`).
+    ``(cost, None)``, or ``(None, why)`` where the GPU cannot hold both or a step failed."""
     shortfall = _memory_shortfall(pset, device, copies=2)
     if shortfall is not None:
         return None, f"two optimizers of the set: {shortfall}"
+    try:
+        device_pct, host_ms, round_steps = _in_pairs(pset, device, steps, warmup, seed, "kitsune", "profiled")
+        cost = ProfilerCost(
+            rounds=len(device_pct), steps=round_steps, device_pct=Stats.of(device_pct), host_ms=Stats.of(host_ms)
+        )
+        return cost, None
+    except Exception as exc:  # the table's rows stand without it
+        return None, failure_reason(exc)
+    finally:
+        _free(device)
+
+
+def run_paired_ratio(
+    pset: ParamSet, device: torch.device, steps: int, warmup: int, seed: int = 0, against: str = "graph"
+) -> tuple[PairedRatio | None, str | None]:
+    """``against`` (a variant) over kitsune on this set, measured in pairs (`PairedRatio`), as the profiler's cost
+    is: the table's ``t / kitsune`` divides the medians of passes run one after another, which a host's drift and
+    the order of the rows move. ``(ratio, None)``, or ``(None, why)``."""
+    shortfall = _memory_shortfall(pset, device, copies=2)
+    if shortfall is not None:
+        return None, f"two optimizers of the set: {shortfall}"
+    try:
+        device_pct, host_ms, round_steps = _in_pairs(pset, device, steps, warmup, seed, "kitsune", against)
+        ratios = [1 + pct / 100 for pct in device_pct]
+        paired = PairedRatio(
+            against=against, rounds=len(ratios), steps=round_steps, ratio=Stats.of(ratios), host_ms=Stats.of(host_ms)
+        )
+        return paired, None
+    except Exception as exc:  # the table's rows stand without it
+        return None, failure_reason(exc)
+    finally:
+        _free(device)
+
+
+def _in_pairs(
+    pset: ParamSet, device: torch.device, steps: int, warmup: int, seed: int, off: str, on: str
+) -> tuple[list[float], list[float], int]:
+    """`paired_rounds` of variants ``off`` and ``on`` (each round: ``on`` against ``off``), half of
+    `PROFILER_ROUNDS` on a pair built ``off`` first and half on one built ``on`` first: the side built second ran
+    faster on a host-bound set whichever it was (its objects land in fresh memory, the first's in the holes the
+    table's rows left). ``(device_pct, host_ms, steps a side in a round)``."""
     round_steps = max(1, min(steps, PROFILER_ROUND_STEPS))
     rounds = max(1, PROFILER_ROUNDS // 2)
 
@@ -248,26 +287,19 @@ def run_profiler_cost(
             for name in order:
                 built[name] = make_variant(name, make_params(pset, device, seed))
                 built[name].warmup(warmup)
-            return paired_rounds(built["kitsune"].step, built["profiled"].step, rounds, round_steps, device)
+            return paired_rounds(built[off].step, built[on].step, rounds, round_steps, device)
         finally:
             for variant in built.values():
                 variant.close()
 
-    try:
-        device_pct, host_ms = [], []
-        for order in (("kitsune", "profiled"), ("profiled", "kitsune")):
-            pct, host = pairs(order)
-            _free(device)
-            device_pct += pct
-            host_ms += host
-        cost = ProfilerCost(
-            rounds=len(device_pct), steps=round_steps, device_pct=Stats.of(device_pct), host_ms=Stats.of(host_ms)
-        )
-        return cost, None
-    except Exception as exc:  # the table's rows stand without it
-        return None, failure_reason(exc)
-    finally:
+    device_pct: list[float] = []
+    host_ms: list[float] = []
+    for order in ((off, on), (on, off)):
+        pct, host = pairs(order)
         _free(device)
+        device_pct += pct
+        host_ms += host
+    return device_pct, host_ms, round_steps
 
 
 def run_peer(
@@ -681,6 +713,11 @@ def run_bench(
                 )
                 if cuda:  # a comparison: noise on a CPU, where it stays in the JSON only
                     console.print(f"  {name:8s} {profiler_cost_line(entry)}", highlight=False)
+            if cuda and {"kitsune", "graph"} <= set(variants):
+                progress.update(task, description=f"{name}: kitsune against torch's CUDA graph in pairs")
+                progress.refresh()
+                entry.paired, entry.paired_reason = run_paired_ratio(pset, dev, entry.steps, warmup, seed)
+                console.print(f"  {name:8s} {paired_line(entry)}", highlight=False)
             result.sets.append(entry)
             save()
             if lion_peers:

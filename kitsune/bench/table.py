@@ -100,6 +100,19 @@ def profiler_cost_line(entry: SetResult) -> str:
     )
 
 
+def paired_line(entry: SetResult) -> str:
+    """kitsune against torch's CUDA graph on this set, measured in pairs (`kitsune.bench.results.PairedRatio`), or
+    why it was not."""
+    p = entry.paired
+    if p is None:
+        return f"kitsune against torch's CUDA graph, in pairs: not measured ({entry.paired_reason})"
+    return (
+        f"kitsune against torch's CUDA graph, in pairs ({p.rounds} alternating rounds of {p.steps} steps a side, on "
+        f"two pairs built in either order): {p.ratio.median:.2f}x (p10-p90 {p.ratio.p10:.2f}x to {p.ratio.p90:.2f}x), "
+        f"host {p.host_ms.median:+.4f} ms a step for the graph"
+    )
+
+
 def peer_lines(peers: list[PeerStatus]) -> list[str]:
     """The peers that did not run, a line for those not installed (grouped by what ``pip install`` takes) and one
     per reason for those skipped."""
@@ -171,6 +184,8 @@ def print_results(result: BenchResult, console: Console | None = None) -> None:
     for entry in result.sets:
         if not smoke and (entry.profiler_cost is not None or entry.profiler_cost_reason is not None):
             console.print(f"{entry.name}: {profiler_cost_line(entry)}", highlight=False)
+        if not smoke and (entry.paired is not None or entry.paired_reason is not None):
+            console.print(f"{entry.name}: {paired_line(entry)}", highlight=False)
     for line in peer_lines(result.peers):
         console.print(line, highlight=False)
     if result.e2e is not None:
