@@ -42,6 +42,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from kitsune.config import GraphConfig, StreamConfig
 from kitsune.distributed.fsdp import is_dtensor
@@ -90,10 +91,13 @@ class StreamScheduler(Subsystem):
         self.graph_reason: str | None = None
         """Why the units' updates are not replayed from CUDA graphs, or None when they are (or will be)."""
         self._handles: list[Any] = []
+        self._handle_of: dict[int, Any] = {}
+        """Each hooked param's hook handle, by id (`_disown`)."""
         self._seen: list[set[int]] = []
         """Per unit, the params whose grads this backward finished (a second backward before step() is refused)."""
-        self._launched: dict[int, tuple[list[torch.Tensor], list[Any], list[int]]] = {}
-        """The units updated inside this backward, each with the grads it read and their versions (`_marks`)."""
+        self._launched: dict[int, tuple[list[torch.Tensor], list[Any], list[int]] | None] = {}
+        """The units updated inside this backward, each with its grads and their versions as backward left them
+        (`_marks`, taken when backward ends: None before)."""
         self._accumulating = accumulation if accumulation is not None else Accumulation()
         """Set inside ``optimizer.accumulating()``: backward passes there launch no updates."""
         self._refreshed = False
@@ -156,6 +160,7 @@ class StreamScheduler(Subsystem):
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._handle_of = {}
         self.in_backward = False
         fusion = self._fusion
         units = fusion.units if fusion is not None and fusion.active else []
@@ -173,10 +178,28 @@ class StreamScheduler(Subsystem):
         self.graph_reason = self._why_no_graphs(units)
         for index, unit in enumerate(units):
             for p in unit.params:
-                self._handles.append(p.register_post_accumulate_grad_hook(self._hook(index, len(unit.params))))
+                # a frozen param gets no grad and takes no hook (torch refuses one): its unit never has all its
+                # grads in, so step() updates it, as it updates a unit with a param unused in the forward pass
+                if p.requires_grad:
+                    handle = p.register_post_accumulate_grad_hook(self._hook(index, len(unit.params)))
+                    self._handles.append(handle)
+                    self._handle_of[id(p)] = handle
+                    # the newest optimizer over a param updates it inside backward: one still alive from before
+                    # (kept by an LR scheduler after a resume built a new one) would update it a second time
+                    old = _HOOKED.get(p)
+                    if old is not None and old() is not None and old() is not self:
+                        old()._disown(p)
+                    _HOOKED[p] = weakref.ref(self)
         weakref.finalize(self, _remove, list(self._handles))
         self.in_backward = True
         self.activate()
+
+    def _disown(self, p: torch.Tensor) -> None:
+        """Another optimizer hooked ``p`` since: this one's hook on it goes, so its unit never has all its grads in
+        inside backward (its own step(), if ever called, updates it there)."""
+        handle = self._handle_of.pop(id(p), None)
+        if handle is not None:
+            handle.remove()
 
     def _hook(self, index: int, need: int) -> Any:
         ref = weakref.ref(self)  # the params must not keep a dropped optimizer alive, nor let it update them
@@ -216,6 +239,10 @@ class StreamScheduler(Subsystem):
         if not self._refreshed:  # once per backward: the plan still holds, and the hyperparameters' last change
             self._refreshed = True
             self._open = fusion.begin_backward()
+            ref = weakref.ref(self)
+            # the grads as backward leaves them, when it ends: backward itself writes grads after a unit's launch
+            # (flat grads share one version counter, and later params' grads accumulate into the same arena)
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: (s := ref()) and s._backward_ended())
         if not self._open:
             return  # a switch changed (maximize, amsgrad, ...) or the state dict did: step() re-plans, updates all
         if not fusion.prepare_unit(unit):
@@ -248,7 +275,7 @@ class StreamScheduler(Subsystem):
             self._run(index, unit, ctx, graph)
         if ctx.grad_write:
             unit.copy_back(zeroed=ctx.grad_write == 2)
-        self._launched[index] = _marks(unit.params)  # the grads this update read, to see a later change
+        self._launched[index] = None  # the grads' marks come when backward ends (`_backward_ended`)
 
     def _run(self, index: int, unit: Any, ctx: StepState, graph: Any) -> None:
         """One unit's update: its graph's replay once captured, else the launch itself (counted towards warm-up)."""
@@ -319,10 +346,17 @@ class StreamScheduler(Subsystem):
         self._bytes_total += sum(sizes)
         self._bytes_in_backward += sum(sizes[i] for i in self._launched)
 
+    def _backward_ended(self) -> None:
+        """At the end of the backward that launched updates: each launched unit's grads and their versions, which a
+        later change (before ``step()``) moves."""
+        units = self._fusion.units
+        for index in self._launched:
+            self._launched[index] = _marks(units[index].params)
+
     def _refuse_changes_since_backward(self) -> None:
         """Raise, before this step changes anything, where the grads or hyperparameters that the updates inside
         backward read changed since (torch's step would use the values it finds): those updates cannot be redone."""
-        changed = sum(_changed(*marks) for marks in self._launched.values())
+        changed = sum(_changed(*marks) for marks in self._launched.values() if marks is not None)
         if changed:
             raise RuntimeError(
                 f"kitsune: the grads of {changed} param(s) changed after their update ran inside backward "
@@ -408,6 +442,10 @@ def _world_size() -> int:
     """The default process group's size, 1 without one."""
     dist = torch.distributed
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+_HOOKED = WeakIdKeyDictionary()
+"""Each param's newest stream scheduler (the one whose hook updates it inside backward)."""
 
 
 def _remove(handles: list[Any]) -> None:

@@ -431,3 +431,53 @@ def test_a_change_between_backward_and_step_is_refused_not_lost(change, device):
         assert torch.equal(p, q)
     now = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     assert all(torch.equal(a, b) for a, b in zip(now, state, strict=True))
+
+
+def test_flat_grads_inside_backward_train_as_torch(device):
+    """The grads of the pool's flat arena share one version counter, which backward moves after a unit's update (the
+    later params' grads accumulate into the same arena): the check of changes after backward compares the grads as
+    backward left them, so this loop, which changes nothing, is not refused (it was, at the first step)."""
+    from kitsune.config import MemoryConfig
+
+    net, twin = twins(device)
+    config = in_backward(bucket_bytes=512, memory=MemoryConfig(flat_grads=True))
+    opt = KitsuneOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-2), config=config)
+    assert opt.scheduler.in_backward and len(opt._subsystem("fusion").units) > 1
+    ref = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    side_by_side(net, twin, opt, ref, device)
+    assert opt.scheduler.report()["units_updated_in_backward"] > 0
+
+
+def test_frozen_params_take_no_hook_and_train_as_torch(device):
+    """torch's optimizers take frozen params (a frozen backbone in model.parameters()) and skip them; a hook cannot
+    be registered on one, so building the optimizer (or re-planning after freezing a layer) raised. Their units
+    update in step(); the rest inside backward."""
+    net, twin = twins(device)
+    for m in (net, twin):
+        m.a.requires_grad_(False)
+    opt = KitsuneOptimizer(torch.optim.Adam(net.parameters(), lr=1e-2), config=in_backward())
+    ref = torch.optim.Adam(twin.parameters(), lr=1e-2)
+    side_by_side(net, twin, opt, ref, device)
+    for m in (net, twin):
+        m.b.requires_grad_(False)  # frozen mid-run, then a switch flipped: the next step re-plans
+    for o in (opt, ref):
+        o.param_groups[0]["maximize"] = True
+    side_by_side(net, twin, opt, ref, device)
+
+
+def test_a_new_optimizer_over_the_same_params_takes_their_updates_inside_backward(device):
+    """A resume in the same process: a new optimizer loads the old one's state dict while the old one is still
+    alive (an LR scheduler holds it). torch's old optimizer is inert once nobody calls its step(); the old wrapper's
+    hooks updated the params inside every backward too, a second update a step. The newest one takes the hooks."""
+    net, twin = twins(device)
+    old = KitsuneOptimizer(torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9), config=in_backward())
+    old_ref = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
+    keep = [torch.optim.lr_scheduler.StepLR(o, step_size=100) for o in (old, old_ref)]  # hold the old ones
+    side_by_side(net, twin, old, old_ref, device)
+    opt = KitsuneOptimizer(torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9), config=in_backward())
+    opt.load_state_dict(old.state_dict())
+    ref = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
+    ref.load_state_dict(old_ref.state_dict())
+    side_by_side(net, twin, opt, ref, device)
+    assert opt.scheduler.report()["units_updated_in_backward"] > 0
+    assert len(keep) == 2
