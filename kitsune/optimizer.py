@@ -353,6 +353,8 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         return loss
 
     def _finish(self, s: StepState) -> None:
+        if s.baseline and s.grad_write == 2 and self._fusion.executes:
+            self._fusion.zero_as_kernels(s)  # the comparison's step of the wrapped optimizer zeroes as kitsune's does
         if self.config.amp.scales_loss and not s.unscaled:
             self._amp.finish(s.found_inf, scale_updated=s.graphed)
         if self._shard.active:

@@ -678,6 +678,20 @@ class FusionSubsystem(Subsystem):
         self._see_state()
 
     # -- what the orchestrator and the summary read ----------------------------------------------------------------
+    def zero_as_kernels(self, s: StepState) -> None:
+        """A step the wrapped optimizer ran for the profiler's comparison, with ``GradConfig(zero_in_step=True)``:
+        zero the grads the kernels zero (their units' dense grads of the params' dtype) and book them, so the loop
+        that leaves zeroing to the step finds zeros after it either way."""
+        params = [
+            p
+            for u in (*self._units, *self._muon)
+            for p in u.params
+            if (g := p.grad) is not None and g.layout == torch.strided and g.dtype == p.dtype
+        ]
+        if params:
+            torch._foreach_zero_([p.grad for p in params])
+        s.zeroed = params
+
     def owned_params(self) -> list[torch.Tensor]:
         """Params this subsystem updates (the orchestrator skips the wrapped step when it owns them all)."""
         units = (*self._units, *self._muon)

@@ -313,3 +313,27 @@ def test_zero_grad_carries_torchs_profiler_label_when_the_step_zeroed_already(se
         opt.zero_grad()
     names = [e.name for e in prof.events()]
     assert names.count("Optimizer.zero_grad#KitsuneOptimizer.zero_grad") == 1
+
+
+def test_zero_in_step_zeroes_on_the_profilers_comparison_steps_too(device):
+    """The live comparison runs the wrapped optimizer's own step on some steps; with zero_in_step the grads stayed
+    as they were there, and a loop that leaves zeroing to the step added the next backward onto them."""
+    from kitsune import FusionConfig, KitsuneConfig, ProfilerConfig
+
+    ours, theirs = small_model(device=device), small_model(device=device)
+    config = KitsuneConfig(
+        fusion=FusionConfig(),
+        grads=GradConfig(zero_in_step=True),
+        profiler=ProfilerConfig(compare_steps=2, sample_after=0),
+    )
+    opt = KitsuneOptimizer(torch.optim.AdamW(ours.parameters(), lr=1e-2), config=config)
+    ref = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
+    assert {b.route.value for b in opt.plan.buckets} == {"triton"}
+    for x, y in batches(6, device=device):
+        for model, o in ((ours, opt), (theirs, ref)):
+            nn.functional.mse_loss(model(x), y).backward()
+            o.step()
+        ref.zero_grad()  # kitsune's loop leaves it to the step
+        assert all(not p.grad.any() for p in ours.parameters())
+        for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
