@@ -420,6 +420,22 @@ def test_profiler_cost_is_not_measured_where_two_optimizers_do_not_fit(monkeypat
     assert cost is None and reason == "two optimizers of the set: 2 copies: no room"
 
 
+class _NamedVariant:
+    """A bench variant whose step returns its name: which side a pair's round ran."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def warmup(self, n: int) -> None:
+        pass
+
+    def step(self) -> str:
+        return self.name
+
+    def close(self) -> None:
+        pass
+
+
 def test_profiler_cost_runs_half_its_rounds_on_a_pair_built_in_each_order(monkeypatch):
     """The side built second measured faster on a host-bound set, whichever it was (profile=True came out 5-10%
     cheaper than off on `many`): half the rounds run on a pair built off first, half on one built on first, and each
@@ -427,29 +443,12 @@ def test_profiler_cost_runs_half_its_rounds_on_a_pair_built_in_each_order(monkey
     from kitsune.bench import runner
 
     built, compared = [], []
-
-    class Variant:
-        def __init__(self, name: str) -> None:
-            self.name = name
-
-        def warmup(self, n: int) -> None:
-            pass
-
-        def step(self) -> str:
-            return self.name
-
-        def close(self) -> None:
-            pass
-
-    def make_variant(name, params):
-        built.append(name)
-        return Variant(name)
+    monkeypatch.setattr(runner, "make_variant", lambda name, params: built.append(name) or _NamedVariant(name))
 
     def paired(off, on, rounds, steps, device):
         compared.append((off(), on(), rounds))
         return [1.0] * rounds, [0.01] * rounds
 
-    monkeypatch.setattr(runner, "make_variant", make_variant)
     monkeypatch.setattr(runner, "paired_rounds", paired)
     cost, reason = runner.run_profiler_cost(get_param_set("gpt2", 0.001), torch.device("cpu"), 2, 1)
     assert reason is None and cost.rounds == runner.PROFILER_ROUNDS
@@ -467,29 +466,12 @@ def test_kitsune_against_the_cuda_graph_is_measured_in_pairs_built_in_each_order
     from kitsune.bench.table import paired_line
 
     built, compared = [], []
-
-    class Variant:
-        def __init__(self, name: str) -> None:
-            self.name = name
-
-        def warmup(self, n: int) -> None:
-            pass
-
-        def step(self) -> str:
-            return self.name
-
-        def close(self) -> None:
-            pass
-
-    def make_variant(name, params):
-        built.append(name)
-        return Variant(name)
+    monkeypatch.setattr(runner, "make_variant", lambda name, params: built.append(name) or _NamedVariant(name))
 
     def paired(off, on, rounds, steps, device):
         compared.append((off(), on()))
         return [140.0] * rounds, [0.002] * rounds  # the graph 2.4x kitsune's time each round
 
-    monkeypatch.setattr(runner, "make_variant", make_variant)
     monkeypatch.setattr(runner, "paired_rounds", paired)
     ratio, reason = runner.run_paired_ratio(get_param_set("many", 0.001), torch.device("cpu"), 4, 1)
     assert reason is None and ratio.against == "graph" and ratio.rounds == runner.PROFILER_ROUNDS

@@ -234,19 +234,13 @@ def run_profiler_cost(
     """``profile=True``'s cost on this set, measured in pairs (`ProfilerCost`): the ``kitsune`` and ``profiled``
     variants built over copies of the same seeded params, each warmed up, then alternating rounds (`_in_pairs`).
     ``(cost, None)``, or ``(None, why)`` where the GPU cannot hold both or a step failed."""
-    shortfall = _memory_shortfall(pset, device, copies=2)
-    if shortfall is not None:
-        return None, f"two optimizers of the set: {shortfall}"
-    try:
-        device_pct, host_ms, round_steps = _in_pairs(pset, device, steps, warmup, seed, "kitsune", "profiled")
-        cost = ProfilerCost(
+
+    def cost(device_pct: list[float], host_ms: list[float], round_steps: int) -> ProfilerCost:
+        return ProfilerCost(
             rounds=len(device_pct), steps=round_steps, device_pct=Stats.of(device_pct), host_ms=Stats.of(host_ms)
         )
-        return cost, None
-    except Exception as exc:  # the table's rows stand without it
-        return None, failure_reason(exc)
-    finally:
-        _free(device)
+
+    return _paired_or_why(pset, device, steps, warmup, seed, "profiled", cost)
 
 
 def run_paired_ratio(
@@ -255,17 +249,27 @@ def run_paired_ratio(
     """``against`` (a variant) over kitsune on this set, measured in pairs (`PairedRatio`), as the profiler's cost
     is: the table's ``t / kitsune`` divides the medians of passes run one after another, which a host's drift and
     the order of the rows move. ``(ratio, None)``, or ``(None, why)``."""
+
+    def paired(device_pct: list[float], host_ms: list[float], round_steps: int) -> PairedRatio:
+        ratios = [1 + pct / 100 for pct in device_pct]
+        return PairedRatio(
+            against=against, rounds=len(ratios), steps=round_steps, ratio=Stats.of(ratios), host_ms=Stats.of(host_ms)
+        )
+
+    return _paired_or_why(pset, device, steps, warmup, seed, against, paired)
+
+
+def _paired_or_why(
+    pset: ParamSet, device: torch.device, steps: int, warmup: int, seed: int, other: str, result: Callable[..., Any]
+) -> tuple[Any, str | None]:
+    """``(result(device_pct, host_ms, round_steps), None)`` of `_in_pairs` of kitsune and ``other``, or ``(None,
+    why)`` where the GPU cannot hold both or a step failed (the table's rows stand without it)."""
     shortfall = _memory_shortfall(pset, device, copies=2)
     if shortfall is not None:
         return None, f"two optimizers of the set: {shortfall}"
     try:
-        device_pct, host_ms, round_steps = _in_pairs(pset, device, steps, warmup, seed, "kitsune", against)
-        ratios = [1 + pct / 100 for pct in device_pct]
-        paired = PairedRatio(
-            against=against, rounds=len(ratios), steps=round_steps, ratio=Stats.of(ratios), host_ms=Stats.of(host_ms)
-        )
-        return paired, None
-    except Exception as exc:  # the table's rows stand without it
+        return result(*_in_pairs(pset, device, steps, warmup, seed, "kitsune", other)), None
+    except Exception as exc:
         return None, failure_reason(exc)
     finally:
         _free(device)
