@@ -648,6 +648,11 @@ class TorchShadow:
             if foreach and adam:
                 # torch's Adam turns foreach off for a tensor lr without capturable (its foreach code refuses one)
                 shadow["foreach"] = not (isinstance(shadow["lr"], torch.Tensor) and not shadow.get("capturable"))
+        if found_inf is not None and self.route is Route.TORCH_FUSED and self._starts_state() and found_inf.item():
+            # torch's fused step makes a param's first state before it reads found_inf (SGD's momentum buffer from
+            # empty_like, left unwritten when skipped): a skipped step that would start state is skipped here, on
+            # the host, as GradScaler skips the step of an optimizer that is not fused (a sync on such steps only)
+            return
         with grads_hidden(self.unhandled):  # the wrapped step took these
             late = self._late_momentum()
             if not late:
@@ -660,6 +665,20 @@ class TorchShadow:
             late_ids = set(map(id, late))
             with grads_hidden([p for p in self.params if id(p) not in late_ids]):
                 self._run(found_inf)
+
+    def _starts_state(self) -> bool:
+        """Whether this step would create state: a param with a grad and no state yet (or SGD with momentum and no
+        buffer)."""
+        state = self.opt.state
+        sgd = isinstance(self.opt, torch.optim.SGD)
+        for group in self.opt.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                s = state.get(p)
+                if not s or (sgd and group["momentum"] != 0 and s.get("momentum_buffer") is None):
+                    return True
+        return False
 
     def _late_momentum(self) -> list[torch.Tensor]:
         """On torch's fused SGD with momentum: the params with a grad and no momentum buffer yet, where others with a

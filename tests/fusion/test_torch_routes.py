@@ -116,3 +116,24 @@ def test_a_switch_deleted_from_a_torch_group_raises_keyerror_as_torch(make, key,
         else:
             opt.step()
             ref.step()
+
+
+def test_sgd_on_torchs_fused_route_skips_an_overflowing_first_step_as_grad_scaler(device):
+    """float16 AMP whose first step overflows, on torch's fused SGD route: torch's fused step makes the momentum
+    buffer (empty_like) before it reads found_inf and leaves it unwritten, so the next step read garbage (params at
+    1e30). A step that would start state is skipped on the host, as GradScaler skips a non-fused optimizer."""
+    from kitsune import AMPConfig, FusionConfig, KitsuneConfig
+
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(16, device=device))
+    config = KitsuneConfig(fusion=FusionConfig(min_fusion_benefit=1e9), amp=AMPConfig(dtype=torch.float16))
+    opt = KitsuneOptimizer(torch.optim.SGD([p], lr=0.05, momentum=0.9), config=config)
+    assert _routes(opt) == {"torch_fused"}
+    before = p.detach().clone()
+    opt.backward((p * float("inf")).sum())  # an overflow on the first step
+    opt.step()
+    assert torch.equal(p, before) and not opt.state[p]
+    opt.zero_grad()
+    opt.backward((p * torch.randn(16, device=device)).sum())
+    opt.step()
+    assert torch.isfinite(p).all() and (p - before).abs().max() < 1.0
