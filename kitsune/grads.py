@@ -184,15 +184,10 @@ class GradPass:
         return unique_params(groups) if self._repeated else [p for g in groups for p in g["params"]]
 
     def _grad_marks(self, groups: list[dict[str, Any]]) -> tuple[list[Any], list[int]]:
-        """Weak references to the grads and their version counters: they hold only while the very same tensors are
-        the grads and no backward or in-place op touched them (an id alone can be a freed grad's, reused)."""
-        grads = [p.grad for p in self._params(groups)]
-        return _refs(grads), _versions(grads)
+        return grad_marks(self._params(groups))
 
     def _marks_hold(self, marks: tuple[list[Any], list[int]], groups: list[dict[str, Any]]) -> bool:
-        grads = [p.grad for p in self._params(groups)]
-        refs, versions = marks
-        return _alive_ids(refs) == list(map(id, grads)) and _versions(grads) == versions
+        return marks_changed(marks, self._params(groups)) == 0
 
     def _dense_grads(self, groups: list[dict[str, Any]]) -> list[torch.Tensor]:
         """The dense tensors that unscaling divides: each grad, or a sparse grad's values. As torch's GradScaler
@@ -310,6 +305,22 @@ def _zero_in_place(grads: list[torch.Tensor]) -> None:
             g.zero_()
     for tensors in by_kind.values():
         torch._foreach_zero_(tensors)
+
+
+def grad_marks(params: Sequence[torch.Tensor]) -> tuple[list[Any], list[int]]:
+    """Weak references to ``params``' grads and their version counters: they hold only while the very same tensors
+    are the grads and no backward or in-place op touched them (an id alone can be a freed grad's, reused)."""
+    grads = list(map(_GRAD, params))
+    return _refs(grads), _versions(grads)
+
+
+def marks_changed(marks: tuple[list[Any], list[int]], params: Sequence[torch.Tensor]) -> int:
+    """How many of ``params`` hold another grad than `grad_marks` saw, or the same one written since (0: they
+    hold)."""
+    grads = list(map(_GRAD, params))
+    refs, versions = marks
+    now = zip(_alive_ids(refs), map(id, grads), versions, _versions(grads), strict=True)
+    return sum(a != b or v != w for a, b, v, w in now)
 
 
 def _versions(grads: Sequence[torch.Tensor | None]) -> list[int]:

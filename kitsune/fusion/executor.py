@@ -32,7 +32,7 @@ from kitsune.fusion.context import DeviceContext
 from kitsune.fusion.muon_unit import MuonUnit
 from kitsune.fusion.plan import CostModel, Plan, Route
 from kitsune.fusion.planner import Planner, group_switches
-from kitsune.fusion.units import FusedUnit, TorchShadow
+from kitsune.fusion.units import FusedUnit, TorchShadow, without
 from kitsune.kernels.multi_tensor import DEFAULT_BLOCK
 from kitsune.kernels.spec import StateFormat
 from kitsune.memory import MemoryPool
@@ -565,7 +565,7 @@ class FusionSubsystem(Subsystem):
                 unit.copy_back(zeroed=grad_write == 2)
         if grad_write == 2:  # the grads the kernels zeroed: not those left to the wrapped step (sparse, other dtype)
             s.zeroed = [
-                p for unit in live for p in (_kept(unit.params, unit.unhandled) if unit.unhandled else unit.params)
+                p for unit in live for p in (without(unit.params, unit.unhandled) if unit.unhandled else unit.params)
             ]
         self._note_skip(s)
         self._prepared = []  # the state this step created is kept from here on
@@ -761,9 +761,3 @@ def _on(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
 def _storages(params: list[torch.Tensor]) -> list[int]:
     """The data pointers of ``params`` (of their local shards for DTensors)."""
     return [fsdp.local(p).data_ptr() for p in params]
-
-
-def _kept(params: list[torch.Tensor], left: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``params`` without those in ``left`` (by identity)."""
-    out = set(map(id, left))
-    return [p for p in params if id(p) not in out]

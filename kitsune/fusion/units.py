@@ -662,8 +662,7 @@ class TorchShadow:
             # this step (a first grad after the others') take a call of their own, as the wrapped SGD steps them
             with grads_hidden(late):
                 self._run(found_inf)
-            late_ids = set(map(id, late))
-            with grads_hidden([p for p in self.params if id(p) not in late_ids]):
+            with grads_hidden(without(self.params, late)):
                 self._run(found_inf)
 
     def _starts_state(self) -> bool:
@@ -710,3 +709,9 @@ class TorchShadow:
                 del self.opt.grad_scale, self.opt.found_inf  # type: ignore[attr-defined]
             return
         self._step(self.opt)
+
+
+def without(params: list[torch.Tensor], left: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``params`` without those in ``left`` (by identity)."""
+    out = set(map(id, left))
+    return [p for p in params if id(p) not in out]

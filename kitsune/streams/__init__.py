@@ -46,6 +46,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from kitsune.config import GraphConfig, StreamConfig
 from kitsune.distributed.fsdp import is_dtensor
+from kitsune.grads import grad_marks, marks_changed
 from kitsune.graphs.backend import CudaGraphBackend
 from kitsune.subsystem import Accumulation, StepState, Subsystem
 
@@ -95,9 +96,9 @@ class StreamScheduler(Subsystem):
         """Each hooked param's hook handle, by id (`_disown`)."""
         self._seen: list[set[int]] = []
         """Per unit, the params whose grads this backward finished (a second backward before step() is refused)."""
-        self._launched: dict[int, tuple[list[torch.Tensor], list[Any], list[int]] | None] = {}
-        """The units updated inside this backward, each with its grads and their versions as backward left them
-        (`_marks`, taken when backward ends: None before)."""
+        self._launched: dict[int, tuple[list[Any], list[int]] | None] = {}
+        """The units updated inside this backward, each with its grads' marks as backward left them
+        (`kitsune.grads.grad_marks`, taken when backward ends: None before)."""
         self._accumulating = accumulation if accumulation is not None else Accumulation()
         """Set inside ``optimizer.accumulating()``: backward passes there launch no updates."""
         self._refreshed = False
@@ -351,12 +352,13 @@ class StreamScheduler(Subsystem):
         later change (before ``step()``) moves."""
         units = self._fusion.units
         for index in self._launched:
-            self._launched[index] = _marks(units[index].params)
+            self._launched[index] = grad_marks(units[index].params)
 
     def _refuse_changes_since_backward(self) -> None:
         """Raise, before this step changes anything, where the grads or hyperparameters that the updates inside
         backward read changed since (torch's step would use the values it finds): those updates cannot be redone."""
-        changed = sum(_changed(*marks) for marks in self._launched.values() if marks is not None)
+        units = self._fusion.units
+        changed = sum(marks_changed(m, units[i].params) for i, m in self._launched.items() if m is not None)
         if changed:
             raise RuntimeError(
                 f"kitsune: the grads of {changed} param(s) changed after their update ran inside backward "
@@ -423,19 +425,6 @@ class StreamScheduler(Subsystem):
             if overlap is not None:
                 out["last_step_overlap"] = overlap
         return out
-
-
-def _marks(params: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[Any], list[int]]:
-    """``params``, their grads and the grads' version counters (-1 for None)."""
-    grads = [p.grad for p in params]
-    return params, grads, [-1 if g is None else g._version for g in grads]
-
-
-def _changed(params: list[torch.Tensor], grads: list[Any], versions: list[int]) -> int:
-    """How many of ``params`` hold another grad than `_marks` saw, or the same one written since."""
-    return sum(
-        p.grad is not g or (g is not None and g._version != v) for p, g, v in zip(params, grads, versions, strict=True)
-    )
 
 
 def _world_size() -> int:
