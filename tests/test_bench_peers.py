@@ -363,7 +363,7 @@ def test_real_peer_on_cpu_where_installed(name):
 @pytest.mark.cuda
 def test_peers_on_gpu_where_installed():
     result = run_bench(
-        sets=["gpt2"], variants=["fused", "kitsune"], device="cuda", steps=5, warmup=3, console=quiet(), peers="all"
+        sets=["gpt2"], variants=["fused", "kitsune"], device="cuda", steps=5, warmup=4, console=quiet(), peers="all"
     )
     for entry in [*result.sets, *result.lion]:
         for v in entry.variants:
