@@ -65,7 +65,8 @@ _REPEATED = (
 _SHARED = (
     Route.BASE_STEP,
     "a param whose memory overlaps another param's (two Parameters over one tensor): one fused launch would update "
-    "both at once, a race, so the optimizer's own step updates them one after the other, as without kitsune",
+    "both at once, a race, so the optimizer's own step updates them as without kitsune (one after the other "
+    "with foreach=False; torch's foreach and fused kernels race on a GPU as well)",
 )
 
 
