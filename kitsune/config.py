@@ -313,11 +313,12 @@ class ProfilerConfig(_Config):
     probe_steps: StrictInt = Field(3, ge=0)
     """Steps run under ``torch.profiler`` and torch.cuda's sync debug mode to count kitsune's kernel launches and
     host syncs (CUDA only; 0 turns the probe off). Their times are left out of the statistics."""
-    device_time_every: StrictInt = Field(8, ge=1)
+    device_time_every: StrictInt = Field(32, ge=1)
     """CUDA: past the sampled windows, time one step in this many on the device (a pair of CUDA events); the others
     record their host time only (``step_ms`` None in their records), and the step-time statistics come from the
-    steps timed. Recording and reading the events is most of what a profiled step adds to the host: on an H200's
-    host (2026-11-28) the profiler's own work was 17.0 us a step with every step timed and 5.2 us with one in 8;
+    steps timed (a run of 1000 steps: about 30 past the windows). Recording and reading a step's events costs the
+    host about 10 us, most of what the profiler adds to a step timed: on an H200's host (2026-12-04, 2000 params)
+    the profiler's own work was 11.8 us a step with every step timed, 3.8 with one in 8 and 2.3 with one in 32;
     1 times every step. The warm-up and the sampled windows (probe, comparison) time every step."""
     compare_steps: StrictInt = Field(0, ge=0)
     """Length of the live comparison: this many steps of kitsune, then this many of the wrapped optimizer's own

@@ -366,9 +366,11 @@ class KitsuneOptimizer(torch.optim.Optimizer):
     def _baseline_now(self) -> bool:
         """Whether the profiler's live comparison wants the wrapped optimizer's own step for this one; moves the
         fused executor's step counts to where that step keeps them when a baseline stretch begins or ends."""
-        # with updates inside backward there is no step of kitsune's to time against the wrapped optimizer's
-        low = self._fusion.low_precision  # state only kitsune's kernels read: the wrapped step cannot run on it
-        baseline = self._profiler.wants_baseline(self._executes and not self._streams.in_backward and not low, low)
+        baseline = False
+        if self._profiler.sampling:  # past the sampled windows (most steps) there is nothing to ask
+            # with updates inside backward there is no step of kitsune's to time against the wrapped optimizer's
+            low = self._fusion.low_precision  # state only kitsune's kernels read: the wrapped step cannot run on it
+            baseline = self._profiler.wants_baseline(self._executes and not self._streams.in_backward and not low, low)
         if baseline != self._handed_over and self._fusion.executes:
             self._fusion.hand_over() if baseline else self._fusion.take_back()
         self._handed_over = baseline

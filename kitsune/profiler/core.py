@@ -159,7 +159,11 @@ class ProfilerMetrics(BaseModel):
 
 
 _ROW = ("step", "step_ms", "host_ms", "host_start_us", "device_start_us", "mode")
-"""A kept record is a plain tuple of these `StepRecord` fields, in this order, until a report asks for models."""
+"""A kept record is a plain tuple of these `StepRecord` fields, in this order, until a report asks for models; a step
+timed on the device is kept as a list when it ends, its ``step_ms`` and ``device_start_us`` filled in when its events
+are read."""
+
+_STEP_MS, _DEVICE_START_US = _ROW.index("step_ms"), _ROW.index("device_start_us")
 
 _COLLECT_AFTER = 64
 """Pending CUDA event pairs that trigger a non-blocking read of the finished ones."""
@@ -179,9 +183,9 @@ class Profiler(Subsystem):
     def __init__(self, config: ProfilerConfig) -> None:
         super().__init__()
         self.config = config
-        self._records: deque[tuple] = deque(maxlen=config.max_step_records)  # _ROW tuples
-        # (step, start event, end event, start ns, end ns, mode, window) of steps whose events were not read yet
-        self._pending: deque[tuple[int, torch.cuda.Event, torch.cuda.Event, int, int, str, str | None]] = deque()
+        self._records: deque[tuple | list] = deque(maxlen=config.max_step_records)  # _ROW rows, in step order
+        # (kept row, start event, end event) of the steps timed on the device whose events were not read yet
+        self._pending: deque[tuple[list, torch.cuda.Event, torch.cuda.Event]] = deque()
         self._timed = 0
         self._cuda = False
         self._device = torch.device("cpu")
@@ -215,7 +219,7 @@ class Profiler(Subsystem):
         self._mode = "kitsune"
         self._window: str | None = None  # "reference" or "baseline" inside the comparison
         self._probe = Probe(self.config.probe_steps)
-        self._compared: dict[str, list[tuple]] = {"reference": [], "baseline": []}  # _ROW tuples
+        self._compared: dict[str, list[tuple | list]] = {"reference": [], "baseline": []}  # _ROW rows
         self._comparable: bool | None = None
         self._incomparable = "kitsune ran the wrapped optimizer's own step on every param: there is nothing to compare"
         self._last_sampled = max(1, self._windows()[2] + self.config.compare_steps)  # later steps: the fast path
@@ -309,13 +313,18 @@ class Profiler(Subsystem):
             return "baseline"
         return "kitsune"
 
+    @property
+    def sampling(self) -> bool:
+        """Whether the next step can fall in a sampled window (probe or comparison); past them, the fast path."""
+        return self._index < self._last_sampled
+
     def wants_baseline(self, comparable: bool, reason: str | None = None) -> bool:
         """Asked by the orchestrator before each step: should the wrapped optimizer's own step run this one?
 
         ``comparable``: whether kitsune executes any update itself (otherwise both sides would be the same step)
         and the wrapped optimizer's step could run instead; ``reason``: why it cannot, when that is the cause.
         """
-        if self._index >= self._last_sampled:
+        if not self.sampling:
             return False  # past the windows
         phase = self._phase(self._index + 1)
         if phase in ("reference", "baseline"):
@@ -363,28 +372,30 @@ class Profiler(Subsystem):
             s.phases = self._probe.timer  # the stages mark the phase boundaries
 
     def stop(self, s: StepState) -> None:
-        """The step is done: last of all."""
+        """The step is done: last of all. Its record is kept now, in step order; a step timed on the device gets its
+        device time when its events are read, in a batch."""
         if not self.active:
             return
         t1 = time.perf_counter_ns()
         self._timed += 1
         self._run_t1 = t1
-        if self._start_event is not None:  # CUDA: the device time is read later, in a batch
+        t0 = self._t0
+        host_ms = (t1 - t0) / 1e6
+        row: tuple | list
+        if self._start_event is not None:  # CUDA: the device time is filled in when the events are read
+            row = [s.step, None, host_ms, (t0 - self._origin_ns) / 1e3, None, self._mode]
             end = self._free_events.pop() if self._free_events else torch.cuda.Event(enable_timing=True)
             self._record(end, self._stream)  # the stream the step ran on
-            self._pending.append((s.step, self._start_event, end, self._t0, t1, self._mode, self._window))
+            self._pending.append((row, self._start_event, end))
             self._start_event = None
             if len(self._pending) > _COLLECT_AFTER:
                 self._collect(block=False)
-        elif self._cuda:  # a step not timed on the device: its host time, in order behind the pending ones
-            self._pending.append((s.step, None, None, self._t0, t1, self._mode, self._window))
-            if len(self._pending) > _COLLECT_AFTER:
-                self._collect(block=False)
-        else:
-            host_ms = (t1 - self._t0) / 1e6
-            row = (s.step, host_ms, host_ms, (self._t0 - self._origin_ns) / 1e3, None, self._mode)
-            self._keep(row, self._window)
+        else:  # final: a tuple, which the garbage collector stops tracking (a list it would walk in every full pass)
+            row = (s.step, None if self._cuda else host_ms, host_ms, (t0 - self._origin_ns) / 1e3, None, self._mode)
+        self._records.append(row)
         if self._span is not None:
+            if self._window is not None:
+                self._compared[self._window].append(row)
             self._stop_sampled()
 
     def _stop_sampled(self) -> None:
@@ -406,47 +417,35 @@ class Profiler(Subsystem):
         if self._mode == "probe":
             self._probe.abandon()
 
-    def _keep(self, row: tuple, window: str | None) -> None:
-        self._records.append(row)
-        if window is not None:
-            self._compared[window].append(row)
-
     def _finished(self) -> int:
-        """How many pending steps, oldest first, can be read: those before the oldest step whose events the GPU has
-        not finished (steps not timed on the device have nothing to wait for)."""
+        """How many pending steps, oldest first, can be read: those before the oldest whose events the GPU has not
+        finished."""
         pending = self._pending
-        timed = [i for i, row in enumerate(pending) if row[2] is not None]
         if self._mixed_streams:  # events on several streams finish in any order: stop at the oldest unfinished
             done = 0
-            while done < len(timed) and pending[timed[done]][2].query():
+            while done < len(pending) and pending[done][2].query():
                 done += 1
-        else:
-            lo, hi = 0, len(timed)  # on one stream the finished steps are a prefix: bisect for its end
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if pending[timed[mid]][2].query():
-                    lo = mid + 1
-                else:
-                    hi = mid
-            done = lo
-        return timed[done] if done < len(timed) else len(pending)
+            return done
+        lo, hi = 0, len(pending)  # on one stream the finished steps are a prefix: bisect for its end
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if pending[mid][2].query():
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
 
     def _collect(self, block: bool) -> None:
-        """Turn finished CUDA event pairs into records; with block=True wait for all of them."""
-        pending, origin, elapsed, free = self._pending, self._origin_ns, self._elapsed, self._free_events
+        """Fill in the device times of finished CUDA event pairs; with block=True wait for all of them."""
+        pending, elapsed, free = self._pending, self._elapsed, self._free_events
         for _ in range(len(pending) if block else self._finished()):
-            step, start, end, t0, t1, mode, window = pending.popleft()
-            if start is None:  # not timed on the device
-                self._keep((step, None, (t1 - t0) / 1e6, (t0 - origin) / 1e3, None, mode), window)
-                continue
+            row, start, end = pending.popleft()
             if block:
                 end.synchronize()
-            device_us = None
+            row[_STEP_MS] = elapsed(start, end)
             if self._anchor is not None:
                 anchor, anchor_us = self._anchor
-                device_us = anchor_us + elapsed(anchor, start) * 1e3
-            row = (step, elapsed(start, end), (t1 - t0) / 1e6, (t0 - origin) / 1e3, device_us, mode)
-            self._keep(row, window)
+                row[_DEVICE_START_US] = anchor_us + elapsed(anchor, start) * 1e3
             free += (start, end)
         if not pending:
             self._mixed_streams = False

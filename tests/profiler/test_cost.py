@@ -289,11 +289,14 @@ def test_cuda_records_from_pooled_events_read_in_batches(fake_cuda):
     as_cuda(prof)
     clock.done = 0  # the GPU has finished nothing yet
     _fake_steps(prof, range(1, _COLLECT_AFTER + 1))
-    assert len(prof._pending) == _COLLECT_AFTER and len(prof._records) == 0
+    # every step is kept when it ends, its device time not read yet
+    assert len(prof._pending) == _COLLECT_AFTER and len(prof._records) == _COLLECT_AFTER
+    assert all(r[1] is None for r in prof._records)
     clock.done = 2 * 40  # ticks 0 (the anchor) .. 79: the first 39 steps are done, the 40th has its start only
     queries = clock.queries
     _fake_steps(prof, range(_COLLECT_AFTER + 1, _COLLECT_AFTER + 2))  # one over: a non-blocking batch read
-    assert len(prof._records) == 39 and clock.queries - queries <= 8
+    assert [r[0] for r in prof._records if r[1] is not None] == list(range(1, 40)) and clock.queries - queries <= 8
+    assert len(prof._pending) == _COLLECT_AFTER + 1 - 39
     assert len(prof._free_events) == 78  # back in the pool
     created = clock.created
     clock.done = float("inf")
@@ -308,27 +311,30 @@ def test_cuda_records_from_pooled_events_read_in_batches(fake_cuda):
 
 
 def test_steps_not_timed_on_the_device_wait_in_order_behind_the_timed_ones(fake_cuda):
-    """One step in 4 timed on the device: the others' host times are kept in step order, read as soon as every
-    timed step before them has finished on the GPU."""
+    """One step in 4 timed on the device: every step is kept in step order when it ends, only the timed ones wait
+    for their events (read as far as the GPU has finished them); the others carry their host time alone."""
     as_cuda, clock, _, _ = fake_cuda
     prof = Profiler(ProfilerConfig(enabled=True, nvml_interval_s=0, sample_after=0, probe_steps=0, device_time_every=4))
     prof.plan([torch.zeros(3)], "step", None)
     as_cuda(prof)
     clock.done = 0
-    _fake_steps(prof, range(1, _COLLECT_AFTER + 1))  # steps 1, 4, 8, ... timed: 17 pairs of events, ticks 1-34
-    assert len(prof._pending) == _COLLECT_AFTER and clock.created == 1 + 2 * 17
+    _fake_steps(prof, range(1, 4 * _COLLECT_AFTER))  # steps 1, 4, 8, ... timed: 64 pairs of events, ticks 1-128
+    assert len(prof._pending) == _COLLECT_AFTER and clock.created == 1 + 2 * _COLLECT_AFTER
+    assert [r[0] for r in prof._records] == list(range(1, 4 * _COLLECT_AFTER))
     clock.done = 1 + 2 * 3  # the anchor and the first three pairs (steps 1, 4 and 8): step 12's end is not done
-    _fake_steps(prof, range(_COLLECT_AFTER + 1, _COLLECT_AFTER + 2))  # one over: a non-blocking batch read
-    assert [r[0] for r in prof._records] == list(range(1, 12))  # up to the step before step 12
+    _fake_steps(prof, range(4 * _COLLECT_AFTER, 4 * _COLLECT_AFTER + 1))  # the 65th pair: a non-blocking batch read
     assert [r[0] for r in prof._records if r[1] is not None] == [1, 4, 8]
+    assert len(prof._pending) == _COLLECT_AFTER + 1 - 3
     clock.done = float("inf")
     records = prof.records
-    assert [r.step for r in records] == list(range(1, _COLLECT_AFTER + 2))
-    assert [r.step for r in records if r.step_ms is not None] == [1, *range(4, _COLLECT_AFTER + 2, 4)]
+    n = 4 * _COLLECT_AFTER
+    assert [r.step for r in records] == list(range(1, n + 1))
+    assert [r.step for r in records if r.step_ms is not None] == [1, *range(4, n + 1, 4)]
     assert all(r.step_ms == 0.25 for r in records if r.step_ms is not None)
+    assert all(r.device_start_us is None for r in records if r.step_ms is None)
     metrics = prof.get_metrics()
-    assert metrics.steps_timed == _COLLECT_AFTER + 1 and metrics.step_time.count == 17
-    assert metrics.host_time.count == _COLLECT_AFTER + 1
+    assert metrics.steps_timed == n and metrics.step_time.count == _COLLECT_AFTER + 1
+    assert metrics.host_time.count == n
 
 
 def test_a_switched_stream_times_the_step_where_it_runs(fake_cuda):
