@@ -32,6 +32,7 @@ import torch
 
 from kitsune import KitsuneOptimizer
 from kitsune.bench.e2e import CPU_TINY, GPT, GPT2_SMALL, build_side, forward_backward
+from kitsune.bench.timing import native_check_ready
 
 
 def _sleep_cycles_per_ms() -> float:
@@ -128,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    print(native_check_ready(device))  # the steps as a run past its first minute takes them
     cfg = GPT2_SMALL if device.type == "cuda" else CPU_TINY
     cycles = _sleep_cycles_per_ms() if device.type == "cuda" else None
     gen = torch.Generator().manual_seed(1)

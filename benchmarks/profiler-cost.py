@@ -16,7 +16,8 @@ percentiles over the rounds, the overhead of the profiled side in % (the median 
 their spread) and in host ms per step, and the graphs' steady replays of each side (both should take it). Last,
 the profiler alone: one more profiler over the same params times ``--blocks`` x 10 x ``--steps`` empty steps (what
 a steady step adds to the host: ``wants_baseline``, ``start``, ``stop`` and the batched reads of its events), the
-median over the blocks in microseconds a step.
+median over the blocks in microseconds a step, less the loop around it; then the same with every step timed on the
+device and with one in 32 (the default times one in ``ProfilerConfig.device_time_every``).
 
 ``--json PATH`` writes the numbers, the environment and the profiled side's sampled-window shares.
 """
@@ -36,7 +37,7 @@ import torch
 
 from kitsune import KitsuneOptimizer, __version__
 from kitsune.bench.params import get_param_set, make_params
-from kitsune.bench.timing import percentile
+from kitsune.bench.timing import native_check_ready, percentile
 
 
 def spread(values: list[float]) -> dict[str, float]:
@@ -73,26 +74,33 @@ def time_block(opt: KitsuneOptimizer, steps: int, device: torch.device) -> tuple
     return ms / steps, host_ns / 1e6 / steps
 
 
-def profiler_alone_us(params: list[torch.Tensor], args: argparse.Namespace) -> dict[str, float]:
-    """Host microseconds a step of a profiler over ``params`` costs, with nothing inside the step."""
+def profiler_alone_us(params: list[torch.Tensor], args: argparse.Namespace, every: int | None = None) -> dict[str, Any]:
+    """Host microseconds a step of a profiler over ``params`` costs, with nothing inside the step, timing one step in
+    ``every`` on the device (``ProfilerConfig.device_time_every``; None: its default); ``loop_us`` is the same loop
+    without the profiler's calls (the step counter and `StepState`), already subtracted from ``p50`` etc."""
     from kitsune.config import ProfilerConfig
     from kitsune.profiler import Profiler
     from kitsune.subsystem import StepState
 
-    prof = Profiler(ProfilerConfig(enabled=True, nvml_interval_s=0, sample_after=0, probe_steps=0))
+    extra = {} if every is None else {"device_time_every": every}
+    prof = Profiler(ProfilerConfig(enabled=True, nvml_interval_s=0, sample_after=0, probe_steps=0, **extra))
     prof.plan(params, "none", None)
-    per_block, step = [], 0
+    per_block, loops, step, n = [], [], 0, args.steps * 10
     for _ in range(args.blocks):
         gc.collect()
         t0 = time.perf_counter_ns()
-        for _ in range(args.steps * 10):
+        for _ in range(n):
             step += 1
             s = StepState(step, prof.wants_baseline(True))
             prof.start(s)
             prof.stop(s)
-        per_block.append((time.perf_counter_ns() - t0) / 1e3 / (args.steps * 10))
+        t1 = time.perf_counter_ns()
+        for _ in range(n):
+            s = StepState(step, False)
+        loops.append((time.perf_counter_ns() - t1) / 1e3 / n)
+        per_block.append((t1 - t0) / 1e3 / n - loops[-1])
     assert len(prof.records) == step  # every step was recorded
-    return spread(per_block)
+    return {**spread(per_block), "loop_us": percentile(loops, 50), "device_time_every": prof.config.device_time_every}
 
 
 def measure(set_name: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
@@ -127,7 +135,10 @@ def measure(set_name: str, args: argparse.Namespace, device: torch.device) -> di
         opt.profiler.close()  # the NVML sampler's thread
         windows.append([w.model_dump() for w in opt.profiler.get_metrics().windows or []])
     out["windows"] = windows[0]
-    out["profiler_alone_us"] = profiler_alone_us(opts[1].base_optimizer.param_groups[0]["params"], args)
+    params = opts[1].base_optimizer.param_groups[0]["params"]
+    out["profiler_alone_us"] = profiler_alone_us(params, args)
+    # how much of it is the device timing: every step timed, and one in 32
+    out["profiler_alone_us_by_every"] = [profiler_alone_us(params, args, every) for every in (1, 32)]
     out["raw"] = times
     del opts
     gc.collect()
@@ -155,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("no CUDA device: pass --device cpu for a dry run")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
     print(f"{name}, torch {torch.__version__}, kitsune {__version__}; {args.blocks} rounds of {args.steps} steps")
+    print(native_check_ready(device))  # the steps as a run past its first minute takes them
     results: dict[str, Any] = {}
     for set_name in args.sets.split(","):
         r = results[set_name] = measure(set_name, args, device)
@@ -171,8 +183,12 @@ def main(argv: list[str] | None = None) -> int:
             f"  overhead     {pct['p50']:+.2f}% of the step (p10 {pct['p10']:+.2f}%, p90 {pct['p90']:+.2f}%), "
             f"host {host['p50']:+.4f} ms/step (p10 {host['p10']:+.4f}, p90 {host['p90']:+.4f})"
         )
-        alone = r["profiler_alone_us"]
-        print(f"  profiler alone {alone['p50']:.2f} us/step (p10-p90 {alone['p10']:.2f}-{alone['p90']:.2f})")
+        for alone in (r["profiler_alone_us"], *r["profiler_alone_us_by_every"]):
+            every, loop = alone["device_time_every"], alone["loop_us"]
+            print(
+                f"  profiler alone {alone['p50']:.2f} us/step (p10-p90 {alone['p10']:.2f}-{alone['p90']:.2f}), "
+                f"one step in {every} timed on the device; the loop around it {loop:.2f} us"
+            )
         for w in r["windows"]:
             print(f"  window {w['window']}: {w['steps']} steps, {w['ms']:.1f} ms (in the warm-up, not timed)")
     if args.json is not None:

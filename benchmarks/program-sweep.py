@@ -55,8 +55,10 @@ def main() -> None:
     import kitsune.kernels.update as update
     from kitsune.bench.params import get_param_set, make_params
     from kitsune.bench.runner import ADAMW_BYTES_PER_PARAM
-    from kitsune.bench.timing import copy_bandwidth, percentile, time_steps
+    from kitsune.bench.timing import copy_bandwidth, native_check_ready, percentile, time_steps
     from kitsune.bench.variants import BYTES_PER_PARAM
+
+    print(native_check_ready(torch.device("cuda")))  # the steps as a run past its first minute takes them
 
     q8 = args.state == "8bit"
     if args.configs is None:

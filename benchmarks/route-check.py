@@ -78,8 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from kitsune import FusionConfig, KitsuneOptimizer
+    from kitsune.bench.timing import native_check_ready
 
     device = torch.device(args.device)
+    print(native_check_ready(device))  # the steps as a run past its first minute takes them
     scale = 0.001 if device.type == "cpu" else 1.0
     factories = optimizers()
     names = args.only.split(",") if args.only else list(factories)

@@ -457,6 +457,32 @@ def test_profiler_cost_runs_half_its_rounds_on_a_pair_built_in_each_order(monkey
     assert compared == [("kitsune", "profiled", half), ("kitsune", "profiled", half)]
 
 
+@pytest.mark.parametrize(("seconds", "rounds"), [(0.001, 300), (0.02, 100), (0.05, 40), (1.0, 10)])
+def test_paired_measurements_on_cuda_run_as_many_rounds_as_fit_their_time(monkeypatch, seconds, rounds):
+    """A host-bound step's rounds differ by +-15%, so a median that resolves 2% needs hundreds of rounds: on CUDA a
+    paired measurement runs as many as one untimed round says fit in PAIR_SECONDS, at least PROFILER_ROUNDS and at
+    most PAIR_ROUNDS_MAX, split between the two build orders; on a CPU (a dry run) PROFILER_ROUNDS."""
+    from kitsune.bench import runner
+
+    clock = iter([100.0, 100.0 + seconds])
+    monkeypatch.setattr(runner.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(runner, "make_variant", lambda name, params: _NamedVariant(name))
+    monkeypatch.setattr(runner, "make_params", lambda pset, device, seed: [])  # no CUDA here
+    compared = []
+
+    def paired(off, on, n, steps, device):
+        compared.append(n)
+        return [1.0] * n, [0.01] * n
+
+    monkeypatch.setattr(runner, "paired_rounds", paired)
+    monkeypatch.setattr(runner, "_memory_shortfall", lambda *args, **kwargs: None)
+    monkeypatch.setattr(runner, "_free", lambda device: None)
+    cost, reason = runner.run_profiler_cost(get_param_set("gpt2", 0.001), torch.device("cuda"), 10, 4)
+    assert reason is None and runner.PAIR_SECONDS == 2.0
+    assert compared == [1, rounds // 2, rounds // 2] and cost.rounds == rounds  # the untimed round, then two halves
+    assert runner._pair_rounds(lambda: None, lambda: None, 10, torch.device("cpu")) == runner.PROFILER_ROUNDS
+
+
 def test_kitsune_against_the_cuda_graph_is_measured_in_pairs_built_in_each_order(monkeypatch):
     """The table's t / kitsune divides medians of passes run one after another; the headline ratio against torch's
     CUDA graph is also measured in pairs (half the rounds on a pair built kitsune first), the graph's time over

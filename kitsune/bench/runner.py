@@ -19,7 +19,6 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from kitsune import _native
 from kitsune._device import parse_device
 from kitsune._paths import as_path
 from kitsune.bench.e2e import check_compile_backend, run_e2e
@@ -46,7 +45,15 @@ from kitsune.bench.results import (
     VariantResult,
 )
 from kitsune.bench.table import default_console, paired_line, peer_lines, print_results, profiler_cost_line
-from kitsune.bench.timing import Stats, StepTimes, copy_bandwidth, paired_rounds, synchronize, time_steps
+from kitsune.bench.timing import (
+    Stats,
+    StepTimes,
+    copy_bandwidth,
+    native_check_ready,
+    paired_rounds,
+    synchronize,
+    time_steps,
+)
 from kitsune.bench.variants import ADAMW, BYTES_PER_PARAM, DEFAULT_VARIANTS, VARIANTS, kitsune_info, make_variant
 from kitsune.config import GraphConfig
 from kitsune.profiler.schema import collect_environment
@@ -222,7 +229,14 @@ def run_variant(
 
 
 PROFILER_ROUNDS = 10
-"""Rounds of `run_profiler_cost`: half on a pair built with the profiler off first, half on one built on first."""
+"""The fewest rounds of a paired measurement (`_in_pairs`): half on a pair built with kitsune first, half on one
+built with the other side first; on a CPU, all of them."""
+PAIR_ROUNDS_MAX = 300
+"""The most rounds of a paired measurement on CUDA: a host-bound step's rounds differ by +-15% (an H200's host,
+`many`), so a median that resolves 2% takes a few hundred of them."""
+PAIR_SECONDS = 2.0
+"""CUDA: a paired measurement runs as many rounds as fit in about this many seconds (between `PROFILER_ROUNDS` and
+`PAIR_ROUNDS_MAX`): `many` (0.15 ms a step) gets the most, `gpt2` about 60, `llama1b` the fewest."""
 PROFILER_ROUND_STEPS = 10
 """Steps a side in each of its rounds (fewer where the set's timed steps are fewer): 10 rounds of 10 add about 400
 steps to a set, 3 s on `llama1b`."""
@@ -278,19 +292,23 @@ def _paired_or_why(
 def _in_pairs(
     pset: ParamSet, device: torch.device, steps: int, warmup: int, seed: int, off: str, on: str
 ) -> tuple[list[float], list[float], int]:
-    """`paired_rounds` of variants ``off`` and ``on`` (each round: ``on`` against ``off``), half of
-    `PROFILER_ROUNDS` on a pair built ``off`` first and half on one built ``on`` first: the side built second ran
-    faster on a host-bound set whichever it was (its objects land in fresh memory, the first's in the holes the
-    table's rows left). ``(device_pct, host_ms, steps a side in a round)``."""
+    """`paired_rounds` of variants ``off`` and ``on`` (each round: ``on`` against ``off``), half of the rounds on a
+    pair built ``off`` first and half on one built ``on`` first: the side built second ran faster on a host-bound set
+    whichever it was (its objects land in fresh memory, the first's in the holes the table's rows left). The rounds:
+    `PROFILER_ROUNDS` on a CPU; on CUDA as many as fit in `PAIR_SECONDS` (`_pair_rounds`). ``(device_pct, host_ms,
+    steps a side in a round)``."""
     round_steps = max(1, min(steps, PROFILER_ROUND_STEPS))
-    rounds = max(1, PROFILER_ROUNDS // 2)
+    rounds: int | None = None  # a half's rounds: set by the first pair built
 
     def pairs(order: tuple[str, str]) -> tuple[list[float], list[float]]:
+        nonlocal rounds
         built: dict[str, Any] = {}  # the optimizers and params live in this frame: gone before `_free`
         try:
             for name in order:
                 built[name] = make_variant(name, make_params(pset, device, seed))
                 built[name].warmup(warmup)
+            if rounds is None:
+                rounds = _pair_rounds(built[off].step, built[on].step, round_steps, device) // 2
             return paired_rounds(built[off].step, built[on].step, rounds, round_steps, device)
         finally:
             for variant in built.values():
@@ -304,6 +322,18 @@ def _in_pairs(
         device_pct += pct
         host_ms += host
     return device_pct, host_ms, round_steps
+
+
+def _pair_rounds(off: Callable[[], object], on: Callable[[], object], round_steps: int, device: torch.device) -> int:
+    """Rounds of a paired measurement, both halves: `PROFILER_ROUNDS` on a CPU (a dry run of the harness); on CUDA,
+    as many as one untimed round's time says fit in `PAIR_SECONDS`, between `PROFILER_ROUNDS` and
+    `PAIR_ROUNDS_MAX`."""
+    if device.type != "cuda":
+        return PROFILER_ROUNDS
+    t0 = time.perf_counter()
+    paired_rounds(off, on, 1, round_steps, device)
+    seconds = time.perf_counter() - t0
+    return int(min(PAIR_ROUNDS_MAX, max(PROFILER_ROUNDS, PAIR_SECONDS / max(seconds, 1e-9))))
 
 
 def run_peer(
@@ -606,10 +636,7 @@ def run_bench(
     console = console or default_console()
     if cuda:
         torch.cuda.set_device(dev)
-        # time the steps as a run past its first minute has them: with the native address check built (once per
-        # machine and torch version, then loaded from torch's cache)
-        checks = _native.wait(timeout=600)
-        console.print(f"native address check: {'ready' if checks is not None else _native.reason()}")
+        console.print(native_check_ready(dev))
 
     bandwidth, copy_bytes = copy_bandwidth(dev)
     result = BenchResult(

@@ -73,6 +73,19 @@ class StepTimes:
     ``host_ms``, the call waited on the GPU (a full launch queue, a blocking call) or the host ran slower there."""
 
 
+def native_check_ready(device: torch.device, timeout: float = 600) -> str:
+    """On CUDA, wait (at most ``timeout`` seconds) for kitsune's native address check, as a run past its first
+    minute has it: it builds in the background the first time on a machine (20-30 s), and the steps taken before run
+    the same checks in Python, a millisecond a step on 2000 params. Returns a line saying whether it is ready; on a
+    CPU (where the fused path does not run) it neither waits nor builds."""
+    if device.type != "cuda":
+        return "native address check: not needed on a CPU"
+    from kitsune import _native
+
+    checks = _native.wait(timeout=timeout)
+    return f"native address check: {'ready' if checks is not None else _native.reason()}"
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
