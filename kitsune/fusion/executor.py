@@ -32,7 +32,8 @@ from kitsune.fusion.context import DeviceContext
 from kitsune.fusion.muon_unit import MuonUnit
 from kitsune.fusion.plan import CostModel, Plan, Route
 from kitsune.fusion.planner import Planner, group_switches
-from kitsune.fusion.units import FusedUnit, TorchShadow, without
+from kitsune.fusion.torch_route import TorchShadow, without
+from kitsune.fusion.units import FusedUnit
 from kitsune.kernels.multi_tensor import DEFAULT_BLOCK
 from kitsune.kernels.spec import StateFormat
 from kitsune.memory import MemoryPool

@@ -31,7 +31,8 @@ from kitsune.distributed import fsdp
 from kitsune.fusion import muon_unit, state_format
 from kitsune.fusion.algos import ALGOS, OWN_STEP, AlgoInfo, group_specs, unit_info
 from kitsune.fusion.plan import BucketPlan, CostModel, Plan, Route
-from kitsune.fusion.units import FusedUnit, TorchShadow
+from kitsune.fusion.torch_route import TorchShadow
+from kitsune.fusion.units import FusedUnit
 from kitsune.kernels.codes import QUANT_BLOCK
 from kitsune.kernels.multi_tensor import DEFAULT_BLOCK
 from kitsune.kernels.spec import MuonSpec, StateFormat, UpdateSpec

@@ -1,4 +1,5 @@
-"""The per-step executors of a plan: a fused Triton launch unit, and torch's fused/foreach path as a fallback."""
+"""The per-step executor of a plan's fused buckets: a Triton launch unit over its tables (torch's fused/foreach routes
+are `kitsune.fusion.torch_route`)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,8 @@ from kitsune import _native
 from kitsune.distributed import fsdp
 from kitsune.fusion import state_format
 from kitsune.fusion.algos import AlgoInfo, extra_keys, init_state, missing_key
-from kitsune.fusion.plan import Route
 from kitsune.kernels.multi_tensor import DEAD, DEFAULT_BLOCK, TensorTables, int64_tensor
 from kitsune.kernels.spec import StateFormat, UpdateSpec
-from kitsune.wrapped import grads_hidden
 
 _GRAD = attrgetter("grad")
 _NO_TORCH_FUNCTION = torch._C._disabled_torch_function_impl
@@ -591,127 +590,3 @@ def _conform_scalar(s: dict, key: str, p: torch.Tensor) -> torch.Tensor:
     if t.dtype != torch.float32 or t.device != p.device:
         t = s[key] = t.to(device=p.device, dtype=torch.float32)
     return t
-
-
-class TorchShadow:
-    """Runs torch's own ``fused=True`` (or ``foreach=True``) implementation on a bucket's params.
-
-    A second instance of the wrapped optimizer's class holds only those params and shares the wrapped
-    optimizer's ``state`` dict, so state is created and updated by torch's own code; each step copies the
-    groups' hyperparameters over (an LR scheduler writes only the wrapped optimizer's groups).
-    """
-
-    _SKIP = frozenset({"params", "fused", "foreach"})
-
-    def __init__(
-        self, base: torch.optim.Optimizer, route: Route, params_by_group: dict[int, list[torch.Tensor]]
-    ) -> None:
-        flags = {"fused": True, "foreach": False} if route is Route.TORCH_FUSED else {"fused": None, "foreach": True}
-        groups = []
-        for gi, params in params_by_group.items():
-            g = {k: v for k, v in base.param_groups[gi].items() if k != "params"}
-            g.update({k: v for k, v in flags.items() if k in g or k == "foreach"})
-            groups.append({**g, "params": params})
-        self.group_index = list(params_by_group)
-        self.params = [p for ps in params_by_group.values() for p in ps]
-        self.param_set = set(self.params)
-        self.route = route
-        self.unhandled: list[torch.Tensor] = []
-        """Params whose grad this step torch's fused step cannot take (sparse, or of another dtype than the param):
-        `find_unhandled` leaves them to the wrapped optimizer's own step, as a fused unit does."""
-        self.opt = type(base)(groups)
-        self.opt.state = base.state
-        fn = type(self.opt).step
-        # beneath torch's hook runner: global step hooks belong to the user's step, not to this inner one
-        self._step = fn.__wrapped__ if getattr(fn, "hooked", False) and hasattr(fn, "__wrapped__") else fn
-
-    def find_unhandled(self) -> list[torch.Tensor]:
-        """Before anything changes: the params whose grads torch's ``fused=True`` step cannot take this step (it
-        raises on a sparse grad, e.g. from ``nn.Embedding(sparse=True)``, or one of another dtype); the foreach
-        route takes what the wrapped optimizer's own step takes."""
-        if self.route is not Route.TORCH_FUSED:
-            return []
-        self.unhandled = [
-            p for p in self.params if (g := p.grad) is not None and (g.layout != torch.strided or g.dtype != p.dtype)
-        ]
-        return self.unhandled
-
-    def step(self, groups: Sequence[dict[str, Any]], found_inf: torch.Tensor | None = None) -> None:
-        """One step of torch's implementation; ``found_inf`` (fused route only) skips it on the device, through
-        the ``grad_scale``/``found_inf`` attributes torch's fused optimizers read for ``GradScaler``."""
-        foreach = self.route is Route.TORCH_FOREACH
-        adam = isinstance(self.opt, torch.optim.Adam)
-        for shadow, gi in zip(self.opt.param_groups, self.group_index, strict=True):
-            for k, v in groups[gi].items():
-                if k not in self._SKIP:
-                    shadow[k] = v
-            if foreach and adam:
-                # torch's Adam turns foreach off for a tensor lr without capturable (its foreach code refuses one)
-                shadow["foreach"] = not (isinstance(shadow["lr"], torch.Tensor) and not shadow.get("capturable"))
-        if found_inf is not None and self.route is Route.TORCH_FUSED and self._starts_state() and found_inf.item():
-            # torch's fused step makes a param's first state before it reads found_inf (SGD's momentum buffer from
-            # empty_like, left unwritten when skipped): a skipped step that would start state is skipped here, on
-            # the host, as GradScaler skips the step of an optimizer that is not fused (a sync on such steps only)
-            return
-        with grads_hidden(self.unhandled):  # the wrapped step took these
-            late = self._late_momentum()
-            if not late:
-                self._run(found_inf)
-                return
-            # torch's fused SGD starts every momentum buffer or none in one call: the params whose buffer starts
-            # this step (a first grad after the others') take a call of their own, as the wrapped SGD steps them
-            with grads_hidden(late):
-                self._run(found_inf)
-            with grads_hidden(without(self.params, late)):
-                self._run(found_inf)
-
-    def _starts_state(self) -> bool:
-        """Whether this step would create state: a param with a grad and no state yet (or SGD with momentum and no
-        buffer)."""
-        state = self.opt.state
-        sgd = isinstance(self.opt, torch.optim.SGD)
-        for group in self.opt.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                s = state.get(p)
-                if not s or (sgd and group["momentum"] != 0 and s.get("momentum_buffer") is None):
-                    return True
-        return False
-
-    def _late_momentum(self) -> list[torch.Tensor]:
-        """On torch's fused SGD with momentum: the params with a grad and no momentum buffer yet, where others with a
-        grad have one (else [])."""
-        if self.route is not Route.TORCH_FUSED or not isinstance(self.opt, torch.optim.SGD):
-            return []
-        state = self.opt.state
-        late, started = [], False
-        for group in self.opt.param_groups:
-            if group["momentum"] == 0:
-                continue
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if state.get(p, {}).get("momentum_buffer") is None:
-                    late.append(p)
-                else:
-                    started = True
-        return late if started else []
-
-    def _run(self, found_inf: torch.Tensor | None) -> None:
-        if found_inf is not None and self.route is Route.TORCH_FUSED:
-            # torch's fused steps subtract found_inf from their step tensors: 0-dim, as GradScaler's (kitsune's is (1,))
-            found_inf = found_inf.reshape(())
-            self.opt.grad_scale, self.opt.found_inf = None, found_inf  # type: ignore[attr-defined]
-            try:
-                self._step(self.opt)
-            finally:
-                del self.opt.grad_scale, self.opt.found_inf  # type: ignore[attr-defined]
-            return
-        self._step(self.opt)
-
-
-def without(params: list[torch.Tensor], left: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``params`` without those in ``left`` (by identity)."""
-    out = set(map(id, left))
-    return [p for p in params if id(p) not in out]
