@@ -660,3 +660,86 @@ def test_plot_says_what_is_wrong_in_one_line(tmp_path, capsys):
         "what was done (gpt2)\n"
     )
     assert "a partial run (complete: false)" in (tmp_path / "o.svg").read_text()
+
+
+def test_fresh_grads_frees_every_grad_and_gives_each_param_a_new_one():
+    """`fresh_grads`: what zero_grad() and backward() leave, new tensors (the old ones freed) of new random values,
+    shaped and typed as their params."""
+    from kitsune.bench.params import fresh_grads
+
+    params = make_params(get_param_set("gpt2", 0.001), "cpu", seed=0)
+    before = [p.grad for p in params]
+    values = [g.clone() for g in before]
+    fresh_grads(params, torch.Generator().manual_seed(1))
+    for p, old, value in zip(params, before, values, strict=True):
+        assert p.grad is not old and torch.equal(old, value)  # a new tensor; the old one untouched
+        assert p.grad.shape == p.shape and p.grad.dtype == p.dtype and p.grad.device == p.device
+        assert not torch.equal(p.grad, value) and p.grad.abs().sum() > 0
+
+
+def test_grads_fresh_gives_every_warmup_and_timed_step_new_grads(monkeypatch):
+    """``run_variant(grads="fresh")``: before every warm-up step and every timed step (both passes) each param holds
+    a grad it has not held before; with the default the same tensors every step."""
+    from kitsune.bench import runner, variants
+
+    seen: list[list[torch.Tensor]] = []  # the grads themselves: held, so no later grad can reuse an id
+
+    class Recording(variants._TorchVariant):
+        def __init__(self, params):
+            super().__init__(params, foreach=True)
+            self.params = params
+
+            def step():
+                seen.append([p.grad for p in self.params])
+                self.opt.step()
+
+            self.step = step
+
+    monkeypatch.setattr(runner, "make_variant", lambda name, params: Recording(params))
+    pset = get_param_set("gpt2", 0.001)
+    for grads in ("fresh", "kept"):
+        seen.clear()
+        v = runner.run_variant("foreach", pset, torch.device("cpu"), 3, 2, 1.0, grads=grads)
+        assert v.status == "ok" and len(seen) == 2 + 2 * 3  # the warm-up, then both passes of the timed steps
+        ids = [{id(g) for g in step} for step in seen]
+        if grads == "fresh":  # no step sees a grad an earlier step held
+            assert all(len(ids[k]) == len(pset.shapes) and not ids[k] & set().union(*ids[:k]) for k in range(len(ids)))
+        else:
+            assert all(step_ids == ids[0] for step_ids in ids)
+
+
+def test_grads_fresh_skips_the_recipes_that_need_grads_in_place_and_is_recorded(tmp_path):
+    from kitsune.bench.variants import FIXED_GRADS
+
+    path = tmp_path / "fresh.json"
+    result = run_bench(
+        sets=["many"],
+        variants=["fused", "graph", "kitsune", "static", "profiled"],
+        device="cpu",
+        steps=2,
+        warmup=1,
+        json_path=path,
+        console=quiet(),
+        grads="fresh",
+    )
+    rows = {v.variant: v for v in result.sets[0].variants}
+    assert rows["graph"].status == "skipped" and rows["graph"].reason == FIXED_GRADS["graph"]
+    assert rows["static"].status == "skipped" and rows["static"].reason == FIXED_GRADS["static"]
+    assert all(rows[n].status == "ok" for n in ("fused", "kitsune", "profiled"))
+    assert result.sets[0].profiler_cost is None  # the pairs keep their grads: not run with fresh ones
+    loaded = BenchResult.load(path)
+    assert loaded.grads == "fresh"
+    console = quiet()
+    from kitsune.bench.table import print_results
+
+    print_results(loaded, console)
+    assert "grads re-allocated every step" in console.file.getvalue()
+
+
+def test_grads_mode_is_checked_before_anything_runs():
+    with pytest.raises(ValueError, match="grads mode 'often'"):
+        run_bench(sets=["gpt2"], device="cpu", console=quiet(), grads="often")
+    with pytest.raises(ValueError, match="leave out --peers"):
+        run_bench(sets=["gpt2"], device="cpu", console=quiet(), grads="fresh", peers="all")
+    with pytest.raises(SystemExit):
+        main(["--device", "cpu", "--grads", "often"])

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kitsune._paths import check_output_path, write_output
-from kitsune.bench.params import PARAM_SETS
+from kitsune.bench.params import GRADS, PARAM_SETS
 from kitsune.bench.peers import PEERS
 from kitsune.bench.results import BenchResult
 from kitsune.bench.runner import run_bench
@@ -108,6 +108,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--muon", action="store_true", help="time Newton-Schulz and a Muon step instead (CUDA only)")
     parser.add_argument("--json", dest="json_path", default=None, help="write every number to this JSON file")
     parser.add_argument("--seed", type=int, default=0, help="seed of the params and grads")
+    parser.add_argument(
+        "--grads",
+        choices=GRADS,
+        default="kept",
+        help="the AdamW rows' grads between steps: kept (the same tensors, default) or fresh (freed and re-allocated "
+        "with new values before every step, as zero_grad() and backward() leave them; torch's graph and "
+        "static_addresses=True, which need them in place, are skipped)",
+    )
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -169,6 +177,7 @@ def _run(args: argparse.Namespace) -> int:
             json_path=args.json_path,
             seed=args.seed,
             peers=args.peers,
+            grads=args.grads,
         )
     except ValueError as exc:
         print(f"kitsune bench: {exc}", file=sys.stderr)

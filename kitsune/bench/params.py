@@ -118,6 +118,23 @@ def make_params(
     return params
 
 
+def fresh_grads(params: list[torch.nn.Parameter], gen: torch.Generator) -> None:
+    """What ``zero_grad()`` and then ``backward()`` leave: every grad freed (``p.grad = None``, torch's default), then
+    a new tensor of fresh random values in its place, param by param. The caching allocator decides where each new
+    grad lands: a step that reads grads through addresses it kept must see whether they moved."""
+    for p in params:
+        p.grad = None
+    with torch.no_grad():
+        for p in params:
+            p.grad = torch.empty_like(p).normal_(generator=gen)
+
+
+GRADS = ("kept", "fresh")
+"""``kitsune bench --grads``: ``kept``, the grads stay the same tensors with the same values every step (the
+default, and how torch's CUDA-graph recipe keeps them); ``fresh``, `fresh_grads` before every step, outside the
+timers."""
+
+
 def refill_grads(params: list[torch.nn.Parameter], gen: torch.Generator) -> None:
     """Give every param a fresh random grad in place (addresses unchanged, so captured graphs stay valid)."""
     with torch.no_grad():

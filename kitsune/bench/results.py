@@ -195,6 +195,10 @@ class BenchResult(BaseModel):
     """Every peer ``--peers`` asked for, installed or not (their rows are in ``sets`` and ``lion``)."""
     lion: list[SetResult] = []
     """Per set, with ``--peers`` and a Lion peer installed: kitsune's fused Lion against the Lion peers."""
+    grads: Literal["kept", "fresh"] = "kept"
+    """The AdamW rows' grads between steps (``--grads``): ``kept``, the same tensors and values; ``fresh``, freed and
+    re-allocated with new values before every step, as ``zero_grad()`` and ``backward()`` leave them ("kept" in
+    files written before the field)."""
     complete: bool
     """False while the run is still going (the JSON is rewritten after every set)."""
 

@@ -12,6 +12,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -22,7 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from kitsune._device import parse_device
 from kitsune._paths import as_path
 from kitsune.bench.e2e import check_compile_backend, run_e2e
-from kitsune.bench.params import ParamSet, get_param_set, make_params, refill_grads
+from kitsune.bench.params import GRADS, ParamSet, fresh_grads, get_param_set, make_params, refill_grads
 from kitsune.bench.peers import (
     KITSUNE_LION,
     PEERS,
@@ -54,7 +55,15 @@ from kitsune.bench.timing import (
     synchronize,
     time_steps,
 )
-from kitsune.bench.variants import ADAMW, BYTES_PER_PARAM, DEFAULT_VARIANTS, VARIANTS, kitsune_info, make_variant
+from kitsune.bench.variants import (
+    ADAMW,
+    BYTES_PER_PARAM,
+    DEFAULT_VARIANTS,
+    FIXED_GRADS,
+    VARIANTS,
+    kitsune_info,
+    make_variant,
+)
 from kitsune.config import GraphConfig
 from kitsune.profiler.schema import collect_environment
 
@@ -191,13 +200,21 @@ def run_variant(
     floor_ms: float,
     seed: int = 0,
     audit: bool = False,
+    grads: str = "kept",
 ) -> VariantResult:
     """Time one variant on fresh params (seeded: every variant starts from the same values).
 
     ``audit`` (``--peers`` runs, where the variants sit next to the peers): also count the state's bytes after
-    warm-up and check, as a peer's, that the params moved on every checked step.
+    warm-up and check, as a peer's, that the params moved on every checked step. ``grads`` (`GRADS`): ``fresh``
+    frees and re-allocates every grad before each warm-up and timed step (`fresh_grads`, outside the timers); the
+    variants that need grads in place (`FIXED_GRADS`) are skipped then.
     """
     result = VariantResult(variant=name, label=VARIANTS[name], status="ok")
+    if grads not in GRADS:
+        raise ValueError(f"unknown grads mode {grads!r}: choose from {', '.join(GRADS)}")
+    if grads == "fresh" and name in FIXED_GRADS:
+        result.status, result.reason = "skipped", FIXED_GRADS[name]
+        return result
     if name in BYTES_PER_PARAM:  # low-precision state: its own floor, and its state's memory in the table
         floor_ms *= BYTES_PER_PARAM[name] / ADAMW_BYTES_PER_PARAM
         audit = True
@@ -212,13 +229,16 @@ def run_variant(
     def body() -> tuple[StepTimes, KitsuneInfo | None]:
         params = make_params(pset, device, seed)
         variant = make_variant(name, params)
+        between = None
+        if grads == "fresh":
+            between = partial(fresh_grads, params, torch.Generator(device=device).manual_seed(seed + 1))
         try:
-            variant.warmup(warmup)
+            variant.warmup(warmup, between)
             check = None
             if audit:
                 result.state_bytes, _ = state_bytes(variant.opt.state)
                 check = MoveCheck(params, [n for n, _ in pset.shapes])
-            times = time_steps(variant.step, steps, device, check=check)
+            times = time_steps(variant.step, steps, device, between=between, check=check)
             if check is not None:
                 check.verify()
             return times, variant.info()
@@ -572,6 +592,7 @@ def run_bench(
     e2e_steps: int | None = None,
     e2e_batch: int | None = None,
     peers: Sequence[str] | Literal["all"] | None = None,
+    grads: str = "kept",
 ) -> BenchResult:
     """Time every variant on every set, print the table, and write JSON when ``json_path`` is given.
 
@@ -599,6 +620,11 @@ def run_bench(
             their step) after the variants on each set, each installed one in its row and the rest listed as not
             installed; Lion peers in a Lion section per set, next to kitsune's fused Lion. The variants then also
             record their state's bytes and have their moves checked, as the peers.
+        grads: what happens to the variants' grads between steps (`GRADS`): ``kept`` (the same tensors and values)
+            or ``fresh`` (freed and re-allocated with new values before every step, as ``zero_grad()`` and
+            ``backward()`` leave them; outside the timers). With ``fresh`` the variants that need grads in place
+            (torch's CUDA graph, ``static_addresses=True``) are skipped, and so are the paired measurements (the
+            rows' grads are kept there); the phase and end to end are unchanged (their grads are fresh anyway).
     """
     dev = _resolve_device(device)
     cuda = dev.type == "cuda"
@@ -632,6 +658,10 @@ def run_bench(
             raise ValueError(f"--compile: {exc}") from None
     if e2e_batch is not None and e2e_batch < 1:
         raise ValueError(f"e2e_batch must be at least 1, got {e2e_batch}")
+    if grads not in GRADS:
+        raise ValueError(f"unknown grads mode {grads!r}: choose from {', '.join(GRADS)}")
+    if grads != "kept" and peers is not None:
+        raise ValueError("--grads fresh times the variants only: leave out --peers (each peer's grads follow its step)")
     chosen, skipped_peers = select_peers(peers, dev) if peers is not None else ([], {})
     console = console or default_console()
     if cuda:
@@ -651,11 +681,13 @@ def run_bench(
         adamw={**ADAMW, "betas": list(ADAMW["betas"])},
         sets=[],
         phase=None,
+        grads=grads,
         complete=False,
     )
     console.print(
         f"kitsune bench on {result.environment.device_name} ({dev}): copy bandwidth {bandwidth / 1e9:,.0f} GB/s, "
         f"AdamW fp32 moves {ADAMW_BYTES_PER_PARAM} bytes/param"
+        + ("; grads freed and re-allocated before every step (--grads fresh)" if grads == "fresh" else "")
     )
     for peer in [p for p in PEERS.values() if p in chosen or p.name in skipped_peers]:
         ok = installed(peer)
@@ -724,7 +756,7 @@ def run_bench(
             for variant in variants:
                 progress.update(task, description=f"{name}: {VARIANTS[variant]}")
                 progress.refresh()
-                v = run_variant(variant, pset, dev, entry.steps, warmup, entry.floor_ms, seed, audit=audit)
+                v = run_variant(variant, pset, dev, entry.steps, warmup, entry.floor_ms, seed, audit=audit, grads=grads)
                 entry.variants.append(v)
                 report(name, v)
                 progress.advance(task)
@@ -736,7 +768,7 @@ def run_bench(
                 report(name, v)
                 progress.advance(task)
             entry.ratio_to_kitsune = _ratios(entry.variants)
-            if {"kitsune", "profiled"} <= set(variants):
+            if {"kitsune", "profiled"} <= set(variants) and grads == "kept":
                 progress.update(task, description=f"{name}: the profiler's cost in pairs")
                 progress.refresh()
                 entry.profiler_cost, entry.profiler_cost_reason = run_profiler_cost(
@@ -744,7 +776,7 @@ def run_bench(
                 )
                 if cuda:  # a comparison: noise on a CPU, where it stays in the JSON only
                     console.print(f"  {name:8s} {profiler_cost_line(entry)}", highlight=False)
-            if cuda and {"kitsune", "graph"} <= set(variants):
+            if cuda and {"kitsune", "graph"} <= set(variants) and grads == "kept":
                 progress.update(task, description=f"{name}: kitsune against torch's CUDA graph in pairs")
                 progress.refresh()
                 entry.paired, entry.paired_reason = run_paired_ratio(pset, dev, entry.steps, warmup, seed)

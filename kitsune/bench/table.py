@@ -143,6 +143,7 @@ def print_results(result: BenchResult, console: Console | None = None) -> None:
     entries = sections(result)
     with_state = any(v.state_bytes is not None for entry in entries for v in entry.variants)
     title = f"AdamW fp32, {result.environment.device_name}, copy {result.copy_bandwidth_gbs:,.0f} GB/s"
+    title += ", grads re-allocated every step" if result.grads == "fresh" else ""
     title += ", CPU smoke test" if smoke else ""
     table = Table(title=title + (" (Lion sections: fp32 Lion)" if result.lion else ""))
     names = ["set", "variant", "ms/step", "p10-p90", "host ms", "floor ms", "% floor", "t / kitsune"]

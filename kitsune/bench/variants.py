@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,6 +37,13 @@ bytes (`BYTES_PER_PARAM`), and the table adds the state's memory."""
 DEFAULT_VARIANTS = ("foreach", "fused", "graph", "kitsune", "eager", "static", "profiled")
 """What a run without ``--variants`` times (``--peers`` runs time fused, kitsune and the low-precision ones)."""
 
+FIXED_GRADS = {
+    "graph": "torch's CUDA-graph recipe captures the grads' addresses: its loop keeps the grads in place "
+    "(zero_grad(set_to_none=False)), so it does not run with --grads fresh",
+    "static": "static_addresses=True promises grads that stay in place: it does not run with --grads fresh",
+}
+"""The variants that need the grads to stay where they are, and why (``--grads fresh`` skips them)."""
+
 STATE_PRECISION = {"8bit": "8bit", "bf16state": "bf16"}
 """The low-precision variants and the ``state_precision`` each runs."""
 
@@ -62,8 +70,11 @@ class _TorchVariant:
         self.opt: torch.optim.Optimizer = torch.optim.AdamW(params, **ADAMW, **flags)
         self.step = self.opt.step
 
-    def warmup(self, n: int) -> None:
+    def warmup(self, n: int, between: Callable[[], object] | None = None) -> None:
+        """``n`` untimed steps, ``between`` before each (e.g. fresh grads)."""
         for _ in range(n):
+            if between is not None:
+                between()
             self.step()
 
     def info(self) -> KitsuneInfo | None:
@@ -82,7 +93,9 @@ class _GraphVariant(_TorchVariant):
         super().__init__(params, fused=True, capturable=True)
         self.graph: torch.cuda.CUDAGraph | None = None
 
-    def warmup(self, n: int) -> None:
+    def warmup(self, n: int, between: Callable[[], object] | None = None) -> None:
+        if between is not None:
+            raise ValueError(FIXED_GRADS["graph"])
         # Eager steps on a side stream first (torch's recipe: state is allocated and kernels are loaded outside
         # the capture), then capture one step, then replay the rest: n steps in all, as the other variants run.
         eager = max(1, min(3, n))
@@ -140,10 +153,10 @@ class _KitsuneVariant(_TorchVariant):
             if str(w.message) not in self.warnings:
                 self.warnings.append(str(w.message))
 
-    def warmup(self, n: int) -> None:
+    def warmup(self, n: int, between: Callable[[], object] | None = None) -> None:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            super().warmup(n)
+            super().warmup(n, between)
         self._keep(caught)
 
     def info(self) -> KitsuneInfo:
