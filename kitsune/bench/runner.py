@@ -256,7 +256,8 @@ PAIR_ROUNDS_MAX = 300
 `many`), so a median that resolves 2% takes a few hundred of them."""
 PAIR_SECONDS = 2.0
 """CUDA: a paired measurement runs as many rounds as fit in about this many seconds (between `PROFILER_ROUNDS` and
-`PAIR_ROUNDS_MAX`): `many` (0.15 ms a step) gets the most, `gpt2` about 60, `llama1b` the fewest."""
+`PAIR_ROUNDS_MAX`): on an H200 (2026-12-04) the profiler's cost got 162 rounds on `many`, 48 on `gpt2` and 10 on
+`llama1b`."""
 PROFILER_ROUND_STEPS = 10
 """Steps a side in each of its rounds (fewer where the set's timed steps are fewer): 10 rounds of 10 add about 400
 steps to a set, 3 s on `llama1b`."""

@@ -2,7 +2,9 @@
 
 On CUDA the profiler also runs the NVML sampler (`kitsune.profiler.nvml`) for GPU telemetry.
 
-After ``sample_after`` steps come two sampled windows, and their steps stay out of the step-time statistics:
+The first ``sample_after`` steps are the warm-up (Triton compiles, state is created, a CUDA graph is captured): once a
+later step has been timed they stay out of the step-time statistics. After them come two sampled windows, and their
+steps stay out of the statistics too:
 
 1. the probe (CUDA only, ``probe_steps``): launches, copies and host syncs inside ``step()`` are counted and the
    copy bandwidth is measured (`kitsune.profiler.probe`);
@@ -14,10 +16,11 @@ After ``sample_after`` steps come two sampled windows, and their steps stay out 
 
 Both windows run once (again after `Profiler.reset`), and the metrics say what share of the run's steps and time
 each took (`WindowShare`). Outside them a step costs the profiler O(1) host work and builds no pydantic model: two
-clock reads, one C call for the current stream, two CUDA events from a pool recorded, a tuple queued; every 64 steps
-the finished events are read in one batch (on one stream a bisection finds them). Records stay tuples until a report
-asks for them. Those steps take the graphed executor's steady replay, as unprofiled ones do; the windows' probe and
-baseline steps take the full path.
+clock reads and a record kept (a tuple); on one step in ``device_time_every``, one C call for the current stream and
+two CUDA events from a pool recorded, its record a list whose device time is filled in when the events are read:
+after every 64 such steps, the finished ones in one batch (on one stream a bisection finds them). Records stay plain
+rows until a report asks for them. Those steps take the graphed executor's steady replay, as unprofiled ones do;
+the windows' probe and baseline steps take the full path.
 """
 
 from __future__ import annotations
@@ -141,6 +144,9 @@ class ProfilerMetrics(BaseModel):
     ``ProfilerConfig.device_time_every``)."""
     host_time: TimeStats | None
     """Statistics of the kept per-step host times."""
+    warmup_left_out: int = 0
+    """Records of the warm-up (the first ``sample_after`` steps: compiles, graph capture) left out of ``step_time``
+    and ``host_time``, as they are once a later step has been timed (0 in old profiles)."""
     probe: ProbeReport | None = None
     """Launches, copies and syncs per step and the copy bandwidth, from the probe steps (None in old profiles)."""
     comparison: Comparison | None = None
@@ -216,6 +222,8 @@ class Profiler(Subsystem):
 
     def _reset_windows(self) -> None:
         self._index = 0  # steps begun since the profiler started (or was reset): the windows' clock
+        self._warming = False  # the step under way is in the warm-up (the first sample_after)
+        self._warm_kept = 0  # records kept of warm-up steps since the profiler started (or was reset)
         self._mode = "kitsune"
         self._window: str | None = None  # "reference" or "baseline" inside the comparison
         self._probe = Probe(self.config.probe_steps)
@@ -340,7 +348,7 @@ class Profiler(Subsystem):
             return
         self._index += 1
         if self._index > self._last_sampled:  # the common case: no window, nothing but the clocks
-            self._mode, self._window, self._span = "kitsune", None, None
+            self._mode, self._window, self._span, self._warming = "kitsune", None, None, False
             timed = self._index % self.config.device_time_every == 0
         else:
             self._start_sampled(s)
@@ -362,6 +370,7 @@ class Profiler(Subsystem):
         if self._index == 1:
             self._run_t0 = now
         phase = self._phase(self._index)
+        self._warming = self._index <= self._windows()[0]
         self._mode = "baseline" if s.baseline else ("probe" if phase == "probe" else "kitsune")
         compared = phase in ("reference", "baseline") and bool(self._comparable)
         self._window = phase if compared else None
@@ -393,6 +402,8 @@ class Profiler(Subsystem):
         else:  # final: a tuple, which the garbage collector stops tracking (a list it would walk in every full pass)
             row = (s.step, None if self._cuda else host_ms, host_ms, (t0 - self._origin_ns) / 1e3, None, self._mode)
         self._records.append(row)
+        if self._warming:
+            self._warm_kept += 1
         if self._span is not None:
             if self._window is not None:
                 self._compared[self._window].append(row)
@@ -519,7 +530,7 @@ class Profiler(Subsystem):
         """Statistics of the steps timed so far (probe and baseline steps excluded), the probe, the comparison and
         the share of the run the sampled windows took."""
         self._collect(block=True)
-        rows = [r for r in self._records if r[5] == "kitsune"]
+        rows, warm = self._steady_rows()
         step_time = TimeStats.of([r[1] for r in rows if r[1] is not None])
         probe = self.probe_report()
         nbytes = self._bytes_per_step
@@ -533,6 +544,7 @@ class Profiler(Subsystem):
             timing="cuda_events" if self._cuda else "host_clock",
             step_time=step_time,
             host_time=TimeStats.of([r[2] for r in rows]),
+            warmup_left_out=warm,
             probe=probe,
             comparison=self.comparison(),
             bytes_per_step=nbytes,
@@ -541,6 +553,18 @@ class Profiler(Subsystem):
             run_ms=self._run_ms(),
             windows=self.window_shares(),
         )
+
+    def _steady_rows(self) -> tuple[list[tuple | list], int]:
+        """The kept records the statistics come from: kitsune's steps (probe and baseline steps left out), without
+        the warm-up's once a later step has been timed (its first steps compile kernels and capture graphs: one
+        in ``device_time_every`` timed past the windows would leave them most of a short run's sample); and how
+        many warm-up records that left out."""
+        kept = list(self._records)
+        warm = max(0, self._warm_kept - (self._timed - len(kept)))  # the warm-up's rows max_step_records left
+        steady = [r for r in kept[warm:] if r[5] == "kitsune"]
+        if any(r[1] is not None for r in steady):
+            return steady, warm
+        return [r for r in kept if r[5] == "kitsune"], 0
 
     def reset(self) -> None:
         """Forget every record and NVML sample (e.g. after warm-up); the sampled windows run again."""

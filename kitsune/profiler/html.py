@@ -193,16 +193,19 @@ def _stats_rows(label: str, stats: TimeStats | None) -> list[list[Any]]:
 
 
 def _counts(profile: Profile) -> str:
-    """How many steps were timed and how many the statistics and plots use: the probe's and the comparison's
-    baseline steps are left out, and so are records beyond ``max_step_records``."""
+    """How many steps were timed and how many the statistics and plots use: the warm-up's (once a later step was
+    timed), the probe's and the comparison's baseline steps are left out, and so are records beyond
+    ``max_step_records``."""
     metrics = profile.metrics
     assert metrics is not None and metrics.step_time is not None
     modes = Counter(r.mode for r in profile.steps)
     kinds = (("probe", "probe"), ("baseline", "comparison baseline"))
     left_out = [f"{modes[mode]} {what}" for mode, what in kinds if modes[mode]]
+    if metrics.warmup_left_out:
+        left_out.insert(0, f"{metrics.warmup_left_out} warm-up")
     if metrics.steps_timed > len(profile.steps):
         left_out.append(f"{metrics.steps_timed - len(profile.steps)} older than the kept records")
-    text = f"{metrics.steps_timed} steps timed; {metrics.step_time.count} in the statistics and plots below"
+    text = f"{metrics.steps_timed} steps timed; {metrics.step_time.count} in the statistics below"
     return text + (f" (left out: {', '.join(left_out)})" if left_out else "")
 
 

@@ -315,7 +315,9 @@ def timing_table(metrics: ProfilerMetrics) -> Table:
     kept = metrics.step_time.count if metrics.step_time else 0
     title = f"step time ({count(metrics.steps_timed, 'step')} timed, {source})"
     if metrics.step_time is not None and kept < metrics.steps_timed:
-        left_out = "probe, baseline and dropped steps left out"
+        warm = f"the {metrics.warmup_left_out} warm-up, " if metrics.warmup_left_out else ""
+        untimed = "those not timed on the device, " if metrics.timing == "cuda_events" else ""
+        left_out = f"{warm}{untimed}probe, baseline and dropped steps left out"
         title = f"step time ({kept} of {count(metrics.steps_timed, 'step')}: {left_out}; {source})"
     table = Table(title=title, title_justify="left")
     table.add_column("ms/step")

@@ -62,7 +62,8 @@ def test_comparison_reports_measured_speedup_with_counts_and_spread(device):
     assert cmp.baseline.startswith("torch.optim.adamw.AdamW.step")
     assert cmp.speedup == pytest.approx(cmp.baseline_time.p50_ms / cmp.kitsune.p50_ms)
     assert cmp.speedup_low <= cmp.speedup <= cmp.speedup_high
-    assert metrics.step_time.count == 12 - 4  # baseline steps are not kitsune's step times
+    # baseline steps are not kitsune's step times, and the warm-up (sample_after=2) is left out
+    assert metrics.step_time.count == 12 - 4 - 2 and metrics.warmup_left_out == 2
 
 
 def test_comparison_is_pending_until_its_window_has_run(device):

@@ -110,7 +110,9 @@ def test_profiled_steps_take_the_steady_replay_outside_the_windows(device, fused
     for a, b in zip(records, records[1:], strict=False):
         assert b.host_start_us >= a.host_start_us + a.host_ms * 1e3
     metrics = opt.profiler.get_metrics()
-    assert metrics.step_time.count == 20 - PROBE - COMPARE and opt.base_steps == COMPARE
+    # the warm-up (3 steps), the probe and the baseline left out
+    assert metrics.step_time.count == 20 - WARM - PROBE - COMPARE and opt.base_steps == COMPARE
+    assert metrics.warmup_left_out == WARM
     assert metrics.comparison.status == "measured" and metrics.comparison.kitsune.count == COMPARE - 1
 
 
@@ -368,3 +370,45 @@ def test_a_raising_step_gives_its_event_back(fake_cuda):
     assert len(prof._free_events) == 1 and prof._start_event is None
     _fake_steps(prof, range(1, 3))
     assert [r.step for r in prof.records] == [1, 2] and prof.get_metrics().steps_timed == 2
+
+
+@pytest.mark.parametrize(("steps", "every"), [(300, 32), (300, 8), (40, 32), (6, 32)])
+def test_the_warm_up_steps_stay_out_of_the_statistics_once_a_later_step_is_timed(fake_cuda, monkeypatch, steps, every):
+    """The warm-up (``sample_after`` steps, every one timed) compiles kernels and captures graphs: with one step in 32
+    timed past the windows it was most of a short run's sample (p90 and the mean were compile times). Once a step
+    past the warm-up is timed, the statistics leave the warm-up out; a run still inside it keeps what it has."""
+    as_cuda, clock, _, _ = fake_cuda
+    prof = Profiler(
+        ProfilerConfig(enabled=True, nvml_interval_s=0, sample_after=10, probe_steps=0, device_time_every=every)
+    )
+    prof.plan([torch.zeros(3)], "step", None)
+    as_cuda(prof)
+    for n in range(1, steps + 1):
+        s = StepState(n, prof.wants_baseline(True))
+        prof.start(s)
+        if n <= 3:  # a compile or capture step: 1000 ms on the device instead of 0.25
+            for _ in range(3999):
+                next(clock.ticks)
+        prof.stop(s)
+    metrics = prof.get_metrics()
+    timed_after = [n for n in range(11, steps + 1) if n % every == 0]
+    if timed_after:
+        assert metrics.step_time.count == len(timed_after) and metrics.step_time.max_ms == 0.25
+        assert metrics.host_time.count == steps - 10
+    else:  # still in the warm-up: its own steps are all there is
+        assert metrics.step_time.count == steps and metrics.step_time.max_ms == 1000.0
+    assert metrics.steps_timed == steps and len(prof.records) == steps  # every record is kept
+
+
+def test_the_warm_up_left_out_counts_what_max_step_records_dropped(fake_cuda):
+    """With the oldest records dropped (``max_step_records``), only the warm-up's rows still kept are left out."""
+    as_cuda, clock, _, _ = fake_cuda
+    config = ProfilerConfig(
+        enabled=True, nvml_interval_s=0, sample_after=10, probe_steps=0, device_time_every=1, max_step_records=15
+    )
+    prof = Profiler(config)
+    prof.plan([torch.zeros(3)], "step", None)
+    as_cuda(prof)
+    _fake_steps(prof, range(1, 21))  # records 6-20 kept: 6-10 warm-up, 11-20 steady
+    metrics = prof.get_metrics()
+    assert [r.step for r in prof.records] == list(range(6, 21)) and metrics.step_time.count == 10

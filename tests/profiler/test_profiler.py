@@ -34,7 +34,8 @@ def test_metrics_are_typed_and_count_steps():
     opt = _trained(12, profile=True)
     metrics = opt.profiler.get_metrics()
     assert metrics.steps_timed == 12 and metrics.timing == "host_clock"
-    assert metrics.step_time.count == 12
+    # the warm-up's 10 steps (sample_after) are left out once a later one is timed
+    assert metrics.step_time.count == 12 - 10 and metrics.warmup_left_out == 10
     assert 0 < metrics.step_time.min_ms <= metrics.step_time.p50_ms <= metrics.step_time.p90_ms
     assert metrics.step_time.p90_ms <= metrics.step_time.max_ms
 
@@ -190,7 +191,7 @@ def test_cpu_comparison_is_not_applicable_when_kitsune_runs_the_wrapped_step():
     metrics = opt.profiler.get_metrics()
     assert metrics.comparison.status == "not_applicable" and metrics.comparison.speedup is None
     assert metrics.probe.status == "unavailable" and metrics.probe.launches_per_step is None
-    assert metrics.step_time.count == 30  # nothing was replaced by a baseline step
+    assert metrics.step_time.count == 30 - 2  # nothing was replaced by a baseline step; the warm-up left out
     text = " ".join(_summary_text(opt).split())
     assert "pass-through: AdamW's own step updated every param" in text  # said once, at the top
     assert "nothing to compare" not in text
