@@ -24,7 +24,7 @@ from kitsune.bench import (
     register,
     run_bench,
 )
-from kitsune.bench.runner import PROFILER_ROUNDS
+from kitsune.bench.pairs import PROFILER_ROUNDS
 from kitsune.bench.timing import StepTimes, paired_rounds, percentile, time_steps
 
 
@@ -413,10 +413,10 @@ def test_paired_rounds_alternate_the_sides_and_compare_each_round(monkeypatch):
 
 
 def test_profiler_cost_is_not_measured_where_two_optimizers_do_not_fit(monkeypatch):
-    from kitsune.bench import runner
+    from kitsune.bench import pairs
 
-    monkeypatch.setattr(runner, "_memory_shortfall", lambda pset, device, copies=1: f"{copies} copies: no room")
-    cost, reason = runner.run_profiler_cost(get_param_set("gpt2", 0.001), torch.device("cpu"), 2, 1)
+    monkeypatch.setattr(pairs, "memory_shortfall", lambda pset, device, copies=1: f"{copies} copies: no room")
+    cost, reason = pairs.run_profiler_cost(get_param_set("gpt2", 0.001), torch.device("cpu"), 2, 1)
     assert cost is None and reason == "two optimizers of the set: 2 copies: no room"
 
 
@@ -440,20 +440,20 @@ def test_profiler_cost_runs_half_its_rounds_on_a_pair_built_in_each_order(monkey
     """The side built second measured faster on a host-bound set, whichever it was (profile=True came out 5-10%
     cheaper than off on `many`): half the rounds run on a pair built off first, half on one built on first, and each
     round still compares off with on."""
-    from kitsune.bench import runner
+    from kitsune.bench import pairs
 
     built, compared = [], []
-    monkeypatch.setattr(runner, "make_variant", lambda name, params: built.append(name) or _NamedVariant(name))
+    monkeypatch.setattr(pairs, "make_variant", lambda name, params: built.append(name) or _NamedVariant(name))
 
     def paired(off, on, rounds, steps, device):
         compared.append((off(), on(), rounds))
         return [1.0] * rounds, [0.01] * rounds
 
-    monkeypatch.setattr(runner, "paired_rounds", paired)
-    cost, reason = runner.run_profiler_cost(get_param_set("gpt2", 0.001), torch.device("cpu"), 2, 1)
-    assert reason is None and cost.rounds == runner.PROFILER_ROUNDS
+    monkeypatch.setattr(pairs, "paired_rounds", paired)
+    cost, reason = pairs.run_profiler_cost(get_param_set("gpt2", 0.001), torch.device("cpu"), 2, 1)
+    assert reason is None and cost.rounds == pairs.PROFILER_ROUNDS
     assert built == ["kitsune", "profiled", "profiled", "kitsune"]
-    half = runner.PROFILER_ROUNDS // 2
+    half = pairs.PROFILER_ROUNDS // 2
     assert compared == [("kitsune", "profiled", half), ("kitsune", "profiled", half)]
 
 
@@ -462,51 +462,51 @@ def test_paired_measurements_on_cuda_run_as_many_rounds_as_fit_their_time(monkey
     """A host-bound step's rounds differ by +-15%, so a median that resolves 2% needs hundreds of rounds: on CUDA a
     paired measurement runs as many as one untimed round says fit in PAIR_SECONDS, at least PROFILER_ROUNDS and at
     most PAIR_ROUNDS_MAX, split between the two build orders; on a CPU (a dry run) PROFILER_ROUNDS."""
-    from kitsune.bench import runner
+    from kitsune.bench import pairs
 
     clock = iter([100.0, 100.0 + seconds])
-    monkeypatch.setattr(runner.time, "perf_counter", lambda: next(clock))
-    monkeypatch.setattr(runner, "make_variant", lambda name, params: _NamedVariant(name))
-    monkeypatch.setattr(runner, "make_params", lambda pset, device, seed: [])  # no CUDA here
+    monkeypatch.setattr(pairs.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(pairs, "make_variant", lambda name, params: _NamedVariant(name))
+    monkeypatch.setattr(pairs, "make_params", lambda pset, device, seed: [])  # no CUDA here
     compared = []
 
     def paired(off, on, n, steps, device):
         compared.append(n)
         return [1.0] * n, [0.01] * n
 
-    monkeypatch.setattr(runner, "paired_rounds", paired)
-    monkeypatch.setattr(runner, "_memory_shortfall", lambda *args, **kwargs: None)
-    monkeypatch.setattr(runner, "_free", lambda device: None)
-    cost, reason = runner.run_profiler_cost(get_param_set("gpt2", 0.001), torch.device("cuda"), 10, 4)
-    assert reason is None and runner.PAIR_SECONDS == 2.0
+    monkeypatch.setattr(pairs, "paired_rounds", paired)
+    monkeypatch.setattr(pairs, "memory_shortfall", lambda *args, **kwargs: None)
+    monkeypatch.setattr(pairs, "free_memory", lambda device: None)
+    cost, reason = pairs.run_profiler_cost(get_param_set("gpt2", 0.001), torch.device("cuda"), 10, 4)
+    assert reason is None and pairs.PAIR_SECONDS == 2.0
     assert compared == [1, rounds // 2, rounds // 2] and cost.rounds == rounds  # the untimed round, then two halves
-    assert runner._pair_rounds(lambda: None, lambda: None, 10, torch.device("cpu")) == runner.PROFILER_ROUNDS
+    assert pairs._pair_rounds(lambda: None, lambda: None, 10, torch.device("cpu")) == pairs.PROFILER_ROUNDS
 
 
 def test_kitsune_against_the_cuda_graph_is_measured_in_pairs_built_in_each_order(monkeypatch):
     """The table's t / kitsune divides medians of passes run one after another; the headline ratio against torch's
     CUDA graph is also measured in pairs (half the rounds on a pair built kitsune first), the graph's time over
     kitsune's each round, and printed with its spread."""
-    from kitsune.bench import runner
+    from kitsune.bench import pairs
     from kitsune.bench.results import SetResult
     from kitsune.bench.table import paired_line
 
     built, compared = [], []
-    monkeypatch.setattr(runner, "make_variant", lambda name, params: built.append(name) or _NamedVariant(name))
+    monkeypatch.setattr(pairs, "make_variant", lambda name, params: built.append(name) or _NamedVariant(name))
 
     def paired(off, on, rounds, steps, device):
         compared.append((off(), on()))
         return [140.0] * rounds, [0.002] * rounds  # the graph 2.4x kitsune's time each round
 
-    monkeypatch.setattr(runner, "paired_rounds", paired)
-    ratio, reason = runner.run_paired_ratio(get_param_set("many", 0.001), torch.device("cpu"), 4, 1)
-    assert reason is None and ratio.against == "graph" and ratio.rounds == runner.PROFILER_ROUNDS
+    monkeypatch.setattr(pairs, "paired_rounds", paired)
+    ratio, reason = pairs.run_paired_ratio(get_param_set("many", 0.001), torch.device("cpu"), 4, 1)
+    assert reason is None and ratio.against == "graph" and ratio.rounds == pairs.PROFILER_ROUNDS
     assert built == ["kitsune", "graph", "graph", "kitsune"] and compared == [("kitsune", "graph")] * 2
     assert ratio.ratio.median == pytest.approx(2.4) and ratio.steps == 4
     entry = SetResult.model_construct(name="many", paired=ratio, paired_reason=None)
     assert "2.40x (p10-p90 2.40x to 2.40x)" in paired_line(entry)
-    monkeypatch.setattr(runner, "_memory_shortfall", lambda pset, device, copies=1: "no room")
-    assert runner.run_paired_ratio(get_param_set("many", 0.001), torch.device("cpu"), 4, 1) == (
+    monkeypatch.setattr(pairs, "memory_shortfall", lambda pset, device, copies=1: "no room")
+    assert pairs.run_paired_ratio(get_param_set("many", 0.001), torch.device("cpu"), 4, 1) == (
         None,
         "two optimizers of the set: no room",
     )

@@ -147,7 +147,7 @@ def test_a_stop_raised_again_by_a_compiler_is_a_stop_with_a_short_reason(monkeyp
 
 
 def test_a_failure_reason_is_bounded():
-    from kitsune.bench.runner import REASON_CHARS, failure_reason
+    from kitsune.bench.guards import REASON_CHARS, failure_reason
 
     long = RuntimeError("backend='inductor' raised:\n\n" + ", ".join(f"%getitem_{i}" for i in range(16000)))
     reason = failure_reason(long)

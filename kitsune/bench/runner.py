@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import gc
 import shlex
 import signal
 import sys
@@ -23,6 +22,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from kitsune._device import parse_device
 from kitsune._paths import as_path
 from kitsune.bench.e2e import check_compile_backend, run_e2e
+from kitsune.bench.guards import failure_reason, free_memory, memory_shortfall
+from kitsune.bench.pairs import run_paired_ratio, run_profiler_cost
 from kitsune.bench.params import GRADS, ParamSet, fresh_grads, get_param_set, make_params, refill_grads
 from kitsune.bench.peers import (
     KITSUNE_LION,
@@ -38,10 +39,8 @@ from kitsune.bench.peers import version as peer_version
 from kitsune.bench.results import (
     BenchResult,
     KitsuneInfo,
-    PairedRatio,
     PeerInfo,
     PeerStatus,
-    ProfilerCost,
     SetResult,
     VariantResult,
 )
@@ -51,7 +50,6 @@ from kitsune.bench.timing import (
     StepTimes,
     copy_bandwidth,
     native_check_ready,
-    paired_rounds,
     synchronize,
     time_steps,
 )
@@ -91,25 +89,6 @@ POSIX) and seen when the library's code next runs Python."""
 LION_BYTES_PER_PARAM = FP32_BYTES * (3 + 2)  # 20
 
 
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-
-
-def _memory_shortfall(pset: ParamSet, device: torch.device, copies: int = 1) -> str | None:
-    """Why ``copies`` optimizers of this set cannot fit on the GPU now (param, grad, exp_avg, exp_avg_sq: 16 bytes
-    each), else None."""
-    if device.type != "cuda":
-        return None
-    need = copies * 4 * FP32_BYTES * pset.n_elements * 1.05 + 2**29
-    free, _ = torch.cuda.mem_get_info(device)
-    if need > free:
-        return f"needs about {need / 2**30:.1f} GiB of GPU memory, {free / 2**30:.1f} GiB free"
-    return None
-
-
 _Body = Callable[[], tuple[StepTimes, KitsuneInfo | None]]
 
 
@@ -135,18 +114,6 @@ def _time_limit(seconds: float, doing: Callable[[], str]) -> Iterator[None]:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
-
-
-REASON_CHARS = 400
-"""A failed row's reason at most: the exception's type and its message's first lines (an error raised inside
-``torch.compile`` can carry the whole traced graph)."""
-
-
-def failure_reason(exc: BaseException) -> str:
-    """``Type: message``, the message's first three non-blank lines joined, cut to `REASON_CHARS`."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    text = " ".join([f"{type(exc).__name__}:", *lines[:3]])
-    return text if len(text) <= REASON_CHARS else text[: REASON_CHARS - 3] + "..."
 
 
 def _stopped(exc: BaseException) -> PeerStopped | None:
@@ -184,7 +151,7 @@ def _measure(result: VariantResult, body: _Body, device: torch.device, floor_ms:
         else:
             result.status, result.reason = "failed", failure_reason(exc)
     try:
-        _free(device)
+        free_memory(device)
     except Exception as exc:  # e.g. a CUDA error left by the variant surfaces at the synchronize
         cleanup = f"freeing memory after it: {failure_reason(exc)}"
         result.status, result.reason = "failed", "; ".join(filter(None, [result.reason, cleanup]))
@@ -221,7 +188,7 @@ def run_variant(
     if name == "graph" and device.type != "cuda":
         result.status, result.reason = "skipped", "CUDA only: a CUDA graph captures GPU work"
         return result
-    shortfall = _memory_shortfall(pset, device)
+    shortfall = memory_shortfall(pset, device)
     if shortfall is not None:
         result.status, result.reason = "skipped", shortfall
         return result
@@ -246,115 +213,6 @@ def run_variant(
             variant.close()
 
     return _measure(result, body, device, floor_ms)
-
-
-PROFILER_ROUNDS = 10
-"""The fewest rounds of a paired measurement (`_in_pairs`): half on a pair built with kitsune first, half on one
-built with the other side first; on a CPU, all of them."""
-PAIR_ROUNDS_MAX = 300
-"""The most rounds of a paired measurement on CUDA: a host-bound step's rounds differ by +-15% (an H200's host,
-`many`), so a median that resolves 2% takes a few hundred of them."""
-PAIR_SECONDS = 2.0
-"""CUDA: a paired measurement runs as many rounds as fit in about this many seconds (between `PROFILER_ROUNDS` and
-`PAIR_ROUNDS_MAX`): on an H200 (2026-12-04) the profiler's cost got 162 rounds on `many`, 48 on `gpt2` and 10 on
-`llama1b`."""
-PROFILER_ROUND_STEPS = 10
-"""Steps a side in each of its rounds (fewer where the set's timed steps are fewer): 10 rounds of 10 add about 400
-steps to a set, 3 s on `llama1b`."""
-
-
-def run_profiler_cost(
-    pset: ParamSet, device: torch.device, steps: int, warmup: int, seed: int = 0
-) -> tuple[ProfilerCost | None, str | None]:
-    """``profile=True``'s cost on this set, measured in pairs (`ProfilerCost`): the ``kitsune`` and ``profiled``
-    variants built over copies of the same seeded params, each warmed up, then alternating rounds (`_in_pairs`).
-    ``(cost, None)``, or ``(None, why)`` where the GPU cannot hold both or a step failed."""
-
-    def cost(device_pct: list[float], host_ms: list[float], round_steps: int) -> ProfilerCost:
-        return ProfilerCost(
-            rounds=len(device_pct), steps=round_steps, device_pct=Stats.of(device_pct), host_ms=Stats.of(host_ms)
-        )
-
-    return _paired_or_why(pset, device, steps, warmup, seed, "profiled", cost)
-
-
-def run_paired_ratio(
-    pset: ParamSet, device: torch.device, steps: int, warmup: int, seed: int = 0, against: str = "graph"
-) -> tuple[PairedRatio | None, str | None]:
-    """``against`` (a variant) over kitsune on this set, measured in pairs (`PairedRatio`), as the profiler's cost
-    is: the table's ``t / kitsune`` divides the medians of passes run one after another, which a host's drift and
-    the order of the rows move. ``(ratio, None)``, or ``(None, why)``."""
-
-    def paired(device_pct: list[float], host_ms: list[float], round_steps: int) -> PairedRatio:
-        ratios = [1 + pct / 100 for pct in device_pct]
-        return PairedRatio(
-            against=against, rounds=len(ratios), steps=round_steps, ratio=Stats.of(ratios), host_ms=Stats.of(host_ms)
-        )
-
-    return _paired_or_why(pset, device, steps, warmup, seed, against, paired)
-
-
-def _paired_or_why(
-    pset: ParamSet, device: torch.device, steps: int, warmup: int, seed: int, other: str, result: Callable[..., Any]
-) -> tuple[Any, str | None]:
-    """``(result(device_pct, host_ms, round_steps), None)`` of `_in_pairs` of kitsune and ``other``, or ``(None,
-    why)`` where the GPU cannot hold both or a step failed (the table's rows stand without it)."""
-    shortfall = _memory_shortfall(pset, device, copies=2)
-    if shortfall is not None:
-        return None, f"two optimizers of the set: {shortfall}"
-    try:
-        return result(*_in_pairs(pset, device, steps, warmup, seed, "kitsune", other)), None
-    except Exception as exc:
-        return None, failure_reason(exc)
-    finally:
-        _free(device)
-
-
-def _in_pairs(
-    pset: ParamSet, device: torch.device, steps: int, warmup: int, seed: int, off: str, on: str
-) -> tuple[list[float], list[float], int]:
-    """`paired_rounds` of variants ``off`` and ``on`` (each round: ``on`` against ``off``), half of the rounds on a
-    pair built ``off`` first and half on one built ``on`` first: the side built second ran faster on a host-bound set
-    whichever it was (its objects land in fresh memory, the first's in the holes the table's rows left). The rounds:
-    `PROFILER_ROUNDS` on a CPU; on CUDA as many as fit in `PAIR_SECONDS` (`_pair_rounds`). ``(device_pct, host_ms,
-    steps a side in a round)``."""
-    round_steps = max(1, min(steps, PROFILER_ROUND_STEPS))
-    rounds: int | None = None  # a half's rounds: set by the first pair built
-
-    def pairs(order: tuple[str, str]) -> tuple[list[float], list[float]]:
-        nonlocal rounds
-        built: dict[str, Any] = {}  # the optimizers and params live in this frame: gone before `_free`
-        try:
-            for name in order:
-                built[name] = make_variant(name, make_params(pset, device, seed))
-                built[name].warmup(warmup)
-            if rounds is None:
-                rounds = _pair_rounds(built[off].step, built[on].step, round_steps, device) // 2
-            return paired_rounds(built[off].step, built[on].step, rounds, round_steps, device)
-        finally:
-            for variant in built.values():
-                variant.close()
-
-    device_pct: list[float] = []
-    host_ms: list[float] = []
-    for order in ((off, on), (on, off)):
-        pct, host = pairs(order)
-        _free(device)
-        device_pct += pct
-        host_ms += host
-    return device_pct, host_ms, round_steps
-
-
-def _pair_rounds(off: Callable[[], object], on: Callable[[], object], round_steps: int, device: torch.device) -> int:
-    """Rounds of a paired measurement, both halves: `PROFILER_ROUNDS` on a CPU (a dry run of the harness); on CUDA,
-    as many as one untimed round's time says fit in `PAIR_SECONDS`, between `PROFILER_ROUNDS` and
-    `PAIR_ROUNDS_MAX`."""
-    if device.type != "cuda":
-        return PROFILER_ROUNDS
-    t0 = time.perf_counter()
-    paired_rounds(off, on, 1, round_steps, device)
-    seconds = time.perf_counter() - t0
-    return int(min(PAIR_ROUNDS_MAX, max(PROFILER_ROUNDS, PAIR_SECONDS / max(seconds, 1e-9))))
 
 
 def run_peer(
@@ -383,7 +241,7 @@ def run_peer(
         warmup=warmup,
     )
     result = VariantResult(variant=peer.name, label=peer.label, status="ok", peer=info)
-    shortfall = _memory_shortfall(pset, device)
+    shortfall = memory_shortfall(pset, device)
     if shortfall is not None:
         result.status, result.reason = "skipped", shortfall
         return result
@@ -500,7 +358,7 @@ def run_phase(
             kitsune_clip,
         ),
     ]
-    shortfall = _memory_shortfall(pset, device)
+    shortfall = memory_shortfall(pset, device)
     if shortfall is not None:
         for result, _, _ in sides:
             result.status, result.reason = "skipped", shortfall
