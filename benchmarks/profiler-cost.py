@@ -3,17 +3,20 @@
 python benchmarks/profiler-cost.py --json profiler-cost.json     # on a GPU: the gpt2 and many sets, full size
 python benchmarks/profiler-cost.py --device cpu                  # a dry run at tiny scale (fusion inactive there)
 
-For each parameter set of ``kitsune bench`` (``--sets``) it builds four optimizers over copies of the same seeded
-params, ``KitsuneOptimizer(torch.optim.AdamW(params), enable_fusion=True)`` without, with, with and without
-``profile=True`` (its defaults: the NVML sampler on, the probe after ``sample_after`` steps), in that order: the
-optimizer built first can be the slower one on the ``many`` set whichever it is (benchmarks/ab.py saw the same), and
-the order off, on, on, off cancels that. Each is warmed up past the profiler's sampled windows, so the timed steps
-are the steady ones. Then ``--blocks`` rounds; in each, every optimizer runs ``--steps`` steps back to back, in an
-order that rotates from round to round: per run, ms per step between two CUDA events around it (host time included:
-a host-bound step keeps the GPU waiting) and host ms per step (the wall time of the ``step()`` calls alone); a
-round's figure for a side is the mean of its two optimizers. It prints, per side, the medians and the 10th-90th
-percentiles over the rounds, the overhead of the profiled side in % (the median of the rounds' ratios on/off, and
-their spread) and in host ms per step, and the graphs' steady replays of each side (both should take it). Last,
+For each parameter set of ``kitsune bench`` (``--sets``) it builds six optimizers over copies of the same seeded
+params, ``KitsuneOptimizer(torch.optim.AdamW(params), enable_fusion=True)`` with the profiler off, on (its
+defaults: the NVML sampler, the probe after ``sample_after`` steps) and on without the probe (``probe_steps=0``, as
+`kitsune bench`'s ``profiled`` variant), two of each, in the order off, on, noprobe, noprobe, on, off (`ORDER`: the
+optimizers built first and last ran their first step faster, so each side gets one early and one late). Each is
+warmed up past the profiler's sampled windows, so the timed steps are the steady ones. Then ``--blocks`` rounds; in
+each, every optimizer runs ``--steps`` steps back to back after ``gc.collect()``, in an order that rotates from
+round to round: ms per step between two CUDA events around the block (host time included: a host-bound step keeps
+the GPU waiting), host ms per step, and the host ms of the block's first step (cold: ``gc.collect()`` walks every
+object, as a forward and backward pass leave the CPU's caches) and the median of the others (warm); a round's
+figure for a side is the mean of its two optimizers. It prints, per side, the medians and the 10th-90th
+percentiles over the rounds, each profiled side's overhead over off in % (the median of the rounds' ratios, and
+their spread) and in host ms (all steps, the first, the later ones), and the graphs' steady replays of each side
+(every side should take it). Last,
 the profiler alone: one more profiler over the same params times ``--blocks`` x 10 x ``--steps`` empty steps (what
 a steady step adds to the host: ``wants_baseline``, ``start``, ``stop`` and the batched reads of its events), the
 median over the blocks in microseconds a step, less the loop around it; then the same with every step timed on the
@@ -44,34 +47,50 @@ def spread(values: list[float]) -> dict[str, float]:
     return {"p50": percentile(values, 50), "p10": percentile(values, 10), "p90": percentile(values, 90)}
 
 
-def build(set_name: str, scale: float, device: torch.device, profile: bool) -> KitsuneOptimizer:
+SIDES = {"off": None, "on": {}, "noprobe": {"probe_steps": 0}}
+"""Each side's profiler settings: off; on with its defaults (the probe inside the warm-up, the NVML sampler); on
+without the probe (what `kitsune bench`'s `profiled` variant runs)."""
+ORDER = ("off", "on", "noprobe", "noprobe", "on", "off")
+"""The build order: a palindrome, so the position an optimizer was built in (the first and last built ran their
+first step faster) weighs on every side alike."""
+
+
+def build(set_name: str, scale: float, device: torch.device, side: str) -> KitsuneOptimizer:
+    from kitsune.config import FusionConfig, KitsuneConfig, ProfilerConfig
+
     params = make_params(get_param_set(set_name, scale), device, seed=0)
+    settings = SIDES[side]
+    profiler = {} if settings is None else {"profiler": ProfilerConfig(**settings)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # on a CPU: "fusion was asked for but is inactive" (printed below)
-        return KitsuneOptimizer(torch.optim.AdamW(params), enable_fusion=True, profile=profile)
+        return KitsuneOptimizer(torch.optim.AdamW(params), config=KitsuneConfig(fusion=FusionConfig(), **profiler))
 
 
-def time_block(opt: KitsuneOptimizer, steps: int, device: torch.device) -> tuple[float, float]:
-    """(ms per step back to back, host ms per step of the ``step()`` calls) over ``steps`` steps."""
+def time_block(opt: KitsuneOptimizer, steps: int, device: torch.device) -> dict[str, float]:
+    """Over ``steps`` back-to-back steps started after ``gc.collect()`` (which walks every object and leaves the
+    CPU's caches cold, as a forward and backward pass do): ``ms`` per step (CUDA events around the block), ``host_ms``
+    per step of the ``step()`` calls, the first step's host ms (``first_ms``, cold) and the median of the others
+    (``later_ms``, warm)."""
     cuda = device.type == "cuda"
     gc.collect()
     if cuda:
         torch.cuda.synchronize(device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-    host_ns = 0
+    host: list[float] = []
     wall = time.perf_counter_ns()
     for _ in range(steps):
         t0 = time.perf_counter_ns()
         opt.step()
-        host_ns += time.perf_counter_ns() - t0
+        host.append((time.perf_counter_ns() - t0) / 1e6)
     if cuda:
         end.record()
         end.synchronize()
         ms = start.elapsed_time(end)
     else:
         ms = (time.perf_counter_ns() - wall) / 1e6
-    return ms / steps, host_ns / 1e6 / steps
+    later = percentile(host[1:], 50) if len(host) > 1 else host[0]
+    return {"ms": ms / steps, "host_ms": sum(host) / steps, "first_ms": host[0], "later_ms": later}
 
 
 def profiler_alone_us(params: list[torch.Tensor], args: argparse.Namespace, every: int | None = None) -> dict[str, Any]:
@@ -104,33 +123,35 @@ def profiler_alone_us(params: list[torch.Tensor], args: argparse.Namespace, ever
 
 
 def measure(set_name: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    names = ("off", "on", "on", "off")  # built in this order: a build-order effect cancels
-    opts = [build(set_name, args.scale, device, name == "on") for name in names]
+    opts = [build(set_name, args.scale, device, side) for side in ORDER]
     for opt in opts:
         for _ in range(args.warmup):
             opt.step()
-    times: dict[str, dict[str, list[float]]] = {name: {"ms": [], "host_ms": []} for name in ("off", "on")}
+    keys = ("ms", "host_ms", "first_ms", "later_ms")
+    times: dict[str, dict[str, list[float]]] = {side: {k: [] for k in keys} for side in SIDES}
     for block in range(args.blocks):
-        round_: dict[str, dict[str, list[float]]] = {name: {"ms": [], "host_ms": []} for name in times}
+        round_: dict[str, dict[str, list[float]]] = {side: {k: [] for k in keys} for side in SIDES}
         for i in range(len(opts)):
             k = (i + block) % len(opts)  # the order rotates from round to round
-            ms, host_ms = time_block(opts[k], args.steps, device)
-            round_[names[k]]["ms"].append(ms)
-            round_[names[k]]["host_ms"].append(host_ms)
-        for name, r in round_.items():
+            for key, value in time_block(opts[k], args.steps, device).items():
+                round_[ORDER[k]][key].append(value)
+        for side, r in round_.items():
             for key, values in r.items():
-                times[name][key].append(sum(values) / len(values))
-    ratios = [on / off for on, off in zip(times["on"]["ms"], times["off"]["ms"], strict=True)]
-    host_deltas = [on - off for on, off in zip(times["on"]["host_ms"], times["off"]["host_ms"], strict=True)]
-    out: dict[str, Any] = {name: {k: spread(v) for k, v in t.items()} for name, t in times.items()}
-    out["overhead_pct"] = {k: 100 * (v - 1) for k, v in spread(ratios).items()}
-    out["host_overhead_ms"] = spread(host_deltas)
+                times[side][key].append(sum(values) / len(values))
+    out: dict[str, Any] = {side: {k: spread(v) for k, v in t.items()} for side, t in times.items()}
+    off = times["off"]
+    for side in ("on", "noprobe"):
+        t = times[side]
+        ratios = [a / b for a, b in zip(t["ms"], off["ms"], strict=True)]
+        out[f"{side}_overhead_pct"] = {k: 100 * (v - 1) for k, v in spread(ratios).items()}
+        for key in ("host_ms", "first_ms", "later_ms"):
+            out[f"{side}_{key}_delta"] = spread([a - b for a, b in zip(t[key], off[key], strict=True)])
     graphs = [opt._subsystem("graphs").report()["steady_replays"] for opt in opts]
-    out["steady_replays"] = {name: [n for n, side in zip(graphs, names, strict=True) if side == name] for name in times}
+    out["steady_replays"] = {side: [n for n, s in zip(graphs, ORDER, strict=True) if s == side] for side in SIDES}
     fusion = opts[0]._subsystem("fusion")
     out["fusion"] = "active" if fusion.active else f"inactive: {fusion.reason}"
     windows = []
-    for opt in opts[1:3]:
+    for opt in opts[1:5]:
         assert opt.profiler is not None
         opt.profiler.close()  # the NVML sampler's thread
         windows.append([w.model_dump() for w in opt.profiler.get_metrics().windows or []])
@@ -171,18 +192,22 @@ def main(argv: list[str] | None = None) -> int:
     for set_name in args.sets.split(","):
         r = results[set_name] = measure(set_name, args, device)
         print(f"{set_name} (scale {args.scale:g}, fusion {r['fusion']}):")
-        for side in ("off", "on"):
-            ms, host = r[side]["ms"], r[side]["host_ms"]
+        for side in SIDES:
+            ms, host, first, later = (r[side][k] for k in ("ms", "host_ms", "first_ms", "later_ms"))
             print(
-                f"  profile {side:3s}  {ms['p50']:.4f} ms/step (p10-p90 {ms['p10']:.4f}-{ms['p90']:.4f}), "
-                f"host {host['p50']:.4f} ms (p10-p90 {host['p10']:.4f}-{host['p90']:.4f}), "
+                f"  {side:8s} {ms['p50']:.4f} ms/step (p10-p90 {ms['p10']:.4f}-{ms['p90']:.4f}), "
+                f"host {host['p50']:.4f} ms (p10-p90 {host['p10']:.4f}-{host['p90']:.4f}): the first step after "
+                f"gc.collect() {first['p50']:.4f}, the later ones {later['p50']:.4f}; "
                 f"steady replays {r['steady_replays'][side]}"
             )
-        pct, host = r["overhead_pct"], r["host_overhead_ms"]
-        print(
-            f"  overhead     {pct['p50']:+.2f}% of the step (p10 {pct['p10']:+.2f}%, p90 {pct['p90']:+.2f}%), "
-            f"host {host['p50']:+.4f} ms/step (p10 {host['p10']:+.4f}, p90 {host['p90']:+.4f})"
-        )
+        for side in ("on", "noprobe"):
+            pct, host = r[f"{side}_overhead_pct"], r[f"{side}_host_ms_delta"]
+            first, later = r[f"{side}_first_ms_delta"], r[f"{side}_later_ms_delta"]
+            print(
+                f"  {side} over off: {pct['p50']:+.2f}% of the step (p10 {pct['p10']:+.2f}%, p90 {pct['p90']:+.2f}%), "
+                f"host {host['p50']:+.4f} ms/step (p10 {host['p10']:+.4f}, p90 {host['p90']:+.4f}); "
+                f"the first step {first['p50']:+.4f} ms, the later ones {later['p50']:+.4f} ms"
+            )
         for alone in (r["profiler_alone_us"], *r["profiler_alone_us_by_every"]):
             every, loop = alone["device_time_every"], alone["loop_us"]
             print(
