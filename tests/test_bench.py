@@ -727,6 +727,9 @@ def test_grads_fresh_skips_the_recipes_that_need_grads_in_place_and_is_recorded(
     assert rows["static"].status == "skipped" and rows["static"].reason == FIXED_GRADS["static"]
     assert all(rows[n].status == "ok" for n in ("fused", "kitsune", "profiled"))
     assert result.sets[0].profiler_cost is None  # the pairs keep their grads: not run with fresh ones
+    assert result.sets[0].profiler_cost_reason == (
+        "not measured with --grads fresh: the paired measurements keep the grads in place"
+    )
     loaded = BenchResult.load(path)
     assert loaded.grads == "fresh"
     console = quiet()

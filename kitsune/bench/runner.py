@@ -627,7 +627,13 @@ def run_bench(
                 report(name, v)
                 progress.advance(task)
             entry.ratio_to_kitsune = _ratios(entry.variants)
-            if {"kitsune", "profiled"} <= set(variants) and grads == "kept":
+            if grads != "kept":  # the pairs time kept grads: beside rows with fresh ones they would compare apart
+                why = f"not measured with --grads {grads}: the paired measurements keep the grads in place"
+                if {"kitsune", "profiled"} <= set(variants):
+                    entry.profiler_cost_reason = why
+                if cuda and {"kitsune", "graph"} <= set(variants):
+                    entry.paired_reason = why
+            elif {"kitsune", "profiled"} <= set(variants):
                 progress.update(task, description=f"{name}: the profiler's cost in pairs")
                 progress.refresh()
                 entry.profiler_cost, entry.profiler_cost_reason = run_profiler_cost(

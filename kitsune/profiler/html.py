@@ -203,6 +203,9 @@ def _counts(profile: Profile) -> str:
     left_out = [f"{modes[mode]} {what}" for mode, what in kinds if modes[mode]]
     if metrics.warmup_left_out:
         left_out.insert(0, f"{metrics.warmup_left_out} warm-up")
+    untimed = sum(1 for r in profile.steps if r.mode == "kitsune" and r.step_ms is None)
+    if untimed:  # CUDA: past the windows one step in device_time_every is timed on the device
+        left_out.append(f"{untimed} not timed on the device")
     if metrics.steps_timed > len(profile.steps):
         left_out.append(f"{metrics.steps_timed - len(profile.steps)} older than the kept records")
     text = f"{metrics.steps_timed} steps timed; {metrics.step_time.count} in the statistics below"
