@@ -135,6 +135,12 @@ default, and how torch's CUDA-graph recipe keeps them); ``fresh``, `fresh_grads`
 timers."""
 
 
+def check_grads_mode(grads: str) -> None:
+    """ValueError unless ``grads`` is one of `GRADS`."""
+    if grads not in GRADS:
+        raise ValueError(f"unknown grads mode {grads!r}: choose from {', '.join(GRADS)}")
+
+
 def refill_grads(params: list[torch.nn.Parameter], gen: torch.Generator) -> None:
     """Give every param a fresh random grad in place (addresses unchanged, so captured graphs stay valid)."""
     with torch.no_grad():

@@ -24,7 +24,14 @@ from kitsune._paths import as_path
 from kitsune.bench.e2e import check_compile_backend, run_e2e
 from kitsune.bench.guards import failure_reason, free_memory, memory_shortfall
 from kitsune.bench.pairs import run_paired_ratio, run_profiler_cost
-from kitsune.bench.params import GRADS, ParamSet, fresh_grads, get_param_set, make_params, refill_grads
+from kitsune.bench.params import (
+    ParamSet,
+    check_grads_mode,
+    fresh_grads,
+    get_param_set,
+    make_params,
+    refill_grads,
+)
 from kitsune.bench.peers import (
     KITSUNE_LION,
     PEERS,
@@ -177,8 +184,7 @@ def run_variant(
     variants that need grads in place (`FIXED_GRADS`) are skipped then.
     """
     result = VariantResult(variant=name, label=VARIANTS[name], status="ok")
-    if grads not in GRADS:
-        raise ValueError(f"unknown grads mode {grads!r}: choose from {', '.join(GRADS)}")
+    check_grads_mode(grads)
     if grads == "fresh" and name in FIXED_GRADS:
         result.status, result.reason = "skipped", FIXED_GRADS[name]
         return result
@@ -517,8 +523,7 @@ def run_bench(
             raise ValueError(f"--compile: {exc}") from None
     if e2e_batch is not None and e2e_batch < 1:
         raise ValueError(f"e2e_batch must be at least 1, got {e2e_batch}")
-    if grads not in GRADS:
-        raise ValueError(f"unknown grads mode {grads!r}: choose from {', '.join(GRADS)}")
+    check_grads_mode(grads)
     if grads != "kept" and peers is not None:
         raise ValueError("--grads fresh times the variants only: leave out --peers (each peer's grads follow its step)")
     chosen, skipped_peers = select_peers(peers, dev) if peers is not None else ([], {})
@@ -627,25 +632,29 @@ def run_bench(
                 report(name, v)
                 progress.advance(task)
             entry.ratio_to_kitsune = _ratios(entry.variants)
-            if grads != "kept":  # the pairs time kept grads: beside rows with fresh ones they would compare apart
-                why = f"not measured with --grads {grads}: the paired measurements keep the grads in place"
-                if {"kitsune", "profiled"} <= set(variants):
-                    entry.profiler_cost_reason = why
-                if cuda and {"kitsune", "graph"} <= set(variants):
-                    entry.paired_reason = why
-            elif {"kitsune", "profiled"} <= set(variants):
-                progress.update(task, description=f"{name}: the profiler's cost in pairs")
-                progress.refresh()
-                entry.profiler_cost, entry.profiler_cost_reason = run_profiler_cost(
-                    pset, dev, entry.steps, warmup, seed
-                )
-                if cuda:  # a comparison: noise on a CPU, where it stays in the JSON only
-                    console.print(f"  {name:8s} {profiler_cost_line(entry)}", highlight=False)
-            if cuda and {"kitsune", "graph"} <= set(variants) and grads == "kept":
-                progress.update(task, description=f"{name}: kitsune against torch's CUDA graph in pairs")
-                progress.refresh()
-                entry.paired, entry.paired_reason = run_paired_ratio(pset, dev, entry.steps, warmup, seed)
-                console.print(f"  {name:8s} {paired_line(entry)}", highlight=False)
+            # the pairs time kept grads: beside rows with fresh ones they would compare apart
+            pairs_off = None
+            if grads != "kept":
+                pairs_off = f"not measured with --grads {grads}: the paired measurements keep the grads in place"
+            if {"kitsune", "profiled"} <= set(variants):
+                if pairs_off is not None:
+                    entry.profiler_cost_reason = pairs_off
+                else:
+                    progress.update(task, description=f"{name}: the profiler's cost in pairs")
+                    progress.refresh()
+                    entry.profiler_cost, entry.profiler_cost_reason = run_profiler_cost(
+                        pset, dev, entry.steps, warmup, seed
+                    )
+                    if cuda:  # a comparison: noise on a CPU, where it stays in the JSON only
+                        console.print(f"  {name:8s} {profiler_cost_line(entry)}", highlight=False)
+            if cuda and {"kitsune", "graph"} <= set(variants):
+                if pairs_off is not None:
+                    entry.paired_reason = pairs_off
+                else:
+                    progress.update(task, description=f"{name}: kitsune against torch's CUDA graph in pairs")
+                    progress.refresh()
+                    entry.paired, entry.paired_reason = run_paired_ratio(pset, dev, entry.steps, warmup, seed)
+                    console.print(f"  {name:8s} {paired_line(entry)}", highlight=False)
             result.sets.append(entry)
             save()
             if lion_peers:
