@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The one script to run on a lent GPU: environment, the CUDA tests, `kitsune bench` on all sets, then the demo.
 # Writes into $OUT (default ./gpu-out): env.log, cuda-tests.log, gpu-suites.log, gpu-fusion.log, bench.log,
-# bench.json, bench-fresh.log, bench-fresh.json, demo.log, demo-profile.json, exit-codes.txt; with STAGES naming compile, e2e-compile.log and
-# e2e-compile.json; with STAGES naming peers, peers.log and peers.json (the peers' wheels in .peers/, PEER_SETS the
-# sets: one a call, as a set with every peer takes minutes).
+# bench.json, bench-fresh.log, bench-fresh.json, demo.log, demo-profile.json, exit-codes.txt; with STAGES naming
+# compile, e2e-compile.log and e2e-compile.json; with STAGES naming peers, peers.log and peers.json (the peers' wheels
+# in .peers/, PEER_SETS the sets: one a call, as a set with every peer takes minutes).
 # Each stage has its own time limit, so a slow stage cannot starve the next; a lent GPU allows 10 minutes a call,
 # so run the stages in two or three calls (STAGES below).
 # BENCH_DEVICE=cpu runs the same stages on a CPU with tiny sets (a dry run of this script, not a measurement).

@@ -193,9 +193,9 @@ def _stats_rows(label: str, stats: TimeStats | None) -> list[list[Any]]:
 
 
 def _counts(profile: Profile) -> str:
-    """How many steps were timed and how many the statistics and plots use: the warm-up's (once a later step was
-    timed), the probe's and the comparison's baseline steps are left out, and so are records beyond
-    ``max_step_records``."""
+    """How many steps were timed and how many the statistics use: the warm-up's (once a later step was timed), the
+    probe's, the comparison's baseline steps and those not timed on the device are left out, and so are records
+    beyond ``max_step_records``."""
     metrics = profile.metrics
     assert metrics is not None and metrics.step_time is not None
     modes = Counter(r.mode for r in profile.steps)
