@@ -4,23 +4,24 @@ python benchmarks/profiler-cost.py --json profiler-cost.json     # on a GPU: the
 python benchmarks/profiler-cost.py --device cpu                  # a dry run at tiny scale (fusion inactive there)
 
 For each parameter set of ``kitsune bench`` (``--sets``) it builds six optimizers over copies of the same seeded
-params, ``KitsuneOptimizer(torch.optim.AdamW(params), enable_fusion=True)`` with the profiler off, on (its
-defaults: the NVML sampler, the probe after ``sample_after`` steps) and on without the probe (``probe_steps=0``, as
-`kitsune bench`'s ``profiled`` variant), two of each, in the order off, on, noprobe, noprobe, on, off (`ORDER`: the
-optimizers built first and last ran their first step faster, so each side gets one early and one late). Each is
-warmed up past the profiler's sampled windows, so the timed steps are the steady ones. Then ``--blocks`` rounds; in
-each, every optimizer runs ``--steps`` steps back to back after ``gc.collect()``, in an order that rotates from
-round to round: ms per step between two CUDA events around the block (host time included: a host-bound step keeps
-the GPU waiting), host ms per step, and the host ms of the block's first step (cold: ``gc.collect()`` walks every
-object, as a forward and backward pass leave the CPU's caches) and the median of the others (warm); a round's
-figure for a side is the mean of its two optimizers. It prints, per side, the medians and the 10th-90th
-percentiles over the rounds, each profiled side's overhead over off in % (the median of the rounds' ratios, and
-their spread) and in host ms (all steps, the first, the later ones), and the graphs' steady replays of each side
-(every side should take it). Last,
-the profiler alone: one more profiler over the same params times ``--blocks`` x 10 x ``--steps`` empty steps (what
-a steady step adds to the host: ``wants_baseline``, ``start``, ``stop`` and the batched reads of its events), the
-median over the blocks in microseconds a step, less the loop around it; then the same with every step timed on the
-device and with one in 32 (the default times one in ``ProfilerConfig.device_time_every``).
+params, ``KitsuneOptimizer(torch.optim.AdamW(params), enable_fusion=True)`` with the profiler off, on (its defaults:
+the NVML sampler, the probe after ``sample_after`` steps) and on without the probe (``probe_steps=0``, as `kitsune
+bench`'s ``profiled`` variant), two of each, in a palindrome build order (off, on, noprobe, noprobe, on, off), the
+rounds split between three such orders (`ORDERS`) so that each side is built in every pair of places: on an H200 the
+place alone moved a side's figure by up to 15% (``--order``, repeated, picks others). Each is warmed up past the
+profiler's sampled windows, so the timed steps are the steady ones. Each order's optimizers are built, warmed up and
+timed, and freed before the next order's. ``--blocks`` rounds in all; in each, every optimizer runs ``--steps``
+steps back to back after ``gc.collect()``, in an order that rotates from round to round: ms per step between two
+CUDA events around the block (host time included: a host-bound step keeps the GPU waiting), host ms per step, and
+the host ms of the block's first step (cold: ``gc.collect()`` walks every object, as a forward and backward pass
+leave the CPU's caches) and the median of the others (warm); a round's figure for a side is the mean of its two
+optimizers. It prints, per side, the medians and the 10th-90th percentiles over the rounds, each profiled side's
+overhead over off in % (the median of the rounds' ratios, and their spread) and in host ms (all steps, the first,
+the later ones), and the graphs' steady replays of each side (every side should take it). Last, the profiler alone:
+one more profiler over the same params times ``--blocks`` x 10 x ``--steps`` empty steps (what a steady step adds to
+the host: ``wants_baseline``, ``start``, ``stop`` and the batched reads of its events), the median over the blocks
+in microseconds a step, less the loop around it; then the same with every step timed on the device and with one in
+32 (the default times one in ``ProfilerConfig.device_time_every``).
 
 ``--json PATH`` writes the numbers, the environment and the profiled side's sampled-window shares.
 """
@@ -50,9 +51,16 @@ def spread(values: list[float]) -> dict[str, float]:
 SIDES = {"off": None, "on": {}, "noprobe": {"probe_steps": 0}}
 """Each side's profiler settings: off; on with its defaults (the probe inside the warm-up, the NVML sampler); on
 without the probe (what `kitsune bench`'s `profiled` variant runs)."""
-ORDER = ("off", "on", "noprobe", "noprobe", "on", "off")
-"""The build order: a palindrome, so the position an optimizer was built in (the first and last built ran their
-first step faster) weighs on every side alike."""
+ORDERS = (
+    ("off", "on", "noprobe", "noprobe", "on", "off"),
+    ("on", "noprobe", "off", "off", "noprobe", "on"),
+    ("noprobe", "off", "on", "on", "off", "noprobe"),
+)
+"""The build orders, each a palindrome, the rounds split between them: across the three each side is built in
+every pair of places (first and last, second and fifth, third and fourth). On an H200 the place alone moved a side's
+figure by up to 15% on the ``many`` set (the optimizers built second and fifth ran slower, whichever side they
+were), more than the profiler's own cost."""
+KEYS = ("ms", "host_ms", "first_ms", "later_ms")
 
 
 def build(set_name: str, scale: float, device: torch.device, side: str) -> KitsuneOptimizer:
@@ -122,22 +130,64 @@ def profiler_alone_us(params: list[torch.Tensor], args: argparse.Namespace, ever
     return {**spread(per_block), "loop_us": percentile(loops, 50), "device_time_every": prof.config.device_time_every}
 
 
-def measure(set_name: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    opts = [build(set_name, args.scale, device, side) for side in ORDER]
+def run_order(
+    set_name: str, order: tuple[str, ...], rounds: int, args: argparse.Namespace, device: torch.device
+) -> tuple[dict[str, dict[str, list[float]]], dict[str, Any], list[torch.Tensor]]:
+    """``rounds`` rounds over six optimizers built in ``order``: per side, each round's figures (the mean of the
+    side's optimizers); the graphs' steady replays, the fusion route and the sampled windows; the params of the
+    optimizer built first (for the profiler alone)."""
+    opts = [build(set_name, args.scale, device, side) for side in order]
     for opt in opts:
         for _ in range(args.warmup):
             opt.step()
-    keys = ("ms", "host_ms", "first_ms", "later_ms")
-    times: dict[str, dict[str, list[float]]] = {side: {k: [] for k in keys} for side in SIDES}
-    for block in range(args.blocks):
-        round_: dict[str, dict[str, list[float]]] = {side: {k: [] for k in keys} for side in SIDES}
+    times: dict[str, dict[str, list[float]]] = {side: {k: [] for k in KEYS} for side in SIDES}
+    for block in range(rounds):
+        round_: dict[str, dict[str, list[float]]] = {side: {k: [] for k in KEYS} for side in SIDES}
         for i in range(len(opts)):
             k = (i + block) % len(opts)  # the order rotates from round to round
             for key, value in time_block(opts[k], args.steps, device).items():
-                round_[ORDER[k]][key].append(value)
+                round_[order[k]][key].append(value)
         for side, r in round_.items():
             for key, values in r.items():
                 times[side][key].append(sum(values) / len(values))
+    graphs = [opt._subsystem("graphs").report()["steady_replays"] for opt in opts]
+    fusion = opts[0]._subsystem("fusion")
+    for opt, side in zip(opts, order, strict=True):
+        if side != "off":
+            assert opt.profiler is not None
+            opt.profiler.close()  # the NVML sampler's thread
+    on = opts[order.index("on")].profiler
+    assert on is not None
+    info = {
+        "steady_replays": {side: [n for n, s in zip(graphs, order, strict=True) if s == side] for side in SIDES},
+        "fusion": "active" if fusion.active else f"inactive: {fusion.reason}",
+        "windows": [w.model_dump() for w in on.get_metrics().windows or []],
+    }
+    params = opts[0].base_optimizer.param_groups[0]["params"]
+    del opts
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return times, info, params
+
+
+def order_ratios(raw: dict[str, dict[str, list[float]]], side: str) -> list[float]:
+    return [a / b for a, b in zip(raw[side]["ms"], raw["off"]["ms"], strict=True)]
+
+
+def measure(set_name: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """The rounds split between the build orders (``args.orders``), each order's optimizers built, warmed up, timed
+    and freed before the next order's are built."""
+    times: dict[str, dict[str, list[float]]] = {side: {k: [] for k in KEYS} for side in SIDES}
+    by_order = []
+    orders = args.orders
+    for j, order in enumerate(orders):
+        rounds = len(range(j, args.blocks, len(orders)))
+        order_times, info, params = run_order(set_name, order, rounds, args, device)
+        for side, t in order_times.items():
+            for key, values in t.items():
+                times[side][key].extend(values)
+        by_order.append({"order": list(order), "rounds": rounds, **info, "raw": order_times})
     out: dict[str, Any] = {side: {k: spread(v) for k, v in t.items()} for side, t in times.items()}
     off = times["off"]
     for side in ("on", "noprobe"):
@@ -146,25 +196,17 @@ def measure(set_name: str, args: argparse.Namespace, device: torch.device) -> di
         out[f"{side}_overhead_pct"] = {k: 100 * (v - 1) for k, v in spread(ratios).items()}
         for key in ("host_ms", "first_ms", "later_ms"):
             out[f"{side}_{key}_delta"] = spread([a - b for a, b in zip(t[key], off[key], strict=True)])
-    graphs = [opt._subsystem("graphs").report()["steady_replays"] for opt in opts]
-    out["steady_replays"] = {side: [n for n, s in zip(graphs, ORDER, strict=True) if s == side] for side in SIDES}
-    fusion = opts[0]._subsystem("fusion")
-    out["fusion"] = "active" if fusion.active else f"inactive: {fusion.reason}"
-    windows = []
-    for opt in opts[1:5]:
-        assert opt.profiler is not None
-        opt.profiler.close()  # the NVML sampler's thread
-        windows.append([w.model_dump() for w in opt.profiler.get_metrics().windows or []])
-    out["windows"] = windows[0]
-    params = opts[1].base_optimizer.param_groups[0]["params"]
+        # each order's median ratio: a side whose figure moves with the build order measures its place, not itself
+        out[f"{side}_overhead_pct_by_order"] = [
+            100 * (percentile(order_ratios(o["raw"], side), 50) - 1) for o in by_order
+        ]
+    out["steady_replays"] = {side: sum((o["steady_replays"][side] for o in by_order), []) for side in SIDES}
+    out["fusion"], out["windows"] = by_order[0]["fusion"], by_order[0]["windows"]
+    out["orders"] = [{k: v for k, v in o.items() if k != "raw"} for o in by_order]
     out["profiler_alone_us"] = profiler_alone_us(params, args)
     # how much of it is the device timing: every step timed, and one in 32
     out["profiler_alone_us_by_every"] = [profiler_alone_us(params, args, every) for every in (1, 32)]
     out["raw"] = times
-    del opts
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     return out
 
 
@@ -173,15 +215,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--sets", default="gpt2,many", help="parameter sets of kitsune bench, comma-separated")
     parser.add_argument("--scale", type=float, default=None, help="elements per tensor (default 1; 0.001 on a CPU)")
-    parser.add_argument("--blocks", type=int, default=None, help="timed rounds (default 30; 2 on a CPU)")
+    parser.add_argument(
+        "--blocks", type=int, default=None, help="timed rounds, split between the build orders (default 30; 3 on a CPU)"
+    )
     parser.add_argument("--steps", type=int, default=None, help="steps per optimizer a round (default 20; 3 on CPU)")
     parser.add_argument("--warmup", type=int, default=30, help="steps before timing (past the sampled windows)")
+    parser.add_argument(
+        "--order",
+        action="append",
+        default=None,
+        help="a build order, comma-separated sides (off, on, noprobe), each at least once; repeat the option for "
+        "several (default: the three of ORDERS)",
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
+    args.orders = [tuple(o.split(",")) for o in args.order] if args.order else list(ORDERS)
+    for order in args.orders:
+        if set(order) != set(SIDES):
+            parser.error(f"--order {','.join(order)}: name each of {', '.join(SIDES)} at least once, nothing else")
     device = torch.device(args.device)
     cpu = device.type == "cpu"
     args.scale = args.scale if args.scale is not None else (0.001 if cpu else 1.0)
-    args.blocks = args.blocks if args.blocks is not None else (2 if cpu else 30)
+    args.blocks = args.blocks if args.blocks is not None else (3 if cpu else 30)
     args.steps = args.steps if args.steps is not None else (3 if cpu else 20)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device: pass --device cpu for a dry run")
@@ -206,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"  {side} over off: {pct['p50']:+.2f}% of the step (p10 {pct['p10']:+.2f}%, p90 {pct['p90']:+.2f}%), "
                 f"host {host['p50']:+.4f} ms/step (p10 {host['p10']:+.4f}, p90 {host['p90']:+.4f}); "
-                f"the first step {first['p50']:+.4f} ms, the later ones {later['p50']:+.4f} ms"
+                f"the first step {first['p50']:+.4f} ms, the later ones {later['p50']:+.4f} ms; by build order "
+                + ", ".join(f"{v:+.2f}%" for v in r[f"{side}_overhead_pct_by_order"])
             )
         for alone in (r["profiler_alone_us"], *r["profiler_alone_us_by_every"]):
             every, loop = alone["device_time_every"], alone["loop_us"]
