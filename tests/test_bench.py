@@ -106,15 +106,15 @@ def test_run_bench_on_cpu_and_json_round_trip(tmp_path):
     for entry in result.sets:
         assert entry.floor_ms > 0 and entry.bytes_per_step == ADAMW_BYTES_PER_PARAM * entry.n_elements
         by_name = {v.variant: v for v in entry.variants}
-        assert list(by_name) == ["foreach", "fused", "graph", "kitsune", "eager", "static", "profiled"]
-        for name in ("foreach", "fused", "kitsune", "eager", "static", "profiled"):
+        assert list(by_name) == ["foreach", "fused", "graph", "kitsune", "fresh", "eager", "static", "profiled"]
+        for name in ("foreach", "fused", "kitsune", "fresh", "eager", "static", "profiled"):
             v = by_name[name]
             assert v.status == "ok", v.reason
             assert v.device_ms.median > 0 and v.host_ms.median > 0 and len(v.device_ms_steps) == 2
             assert v.device_ms.p10 <= v.device_ms.median <= v.device_ms.p90
             assert v.busy_host_ms == v.device_ms  # on a CPU the device pass's times are its calls' wall times
         assert by_name["graph"].status == "skipped" and "CUDA" in by_name["graph"].reason
-        assert set(entry.ratio_to_kitsune) == {"foreach", "fused", "eager", "static", "profiled"}
+        assert set(entry.ratio_to_kitsune) == {"foreach", "fused", "fresh", "eager", "static", "profiled"}
         assert "profiler" in by_name["profiled"].kitsune.active_subsystems
         assert "profiler" not in by_name["kitsune"].kitsune.active_subsystems
         info = by_name["kitsune"].kitsune
@@ -706,6 +706,44 @@ def test_grads_fresh_gives_every_warmup_and_timed_step_new_grads(monkeypatch):
             assert all(len(ids[k]) == len(pset.shapes) and not ids[k] & set().union(*ids[:k]) for k in range(len(ids)))
         else:
             assert all(step_ids == ids[0] for step_ids in ids)
+
+
+def test_the_fresh_variant_is_the_one_line_with_new_grads_every_step(monkeypatch):
+    """The ``fresh`` row: kitsune's one line, whose every warm-up and timed step meets grads it has not seen, beside
+    rows whose grads stay in place; with ``--grads fresh`` it would repeat the ``kitsune`` row, and is skipped."""
+    from kitsune.bench import runner, variants
+
+    built: list[str] = []
+    seen: list[list[torch.Tensor]] = []  # the grads themselves: held, so no later grad can reuse an id
+    make = variants.make_variant
+
+    def recording(name, params):
+        v = make(name, params)
+        built.append(type(v.opt).__name__ if hasattr(v, "opt") else type(v).__name__)
+        step = v.step
+
+        def record():
+            seen.append([p.grad for p in params])
+            return step()
+
+        v.step = record
+        return v
+
+    monkeypatch.setattr(runner, "make_variant", recording)
+    pset = get_param_set("gpt2", 0.001)
+    for name in ("fresh", "kitsune"):
+        seen.clear()
+        v = runner.run_variant(name, pset, torch.device("cpu"), 3, 2, 1.0)
+        assert v.status == "ok" and v.label == variants.VARIANTS[name] and len(seen) == 2 + 2 * 3
+        assert v.kitsune is not None and v.kitsune.total_params == len(pset.shapes)
+        ids = [{id(g) for g in step} for step in seen]
+        if name == "fresh":  # no step sees a grad an earlier step held
+            assert all(len(ids[k]) == len(pset.shapes) and not ids[k] & set().union(*ids[:k]) for k in range(len(ids)))
+        else:
+            assert all(step_ids == ids[0] for step_ids in ids)
+    assert built == ["KitsuneOptimizer", "KitsuneOptimizer"]
+    skipped = runner.run_variant("fresh", pset, torch.device("cpu"), 3, 2, 1.0, grads="fresh")
+    assert skipped.status == "skipped" and "'kitsune' row re-allocates its grads already" in skipped.reason
 
 
 def test_grads_fresh_skips_the_recipes_that_need_grads_in_place_and_is_recorded(tmp_path):

@@ -65,6 +65,7 @@ from kitsune.bench.variants import (
     BYTES_PER_PARAM,
     DEFAULT_VARIANTS,
     FIXED_GRADS,
+    FRESH_GRADS,
     VARIANTS,
     kitsune_info,
     make_variant,
@@ -181,10 +182,17 @@ def run_variant(
     ``audit`` (``--peers`` runs, where the variants sit next to the peers): also count the state's bytes after
     warm-up and check, as a peer's, that the params moved on every checked step. ``grads`` (`GRADS`): ``fresh``
     frees and re-allocates every grad before each warm-up and timed step (`fresh_grads`, outside the timers); the
-    variants that need grads in place (`FIXED_GRADS`) are skipped then.
+    variants that need grads in place (`FIXED_GRADS`) are skipped then; the variants of `FRESH_GRADS` always run so
+    (and are skipped with ``fresh``: their row would repeat another).
     """
     result = VariantResult(variant=name, label=VARIANTS[name], status="ok")
     check_grads_mode(grads)
+    if name in FRESH_GRADS:
+        if grads == "fresh":
+            result.status = "skipped"
+            result.reason = f"with --grads fresh the {VARIANTS[FRESH_GRADS[name]]!r} row re-allocates its grads already"
+            return result
+        grads = "fresh"
     if grads == "fresh" and name in FIXED_GRADS:
         result.status, result.reason = "skipped", FIXED_GRADS[name]
         return result

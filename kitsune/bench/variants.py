@@ -19,6 +19,7 @@ VARIANTS: dict[str, str] = {
     "fused": "torch fused",
     "graph": "torch graph",
     "kitsune": "kitsune",
+    "fresh": "kitsune, grads re-allocated",
     "eager": "kitsune, capture_graph=False",
     "static": "kitsune, static_addresses=True",
     "profiled": "kitsune, profile=True",
@@ -27,14 +28,16 @@ VARIANTS: dict[str, str] = {
 }
 """Variant name (what ``--variants`` takes) -> label in the table. ``graph`` is fused + capturable AdamW replayed
 from a CUDA graph; ``kitsune`` is kitsune as it comes (on CUDA its phase is captured in a CUDA graph after
-warm-up), ``eager`` the same with ``capture_graph=False``, ``static`` the same with
+warm-up), ``fresh`` the same with every grad freed and re-allocated with new values before each step, outside the
+timers (`FRESH_GRADS`: as a training loop's ``zero_grad()`` and ``backward()`` leave them, beside the rows whose
+grads stay in place), ``eager`` the same with ``capture_graph=False``, ``static`` the same with
 ``GraphConfig(static_addresses=True)`` (the grads stay in place, as in every variant here, so the per-step address
 checks are skipped); ``profiled`` is kitsune with the profiler on outside its sampled windows (probe and live
 comparison off), which measures the profiler's own cost per step. ``8bit`` and ``bf16state`` are the one line with
 ``FusionConfig(state_precision=...)`` (and ``min_8bit_size``'s default): their % of floor is against their own
 bytes (`BYTES_PER_PARAM`), and the table adds the state's memory."""
 
-DEFAULT_VARIANTS = ("foreach", "fused", "graph", "kitsune", "eager", "static", "profiled")
+DEFAULT_VARIANTS = ("foreach", "fused", "graph", "kitsune", "fresh", "eager", "static", "profiled")
 """What a run without ``--variants`` times (``--peers`` runs time fused, kitsune and the low-precision ones)."""
 
 FIXED_GRADS = {
@@ -43,6 +46,9 @@ FIXED_GRADS = {
     "static": "static_addresses=True promises grads that stay in place: it does not run with --grads fresh",
 }
 """The variants that need the grads to stay where they are, and why (``--grads fresh`` skips them)."""
+
+FRESH_GRADS = {"fresh": "kitsune"}
+"""The variants that run another with fresh grads (``--grads fresh`` for that row alone): name -> the variant run."""
 
 STATE_PRECISION = {"8bit": "8bit", "bf16state": "bf16"}
 """The low-precision variants and the ``state_precision`` each runs."""
@@ -169,6 +175,7 @@ class _KitsuneVariant(_TorchVariant):
 
 def make_variant(name: str, params: list[torch.nn.Parameter]) -> _TorchVariant:
     """Build variant ``name`` over ``params``: call ``warmup(n)`` once, then ``step()``; ``close()`` at the end."""
+    name = FRESH_GRADS.get(name, name)  # the same optimizer; its runner re-allocates the grads
     if name == "foreach":
         return _TorchVariant(params, foreach=True)
     if name == "fused":
