@@ -784,3 +784,12 @@ def test_grads_mode_is_checked_before_anything_runs():
         run_bench(sets=["gpt2"], device="cpu", console=quiet(), grads="fresh", peers="all")
     with pytest.raises(SystemExit):
         main(["--device", "cpu", "--grads", "often"])
+
+
+def test_a_result_saves_and_loads_under_a_home_relative_path(tmp_path, monkeypatch):
+    """``save`` expands ``~``; ``load`` of the same text finds the same file."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    result = run_bench(sets=["gpt2"], variants=["kitsune"], device="cpu", steps=2, warmup=1, console=quiet())
+    saved = result.save("~/runs/bench.json")
+    assert saved == tmp_path / "runs" / "bench.json" and saved.is_file()
+    assert BenchResult.load("~/runs/bench.json") == result

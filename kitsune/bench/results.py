@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from kitsune._paths import write_output
+from kitsune._paths import as_path, write_output
 from kitsune.bench.e2e import E2EResult
 from kitsune.bench.timing import Stats
 from kitsune.profiler.schema import Environment
@@ -213,4 +213,5 @@ class BenchResult(BaseModel):
 
     @classmethod
     def load(cls, path: str | Path) -> BenchResult:
-        return cls.model_validate_json(Path(path).read_text())
+        """The result saved at ``path`` (``~`` expanded, as `save` does)."""
+        return cls.model_validate_json(as_path(path).read_text(encoding="utf-8"))
