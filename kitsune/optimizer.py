@@ -494,10 +494,17 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         return {"optimizer": self._optimizer, "config": self.config, "kitsune": ours}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        # on a live optimizer torch's __setstate__ updates its __dict__: the hooks registered on it stay
+        before = self.__dict__
+        hooks = {k: v for k, v in before.items() if k.startswith("_optimizer_") and k.endswith("_hooks")}
+        old_profiler = before.get("_profiler")
         # KitsuneOptimizer's own __init__, not a subclass's (whose signature may differ), as torch's __setstate__
         # restores an optimizer without calling its class's __init__
         KitsuneOptimizer.__init__(self, state["optimizer"], config=state["config"])
         self._load_own_state(checkpoint.check_own_state(state["kitsune"], self._subsystems))
+        self.__dict__.update(hooks)
+        if old_profiler is not None:
+            old_profiler.close()  # its NVML sampler's thread, now that nothing reads it
 
     def __repr__(self) -> str:
         active = ", ".join(s.name for s in self._subsystems if s.active) or "none"

@@ -479,3 +479,27 @@ def test_the_memory_profiler_sees_the_optimizer_step(monkeypatch):
             p.grad = torch.randn(5)
             opt.step()
     assert calls.count("KitsuneOptimizer") == 3
+
+
+def test_setstate_on_a_live_optimizer_keeps_its_hooks_as_torchs_does():
+    """torch's ``__setstate__`` updates a live optimizer's ``__dict__``: hooks registered on it keep firing. A
+    KitsuneOptimizer restored in place keeps them too, its state and step count those of the state it was given."""
+    calls: dict[str, list[str]] = {"torch": [], "kitsune": []}
+    m = small_model()
+    opts = {"torch": torch.optim.Adam(m.parameters()), "kitsune": KitsuneOptimizer(torch.optim.Adam(m.parameters()))}
+    for name, opt in opts.items():
+        opt.register_step_pre_hook(lambda *_, name=name: calls[name].append("pre"))
+        opt.register_step_post_hook(lambda *_, name=name: calls[name].append("post"))
+        opt.register_state_dict_post_hook(lambda *_, name=name: calls[name].append("state_dict"))
+        opt.register_load_state_dict_post_hook(lambda *_, name=name: calls[name].append("load"))
+    train(m, opts["kitsune"], batches(2))
+    saved = opts["kitsune"].__getstate__()
+    for name, opt in opts.items():
+        opt.__setstate__(saved if name == "kitsune" else opt.__getstate__())
+        calls[name].clear()
+        for p in m.parameters():
+            p.grad = torch.randn_like(p)
+        opt.step()
+        opt.load_state_dict(opt.state_dict())
+    assert calls["kitsune"] == calls["torch"] == ["pre", "post", "state_dict", "load"]
+    assert opts["kitsune"].step_count == 3
