@@ -278,7 +278,7 @@ def test_every_variant_times_on_gpu():
     for v in entry.variants:
         assert v.status == "ok", f"{v.variant}: {v.reason}"
         assert v.device_ms.median > 0 and v.host_ms.median > 0 and 0 < v.pct_of_floor
-    assert set(entry.ratio_to_kitsune) == {"foreach", "fused", "graph", "eager", "static", "profiled"}
+    assert set(entry.ratio_to_kitsune) == {"foreach", "fused", "graph", "fresh", "eager", "static", "profiled"}
 
 
 @pytest.mark.cuda
