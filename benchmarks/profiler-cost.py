@@ -50,7 +50,7 @@ def spread(values: list[float]) -> dict[str, float]:
 
 SIDES = {"off": None, "on": {}, "noprobe": {"probe_steps": 0}}
 """Each side's profiler settings: off; on with its defaults (the probe inside the warm-up, the NVML sampler); on
-without the probe (what `kitsune bench`'s `profiled` variant runs)."""
+without the probe (what `kitsune bench`'s `profiled` variant ran in the runs recorded on 2026-12-04)."""
 ORDERS = (
     ("off", "on", "noprobe", "noprobe", "on", "off"),
     ("on", "noprobe", "off", "off", "noprobe", "on"),

@@ -793,3 +793,23 @@ def test_a_result_saves_and_loads_under_a_home_relative_path(tmp_path, monkeypat
     saved = result.save("~/runs/bench.json")
     assert saved == tmp_path / "runs" / "bench.json" and saved.is_file()
     assert BenchResult.load("~/runs/bench.json") == result
+
+
+def test_the_profiled_variant_is_profile_true_as_it_comes_warmed_past_its_windows():
+    """The ``profiled`` row (and the profiler's cost in pairs) times ``profile=True`` with `ProfilerConfig`'s
+    defaults, not a lighter profiler; its warm-up runs on past the sampled windows, so no timed step is one of them,
+    and closing it stops the NVML sampler."""
+    from kitsune.bench.variants import make_variant
+    from kitsune.config import ProfilerConfig
+
+    params = make_params(get_param_set("gpt2", 0.001), "cpu", seed=0)
+    v = make_variant("profiled", params)
+    assert v.opt.config.profiler == ProfilerConfig(enabled=True)
+    profiler = v.opt.profiler
+    assert profiler is not None and profiler.sampling
+    v.warmup(2)
+    assert not profiler.sampling and v.opt.step_count > 2  # the windows: past them
+    closed = []
+    profiler.close = lambda: closed.append(True)
+    v.close()
+    assert closed == [True]
