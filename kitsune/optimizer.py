@@ -494,15 +494,23 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         return {"optimizer": self._optimizer, "config": self.config, "kitsune": ours}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        # on a live optimizer torch's __setstate__ updates its __dict__: the hooks registered on it stay
-        before = self.__dict__
-        hooks = {k: v for k, v in before.items() if k.startswith("_optimizer_") and k.endswith("_hooks")}
+        # on a live optimizer torch's __setstate__ updates its __dict__: the hooks registered on it stay; a state
+        # that cannot be restored leaves the optimizer as it was
+        before = dict(self.__dict__)
+        try:
+            # KitsuneOptimizer's own __init__, not a subclass's (whose signature may differ), as torch's
+            # __setstate__ restores an optimizer without calling its class's __init__
+            KitsuneOptimizer.__init__(self, state["optimizer"], config=state["config"])
+            self._load_own_state(checkpoint.check_own_state(state["kitsune"], self._subsystems))
+        except BaseException:
+            built = self.__dict__.get("_profiler")
+            self.__dict__.clear()
+            self.__dict__.update(before)
+            if built is not None and built is not before.get("_profiler"):
+                built.close()  # the NVML sampler's thread of the profiler built for the state
+            raise
+        self.__dict__.update({k: v for k, v in before.items() if k.startswith("_optimizer_") and k.endswith("_hooks")})
         old_profiler = before.get("_profiler")
-        # KitsuneOptimizer's own __init__, not a subclass's (whose signature may differ), as torch's __setstate__
-        # restores an optimizer without calling its class's __init__
-        KitsuneOptimizer.__init__(self, state["optimizer"], config=state["config"])
-        self._load_own_state(checkpoint.check_own_state(state["kitsune"], self._subsystems))
-        self.__dict__.update(hooks)
         if old_profiler is not None:
             old_profiler.close()  # its NVML sampler's thread, now that nothing reads it
 

@@ -503,3 +503,23 @@ def test_setstate_on_a_live_optimizer_keeps_its_hooks_as_torchs_does():
         opt.load_state_dict(opt.state_dict())
     assert calls["kitsune"] == calls["torch"] == ["pre", "post", "state_dict", "load"]
     assert opts["kitsune"].step_count == 3
+
+
+def test_setstate_that_fails_leaves_a_live_optimizer_as_it_was():
+    """A state whose kitsune part is refused raises, and the live optimizer keeps its hooks, its profiler, its state
+    and its step count: it trains on as if nothing happened."""
+    m = small_model()
+    opt = KitsuneOptimizer(torch.optim.Adam(m.parameters()), profile=True)
+    calls: list[str] = []
+    opt.register_step_pre_hook(lambda *_: calls.append("pre"))
+    train(m, opt, batches(2))
+    profiler, state = opt.profiler, copy.deepcopy(opt.state_dict())
+    bad = opt.__getstate__()
+    bad["kitsune"] = {"version": -1}
+    with pytest.raises((ValueError, KeyError, TypeError)):
+        opt.__setstate__(bad)
+    assert opt.profiler is profiler and opt.step_count == 2
+    torch.testing.assert_close(opt.state_dict(), state)
+    calls.clear()
+    train(m, opt, batches(1))
+    assert calls == ["pre"] and opt.step_count == 3
