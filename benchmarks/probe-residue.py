@@ -14,7 +14,9 @@ the probe leaves on the process rather than on its optimizer). Then ``--rounds``
 back-to-back steps after ``gc.collect()`` in an order that rotates from round to round: microseconds a step between
 two CUDA events around the block, the median host time of the block's later steps (warm) and of its first (cold).
 Last, ``cProfile`` over 100 steady steps of ``off``, ``on``, ``noprobe`` and ``probe_notp``: Python calls a step and
-the functions whose calls differ between them (work one of them does and the other does not).
+the functions whose calls differ between them (work one of them does and the other does not). Eight optimizers in all
+(``off`` twice); the profiled ones' NVML samplers (one wake-up every ``nvml_interval_s``, 0.5 s) run through every
+block, so ``nonvml`` differs from ``on`` by one sampler among several, not by the sampler's whole cost.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ the later ones), and the graphs' steady replays of each side (every side should 
 one more profiler over the same params times ``--blocks`` x 10 x ``--steps`` empty steps (what a steady step adds to
 the host: ``wants_baseline``, ``start``, ``stop`` and the batched reads of its events), the median over the blocks
 in microseconds a step, less the loop around it; then the same with every step timed on the device and with one in
-32 (the default times one in ``ProfilerConfig.device_time_every``).
+8 (the default times one in ``ProfilerConfig.device_time_every``, 32).
 
 ``--json PATH`` writes the numbers, the environment and the profiled side's sampled-window shares.
 """
@@ -132,10 +132,10 @@ def profiler_alone_us(params: list[torch.Tensor], args: argparse.Namespace, ever
 
 def run_order(
     set_name: str, order: tuple[str, ...], rounds: int, args: argparse.Namespace, device: torch.device
-) -> tuple[dict[str, dict[str, list[float]]], dict[str, Any], list[torch.Tensor]]:
+) -> tuple[dict[str, dict[str, list[float]]], dict[str, Any]]:
     """``rounds`` rounds over six optimizers built in ``order``: per side, each round's figures (the mean of the
-    side's optimizers); the graphs' steady replays, the fusion route and the sampled windows; the params of the
-    optimizer built first (for the profiler alone)."""
+    side's optimizers); the graphs' steady replays, the fusion route and the sampled windows. The optimizers and
+    their params are gone when it returns."""
     opts = [build(set_name, args.scale, device, side) for side in order]
     for opt in opts:
         for _ in range(args.warmup):
@@ -163,12 +163,11 @@ def run_order(
         "fusion": "active" if fusion.active else f"inactive: {fusion.reason}",
         "windows": [w.model_dump() for w in on.get_metrics().windows or []],
     }
-    params = opts[0].base_optimizer.param_groups[0]["params"]
-    del opts
+    del opts, opt, fusion, on  # nothing of this order's optimizers outlives it
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return times, info, params
+    return times, info
 
 
 def order_ratios(raw: dict[str, dict[str, list[float]]], side: str) -> list[float]:
@@ -183,7 +182,7 @@ def measure(set_name: str, args: argparse.Namespace, device: torch.device) -> di
     orders = args.orders
     for j, order in enumerate(orders):
         rounds = len(range(j, args.blocks, len(orders)))
-        order_times, info, params = run_order(set_name, order, rounds, args, device)
+        order_times, info = run_order(set_name, order, rounds, args, device)
         for side, t in order_times.items():
             for key, values in t.items():
                 times[side][key].extend(values)
@@ -203,9 +202,10 @@ def measure(set_name: str, args: argparse.Namespace, device: torch.device) -> di
     out["steady_replays"] = {side: sum((o["steady_replays"][side] for o in by_order), []) for side in SIDES}
     out["fusion"], out["windows"] = by_order[0]["fusion"], by_order[0]["windows"]
     out["orders"] = [{k: v for k, v in o.items() if k != "raw"} for o in by_order]
+    params = make_params(get_param_set(set_name, args.scale), device, seed=0)
     out["profiler_alone_us"] = profiler_alone_us(params, args)
-    # how much of it is the device timing: every step timed, and one in 32
-    out["profiler_alone_us_by_every"] = [profiler_alone_us(params, args, every) for every in (1, 32)]
+    # how much of it is the device timing: every step timed, and one in 8 (the default before one in 32)
+    out["profiler_alone_us_by_every"] = [profiler_alone_us(params, args, every) for every in (1, 8)]
     out["raw"] = times
     return out
 
@@ -238,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     args.scale = args.scale if args.scale is not None else (0.001 if cpu else 1.0)
     args.blocks = args.blocks if args.blocks is not None else (3 if cpu else 30)
     args.steps = args.steps if args.steps is not None else (3 if cpu else 20)
+    if args.blocks < len(args.orders):
+        parser.error(f"--blocks {args.blocks}: at least one round for each of the {len(args.orders)} build orders")
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device: pass --device cpu for a dry run")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
