@@ -157,8 +157,8 @@ class SetResult(BaseModel):
     warmup: int
     variants: list[VariantResult]
     ratio_to_kitsune: dict[str, float]
-    """Per torch variant or peer: its median device ms / kitsune's (above 1: kitsune is faster); in a ``lion_step``
-    set, over kitsune's fused Lion."""
+    """Per other row (torch's variants, peers, kitsune's other variants): its median device ms / the ``kitsune``
+    row's (above 1: the ``kitsune`` row is faster); in a ``lion_step`` set, over kitsune's fused Lion."""
     profiler_cost: ProfilerCost | None = None
     """With the ``kitsune`` and ``profiled`` variants both asked for: the profiler's cost measured in pairs."""
     profiler_cost_reason: str | None = None
