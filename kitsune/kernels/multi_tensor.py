@@ -77,7 +77,8 @@ class TensorTables:
         self.counter = torch.zeros(self.num_tensors, dtype=torch.int32, device=device)  # (T,) finished blocks
         self._roles: dict[str, torch.Tensor] = {}
         self._cached: dict[str, list[int]] = {}
-        self._aligned: dict[tuple[tuple[str, ...], int], bool] = {}  # `aligned`'s answers until a role moves
+        self._hosts: dict[str, torch.Tensor] = {}  # each role's addresses as last set, a CPU int64 tensor
+        self._aligned: dict[tuple[str, int], bool] = {}  # `aligned`'s answers per role until the role moves
         self._scratch: dict[str, torch.Tensor] = {}
         self.uploads = 0
         """Address tables copied to the device so far (plan-time tables included)."""
@@ -94,18 +95,25 @@ class TensorTables:
             self._roles[role] = host.to(self.device)
         else:  # keep the device buffer (its address may be baked into a captured graph)
             table.copy_(pinned(host, self.device), non_blocking=True)
-        self._cached[role] = addresses
-        self._aligned = {key: ok for key, ok in self._aligned.items() if role not in key[0]}
+        self._cached[role], self._hosts[role] = addresses, host
+        self._aligned = {key: ok for key, ok in self._aligned.items() if key[0] != role}
         self.uploads += 1
         return True
 
     def aligned(self, roles: Sequence[str], nbytes: int) -> bool:
         """Whether every address of these roles, as last set, is a multiple of ``nbytes`` (a tensor skipped with
         `DEAD` counts as aligned). Kept until one of the roles is set to other addresses: a launch asks every step."""
-        key = (tuple(roles), nbytes)
+        return all(self._role_aligned(role, nbytes) for role in roles)
+
+    def _role_aligned(self, role: str, nbytes: int) -> bool:
+        """`aligned` for one role, kept per role: a role that moves (the grads, every step they are re-allocated
+        elsewhere) is answered again, in three tensor operations over its addresses, and the others stand."""
+        key = (role, nbytes)
         ok = self._aligned.get(key)
         if ok is None:
-            ok = self._aligned[key] = all(a % nbytes == 0 for r in roles for a in self._cached.get(r, [1]) if a != DEAD)
+            host = self._hosts.get(role)
+            ok = nbytes == 1 if host is None else bool(((host % nbytes == 0) | (host == DEAD)).all())
+            self._aligned[key] = ok
         return ok
 
     def scratch(self, name: str, n: int) -> torch.Tensor:
