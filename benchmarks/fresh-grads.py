@@ -1,0 +1,112 @@
+"""Where re-allocated grads land, and what the one-line step costs with them: kept grads against grads freed and
+re-allocated before every step (``zero_grad()`` then ``backward()``'s pattern), in one process.
+
+python benchmarks/fresh-grads.py --json fresh-grads.json     # on a GPU: the many set, full size
+python benchmarks/fresh-grads.py --device cpu                # a dry run at tiny scale (no graph replays on a CPU)
+
+It builds ``KitsuneOptimizer(torch.optim.AdamW(params), enable_fusion=True)`` over the set's params and runs it in
+alternating blocks of ``--steps`` steps, each block with the grads kept (the same tensors, new values written in
+place) or fresh (`kitsune.bench.params.fresh_grads`: every grad set to None, then a new one allocated, param by
+param), ``--rounds`` blocks of each. Per block: how many steps met grads at other addresses than the step before,
+how many steps took the graph's steady replay (the step's cheapest path: every address where the last step found
+it) and how many another replay or no replay, and the host time of ``step()`` (started with the GPU idle, as
+`kitsune bench`'s host column): median over the block's steps. It prints, per mode, the medians over the blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kitsune import KitsuneOptimizer, __version__
+from kitsune.bench.params import fresh_grads, get_param_set, make_params, refill_grads
+from kitsune.bench.timing import native_check_ready, percentile
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def block(
+    opt: KitsuneOptimizer,
+    params: list[torch.nn.Parameter],
+    mode: str,
+    steps: int,
+    gen: torch.Generator,
+    device: torch.device,
+) -> dict[str, float]:
+    graphs = opt._subsystem("graphs")
+    replays, steady = graphs.replays, graphs.steady_replays
+    before = [p.grad.data_ptr() for p in params]
+    moved, host = 0, []
+    for _ in range(steps):
+        (fresh_grads if mode == "fresh" else refill_grads)(params, gen)
+        now = [p.grad.data_ptr() for p in params]
+        moved += now != before
+        before = now
+        sync(device)
+        t0 = time.perf_counter_ns()
+        opt.step()
+        host.append((time.perf_counter_ns() - t0) / 1e3)
+    sync(device)
+    return {
+        "moved": moved,
+        "steady": graphs.steady_replays - steady,
+        "other_replays": graphs.replays - replays - (graphs.steady_replays - steady),
+        "host_us": percentile(host, 50),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--set", default="many", help="a parameter set of kitsune bench")
+    parser.add_argument("--scale", type=float, default=None, help="elements per tensor (default 1; 0.001 on a CPU)")
+    parser.add_argument("--rounds", type=int, default=None, help="blocks of each mode (default 20; 2 on a CPU)")
+    parser.add_argument("--steps", type=int, default=20, help="steps a block")
+    parser.add_argument("--warmup", type=int, default=20, help="steps before timing, grads fresh")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    cpu = device.type == "cpu"
+    scale = args.scale if args.scale is not None else (0.001 if cpu else 1.0)
+    rounds = args.rounds if args.rounds is not None else (2 if cpu else 20)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("no CUDA device: pass --device cpu for a dry run")
+    print(f"torch {torch.__version__}, kitsune {__version__}, {args.set} x {scale:g}; {rounds} blocks of each mode")
+    print(native_check_ready(device))
+    params = make_params(get_param_set(args.set, scale), device, seed=0)
+    opt = KitsuneOptimizer(torch.optim.AdamW(params), enable_fusion=True)
+    gen = torch.Generator(device=device).manual_seed(1)
+    for _ in range(args.warmup):
+        fresh_grads(params, gen)
+        opt.step()
+    blocks: dict[str, list[dict[str, float]]] = {"kept": [], "fresh": []}
+    for r in range(rounds):
+        for mode in ("kept", "fresh") if r % 2 == 0 else ("fresh", "kept"):
+            blocks[mode].append(block(opt, params, mode, args.steps, gen, device))
+    out: dict[str, Any] = {"config": {"set": args.set, "scale": scale, "rounds": rounds, "steps": args.steps}}
+    for mode, rows in blocks.items():
+        summary = {key: percentile([b[key] for b in rows], 50) for key in rows[0]}
+        out[mode] = {"median": summary, "blocks": rows}
+        print(
+            f"  {mode:5s}: steps whose grads moved {summary['moved']:.0f} of {args.steps}, steady replays "
+            f"{summary['steady']:.0f}, other replays {summary['other_replays']:.0f}, host {summary['host_us']:.1f} us "
+            "a step (medians over the blocks)"
+        )
+    if args.json is not None:
+        env = {"torch": torch.__version__, "kitsune": __version__, "cuda": torch.version.cuda}
+        if device.type == "cuda":
+            env["device"] = torch.cuda.get_device_name(device)
+        args.json.write_text(json.dumps({"environment": env, **out}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
