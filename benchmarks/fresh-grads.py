@@ -25,12 +25,7 @@ import torch
 
 from kitsune import KitsuneOptimizer, __version__
 from kitsune.bench.params import fresh_grads, get_param_set, make_params, refill_grads
-from kitsune.bench.timing import native_check_ready, percentile
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from kitsune.bench.timing import native_check_ready, percentile, synchronize
 
 
 def block(
@@ -50,11 +45,11 @@ def block(
         now = [p.grad.data_ptr() for p in params]
         moved += now != before
         before = now
-        sync(device)
+        synchronize(device)
         t0 = time.perf_counter_ns()
         opt.step()
         host.append((time.perf_counter_ns() - t0) / 1e3)
-    sync(device)
+    synchronize(device)
     return {
         "moved": moved,
         "steady": graphs.steady_replays - steady,

@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import gc
 import json
 import pstats
-import time
 import warnings
 from contextlib import ExitStack
 from pathlib import Path
@@ -37,7 +35,7 @@ import torch
 
 from kitsune import KitsuneOptimizer, __version__
 from kitsune.bench.params import get_param_set, make_params
-from kitsune.bench.timing import native_check_ready, percentile
+from kitsune.bench.timing import native_check_ready, percentile, synchronize, time_block
 from kitsune.config import FusionConfig, KitsuneConfig, ProfilerConfig
 
 
@@ -81,36 +79,14 @@ def build(name: str, args: argparse.Namespace, device: torch.device) -> KitsuneO
             stack.enter_context(mock.patch(target, new))
         for _ in range(args.warmup):
             opt.step()
-    sync(device)
+    synchronize(device)
     return opt
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def block(opt: KitsuneOptimizer, steps: int, device: torch.device) -> tuple[float, float, float]:
-    """(us a step over the block, median host us of the later steps, host us of the first)."""
-    gc.collect()
-    sync(device)
-    cuda = device.type == "cuda"
-    if cuda:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-    host = []
-    wall = time.perf_counter_ns()
-    for _ in range(steps):
-        t0 = time.perf_counter_ns()
-        opt.step()
-        host.append((time.perf_counter_ns() - t0) / 1e3)
-    if cuda:
-        end.record()
-        end.synchronize()
-        per_step = start.elapsed_time(end) * 1e3 / steps
-    else:
-        per_step = (time.perf_counter_ns() - wall) / 1e3 / steps
-    return per_step, percentile(host[1:], 50) if steps > 1 else host[0], host[0]
+    """(us a step over the block, median host us of the later steps, host us of the first): `time_block`."""
+    t = time_block(opt.step, steps, device)
+    return t["ms"] * 1e3, t["later_ms"] * 1e3, t["first_ms"] * 1e3
 
 
 def calls(opt: KitsuneOptimizer, device: torch.device, steps: int = 100) -> dict[str, tuple[int, float]]:
@@ -120,7 +96,7 @@ def calls(opt: KitsuneOptimizer, device: torch.device, steps: int = 100) -> dict
     for _ in range(steps):
         opt.step()
     prof.disable()
-    sync(device)
+    synchronize(device)
     stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
     return {f"{k[0].rsplit('/', 1)[-1]}:{k[1]}:{k[2]}": (v[1], v[2]) for k, v in stats.items()}
 

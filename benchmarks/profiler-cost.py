@@ -41,7 +41,7 @@ import torch
 
 from kitsune import KitsuneOptimizer, __version__
 from kitsune.bench.params import get_param_set, make_params
-from kitsune.bench.timing import native_check_ready, percentile
+from kitsune.bench.timing import native_check_ready, percentile, time_block
 
 
 def spread(values: list[float]) -> dict[str, float]:
@@ -72,33 +72,6 @@ def build(set_name: str, scale: float, device: torch.device, side: str) -> Kitsu
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # on a CPU: "fusion was asked for but is inactive" (printed below)
         return KitsuneOptimizer(torch.optim.AdamW(params), config=KitsuneConfig(fusion=FusionConfig(), **profiler))
-
-
-def time_block(opt: KitsuneOptimizer, steps: int, device: torch.device) -> dict[str, float]:
-    """Over ``steps`` back-to-back steps started after ``gc.collect()`` (which walks every object and leaves the
-    CPU's caches cold, as a forward and backward pass do): ``ms`` per step (CUDA events around the block), ``host_ms``
-    per step of the ``step()`` calls, the first step's host ms (``first_ms``, cold) and the median of the others
-    (``later_ms``, warm)."""
-    cuda = device.type == "cuda"
-    gc.collect()
-    if cuda:
-        torch.cuda.synchronize(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-    host: list[float] = []
-    wall = time.perf_counter_ns()
-    for _ in range(steps):
-        t0 = time.perf_counter_ns()
-        opt.step()
-        host.append((time.perf_counter_ns() - t0) / 1e6)
-    if cuda:
-        end.record()
-        end.synchronize()
-        ms = start.elapsed_time(end)
-    else:
-        ms = (time.perf_counter_ns() - wall) / 1e6
-    later = percentile(host[1:], 50) if len(host) > 1 else host[0]
-    return {"ms": ms / steps, "host_ms": sum(host) / steps, "first_ms": host[0], "later_ms": later}
 
 
 def profiler_alone_us(params: list[torch.Tensor], args: argparse.Namespace, every: int | None = None) -> dict[str, Any]:
@@ -145,7 +118,7 @@ def run_order(
         round_: dict[str, dict[str, list[float]]] = {side: {k: [] for k in KEYS} for side in SIDES}
         for i in range(len(opts)):
             k = (i + block) % len(opts)  # the order rotates from round to round
-            for key, value in time_block(opts[k], args.steps, device).items():
+            for key, value in time_block(opts[k].step, args.steps, device).items():
                 round_[order[k]][key].append(value)
         for side, r in round_.items():
             for key, values in r.items():

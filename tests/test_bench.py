@@ -813,3 +813,19 @@ def test_the_profiled_variant_is_profile_true_as_it_comes_warmed_past_its_window
     profiler.close = lambda: closed.append(True)
     v.close()
     assert closed == [True]
+
+
+def test_time_block_times_each_call_after_a_collection(monkeypatch):
+    """`kitsune.bench.timing.time_block` (the benchmark scripts' cold-then-warm block): ``gc.collect()`` first, then
+    the calls back to back; the first call's host time apart from the median of the others, and the block's mean."""
+    from kitsune.bench import timing
+
+    events: list[str] = []
+    monkeypatch.setattr(timing.gc, "collect", lambda: events.append("collect"))
+    clock = iter(range(0, 10**9, 10**6))  # every clock read 1 ms after the last
+    monkeypatch.setattr(timing.time, "perf_counter_ns", lambda: next(clock))
+    out = timing.time_block(lambda: events.append("step"), 4, torch.device("cpu"))
+    assert events == ["collect", "step", "step", "step", "step"]
+    assert set(out) == {"ms", "host_ms", "first_ms", "later_ms"}
+    assert out["first_ms"] == out["later_ms"] == out["host_ms"] == 1.0  # each call between two reads 1 ms apart
+    assert out["ms"] == 9 * 1.0 / 4  # the wall clock around the block: 9 reads' worth over 4 steps

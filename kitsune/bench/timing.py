@@ -86,6 +86,33 @@ def native_check_ready(device: torch.device, timeout: float = 600) -> str:
     return f"native address check: {'ready' if checks is not None else _native.reason()}"
 
 
+def time_block(step: Callable[[], object], steps: int, device: torch.device) -> dict[str, float]:
+    """Over ``steps`` back-to-back calls of ``step`` started after ``gc.collect()`` (which walks every object and
+    leaves the CPU's caches cold, as a forward and backward pass do): ``ms`` per step (CUDA events around the block;
+    the wall clock on a CPU), ``host_ms`` per step of the calls, the first call's host ms (``first_ms``, cold) and the
+    median of the others (``later_ms``, warm)."""
+    cuda = device.type == "cuda"
+    gc.collect()
+    if cuda:
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    host: list[float] = []
+    wall = time.perf_counter_ns()
+    for _ in range(steps):
+        t0 = time.perf_counter_ns()
+        step()
+        host.append((time.perf_counter_ns() - t0) / 1e6)
+    if cuda:
+        end.record()
+        end.synchronize()
+        ms = start.elapsed_time(end)
+    else:
+        ms = (time.perf_counter_ns() - wall) / 1e6
+    later = percentile(host[1:], 50) if len(host) > 1 else host[0]
+    return {"ms": ms / steps, "host_ms": sum(host) / steps, "first_ms": host[0], "later_ms": later}
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
