@@ -283,10 +283,13 @@ class KitsuneOptimizer(torch.optim.Optimizer):
 
     def _step(self, *args: Any, **kwargs: Any) -> Any:
         self._fusion.settle_skips()  # a skipped step's lazy state goes before hooks or a plan see it
-        profiling = self._profiler.active
-        s = StepState(self._step_count + 1, profiling and self._baseline_now())
+        profiler = self._profiler
+        profiling = profiler.active
+        # past the windows, with the fused executor's steps taken back from a baseline stretch, nothing to ask
+        asks = profiling and (profiler.sampling or self._handed_over)
+        s = StepState(self._step_count + 1, asks and self._baseline_now())
         if profiling:
-            self._profiler.start(s)  # the whole step is timed, the wrapped optimizer's hooks included
+            profiler.start(s)  # the whole step is timed, the wrapped optimizer's hooks included
         try:
             # before anything changes, as the wrapped optimizer's own step runs them; they may change the arguments
             args, kwargs = self._wrapped.pre_hooks(args, kwargs)
@@ -303,7 +306,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         self._grads.finish(s)
         self._wrapped.post_hooks(args, kwargs)
         if profiling:
-            self._profiler.stop(s)
+            profiler.stop(s)
         return loss
 
     def _pipeline(self, s: StepState, closure: _Closure | None) -> Any:

@@ -15,9 +15,10 @@ steps stay out of the statistics too:
    spread from their 10th and 90th percentiles.
 
 Both windows run once (again after `Profiler.reset`), and the metrics say what share of the run's steps and time
-each took (`WindowShare`). Outside them a step costs the profiler O(1) host work and builds no pydantic model: two
-clock reads and a record kept (a tuple); on one step in ``device_time_every``, one C call for the current stream and
-two CUDA events from a pool recorded, its record a list whose device time is filled in when the events are read:
+each took (`WindowShare`). Outside them a step costs the profiler O(1) host work and builds no pydantic model: on
+most steps two clock reads and three numbers appended to a list (`Profiler._marks`), turned into records in a batch
+before the next step seen whole or a report; on one step in ``device_time_every``, one C call for the current stream
+and two CUDA events from a pool recorded, its record a list whose device time is filled in when the events are read:
 after every 64 such steps, the finished ones in one batch (on one stream a bisection finds them). Records stay plain
 rows until a report asks for them. Those steps take the graphed executor's steady replay, as unprofiled ones do;
 the windows' probe and baseline steps take the full path.
@@ -171,6 +172,8 @@ are read."""
 
 _STEP_MS, _DEVICE_START_US = _ROW.index("step_ms"), _ROW.index("device_start_us")
 
+_clock = time.perf_counter_ns
+
 _COLLECT_AFTER = 64
 """Pending CUDA event pairs that trigger a non-blocking read of the finished ones."""
 
@@ -207,7 +210,7 @@ class Profiler(Subsystem):
         self._stream_key: tuple[int, int, int] | None = None
         self._stream: torch.cuda.Stream | None = None
         self._mixed_streams = False  # some pending events were recorded on another stream than the newest
-        self._origin_ns = time.perf_counter_ns()
+        self._origin_ns = _clock()
         # a CUDA event recorded on an idle GPU at a known host time: maps device event times onto the host clock
         self._anchor: tuple[torch.cuda.Event, float] | None = None
         self._sampler: NvmlSampler | None = None
@@ -231,6 +234,15 @@ class Profiler(Subsystem):
         self._comparable: bool | None = None
         self._incomparable = "kitsune ran the wrapped optimizer's own step on every param: there is nothing to compare"
         self._last_sampled = max(1, self._windows()[2] + self.config.compare_steps)  # later steps: the fast path
+        self.sampling = True
+        """Whether the next step can fall in a sampled window (probe or comparison); past them, the fast path. An
+        attribute, not a property: every step reads it."""
+        # the steps past the windows that need only their clocks, before the next one `start` sees whole (the next
+        # one timed on the device): granted by that step, counted down by the quick path; `_index` counts them in
+        # when the next step is seen whole (`_settle`)
+        self._plain = self._granted = 0
+        self._quick = False  # the step under way took the quick path: `stop` appends its marks
+        self._marks: list[int] = []  # (step, start ns, end ns) of each quick step since the last flush
         self._span: str | None = None  # the window ("probe" or "comparison") the step under way belongs to
         self._span_t0 = 0
         self._spans: dict[str, list[int]] = {}  # window -> [steps, first start ns, last end ns]
@@ -240,6 +252,8 @@ class Profiler(Subsystem):
     def plan(self, params: list[torch.Tensor], baseline: str, bytes_per_step: int | None) -> None:
         """Time steps over ``params``; ``baseline`` names the step the live comparison runs (`describe_step`),
         ``bytes_per_step`` is what the plan's updates must move (the bandwidth floor's numerator)."""
+        self._settle()  # the next step is seen whole: the windows may move with the device
+        self._flush_marks()  # their device time is CPU's or the events', by the device they ran on
         self._baseline_name, self._bytes_per_step = baseline, bytes_per_step
         device = params[0].device if params else torch.device("cpu")
         if device != self._device and self._cuda:
@@ -250,6 +264,7 @@ class Profiler(Subsystem):
         self._cuda = bool(params) and params[0].is_cuda and torch.cuda.is_available()
         self._device, self._device_index = device, device.index
         self._last_sampled = max(1, self._windows()[2] + self.config.compare_steps)
+        self._update_sampling()
         if not self.active:
             return
         if self._cuda:
@@ -262,7 +277,7 @@ class Profiler(Subsystem):
                 torch.cuda.synchronize()
                 anchor.record()
                 torch.cuda.synchronize()
-                anchor_us = (time.perf_counter_ns() - self._origin_ns) / 1e3
+                anchor_us = (_clock() - self._origin_ns) / 1e3
             self._anchor = (anchor, anchor_us)
         self._plan_nvml(params[0].device.index if self._cuda else None)
 
@@ -321,10 +336,8 @@ class Profiler(Subsystem):
             return "baseline"
         return "kitsune"
 
-    @property
-    def sampling(self) -> bool:
-        """Whether the next step can fall in a sampled window (probe or comparison); past them, the fast path."""
-        return self._index < self._last_sampled
+    def _update_sampling(self) -> None:
+        self.sampling = self._index < self._last_sampled
 
     def wants_baseline(self, comparable: bool, reason: str | None = None) -> bool:
         """Asked by the orchestrator before each step: should the wrapped optimizer's own step run this one?
@@ -346,10 +359,20 @@ class Profiler(Subsystem):
         """The step begins: first of all (the whole step, fallbacks included, is timed)."""
         if not self.active:
             return
+        if self._plain:  # most steps past the windows: the clock alone, the record made in a batch (`_flush_marks`)
+            self._plain -= 1
+            self._quick = True
+            self._t0 = _clock()
+            return
+        self._quick = False
+        self._settle()
         self._index += 1
-        if self._index > self._last_sampled:  # the common case: no window, nothing but the clocks
+        self._update_sampling()
+        if self._index > self._last_sampled:  # past the windows: no window, the clocks and maybe the events
             self._mode, self._window, self._span, self._warming = "kitsune", None, None, False
-            timed = self._index % self.config.device_time_every == 0
+            every = self.config.device_time_every
+            timed = self._index % every == 0
+            self._plain = self._granted = every - 1 - self._index % every  # the steps until the next one timed
         else:
             self._start_sampled(s)
             timed = True
@@ -362,11 +385,32 @@ class Profiler(Subsystem):
             event = self._free_events.pop() if self._free_events else torch.cuda.Event(enable_timing=True)
             self._record(event, self._stream)
             self._start_event = event
-        self._t0 = time.perf_counter_ns()
+        self._t0 = _clock()
+
+    def _settle(self) -> None:
+        """Count the quick steps taken since the last step seen whole into the windows' clock; grant no more."""
+        self._index += self._granted - self._plain
+        self._plain = self._granted = 0
+
+    def _flush_marks(self) -> None:
+        """Make the quick steps' records (in step order: before a step seen whole keeps its own, and before any
+        report reads them)."""
+        marks = self._marks
+        if not marks:
+            return
+        self._marks = []
+        origin, cuda = self._origin_ns, self._cuda
+        rows = []
+        for i in range(0, len(marks), 3):
+            host_ms = (marks[i + 2] - marks[i + 1]) / 1e6
+            rows.append((marks[i], None if cuda else host_ms, host_ms, (marks[i + 1] - origin) / 1e3, None, "kitsune"))
+        self._records.extend(rows)
+        self._timed += len(rows)
+        self._run_t1 = marks[-1]
 
     def _start_sampled(self, s: StepState) -> None:
         """A step up to the end of the sampled windows: which window, and the probe's set-up."""
-        now = time.perf_counter_ns()
+        now = _clock()
         if self._index == 1:
             self._run_t0 = now
         phase = self._phase(self._index)
@@ -385,7 +429,12 @@ class Profiler(Subsystem):
         device time when its events are read, in a batch."""
         if not self.active:
             return
-        t1 = time.perf_counter_ns()
+        t1 = _clock()
+        if self._quick:
+            self._quick = False
+            self._marks += (s.step, self._t0, t1)
+            return
+        self._flush_marks()
         self._timed += 1
         self._run_t1 = t1
         t0 = self._t0
@@ -412,7 +461,7 @@ class Profiler(Subsystem):
     def _stop_sampled(self) -> None:
         if self._mode == "probe":
             self._probe.complete()
-        end = self._run_t1 = time.perf_counter_ns()  # the probe's counting is the window's time too
+        end = self._run_t1 = _clock()  # the probe's counting is the window's time too
         span = self._spans.setdefault(self._span, [0, self._span_t0, end])  # type: ignore[arg-type]
         span[0] += 1
         span[2] = end
@@ -422,6 +471,7 @@ class Profiler(Subsystem):
         [`stop`][kitsune.profiler.Profiler.stop]: undo what the probe changed."""
         if not self.active:
             return
+        self._quick = False
         if self._start_event is not None:
             self._free_events.append(self._start_event)
             self._start_event = None
@@ -447,7 +497,9 @@ class Profiler(Subsystem):
         return lo
 
     def _collect(self, block: bool) -> None:
-        """Fill in the device times of finished CUDA event pairs; with block=True wait for all of them."""
+        """Fill in the device times of finished CUDA event pairs; with block=True wait for all of them. The quick
+        steps' records are made first."""
+        self._flush_marks()
         pending, elapsed, free = self._pending, self._elapsed, self._free_events
         for _ in range(len(pending) if block else self._finished()):
             row, start, end = pending.popleft()
@@ -508,10 +560,12 @@ class Profiler(Subsystem):
         return self._probe.report()
 
     def _run_ms(self) -> float | None:
+        self._flush_marks()
         return None if self._run_t0 is None else (self._run_t1 - self._run_t0) / 1e6
 
     def window_shares(self) -> list[WindowShare]:
         """The steps and host time each sampled window that ran took, as shares of the run."""
+        self._flush_marks()
         run_ms, out = self._run_ms(), []
         for name, (steps, t0, t1) in self._spans.items():
             ms = (t1 - t0) / 1e6
@@ -568,7 +622,7 @@ class Profiler(Subsystem):
 
     def reset(self) -> None:
         """Forget every record and NVML sample (e.g. after warm-up); the sampled windows run again."""
-        self._collect(block=True)
+        self._collect(block=True)  # the quick steps' records too
         self._records.clear()
         self._timed = 0
         self._reset_windows()
@@ -576,6 +630,7 @@ class Profiler(Subsystem):
             self._sampler.clear()
 
     def report(self) -> dict[str, object]:
+        self._flush_marks()
         return {"steps_timed": self._timed, "timing": "cuda_events" if self._cuda else "host_clock"}
 
 

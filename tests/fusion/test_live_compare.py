@@ -48,6 +48,9 @@ def test_trajectory_through_the_comparison_window_equals_torch(make_opt, device)
     modes = [r.mode for r in opt.profiler.records]
     assert modes == ["kitsune"] * 6 + ["baseline"] * 4 + ["kitsune"] * 6
     assert opt.base_steps == 4  # only the baseline steps ran the wrapped optimizer's own step
+    # after the baseline's stretch the fused executor took its steps back (step counts on the params' device)
+    steps_kept = [(opt.state[p]["step"], p) for p in params if "step" in opt.state[p]]
+    assert not opt._handed_over and all(t.device == p.device for t, p in steps_kept)
     fusion = next(s for s in opt.subsystem_status() if s["name"] == "fusion")
     assert fusion["name"] == "fusion" and fusion["report"]["fused_launches_total"] == steps - 4
 

@@ -322,7 +322,10 @@ def test_steps_not_timed_on_the_device_wait_in_order_behind_the_timed_ones(fake_
     clock.done = 0
     _fake_steps(prof, range(1, 4 * _COLLECT_AFTER))  # steps 1, 4, 8, ... timed: 64 pairs of events, ticks 1-128
     assert len(prof._pending) == _COLLECT_AFTER and clock.created == 1 + 2 * _COLLECT_AFTER
-    assert [r[0] for r in prof._records] == list(range(1, 4 * _COLLECT_AFTER))
+    # the quick steps' records are made before the next step seen whole keeps its own: up to step 252 by now, the
+    # last three (253-255) as three marks each
+    assert [r[0] for r in prof._records] == list(range(1, 4 * _COLLECT_AFTER - 3))
+    assert prof._marks[::3] == [253, 254, 255]
     clock.done = 1 + 2 * 3  # the anchor and the first three pairs (steps 1, 4 and 8): step 12's end is not done
     _fake_steps(prof, range(4 * _COLLECT_AFTER, 4 * _COLLECT_AFTER + 1))  # the 65th pair: a non-blocking batch read
     assert [r[0] for r in prof._records if r[1] is not None] == [1, 4, 8]
@@ -412,3 +415,30 @@ def test_the_warm_up_left_out_counts_what_max_step_records_dropped(fake_cuda):
     _fake_steps(prof, range(1, 21))  # records 6-20 kept: 6-10 warm-up, 11-20 steady
     metrics = prof.get_metrics()
     assert [r.step for r in prof.records] == list(range(6, 21)) and metrics.step_time.count == 10
+
+
+def test_quick_steps_are_counted_recorded_and_undone_like_whole_ones():
+    """Past the windows most steps take the quick path (two clock reads, three numbers kept): reports see every step,
+    a step that raises leaves no record, and the windows' clock counts the quick steps (reset runs them again)."""
+    config = ProfilerConfig(enabled=True, nvml_interval_s=0, sample_after=2, compare_steps=2, device_time_every=4)
+    prof = Profiler(config)
+    prof.plan([torch.zeros(3)], "step", None)
+    _fake_steps(prof, range(1, 12))  # warm-up 1-2, comparison 3-6, then quick steps but for 8 (one in 4)
+    assert prof._marks[::3] == [9, 10, 11] and not prof.sampling
+    assert prof.report()["steps_timed"] == 11  # a report makes the quick steps' records first
+    s = StepState(12, prof.wants_baseline(True))
+    prof.start(s)  # a quick step that raises: no record, and the next step takes its number
+    prof.abandon_step()
+    _fake_steps(prof, range(12, 15))
+    records = prof.records
+    assert [r.step for r in records] == list(range(1, 15))
+    assert [r.mode for r in records] == ["kitsune"] * 4 + ["baseline"] * 2 + ["kitsune"] * 8
+    assert all(r.step_ms == r.host_ms and r.host_ms > 0 for r in records)  # a CPU step's time is its host time
+    assert [r.host_start_us for r in records] == sorted(r.host_start_us for r in records)
+    prof._settle()
+    assert prof._index == 15  # 14 steps and the one that raised, as a step seen whole counts one that raises
+    prof.reset()
+    assert prof.sampling and not prof._marks and prof.records == []
+    _fake_steps(prof, range(15, 19))
+    assert [r.mode for r in prof.records] == ["kitsune"] * 4  # the windows again: warm-up, then the comparison
+    assert prof.wants_baseline(True)  # step 19 is the first of the baseline's half
