@@ -21,7 +21,11 @@ the later ones), and the graphs' steady replays of each side (every side should 
 one more profiler over the same params times ``--blocks`` x 10 x ``--steps`` empty steps (what a steady step adds to
 the host: ``wants_baseline``, ``start``, ``stop`` and the batched reads of its events), the median over the blocks
 in microseconds a step, less the loop around it; then the same with every step timed on the device and with one in
-8 (the default times one in ``ProfilerConfig.device_time_every``, 32).
+8 (the default times one in ``ProfilerConfig.device_time_every``, 32). And the profiler toggled: one more
+optimizer with the profiler on (its defaults), warmed up past its windows, then ``--toggles`` rounds in which its
+steps run ``--steps`` at a time with the profiler on and paused (`Subsystem.deactivate`, then `activate`), in
+alternating order: the same objects on both sides, so where an optimizer was built cannot move the difference; each
+round's device % and host us, on over paused.
 
 ``--json PATH`` writes the numbers, the environment and the profiled side's sampled-window shares.
 """
@@ -41,7 +45,7 @@ import torch
 
 from kitsune import KitsuneOptimizer, __version__
 from kitsune.bench.params import get_param_set, make_params
-from kitsune.bench.timing import native_check_ready, percentile, time_block
+from kitsune.bench.timing import native_check_ready, percentile, time_block, time_steps
 
 
 def spread(values: list[float]) -> dict[str, float]:
@@ -147,6 +151,33 @@ def order_ratios(raw: dict[str, dict[str, list[float]]], side: str) -> list[floa
     return [a / b for a, b in zip(raw[side]["ms"], raw["off"]["ms"], strict=True)]
 
 
+def toggled(set_name: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """One profiled optimizer, its profiler on and paused in alternating rounds: each round's device % (median ms
+    a step back to back, on over paused) and host us a step (median, on minus paused)."""
+    opt = build(set_name, args.scale, device, "on")
+    try:
+        for _ in range(args.warmup):
+            opt.step()
+        profiler = opt._subsystem("profiler")
+        pct, host_us = [], []
+        for r in range(args.toggles):
+            timed = {}
+            for side in ("on", "paused") if r % 2 == 0 else ("paused", "on"):
+                if side == "paused":
+                    profiler.deactivate("paused by profiler-cost.py")
+                try:
+                    t = time_steps(opt.step, args.steps, device)
+                finally:
+                    profiler.activate()
+                timed[side] = (percentile(t.device_ms, 50), percentile(t.host_ms, 50))
+            pct.append(100 * (timed["on"][0] / timed["paused"][0] - 1))
+            host_us.append(1e3 * (timed["on"][1] - timed["paused"][1]))
+        steps_timed = profiler.report()["steps_timed"]
+    finally:
+        opt._subsystem("profiler").close()  # the NVML sampler's thread
+    return {"rounds": args.toggles, "device_pct": spread(pct), "host_us": spread(host_us), "steps_timed": steps_timed}
+
+
 def measure(set_name: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     """The rounds split between the build orders (``args.orders``), each order's optimizers built, warmed up, timed
     and freed before the next order's are built."""
@@ -179,6 +210,7 @@ def measure(set_name: str, args: argparse.Namespace, device: torch.device) -> di
     out["profiler_alone_us"] = profiler_alone_us(params, args)
     # how much of it is the device timing: every step timed, and one in 8 (the default before one in 32)
     out["profiler_alone_us_by_every"] = [profiler_alone_us(params, args, every) for every in (1, 8)]
+    out["toggled"] = toggled(set_name, args, device)
     out["raw"] = times
     return out
 
@@ -193,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--steps", type=int, default=None, help="steps per optimizer a round (default 20; 3 on CPU)")
     parser.add_argument("--warmup", type=int, default=30, help="steps before timing (past the sampled windows)")
+    parser.add_argument(
+        "--toggles", type=int, default=None, help="rounds of the profiler toggled (default 60; 2 on a CPU)"
+    )
     parser.add_argument(
         "--order",
         action="append",
@@ -211,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     args.scale = args.scale if args.scale is not None else (0.001 if cpu else 1.0)
     args.blocks = args.blocks if args.blocks is not None else (3 if cpu else 30)
     args.steps = args.steps if args.steps is not None else (3 if cpu else 20)
+    args.toggles = args.toggles if args.toggles is not None else (2 if cpu else 60)
     if args.blocks < len(args.orders):
         parser.error(f"--blocks {args.blocks}: at least one round for each of the {len(args.orders)} build orders")
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -245,11 +281,18 @@ def main(argv: list[str] | None = None) -> int:
                 f"  profiler alone {alone['p50']:.2f} us/step (p10-p90 {alone['p10']:.2f}-{alone['p90']:.2f}), "
                 f"one step in {every} timed on the device; the loop around it {loop:.2f} us"
             )
+        tog = r["toggled"]
+        pct, host = tog["device_pct"], tog["host_us"]
+        print(
+            f"  toggled on one optimizer ({tog['rounds']} rounds): on over paused {pct['p50']:+.2f}% of the step "
+            f"(p10 {pct['p10']:+.2f}%, p90 {pct['p90']:+.2f}%), host {host['p50']:+.2f} us/step (p10 "
+            f"{host['p10']:+.2f}, p90 {host['p90']:+.2f})"
+        )
         for w in r["windows"]:
             print(f"  window {w['window']}: {w['steps']} steps, {w['ms']:.1f} ms (in the warm-up, not timed)")
     if args.json is not None:
         env = {"device": name, "torch": torch.__version__, "kitsune": __version__, "cuda": torch.version.cuda}
-        config = {k: getattr(args, k) for k in ("scale", "blocks", "steps", "warmup")}
+        config = {k: getattr(args, k) for k in ("scale", "blocks", "steps", "warmup", "toggles")}
         args.json.write_text(json.dumps({"environment": env, "config": config, "sets": results}, indent=1))
     return 0
 
