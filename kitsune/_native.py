@@ -9,6 +9,9 @@ a tensor (20-30 ns with the tensors' metadata in cache, 90-190 ns from flushed c
 `unchanged` compares each param's and each grad's address with an int64 table (or the grads' alone, where the step
 has checked the params before), its reads in passes that prefetch the next pass's, and answers False (so the step
 takes the full check) for anything it cannot read (a grad that is None or sparse, a tensor without storage).
+`grad_addresses` is the full check's common case, a step whose grads moved: it reads every grad's address into an
+int64 tensor in the same passes, where each grad is present, dense, contiguous, of the unit's dtype and of its
+param's planned shape (otherwise the Python check sorts out which is not, and raises where torch would).
 `unchanged_local` does the same for FSDP2's DTensor params through their local shards (each param must still hold
 the shard the plan resolved, and its grad's local shard must sit where the table says): the grad is read in C++,
 DTensor's ``_local_tensor`` slot directly, and the reads go in passes over all params so that a CPU whose caches
@@ -121,6 +124,56 @@ bool unchanged(py::list params, const at::Tensor& table, int64_t what, at::Scala
       if (reinterpret_cast<int64_t>(grads[i]->data()) != want[n + i]) return false;
     }
   } catch (...) {  // a tensor without storage, or any other surprise: the full check sorts it out
+    return false;
+  }
+  return true;
+}
+
+// A step whose grads moved (``zero_grad()`` freed them and backward allocated new ones elsewhere): every params[i]
+// has a grad, dense, contiguous, of dtype, of table[2n + i] elements and of the shape keyed table[3n + i] (the
+// table `unchanged` reads): its address goes into out[i] (n int64 on the CPU) and the answer is true. Anything else
+// (a grad that is None, sparse, of another dtype or shape, not contiguous) answers false, out left partly written:
+// the Python path sorts it out and raises where torch would. The reads go in passes, as in `unchanged`.
+bool grad_addresses(py::list params, const at::Tensor& table, at::Tensor out, at::ScalarType scalar_type) {
+  PyObject* list = params.ptr();
+  const Py_ssize_t n = PyList_GET_SIZE(list);
+  if (table.scalar_type() != at::kLong || !table.is_contiguous() || table.device().type() != at::kCPU ||
+      table.numel() != 4 * n || out.scalar_type() != at::kLong || !out.is_contiguous() ||
+      out.device().type() != at::kCPU || out.numel() != n) {
+    return false;
+  }
+  const int64_t* numels = table.const_data_ptr<int64_t>() + 2 * n;
+  const int64_t* shapes = numels + n;
+  int64_t* addresses = out.mutable_data_ptr<int64_t>();
+  const caffe2::TypeMeta dtype = caffe2::TypeMeta::fromScalarType(scalar_type);
+  try {
+    std::vector<c10::TensorImpl*> impls(n);
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject* obj = PyList_GET_ITEM(list, i);
+      if (!THPVariable_Check(obj)) return false;
+      impls[i] = THPVariable_Unpack(obj).unsafeGetTensorImpl();
+      __builtin_prefetch(impls[i]);
+    }
+    for (Py_ssize_t i = 0; i < n; ++i) __builtin_prefetch(impls[i]->autograd_meta());
+    std::vector<const c10::TensorImpl*> grads(n);
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      const c10::AutogradMetaInterface* meta = impls[i]->autograd_meta();
+      if (meta == nullptr) return false;
+      const at::Tensor& g = meta->grad();
+      if (!g.defined()) return false;
+      grads[i] = g.unsafeGetTensorImpl();
+      __builtin_prefetch(grads[i]);
+      __builtin_prefetch(reinterpret_cast<const char*>(grads[i]) + 128);
+    }
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      if (grads[i]->layout() != at::kStrided) return false;  // a sparse grad has no storage to prefetch
+      __builtin_prefetch(grads[i]->unsafe_storage().unsafeGetStorageImpl());
+    }
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      if (!same_layout(grads[i], dtype, numels[i]) || shape_key(grads[i]) != shapes[i]) return false;
+      addresses[i] = reinterpret_cast<int64_t>(grads[i]->data());
+    }
+  } catch (...) {  // a tensor without storage, or any other surprise: the Python path sorts it out
     return false;
   }
   return true;
@@ -245,8 +298,8 @@ PARAMS, PARAMS_AND_GRADS, GRADS = 0, 1, 2
 """What `unchanged` compares (its ``what``): the params' addresses, both, or the grads' alone (where the step has
 checked the params before)."""
 CHECKS: Any = None
-"""The compiled module once it is ready (``unchanged``, ``unchanged_local`` and ``same``), else None: read on every
-step, so a plain module attribute."""
+"""The compiled module once it is ready (``unchanged``, ``unchanged_local``, ``grad_addresses`` and ``same``), else
+None: read on every step, so a plain module attribute."""
 
 _lock = threading.Lock()
 _thread: threading.Thread | None = None
@@ -324,6 +377,15 @@ def _compile() -> Any:
     reshaped = table.clone()
     reshaped[-1] = shape_key((3, 1))
     wrong = wrong or module.unchanged(probe, reshaped, PARAMS, f32)
+    out = torch.zeros(2, dtype=torch.int64)
+    wrong = wrong or module.grad_addresses(probe, table, out, f32)  # no grads
+    for t in probe:
+        t.grad = t.clone()
+    wrong = (
+        wrong or not module.grad_addresses(probe, table, out, f32) or out.tolist() != [t.grad.data_ptr() for t in probe]
+    )
+    wrong = wrong or module.grad_addresses(probe, reshaped, out, f32)  # another shape
+    wrong = wrong or module.grad_addresses(probe, table, out, torch.float16)  # another dtype
     if wrong or module.same(probe, probe[:1]) or not module.unchanged(probe, table, PARAMS, f32):
         raise RuntimeError("the compiled check gave a wrong answer on its self-test")
     return module
@@ -357,7 +419,7 @@ def _build_into(lib: Path) -> Any:
         module = load_inline(
             name(),
             cpp_sources=[SOURCE],
-            functions=["unchanged", "unchanged_local", "same"],
+            functions=["unchanged", "unchanged_local", "grad_addresses", "same"],
             extra_cflags=["-O3"],
             build_directory=work,
             verbose=False,

@@ -81,6 +81,7 @@ class FusedUnit:
         self._table = int64_tensor(self._param_ptrs * 2 + self.numels + list(map(_native.shape_key, self.shapes)))
         """The native check's int64 table: the params' addresses, the grads' as of `_grad_ptrs`, the numels, the
         params' shape keys."""
+        self._scratch: torch.Tensor | None = None  # `_native_grad_addresses`' answer: n int64 on the CPU
         self.grad_addresses: list[int] = [DEAD] * len(params)
         """The grad table as uploaded: what the kernels read this step (-1 for a grad that is None)."""
         self._copied: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -293,12 +294,17 @@ class FusedUnit:
         self.unhandled = []
         grads: list[torch.Tensor | None] | None = None
         dead = 0
-        try:  # fast path, one C-level pass with no list of grads: every grad present and dense
-            ptrs = self._addresses(map(_GRAD, self.params))
-        except (TypeError, RuntimeError, AttributeError):  # a None grad (of a DTensor: AttributeError), or sparse
-            grads = self._grads()
-            ptrs = self._slow_ptrs(grads)
-            dead = ptrs.count(DEAD)
+        # every grad present, dense, contiguous, of the unit's dtype and its param's shape: their addresses in one
+        # native call, and nothing about the grads left to check below
+        ptrs = self._native_grad_addresses()
+        checked = ptrs is not None
+        if ptrs is None:
+            try:  # one C-level pass with no list of grads: every grad present and dense
+                ptrs = self._addresses(map(_GRAD, self.params))
+            except (TypeError, RuntimeError, AttributeError):  # a None grad (of a DTensor: AttributeError), or sparse
+                grads = self._grads()
+                ptrs = self._slow_ptrs(grads)
+                dead = ptrs.count(DEAD)
         if not self.params_checked and (
             self._addresses(self.params) != self._param_ptrs or not self._layout_holds(self._locals(self.params))
         ):
@@ -309,23 +315,29 @@ class FusedUnit:
             return False
         sorted_out = grads is not None  # `_slow_ptrs` has sorted out the grads of another dtype
         changed = ptrs != self._grad_ptrs
-        if not changed:  # where they sat, but re-strided, re-typed or resized there: a change all the same
+        if not changed and not checked:  # where they sat, but re-strided, re-typed or resized there: a change too
             grads = self._grads() if grads is None else grads
             changed = not self._grads_hold(grads, ptrs)
         if changed:
-            if grads is None:
+            adopt = self.slots is not None and self.slots.grad_arena is not None
+            if grads is None and (adopt or not checked):
                 grads = self._grads()
-            if not sorted_out and set(map(_DTYPE, grads)) != {self.dtype}:  # fp32 grads of bf16 params (grad_dtype)
+            if not (sorted_out or checked) and set(map(_DTYPE, grads)) != {self.dtype}:  # fp32 grads of bf16 params
                 ptrs = self._slow_ptrs(grads)
                 dead = ptrs.count(DEAD)
-            self._check_sizes(grads, ptrs)
-            if self.slots is not None and self.slots.grad_arena is not None:
+            if not checked:
+                self._check_sizes(grads, ptrs)
+            if adopt:
                 grads, ptrs = self._adopt_grads(grads, ptrs)
             self._grad_ptrs = upload = ptrs
-            self._table[len(ptrs) : 2 * len(ptrs)] = int64_tensor(ptrs)
-            live = [g for g in grads if g is not None and g.layout == torch.strided] if dead else grads
+            n = len(ptrs)
+            self._table[n : 2 * n] = self._scratch if checked and not adopt else int64_tensor(ptrs)
             self._copied = []
-            if not all(map(_IS_CONTIGUOUS, live)):
+            if not checked and not all(
+                map(
+                    _IS_CONTIGUOUS, [g for g in grads if g is not None and g.layout == torch.strided] if dead else grads
+                )
+            ):
                 # the kernel addresses flat memory: give it contiguous copies (freeing them after the launch is
                 # queued is stream-ordered, so safe) and do not cache, as the copies are new every step
                 self._copies = [
@@ -341,6 +353,18 @@ class FusedUnit:
         if self.static and not dead and not (self.sharded or self.static_off or self._copied or self.uninit):
             self._watch()
         return dead < len(ptrs)
+
+    def _native_grad_addresses(self) -> list[int] | None:
+        """Every grad's address where each is present, dense, contiguous, of the unit's dtype and of its param's
+        planned shape, read in one native call (`kitsune._native`); None where one is not, or where the call cannot
+        answer (not built, switched off, FSDP2 shards, tensor subclasses): the caller's Python reads sort it out."""
+        checks = _native.CHECKS
+        if not self.native or checks is None or not self.plain_tensors:
+            return None
+        out = self._scratch
+        if out is None:
+            out = self._scratch = torch.empty(len(self.params), dtype=torch.int64)
+        return out.tolist() if checks.grad_addresses(self.params, self._table, out, self.dtype) else None
 
     def _adopt_grads(
         self, grads: list[torch.Tensor | None], ptrs: list[int]

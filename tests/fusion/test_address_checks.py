@@ -29,7 +29,7 @@ class _Counting:
     """The native module, counting the grads' checks it answered 'unchanged'."""
 
     def __init__(self, real, hits: list[int]) -> None:
-        self.real, self.hits, self.same = real, hits, real.same
+        self.real, self.hits, self.same, self.grad_addresses = real, hits, real.same, real.grad_addresses
 
     def unchanged(self, params, table, grads: bool, dtype: torch.dtype) -> bool:
         same = self.real.unchanged(params, table, grads, dtype)
@@ -119,6 +119,7 @@ def test_an_eager_step_reads_each_address_once_natively(device, monkeypatch):
     checks = _native.wait(timeout=600)
     assert checks is not None, _native.reason()
     calls: list[int] = []
+    read: list[bool] = []
 
     class Recording:
         same, unchanged_local = checks.same, checks.unchanged_local
@@ -127,14 +128,20 @@ def test_an_eager_step_reads_each_address_once_natively(device, monkeypatch):
             calls.append(int(what))
             return checks.unchanged(params, table, what, dtype)
 
+        def grad_addresses(self, params, table, out, dtype):
+            read.append(checks.grad_addresses(params, table, out, dtype))
+            return read[-1]
+
     monkeypatch.setattr(_native, "CHECKS", Recording())
     ours, opt, ref, ref_opt = _twins(device, capture_graph=False)
     _train(ours, opt, ref, ref_opt, 3, in_place=True)
     calls.clear()
     _train(ours, opt, ref, ref_opt, 2, in_place=True)
     assert calls == [0, 2, 0, 2], calls
+    read.clear()
     _train(ours, opt, ref, ref_opt, 1, in_place=False)  # new grads: the grads' check answers "moved"
     assert calls[-2:] == [0, 2], calls
+    assert read == [True]  # and one native call read the new grads' addresses
     assert_close_params(ours, ref, torch.float32)
 
 
@@ -284,6 +291,77 @@ def test_the_native_check_builds_here_and_refuses_what_it_cannot_read():
         assert checks.unchanged(many, table, 2, f32)
         many[i].data = data
     assert all(checks.unchanged(many, table, what, f32) for what in (0, 1, 2))
+
+
+def test_the_native_read_of_moved_grads_takes_only_what_the_kernels_can():
+    """``grad_addresses``: every grad's address into ``out`` and True where each grad is present, dense, contiguous,
+    of the dtype and of its param's planned numel and shape; False (never an error) for anything else, and for a
+    table or ``out`` of the wrong size, dtype or device. A change anywhere in a long list is seen."""
+    checks = _native.wait(timeout=600)
+    assert checks is not None, _native.reason()
+    f32 = torch.float32
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(int(n), 3) for n in torch.randint(1, 6, (300,), generator=gen)]
+    ps = [torch.nn.Parameter(torch.randn(shape, generator=gen)) for shape in shapes]
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=gen)
+    table = torch.tensor(
+        [p.data_ptr() for p in ps] + [0] * len(ps) + [p.numel() for p in ps] + [_native.shape_key(p.shape) for p in ps]
+    )
+    out = torch.full((len(ps),), -7, dtype=torch.int64)
+    assert checks.grad_addresses(ps, table, out, f32) and out.tolist() == [p.grad.data_ptr() for p in ps]
+    assert not checks.grad_addresses(ps, table, out, torch.float64)
+    assert not checks.grad_addresses(ps, table[:-1], out, f32) and not checks.grad_addresses(ps, table, out[:-1], f32)
+    assert not checks.grad_addresses(ps, table.to(torch.int32), out, f32)
+    assert not checks.grad_addresses(ps, table, out.to(torch.int32), f32)
+    assert not checks.grad_addresses(ps, table, torch.empty(2 * len(ps), dtype=torch.int64)[::2], f32)
+    for i in (0, 151, 299):
+        grad = ps[i].grad
+        rows = grad.shape[0]
+        for other in (None, grad.to_sparse(), torch.randn(3, rows).t()):  # the last: the shape, not contiguous
+            ps[i].grad = other
+            assert not checks.grad_addresses(ps, table, out, f32), (i, other)
+        for data in (grad.view(-1), grad[:, :2].clone()):  # where torch lets it in: the numel not the shape; a size
+            ps[i].grad = grad.clone()
+            ps[i].grad.data = data
+            assert not checks.grad_addresses(ps, table, out, f32), (i, data.shape)
+        ps[i].grad = grad.clone()  # moved: read, not compared
+        assert checks.grad_addresses(ps, table, out, f32) and out[i].item() == ps[i].grad.data_ptr()
+    assert not checks.grad_addresses([ps[0], "x"], table[: 4 * 2], out[:2], f32)
+
+
+def test_grads_that_alternate_between_two_places_follow_torch_through_the_native_read(device, check_path):
+    """As a real loop's grads do (``zero_grad()`` frees them, forward's activations take their blocks, backward
+    allocates the new grads elsewhere): every step's grads sit where the step before last left them. Each step
+    re-points the tables (natively where the native check is on) and matches torch over 30 steps."""
+    reads: list[bool] = []
+    if check_path == "native":
+        real = _native.CHECKS
+
+        class Reading:
+            same, unchanged, unchanged_local = real.same, real.unchanged, real.unchanged_local
+
+            def grad_addresses(self, params, table, out, dtype):
+                reads.append(real.grad_addresses(params, table, out, dtype))
+                return reads[-1]
+
+        _native.CHECKS = Reading()
+    try:
+        ours, opt, ref, ref_opt = _twins(device)
+        for step in range(30):
+            for params in (ours, ref):
+                held = [p.grad for p in params]  # the last grads' blocks stay taken while the new grads are made
+                for p, g in zip(params, random_grads(params, step), strict=True):
+                    p.grad = g.clone()
+                del held
+            opt.step()
+            ref_opt.step()
+            assert_close_params(ours, ref, torch.float32)
+    finally:
+        if check_path == "native":
+            _native.CHECKS = real
+    assert opt.plan.fused_tensors == len(ours)
+    assert reads == ([True] * 30 if check_path == "native" else [])  # every step's grads moved and were read natively
 
 
 def test_the_native_check_reads_fsdp2_local_shards(tmp_path):

@@ -42,6 +42,10 @@ def checks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
             calls.append(len(params))
             return _native_module.unchanged(params, table, grads, dtype)
 
+        @staticmethod
+        def grad_addresses(params, table, out, dtype):  # the full check's read, not a per-step check: not counted
+            return _native_module.grad_addresses(params, table, out, dtype)
+
     _native_module = _native.CHECKS
     monkeypatch.setattr(units, "_PTRS_EQUAL", counted)
     if _native_module is not None:
