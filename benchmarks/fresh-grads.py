@@ -6,11 +6,12 @@ python benchmarks/fresh-grads.py --device cpu                # a dry run at tiny
 
 It builds ``KitsuneOptimizer(torch.optim.AdamW(params), enable_fusion=True)`` over the set's params and runs it in
 alternating blocks of ``--steps`` steps, each block with the grads kept (the same tensors, new values written in
-place) or fresh (`kitsune.bench.params.fresh_grads`: every grad set to None, then a new one allocated, param by
-param), ``--rounds`` blocks of each. Per block: how many steps met grads at other addresses than the step before,
-how many steps took the graph's steady replay (the step's cheapest path: every address where the last step found
-it) and how many another replay or no replay, and the host time of ``step()`` (started with the GPU idle, as
-`kitsune bench`'s host column): median over the block's steps. It prints, per mode, the medians over the blocks.
+place) or fresh (`kitsune.bench.params.fresh_grads`: every grad set to None and a new one allocated while the last
+ones still hold their blocks, so the grads move every step, as a training loop's do), ``--rounds`` blocks of each.
+Per block: how many steps met grads at other addresses than the step before, how many steps took the graph's
+steady replay (the step's cheapest path: every address where the last step found it) and how many another replay
+or no replay, and the host time of ``step()`` (started with the GPU idle, as `kitsune bench`'s host column): median
+over the block's steps. It prints, per mode, the medians over the blocks.
 """
 
 from __future__ import annotations
@@ -42,13 +43,13 @@ def block(
     moved, host = 0, []
     for _ in range(steps):
         (fresh_grads if mode == "fresh" else refill_grads)(params, gen)
-        now = [p.grad.data_ptr() for p in params]
-        moved += now != before
-        before = now
         synchronize(device)
         t0 = time.perf_counter_ns()
         opt.step()
         host.append((time.perf_counter_ns() - t0) / 1e3)
+        now = [p.grad.data_ptr() for p in params]  # after the step: reading them before would warm its caches
+        moved += now != before
+        before = now
     synchronize(device)
     return {
         "moved": moved,

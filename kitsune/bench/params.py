@@ -119,14 +119,18 @@ def make_params(
 
 
 def fresh_grads(params: list[torch.nn.Parameter], gen: torch.Generator) -> None:
-    """What ``zero_grad()`` and then ``backward()`` leave: every grad freed (``p.grad = None``, torch's default), then
-    a new tensor of fresh random values in its place, param by param. The caching allocator decides where each new
-    grad lands: a step that reads grads through addresses it kept must see whether they moved."""
+    """What a training loop leaves: ``zero_grad()`` frees every grad (``p.grad = None``, torch's default), the
+    forward's activations take their blocks, and backward allocates new grads elsewhere. Here: every grad a new
+    tensor of fresh random values, made while the last ones still hold their blocks, so each step's grads sit where
+    the step before last left them (as the demo's loop found: its grads moved on every step). A step that reads
+    grads through addresses it kept must see that they moved, and re-point its tables."""
+    last = [p.grad for p in params]  # the activations' share of the blocks: held until the new grads are made
     for p in params:
         p.grad = None
     with torch.no_grad():
         for p in params:
             p.grad = torch.empty_like(p).normal_(generator=gen)
+    del last
 
 
 GRADS = ("kept", "fresh")
