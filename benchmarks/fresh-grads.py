@@ -11,7 +11,10 @@ ones still hold their blocks, so the grads move every step, as a training loop's
 Per block: how many steps met grads at other addresses than the step before, how many steps took the graph's
 steady replay (the step's cheapest path: every address where the last step found it) and how many another replay
 or no replay, and the host time of ``step()`` (started with the GPU idle, as `kitsune bench`'s host column): median
-over the block's steps. It prints, per mode, the medians over the blocks.
+over the block's steps. A third mode, ``python``, is ``fresh`` with the native read of moved grads declined (the
+native module's ``grad_addresses`` answering "cannot", as where a grad is not as the kernels take it), so the grads'
+addresses are read in Python as before `e559b94`: that read's cost, beside the native one's, in one process. It
+prints, per mode, the medians over the blocks.
 """
 
 from __future__ import annotations
@@ -24,9 +27,26 @@ from typing import Any
 
 import torch
 
-from kitsune import KitsuneOptimizer, __version__
+from kitsune import KitsuneOptimizer, __version__, _native
 from kitsune.bench.params import fresh_grads, get_param_set, make_params, refill_grads
 from kitsune.bench.timing import native_check_ready, percentile, synchronize
+
+
+class _DeclinedRead:
+    """The native module with its read of moved grads declined: every other call goes to the module."""
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.module, name)
+
+    @staticmethod
+    def grad_addresses(*args: Any) -> bool:
+        return False
+
+
+MODES = ("kept", "fresh", "python")
 
 
 def block(
@@ -41,16 +61,22 @@ def block(
     replays, steady = graphs.replays, graphs.steady_replays
     before = [p.grad.data_ptr() for p in params]
     moved, host = 0, []
-    for _ in range(steps):
-        (fresh_grads if mode == "fresh" else refill_grads)(params, gen)
+    checks = _native.CHECKS
+    if mode == "python" and checks is not None:
+        _native.CHECKS = _DeclinedRead(checks)
+    try:
+        for _ in range(steps):
+            (refill_grads if mode == "kept" else fresh_grads)(params, gen)
+            synchronize(device)
+            t0 = time.perf_counter_ns()
+            opt.step()
+            host.append((time.perf_counter_ns() - t0) / 1e3)
+            now = [p.grad.data_ptr() for p in params]  # after the step: reading them before would warm its caches
+            moved += now != before
+            before = now
         synchronize(device)
-        t0 = time.perf_counter_ns()
-        opt.step()
-        host.append((time.perf_counter_ns() - t0) / 1e3)
-        now = [p.grad.data_ptr() for p in params]  # after the step: reading them before would warm its caches
-        moved += now != before
-        before = now
-    synchronize(device)
+    finally:
+        _native.CHECKS = checks
     return {
         "moved": moved,
         "steady": graphs.steady_replays - steady,
@@ -83,16 +109,16 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.warmup):
         fresh_grads(params, gen)
         opt.step()
-    blocks: dict[str, list[dict[str, float]]] = {"kept": [], "fresh": []}
+    blocks: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
     for r in range(rounds):
-        for mode in ("kept", "fresh") if r % 2 == 0 else ("fresh", "kept"):
+        for mode in MODES if r % 2 == 0 else MODES[::-1]:
             blocks[mode].append(block(opt, params, mode, args.steps, gen, device))
     out: dict[str, Any] = {"config": {"set": args.set, "scale": scale, "rounds": rounds, "steps": args.steps}}
     for mode, rows in blocks.items():
         summary = {key: percentile([b[key] for b in rows], 50) for key in rows[0]}
         out[mode] = {"median": summary, "blocks": rows}
         print(
-            f"  {mode:5s}: steps whose grads moved {summary['moved']:.0f} of {args.steps}, steady replays "
+            f"  {mode:6s}: steps whose grads moved {summary['moved']:.0f} of {args.steps}, steady replays "
             f"{summary['steady']:.0f}, other replays {summary['other_replays']:.0f}, host {summary['host_us']:.1f} us "
             "a step (medians over the blocks)"
         )
