@@ -67,6 +67,19 @@ static inline bool same_layout(const c10::TensorImpl* t, caffe2::TypeMeta dtype,
   return t->layout() == at::kStrided && t->dtype() == dtype && t->numel() == numel && t->is_contiguous();
 }
 
+// The TensorImpl of a param's grad (its autograd meta read), or null where it has none; its lines are prefetched
+// for the next pass's reads.
+static inline const c10::TensorImpl* grad_of(const c10::TensorImpl* param) {
+  const c10::AutogradMetaInterface* meta = param->autograd_meta();
+  if (meta == nullptr) return nullptr;
+  const at::Tensor& g = meta->grad();
+  if (!g.defined()) return nullptr;
+  const c10::TensorImpl* grad = g.unsafeGetTensorImpl();
+  __builtin_prefetch(grad);
+  __builtin_prefetch(reinterpret_cast<const char*>(grad) + 128);
+  return grad;
+}
+
 // A tensor's sizes as one number: 64-bit FNV-1a over them, shifted to 63 bits (kitsune._native.shape_key).
 static inline int64_t shape_key(const c10::TensorImpl* t) {
   uint64_t h = 14695981039346656037ULL;
@@ -106,15 +119,7 @@ bool unchanged(py::list params, const at::Tensor& table, int64_t what, at::Scala
                            !same_layout(impls[i], dtype, numels[i]) || shape_key(impls[i]) != shapes[i])) {
         return false;
       }
-      if (check_grads) {
-        const c10::AutogradMetaInterface* meta = impls[i]->autograd_meta();
-        if (meta == nullptr) return false;
-        const at::Tensor& g = meta->grad();
-        if (!g.defined()) return false;
-        grads[i] = g.unsafeGetTensorImpl();
-        __builtin_prefetch(grads[i]);
-        __builtin_prefetch(reinterpret_cast<const char*>(grads[i]) + 128);
-      }
+      if (check_grads && (grads[i] = grad_of(impls[i])) == nullptr) return false;
     }
     for (Py_ssize_t i = 0; check_grads && i < n; ++i) {
       __builtin_prefetch(grads[i]->unsafe_storage().unsafeGetStorageImpl());
@@ -157,13 +162,7 @@ bool grad_addresses(py::list params, const at::Tensor& table, at::Tensor out, at
     for (Py_ssize_t i = 0; i < n; ++i) __builtin_prefetch(impls[i]->autograd_meta());
     std::vector<const c10::TensorImpl*> grads(n);
     for (Py_ssize_t i = 0; i < n; ++i) {
-      const c10::AutogradMetaInterface* meta = impls[i]->autograd_meta();
-      if (meta == nullptr) return false;
-      const at::Tensor& g = meta->grad();
-      if (!g.defined()) return false;
-      grads[i] = g.unsafeGetTensorImpl();
-      __builtin_prefetch(grads[i]);
-      __builtin_prefetch(reinterpret_cast<const char*>(grads[i]) + 128);
+      if ((grads[i] = grad_of(impls[i])) == nullptr) return false;
     }
     for (Py_ssize_t i = 0; i < n; ++i) {
       if (grads[i]->layout() != at::kStrided) return false;  // a sparse grad has no storage to prefetch
