@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The one script to run on a lent GPU: environment, the CUDA tests, `kitsune bench` on all sets, then the demo.
 # Writes into $OUT (default ./gpu-out): env.log, cuda-tests.log, gpu-suites.log, gpu-fusion.log, bench.log,
-# bench.json, bench-fresh.log, bench-fresh.json, demo.log, demo-profile.json, exit-codes.txt; with STAGES naming
-# compile, e2e-compile.log and e2e-compile.json; with STAGES naming peers, peers.log and peers.json (the peers' wheels
+# bench.json, muon.log, muon.json, demo.log, demo-profile.json, exit-codes.txt; with STAGES naming fresh,
+# bench-fresh.log and bench-fresh.json; with STAGES naming compile, e2e-compile.log and e2e-compile.json; with STAGES naming peers, peers.log and peers.json (the peers' wheels
 # in .peers/, PEER_SETS the sets: one a call, as a set with every peer takes minutes).
 # Each stage has its own time limit, so a slow stage cannot starve the next; a lent GPU allows 10 minutes a call,
 # so run the stages in two or three calls (STAGES below).
@@ -87,8 +87,11 @@ stage bench && {
 # timed steps: 50 for gpt2 and many, 20 for llama1b (each set's default); bench.json is rewritten after each set
 timeout 330 python3 -m kitsune.bench --device "$BENCH_DEVICE" --sets gpt2,many,llama1b --warmup 10 --phase --e2e \
     --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || bench_rc=$?
+}
 # the same rows with the grads freed and re-allocated before every step, as a training loop's zero_grad() and
-# backward() leave them (torch's graph and static_addresses=True, which need them in place, are skipped)
+# backward() leave them (torch's graph and static_addresses=True, which need them in place, are skipped): a stage of
+# its own (STAGES=fresh), as the bench's `fresh` row shows the one line so already, and a call brings back 8 files
+stage fresh && {
 timeout 120 python3 -m kitsune.bench --device "$BENCH_DEVICE" --sets gpt2,many --variants foreach,fused,kitsune,eager \
     --warmup 10 --grads fresh --json "$OUT/bench-fresh.json" 2>&1 | tee "$OUT/bench-fresh.log" || bench_rc=$?
 }
