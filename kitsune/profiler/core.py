@@ -174,6 +174,10 @@ _STEP_MS, _DEVICE_START_US = _ROW.index("step_ms"), _ROW.index("device_start_us"
 
 _clock = time.perf_counter_ns
 
+_QUICK_MAX = 255
+"""The most quick steps in a row: then a step seen whole (timed on the device or not) makes their records, so the
+marks stay bounded whatever ``device_time_every`` is."""
+
 _COLLECT_AFTER = 64
 """Pending CUDA event pairs that trigger a non-blocking read of the finished ones."""
 
@@ -372,7 +376,8 @@ class Profiler(Subsystem):
             self._mode, self._window, self._span, self._warming = "kitsune", None, None, False
             every = self.config.device_time_every
             timed = self._index % every == 0
-            self._plain = self._granted = every - 1 - self._index % every  # the steps until the next one timed
+            # the steps until the next one timed, at most `_QUICK_MAX`: the marks wait for a step seen whole
+            self._plain = self._granted = min(every - 1 - self._index % every, _QUICK_MAX)
         else:
             self._start_sampled(s)
             timed = True
@@ -434,16 +439,17 @@ class Profiler(Subsystem):
             self._quick = False
             self._marks += (s.step, self._t0, t1)
             return
-        self._flush_marks()
+        row: tuple | list
+        if self._start_event is not None:  # CUDA: the device time is filled in when the events are read
+            end = self._free_events.pop() if self._free_events else torch.cuda.Event(enable_timing=True)
+            self._record(end, self._stream)  # the stream the step ran on; before any work of the profiler's own
+        self._flush_marks()  # the quick steps' records go first: they ran before this step
         self._timed += 1
         self._run_t1 = t1
         t0 = self._t0
         host_ms = (t1 - t0) / 1e6
-        row: tuple | list
-        if self._start_event is not None:  # CUDA: the device time is filled in when the events are read
+        if self._start_event is not None:
             row = [s.step, None, host_ms, (t0 - self._origin_ns) / 1e3, None, self._mode]
-            end = self._free_events.pop() if self._free_events else torch.cuda.Event(enable_timing=True)
-            self._record(end, self._stream)  # the stream the step ran on
             self._pending.append((row, self._start_event, end))
             self._start_event = None
             if len(self._pending) > _COLLECT_AFTER:

@@ -21,7 +21,7 @@ from twins import assert_close_params, grads_in_place, make_params, ptrs_equal_s
 from kitsune import FusionConfig, KitsuneConfig, KitsuneOptimizer, ProfilerConfig
 from kitsune.fusion import units
 from kitsune.profiler import Profiler
-from kitsune.profiler.core import _COLLECT_AFTER
+from kitsune.profiler.core import _COLLECT_AFTER, _QUICK_MAX
 from kitsune.profiler.probe import Probe
 from kitsune.profiler.schema import Profile
 from kitsune.subsystem import StepState
@@ -442,3 +442,29 @@ def test_quick_steps_are_counted_recorded_and_undone_like_whole_ones():
     _fake_steps(prof, range(15, 19))
     assert [r.mode for r in prof.records] == ["kitsune"] * 4  # the windows again: warm-up, then the comparison
     assert prof.wants_baseline(True)  # step 19 is the first of the baseline's half
+
+
+def test_quick_steps_stay_bounded_and_their_records_wait_until_the_step_timed_ends(fake_cuda):
+    """However rare the steps timed on the device, at most `_QUICK_MAX` quick steps wait as marks; and a step timed on
+    the device records its end event before it makes the waiting records, which would otherwise sit in its time."""
+    as_cuda, _, _, _ = fake_cuda
+    config = ProfilerConfig(enabled=True, nvml_interval_s=0, sample_after=0, probe_steps=0, device_time_every=10**9)
+    prof = Profiler(config)
+    prof.plan([torch.zeros(3)], "step", None)
+    as_cuda(prof)
+    longest = 0
+    for step in range(1, 3 * _QUICK_MAX):
+        _fake_steps(prof, range(step, step + 1))
+        longest = max(longest, len(prof._marks) // 3)
+    assert longest == _QUICK_MAX and [r.step for r in prof.records] == list(range(1, 3 * _QUICK_MAX))
+
+    prof = Profiler(ProfilerConfig(enabled=True, nvml_interval_s=0, sample_after=0, probe_steps=0, device_time_every=4))
+    prof.plan([torch.zeros(3)], "step", None)
+    as_cuda(prof)
+    order: list[str] = []
+    record, flush = prof._record, prof._flush_marks
+    prof._record = lambda *a: (order.append("record"), record(*a))[1]
+    prof._flush_marks = lambda: (order.append("flush" if prof._marks else "nothing"), flush())[1]
+    _fake_steps(prof, range(1, 5))  # step 1 within the windows, 2-3 quick, 4 timed
+    assert order[-3:] == ["record", "record", "flush"]  # step 4: its start, its end, then the marks of 2 and 3
+    assert [r.step for r in prof.records] == [1, 2, 3, 4]
