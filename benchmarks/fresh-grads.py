@@ -62,7 +62,8 @@ def block(
     before = [p.grad.data_ptr() for p in params]
     moved, host = 0, []
     checks = _native.CHECKS
-    if mode == "python" and checks is not None:
+    declined = mode == "python" and checks is not None
+    if declined:
         _native.CHECKS = _DeclinedRead(checks)
     try:
         for _ in range(steps):
@@ -76,7 +77,8 @@ def block(
             before = now
         synchronize(device)
     finally:
-        _native.CHECKS = checks
+        if declined:  # a module the build finished meanwhile stays
+            _native.CHECKS = checks
     return {
         "moved": moved,
         "steady": graphs.steady_replays - steady,

@@ -18,12 +18,13 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def memory_shortfall(pset: ParamSet, device: torch.device, copies: int = 1) -> str | None:
+def memory_shortfall(pset: ParamSet, device: torch.device, copies: int = 1, moving_grads: bool = False) -> str | None:
     """Why ``copies`` optimizers of this set cannot fit on the GPU now (param, grad, exp_avg, exp_avg_sq: 16 bytes
-    each), else None."""
+    each; with ``moving_grads``, a second set of grads while new ones are made beside the old, `fresh_grads`), else
+    None."""
     if device.type != "cuda":
         return None
-    need = copies * 4 * 4 * pset.n_elements * 1.05 + 2**29
+    need = copies * (5 if moving_grads else 4) * 4 * pset.n_elements * 1.05 + 2**29
     free, _ = torch.cuda.mem_get_info(device)
     if need > free:
         return f"needs about {need / 2**30:.1f} GiB of GPU memory, {free / 2**30:.1f} GiB free"

@@ -202,7 +202,7 @@ def run_variant(
     if name == "graph" and device.type != "cuda":
         result.status, result.reason = "skipped", "CUDA only: a CUDA graph captures GPU work"
         return result
-    shortfall = memory_shortfall(pset, device)
+    shortfall = memory_shortfall(pset, device, moving_grads=grads == "fresh")
     if shortfall is not None:
         result.status, result.reason = "skipped", shortfall
         return result
