@@ -24,8 +24,9 @@ in microseconds a step, less the loop around it; then the same with every step t
 8 (the default times one in ``ProfilerConfig.device_time_every``, 32). And the profiler toggled: one more
 optimizer with the profiler on (its defaults), warmed up past its windows, then ``--toggles`` rounds in which its
 steps run ``--steps`` at a time with the profiler on and paused (`Subsystem.deactivate`, then `activate`), in
-alternating order: the same objects on both sides, so where an optimizer was built cannot move the difference; each
-round's device % and host us, on over paused.
+alternating order: the same objects on both sides, so where an optimizer was built cannot move the difference (the
+NVML sampler's thread runs through both, so its share is left out); each round's device % and host us, on over
+paused.
 
 ``--json PATH`` writes the numbers, the environment and the profiled side's sampled-window shares.
 """

@@ -115,7 +115,7 @@ timeout 570 python3 -m kitsune.bench --device "$BENCH_DEVICE" --peers "${PEERS:-
 
 muon_rc=0
 stage muon && {
-timeout 200 python3 -m kitsune.bench --muon --json "$OUT/muon.json" 2>&1 | tee "$OUT/muon.log" || muon_rc=$?
+timeout 170 python3 -m kitsune.bench --muon --json "$OUT/muon.json" 2>&1 | tee "$OUT/muon.log" || muon_rc=$?
 }
 
 demo_rc=0
