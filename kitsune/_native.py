@@ -67,6 +67,11 @@ static inline bool same_layout(const c10::TensorImpl* t, caffe2::TypeMeta dtype,
   return t->layout() == at::kStrided && t->dtype() == dtype && t->numel() == numel && t->is_contiguous();
 }
 
+// A contiguous int64 CPU tensor of numel elements: the tables these checks read and the addresses they write.
+static inline bool int64_cpu(const at::Tensor& t, int64_t numel) {
+  return t.scalar_type() == at::kLong && t.is_contiguous() && t.device().type() == at::kCPU && t.numel() == numel;
+}
+
 // The TensorImpl of a param's grad (its autograd meta read), or null where it has none; its lines are prefetched
 // for the next pass's reads.
 static inline const c10::TensorImpl* grad_of(const c10::TensorImpl* param) {
@@ -90,10 +95,7 @@ static inline int64_t shape_key(const c10::TensorImpl* t) {
 bool unchanged(py::list params, const at::Tensor& table, int64_t what, at::ScalarType scalar_type) {
   PyObject* list = params.ptr();
   const Py_ssize_t n = PyList_GET_SIZE(list);
-  if (table.scalar_type() != at::kLong || !table.is_contiguous() || table.device().type() != at::kCPU ||
-      table.numel() != 4 * n) {
-    return false;
-  }
+  if (!int64_cpu(table, 4 * n)) return false;
   const int64_t* want = table.const_data_ptr<int64_t>();
   const int64_t* numels = want + 2 * n;
   const int64_t* shapes = want + 3 * n;
@@ -142,11 +144,7 @@ bool unchanged(py::list params, const at::Tensor& table, int64_t what, at::Scala
 bool grad_addresses(py::list params, const at::Tensor& table, at::Tensor out, at::ScalarType scalar_type) {
   PyObject* list = params.ptr();
   const Py_ssize_t n = PyList_GET_SIZE(list);
-  if (table.scalar_type() != at::kLong || !table.is_contiguous() || table.device().type() != at::kCPU ||
-      table.numel() != 4 * n || out.scalar_type() != at::kLong || !out.is_contiguous() ||
-      out.device().type() != at::kCPU || out.numel() != n) {
-    return false;
-  }
+  if (!int64_cpu(table, 4 * n) || !int64_cpu(out, n)) return false;
   const int64_t* numels = table.const_data_ptr<int64_t>() + 2 * n;
   const int64_t* shapes = numels + n;
   int64_t* addresses = out.mutable_data_ptr<int64_t>();
@@ -217,10 +215,7 @@ bool unchanged_local(py::list params, py::list locals, const at::Tensor& table, 
   PyObject* list = params.ptr();
   PyObject* shards = locals.ptr();
   const Py_ssize_t n = PyList_GET_SIZE(list);
-  if (PyList_GET_SIZE(shards) != n || table.scalar_type() != at::kLong || !table.is_contiguous() ||
-      table.device().type() != at::kCPU || table.numel() != 4 * n) {
-    return false;
-  }
+  if (PyList_GET_SIZE(shards) != n || !int64_cpu(table, 4 * n)) return false;
   static PyObject* local_name = PyUnicode_InternFromString("_local_tensor");
   const int64_t* want = table.const_data_ptr<int64_t>();
   const int64_t* numels = want + 2 * n;
