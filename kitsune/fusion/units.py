@@ -331,7 +331,8 @@ class FusedUnit:
                 grads, ptrs = self._adopt_grads(grads, ptrs)
             self._grad_ptrs = upload = ptrs
             n = len(ptrs)
-            self._table[n : 2 * n] = self._scratch if checked and not adopt else int64_tensor(ptrs)
+            host = self._scratch.clone() if checked and not adopt else int64_tensor(ptrs)  # type: ignore[union-attr]
+            self._table[n : 2 * n] = host
             self._copied = []
             if not checked and not all(
                 map(
@@ -346,7 +347,7 @@ class FusedUnit:
                 self._copied = [(g, c) for g, c in zip(grads, self._copies, strict=True) if c is not g]
                 upload = [a if a == DEAD else c.data_ptr() for c, a in zip(self._copies, ptrs, strict=True)]
                 self._grad_ptrs = None
-            self.tables.set_role("grad", upload)
+            self.tables.set_role("grad", upload, host if upload is ptrs else None)
             self.grad_addresses = upload
         if self.uninit:
             self._init_new(ptrs, state, groups)

@@ -83,13 +83,15 @@ class TensorTables:
         self.uploads = 0
         """Address tables copied to the device so far (plan-time tables included)."""
 
-    def set_role(self, role: str, addresses: list[int]) -> bool:
-        """Point ``role`` at these (T,) addresses; upload only if they differ from the cached ones."""
+    def set_role(self, role: str, addresses: list[int], host: torch.Tensor | None = None) -> bool:
+        """Point ``role`` at these (T,) addresses; upload only if they differ from the cached ones. ``host``: the same
+        addresses as a CPU int64 tensor the caller has built already (kept; the caller must not change it)."""
         if self._cached.get(role) == addresses:
             return False
         if len(addresses) != self.num_tensors:
             raise ValueError(f"role {role!r}: {len(addresses)} addresses for {self.num_tensors} tensors")
-        host = int64_tensor(addresses)
+        if host is None:
+            host = int64_tensor(addresses)
         table = self._roles.get(role)
         if table is None:
             self._roles[role] = host.to(self.device)
