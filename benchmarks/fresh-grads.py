@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from kitsune import KitsuneOptimizer, __version__, _native
+from kitsune.bench.cli import add_device_args, device_and_defaults
 from kitsune.bench.params import fresh_grads, get_param_set, make_params, refill_grads
 from kitsune.bench.timing import native_check_ready, percentile, synchronize
 
@@ -89,20 +90,15 @@ def block(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda")
+    add_device_args(parser)
     parser.add_argument("--set", default="many", help="a parameter set of kitsune bench")
-    parser.add_argument("--scale", type=float, default=None, help="elements per tensor (default 1; 0.001 on a CPU)")
     parser.add_argument("--rounds", type=int, default=None, help="blocks of each mode (default 20; 2 on a CPU)")
     parser.add_argument("--steps", type=int, default=20, help="steps a block")
     parser.add_argument("--warmup", type=int, default=20, help="steps before timing, grads fresh")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    cpu = device.type == "cpu"
-    scale = args.scale if args.scale is not None else (0.001 if cpu else 1.0)
-    rounds = args.rounds if args.rounds is not None else (2 if cpu else 20)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error("no CUDA device: pass --device cpu for a dry run")
+    device = device_and_defaults(parser, args, rounds=(2, 20))
+    scale, rounds = args.scale, args.rounds
     print(f"torch {torch.__version__}, kitsune {__version__}, {args.set} x {scale:g}; {rounds} blocks of each mode")
     print(native_check_ready(device))
     params = make_params(get_param_set(args.set, scale), device, seed=0)

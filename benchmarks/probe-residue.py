@@ -34,6 +34,7 @@ from unittest import mock
 import torch
 
 from kitsune import KitsuneOptimizer, __version__
+from kitsune.bench.cli import add_device_args, device_and_defaults
 from kitsune.bench.params import get_param_set, make_params
 from kitsune.bench.timing import native_check_ready, percentile, synchronize, time_block
 from kitsune.config import FusionConfig, KitsuneConfig, ProfilerConfig
@@ -103,20 +104,14 @@ def calls(opt: KitsuneOptimizer, device: torch.device, steps: int = 100) -> dict
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda")
+    add_device_args(parser)
     parser.add_argument("--set", default="many", help="a parameter set of kitsune bench")
-    parser.add_argument("--scale", type=float, default=None, help="elements per tensor (default 1; 0.001 on a CPU)")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 40; 2 on a CPU)")
     parser.add_argument("--steps", type=int, default=20, help="steps per optimizer a round")
     parser.add_argument("--warmup", type=int, default=30, help="steps after building (past the sampled windows)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    cpu = device.type == "cpu"
-    args.scale = args.scale if args.scale is not None else (0.001 if cpu else 1.0)
-    args.rounds = args.rounds if args.rounds is not None else (2 if cpu else 40)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error("no CUDA device: pass --device cpu for a dry run")
+    device = device_and_defaults(parser, args, rounds=(2, 40))
     print(f"torch {torch.__version__}, kitsune {__version__}, {args.set} x {args.scale:g}")
     print(native_check_ready(device))
     out: dict[str, Any] = {"config": {k: getattr(args, k) for k in ("set", "scale", "rounds", "steps", "warmup")}}

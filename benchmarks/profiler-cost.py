@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from kitsune import KitsuneOptimizer, __version__
+from kitsune.bench.cli import add_device_args, device_and_defaults
 from kitsune.bench.params import get_param_set, make_params
 from kitsune.bench.timing import native_check_ready, percentile, time_block, time_steps
 
@@ -218,9 +219,8 @@ def measure(set_name: str, args: argparse.Namespace, device: torch.device) -> di
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda")
+    add_device_args(parser)
     parser.add_argument("--sets", default="gpt2,many", help="parameter sets of kitsune bench, comma-separated")
-    parser.add_argument("--scale", type=float, default=None, help="elements per tensor (default 1; 0.001 on a CPU)")
     parser.add_argument(
         "--blocks", type=int, default=None, help="timed rounds, split between the build orders (default 30; 3 on a CPU)"
     )
@@ -242,16 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     for order in args.orders:
         if set(order) != set(SIDES):
             parser.error(f"--order {','.join(order)}: name each of {', '.join(SIDES)} at least once, nothing else")
-    device = torch.device(args.device)
-    cpu = device.type == "cpu"
-    args.scale = args.scale if args.scale is not None else (0.001 if cpu else 1.0)
-    args.blocks = args.blocks if args.blocks is not None else (3 if cpu else 30)
-    args.steps = args.steps if args.steps is not None else (3 if cpu else 20)
-    args.toggles = args.toggles if args.toggles is not None else (2 if cpu else 60)
+    device = device_and_defaults(parser, args, blocks=(3, 30), steps=(3, 20), toggles=(2, 60))
     if args.blocks < len(args.orders):
         parser.error(f"--blocks {args.blocks}: at least one round for each of the {len(args.orders)} build orders")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error("no CUDA device: pass --device cpu for a dry run")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
     print(f"{name}, torch {torch.__version__}, kitsune {__version__}; {args.blocks} rounds of {args.steps} steps")
     print(native_check_ready(device))  # the steps as a run past its first minute takes them

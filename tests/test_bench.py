@@ -829,3 +829,22 @@ def test_time_block_times_each_call_after_a_collection(monkeypatch):
     assert set(out) == {"ms", "host_ms", "first_ms", "later_ms"}
     assert out["first_ms"] == out["later_ms"] == out["host_ms"] == 1.0  # each call between two reads 1 ms apart
     assert out["ms"] == 9 * 1.0 / 4  # the wall clock around the block: 9 reads' worth over 4 steps
+
+
+def test_the_scripts_device_and_defaults_fill_what_was_left_out():
+    """`benchmarks/`'s scripts: on a CPU the size and the CPU's defaults where an option was left out (given ones
+    stay); CUDA asked for where there is none is a parser error that says to pass --device cpu."""
+    import argparse
+
+    from kitsune.bench.cli import add_device_args, device_and_defaults
+
+    parser = argparse.ArgumentParser()
+    add_device_args(parser)
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=None)
+    args = parser.parse_args(["--device", "cpu", "--steps", "7"])
+    device = device_and_defaults(parser, args, rounds=(2, 20), steps=(3, 20))
+    assert device.type == "cpu" and (args.scale, args.rounds, args.steps) == (0.001, 2, 7)
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            device_and_defaults(parser, parser.parse_args([]))

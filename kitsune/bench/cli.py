@@ -17,6 +17,28 @@ from kitsune.bench.variants import DEFAULT_VARIANTS, VARIANTS
 from kitsune.cli import positive_int
 
 
+def add_device_args(parser: argparse.ArgumentParser) -> None:
+    """``--device`` and ``--scale``, as the scripts under ``benchmarks/`` take them (`device_and_defaults`)."""
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--scale", type=float, default=None, help="elements per tensor (default 1; 0.001 on a CPU)")
+
+
+def device_and_defaults(parser: argparse.ArgumentParser, args: argparse.Namespace, **defaults: tuple[Any, Any]) -> Any:
+    """The scripts' ``torch.device`` (`add_device_args`), with ``args.scale`` and each of ``defaults`` (name ->
+    (default on a CPU, default on CUDA)) that was left None filled in: a CPU run is a dry run at 0.001 of the size.
+    A parser error where CUDA is asked for and there is none."""
+    import torch
+
+    device = torch.device(args.device)
+    cpu = device.type == "cpu"
+    for name, (on_cpu, on_cuda) in {"scale": (0.001, 1.0), **defaults}.items():
+        if getattr(args, name) is None:
+            setattr(args, name, on_cpu if cpu else on_cuda)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("no CUDA device: pass --device cpu for a dry run")
+    return device
+
+
 def _names(choices: dict[str, Any]) -> Callable[[str], list[str]]:
     """An argparse ``type``: comma-separated names, each one of ``choices``, at least one; a repeated name counts
     once (``gpt2,gpt2`` times gpt2 once)."""
