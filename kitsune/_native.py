@@ -9,9 +9,11 @@ a tensor (20-30 ns with the tensors' metadata in cache, 90-190 ns from flushed c
 `unchanged` compares each param's and each grad's address with an int64 table (or the grads' alone, where the step
 has checked the params before), its reads in passes that prefetch the next pass's, and answers False (so the step
 takes the full check) for anything it cannot read (a grad that is None or sparse, a tensor without storage).
-`grad_addresses` is the full check's common case, a step whose grads moved: it reads every grad's address into an
-int64 tensor in the same passes, where each grad is present, dense, contiguous, of the unit's dtype and of its
-param's planned shape (otherwise the Python check sorts out which is not, and raises where torch would).
+`follow` is `unchanged` for a step whose grads may have moved (``zero_grad()`` freed them and backward allocated new
+ones elsewhere, as most training loops' grads do): in the same passes it reads every grad's address into an int64
+tensor, and answers whether nothing moved, only grads did (each present, dense, contiguous, of the unit's dtype and
+of its param's planned shape: the tables need only point at them), or anything else (the Python check then sorts out
+what, and raises where torch would).
 `unchanged_local` does the same for FSDP2's DTensor params through their local shards (each param must still hold
 the shard the plan resolved, and its grad's local shard must sit where the table says): the grad is read in C++,
 DTensor's ``_local_tensor`` slot directly, and the reads go in passes over all params so that a CPU whose caches
@@ -50,6 +52,7 @@ SOURCE = r"""
 #include <torch/csrc/autograd/python_variable.h>
 #include <structmember.h>  // T_OBJECT_EX: after Python.h, which torch/extension.h includes
 
+#include <algorithm>
 #include <vector>
 
 // params[i] sits at table[i] (what: 0 or 1) and its grad (dense) at table[n + i] (what: 1 or 2; 2 leaves out the
@@ -92,21 +95,28 @@ static inline int64_t shape_key(const c10::TensorImpl* t) {
   return static_cast<int64_t>(h >> 1);
 }
 
-bool unchanged(py::list params, const at::Tensor& table, int64_t what, at::ScalarType scalar_type) {
-  PyObject* list = params.ptr();
+// The passes of `unchanged` and `follow`. what: 0 the params, 1 the params and their grads, 2 the grads alone (the
+// step checked the params before). out: null, or n int64 for the grads' addresses. Answers 0 where everything
+// checked sits where the table says; with out, 1 + the OR of every grad address's low six bits (1 to 64: their
+// alignment) where the params checked do and every grad is present, dense, contiguous, of dtype and of its param's
+// numel and shape, some of them elsewhere: out holds every grad's address, and so does the table's grad column,
+// which is written only then; -1 for anything else (out then partly written, the table not).
+static int64_t scan(PyObject* list, const at::Tensor& table, int64_t what, int64_t* out, at::ScalarType scalar_type) {
   const Py_ssize_t n = PyList_GET_SIZE(list);
-  if (!int64_cpu(table, 4 * n)) return false;
+  if (!int64_cpu(table, 4 * n)) return -1;
   const int64_t* want = table.const_data_ptr<int64_t>();
   const int64_t* numels = want + 2 * n;
   const int64_t* shapes = want + 3 * n;
   const caffe2::TypeMeta dtype = caffe2::TypeMeta::fromScalarType(scalar_type);
   const bool check_params = what != 2;
   const bool check_grads = what != 0;
+  bool moved = false;
+  int64_t low = 0;
   try {
     std::vector<c10::TensorImpl*> impls(n);
     for (Py_ssize_t i = 0; i < n; ++i) {  // the objects (in the list's array, read in order)
       PyObject* obj = PyList_GET_ITEM(list, i);
-      if (!THPVariable_Check(obj)) return false;
+      if (!THPVariable_Check(obj)) return -1;
       impls[i] = THPVariable_Unpack(obj).unsafeGetTensorImpl();
       __builtin_prefetch(impls[i]);  // the storage and autograd meta pointers
       __builtin_prefetch(reinterpret_cast<const char*>(impls[i]) + 128);  // offset, numel, dtype, contiguity
@@ -119,61 +129,45 @@ bool unchanged(py::list params, const at::Tensor& table, int64_t what, at::Scala
     for (Py_ssize_t i = 0; i < n; ++i) {  // the params' addresses; the grads' TensorImpls
       if (check_params && (reinterpret_cast<int64_t>(impls[i]->data()) != want[i] ||
                            !same_layout(impls[i], dtype, numels[i]) || shape_key(impls[i]) != shapes[i])) {
-        return false;
+        return -1;
       }
-      if (check_grads && (grads[i] = grad_of(impls[i])) == nullptr) return false;
+      if (check_grads && (grads[i] = grad_of(impls[i])) == nullptr) return -1;
     }
     for (Py_ssize_t i = 0; check_grads && i < n; ++i) {
+      if (grads[i]->layout() != at::kStrided) return -1;  // a sparse grad has no storage to prefetch
       __builtin_prefetch(grads[i]->unsafe_storage().unsafeGetStorageImpl());
     }
     for (Py_ssize_t i = 0; check_grads && i < n; ++i) {  // the grads' addresses
-      if (!same_layout(grads[i], dtype, numels[i]) || shape_key(grads[i]) != shapes[i]) return false;
-      if (reinterpret_cast<int64_t>(grads[i]->data()) != want[n + i]) return false;
+      if (!same_layout(grads[i], dtype, numels[i]) || shape_key(grads[i]) != shapes[i]) return -1;
+      const int64_t address = reinterpret_cast<int64_t>(grads[i]->data());
+      if (out != nullptr) {
+        out[i] = address;
+        moved |= address != want[n + i];
+        low |= address & 63;
+      } else if (address != want[n + i]) {
+        return -1;
+      }
     }
   } catch (...) {  // a tensor without storage, or any other surprise: the full check sorts it out
-    return false;
+    return -1;
   }
-  return true;
+  if (!moved) return 0;
+  std::copy(out, out + n, table.mutable_data_ptr<int64_t>() + n);
+  return 1 + low;
 }
 
-// A step whose grads moved (``zero_grad()`` freed them and backward allocated new ones elsewhere): every params[i]
-// has a grad, dense, contiguous, of dtype, of table[2n + i] elements and of the shape keyed table[3n + i] (the
-// table `unchanged` reads): its address goes into out[i] (n int64 on the CPU) and the answer is true. Anything else
-// (a grad that is None, sparse, of another dtype or shape, not contiguous) answers false, out left partly written:
-// the Python path sorts it out and raises where torch would. The reads go in passes, as in `unchanged`.
-bool grad_addresses(py::list params, const at::Tensor& table, at::Tensor out, at::ScalarType scalar_type) {
-  PyObject* list = params.ptr();
-  const Py_ssize_t n = PyList_GET_SIZE(list);
-  if (!int64_cpu(table, 4 * n) || !int64_cpu(out, n)) return false;
-  const int64_t* numels = table.const_data_ptr<int64_t>() + 2 * n;
-  const int64_t* shapes = numels + n;
-  int64_t* addresses = out.mutable_data_ptr<int64_t>();
-  const caffe2::TypeMeta dtype = caffe2::TypeMeta::fromScalarType(scalar_type);
-  try {
-    std::vector<c10::TensorImpl*> impls(n);
-    for (Py_ssize_t i = 0; i < n; ++i) {
-      PyObject* obj = PyList_GET_ITEM(list, i);
-      if (!THPVariable_Check(obj)) return false;
-      impls[i] = THPVariable_Unpack(obj).unsafeGetTensorImpl();
-      __builtin_prefetch(impls[i]);
-    }
-    for (Py_ssize_t i = 0; i < n; ++i) __builtin_prefetch(impls[i]->autograd_meta());
-    std::vector<const c10::TensorImpl*> grads(n);
-    for (Py_ssize_t i = 0; i < n; ++i) {
-      if ((grads[i] = grad_of(impls[i])) == nullptr) return false;
-    }
-    for (Py_ssize_t i = 0; i < n; ++i) {
-      if (grads[i]->layout() != at::kStrided) return false;  // a sparse grad has no storage to prefetch
-      __builtin_prefetch(grads[i]->unsafe_storage().unsafeGetStorageImpl());
-    }
-    for (Py_ssize_t i = 0; i < n; ++i) {
-      if (!same_layout(grads[i], dtype, numels[i]) || shape_key(grads[i]) != shapes[i]) return false;
-      addresses[i] = reinterpret_cast<int64_t>(grads[i]->data());
-    }
-  } catch (...) {  // a tensor without storage, or any other surprise: the Python path sorts it out
-    return false;
-  }
-  return true;
+// Whether everything `what` names sits where the table says, as it did (see `scan`).
+bool unchanged(py::list params, const at::Tensor& table, int64_t what, at::ScalarType scalar_type) {
+  return scan(params.ptr(), table, what, nullptr, scalar_type) == 0;
+}
+
+// `unchanged` that also follows grads that moved (``zero_grad()`` freed them and backward allocated new ones
+// elsewhere): 0 where nothing moved; 1 + their addresses' low six bits where only grads did, each one as the kernels
+// take it (every grad's address then in out, n int64 on the CPU, and in the table's grad column); -1 for anything
+// else: the Python path sorts it out and raises where torch would.
+int64_t follow(py::list params, const at::Tensor& table, int64_t what, at::Tensor out, at::ScalarType scalar_type) {
+  if (what == 0 || !int64_cpu(out, PyList_GET_SIZE(params.ptr()))) return -1;
+  return scan(params.ptr(), table, what, out.mutable_data_ptr<int64_t>(), scalar_type);
 }
 
 // THPVariable_Check without isinstance's protocol (which a tensor subclass's object goes through): a C-level MRO scan
@@ -289,10 +283,23 @@ def shape_key(shape: Sequence[int]) -> int:
 
 
 PARAMS, PARAMS_AND_GRADS, GRADS = 0, 1, 2
-"""What `unchanged` compares (its ``what``): the params' addresses, both, or the grads' alone (where the step has
-checked the params before)."""
+"""What `unchanged` and `follow` compare (their ``what``): the params' addresses, both, or the grads' alone (where
+the step has checked the params before)."""
+SAME, MOVED, OTHER = 0, 1, -1
+"""What `follow` found: nothing moved; only grads, each as the kernels take it (their addresses written to ``out`` and
+the table; the answer is then ``MOVED`` plus the OR of the addresses' low six bits, which says their alignment: see
+`moved_low_bits`); anything else (the Python check sorts it out)."""
+
+
+def moved_low_bits(found: int) -> int | None:
+    """The OR of the moved grads' addresses' low six bits where `follow` answered that they moved (``found`` of
+    ``MOVED`` or more), else None: every address is a multiple of a power of two ``k`` up to 64 where ``bits % k``
+    is 0."""
+    return found - MOVED if found >= MOVED else None
+
+
 CHECKS: Any = None
-"""The compiled module once it is ready (``unchanged``, ``unchanged_local``, ``grad_addresses`` and ``same``), else
+"""The compiled module once it is ready (``unchanged``, ``follow``, ``unchanged_local`` and ``same``), else
 None: read on every step, so a plain module attribute."""
 
 _lock = threading.Lock()
@@ -372,14 +379,16 @@ def _compile() -> Any:
     reshaped[-1] = shape_key((3, 1))
     wrong = wrong or module.unchanged(probe, reshaped, PARAMS, f32)
     out = torch.zeros(2, dtype=torch.int64)
-    wrong = wrong or module.grad_addresses(probe, table, out, f32)  # no grads
+    wrong = wrong or module.follow(probe, table, PARAMS_AND_GRADS, out, f32) != OTHER  # no grads
     for t in probe:
         t.grad = t.clone()
-    wrong = (
-        wrong or not module.grad_addresses(probe, table, out, f32) or out.tolist() != [t.grad.data_ptr() for t in probe]
-    )
-    wrong = wrong or module.grad_addresses(probe, reshaped, out, f32)  # another shape
-    wrong = wrong or module.grad_addresses(probe, table, out, torch.float16)  # another dtype
+    found = module.follow(probe, table, PARAMS_AND_GRADS, out, f32)
+    addresses = [t.grad.data_ptr() for t in probe]
+    low = (addresses[0] | addresses[1]) & 63
+    wrong = wrong or found != MOVED + low or out.tolist() != addresses or table[2:4].tolist() != addresses
+    wrong = wrong or module.follow(probe, table, GRADS, out, f32) != SAME or not module.unchanged(probe, table, 1, f32)
+    wrong = wrong or module.follow(probe, reshaped, GRADS, out, f32) != OTHER  # another shape
+    wrong = wrong or module.follow(probe, table, GRADS, out, torch.float16) != OTHER  # another dtype
     if wrong or module.same(probe, probe[:1]) or not module.unchanged(probe, table, PARAMS, f32):
         raise RuntimeError("the compiled check gave a wrong answer on its self-test")
     return module
@@ -413,7 +422,7 @@ def _build_into(lib: Path) -> Any:
         module = load_inline(
             name(),
             cpp_sources=[SOURCE],
-            functions=["unchanged", "unchanged_local", "grad_addresses", "same"],
+            functions=["unchanged", "follow", "unchanged_local", "same"],
             extra_cflags=["-O3"],
             build_directory=work,
             verbose=False,

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from kitsune import _native
+from kitsune._native import MOVED, OTHER, SAME
 from kitsune.config import FusionConfig, GradConfig, StreamConfig
 from kitsune.distributed import fsdp
 from kitsune.fusion import state_format
@@ -249,7 +250,7 @@ class FusionSubsystem(Subsystem):
             unhandled += shadow.find_unhandled()
         if unhandled:
             self._refuse_mixed(units)
-        if unhandled and s.fused_grads and (self._needs_norm(s) or s.grad_scale is not None):
+        if unhandled and s.fused_grads and (self.needs_norm(s) or s.grad_scale is not None):
             self.undo()
             g = unhandled[0].grad
             fix = (
@@ -276,7 +277,7 @@ class FusionSubsystem(Subsystem):
             )
         if live:
             self.refresh_contexts()
-            if self._needs_norm(s):
+            if self.needs_norm(s):
                 self._bind_norm()
         return live
 
@@ -450,12 +451,24 @@ class FusionSubsystem(Subsystem):
         for unit in (*self._units, *self._muon):
             unit.params_checked = False
 
-    def unchanged(self) -> bool:
-        """Whether every unit's grads and params sit where the last step found them, with no copies, lazy state or
-        sparse grads pending: then the last step's tables, norm binding and launches hold for this one as well (the
-        caller has checked that the groups' values are those the last step used). C++ checks (or, with static
-        addresses, the units' watches) only, no uploads."""
-        return not self._state_moved() and all(u.still() for units in (self._units, self._muon) for u in units)
+    def follow(self) -> int:
+        """Whether the last step's tables, norm binding and launches hold for this one (the caller has checked that
+        the groups' values are those the last step used): `SAME` where every unit's grads and params sit where the
+        last step found them, with no copies, lazy state or sparse grads pending; `MOVED` where only grads moved,
+        each one dense, contiguous, of its param's dtype and shape, and the tables and the norm pass now point at
+        them (uploads only); `OTHER` for anything else, which the full path sorts out. C++ checks (or, with static
+        addresses, the units' watches) only."""
+        if self._state_moved():
+            return OTHER
+        found = SAME
+        for unit in (*self._units, *self._muon):
+            now = unit.follow()
+            if now == OTHER:
+                return OTHER
+            found = max(found, now)
+        if found == MOVED and self._norm is not None:
+            self._bind_norm()
+        return found
 
     def refresh_values(self, groups: list[dict[str, Any]]) -> bool:
         """A group's values changed between two steady replays: refresh the hyperparameter buffers, or return False
@@ -486,7 +499,8 @@ class FusionSubsystem(Subsystem):
         self._launches_last_step = launches
         self._launches_total += launches
 
-    def _needs_norm(self, s: StepState) -> bool:
+    def needs_norm(self, s: StepState) -> bool:
+        """Whether step ``s`` launches the norm pass: trust ratios, clipping, or AMP's overflow check fused in."""
         return self._trust or s.max_norm is not None or s.check_inf
 
     def _bind_norm(self) -> None:
@@ -498,19 +512,30 @@ class FusionSubsystem(Subsystem):
             norm_type = 2.0 if self._trust else self._grads.norm_type
             self._norm = MultiTensorNorm(numels * (2 if self._trust else 1), self._units[0].device, norm_type)
         addresses = [a for u in self._units for a in u.grad_addresses]
+        roles = ("grad", "param") if self._trust else ("grad",)
         if self._trust:
             addresses += [a for u in self._units for a in u.param_addresses]
-        self._norm.bind_addresses(addresses, self._norm_dtypes)
+        # the units' tables hold these addresses as CPU tensors already (and, where the native check read moved
+        # grads, their low bits): one concatenation, not a conversion of the list
+        hosts = [u.tables.host(role) for role in roles for u in self._units]
+        host = low = None
+        if all(h is not None for h, _ in hosts):
+            host = hosts[0][0] if len(hosts) == 1 else torch.cat([h for h, _ in hosts])
+            if all(bits is not None for _, bits in hosts):
+                low = 0
+                for _, bits in hosts:
+                    low |= bits
+        self._norm.bind_addresses(addresses, self._norm_dtypes, host, low)
 
-    def grad_layout(self, s: StepState, units: list[FusedUnit]) -> tuple[bool, ...]:
-        """The variants `launch` picks from this step's grad addresses (vector reads or not: the update's per unit,
-        then the norm pass's), after `prepare` bound them. A captured launch keeps the variants it was captured
-        with, so a graph of it is keyed on this: grads that move to addresses a vector read cannot take are then
-        captured again, not replayed into a misaligned read."""
+    def grad_layout(self, units: list[FusedUnit], norm: bool) -> tuple[bool, ...]:
+        """The variants `launch` picks from the grad addresses the tables hold (vector reads or not: the update's
+        per unit in ``units``, then, with ``norm`` (`needs_norm`), the norm pass's). A captured launch keeps the
+        variants it was captured with, so a graph of it is keyed on this: grads that move to addresses a vector read
+        cannot take are then captured again, not replayed into a misaligned read."""
         from kitsune.kernels.update import grad_vector
 
         layout = tuple(grad_vector(unit.tables, unit.spec) for unit in self._units if unit in units)
-        if self._needs_norm(s) and self._norm is not None:
+        if norm and self._norm is not None:
             layout += (self._norm.vector(),)
         return layout
 
@@ -523,7 +548,7 @@ class FusionSubsystem(Subsystem):
         from kitsune.kernels.update import multi_tensor_update
 
         total = norms = None
-        if self._needs_norm(s):
+        if self.needs_norm(s):
             total, norms = self._norm_pass(s)
             if s.phases is not None:
                 s.phases.mark("norm")

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from kitsune import _native
+from kitsune._native import MOVED, OTHER, SAME
 from kitsune.distributed import fsdp
 from kitsune.fusion import state_format
 from kitsune.fusion.algos import AlgoInfo, extra_keys, init_state, missing_key
@@ -81,7 +82,7 @@ class FusedUnit:
         self._table = int64_tensor(self._param_ptrs * 2 + self.numels + list(map(_native.shape_key, self.shapes)))
         """The native check's int64 table: the params' addresses, the grads' as of `_grad_ptrs`, the numels, the
         params' shape keys."""
-        self._scratch: torch.Tensor | None = None  # `_native_grad_addresses`' answer: n int64 on the CPU
+        self._scratch: torch.Tensor | None = None  # the native read's answer (`_out`)
         self.grad_addresses: list[int] = [DEAD] * len(params)
         """The grad table as uploaded: what the kernels read this step (-1 for a grad that is None)."""
         self._copied: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -170,7 +171,7 @@ class FusedUnit:
     def prepare(self, state: Any, groups: Sequence[dict[str, Any]]) -> bool:
         """Point the tables at this step's grads and create missing state; False if no grad is live."""
         self.created = []  # this step's, whatever path it takes
-        if self.still():
+        if self.follow() != OTHER:
             return True
         return self._prepare(state, groups)
 
@@ -194,17 +195,19 @@ class FusedUnit:
         self.params_checked = not moved
         return moved
 
-    def still(self) -> bool:
-        """Whether the last step's tables hold for this one: the watch is intact (static addresses), or every grad
-        and param sits where the last step found them with nothing pending (`_unchanged`)."""
+    def follow(self) -> int:
+        """Whether the last step's tables hold for this one: `SAME` where the watch is intact (static addresses), or
+        every grad and param sits where the last step found them with nothing pending (`_unchanged`); `MOVED` where
+        only grads moved, each as the kernels take it, and the grad table now points at them (`_follow`); `OTHER`
+        for anything else (`_prepare` sorts it out)."""
         if not self._state_intact.ok:
-            return False
+            return OTHER
         if self._intact is None:
-            return self.checks_natively and self._unchanged()
+            return self._follow() if self.checks_natively else OTHER
         if self._intact.ok:
             self._watched_steps += 1  # the watch was used: it did not break before its first step
-            return True
-        return False
+            return SAME
+        return OTHER
 
     @property
     def checks_natively(self) -> bool:
@@ -246,6 +249,35 @@ class FusedUnit:
                 f"the grads were freed before each of {_QUICK_BREAKS} steps in a row (zero_grad(set_to_none=True)?): "
                 "their addresses are checked every step"
             )
+
+    def _follow(self) -> int:
+        """`_unchanged`, and the common case of the rest: grads that moved (``zero_grad()`` freed them and backward
+        allocated new ones elsewhere), every param where planned, every grad present, dense, contiguous, of the unit's
+        dtype and of its param's shape. One native call reads them all; the grad table is then pointed at them (one
+        upload) and the answer is `MOVED`. Where that call cannot answer (not built, switched off, tensor subclasses,
+        FSDP2 shards), where the grads must move into the memory pool's arena, or where the full check would watch
+        the new grads (static addresses), a move is `OTHER`."""
+        if self._grad_ptrs is None or self._copied or self.uninit or self.unhandled:
+            return OTHER
+        checks = _native.CHECKS
+        if (
+            checks is None
+            or not self.native
+            or not self.plain_tensors
+            or (self.slots is not None and self.slots.grad_arena is not None)
+            or (self.static and not self.static_off)
+        ):
+            return SAME if self._unchanged() else OTHER
+        out = self._out()
+        what = _native.GRADS if self.params_checked else _native.PARAMS_AND_GRADS
+        found = checks.follow(self.params, self._table, what, out, self.dtype)  # it wrote `_table` too
+        low = _native.moved_low_bits(found)
+        if low is None:
+            return found
+        host = out.pin_memory() if self.device.type == "cuda" else out.clone()  # kept by the tables; `out` is not
+        self._grad_ptrs = self.grad_addresses = host.tolist()
+        self.tables.set_role("grad", self._grad_ptrs, host, low_bits=low)
+        return MOVED
 
     def _unchanged(self) -> bool:
         """The common step: every grad present and where it was last step, every param where it was planned, no
@@ -357,15 +389,22 @@ class FusedUnit:
 
     def _native_grad_addresses(self) -> list[int] | None:
         """Every grad's address where each is present, dense, contiguous, of the unit's dtype and of its param's
-        planned shape, read in one native call (`kitsune._native`); None where one is not, or where the call cannot
-        answer (not built, switched off, FSDP2 shards, tensor subclasses): the caller's Python reads sort it out."""
+        planned shape, read in one native call (`kitsune._native.follow`, left in `_out`; where they moved, the call
+        wrote them into `_table` as well, which the caller's upload then follows); None where one is not,
+        or where the call cannot answer (not built, switched off, FSDP2 shards, tensor subclasses): the caller's
+        Python reads sort it out."""
         checks = _native.CHECKS
         if not self.native or checks is None or not self.plain_tensors:
             return None
-        out = self._scratch
-        if out is None:
-            out = self._scratch = torch.empty(len(self.params), dtype=torch.int64)
-        return out.tolist() if checks.grad_addresses(self.params, self._table, out, self.dtype) else None
+        out = self._out()
+        found = checks.follow(self.params, self._table, _native.GRADS, out, self.dtype)  # moved: `_table` written
+        return out.tolist() if found != OTHER else None
+
+    def _out(self) -> torch.Tensor:
+        """The native read's answer: n int64 on the CPU, made once."""
+        if self._scratch is None:
+            self._scratch = torch.empty(len(self.params), dtype=torch.int64)
+        return self._scratch
 
     def _adopt_grads(
         self, grads: list[torch.Tensor | None], ptrs: list[int]

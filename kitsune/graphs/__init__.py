@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
+from kitsune._native import MOVED, OTHER
 from kitsune.config import GraphConfig
 from kitsune.graphs.backend import CudaGraphBackend
 from kitsune.subsystem import PlannedGroups, StepState, Subsystem
@@ -51,7 +52,7 @@ class GraphSubsystem(Subsystem):
         self._fusion = fusion
         self._scaler = scaler
         self._graph: Any = None
-        self._key: tuple | None = None
+        self._key: _Key | None = None
         self._saved: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
         """What the captured work leaves for the steps that replay it: the overflow flag and the grad-norm buffer."""
         self._warm = 0
@@ -157,13 +158,21 @@ class GraphSubsystem(Subsystem):
             if scaler is not None:
                 scaler.update_scale(s.found_inf)
 
-        key = (fusion.plan_version, id(s.grad_scale), s.check_inf, scaler is not None, fusion.grad_layout(s, units))
+        norm = fusion.needs_norm(s)
+        key = _Key(
+            fusion.plan_version,
+            id(s.grad_scale),
+            s.check_inf,
+            scaler is not None,
+            norm,
+            fusion.grad_layout(units, norm),
+        )
         how = self._run(s, key, device_work)
         fusion.finish(s, units, launches=1 if how == "replay" else None)
         if how == "replay" and self._may_steady and not s.unhandled:
             self._arm(fusion.param_groups, s.zeroed)
 
-    def _run(self, s: StepState, key: tuple, device_work: Callable[[], None]) -> str:
+    def _run(self, s: StepState, key: _Key, device_work: Callable[[], None]) -> str:
         """Do this step's device work: eagerly while warming up, by capturing it once, then by replaying.
 
         ``key`` names everything the captured work depends on beyond the device buffers' contents (the plan's
@@ -241,8 +250,12 @@ class GraphSubsystem(Subsystem):
             if not fusion.refresh_values(groups):
                 return False  # a switch changed (amsgrad, nesterov, ...): new kernels, through the full path
             steady.values = values
-        if not fusion.unchanged():
+        found = fusion.follow()
+        if found == OTHER:
             return False
+        key = self._key
+        if found == MOVED and (key is None or fusion.grad_layout(fusion.launch_units, key.norm) != key.layout):
+            return False  # the grads moved to addresses that pick other kernel variants: captured again, in full
         scaler = self._scaler
         if scaler is not None and not scaler.take_scaled_loss():
             return False  # a loss not scaled by optimizer.backward: the full path says so
@@ -265,6 +278,21 @@ class GraphSubsystem(Subsystem):
             "last_eager_reason": self.last_eager_reason,
             "capture_ms": round(self._capture_ms, 3),
         }
+
+
+class _Key(NamedTuple):
+    """What captured work depends on beyond the device buffers' contents: a new key means capture again."""
+
+    plan_version: int
+    scale: int
+    """The identity of the loss scale's tensor."""
+    check_inf: bool
+    scaler: bool
+    """Whether the loss scaler's update joins the captured work."""
+    norm: bool
+    """Whether the norm pass does (`FusionSubsystem.needs_norm`)."""
+    layout: tuple[bool, ...]
+    """The kernel variants the grads' addresses picked (`FusionSubsystem.grad_layout`)."""
 
 
 class _Steady:

@@ -78,14 +78,19 @@ class TensorTables:
         self._roles: dict[str, torch.Tensor] = {}
         self._cached: dict[str, list[int]] = {}
         self._hosts: dict[str, torch.Tensor] = {}  # each role's addresses as last set, a CPU int64 tensor
+        self._low: dict[str, int | None] = {}  # each role's low bits as last given to `set_role`
         self._aligned: dict[tuple[str, int], bool] = {}  # `aligned`'s answers per role until the role moves
         self._scratch: dict[str, torch.Tensor] = {}
         self.uploads = 0
         """Address tables copied to the device so far (plan-time tables included)."""
 
-    def set_role(self, role: str, addresses: list[int], host: torch.Tensor | None = None) -> bool:
+    def set_role(
+        self, role: str, addresses: list[int], host: torch.Tensor | None = None, low_bits: int | None = None
+    ) -> bool:
         """Point ``role`` at these (T,) addresses; upload only if they differ from the cached ones. ``host``: the same
-        addresses as a CPU int64 tensor the caller has built already (kept; the caller must not change it)."""
+        addresses as a CPU int64 tensor the caller has built already (kept; the caller must not change it).
+        ``low_bits``: the OR of the addresses' low six bits, where the caller knows it (`kitsune._native.follow`
+        does): `aligned` then answers from it."""
         if self._cached.get(role) == addresses:
             return False
         if len(addresses) != self.num_tensors:
@@ -99,8 +104,16 @@ class TensorTables:
             table.copy_(pinned(host, self.device), non_blocking=True)
         self._cached[role], self._hosts[role] = addresses, host
         self._aligned = {key: ok for key, ok in self._aligned.items() if key[0] != role}
+        self._low[role] = low_bits
+        if low_bits is not None:
+            self._aligned.update({(role, 1 << k): low_bits % (1 << k) == 0 for k in range(7)})
         self.uploads += 1
         return True
+
+    def host(self, role: str) -> tuple[torch.Tensor | None, int | None]:
+        """``role``'s addresses as last set, as a CPU int64 tensor (None before the first), and their low bits where
+        `set_role` was given them (else None)."""
+        return self._hosts.get(role), self._low.get(role)
 
     def aligned(self, roles: Sequence[str], nbytes: int) -> bool:
         """Whether every address of these roles, as last set, is a multiple of ``nbytes`` (a tensor skipped with
@@ -109,7 +122,8 @@ class TensorTables:
 
     def _role_aligned(self, role: str, nbytes: int) -> bool:
         """`aligned` for one role, kept per role: a role that moves (the grads, every step they are re-allocated
-        elsewhere) is answered again, in three tensor operations over its addresses, and the others stand."""
+        elsewhere) is answered again, from the low bits `set_role` was given or in three tensor operations over its
+        addresses, and the others stand."""
         key = (role, nbytes)
         ok = self._aligned.get(key)
         if ok is None:

@@ -336,13 +336,20 @@ class MultiTensorNorm:
         self._bind(tensors, checked)
         return self.launch(scale, invert_scale=invert_scale, out=out)
 
-    def bind_addresses(self, addresses: list[int], dtypes: list[torch.dtype]) -> None:
+    def bind_addresses(
+        self,
+        addresses: list[int],
+        dtypes: list[torch.dtype],
+        host: torch.Tensor | None = None,
+        low_bits: int | None = None,
+    ) -> None:
         """Point the tables at tensors by address (``-1``: skip), for callers that have already checked them
-        (the fusion subsystem's units have); uploads only what changed. Then `launch`."""
+        (the fusion subsystem's units have); uploads only what changed. ``host`` and ``low_bits``: the addresses as
+        a CPU int64 tensor and their low bits, where the caller has them (`TensorTables.set_role`). Then `launch`."""
         if dtypes != self._dtypes:
             self.tables.set_role("dtype", [_CODES[d] for d in dtypes])
             self._dtypes = dtypes
-        self.tables.set_role("x", addresses)
+        self.tables.set_role("x", addresses, host, low_bits)
 
     def launch(
         self,

@@ -280,7 +280,7 @@ class StreamScheduler(Subsystem):
 
     def _run(self, index: int, unit: Any, ctx: StepState, graph: Any) -> None:
         """One unit's update: its graph's replay once captured, else the launch itself (counted towards warm-up)."""
-        if graph is not None and graph[1] != self._fusion.grad_layout(ctx, [unit]):
+        if graph is not None and graph[1] != self._fusion.grad_layout([unit], self._fusion.needs_norm(ctx)):
             # the grads moved to addresses that pick another kernel variant than the captured one (vector reads of
             # aligned grads): warm up and capture again
             del self._graphs[index]
@@ -305,7 +305,7 @@ class StreamScheduler(Subsystem):
             ctx = self._step_state()
             try:
                 graph = self.backend.capture(lambda u=unit, c=ctx: fusion.launch(c, [u]), unit.device)
-                self._graphs[index] = (graph, fusion.grad_layout(ctx, [unit]))
+                self._graphs[index] = (graph, fusion.grad_layout([unit], fusion.needs_norm(ctx)))
             except Exception as exc:  # a capture that fails must not stop training: launch eagerly from now on
                 self.graph_reason = f"capture failed, launching eagerly: {type(exc).__name__}: {exc}"
                 self._graphs = {}

@@ -29,13 +29,19 @@ class _Counting:
     """The native module, counting the grads' checks it answered 'unchanged'."""
 
     def __init__(self, real, hits: list[int]) -> None:
-        self.real, self.hits, self.same, self.grad_addresses = real, hits, real.same, real.grad_addresses
+        self.real, self.hits, self.same = real, hits, real.same
 
     def unchanged(self, params, table, grads: bool, dtype: torch.dtype) -> bool:
         same = self.real.unchanged(params, table, grads, dtype)
         if same and grads:
             self.hits.append(1)
         return same
+
+    def follow(self, params, table, what: int, out, dtype: torch.dtype) -> int:
+        found = self.real.follow(params, table, what, out, dtype)
+        if found == _native.SAME:
+            self.hits.append(1)
+        return found
 
 
 @pytest.fixture
@@ -128,8 +134,9 @@ def test_an_eager_step_reads_each_address_once_natively(device, monkeypatch):
             calls.append(int(what))
             return checks.unchanged(params, table, what, dtype)
 
-        def grad_addresses(self, params, table, out, dtype):
-            read.append(checks.grad_addresses(params, table, out, dtype))
+        def follow(self, params, table, what, out, dtype):
+            calls.append(int(what))
+            read.append(checks.follow(params, table, what, out, dtype))
             return read[-1]
 
     monkeypatch.setattr(_native, "CHECKS", Recording())
@@ -141,24 +148,37 @@ def test_an_eager_step_reads_each_address_once_natively(device, monkeypatch):
     read.clear()
     _train(ours, opt, ref, ref_opt, 1, in_place=False)  # new grads: the grads' check answers "moved"
     assert calls[-2:] == [0, 2], calls
-    assert read == [True]  # and one native call read the new grads' addresses
+    assert [_native.moved_low_bits(r) is not None for r in read] == [
+        True
+    ]  # the same call read the new grads' addresses
     assert_close_params(ours, ref, torch.float32)
 
 
 def test_a_grad_swapped_for_a_sparse_one_or_a_view_leaves_the_fast_path(device, check_path):
-    """Changes the native check must see one by one: a grad moved to another buffer of the same size (a view into a
-    larger one), a param's storage replaced between steps, a sparse grad (the optimizer's own step takes it)."""
+    """Changes the per-step check must see one by one: a grad moved to another buffer of the same size (a view into a
+    larger one: natively the table follows it, else the full check takes it), a param's storage replaced between
+    steps, a non-contiguous or a sparse grad (the optimizer's own step takes the sparse one)."""
     ours, opt, ref, ref_opt = _twins(device)
     _train(ours, opt, ref, ref_opt, 3, in_place=True)
     unit = opt._subsystem("fusion").units[0]
-    assert unit.still()
+    assert unit.follow() == _native.SAME
     big = torch.empty(ours[1].numel() + 8, device=device)
     ours[1].grad = big[8:].view_as(ours[1]).copy_(ours[1].grad)
-    assert not unit.still()
-    _train(ours, opt, ref, ref_opt, 1, in_place=True)  # the full check takes the view's address
-    assert unit.still()
+    assert unit.follow() == (_native.MOVED if check_path == "native" else _native.OTHER)  # the unit's answer
+    assert unit.grad_addresses[1] == ours[1].grad.data_ptr() or check_path != "native"
+    _train(ours, opt, ref, ref_opt, 1, in_place=True)
+    assert unit.follow() == _native.SAME
     ours[2].data = ours[2].data.clone()
-    assert not unit.still()
+    assert unit.follow() == _native.OTHER
+    _train(ours, opt, ref, ref_opt, 1, in_place=True)  # planned again: a new unit
+    unit = opt._subsystem("fusion").units[0]
+    assert unit.follow() == _native.SAME
+    square = next(p for p in ours if p.dim() == 2 and p.shape[0] == p.shape[1])
+    square.grad = square.grad.t().contiguous().t()  # its values, not contiguous
+    assert unit.follow() == _native.OTHER
+    _train(ours, opt, ref, ref_opt, 1, in_place=True)
+    ours[0].grad = ours[0].grad.to_sparse()
+    assert unit.follow() == _native.OTHER
     assert_close_params(ours, ref, torch.float32)
 
 
@@ -185,7 +205,7 @@ def test_fast_path_off_without_any_cpp_check(device, monkeypatch):
     ours, opt, ref, ref_opt = _twins(device)
     assert all(u.plain_tensors for u in opt._subsystem("fusion").units)
     _train(ours, opt, ref, ref_opt, 5, in_place=False)
-    assert not opt._subsystem("fusion").units[0].still()
+    assert opt._subsystem("fusion").units[0].follow() == _native.OTHER
     assert_close_params(ours, ref, torch.float32)
 
 
@@ -293,56 +313,80 @@ def test_the_native_check_builds_here_and_refuses_what_it_cannot_read():
     assert all(checks.unchanged(many, table, what, f32) for what in (0, 1, 2))
 
 
-def test_the_native_read_of_moved_grads_takes_only_what_the_kernels_can():
-    """``grad_addresses``: every grad's address into ``out`` and True where each grad is present, dense, contiguous,
-    of the dtype and of its param's planned numel and shape; False (never an error) for anything else, and for a
-    table or ``out`` of the wrong size, dtype or device. A change anywhere in a long list is seen."""
+def test_the_native_follow_reads_moved_grads_only_as_the_kernels_take_them():
+    """``follow``: SAME where the params (``what`` 1) and the grads sit where the table says; where only grads moved,
+    each present, dense, contiguous, of the dtype and of its param's planned numel and shape, MOVED plus the OR of
+    their addresses' low six bits, with every grad's address in ``out`` and in the table's grad column; OTHER (never
+    an error, the table untouched) for anything else: a param moved, such a grad, a table or ``out`` of the wrong
+    size, dtype or device, ``what`` 0 (the params alone are `unchanged`'s). A change anywhere in a long list is
+    seen."""
     checks = _native.wait(timeout=600)
     assert checks is not None, _native.reason()
-    f32 = torch.float32
+    f32, SAME, OTHER = torch.float32, _native.SAME, _native.OTHER
     gen = torch.Generator().manual_seed(5)
     shapes = [(int(n), 3) for n in torch.randint(1, 6, (300,), generator=gen)]
     ps = [torch.nn.Parameter(torch.randn(shape, generator=gen)) for shape in shapes]
     for p in ps:
         p.grad = torch.randn(p.shape, generator=gen)
+    n = len(ps)
     table = torch.tensor(
-        [p.data_ptr() for p in ps] + [0] * len(ps) + [p.numel() for p in ps] + [_native.shape_key(p.shape) for p in ps]
+        [p.data_ptr() for p in ps] + [0] * n + [p.numel() for p in ps] + [_native.shape_key(p.shape) for p in ps]
     )
-    out = torch.full((len(ps),), -7, dtype=torch.int64)
-    assert checks.grad_addresses(ps, table, out, f32) and out.tolist() == [p.grad.data_ptr() for p in ps]
-    assert not checks.grad_addresses(ps, table, out, torch.float64)
-    assert not checks.grad_addresses(ps, table[:-1], out, f32) and not checks.grad_addresses(ps, table, out[:-1], f32)
-    assert not checks.grad_addresses(ps, table.to(torch.int32), out, f32)
-    assert not checks.grad_addresses(ps, table, out.to(torch.int32), f32)
-    assert not checks.grad_addresses(ps, table, torch.empty(2 * len(ps), dtype=torch.int64)[::2], f32)
+
+    def moved(found: int) -> bool:  # MOVED, with the low bits of every grad's address
+        addresses = [p.grad.data_ptr() for p in ps]
+        bits = 0
+        for a in addresses:
+            bits |= a & 63
+        return _native.moved_low_bits(found) == bits and out.tolist() == addresses == table[n : 2 * n].tolist()
+
+    out = torch.full((n,), -7, dtype=torch.int64)
+    assert checks.follow(ps, table, 0, out, f32) == OTHER and table[n : 2 * n].tolist() == [0] * n
+    assert moved(checks.follow(ps, table, 1, out, f32))
+    assert checks.follow(ps, table, 1, out, f32) == SAME and checks.follow(ps, table, 2, out, f32) == SAME
+    assert checks.unchanged(ps, table, 1, f32)
+    moved_param = table.clone()
+    moved_param[7] += 16
+    assert checks.follow(ps, moved_param, 1, out, f32) == OTHER and checks.follow(ps, moved_param, 2, out, f32) == SAME
+    assert checks.follow(ps, table, 1, out, torch.float64) == OTHER
+    assert checks.follow(ps, table[:-1], 1, out, f32) == OTHER and checks.follow(ps, table, 1, out[:-1], f32) == OTHER
+    assert checks.follow(ps, table.to(torch.int32), 1, out, f32) == OTHER
+    assert checks.follow(ps, table, 1, out.to(torch.int32), f32) == OTHER
+    assert checks.follow(ps, table, 1, torch.empty(2 * n, dtype=torch.int64)[::2], f32) == OTHER
     for i in (0, 151, 299):
         grad = ps[i].grad
         rows = grad.shape[0]
+        kept = table.clone()
         for other in (None, grad.to_sparse(), torch.randn(3, rows).t()):  # the last: the shape, not contiguous
             ps[i].grad = other
-            assert not checks.grad_addresses(ps, table, out, f32), (i, other)
+            assert checks.follow(ps, table, 1, out, f32) == OTHER, (i, other)
+            assert checks.follow(ps, table, 2, out, f32) == OTHER, (i, other)
         for data in (grad.view(-1), grad[:, :2].clone()):  # where torch lets it in: the numel not the shape; a size
             ps[i].grad = grad.clone()
             ps[i].grad.data = data
-            assert not checks.grad_addresses(ps, table, out, f32), (i, data.shape)
-        ps[i].grad = grad.clone()  # moved: read, not compared
-        assert checks.grad_addresses(ps, table, out, f32) and out[i].item() == ps[i].grad.data_ptr()
-    assert not checks.grad_addresses([ps[0], "x"], table[: 4 * 2], out[:2], f32)
+            assert checks.follow(ps, table, 1, out, f32) == OTHER, (i, data.shape)
+        assert torch.equal(table, kept)  # an OTHER answer leaves the table as it was
+        ps[i].grad = torch.cat([grad, grad])[rows:]  # moved: read (a view some rows in: other low bits too)
+        assert moved(checks.follow(ps, table, 1, out, f32)), i
+        assert checks.follow(ps, table, 2, out, f32) == SAME
+        ps[i].grad = grad
+        assert moved(checks.follow(ps, table, 1, out, f32)), i
+    assert checks.follow([ps[0], "x"], table[: 4 * 2], 1, out[:2], f32) == OTHER
 
 
 def test_grads_that_alternate_between_two_places_follow_torch_through_the_native_read(device, check_path):
     """As a real loop's grads do (``zero_grad()`` frees them, forward's activations take their blocks, backward
     allocates the new grads elsewhere): every step's grads sit where the step before last left them. Each step
     re-points the tables (natively where the native check is on) and matches torch over 30 steps."""
-    reads: list[bool] = []
+    reads: list[int] = []
     if check_path == "native":
         real = _native.CHECKS
 
         class Reading:
             same, unchanged, unchanged_local = real.same, real.unchanged, real.unchanged_local
 
-            def grad_addresses(self, params, table, out, dtype):
-                reads.append(real.grad_addresses(params, table, out, dtype))
+            def follow(self, params, table, what, out, dtype):
+                reads.append(real.follow(params, table, what, out, dtype))
                 return reads[-1]
 
         _native.CHECKS = Reading()
@@ -361,7 +405,8 @@ def test_grads_that_alternate_between_two_places_follow_torch_through_the_native
         if check_path == "native":
             _native.CHECKS = real
     assert opt.plan.fused_tensors == len(ours)
-    assert reads == ([True] * 30 if check_path == "native" else [])  # every step's grads moved and were read natively
+    # every step's grads moved and were read natively
+    assert [_native.moved_low_bits(r) is not None for r in reads] == ([True] * 30 if check_path == "native" else [])
 
 
 def test_the_native_check_reads_fsdp2_local_shards(tmp_path):

@@ -127,11 +127,12 @@ def test_grads_reallocated_or_none_need_no_recapture(device):
 
 
 @pytest.mark.parametrize("clip", [None, 0.5], ids=["update", "update_and_norm_pass"])
-def test_grads_moved_off_16_byte_multiples_are_captured_again(device, clip):
+def test_grads_moved_off_16_byte_multiples_are_captured_again(device, clip, check_path):
     """The update and the norm pass read grads at 16-byte multiples in vectors, a variant a graph freezes. Grads
     that move to views at an 8-byte offset of one buffer (a misaligned vector read is a CUDA error) make the step
     capture again, not replay the vector variant (the recording backend raises on a replay of another variant);
-    moved back, the same. The trajectory stays torch's."""
+    moved back, the same. The trajectory stays torch's, whether the steady replay follows the moved grads (the
+    native check: their alignment from its low bits) or the full path takes them."""
     sizes = [(8, 4), 16, 24, 8]  # numels of multiples of 8: the vector variants apply
     ref, ours = make_params(sizes, torch.float32, device), make_params(sizes, torch.float32, device)
     ref_opt = torch.optim.SGD(ref, lr=0.05, momentum=0.9)

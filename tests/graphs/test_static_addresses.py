@@ -26,8 +26,19 @@ SIZES = [(7, 3), 16, (4, 5), 9]
 @pytest.fixture
 def checks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts the per-step C++ address checks: the native one's, and torch's own function's (the stand-in on CPU)
-    that units use while the native one builds."""
+    that units use while the native one builds. The full check's read of the grads (in `FusedUnit._prepare`, after
+    a watch broke or on a first step) is not a per-step check: not counted."""
     calls: list[int] = []
+    full: list[bool] = []
+    prepare = units.FusedUnit._prepare
+
+    def full_check(self, *args):
+        full.append(True)
+        try:
+            return prepare(self, *args)
+        finally:
+            full.pop()
+
     inner = units._PTRS_EQUAL or ptrs_equal_stand_in
 
     def counted(tensors, ptrs, indices):
@@ -43,11 +54,14 @@ def checks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
             return _native_module.unchanged(params, table, grads, dtype)
 
         @staticmethod
-        def grad_addresses(params, table, out, dtype):  # the full check's read, not a per-step check: not counted
-            return _native_module.grad_addresses(params, table, out, dtype)
+        def follow(params, table, what, out, dtype):
+            if not full:
+                calls.append(len(params))
+            return _native_module.follow(params, table, what, out, dtype)
 
     _native_module = _native.CHECKS
     monkeypatch.setattr(units, "_PTRS_EQUAL", counted)
+    monkeypatch.setattr(units.FusedUnit, "_prepare", full_check)
     if _native_module is not None:
         monkeypatch.setattr(_native, "CHECKS", Native)
     return calls

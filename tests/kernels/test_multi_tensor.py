@@ -50,6 +50,14 @@ def test_alignment_answers_follow_the_addresses_set():
     assert not tables.aligned(["param", "state1"], 16) and tables.aligned(["state1"], 16)
     tables.set_role("param", [64, 128, 256])
     assert tables.aligned(["param", "state1"], 16) and not tables.aligned(["grad"], 16)
+    # low bits given (the native follow's OR of the addresses' low six bits): answered from them, for every power
+    # of two up to 64, and computed again from the addresses once a role is set without them
+    tables.set_role("grad", [96, 160, 32], low_bits=96 & 63 | 160 & 63 | 32 & 63)
+    assert tables.aligned(["grad"], 32) and not tables.aligned(["grad"], 64)
+    tables.set_role("grad", [104, 160, 32], low_bits=104 & 63 | 160 & 63 | 32 & 63)
+    assert tables.aligned(["grad"], 8) and not tables.aligned(["grad"], 16)
+    tables.set_role("grad", [128, 256, 64])
+    assert tables.aligned(["grad"], 64) and not tables.aligned(["grad"], 128)
 
 
 def _sgd_launch(params, grads, bufs, steps, device, lr=0.5, momentum=0.9, block=8):

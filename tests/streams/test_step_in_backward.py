@@ -339,7 +339,7 @@ def test_a_unit_graph_is_captured_again_when_its_grads_pick_another_variant(devi
     assert run(net, opt, steps=8) == pytest.approx(run(twin, ref_opt, steps=8), rel=1e-5, abs=1e-6)
     assert backend.captured == units
     layout = fusion.grad_layout
-    monkeypatch.setattr(fusion, "grad_layout", lambda s, units: tuple(not v for v in layout(s, units)))
+    monkeypatch.setattr(fusion, "grad_layout", lambda units, norm: tuple(not v for v in layout(units, norm)))
     replayed = backend.replayed
     assert run(net, opt, steps=1) == pytest.approx(run(twin, ref_opt, steps=1), rel=1e-5, abs=1e-6)
     assert backend.replayed == replayed  # no unit replayed a graph of the other variant
