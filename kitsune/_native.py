@@ -52,7 +52,6 @@ SOURCE = r"""
 #include <torch/csrc/autograd/python_variable.h>
 #include <structmember.h>  // T_OBJECT_EX: after Python.h, which torch/extension.h includes
 
-#include <algorithm>
 #include <vector>
 
 // params[i] sits at table[i] (what: 0 or 1) and its grad (dense) at table[n + i] (what: 1 or 2; 2 leaves out the
@@ -99,8 +98,8 @@ static inline int64_t shape_key(const c10::TensorImpl* t) {
 // step checked the params before). out: null, or n int64 for the grads' addresses. Answers 0 where everything
 // checked sits where the table says; with out, 1 + the OR of every grad address's low six bits (1 to 64: their
 // alignment) where the params checked do and every grad is present, dense, contiguous, of dtype and of its param's
-// numel and shape, some of them elsewhere: out holds every grad's address, and so does the table's grad column,
-// which is written only then; -1 for anything else (out then partly written, the table not).
+// numel and shape, some of them elsewhere: out holds every grad's address; -1 for anything else (out then partly
+// written). The table is only read: the caller writes the new addresses into it once its own tables hold them.
 static int64_t scan(PyObject* list, const at::Tensor& table, int64_t what, int64_t* out, at::ScalarType scalar_type) {
   const Py_ssize_t n = PyList_GET_SIZE(list);
   if (!int64_cpu(table, 4 * n)) return -1;
@@ -151,9 +150,7 @@ static int64_t scan(PyObject* list, const at::Tensor& table, int64_t what, int64
   } catch (...) {  // a tensor without storage, or any other surprise: the full check sorts it out
     return -1;
   }
-  if (!moved) return 0;
-  std::copy(out, out + n, table.mutable_data_ptr<int64_t>() + n);
-  return 1 + low;
+  return moved ? 1 + low : 0;
 }
 
 // Whether everything `what` names sits where the table says, as it did (see `scan`).
@@ -163,8 +160,8 @@ bool unchanged(py::list params, const at::Tensor& table, int64_t what, at::Scala
 
 // `unchanged` that also follows grads that moved (``zero_grad()`` freed them and backward allocated new ones
 // elsewhere): 0 where nothing moved; 1 + their addresses' low six bits where only grads did, each one as the kernels
-// take it (every grad's address then in out, n int64 on the CPU, and in the table's grad column); -1 for anything
-// else: the Python path sorts it out and raises where torch would.
+// take it (every grad's address then in out, n int64 on the CPU); -1 for anything else: the Python path sorts it
+// out and raises where torch would.
 int64_t follow(py::list params, const at::Tensor& table, int64_t what, at::Tensor out, at::ScalarType scalar_type) {
   if (what == 0 || !int64_cpu(out, PyList_GET_SIZE(params.ptr()))) return -1;
   return scan(params.ptr(), table, what, out.mutable_data_ptr<int64_t>(), scalar_type);
@@ -286,9 +283,9 @@ PARAMS, PARAMS_AND_GRADS, GRADS = 0, 1, 2
 """What `unchanged` and `follow` compare (their ``what``): the params' addresses, both, or the grads' alone (where
 the step has checked the params before)."""
 SAME, MOVED, OTHER = 0, 1, -1
-"""What `follow` found: nothing moved; only grads, each as the kernels take it (their addresses written to ``out`` and
-the table; the answer is then ``MOVED`` plus the OR of the addresses' low six bits, which says their alignment: see
-`moved_low_bits`); anything else (the Python check sorts it out)."""
+"""What `follow` found: nothing moved; only grads, each as the kernels take it (their addresses written to ``out``,
+the table left as it was; the answer is then ``MOVED`` plus the OR of the addresses' low six bits, which says their
+alignment: see `moved_low_bits`); anything else (the Python check sorts it out)."""
 
 
 def moved_low_bits(found: int) -> int | None:
@@ -385,7 +382,8 @@ def _compile() -> Any:
     found = module.follow(probe, table, PARAMS_AND_GRADS, out, f32)
     addresses = [t.grad.data_ptr() for t in probe]
     low = (addresses[0] | addresses[1]) & 63
-    wrong = wrong or found != MOVED + low or out.tolist() != addresses or table[2:4].tolist() != addresses
+    wrong = wrong or found != MOVED + low or out.tolist() != addresses or table[2:4].tolist() == addresses
+    table[2:4] = out
     wrong = wrong or module.follow(probe, table, GRADS, out, f32) != SAME or not module.unchanged(probe, table, 1, f32)
     wrong = wrong or module.follow(probe, reshaped, GRADS, out, f32) != OTHER  # another shape
     wrong = wrong or module.follow(probe, table, GRADS, out, torch.float16) != OTHER  # another dtype

@@ -464,8 +464,10 @@ class FusionSubsystem(Subsystem):
         for unit in (*self._units, *self._muon):
             now = unit.follow()
             if now == OTHER:
-                return OTHER
+                return OTHER  # the units re-pointed already hold for this step: the full path finds them SAME
             found = max(found, now)
+        # (cut short before this, the step leaves the steady replay disarmed: the next one takes the full path,
+        # which binds the norm pass whenever it runs)
         if found == MOVED and self._norm is not None:
             self._bind_norm()
         return found

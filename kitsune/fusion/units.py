@@ -270,13 +270,18 @@ class FusedUnit:
             return SAME if self._unchanged() else OTHER
         out = self._out()
         what = _native.GRADS if self.params_checked else _native.PARAMS_AND_GRADS
-        found = checks.follow(self.params, self._table, what, out, self.dtype)  # it wrote `_table` too
+        found = checks.follow(self.params, self._table, what, out, self.dtype)
         low = _native.moved_low_bits(found)
         if low is None:
             return found
         host = out.pin_memory() if self.device.type == "cuda" else out.clone()  # kept by the tables; `out` is not
-        self._grad_ptrs = self.grad_addresses = host.tolist()
-        self.tables.set_role("grad", self._grad_ptrs, host, low_bits=low)
+        ptrs = host.tolist()
+        self.tables.set_role("grad", ptrs, host, low_bits=low)
+        self._grad_ptrs = self.grad_addresses = ptrs
+        # last: the check's table says where the kernels read only once they do (an exception or a Ctrl-C before
+        # here leaves it at the old grads, so the next step finds them moved and uploads again)
+        n = len(ptrs)
+        self._table[n : 2 * n] = host
         return MOVED
 
     def _unchanged(self) -> bool:
@@ -361,11 +366,10 @@ class FusedUnit:
                 self._check_sizes(grads, ptrs)
             if adopt:
                 grads, ptrs = self._adopt_grads(grads, ptrs)
-            self._grad_ptrs = upload = ptrs
+            upload = ptrs
             n = len(ptrs)
             host = self._scratch.clone() if checked and not adopt else int64_tensor(ptrs)  # type: ignore[union-attr]
-            self._table[n : 2 * n] = host
-            self._copied = []
+            copied: list[tuple[torch.Tensor, torch.Tensor]] = []
             if not checked and not all(
                 map(
                     _IS_CONTIGUOUS, [g for g in grads if g is not None and g.layout == torch.strided] if dead else grads
@@ -376,11 +380,15 @@ class FusedUnit:
                 self._copies = [
                     g if a == DEAD or _IS_CONTIGUOUS(g) else g.contiguous() for g, a in zip(grads, ptrs, strict=True)
                 ]
-                self._copied = [(g, c) for g, c in zip(grads, self._copies, strict=True) if c is not g]
+                copied = [(g, c) for g, c in zip(grads, self._copies, strict=True) if c is not g]
                 upload = [a if a == DEAD else c.data_ptr() for c, a in zip(self._copies, ptrs, strict=True)]
-                self._grad_ptrs = None
             self.tables.set_role("grad", upload, host if upload is ptrs else None)
+            # then what the next step's check compares with: cut short before here (a Ctrl-C), the step leaves them
+            # at the last grads, and the next one finds these moved and uploads again
+            self._copied = copied
+            self._grad_ptrs = None if copied else ptrs
             self.grad_addresses = upload
+            self._table[n : 2 * n] = host
         if self.uninit:
             self._init_new(ptrs, state, groups)
         if self.static and not dead and not (self.sharded or self.static_off or self._copied or self.uninit):
@@ -389,16 +397,16 @@ class FusedUnit:
 
     def _native_grad_addresses(self) -> list[int] | None:
         """Every grad's address where each is present, dense, contiguous, of the unit's dtype and of its param's
-        planned shape, read in one native call (`kitsune._native.follow`, left in `_out`; where they moved, the call
-        wrote them into `_table` as well, which the caller's upload then follows); None where one is not,
+        planned shape, read in one native call (`kitsune._native.follow`, left in `_out`); None where one is not,
         or where the call cannot answer (not built, switched off, FSDP2 shards, tensor subclasses): the caller's
         Python reads sort it out."""
         checks = _native.CHECKS
         if not self.native or checks is None or not self.plain_tensors:
             return None
         out = self._out()
-        found = checks.follow(self.params, self._table, _native.GRADS, out, self.dtype)  # moved: `_table` written
-        return out.tolist() if found != OTHER else None
+        return (
+            out.tolist() if checks.follow(self.params, self._table, _native.GRADS, out, self.dtype) != OTHER else None
+        )
 
     def _out(self) -> torch.Tensor:
         """The native read's answer: n int64 on the CPU, made once."""

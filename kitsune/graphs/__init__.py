@@ -19,8 +19,9 @@ runs eagerly without dropping the graph. A capture that fails falls back to eage
 the summary.
 
 The steady replay: once a step has replayed the graph, the next steps replay it after a few checks only (the same
-groups with the same values, every grad and param where the last step found them, a scaled loss) without the
-step's full host path; anything else sends the step through the full path, which checks everything again.
+groups with the same values, every param where the last step found it, every grad there too or moved as the
+kernels take it, the tables then pointed at it, a scaled loss) without the step's full host path; anything else
+sends the step through the full path, which checks everything again.
 """
 
 from __future__ import annotations
@@ -228,9 +229,11 @@ class GraphSubsystem(Subsystem):
 
     def replay_steady(self, s: StepState, groups: list[dict[str, Any]], state: Any, planned: PlannedGroups) -> bool:
         """The steady step: the same groups (holding the params ``planned`` was made for, over the same ``state``),
-        every grad and param where the last step found them, a scaled loss: refresh the hyperparameters if a value
-        changed (an LR scheduler's new LR), replay the graph and fill ``s``. False (nothing done) sends the step
-        through the full path, which checks and refreshes everything and arms this again."""
+        every param where the last step found it and every grad there too or moved (`FusionSubsystem.follow`
+        points the tables at it; a move to addresses that pick other kernel variants than the captured ones is
+        left to the full path), a scaled loss: refresh the hyperparameters if a value changed (an LR scheduler's
+        new LR), replay the graph and fill ``s``. False (nothing launched) sends the step through the full path,
+        which checks and refreshes everything and arms this again."""
         steady, self._steady = self._steady, None
         fusion = self._fusion
         if s.phases is not None or s.baseline:

@@ -98,8 +98,8 @@ class TensorTables:
         if host is None:
             host = int64_tensor(addresses)
         table = self._roles.get(role)
-        if table is None:
-            self._roles[role] = host.to(self.device)
+        if table is None:  # a copy on the CPU too: the caller's tensor may be another table's host (`host`)
+            self._roles[role] = host.to(self.device, copy=True)
         else:  # keep the device buffer (its address may be baked into a captured graph)
             table.copy_(pinned(host, self.device), non_blocking=True)
         self._cached[role], self._hosts[role] = addresses, host

@@ -316,10 +316,10 @@ def test_the_native_check_builds_here_and_refuses_what_it_cannot_read():
 def test_the_native_follow_reads_moved_grads_only_as_the_kernels_take_them():
     """``follow``: SAME where the params (``what`` 1) and the grads sit where the table says; where only grads moved,
     each present, dense, contiguous, of the dtype and of its param's planned numel and shape, MOVED plus the OR of
-    their addresses' low six bits, with every grad's address in ``out`` and in the table's grad column; OTHER (never
-    an error, the table untouched) for anything else: a param moved, such a grad, a table or ``out`` of the wrong
-    size, dtype or device, ``what`` 0 (the params alone are `unchanged`'s). A change anywhere in a long list is
-    seen."""
+    their addresses' low six bits, with every grad's address in ``out``; OTHER (never an error) for anything else: a
+    param moved, such a grad, a table or ``out`` of the wrong size, dtype or device, ``what`` 0 (the params alone
+    are `unchanged`'s). It never writes the table (the caller does, once its tables point at the new grads). A
+    change anywhere in a long list is seen."""
     checks = _native.wait(timeout=600)
     assert checks is not None, _native.reason()
     f32, SAME, OTHER = torch.float32, _native.SAME, _native.OTHER
@@ -333,12 +333,14 @@ def test_the_native_follow_reads_moved_grads_only_as_the_kernels_take_them():
         [p.data_ptr() for p in ps] + [0] * n + [p.numel() for p in ps] + [_native.shape_key(p.shape) for p in ps]
     )
 
-    def moved(found: int) -> bool:  # MOVED, with the low bits of every grad's address
+    def moved(found: int) -> bool:  # MOVED, with the low bits of every grad's address; the table then follows them
         addresses = [p.grad.data_ptr() for p in ps]
         bits = 0
         for a in addresses:
             bits |= a & 63
-        return _native.moved_low_bits(found) == bits and out.tolist() == addresses == table[n : 2 * n].tolist()
+        ok = _native.moved_low_bits(found) == bits and out.tolist() == addresses != table[n : 2 * n].tolist()
+        table[n : 2 * n] = out
+        return ok
 
     out = torch.full((n,), -7, dtype=torch.int64)
     assert checks.follow(ps, table, 0, out, f32) == OTHER and table[n : 2 * n].tolist() == [0] * n

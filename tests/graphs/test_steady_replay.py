@@ -21,7 +21,7 @@ from twins import (
 
 from kitsune import FusionConfig, GraphConfig, KitsuneConfig, KitsuneOptimizer
 from kitsune.fusion import units
-from kitsune.optim import LAMB
+from kitsune.optim import LARS
 
 # every structural change must be seen by either per-step address check (tests/conftest.py, check_path)
 pytestmark = pytest.mark.usefixtures("check_path")
@@ -70,18 +70,21 @@ def test_steady_replays_follow_torch_with_onecyclelr_and_clip(device):
     assert opt._subsystem("fusion")._contexts[ours[0].device].uploads >= 36  # the new lr reached the buffer
 
 
-@pytest.mark.parametrize("case", ["clip", "trust"])
+@pytest.mark.parametrize("case", ["clip", "clip_two_units", "trust"])
 def test_grads_that_move_every_step_stay_on_the_steady_replay(device, check_path, case):
     """A training loop's grads move every step (``zero_grad()`` frees them, and backward allocates the new ones while
     the forward's activations hold the old blocks). With the native check the steady replay reads where they went,
-    points the update's tables and the norm pass (clipping; LAMB's trust ratios, which read the params too) at them
-    and replays: 30 steps of torch's trajectory and grad norms, one capture. Without it every step takes the full
-    path, with the same results."""
-    if case == "clip":
-        make, kwargs = (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)), {"max_grad_norm": 0.5}
+    points the update's tables and the norm pass (clipping, over one launch unit or two; LARS's trust ratios, which
+    read the grads' and the params' norms) at them and replays: 30 steps of torch's trajectory and grad norms, one
+    capture. Without it every step takes the full path, with the same results."""
+    fusion = {"enabled": True, "max_fusion_size": 2} if case == "clip_two_units" else {"enabled": True}
+    config = KitsuneConfig(fusion=FusionConfig(**fusion), grads={"max_norm": None if case == "trust" else 0.5})
+    if case == "trust":
+        make = lambda ps: LARS(ps, lr=1e-2, momentum=0.9, weight_decay=0.01)  # noqa: E731
     else:
-        make, kwargs = (lambda ps: LAMB(ps, lr=1e-2, weight_decay=0.1)), {}
-    ref, ours, ref_opt, opt, backend = _twins(device, make, **kwargs)
+        make = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)  # noqa: E731
+    ref, ours, ref_opt, opt, backend = graphed_twins(device, SIZES, make, config=config)
+    assert len(opt._subsystem("fusion").units) == (2 if case == "clip_two_units" else 1)
     held: list[list] = [[], []]
     moved, norms, wants = 0, [], []
     for step in range(30):
@@ -92,11 +95,11 @@ def test_grads_that_move_every_step_stay_on_the_steady_replay(device, check_path
                 p.grad = g
             held[side] = last
         moved += before != [p.grad.data_ptr() for p in ours]
-        if case == "clip":
+        if case != "trust":
             wants.append(torch.nn.utils.clip_grad_norm_(ref, 0.5))
         ref_opt.step()
         opt.step()
-        if case == "clip":
+        if case != "trust":
             norms.append(opt.last_grad_norm)
         assert_close_params(ours, ref, torch.float32)
     assert moved == 30 and opt.plan.fused_tensors == len(ours)
@@ -134,6 +137,56 @@ def test_a_steady_replay_that_follows_moved_grads_changes_nothing_when_the_step_
             o.step()
         assert_close_params(ours, ref, torch.float32)
     assert backend.captured == captured + 1
+
+
+@pytest.mark.parametrize("where", ["grad_table", "norm"])
+def test_a_step_cut_short_while_it_points_the_tables_at_moved_grads_is_checked_in_full_next(device, where, monkeypatch):
+    """A Ctrl-C (or any exception) while a step points the tables at grads that moved, before a unit's upload (on the
+    steady path with the native check, on the full path without) or before the norm pass's: the retried step must
+    not take the tables for current (a wrong result). It finds the grads moved again and gives torch's result and
+    grad norm."""
+    config = KitsuneConfig(fusion=FusionConfig(enabled=True, max_fusion_size=2), grads={"max_norm": 0.5})
+    make = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)  # noqa: E731
+    ref, ours, ref_opt, opt, backend = graphed_twins(device, SIZES, make, config=config)
+    fusion = opt._subsystem("fusion")
+    for step in range(8):
+        grads_in_place(ref, step)
+        grads_in_place(ours, step)
+        torch.nn.utils.clip_grad_norm_(ref, 0.5)
+        ref_opt.step()
+        opt.step()
+    for params in (ref, ours):
+        for p, g in zip(params, random_grads(params, 8), strict=True):
+            p.grad = g  # every grad moved
+    if where == "grad_table":
+        tables = fusion.units[1].tables
+        target, name = tables, "set_role"
+    else:
+        target, name = fusion._norm, "bind_addresses"
+    real = getattr(target, name)
+
+    def cut(*args, **kwargs):
+        if where == "norm" or args[0] == "grad":
+            raise KeyboardInterrupt  # before the upload: the tables (or the norm's) still point at the old grads
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(target, name, cut)
+    with pytest.raises(KeyboardInterrupt):
+        opt.step()
+    monkeypatch.setattr(target, name, real)
+    want = torch.nn.utils.clip_grad_norm_(ref, 0.5)
+    ref_opt.step()
+    opt.step()
+    assert_close_params(ours, ref, torch.float32)
+    torch.testing.assert_close(opt.last_grad_norm, want, atol=1e-6, rtol=1e-6)
+    for step in range(9, 14):
+        for params in (ref, ours):
+            for p, g in zip(params, random_grads(params, step), strict=True):
+                p.grad = g
+        torch.nn.utils.clip_grad_norm_(ref, 0.5)
+        ref_opt.step()
+        opt.step()
+        assert_close_params(ours, ref, torch.float32)
 
 
 CHANGES = [
