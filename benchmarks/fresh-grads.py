@@ -8,13 +8,14 @@ It builds ``KitsuneOptimizer(torch.optim.AdamW(params), enable_fusion=True)`` ov
 alternating blocks of ``--steps`` steps, each block with the grads kept (the same tensors, new values written in
 place) or fresh (`kitsune.bench.params.fresh_grads`: every grad set to None and a new one allocated while the last
 ones still hold their blocks, so the grads move every step, as a training loop's do), ``--rounds`` blocks of each.
-Per block: how many steps met grads at other addresses than the step before, how many steps took the graph's
-steady replay (the step's cheapest path: every address where the last step found it) and how many another replay
-or no replay, and the host time of ``step()`` (started with the GPU idle, as `kitsune bench`'s host column): median
-over the block's steps. A third mode, ``python``, is ``fresh`` with the native read of moved grads declined (the
-native module's ``grad_addresses`` answering "cannot", as where a grad is not as the kernels take it), so the grads'
-addresses are read in Python as before `e559b94`: that read's cost, beside the native one's, in one process. It
-prints, per mode, the medians over the blocks.
+Per block: how many steps met grads at other addresses than the step before, how many steps took the graph's steady
+replay (the step's short path: every param where the last step found it, every grad there too or moved as the
+kernels take it) and how many another replay or no replay, and the host time of ``step()`` (started with the GPU
+idle, as `kitsune bench`'s host column): median over the block's steps. A third mode, ``python``, is ``fresh`` with
+the native read of the grads declined (the native module's ``follow`` answering "cannot", as where a grad is not
+as the kernels take it), so the step takes the full path and reads the grads' addresses in Python, as before
+`e559b94` and `07f8a25`: that path's cost, beside the steady replay's, in one process. It prints, per mode,
+the medians over the blocks.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ from kitsune.bench.timing import native_check_ready, percentile, synchronize
 
 
 class _DeclinedRead:
-    """The native module with its read of moved grads declined: every other call goes to the module."""
+    """The native module with its read of the grads declined: ``follow`` answers "cannot" (as where a grad is not as
+    the kernels take it), so every step takes the full path and reads the grads in Python; the module's other calls
+    (the params' check) are its own."""
 
     def __init__(self, module: Any) -> None:
         self.module = module
@@ -43,8 +46,8 @@ class _DeclinedRead:
         return getattr(self.module, name)
 
     @staticmethod
-    def grad_addresses(*args: Any) -> bool:
-        return False
+    def follow(*args: Any) -> int:
+        return _native.OTHER
 
 
 MODES = ("kept", "fresh", "python")
