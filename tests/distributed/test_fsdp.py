@@ -103,7 +103,7 @@ class _Counting:
 
     def __init__(self, real, hits: list[int]) -> None:
         self.real, self.hits = real, hits
-        self.unchanged, self.same, self.grad_addresses = real.unchanged, real.same, real.grad_addresses
+        self.unchanged, self.same, self.follow = real.unchanged, real.same, real.follow
 
     def unchanged_local(self, params, shards, table, grads: bool, dtype: torch.dtype) -> bool:
         same = self.real.unchanged_local(params, shards, table, grads, dtype)
