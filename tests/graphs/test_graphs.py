@@ -96,6 +96,48 @@ def test_fp16_amp_clip_and_zeroing_replay_like_grad_scaler(device, steady, monke
         opt.step()
 
 
+def test_fp16_amp_with_grads_that_move_every_step_replays_like_grad_scaler(device, check_path):
+    """The float16 phase (unscale, clip, skip on overflow, the loss-scale update) with the grads freed by zero_grad()
+    and re-allocated elsewhere by every backward, as a training loop's: with the native check every step after the
+    capture takes the steady replay, pointed at the new grads, the overflow steps included; GradScaler's scale
+    trajectory and skips and torch's params either way."""
+    ref, ours = make_params(SIZES, torch.float32, device), make_params(SIZES, torch.float32, device)
+    ref_opt = torch.optim.Adam(ref, lr=1e-2)
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**10, growth_interval=3)
+    config = KitsuneConfig(
+        fusion=FusionConfig(enabled=True),
+        amp=AMPConfig(enabled=True, dtype=torch.float16, init_scale=2.0**10, growth_interval=3),
+        grads=GradConfig(max_norm=0.8),
+    )
+    opt = KitsuneOptimizer(torch.optim.Adam(ours, lr=1e-2), config=config)
+    record_graphs(opt)
+    held: list = []
+    moved = 0
+    for step in range(24):
+        grads = random_grads(ref, step)
+        if step in (9, 17):
+            grads[0].view(-1)[0] = float("inf")
+        scaler.scale(sum((p * g).sum() for p, g in zip(ref, grads, strict=True))).backward()
+        scaler.unscale_(ref_opt)
+        torch.nn.utils.clip_grad_norm_(ref, 0.8)
+        scaler.step(ref_opt)
+        scaler.update()
+        ref_opt.zero_grad()
+        before = [q.grad.data_ptr() if q.grad is not None else 0 for q in ours]
+        opt.backward(sum((p * g).sum() for p, g in zip(ours, grads, strict=True)))
+        moved += before != [q.grad.data_ptr() for q in ours]
+        opt.step()
+        held = [q.grad for q in ours]  # the last grads' blocks stay taken while the next ones are made
+        opt.zero_grad()
+        assert opt.loss_scale == scaler.get_scale()
+        _close(ref, ours)
+    del held
+    graphs = opt._subsystem("graphs").report()
+    assert moved == 24
+    assert (graphs["replays"], graphs["steady_replays"]) == (21, 20 if check_path == "native" else 0)
+    assert opt.skipped_steps == 2 and opt.host_syncs == 0
+
+
 def _twins(device):
     ref, ours = make_params(SIZES, torch.float32, device), make_params(SIZES, torch.float32, device)
     ref_opt = torch.optim.SGD(ref, lr=0.05, momentum=0.9)

@@ -139,6 +139,33 @@ def test_a_steady_replay_that_follows_moved_grads_changes_nothing_when_the_step_
     assert backend.captured == captured + 1
 
 
+def test_one_unit_follows_moved_grads_while_another_has_a_grad_that_is_none(device, check_path):
+    """Every grad moved, and one param of the second unit has none this step (torch skips it): the steady check
+    re-points the first unit and sends the step through the full path for the second, without a re-plan. Torch's
+    result and grad norms on that step and the next ones, and the steady replay back afterwards (moved grads take it
+    with the native check only)."""
+    config = KitsuneConfig(fusion=FusionConfig(enabled=True, max_fusion_size=2), grads={"max_norm": 0.5})
+    make = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)  # noqa: E731
+    ref, ours, ref_opt, opt, backend = graphed_twins(device, SIZES, make, config=config)
+    assert len(opt._subsystem("fusion").units) == 2
+    for step in range(16):
+        for params in (ref, ours):
+            for i, (p, g) in enumerate(zip(params, random_grads(params, step), strict=True)):
+                p.grad = None if step == 9 and i == 3 else g  # moved every step; the last param skips step 9
+        want = torch.nn.utils.clip_grad_norm_([p for p in ref if p.grad is not None], 0.5)
+        ref_opt.step()
+        steady, captured = _steady(opt), backend.captured
+        opt.step()
+        torch.testing.assert_close(opt.last_grad_norm, want, atol=1e-6, rtol=1e-6)
+        assert_close_params(ours, ref, torch.float32)
+        if step == 9:
+            assert _steady(opt) == steady  # the full path took the None grad
+        if step > 4:  # warmed up (3 steps) and captured
+            assert backend.captured == captured  # no re-plan, no capture again
+    # steps 4-8 and 10-15: step 9 took the full path, whose replay armed the steady one again
+    assert _steady(opt) == (11 if check_path == "native" else 0)
+
+
 @pytest.mark.parametrize("where", ["grad_table", "norm"])
 def test_a_step_cut_short_while_it_points_the_tables_at_moved_grads_is_checked_in_full_next(device, where, monkeypatch):
     """A Ctrl-C (or any exception) while a step points the tables at grads that moved, before a unit's upload (on the
