@@ -257,7 +257,7 @@ class FusedUnit:
         upload) and the answer is `MOVED`. Where that call cannot answer (not built, switched off, tensor subclasses,
         FSDP2 shards), where the grads must move into the memory pool's arena, or where the full check would watch
         the new grads (static addresses), a move is `OTHER`."""
-        if self._grad_ptrs is None or self._copied or self.uninit or self.unhandled:
+        if self._pending:
             return OTHER
         checks = _native.CHECKS
         if (
@@ -276,19 +276,40 @@ class FusedUnit:
             return found
         host = out.pin_memory() if self.device.type == "cuda" else out.clone()  # kept by the tables; `out` is not
         ptrs = host.tolist()
-        self.tables.set_role("grad", ptrs, host, low_bits=low)
-        self._grad_ptrs = self.grad_addresses = ptrs
-        # last: the check's table says where the kernels read only once they do (an exception or a Ctrl-C before
-        # here leaves it at the old grads, so the next step finds them moved and uploads again)
+        self._point_grads(ptrs, host, low_bits=low)
+        return MOVED
+
+    @property
+    def _pending(self) -> bool:
+        """Whether the last step left something the per-step check cannot vouch for: no grads read yet, grads read
+        through copies, lazy state or grads the kernels cannot take (the full check sorts those out)."""
+        return self._grad_ptrs is None or bool(self._copied) or bool(self.uninit) or bool(self.unhandled)
+
+    def _point_grads(
+        self,
+        ptrs: list[int],
+        host: torch.Tensor,
+        upload: list[int] | None = None,
+        copied: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        low_bits: int | None = None,
+    ) -> None:
+        """Point the grad table at this step's grads (``ptrs``, and ``host`` as a CPU int64 tensor; ``upload``: the
+        addresses the kernels read instead, contiguous ``copied`` stand-ins'), then record them for the next step's
+        check. The record comes last: cut short before it (an exception, a Ctrl-C), the step leaves it at the last
+        grads, and the next one finds these moved and uploads again."""
+        upload = ptrs if upload is None else upload
+        self.tables.set_role("grad", upload, host if upload is ptrs else None, low_bits=low_bits)
+        self._copied = copied or []
+        self._grad_ptrs = None if copied else ptrs
+        self.grad_addresses = upload
         n = len(ptrs)
         self._table[n : 2 * n] = host
-        return MOVED
 
     def _unchanged(self) -> bool:
         """The common step: every grad present and where it was last step, every param where it was planned, no
         copies or lazy state pending. One native call (or, while it builds, two of torch's C++ calls and one C-level
         read of the grads); False sends the step through the full check."""
-        if self._grad_ptrs is None or self._copied or self.uninit or self.unhandled:
+        if self._pending:
             return False
         same = self._native_check(grads=True)
         if same is not None:
@@ -367,7 +388,6 @@ class FusedUnit:
             if adopt:
                 grads, ptrs = self._adopt_grads(grads, ptrs)
             upload = ptrs
-            n = len(ptrs)
             host = self._scratch.clone() if checked and not adopt else int64_tensor(ptrs)  # type: ignore[union-attr]
             copied: list[tuple[torch.Tensor, torch.Tensor]] = []
             if not checked and not all(
@@ -382,13 +402,7 @@ class FusedUnit:
                 ]
                 copied = [(g, c) for g, c in zip(grads, self._copies, strict=True) if c is not g]
                 upload = [a if a == DEAD else c.data_ptr() for c, a in zip(self._copies, ptrs, strict=True)]
-            self.tables.set_role("grad", upload, host if upload is ptrs else None)
-            # then what the next step's check compares with: cut short before here (a Ctrl-C), the step leaves them
-            # at the last grads, and the next one finds these moved and uploads again
-            self._copied = copied
-            self._grad_ptrs = None if copied else ptrs
-            self.grad_addresses = upload
-            self._table[n : 2 * n] = host
+            self._point_grads(ptrs, host, upload, copied)
         if self.uninit:
             self._init_new(ptrs, state, groups)
         if self.static and not dead and not (self.sharded or self.static_off or self._copied or self.uninit):

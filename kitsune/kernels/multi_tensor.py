@@ -105,8 +105,6 @@ class TensorTables:
         self._cached[role], self._hosts[role] = addresses, host
         self._aligned = {key: ok for key, ok in self._aligned.items() if key[0] != role}
         self._low[role] = low_bits
-        if low_bits is not None:
-            self._aligned.update({(role, 1 << k): low_bits % (1 << k) == 0 for k in range(7)})
         self.uploads += 1
         return True
 
@@ -127,8 +125,11 @@ class TensorTables:
         key = (role, nbytes)
         ok = self._aligned.get(key)
         if ok is None:
-            host = self._hosts.get(role)
-            ok = nbytes == 1 if host is None else bool(((host % nbytes == 0) | (host == DEAD)).all())
+            host, low = self._hosts.get(role), self._low.get(role)
+            if low is not None and nbytes <= 64 and nbytes & (nbytes - 1) == 0:  # OR of the low six bits
+                ok = low % nbytes == 0
+            else:
+                ok = nbytes == 1 if host is None else bool(((host % nbytes == 0) | (host == DEAD)).all())
             self._aligned[key] = ok
         return ok
 

@@ -50,6 +50,21 @@ def test_replay_equals_torch_with_onecyclelr_and_clip(device):
         torch.testing.assert_close(q.detach(), p.detach(), atol=1e-5, rtol=1e-5)
 
 
+def _grad_scaler_step(ref, ref_opt, scaler, step: int) -> list[torch.Tensor]:
+    """torch's float16 step on ``ref``: this step's grads (an inf in steps 9 and 17) through GradScaler, unscaled,
+    clipped to 0.8, stepped, the scale updated, the grads zeroed. Returns the grads, for kitsune's side."""
+    grads = random_grads(ref, step)
+    if step in (9, 17):
+        grads[0].view(-1)[0] = float("inf")
+    scaler.scale(sum((p * g).sum() for p, g in zip(ref, grads, strict=True))).backward()
+    scaler.unscale_(ref_opt)
+    torch.nn.utils.clip_grad_norm_(ref, 0.8)
+    scaler.step(ref_opt)
+    scaler.update()
+    ref_opt.zero_grad()
+    return grads
+
+
 @pytest.mark.parametrize("steady", [False, True], ids=["full_path", "steady_replay"])
 def test_fp16_amp_clip_and_zeroing_replay_like_grad_scaler(device, steady, monkeypatch):
     """The whole float16 phase in the step (unscale, clip, update, skip on overflow, zero the grads, the loss-scale
@@ -70,15 +85,7 @@ def test_fp16_amp_clip_and_zeroing_replay_like_grad_scaler(device, steady, monke
     opt = KitsuneOptimizer(torch.optim.Adam(ours, lr=1e-2), config=config)
     record_graphs(opt)
     for step in range(24):
-        grads = random_grads(ref, step)
-        if step in (9, 17):
-            grads[0].view(-1)[0] = float("inf")
-        scaler.scale(sum((p * g).sum() for p, g in zip(ref, grads, strict=True))).backward()
-        scaler.unscale_(ref_opt)
-        torch.nn.utils.clip_grad_norm_(ref, 0.8)
-        scaler.step(ref_opt)
-        scaler.update()
-        ref_opt.zero_grad()
+        grads = _grad_scaler_step(ref, ref_opt, scaler, step)
         opt.backward(sum((p * g).sum() for p, g in zip(ours, grads, strict=True)))
         kept = [q.grad for q in ours]
         opt.step()
@@ -114,15 +121,7 @@ def test_fp16_amp_with_grads_that_move_every_step_replays_like_grad_scaler(devic
     held: list = []
     moved = 0
     for step in range(24):
-        grads = random_grads(ref, step)
-        if step in (9, 17):
-            grads[0].view(-1)[0] = float("inf")
-        scaler.scale(sum((p * g).sum() for p, g in zip(ref, grads, strict=True))).backward()
-        scaler.unscale_(ref_opt)
-        torch.nn.utils.clip_grad_norm_(ref, 0.8)
-        scaler.step(ref_opt)
-        scaler.update()
-        ref_opt.zero_grad()
+        grads = _grad_scaler_step(ref, ref_opt, scaler, step)
         before = [q.grad.data_ptr() if q.grad is not None else 0 for q in ours]
         opt.backward(sum((p * g).sum() for p, g in zip(ours, grads, strict=True)))
         moved += before != [q.grad.data_ptr() for q in ours]
