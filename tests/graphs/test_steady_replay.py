@@ -166,6 +166,34 @@ def test_one_unit_follows_moved_grads_while_another_has_a_grad_that_is_none(devi
     assert _steady(opt) == (11 if check_path == "native" else 0)
 
 
+def test_zero_in_step_zeroes_the_grads_that_moved_and_leaves_the_old_ones(device, check_path):
+    """``GradConfig(zero_in_step=True)`` with grads that are new tensors every step (the old ones still held, as a
+    loop that builds its grads elsewhere holds them): the update reads and zeroes the new grads, never the old ones
+    (filled with a marker after each step: a stale table would read the marker and zero it), and ``zero_grad()``
+    keeps the zeroed grads allocated. 30 steps of torch's trajectory and grad norms, steady replays with the native
+    check."""
+    config = KitsuneConfig(fusion=FusionConfig(enabled=True), grads={"max_norm": 0.5, "zero_in_step": True})
+    make = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)  # noqa: E731
+    ref, ours, ref_opt, opt, backend = graphed_twins(device, SIZES, make, config=config)
+    old: list[torch.Tensor] = []
+    for step in range(30):
+        grads = random_grads(ref, step)
+        for p, q, g in zip(ref, ours, grads, strict=True):
+            p.grad, q.grad = g.clone(), g.clone()  # new grads; ``old`` holds last step's
+        want = torch.nn.utils.clip_grad_norm_(ref, 0.5)
+        ref_opt.step()
+        opt.step()
+        torch.testing.assert_close(opt.last_grad_norm, want, atol=1e-6, rtol=1e-6)
+        assert_close_params(ours, ref, torch.float32)
+        assert all(torch.count_nonzero(g) == g.numel() for g in old)  # the marker: untouched
+        assert all(torch.count_nonzero(q.grad) == 0 for q in ours)  # this step's grads: zeroed by the update
+        zeroed = [q.grad for q in ours]
+        opt.zero_grad()  # set_to_none, yet the grads the step zeroed stay
+        assert all(q.grad is g for q, g in zip(ours, zeroed, strict=True))
+        old = [g.fill_(7.0) for g in zeroed]
+    assert _steady(opt) == (26 if check_path == "native" else 0) and backend.captured == 1
+
+
 @pytest.mark.parametrize("where", ["grad_table", "norm"])
 def test_a_step_cut_short_while_it_points_the_tables_at_moved_grads_is_checked_in_full_next(device, where, monkeypatch):
     """A Ctrl-C (or any exception) while a step points the tables at grads that moved, before a unit's upload (on the
@@ -342,6 +370,38 @@ def test_muon_steady_replays_equal_the_eager_fused_step(device):
     eager, _ = run(False)
     graphed, opt = run(True)
     assert _steady(opt) == 8
+    assert all(torch.equal(p, q) for p, q in zip(eager, graphed, strict=True))
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon needs torch >= 2.9")
+def test_muon_follows_grads_that_move_every_step(device, check_path):
+    """Muon's fused step with grads that are new tensors every step (the last ones still held): the bits of the eager
+    fused step given the same grads in place, and steady replays with the native check."""
+    shapes = [(16, 32), (16, 32), (32, 16)]
+
+    def run(graphed: bool) -> tuple[list[torch.Tensor], KitsuneOptimizer]:
+        params = make_params(shapes, torch.float32, device)
+        opt = KitsuneOptimizer(
+            torch.optim.Muon(params, lr=0.02, weight_decay=0.1, ns_steps=2), enable_fusion=True, capture_graph=graphed
+        )
+        held: list = []
+        if graphed:
+            record_graphs(opt)
+        for step in range(12):
+            if graphed:
+                held = [p.grad for p in params]  # held while the new grads are made
+                for p, g in zip(params, random_grads(params, step), strict=True):
+                    p.grad = g
+            else:
+                grads_in_place(params, step)
+            opt.step()
+        del held
+        return params, opt
+
+    eager, _ = run(False)
+    graphed, opt = run(True)
+    assert opt.plan.fused_tensors == len(shapes)
+    assert _steady(opt) == (8 if check_path == "native" else 0)
     assert all(torch.equal(p, q) for p, q in zip(eager, graphed, strict=True))
 
 
