@@ -21,9 +21,10 @@ INTERPRETED_DIRS = {"kernels", "fusion", "graphs", "memory", "streams"}
 if CPU_ONLY:
     _saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"  # before triton.language is imported: its own jit functions are interpreted
-    from interpreter_patch import skip_repeated_patching
+    from interpreter_patch import remember_numpy_dtypes, skip_repeated_patching
 
     skip_repeated_patching()
+    remember_numpy_dtypes()
     import kitsune.kernels.common as _common
     import kitsune.kernels.muon_update as _muon_update
     import kitsune.kernels.newton_schulz as _newton_schulz
