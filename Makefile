@@ -7,7 +7,7 @@ TORCH_PIN ?= torch==2.13.0
 # pytest workers: one per core up to this many (each interprets kernels in Triton's CPU interpreter, a test file each)
 TEST_JOBS ?= 4
 
-.PHONY: demo test lint docs gpu-check clean
+.PHONY: demo test test-all lint docs gpu-check clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
@@ -21,8 +21,12 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m ruff check kitsune tests examples
 	$(PY) -m ruff format --check kitsune tests examples
-	$(PY) -m pytest -q -n auto --maxprocesses $(TEST_JOBS) --dist loadfile
+	$(PY) -m pytest -q -n auto --maxprocesses $(TEST_JOBS) --dist loadfile -m "not slow"
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+
+# the suite with its long runs too (tests marked `slow`: minutes each in the CPU interpreter; the GPU check runs them)
+test-all: $(VENV)/.installed
+	$(PY) -m pytest -q -n auto --maxprocesses $(TEST_JOBS) --dist loadfile
 
 docs: $(VENV)/.installed
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve

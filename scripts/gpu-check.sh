@@ -65,9 +65,10 @@ fi
 echo "cuda tests exit code: $tests_rc"
 
 # the CPU-interpreter suites on the GPU (their `device` fixture is CUDA here): the same trajectories through the
-# compiled kernels (test_live_compare checks the CPU profiler's windows). Two stages: `suites` (the kernels, CUDA
-# graphs, memory pool, streams and optimizers, ~310 tests) and `fusion` (the fused executor, ~550). Each takes about
-# a minute once Triton's cache holds the kernels; compiling them on a fresh machine took 400 s for 850 of the 860
+# compiled kernels, and the tests marked `slow` that `make test` leaves out (test_live_compare checks the CPU
+# profiler's windows). Two stages: `suites` (the kernels, CUDA graphs, memory pool, streams and optimizers, ~310
+# tests) and `fusion` (the fused executor, ~550). Each takes about a minute once Triton's cache holds the kernels;
+# compiling them on a fresh machine took 400 s for 850 of the 860
 # (H200, 2026-12-02), so on a fresh machine give each a call of its own (STAGES=suites, then STAGES=fusion)
 suite() {  # suite NAME LOG PATHS...: pytest on PATHS into $OUT/LOG, its exit code in gpu_suites_rc (the first failure)
     local name=$1 log=$2 rc=0

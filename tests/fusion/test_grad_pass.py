@@ -215,6 +215,7 @@ def test_fp16_loop_equals_grad_scaler_and_torch_fused_adamw(device, clip):
         torch.testing.assert_close(q.detach(), p.detach(), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.slow  # a long run (minutes in the CPU interpreter): `make test-all` and the GPU check
 def test_thousand_steps_with_injected_inf_and_nan_skip_exactly_those(device):
     gen = torch.Generator().manual_seed(7)
     bad = set(torch.randperm(1000, generator=gen)[:100].tolist())

@@ -10,6 +10,7 @@ from kitsune.bench.e2e import GPTConfig
 from kitsune.bench.quality import lr_factor, run_quality
 
 
+@pytest.mark.slow  # a long run (minutes in the CPU interpreter): `make test-all` and the GPU check
 def test_8bit_and_bf16_state_reach_the_fp32_loss_within_one_percent(device):
     """The quality bar: no low-precision run ends more than 1% above fp32's loss. Below it is no loss of quality;
     a tiny model's runs spread by about that much either way (on an H200 the 8-bit run ended 1.006% below fp32's),
