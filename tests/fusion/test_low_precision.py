@@ -110,7 +110,7 @@ def test_8bit_programs_of_any_size_step_the_same_bits(name, device, monkeypatch)
     runs = []
     for block in (planner.Q8_PROGRAM, 2 * QUANT_BLOCK):
         monkeypatch.setattr(planner, "Q8_PROGRAM", block)
-        params, opt = _fused(CASES[name], "8bit", 64, device)
+        params, opt = _fused(CASES[name], "8bit", 64, device, steps=10)
         assert all(b.route is Route.TRITON for b in opt.plan.buckets), opt.plan.to_dict()
         assert "8-bit" in {b.state for b in opt.plan.buckets}
         runs.append((params, opt))
@@ -121,11 +121,11 @@ def test_8bit_programs_of_any_size_step_the_same_bits(name, device, monkeypatch)
 @pytest.mark.parametrize("vector", [True, False])
 def test_float_programs_of_any_size_step_the_same_bits(name, precision, vector, device, monkeypatch):
     """A float-state program loops over tiles of `update.FLOAT_TILE` elements (`planner.FP32_PROGRAM` elements a
-    program for fp32 state, `planner.FLOAT_PROGRAM` for 2-byte state). Programs of one tile, and programs of four
-    tiles that tensors span several of (a program's last tiles partial or empty), step the same bits as the default's
-    programs (of several tiles; the 4104-element tensor spans more than one): params, state and step counts, NAdam's
-    per-tensor mu_product (computed in the loop, written by a tensor's last program) too, an empty tensor's included;
-    with vector reads and without (`_exact_arithmetic`)."""
+    program for fp32 state, `planner.FLOAT_PROGRAM` for 2-byte state). Programs of one tile (512 elements), and
+    programs of four tiles (of 128) that tensors span several of (a program's last tiles partial or empty), step the
+    same bits as the default's programs (of several tiles; the 4104-element tensor spans more than one): params,
+    state and step counts, NAdam's per-tensor mu_product (computed in the loop, written by a tensor's last program)
+    too, an empty tensor's included; with vector reads and without (`_exact_arithmetic`)."""
     from kitsune.fusion import planner
     from kitsune.kernels import update
 
@@ -133,7 +133,7 @@ def test_float_programs_of_any_size_step_the_same_bits(name, precision, vector, 
     _exact_arithmetic(monkeypatch)
     runs = []
     default = planner.FP32_PROGRAM if precision == "param" else planner.FLOAT_PROGRAM  # fp32 params here
-    for program, tile in ((default, update.FLOAT_TILE), (256, 64), (64, 64)):
+    for program, tile in ((default, update.FLOAT_TILE), (512, 128), (512, 512)):
         monkeypatch.setattr(planner, "FLOAT_PROGRAM", program)
         monkeypatch.setattr(planner, "FP32_PROGRAM", program)
         monkeypatch.setattr(update, "FLOAT_TILE", tile)
