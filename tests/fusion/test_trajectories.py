@@ -1,4 +1,4 @@
-"""Fused trajectories against torch.optim: every optimizer and option, three dtypes, 50 steps of fresh grads."""
+"""Fused trajectories against torch.optim: every optimizer and option, three dtypes, 30 steps of fresh grads."""
 
 from __future__ import annotations
 
