@@ -38,7 +38,7 @@ CASES = {
     "adadelta": lambda ps: torch.optim.Adadelta(ps, lr=1.0),
     "lion": lambda ps: Lion(ps, lr=1e-3, weight_decay=0.1),
 }
-STEPS = 30
+STEPS = 20
 
 
 def _params(seed: int = 0, sizes=SIZES) -> list[torch.nn.Parameter]:
