@@ -259,18 +259,15 @@ class FusedUnit:
         the new grads (static addresses), a move is `OTHER`."""
         if self._pending:
             return OTHER
-        checks = _native.CHECKS
+        checks = self._plain_checks()
         if (
             checks is None
-            or not self.native
-            or not self.plain_tensors
             or (self.slots is not None and self.slots.grad_arena is not None)
             or (self.static and not self.static_off)
         ):
             return SAME if self._unchanged() else OTHER
         out = self._out()
-        what = _native.GRADS if self.params_checked else _native.PARAMS_AND_GRADS
-        found = checks.follow(self.params, self._table, what, out, self.dtype)
+        found = checks.follow(self.params, self._table, self._grads_what, out, self.dtype)
         low = _native.moved_low_bits(found)
         if low is None:
             return found
@@ -339,8 +336,19 @@ class FusedUnit:
             return None
         if self.shards is not None:
             return checks.unchanged_local(self.params, self.shards, self._table, grads, self.dtype)
-        what = (_native.GRADS if self.params_checked else _native.PARAMS_AND_GRADS) if grads else _native.PARAMS
+        what = self._grads_what if grads else _native.PARAMS
         return checks.unchanged(self.params, self._table, what, self.dtype)
+
+    @property
+    def _grads_what(self) -> int:
+        """What a native check of the grads compares: the grads alone where `moved` found the params in place this
+        step, else the params and their grads."""
+        return _native.GRADS if self.params_checked else _native.PARAMS_AND_GRADS
+
+    def _plain_checks(self) -> Any:
+        """The compiled checks where this unit may read its tensors through them directly (built, `native_checks`
+        on, plain tensors: no subclasses, no FSDP2 shards), else None."""
+        return _native.CHECKS if self.native and self.plain_tensors else None
 
     def _prepare(self, state: Any, groups: Sequence[dict[str, Any]]) -> bool:
         self._unwatch()
@@ -414,8 +422,8 @@ class FusedUnit:
         planned shape, read in one native call (`kitsune._native.follow`, left in `_out`); None where one is not,
         or where the call cannot answer (not built, switched off, FSDP2 shards, tensor subclasses): the caller's
         Python reads sort it out."""
-        checks = _native.CHECKS
-        if not self.native or checks is None or not self.plain_tensors:
+        checks = self._plain_checks()
+        if checks is None:
             return None
         out = self._out()
         return (
