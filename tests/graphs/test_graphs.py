@@ -50,6 +50,24 @@ def test_replay_equals_torch_with_onecyclelr_and_clip(device):
         torch.testing.assert_close(q.detach(), p.detach(), atol=1e-5, rtol=1e-5)
 
 
+def _fp16_twins(device, zero_in_step: bool, steady_replay: bool):
+    """Adam on two copies of the params: torch's with a GradScaler (`_grad_scaler_step`), kitsune's with the same
+    float16 loss scaling and clipping to 0.8 in the step, on the recording graph backend. Returns ``ref, ours,
+    ref_opt, scaler, opt``."""
+    ref, ours = make_params(SIZES, torch.float32, device), make_params(SIZES, torch.float32, device)
+    ref_opt = torch.optim.Adam(ref, lr=1e-2)
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**10, growth_interval=3)
+    config = KitsuneConfig(
+        fusion=FusionConfig(enabled=True),
+        amp=AMPConfig(enabled=True, dtype=torch.float16, init_scale=2.0**10, growth_interval=3),
+        grads=GradConfig(zero_in_step=zero_in_step, max_norm=0.8),
+        graphs=GraphConfig(steady_replay=steady_replay),
+    )
+    opt = KitsuneOptimizer(torch.optim.Adam(ours, lr=1e-2), config=config)
+    record_graphs(opt)
+    return ref, ours, ref_opt, scaler, opt
+
+
 def _grad_scaler_step(ref, ref_opt, scaler, step: int) -> list[torch.Tensor]:
     """torch's float16 step on ``ref``: this step's grads (an inf in steps 9 and 17) through GradScaler, unscaled,
     clipped to 0.8, stepped, the scale updated, the grads zeroed. Returns the grads, for kitsune's side."""
@@ -73,17 +91,7 @@ def test_fp16_amp_clip_and_zeroing_replay_like_grad_scaler(device, steady, monke
     zeroed stay allocated through zero_grad(); a backward that skipped optimizer.backward is refused."""
     if steady:
         monkeypatch.setattr(units, "_PTRS_EQUAL", units._PTRS_EQUAL or ptrs_equal_stand_in)
-    ref, ours = make_params(SIZES, torch.float32, device), make_params(SIZES, torch.float32, device)
-    ref_opt = torch.optim.Adam(ref, lr=1e-2)
-    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**10, growth_interval=3)
-    config = KitsuneConfig(
-        fusion=FusionConfig(enabled=True),
-        amp=AMPConfig(enabled=True, dtype=torch.float16, init_scale=2.0**10, growth_interval=3),
-        grads=GradConfig(zero_in_step=True, max_norm=0.8),
-        graphs=GraphConfig(steady_replay=steady),
-    )
-    opt = KitsuneOptimizer(torch.optim.Adam(ours, lr=1e-2), config=config)
-    record_graphs(opt)
+    ref, ours, ref_opt, scaler, opt = _fp16_twins(device, zero_in_step=True, steady_replay=steady)
     for step in range(24):
         grads = _grad_scaler_step(ref, ref_opt, scaler, step)
         opt.backward(sum((p * g).sum() for p, g in zip(ours, grads, strict=True)))
@@ -108,16 +116,7 @@ def test_fp16_amp_with_grads_that_move_every_step_replays_like_grad_scaler(devic
     and re-allocated elsewhere by every backward, as a training loop's: with the native check every step after the
     capture takes the steady replay, pointed at the new grads, the overflow steps included; GradScaler's scale
     trajectory and skips and torch's params either way."""
-    ref, ours = make_params(SIZES, torch.float32, device), make_params(SIZES, torch.float32, device)
-    ref_opt = torch.optim.Adam(ref, lr=1e-2)
-    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**10, growth_interval=3)
-    config = KitsuneConfig(
-        fusion=FusionConfig(enabled=True),
-        amp=AMPConfig(enabled=True, dtype=torch.float16, init_scale=2.0**10, growth_interval=3),
-        grads=GradConfig(max_norm=0.8),
-    )
-    opt = KitsuneOptimizer(torch.optim.Adam(ours, lr=1e-2), config=config)
-    record_graphs(opt)
+    ref, ours, ref_opt, scaler, opt = _fp16_twins(device, zero_in_step=False, steady_replay=True)
     held: list = []
     moved = 0
     for step in range(24):
