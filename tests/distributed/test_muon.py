@@ -40,7 +40,8 @@ def _muon(model: torch.nn.Module, process_group=None):
     matrices = [p for p in model.parameters() if p.ndim == 2]
     others = [p for p in model.parameters() if p.ndim != 2]
     groups = [{"params": matrices}, {"params": others, "use_muon": False, "lr": 1e-2}]
-    return Muon(groups, lr=0.02, weight_decay=0.05, process_group=process_group)
+    # two Newton-Schulz iterations: the sharding is the point here (the iteration: tests/kernels/test_newton_schulz.py)
+    return Muon(groups, lr=0.02, weight_decay=0.05, ns_steps=2, process_group=process_group)
 
 
 def _train(model, opt) -> None:

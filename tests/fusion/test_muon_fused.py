@@ -94,7 +94,7 @@ def _has_grad(step: int, i: int) -> bool:
 
 
 def test_torch_muon_trajectory(device):
-    steps = 20
+    steps = 12
     ref_params, ref = trajectory(_torch_muon, SHAPES, torch.float32, device, steps, groups=_torch_groups,
                                  has_grad=_has_grad)  # fmt: skip
     params, opt = trajectory(_torch_muon, SHAPES, torch.float32, device, steps, fused=True, groups=_torch_groups,
@@ -253,7 +253,7 @@ def _kitsune_muon(groups):
 
 def test_kitsune_muon_matches_its_eager_step(device):
     """Muon groups on the matmul route (a 4-D conv weight flattened), AdamW groups on the fused AdamW kernel."""
-    steps = 20
+    steps = 12
     ref_params, ref = trajectory(_kitsune_muon, K_SHAPES, torch.float32, device, steps, groups=_kitsune_groups)
     params, opt = trajectory(_kitsune_muon, K_SHAPES, torch.float32, device, steps, fused=True,
                              groups=_kitsune_groups)  # fmt: skip

@@ -279,9 +279,9 @@ def test_muon_steps_are_captured_unless_the_grads_need_a_pass(device):
     def run(graphed: bool, aux: bool = False) -> tuple[list[torch.Tensor], RecordingBackend | None]:
         params = make_params(shapes if aux else shapes[:3], torch.float32, device)
         if aux:  # kitsune.optim.Muon: the vector in an AdamW group of its own
-            base = Muon([{"params": params[:3]}, {"params": params[3:], "use_muon": False}], lr=0.02, ns_steps=2)
-        else:
-            base = torch.optim.Muon(params, lr=0.02, weight_decay=0.1, ns_steps=2)
+            base = Muon([{"params": params[:3]}, {"params": params[3:], "use_muon": False}], lr=0.02, ns_steps=1)
+        else:  # one Newton-Schulz iteration: two, captured, in tests/graphs/test_steady_replay.py
+            base = torch.optim.Muon(params, lr=0.02, weight_decay=0.1, ns_steps=1)
         opt = KitsuneOptimizer(base, enable_fusion=True, capture_graph=graphed)
         backend = record_graphs(opt) if graphed else None
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
