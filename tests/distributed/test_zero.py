@@ -18,7 +18,7 @@ import torch
 from ranks import run_ranks
 
 STEPS = 4
-LONG = 30
+LONG = 15  # five turns of the side branch's three patterns
 ROWS = 12  # rows per batch: an equal share for 2, 3 and 4 ranks
 BUCKET_BYTES = 1024  # several buckets even for this small model, so some reduce during backward, and params span ranks
 ALIGN = 32  # fp32 elements per 128-byte slot

@@ -174,10 +174,10 @@ def _poisoned(grads: list[torch.Tensor], step: int, bad: set[int]) -> list[torch
 
 @pytest.mark.parametrize("clip", [None, 1.0], ids=["no_clip", "clip"])
 def test_fp16_loop_equals_grad_scaler_and_torch_fused_adamw(device, clip):
-    """200 steps: kitsune's own loss scaler (unscale and inf check fused into the norm pass, skip and clip in the
+    """100 steps: kitsune's own loss scaler (unscale and inf check fused into the norm pass, skip and clip in the
     update kernel) against GradScaler + torch.nn.utils.clip_grad_norm_ + torch's fused AdamW, with forced
     overflows: the same skip pattern, the same scale trajectory, the same params."""
-    steps, bad = 200, {3, 4, 40, 41, 42, 77, 150, 151}
+    steps, bad = 100, {3, 4, 60, 61, 62, 95}  # the scale grows past its start between them (1000 steps: slow, below)
     sizes = [(6, 5), 17, 64]
     ref = make_params(sizes, torch.float32, device)
     ours = make_params(sizes, torch.float32, device)

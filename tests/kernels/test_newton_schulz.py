@@ -159,28 +159,28 @@ VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS), ids=str)
 @pytest.mark.parametrize("shape", [(64, 80), (3, 48, 96), (96, 64), (2, 20, 36)], ids=str)
-def test_tma_and_persistent_variants_compute_the_same_bits(shape, variant, device, monkeypatch):
+def test_tma_and_persistent_variants_compute_the_same_bits(shape, device, monkeypatch):
     """The TMA loads and the persistent grid change how tiles are fetched and scheduled, not what is summed in which
-    order: the same bits as the pointer loads. (64, 80) and (96, 64) have a Gram side that is a multiple of the k
-    block, so the product ``B' X`` takes descriptors too; (96, 64) is tall, so its first iteration reads X through
-    transposed strides, where TMA cannot: pointer loads there, descriptors after. (2, 20, 36) has rows of 72 and 40
-    bytes, no multiple of 16: its copies in the operand dtype have rows padded to 16 elements, so descriptors there
-    too."""
-    x, plan, (syrk, syrk_c, poly), base = _launch_picked(shape, 7, device)
+    order: each variant gives the same bits as the pointer loads. (64, 80) and (96, 64) have a Gram side that is a
+    multiple of the k block, so the product ``B' X`` takes descriptors too; (96, 64) is tall, so its first iteration
+    reads X through transposed strides, where TMA cannot: pointer loads there, descriptors after. (2, 20, 36) has rows
+    of 72 and 40 bytes, no multiple of 16: its copies in the operand dtype have rows padded to 16 elements, so
+    descriptors there too."""
+    x, plan, (syrk, syrk_c, poly), base = _launch_picked(shape, 7, device)  # the pointer loads' bits, once a shape
+    assert rel_err(base, reference(x, 3)) < REL_ERR[torch.bfloat16]
     made = []
     descriptor = ns._descriptor
     monkeypatch.setattr(ns, "_descriptor", lambda *a: made.append(descriptor(*a)) or made[-1])
-    s_kw, p_kw = VARIANTS[variant]
-    got = torch.empty_like(base)
-    variant_configs = (syrk._replace(**s_kw), syrk_c._replace(**s_kw), poly._replace(**p_kw))
-    ns.newton_schulz_launch(x, got, plan, 1e-7, torch.bfloat16, variant_configs)
-    assert torch.equal(got, base)
-    assert rel_err(got, reference(x, 3)) < REL_ERR[torch.bfloat16]
-    if "tma" in variant:  # descriptors were made where the layout allows, and only there
-        assert any(d is not None for d in made)
-        assert any(d is None for d in made) == (shape == (96, 64))
+    for variant, (s_kw, p_kw) in VARIANTS.items():
+        made.clear()
+        got = torch.empty_like(base)
+        variant_configs = (syrk._replace(**s_kw), syrk_c._replace(**s_kw), poly._replace(**p_kw))
+        ns.newton_schulz_launch(x, got, plan, 1e-7, torch.bfloat16, variant_configs)
+        assert torch.equal(got, base), variant
+        if "tma" in variant:  # descriptors were made where the layout allows, and only there
+            assert any(d is not None for d in made), variant
+            assert any(d is None for d in made) == (shape == (96, 64)), variant
 
 
 class _Spy:
