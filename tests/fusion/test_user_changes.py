@@ -112,13 +112,13 @@ def _assert_same(params: list, twins: list, opt: Any, ref: Any, step: int) -> No
 @pytest.mark.parametrize("pool", [None, 0], ids=["pool", "no-pool"])
 @pytest.mark.parametrize(("opt_case", "change"), CASES, ids=lambda c: getattr(c, "__name__", None) or c[1])
 def test_state_changed_by_hand_is_read_as_torch_reads_it(opt_case, change, pool, device):
-    """The change lands after step 4: torch starts the cleared state afresh and uses the replaced tensors; so must
+    """The change lands after step 3: torch starts the cleared state afresh and uses the replaced tensors; so must
     kitsune, and its state_dict must show what torch's shows (no stale moments, nothing written to freed memory)."""
     make, _ = opt_case
     params, twins, opt, ref = _twins(make, pool, device)
-    for step in range(10):
+    for step in range(7):
         _set_grads(params, twins, step)
-        if step == 5:
+        if step == 3:
             change(opt, params)
             change(ref, twins)
         opt.step()
@@ -140,9 +140,9 @@ def test_state_dropped_while_a_state_dict_taken_before_holds_it(opt_case, change
     make, _ = opt_case
     params, twins, opt, ref = _twins(make, pool, device)
     held = ref_held = None
-    for step in range(10):
+    for step in range(7):
         _set_grads(params, twins, step)
-        if step == 5:
+        if step == 3:
             held, ref_held = opt.state_dict(), ref.state_dict()
             change(opt, params)
             change(ref, twins)

@@ -250,7 +250,7 @@ def test_a_steady_profiled_step_builds_no_model_and_asks_no_stream(device, fused
     per step timed on the device (every step, or one in 8), events from the pool and their reads in batches; every
     step recorded with its host time."""
     as_cuda, clock, _, lookups = fake_cuda
-    params = make_params(SIZES, torch.float32, device)
+    params = make_params(SIZES[:1], torch.float32, device)  # one param: 200 replays of one interpreted program each
     opt = _profiled(params, sample_after=0, probe_steps=0, compare_steps=0, device_time_every=every)
     record_graphs(opt)
     as_cuda(opt.profiler)

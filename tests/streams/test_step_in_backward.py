@@ -37,6 +37,10 @@ def in_backward(bucket_bytes: int = 700, backward_stream: str = "side", **kw) ->
     )
 
 
+STEPS = 16
+"""Steps of the OneCycleLR runs compared with torch (the lr rises and falls within them)."""
+
+
 def twins(device: torch.device, seed: int = 0) -> tuple[Net, Net]:
     torch.manual_seed(seed)
     net, twin = Net().to(device), Net().to(device)
@@ -101,14 +105,14 @@ def test_equals_torch_adamw_with_onecycle(micro, device):
     streams = opt.scheduler
     assert streams.active and streams.in_backward, streams.reason
     assert len(opt._subsystem("fusion").units) > 1  # the 700-byte buckets cut the params into several units
-    got = run(net, opt, steps=30, micro=micro)
-    ref = run(twin, torch.optim.AdamW(twin.parameters(), lr=1e-2, weight_decay=0.1), steps=30, micro=micro)
+    got = run(net, opt, steps=STEPS, micro=micro)
+    ref = run(twin, torch.optim.AdamW(twin.parameters(), lr=1e-2, weight_decay=0.1), steps=STEPS, micro=micro)
     assert got == pytest.approx(ref, rel=1e-5, abs=1e-6)
     for a, b in zip(net.parameters(), twin.parameters(), strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     report = streams.report()
     # the branch is used every step here, so every unit's grads arrive and every update runs in backward
-    assert report["units_updated_in_backward"] == 30 * report["units"] and report["units_updated_in_step"] == 0
+    assert report["units_updated_in_backward"] == STEPS * report["units"] and report["units_updated_in_step"] == 0
 
 
 def test_updates_run_during_backward_not_in_step(device):
@@ -295,7 +299,7 @@ def test_a_dropped_optimizer_leaves_no_hook_behind(device):
 @pytest.mark.parametrize("graphed", [True, False], ids=["graphs", "eager"])
 def test_units_replay_captured_updates_after_warmup(graphed, device):
     """After GraphConfig.warmup_steps eager launches each unit's update is captured once and replayed from then on;
-    LR changes (OneCycleLR) and re-allocated grads need no recapture, and the 30 steps equal torch's. A param whose
+    LR changes (OneCycleLR) and re-allocated grads need no recapture, and the steps equal torch's. A param whose
     storage is replaced re-plans: the graphs are dropped, warmed up and captured again (and, with or without
     graphs, the scheduler's hooks follow the new units)."""
     net, twin = twins(device, 5)
@@ -306,12 +310,12 @@ def test_units_replay_captured_updates_after_warmup(graphed, device):
     opt._replan()
     units = len(opt._subsystem("fusion").units)
     ref_opt = torch.optim.AdamW(twin.parameters(), lr=1e-2, weight_decay=0.1)
-    got = run(net, opt, steps=30)
-    ref = run(twin, ref_opt, steps=30)
+    got = run(net, opt, steps=STEPS)
+    ref = run(twin, ref_opt, steps=STEPS)
     assert got == pytest.approx(ref, rel=1e-5, abs=1e-6)
     warmup = opt.config.graphs.warmup_steps
     if graphed:
-        assert backend.captured == units and backend.replayed == (30 - warmup) * units
+        assert backend.captured == units and backend.replayed == (STEPS - warmup) * units
         assert opt.scheduler.report()["graphs"] == {"captures": units, "replays": backend.replayed, "reason": None}
 
     for p, q in zip(net.parameters(), twin.parameters(), strict=True):  # e.g. an EMA swap
