@@ -425,7 +425,7 @@ def test_kitsune_muon_maximize_takes_its_own_step(device):
     """kitsune.optim.Muon's ``maximize`` negates the grads in its own step; the fused kernels descend only, so such
     a group takes that step (the plan says why), set from the start or between steps, and the params climb as the
     eager optimizer's do."""
-    steps = 6
+    steps = 3
 
     def groups(ps):
         return [{"params": ps[:2], "maximize": True}, {"params": ps[2:]}]
@@ -446,7 +446,7 @@ def test_kitsune_muon_maximize_takes_its_own_step(device):
 
 def test_kitsune_muon_adamw_groups_ignore_amsgrad_as_its_step_does(device):
     """The eager step runs AdamW without amsgrad whatever the group says; so does the fused kernel."""
-    steps = 10
+    steps = 4
 
     def groups(ps):
         return [{"params": ps[:3]}, {"params": ps[3:], "use_muon": False, "lr": 1e-2, "amsgrad": True}]

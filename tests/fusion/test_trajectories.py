@@ -45,10 +45,24 @@ CASES = {
     ),
 }
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+FP16_CASES = [
+    "adam_l2_amsgrad_maximize",
+    "adamw",
+    "sgd_momentum_dampening_wd",
+    "adagrad",
+    "rmsprop_centered_momentum_wd",
+    "lion",
+]
+"""float16 params take the same kernel paths as bfloat16 ones but for the final cast (bf16's rounding is the explicit
+one in the interpreter): one case of each algorithm with its most switches, and AdamW, in float16; every case in the
+others."""
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize(
+    ("name", "dtype"),
+    [(name, dtype) for name in CASES for dtype in DTYPES if dtype != torch.float16 or name in FP16_CASES],
+    ids=lambda v: str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else v,
+)
 def test_trajectory_matches_torch(name, dtype, device):
     make = CASES[name]
     params, opt = trajectory(make, SIZES, dtype, device, fused=True)

@@ -75,7 +75,7 @@ def test_grads_that_move_every_step_stay_on_the_steady_replay(device, check_path
     """A training loop's grads move every step (``zero_grad()`` frees them, and backward allocates the new ones while
     the forward's activations hold the old blocks). With the native check the steady replay reads where they went,
     points the update's tables and the norm pass (clipping, over one launch unit or two; LARS's trust ratios, which
-    read the grads' and the params' norms) at them and replays: 30 steps of torch's trajectory and grad norms, one
+    read the grads' and the params' norms) at them and replays: 16 steps of torch's trajectory and grad norms, one
     capture. Without it every step takes the full path, with the same results."""
     fusion = {"enabled": True, "max_fusion_size": 2} if case == "clip_two_units" else {"enabled": True}
     config = KitsuneConfig(fusion=FusionConfig(**fusion), grads={"max_norm": None if case == "trust" else 0.5})
@@ -87,7 +87,7 @@ def test_grads_that_move_every_step_stay_on_the_steady_replay(device, check_path
     assert len(opt._subsystem("fusion").units) == (2 if case == "clip_two_units" else 1)
     held: list[list] = [[], []]
     moved, norms, wants = 0, [], []
-    for step in range(30):
+    for step in range(16):
         before = [p.grad.data_ptr() if p.grad is not None else 0 for p in ours]
         for side, params in enumerate((ref, ours)):
             last = [p.grad for p in params]  # held while the new grads are made, as activations would be
@@ -102,12 +102,12 @@ def test_grads_that_move_every_step_stay_on_the_steady_replay(device, check_path
         if case != "trust":
             norms.append(opt.last_grad_norm)
         assert_close_params(ours, ref, torch.float32)
-    assert moved == 30 and opt.plan.fused_tensors == len(ours)
+    assert moved == 16 and opt.plan.fused_tensors == len(ours)
     if norms:
         torch.testing.assert_close(torch.stack(norms), torch.stack(wants), atol=1e-6, rtol=1e-6)
     # warm-up 3, capture 1, then steady replays of moved grads; the full path replays without the steady check
-    assert _steady(opt) == (26 if check_path == "native" else 0) and backend.captured == 1
-    assert backend.replayed == 27
+    assert _steady(opt) == (12 if check_path == "native" else 0) and backend.captured == 1
+    assert backend.replayed == 13
 
 
 def test_a_steady_replay_that_follows_moved_grads_changes_nothing_when_the_step_cannot_replay(device, check_path):

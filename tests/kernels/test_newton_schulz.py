@@ -228,7 +228,7 @@ def test_b_prime_takes_its_own_tiles(shape, device, monkeypatch):
     assert rel_err(base, reference(x, 3)) < REL_ERR[torch.bfloat16]
 
 
-@pytest.mark.parametrize("shape", [(40, 300), (2, 260, 36), (2, 24, 200)], ids=str)
+@pytest.mark.parametrize("shape", [(40, 300), (2, 132, 36), (2, 24, 200)], ids=str)
 def test_split_gram_sums_the_same_products(shape, device, monkeypatch):
     """A Gram launch split along k (``split_k``, for few tiles over a long k: a tall embedding) runs each part in its
     own program and adds the parts' fp32 sums in order before the epilogue: the unsplit result within fp32
@@ -351,7 +351,7 @@ def test_iteration_buffers_run_to_a_whole_k_block_on_zero_columns(shape, dtype, 
     n0 = n if tall or (dtype == torch.bfloat16 and n % 16 == 0) else n_x  # X0's columns
     syrk, syrk_c, poly = ns.pick_configs(m, n, x.shape[0], torch.bfloat16, x.device)
     configs = (syrk._replace(split_k=split), syrk_c, poly._replace(block_n=block_n or poly.block_n))
-    steps = 4
+    steps = 3  # the first iteration (from X), one between the two buffers, the last (into the result)
     plan = ns.schedule(MUON_COEFFICIENTS, steps)
     grams, products, prologues = [], [], []
     monkeypatch.setattr(ns, "_syrk_kernel", _Spy(ns._syrk_kernel, grams))
