@@ -54,8 +54,8 @@ FP16_CASES = [
     "lion",
 ]
 """float16 params take the same kernel paths as bfloat16 ones but for the final cast (bf16's rounding is the explicit
-one in the interpreter): one case of each algorithm with its most switches, and AdamW, in float16; every case in the
-others."""
+one in the interpreter): one case of each algorithm (its groups with other settings where it has such a case), and
+AdamW, in float16; every case in the others."""
 
 
 @pytest.mark.parametrize(
