@@ -21,10 +21,9 @@ INTERPRETED_DIRS = {"kernels", "fusion", "graphs", "memory", "streams"}
 if CPU_ONLY:
     _saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"  # before triton.language is imported: its own jit functions are interpreted
-    from interpreter_patch import remember_numpy_dtypes, skip_repeated_patching
+    import interpreter_patch
 
-    skip_repeated_patching()
-    remember_numpy_dtypes()
+    interpreter_patch.install()
     import kitsune.kernels.common as _common
     import kitsune.kernels.muon_update as _muon_update
     import kitsune.kernels.newton_schulz as _newton_schulz

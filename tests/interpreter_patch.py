@@ -13,6 +13,8 @@ changed.
 `remember_numpy_dtypes` answers the interpreter's ``_get_np_dtype`` (a Triton type's numpy dtype, asked at every
 operation) from a cache: Triton's builds a dict of twenty Triton types at each call, and hashing them cost about a
 twelfth of an fp32 update's interpreter time. The answer is the same function's, once per type.
+
+`install` puts both in, for the test session (tests/conftest.py) and for each rank process (tests/ranks.py).
 """
 
 from __future__ import annotations
@@ -67,3 +69,9 @@ def remember_numpy_dtypes() -> None:
     get_np_dtype.remembers = True  # type: ignore[attr-defined]
     get_np_dtype.original = original  # type: ignore[attr-defined]
     interpreter._get_np_dtype = get_np_dtype
+
+
+def install() -> None:
+    """Both shortcuts (each once), with TRITON_INTERPRET=1 set."""
+    skip_repeated_patching()
+    remember_numpy_dtypes()

@@ -35,9 +35,9 @@ def _entry(rank: int, world: int, port: int, out: str, job: Job, backend: str) -
         torch.cuda.set_device(rank)
     else:
         os.environ["TRITON_INTERPRET"] = "1"  # before kitsune's kernels are imported in this process
-        from interpreter_patch import skip_repeated_patching
+        import interpreter_patch
 
-        skip_repeated_patching()
+        interpreter_patch.install()
         import kitsune.kernels.newton_schulz
         import kitsune.kernels.norms
         import kitsune.kernels.update  # noqa: F401
