@@ -5,12 +5,14 @@ values compared, every param's and grad's address read in one native call, and, 
 pointed at them. All of it but the replay runs the same on a CPU, so this times it there, with no GPU: the graph
 backend is a stand-in whose capture and replay do nothing (no kernel ever runs; the params never change), so what
 is timed is ``step()``'s host path alone. On a GPU a replay adds its launch (a few us) and the moved grads' table
-upload; `kitsune bench` and ``benchmarks/fresh-grads.py`` time those there.
+upload; `kitsune bench` and ``benchmarks/fresh-grads.py`` time those there. ``--path eager`` times the full path
+instead (``capture_graph=False``, as `kitsune bench`'s ``eager`` row), its launches stubbed out.
 
     python benchmarks/host-path.py                                   # this commit: gpt2 and many, kept and fresh
     git archive be8fed5 kitsune | tar -x -C /tmp/other               # another commit's package
     python benchmarks/host-path.py --other /tmp/other/kitsune        # both in one process, alternating rounds
     python benchmarks/host-path.py --other /tmp/other/kitsune --other-first
+    python benchmarks/host-path.py --path eager                      # capture_graph=False: the full path each step
 
 ``AdamW`` through ``KitsuneOptimizer(..., enable_fusion=True)`` over a `kitsune bench` set's tensors (``--scale``
 shrinks each tensor, not their count: the host path's cost is per tensor). Grads ``kept`` (the same tensors every
@@ -23,6 +25,7 @@ memory): run both orders before reading a difference as a commit's.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import statistics
@@ -59,17 +62,27 @@ class StandInGraphs:
         pass
 
 
-def build(mod: ModuleType, set_name: str, scale: float) -> tuple[list[torch.nn.Parameter], Any, Any]:
+def build(mod: ModuleType, set_name: str, scale: float, path: str) -> tuple[list[torch.nn.Parameter], Any, Any]:
     from kitsune.bench.params import get_param_set, make_params
 
     params = make_params(get_param_set(set_name, scale), "cpu", seed=0)
-    opt = mod.KitsuneOptimizer(torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01), enable_fusion=True)
+    adamw = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+    if path == "eager":  # capture_graph=False: every step the full path, its launches stubbed (see main)
+        opt = mod.KitsuneOptimizer(adamw, enable_fusion=True, capture_graph=False)
+        return params, opt, opt._subsystem("graphs")
+    opt = mod.KitsuneOptimizer(adamw, enable_fusion=True)
     graphs = opt._subsystem("graphs")
     graphs.backend = StandInGraphs()
     opt._replan()
     if not graphs.active:
         raise SystemExit(f"{mod.__name__}: the graph subsystem is inactive: {graphs.reason}")
     return params, opt, graphs
+
+
+def stub_launches(mod: ModuleType) -> None:
+    """The fused executor's device half does nothing (the eager path's launches would run in the interpreter)."""
+    executor = importlib.import_module(f"{mod.__name__}.fusion.executor")
+    executor.FusionSubsystem.launch = lambda self, s, units: None
 
 
 def main() -> None:
@@ -79,6 +92,10 @@ def main() -> None:
     parser.add_argument("--sets", default="gpt2,many", help="comma-separated kitsune bench sets")
     parser.add_argument("--scale", type=float, default=1e-3, help="elements per tensor, as kitsune bench --scale")
     parser.add_argument("--grads", default="kept,fresh", help="comma-separated: kept, fresh")
+    parser.add_argument(
+        "--path", choices=["steady", "eager"], default="steady",
+        help="steady: the one line's steady replay; eager: capture_graph=False, every step the full path",
+    )  # fmt: skip
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--steps", type=int, default=50, help="steps a round")
     parser.add_argument("--json", type=Path)
@@ -94,10 +111,12 @@ def main() -> None:
         native = getattr(mod, "_native", None)
         ready = native is not None and native.wait(timeout=600) is not None
         print(f"{name}: native address check {'ready' if ready else 'not ready: the Python check runs'}")
+        if args.path == "eager":
+            stub_launches(mod)
     modes = args.grads.split(",")
     results: dict[str, Any] = {}
     for set_name in args.sets.split(","):
-        built = {name: build(mod, set_name, args.scale) for name, mod in sides.items()}
+        built = {name: build(mod, set_name, args.scale, args.path) for name, mod in sides.items()}
         gen = torch.Generator().manual_seed(1)
         for params, opt, _ in built.values():  # warm-up (3 steps), capture, then the steady replay
             for _ in range(8):
