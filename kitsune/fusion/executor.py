@@ -429,7 +429,8 @@ class FusionSubsystem(Subsystem):
         """Before a step decides how the grads are clipped and unscaled: whether a switch changed, a param's storage
         moved or a state tensor the tables point at was freed, each of which re-plans (and may send params to
         another route, which changes that). Every unit is asked, so that each one's `FusedUnit.prepare` skips
-        the param check this step."""
+        the param check this step (and, where the unit's native call read the grads in the same passes, the grads'
+        too)."""
         if self._switches_changed(self._base.param_groups):
             return True
         if not self.active:  # nothing fused or bound: a switch (differentiable=False) or a storage moved to another
@@ -449,7 +450,7 @@ class FusionSubsystem(Subsystem):
     def forget_checks(self) -> None:
         """`needs_replan`'s finding holds for one step: after its prepare, or a step that raised."""
         for unit in (*self._units, *self._muon):
-            unit.params_checked = False
+            unit.forget_checks()
 
     def follow(self) -> int:
         """Whether the last step's tables, norm binding and launches hold for this one (the caller has checked that
@@ -458,6 +459,7 @@ class FusionSubsystem(Subsystem):
         each one dense, contiguous, of its param's dtype and shape, and the tables and the norm pass now point at
         them (uploads only); `OTHER` for anything else, which the full path sorts out. C++ checks (or, with static
         addresses, the units' watches) only."""
+        self.forget_checks()  # what a full step's `needs_replan` found is for that step's `prepare` alone
         if self._state_moved():
             return OTHER
         found = SAME

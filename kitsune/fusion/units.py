@@ -127,7 +127,14 @@ class FusedUnit:
         self._state_refs: list[weakref.ref] = []
         self.params_checked = False
         """Set by `moved` when it found every param where planned: this step's `prepare` skips that
-        check (the fusion subsystem clears it after each step's prepare)."""
+        check (the fusion subsystem clears it after each step's prepare, `forget_checks`)."""
+        self._found: int | None = None
+        """What `moved`'s native call found of the grads too (`SAME`, or `MOVED` plus their low bits with their
+        addresses in `_out`), for this step's `prepare` to take instead of reading every grad again; None where it
+        found nothing to give (`forget_checks` clears it with `params_checked`)."""
+        self._grads_whole = False
+        """Whether the last step found every grad as the kernels take it (present, dense, of the unit's dtype): only
+        then does `moved` read the grads too (a grad that is None would send it on to a second call)."""
         self.bind(state)
 
     # -- per step ----------------------------------------------------------------------------------------------
@@ -179,8 +186,13 @@ class FusedUnit:
         """Whether a param's storage moved since the plan (``p.data = ...``, ``model.half()``, a device move). The
         optimizer asks before a step decides how the grads are clipped and unscaled, as the re-plan a move calls
         for can change that (a param that now falls back takes the grads' passes out of the kernels)."""
+        self._found = None
         if self._intact is not None and self._intact.ok:
             moved = False  # static addresses: the watch holds the params' storages
+        elif self._grad_ptrs is not None and self._grads_whole and (found := self._native_follow()) is not None:
+            # the params and, in the same passes, the grads: where those are as the kernels take them (SAME or
+            # MOVED), the params are where planned and `prepare` takes the grads' answer from here
+            moved, self._found = False, found
         elif self._grad_ptrs is not None and (same := self._native_check(grads=False)) is not None:
             moved = not same  # a step `_unchanged` checks
         elif self.plain_tensors and self._grad_ptrs is not None and _PTRS_EQUAL is not None:
@@ -194,6 +206,22 @@ class FusedUnit:
             moved = moved or not self._layout_holds(self._locals(self.params))
         self.params_checked = not moved
         return moved
+
+    def forget_checks(self) -> None:
+        """`moved`'s findings hold for one step: after its prepare, or a step that raised."""
+        self.params_checked, self._found = False, None
+
+    def _native_follow(self) -> int | None:
+        """`moved`'s one native call where the grads are read too: `SAME` or `MOVED` (plus the low bits) where every
+        param sits where planned and every grad is as the kernels take it; None where the call cannot answer or
+        found anything else (a grad that is None, a param moved: the params' own check then tells which)."""
+        checks = self._plain_checks()
+        if checks is None or self._pending or (self.slots is not None and self.slots.grad_arena is not None):
+            return None
+        if self.static and not self.static_off:
+            return None  # the full check arms the watch: `_follow` leaves it to `_unchanged`
+        found = checks.follow(self.params, self._table, _native.PARAMS_AND_GRADS, self._out(), self.dtype)
+        return None if found == OTHER else found
 
     def follow(self) -> int:
         """Whether the last step's tables hold for this one: `SAME` where the watch is intact (static addresses), or
@@ -267,7 +295,10 @@ class FusedUnit:
         ):
             return SAME if self._unchanged() else OTHER
         out = self._out()
-        found = checks.follow(self.params, self._table, self._grads_what, out, self.dtype)
+        found, self._found = self._found, None  # what `moved` read this step, if it read the grads
+        if found is None:
+            found = checks.follow(self.params, self._table, self._grads_what, out, self.dtype)
+        self._grads_whole = found != OTHER
         low = _native.moved_low_bits(found)
         if low is None:
             return found
@@ -415,6 +446,7 @@ class FusedUnit:
             self._init_new(ptrs, state, groups)
         if self.static and not dead and not (self.sharded or self.static_off or self._copied or self.uninit):
             self._watch()
+        self._grads_whole = not dead and not self.unhandled
         return dead < len(ptrs)
 
     def _native_grad_addresses(self) -> list[int] | None:

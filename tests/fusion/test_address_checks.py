@@ -10,6 +10,7 @@ grad or a param must leave the fast path and give torch's numbers.
 from __future__ import annotations
 
 import shutil
+from collections.abc import Collection
 from pathlib import Path
 
 import pytest
@@ -69,12 +70,13 @@ def _twins(device, make=lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0
     return ours, opt, ref, make(ref)
 
 
-def _train(ours, opt, ref, ref_opt, steps: int, in_place: bool) -> None:
-    """``steps`` steps of both optimizers on the same fresh grads, written into the old grads or as new tensors."""
+def _train(ours, opt, ref, ref_opt, steps: int, in_place: bool, skip: Collection[int] = ()) -> None:
+    """``steps`` steps of both optimizers on the same fresh grads, written into the old grads or as new tensors;
+    the params in ``skip`` get no grad (None)."""
     for step in range(steps):
         for params in (ours, ref):
-            for p, g in zip(params, random_grads(params, step), strict=True):
-                p.grad = p.grad.copy_(g) if in_place and p.grad is not None else g
+            for i, (p, g) in enumerate(zip(params, random_grads(params, step), strict=True)):
+                p.grad = None if i in skip else p.grad.copy_(g) if in_place and p.grad is not None else g
         opt.step()
         ref_opt.step()
 
@@ -119,9 +121,12 @@ def test_every_change_leaves_the_fast_path(device, fast_check):
 
 
 def test_an_eager_step_reads_each_address_once_natively(device, monkeypatch):
-    """Outside a replayed graph a step checks the params before it decides how to clip (`FusedUnit.moved`), and its
-    prepare then checks only the grads (the native call's ``what`` = 2): one read of each address a step. A grad
-    moved after that first check is still caught (the step re-points its table and gives torch's result)."""
+    """Outside a replayed graph a step checks the params before it decides how to clip (`FusedUnit.moved`), and reads
+    the grads in the same native call (``what`` = 1), whose answer its prepare takes: one call, one read of each
+    address a step. Where a step found a grad that is None, the next one checks the params alone (``what`` = 0) and
+    its prepare the grads (``what`` = 2), as a None grad would end the first call early; a step whose grads are all
+    there again goes back to one call. New grads are caught by the one call (the step re-points its table and gives
+    torch's result)."""
     checks = _native.wait(timeout=600)
     assert checks is not None, _native.reason()
     calls: list[int] = []
@@ -144,13 +149,18 @@ def test_an_eager_step_reads_each_address_once_natively(device, monkeypatch):
     _train(ours, opt, ref, ref_opt, 3, in_place=True)
     calls.clear()
     _train(ours, opt, ref, ref_opt, 2, in_place=True)
-    assert calls == [0, 2, 0, 2], calls
+    assert calls == [1, 1], calls
     read.clear()
-    _train(ours, opt, ref, ref_opt, 1, in_place=False)  # new grads: the grads' check answers "moved"
-    assert calls[-2:] == [0, 2], calls
-    assert [_native.moved_low_bits(r) is not None for r in read] == [
-        True
-    ]  # the same call read the new grads' addresses
+    _train(ours, opt, ref, ref_opt, 1, in_place=False)  # new grads: the one call answers "moved"
+    assert calls[-1:] == [1], calls
+    assert [_native.moved_low_bits(r) is not None for r in read] == [True]  # and read the new grads' addresses
+    calls.clear()
+    # a grad that is None: the one call ends there, the params are checked alone, the prepare's call finds the grad
+    # missing and the full check reads the others (natively)
+    _train(ours, opt, ref, ref_opt, 1, in_place=True, skip={1})
+    assert calls == [1, 0, 2, 2], calls
+    _train(ours, opt, ref, ref_opt, 2, in_place=True)  # the params alone while a grad was None, then one call
+    assert calls[4:] == [0, 2, 1], calls
     assert_close_params(ours, ref, torch.float32)
 
 
