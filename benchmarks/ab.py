@@ -12,7 +12,8 @@ optimizer built first can be the slower one on the ``many`` set, whichever commi
     python3 benchmarks/ab.py --other /tmp/other/kitsune --other-first --json ab-other-first.json
 
 GPU only. Cases: AdamW on gpt2, many and llama1b (``KitsuneOptimizer(..., enable_fusion=True)``), gpt2 and many with
-``GraphConfig(static_addresses=True)``, and gpt2's float16 AMP + clip 1.0 + zero-in-step phase with fresh grads.
+``GraphConfig(static_addresses=True)`` and with ``capture_graph=False`` (``eager``: every step the full path), and
+gpt2's float16 AMP + clip 1.0 + zero-in-step phase with fresh grads.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ from typing import Any
 
 import torch
 
-CASES = [("gpt2", "default"), ("gpt2", "static"), ("many", "default"), ("many", "static"), ("gpt2", "phase"),
-         ("llama1b", "default")]  # fmt: skip
+CASES = [("gpt2", "default"), ("gpt2", "static"), ("gpt2", "eager"), ("many", "default"), ("many", "static"),
+         ("many", "eager"), ("gpt2", "phase"), ("llama1b", "default")]  # fmt: skip
 
 
 def load_other(path: Path) -> ModuleType:
@@ -52,6 +53,8 @@ def make(mod: ModuleType, params: list[torch.nn.Parameter], variant: str) -> Any
     if variant == "static":
         graphs = mod.GraphConfig(static_addresses=True)
         return mod.KitsuneOptimizer(adamw, config=mod.KitsuneConfig(fusion=mod.FusionConfig(), graphs=graphs))
+    if variant == "eager":  # every step the full path
+        return mod.KitsuneOptimizer(adamw, enable_fusion=True, capture_graph=False)
     if variant == "phase":
         amp, grads = mod.AMPConfig(dtype=torch.float16), mod.GradConfig(max_norm=1.0, zero_in_step=True)
         return mod.KitsuneOptimizer(adamw, enable_fusion=True, enable_amp=True, amp_config=amp, grad_config=grads)
