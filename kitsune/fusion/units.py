@@ -215,13 +215,20 @@ class FusedUnit:
         """`moved`'s one native call where the grads are read too: `SAME` or `MOVED` (plus the low bits) where every
         param sits where planned and every grad is as the kernels take it; None where the call cannot answer or
         found anything else (a grad that is None, a param moved: the params' own check then tells which)."""
-        checks = self._plain_checks()
-        if checks is None or self._pending or (self.slots is not None and self.slots.grad_arena is not None):
+        checks = self._follow_checks()
+        if checks is None or self._pending:
             return None
-        if self.static and not self.static_off:
-            return None  # the full check arms the watch: `_follow` leaves it to `_unchanged`
         found = checks.follow(self.params, self._table, _native.PARAMS_AND_GRADS, self._out(), self.dtype)
         return None if found == OTHER else found
+
+    def _follow_checks(self) -> Any:
+        """The compiled checks where a step may follow moved grads through them (`_plain_checks`), except where the
+        grads must move into the memory pool's arena, or where the full check would watch the new grads (static
+        addresses): there a move is the full check's, and `_unchanged` answers only whether nothing moved."""
+        checks = self._plain_checks()
+        if checks is None or (self.slots is not None and self.slots.grad_arena is not None):
+            return None
+        return None if self.static and not self.static_off else checks
 
     def follow(self) -> int:
         """Whether the last step's tables hold for this one: `SAME` where the watch is intact (static addresses), or
@@ -287,12 +294,8 @@ class FusedUnit:
         the new grads (static addresses), a move is `OTHER`."""
         if self._pending:
             return OTHER
-        checks = self._plain_checks()
-        if (
-            checks is None
-            or (self.slots is not None and self.slots.grad_arena is not None)
-            or (self.static and not self.static_off)
-        ):
+        checks = self._follow_checks()
+        if checks is None:
             return SAME if self._unchanged() else OTHER
         out = self._out()
         found, self._found = self._found, None  # what `moved` read this step, if it read the grads
