@@ -467,7 +467,8 @@ class FusionSubsystem(Subsystem):
             now = unit.follow()
             if now == OTHER:
                 return OTHER  # the units re-pointed already hold for this step: the full path finds them SAME
-            found = max(found, now)
+            if now > found:
+                found = now
         # (cut short before this, the step leaves the steady replay disarmed: the next one takes the full path,
         # which binds the norm pass whenever it runs)
         if found == MOVED and self._norm is not None:

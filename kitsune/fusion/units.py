@@ -302,9 +302,9 @@ class FusedUnit:
         if found is None:
             found = checks.follow(self.params, self._table, self._grads_what, out, self.dtype)
         self._grads_whole = found != OTHER
+        if found <= SAME:
+            return found  # nothing moved, or something the full path sorts out
         low = _native.moved_low_bits(found)
-        if low is None:
-            return found
         host = out.pin_memory() if self.device.type == "cuda" else out.clone()  # kept by the tables; `out` is not
         ptrs = host.tolist()
         self._point_grads(ptrs, host, low_bits=low)

@@ -219,9 +219,10 @@ class GraphSubsystem(Subsystem):
     # -- the steady replay --------------------------------------------------------------------------------------
     def _arm(self, groups: list[dict[str, Any]], zeroed: Sequence[torch.Tensor]) -> None:
         """After a replayed step: let the next steps replay straight away while nothing they depend on changed."""
-        values = _group_values(groups)
+        nested = _nested(groups)
+        values = _group_values(groups, nested)
         if not _has_tensor(values):  # tensor hyperparameters change in place: the full step compares their values
-            self._steady = _Steady(groups, values, self._fusion.plan_version, tuple(zeroed))
+            self._steady = _Steady(groups, values, nested, self._fusion.plan_version, tuple(zeroed))
 
     def disarm(self) -> None:
         """A step through the full path: the steady replay waits for that path to replay the graph again."""
@@ -242,7 +243,7 @@ class GraphSubsystem(Subsystem):
             return False
         if not planned.fits(groups, state):
             return False  # a group's params list replaced or grown: re-plan (and the values below compare safely)
-        values = _group_values(groups)
+        values = _group_values(groups, steady.nested)
         try:
             changed = values != steady.values
         except (RuntimeError, ValueError, TypeError):  # a value became a tensor or an array: no single truth value
@@ -252,7 +253,8 @@ class GraphSubsystem(Subsystem):
                 return False  # a hyperparameter became a tensor: the full step handles it
             if not fusion.refresh_values(groups):
                 return False  # a switch changed (amsgrad, nesterov, ...): new kernels, through the full path
-            steady.values = values
+            steady.nested = _nested(groups)  # a list where there was none, or a key added: copied from now on
+            steady.values = _group_values(groups, steady.nested)
         found = fusion.follow()
         if found == OTHER:
             return False
@@ -299,24 +301,51 @@ class _Key(NamedTuple):
 
 
 class _Steady:
-    """What the steady replay compares a step against (the groups object and the values the last step used) and
-    what it books afterwards (the params whose grads the captured work zeroed)."""
+    """What the steady replay compares a step against (the groups object and the values the last step used, with
+    where those hold lists) and what it books afterwards (the params whose grads the captured work zeroed)."""
 
-    __slots__ = ("groups", "plan_version", "values", "zeroed")
+    __slots__ = ("groups", "nested", "plan_version", "values", "zeroed")
 
-    def __init__(self, groups: list, values: tuple, plan_version: int, zeroed: tuple[torch.Tensor, ...]) -> None:
-        self.groups, self.values, self.plan_version, self.zeroed = groups, values, plan_version, zeroed
+    def __init__(
+        self, groups: list, values: tuple, nested: tuple | None, plan_version: int, zeroed: tuple[torch.Tensor, ...]
+    ) -> None:
+        self.groups, self.values, self.nested = groups, values, nested
+        self.plan_version, self.zeroed = plan_version, zeroed
 
 
-def _group_values(groups: list[dict[str, Any]]) -> tuple:
-    """Each group's values: its params list as it is (the same object while the structure key holds, compared by
-    identity), every other list or tuple copied to a tuple, nested ones too, so that ``group["betas"][0] = x`` or
-    ``group["ns_coefficients"][0][0] = x`` on the same lists compares unequal (a container compares its own items by
-    identity first)."""
+def _nested(groups: list[dict[str, Any]]) -> tuple[tuple[int, ...], ...] | None:
+    """Per group, the positions of its values that hold a list (``betas=[0.9, 0.999]``, or a tuple with a list in it
+    at any depth), its params list aside, or None where no group has one: `_group_values` copies those, which can
+    change in place; every other value (a number, a string, a tuple of numbers) is compared as it is."""
+    nested = tuple(
+        tuple(i for i, v in enumerate(g.values()) if v is not g["params"] and _holds_list(v)) for g in groups
+    )
+    return nested if any(nested) else None
+
+
+def _holds_list(value: Any) -> bool:
+    return type(value) is list or (type(value) is tuple and any(_holds_list(v) for v in value))
+
+
+def _group_values(groups: list[dict[str, Any]], nested: tuple[tuple[int, ...], ...] | None) -> tuple:
+    """Each group's values, in order: its params list as it is (the same object while the structure key holds,
+    compared by identity), and at the positions ``nested`` names (`_nested`) the list copied to a tuple, nested
+    ones too, so that ``group["betas"][0] = x`` or ``group["ns_coefficients"][0][0] = x`` on the same lists compares
+    unequal (a container compares its own items by identity first). No value kept here is a list, so a list where
+    ``nested`` names none (a value replaced by one, a key added) compares unequal to what was there before; the
+    caller then takes ``nested`` again."""
+    if nested is None:
+        return tuple([tuple(g.values()) for g in groups])
     rows = []
-    for g in groups:
-        params = g["params"]
-        rows.append(tuple([_copied(v) if v is not params else v for v in g.values()]))
+    for g, positions in zip(groups, nested, strict=True):
+        row = tuple(g.values())
+        if positions:
+            items = list(row)
+            for i in positions:
+                if i < len(items):
+                    items[i] = _copied(items[i])
+            row = tuple(items)
+        rows.append(row)
     return tuple(rows)
 
 

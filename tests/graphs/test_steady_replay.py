@@ -307,16 +307,21 @@ def test_every_change_leaves_the_steady_replay_and_matches_torch(device, change,
         assert backend.captured == captured + 1
 
 
-@pytest.mark.parametrize("how", ["list", "tensors"])
+@pytest.mark.parametrize("how", ["list", "tuple_then_list", "tensors"])
 def test_betas_changed_inside_their_container_reach_the_step(device, how):
     """``group["betas"][0] = x`` on a list, or betas given as CPU tensors changed with ``fill_``: the same container
     object every step, whose items changed. A list's new items refresh the buffer and the replay stays steady;
-    tensor betas, like a tensor lr, take the full path, which reads their values each step."""
+    tensor betas, like a tensor lr, take the full path, which reads their values each step. ``tuple_then_list``:
+    a tuple (compared as it is) replaced by a list after steady replays began, then changed in place."""
 
     ref, ours, ref_opt, opt, _ = _twins(device, lambda ps: torch.optim.Adam(ps, lr=1e-2))
     # torch's Adam keeps its betas as a tuple; tensor betas need its capturable step on a GPU, so its side takes the
     # same values as floats
-    ours_betas = [0.9, 0.99] if how == "list" else (torch.tensor(0.9), torch.tensor(0.99))
+    ours_betas = {
+        "list": [0.9, 0.99],
+        "tuple_then_list": (0.9, 0.99),
+        "tensors": (torch.tensor(0.9), torch.tensor(0.99)),
+    }[how]
     opt.param_groups[0]["betas"], ref_opt.param_groups[0]["betas"] = ours_betas, (0.9, 0.99)
     for step in range(14):
         for params, o in ((ref, ref_opt), (ours, opt)):
@@ -324,13 +329,17 @@ def test_betas_changed_inside_their_container_reach_the_step(device, how):
             o.step()
         beta1, beta2 = 0.5 + 0.03 * step, 0.9 + 0.005 * step
         ref_opt.param_groups[0]["betas"] = (beta1, beta2)
-        if how == "list":
+        if how == "tuple_then_list" and step < 6:
+            opt.param_groups[0]["betas"] = (beta1, beta2)  # a new tuple each step while steady replays begin
+        elif how == "tuple_then_list" and step == 6:
+            ours_betas = opt.param_groups[0]["betas"] = [beta1, beta2]
+        elif how in ("list", "tuple_then_list"):
             ours_betas[0], ours_betas[1] = beta1, beta2
         else:
             ours_betas[0].fill_(beta1)
             ours_betas[1].fill_(beta2)
         assert_close_params(ours, ref, torch.float32)
-    assert _steady(opt) == (10 if how == "list" else 0)  # warm-up 3, the capture, then steady
+    assert _steady(opt) == (0 if how == "tensors" else 10)  # warm-up 3, the capture, then steady
 
 
 def test_no_steady_replay_when_turned_off(device):
