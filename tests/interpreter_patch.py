@@ -1,4 +1,4 @@
-"""Triton's CPU interpreter without its repeated set-up: the tests run every kernel through it.
+"""Triton's CPU interpreter without its repeated set-up and slow casts: the tests run every kernel through it.
 
 The interpreter swaps ``triton.language``'s builtins for numpy-backed ones when a kernel launches (`_patch_lang`) and
 puts them back when the launch ends, but it also calls `_patch_lang` again at every call of a nested ``@triton.jit``
@@ -14,7 +14,14 @@ changed.
 operation) from a cache: Triton's builds a dict of twenty Triton types at each call, and hashing them cost about a
 twelfth of an fp32 update's interpreter time. The answer is the same function's, once per type.
 
-`install` puts both in, for the test session (tests/conftest.py) and for each rank process (tests/ranks.py).
+`fast_bfloat16_casts` answers the interpreter's float32 <-> bfloat16 casts (``_convert_float``, which takes every
+value apart into sign, exponent and significand in a dozen numpy passes: about a tenth of a bf16 trajectory's
+interpreter time) with one shift where its answer is a shift: no subnormal among the inputs and no rounding mode
+asked. Anything else (a subnormal, a rounding mode, other types) goes to Triton's function as before. Every answer is
+Triton's, bit for bit (tests/kernels/test_interpreter_patch.py compares every bfloat16 pattern and a million float32
+ones, subnormals, infinities and NaN payloads among them).
+
+`install` puts them in, for the test session (tests/conftest.py) and for each rank process (tests/ranks.py).
 """
 
 from __future__ import annotations
@@ -35,8 +42,12 @@ def skip_repeated_patching() -> None:
     if original is None or scope is None or getattr(original, "skips_repeats", False):
         return
 
+    langs_of: dict[Any, list[Any]] = {}  # function -> the language modules among its globals (set at its import)
+
     def patch_lang(fn: Any) -> Any:
-        langs = [value for value in fn.__globals__.values() if value is tl or value is tl.core]
+        langs = langs_of.get(fn)
+        if langs is None:
+            langs = langs_of[fn] = [value for value in fn.__globals__.values() if value is tl or value is tl.core]
         if langs and all(not tl.core.is_builtin(vars(lang).get("load")) for lang in langs):
             return scope()  # swapped by the launch around this call; the launch's scope puts them back
         return original(fn)
@@ -71,7 +82,37 @@ def remember_numpy_dtypes() -> None:
     interpreter._get_np_dtype = get_np_dtype
 
 
+def fast_bfloat16_casts() -> None:
+    """Install the shift in front of ``interpreter._convert_float`` (once); nothing where Triton has none."""
+    try:
+        import numpy as np
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:  # pragma: no cover - triton is a dependency
+        return
+    original = getattr(interpreter, "_convert_float", None)
+    if original is None or getattr(original, "shifts", False):
+        return
+
+    def convert_float(input: Any, input_dtype: Any, output_dtype: Any, rounding_mode: Any) -> Any:
+        if rounding_mode is None and isinstance(input, np.ndarray):
+            if input_dtype == tl.float32 and output_dtype == tl.bfloat16 and input.dtype == np.float32:
+                bits = np.ascontiguousarray(input).view(np.uint32)  # as Triton's, the values in C order
+                if not np.any(((bits & 0x7F800000) == 0) & ((bits & 0x007FFFFF) != 0)):
+                    return (bits >> 16).astype(np.uint16).reshape(input.shape)  # the upper half: truncation
+            elif input_dtype == tl.bfloat16 and output_dtype == tl.float32 and input.dtype == np.uint16:
+                bits = np.ascontiguousarray(input)
+                if not np.any(((bits & 0x7F80) == 0) & ((bits & 0x007F) != 0)):
+                    return (bits.astype(np.uint32) << 16).reshape(input.shape)
+        return original(input, input_dtype, output_dtype, rounding_mode)
+
+    convert_float.shifts = True  # type: ignore[attr-defined]
+    convert_float.original = original  # type: ignore[attr-defined]
+    interpreter._convert_float = convert_float
+
+
 def install() -> None:
-    """Both shortcuts (each once), with TRITON_INTERPRET=1 set."""
+    """The shortcuts (each once), with TRITON_INTERPRET=1 set."""
     skip_repeated_patching()
     remember_numpy_dtypes()
+    fast_bfloat16_casts()

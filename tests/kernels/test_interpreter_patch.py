@@ -1,9 +1,11 @@
-"""The tests' interpreter shortcuts (`interpreter_patch.skip_repeated_patching` and `remember_numpy_dtypes`) change
-no bit: a fused 8-bit AdamW (the kernel with the most nested helpers) and a clipped fp32 AdamW step the same params
-with and without them."""
+"""The tests' interpreter shortcuts (`interpreter_patch.skip_repeated_patching`, `remember_numpy_dtypes` and
+`fast_bfloat16_casts`) change no bit: a fused 8-bit AdamW (the kernel with the most nested helpers), a bf16-state one
+(float32 <-> bfloat16 casts) and a clipped fp32 AdamW step the same params with and without them; the casts answer as
+Triton's on every bfloat16 pattern and a million float32 ones."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from triton.runtime import interpreter
@@ -35,12 +37,73 @@ def _run(precision: str) -> list[torch.Tensor]:
     return [p.detach().clone() for p in params]
 
 
-@pytest.mark.parametrize("precision", ["8bit", "param"])
+@pytest.mark.parametrize("precision", ["8bit", "bf16", "param"])
 def test_the_shortcut_steps_the_same_bits(precision, monkeypatch):
     shortcut = _run(precision)
     monkeypatch.setattr(interpreter, "_patch_lang", interpreter._patch_lang.original)
     cached = interpreter._get_np_dtype
     monkeypatch.setattr(interpreter, "_get_np_dtype", getattr(cached, "original", cached))
+    shifted = interpreter._convert_float
+    monkeypatch.setattr(interpreter, "_convert_float", getattr(shifted, "original", shifted))
     full = _run(precision)
     for a, b in zip(shortcut, full, strict=True):
         assert torch.equal(a, b)
+
+
+def _bits32(gen: np.random.Generator, n: int, subnormals: bool) -> np.ndarray:
+    """``n`` float32 bit patterns over every class: random words (NaN payloads, infinities, normals of every
+    exponent), then the edges; subnormals (exponent 0, significand not 0) only where asked."""
+    bits = gen.integers(0, 2**32, size=n, dtype=np.uint64).astype(np.uint32)
+    edges = [0, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001, 0xFFFFFFFF, 0x00800000, 0x7F7FFFFF]
+    edges += [0x3F800000 | m for m in (0x7FFF, 0x8000, 0x8001, 0x17FFF, 0x18000)]  # about the cut at bit 16
+    bits[: len(edges)] = edges
+    subnormal = ((bits & 0x7F800000) == 0) & ((bits & 0x007FFFFF) != 0)
+    if subnormals:
+        bits[len(edges) : len(edges) + 5] = [1, 0x007FFFFF, 0x80000001, 0x00400000, 0x0000FFFF]
+    else:
+        bits[subnormal] |= 0x00800000  # exponent 1
+    return bits
+
+
+def test_the_bfloat16_casts_answer_as_tritons_bit_for_bit(monkeypatch):
+    """`interpreter_patch.fast_bfloat16_casts` shifts where Triton's ``_convert_float`` would give the same bits, and
+    hands everything else (a subnormal among the inputs, a rounding mode) to it: every bfloat16 pattern and a million
+    float32 ones, in several shapes and layouts, answer as Triton's; the shift is what answered where it can."""
+    import interpreter_patch
+    import triton.language as tl
+
+    installed = interpreter._convert_float
+    triton_s = getattr(installed, "original", installed)
+    asked: list[int] = []
+
+    def counted(*args):
+        asked.append(1)
+        return triton_s(*args)
+
+    monkeypatch.setattr(interpreter, "_convert_float", counted)
+    interpreter_patch.fast_bfloat16_casts()  # in front of the counting stand-in for Triton's
+    shortcut = interpreter._convert_float
+    assert shortcut.original is counted
+
+    def same(x: np.ndarray, src, dst, fast: bool, rounding=None) -> None:
+        asked.clear()
+        got = shortcut(x, src, dst, rounding)
+        assert bool(asked) is not fast  # the shift answered, or Triton's function did
+        want = triton_s(x, src, dst, rounding)
+        assert got.dtype == want.dtype and got.shape == want.shape and np.array_equal(got, want)
+
+    gen = np.random.default_rng(7)
+    every = np.arange(2**16, dtype=np.uint32).astype(np.uint16)  # every bfloat16 pattern, subnormals included
+    subnormal = ((every & 0x7F80) == 0) & ((every & 0x007F) != 0)
+    normal = every[~subnormal]
+    same(every.reshape(256, 256), tl.bfloat16, tl.float32, fast=False)
+    same(normal, tl.bfloat16, tl.float32, fast=True)
+    same(normal[:4096].reshape(64, 64).T, tl.bfloat16, tl.float32, fast=True)  # not contiguous
+    same(np.array(normal[1234]), tl.bfloat16, tl.float32, fast=True)  # 0-d
+    for subnormals in (False, True):
+        words = _bits32(gen, 1_000_000, subnormals).view(np.float32)
+        same(words, tl.float32, tl.bfloat16, fast=not subnormals)
+        same(words[:4096].reshape(64, 64).T, tl.float32, tl.bfloat16, fast=not subnormals)
+        same(np.array(words[0]), tl.float32, tl.bfloat16, fast=True)  # 0-d: the first edge, +0
+    rtne = interpreter._ir.ROUNDING_MODE.RTNE
+    same(_bits32(gen, 4096, False).view(np.float32), tl.float32, tl.bfloat16, fast=False, rounding=rtne)
