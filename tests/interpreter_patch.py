@@ -12,7 +12,8 @@ changed.
 
 `remember_numpy_dtypes` answers the interpreter's ``_get_np_dtype`` (a Triton type's numpy dtype, asked at every
 operation) from a cache: Triton's builds a dict of twenty Triton types at each call, and hashing them cost about a
-twelfth of an fp32 update's interpreter time. The answer is the same function's, once per type.
+twelfth of an fp32 update's interpreter time. The answer is the same function's, once per type; a block type (which
+cannot be hashed) is answered as its element type, a pointer as every pointer, as Triton's function answers them.
 
 `fast_bfloat16_casts` answers the interpreter's float32 <-> bfloat16 casts (``_convert_float``, which takes every
 value apart into sign, exponent and significand in a dozen numpy passes: about a tenth of a bf16 trajectory's
@@ -66,9 +67,16 @@ def remember_numpy_dtypes() -> None:
     original = getattr(interpreter, "_get_np_dtype", None)
     if original is None or getattr(original, "remembers", False):
         return
+    import triton.language as tl
+
     cache: dict[Any, Any] = {}
+    address = original(tl.pointer_type(tl.float32))  # every pointer's, alone or in a block
 
     def get_np_dtype(tt_dtype: Any) -> Any:
+        if isinstance(tt_dtype, tl.block_type):  # (not hashable) Triton's answer for a block: its element type's
+            tt_dtype = tt_dtype.element_ty
+        if isinstance(tt_dtype, tl.pointer_type):  # (not hashable either)
+            return address
         try:
             return cache[tt_dtype]
         except KeyError:

@@ -107,3 +107,18 @@ def test_the_bfloat16_casts_answer_as_tritons_bit_for_bit(monkeypatch):
         same(np.array(words[0]), tl.float32, tl.bfloat16, fast=True)  # 0-d: the first edge, +0
     rtne = interpreter._ir.ROUNDING_MODE.RTNE
     same(_bits32(gen, 4096, False).view(np.float32), tl.float32, tl.bfloat16, fast=False, rounding=rtne)
+
+
+def test_the_numpy_dtypes_answer_as_tritons():
+    """`interpreter_patch.remember_numpy_dtypes` gives Triton's ``_get_np_dtype`` answer for every scalar type, pointer
+    and block of either, asked twice (the second answer from the cache)."""
+    import triton.language as tl
+
+    cached = interpreter._get_np_dtype
+    assert getattr(cached, "remembers", False)
+    scalars = [tl.int1, tl.int8, tl.uint8, tl.int16, tl.uint16, tl.int32, tl.uint32, tl.int64, tl.uint64]
+    scalars += [tl.float16, tl.bfloat16, tl.float32, tl.float64, tl.float8e5, tl.float8e4nv]
+    types = [*scalars, *(tl.pointer_type(t) for t in scalars)]
+    types += [tl.block_type(t, [4, 8]) for t in types]
+    for t in types * 2:
+        assert cached(t) == cached.original(t), t
