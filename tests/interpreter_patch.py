@@ -22,11 +22,19 @@ asked. Anything else (a subnormal, a rounding mode, other types) goes to Triton'
 Triton's, bit for bit (tests/kernels/test_interpreter_patch.py compares every bfloat16 pattern and a million float32
 ones, subnormals, infinities and NaN payloads among them).
 
+`share_tensor_shapes` gives every interpreted ``tl.tensor`` of one shape the same ``shape`` tuple and ``numel``
+(Triton builds both afresh for each of the thousands of tensors a launch makes, a tenth of a trajectory's interpreter
+time). Nothing changes those objects once made. It goes in only where ``tl.tensor.__init__`` is, to the letter, the
+one it stands in for (`_TENSOR_INIT`): a Triton whose constructor differs keeps its own.
+
 `install` puts them in, for the test session (tests/conftest.py) and for each rank process (tests/ranks.py).
 """
 
 from __future__ import annotations
 
+import inspect
+import math
+import textwrap
 from typing import Any
 
 
@@ -119,8 +127,63 @@ def fast_bfloat16_casts() -> None:
     interpreter._convert_float = convert_float
 
 
+_TENSOR_INIT = '''def __init__(self, handle, type: dtype):
+    """Not called by user code."""
+    super().__init__()
+    # IR handle
+    self.handle = handle
+    # Block shape
+    self.shape = type.shape if type.is_block() else ()
+    self.numel = constexpr(math.prod(self.shape))
+    self.type = type  # Tensor type (can be block_type)
+    # Following the practice in pytorch, dtype is scalar type
+    self.dtype = type.scalar
+    self.shape = tuple([constexpr(s) for s in self.shape])
+'''
+"""``tl.tensor.__init__`` as `share_tensor_shapes` stands in for it (Triton 3.9's)."""
+
+
+def share_tensor_shapes() -> None:
+    """Install the shared shapes (once), where ``tl.tensor.__init__`` is `_TENSOR_INIT`."""
+    try:
+        import triton.language as tl
+    except ImportError:  # pragma: no cover - triton is a dependency
+        return
+    core = tl.core
+    original = core.tensor.__init__
+    if getattr(original, "shares_shapes", False):
+        return
+    try:
+        source = textwrap.dedent(inspect.getsource(original))
+    except (OSError, TypeError):
+        return
+    if source != _TENSOR_INIT:
+        return
+    made: dict[Any, tuple[Any, Any]] = {}  # a block's shape (ints) -> its numel and shape as Triton makes them
+
+    def tensor_init(self: Any, handle: Any, type: Any) -> None:  # (Triton's argument names)
+        self.handle = handle
+        shape = type.shape if type.is_block() else ()
+        try:
+            self.numel, self.shape = made[shape]
+        except KeyError:
+            self.numel, self.shape = made[shape] = (
+                core.constexpr(math.prod(shape)),
+                core.tuple([core.constexpr(s) for s in shape]),
+            )
+        except TypeError:  # a shape that cannot be hashed: made for this tensor alone
+            self.numel, self.shape = core.constexpr(math.prod(shape)), core.tuple([core.constexpr(s) for s in shape])
+        self.type = type
+        self.dtype = type.scalar
+
+    tensor_init.shares_shapes = True  # type: ignore[attr-defined]
+    tensor_init.original = original  # type: ignore[attr-defined]
+    core.tensor.__init__ = tensor_init
+
+
 def install() -> None:
     """The shortcuts (each once), with TRITON_INTERPRET=1 set."""
     skip_repeated_patching()
     remember_numpy_dtypes()
     fast_bfloat16_casts()
+    share_tensor_shapes()

@@ -1,13 +1,14 @@
-"""The tests' interpreter shortcuts (`interpreter_patch.skip_repeated_patching`, `remember_numpy_dtypes` and
-`fast_bfloat16_casts`) change no bit: a fused 8-bit AdamW (the kernel with the most nested helpers), a bf16-state one
-(float32 <-> bfloat16 casts) and a clipped fp32 AdamW step the same params with and without them; the casts answer as
-Triton's on every bfloat16 pattern and a million float32 ones."""
+"""The tests' interpreter shortcuts (`interpreter_patch.skip_repeated_patching`, `remember_numpy_dtypes`,
+`fast_bfloat16_casts` and `share_tensor_shapes`) change no bit: a fused 8-bit AdamW (the kernel with the most nested
+helpers), a bf16-state one (float32 <-> bfloat16 casts) and a clipped fp32 AdamW step the same params with and without
+them; the casts answer as Triton's on every bfloat16 pattern and a million float32 ones."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+import triton.language as tl
 from triton.runtime import interpreter
 
 from kitsune import FusionConfig, GradConfig, KitsuneOptimizer
@@ -45,6 +46,8 @@ def test_the_shortcut_steps_the_same_bits(precision, monkeypatch):
     monkeypatch.setattr(interpreter, "_get_np_dtype", getattr(cached, "original", cached))
     shifted = interpreter._convert_float
     monkeypatch.setattr(interpreter, "_convert_float", getattr(shifted, "original", shifted))
+    shared = tl.core.tensor.__init__
+    monkeypatch.setattr(tl.core.tensor, "__init__", getattr(shared, "original", shared))
     full = _run(precision)
     for a, b in zip(shortcut, full, strict=True):
         assert torch.equal(a, b)
@@ -122,3 +125,20 @@ def test_the_numpy_dtypes_answer_as_tritons():
     types += [tl.block_type(t, [4, 8]) for t in types]
     for t in types * 2:
         assert cached(t) == cached.original(t), t
+
+
+def test_tensors_of_one_shape_share_what_triton_would_make_for_each():
+    """`interpreter_patch.share_tensor_shapes` is in (Triton's constructor is the one it stands in for), and a tensor
+    it makes carries what Triton's constructor gives it: handle, type, dtype, numel and shape, blocks and scalars."""
+    init = tl.core.tensor.__init__
+    if not getattr(init, "shares_shapes", False):  # another Triton: the suite runs slower, as it computes the same
+        pytest.skip("this Triton's tl.tensor.__init__ is not the one share_tensor_shapes stands in for")
+    types = (tl.block_type(tl.float32, [4, 8]), tl.block_type(tl.bfloat16, [128]), tl.int64, tl.pointer_type(tl.int8))
+    for ty in types:
+        for _ in range(2):  # made, then shared
+            ours, theirs = tl.core.tensor.__new__(tl.core.tensor), tl.core.tensor.__new__(tl.core.tensor)
+            init(ours, "handle", ty)
+            init.original(theirs, "handle", ty)
+            assert vars(ours).keys() == vars(theirs).keys()
+            assert ours.handle == theirs.handle and ours.type == theirs.type and ours.dtype == theirs.dtype
+            assert ours.numel == theirs.numel and ours.shape == theirs.shape and ours.shape.type == theirs.shape.type
