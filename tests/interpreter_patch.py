@@ -35,7 +35,22 @@ from __future__ import annotations
 import inspect
 import math
 import textwrap
+from collections.abc import Callable
 from typing import Any
+
+
+def _in_front(owner: Any, name: str, mark: str, stand_in_for: Callable[[Any], Any]) -> None:
+    """Put ``stand_in_for(original)`` in place of ``owner.<name>``, once: the stand-in carries ``mark`` (True) and
+    ``original``; nothing where ``owner`` has no such attribute or ``stand_in_for`` gives None."""
+    original = getattr(owner, name, None)
+    if original is None or getattr(original, mark, False):
+        return
+    stand_in = stand_in_for(original)
+    if stand_in is None:
+        return
+    setattr(stand_in, mark, True)
+    stand_in.original = original
+    setattr(owner, name, stand_in)
 
 
 def skip_repeated_patching() -> None:
@@ -46,56 +61,54 @@ def skip_repeated_patching() -> None:
         from triton.runtime import interpreter
     except ImportError:  # pragma: no cover - triton is a dependency
         return
-    original = getattr(interpreter, "_patch_lang", None)
     scope = getattr(interpreter, "_LangPatchScope", None)
-    if original is None or scope is None or getattr(original, "skips_repeats", False):
-        return
 
-    langs_of: dict[Any, list[Any]] = {}  # function -> the language modules among its globals (set at its import)
+    def stand_in_for(original: Any) -> Any:
+        if scope is None:
+            return None
+        langs_of: dict[Any, list[Any]] = {}  # function -> the language modules among its globals (set at import)
 
-    def patch_lang(fn: Any) -> Any:
-        langs = langs_of.get(fn)
-        if langs is None:
-            langs = langs_of[fn] = [value for value in fn.__globals__.values() if value is tl or value is tl.core]
-        if langs and all(not tl.core.is_builtin(vars(lang).get("load")) for lang in langs):
-            return scope()  # swapped by the launch around this call; the launch's scope puts them back
-        return original(fn)
+        def patch_lang(fn: Any) -> Any:
+            langs = langs_of.get(fn)
+            if langs is None:
+                langs = langs_of[fn] = [value for value in fn.__globals__.values() if value is tl or value is tl.core]
+            if langs and all(not tl.core.is_builtin(vars(lang).get("load")) for lang in langs):
+                return scope()  # swapped by the launch around this call; the launch's scope puts them back
+            return original(fn)
 
-    patch_lang.skips_repeats = True  # type: ignore[attr-defined]
-    patch_lang.original = original  # type: ignore[attr-defined]
-    interpreter._patch_lang = patch_lang
+        return patch_lang
+
+    _in_front(interpreter, "_patch_lang", "skips_repeats", stand_in_for)
 
 
 def remember_numpy_dtypes() -> None:
     """Install the cache in front of ``interpreter._get_np_dtype`` (once); nothing where Triton has none."""
     try:
+        import triton.language as tl
         from triton.runtime import interpreter
     except ImportError:  # pragma: no cover - triton is a dependency
         return
-    original = getattr(interpreter, "_get_np_dtype", None)
-    if original is None or getattr(original, "remembers", False):
-        return
-    import triton.language as tl
 
-    cache: dict[Any, Any] = {}
-    address = original(tl.pointer_type(tl.float32))  # every pointer's, alone or in a block
+    def stand_in_for(original: Any) -> Any:
+        cache: dict[Any, Any] = {}
+        address = original(tl.pointer_type(tl.float32))  # every pointer's, alone or in a block
 
-    def get_np_dtype(tt_dtype: Any) -> Any:
-        if isinstance(tt_dtype, tl.block_type):  # (not hashable) Triton's answer for a block: its element type's
-            tt_dtype = tt_dtype.element_ty
-        if isinstance(tt_dtype, tl.pointer_type):  # (not hashable either)
-            return address
-        try:
-            return cache[tt_dtype]
-        except KeyError:
-            found = cache[tt_dtype] = original(tt_dtype)
-            return found
-        except TypeError:  # a type that cannot be hashed: asked each time
-            return original(tt_dtype)
+        def get_np_dtype(tt_dtype: Any) -> Any:
+            if isinstance(tt_dtype, tl.block_type):  # (not hashable) Triton's answer for a block: its element type's
+                tt_dtype = tt_dtype.element_ty
+            if isinstance(tt_dtype, tl.pointer_type):  # (not hashable either)
+                return address
+            try:
+                return cache[tt_dtype]
+            except KeyError:
+                found = cache[tt_dtype] = original(tt_dtype)
+                return found
+            except TypeError:  # a type that cannot be hashed: asked each time
+                return original(tt_dtype)
 
-    get_np_dtype.remembers = True  # type: ignore[attr-defined]
-    get_np_dtype.original = original  # type: ignore[attr-defined]
-    interpreter._get_np_dtype = get_np_dtype
+        return get_np_dtype
+
+    _in_front(interpreter, "_get_np_dtype", "remembers", stand_in_for)
 
 
 def fast_bfloat16_casts() -> None:
@@ -106,25 +119,23 @@ def fast_bfloat16_casts() -> None:
         from triton.runtime import interpreter
     except ImportError:  # pragma: no cover - triton is a dependency
         return
-    original = getattr(interpreter, "_convert_float", None)
-    if original is None or getattr(original, "shifts", False):
-        return
 
-    def convert_float(input: Any, input_dtype: Any, output_dtype: Any, rounding_mode: Any) -> Any:
-        if rounding_mode is None and isinstance(input, np.ndarray):
-            if input_dtype == tl.float32 and output_dtype == tl.bfloat16 and input.dtype == np.float32:
-                bits = np.ascontiguousarray(input).view(np.uint32)  # as Triton's, the values in C order
-                if not np.any(((bits & 0x7F800000) == 0) & ((bits & 0x007FFFFF) != 0)):
-                    return (bits >> 16).astype(np.uint16).reshape(input.shape)  # the upper half: truncation
-            elif input_dtype == tl.bfloat16 and output_dtype == tl.float32 and input.dtype == np.uint16:
-                bits = np.ascontiguousarray(input)
-                if not np.any(((bits & 0x7F80) == 0) & ((bits & 0x007F) != 0)):
-                    return (bits.astype(np.uint32) << 16).reshape(input.shape)
-        return original(input, input_dtype, output_dtype, rounding_mode)
+    def stand_in_for(original: Any) -> Any:
+        def convert_float(input: Any, input_dtype: Any, output_dtype: Any, rounding_mode: Any) -> Any:
+            if rounding_mode is None and isinstance(input, np.ndarray):
+                if input_dtype == tl.float32 and output_dtype == tl.bfloat16 and input.dtype == np.float32:
+                    bits = np.ascontiguousarray(input).view(np.uint32)  # as Triton's, the values in C order
+                    if not np.any(((bits & 0x7F800000) == 0) & ((bits & 0x007FFFFF) != 0)):
+                        return (bits >> 16).astype(np.uint16).reshape(input.shape)  # the upper half: truncation
+                elif input_dtype == tl.bfloat16 and output_dtype == tl.float32 and input.dtype == np.uint16:
+                    bits = np.ascontiguousarray(input)
+                    if not np.any(((bits & 0x7F80) == 0) & ((bits & 0x007F) != 0)):
+                        return (bits.astype(np.uint32) << 16).reshape(input.shape)
+            return original(input, input_dtype, output_dtype, rounding_mode)
 
-    convert_float.shifts = True  # type: ignore[attr-defined]
-    convert_float.original = original  # type: ignore[attr-defined]
-    interpreter._convert_float = convert_float
+        return convert_float
+
+    _in_front(interpreter, "_convert_float", "shifts", stand_in_for)
 
 
 _TENSOR_INIT = '''def __init__(self, handle, type: dtype):
@@ -150,35 +161,34 @@ def share_tensor_shapes() -> None:
     except ImportError:  # pragma: no cover - triton is a dependency
         return
     core = tl.core
-    original = core.tensor.__init__
-    if getattr(original, "shares_shapes", False):
-        return
-    try:
-        source = textwrap.dedent(inspect.getsource(original))
-    except (OSError, TypeError):
-        return
-    if source != _TENSOR_INIT:
-        return
-    made: dict[Any, tuple[Any, Any]] = {}  # a block's shape (ints) -> its numel and shape as Triton makes them
 
-    def tensor_init(self: Any, handle: Any, type: Any) -> None:  # (Triton's argument names)
-        self.handle = handle
-        shape = type.shape if type.is_block() else ()
+    def stand_in_for(original: Any) -> Any:
         try:
-            self.numel, self.shape = made[shape]
-        except KeyError:
-            self.numel, self.shape = made[shape] = (
-                core.constexpr(math.prod(shape)),
-                core.tuple([core.constexpr(s) for s in shape]),
-            )
-        except TypeError:  # a shape that cannot be hashed: made for this tensor alone
-            self.numel, self.shape = core.constexpr(math.prod(shape)), core.tuple([core.constexpr(s) for s in shape])
-        self.type = type
-        self.dtype = type.scalar
+            if textwrap.dedent(inspect.getsource(original)) != _TENSOR_INIT:
+                return None
+        except (OSError, TypeError):
+            return None
+        made: dict[Any, tuple[Any, Any]] = {}  # a block's shape (ints) -> its numel and shape as Triton makes them
 
-    tensor_init.shares_shapes = True  # type: ignore[attr-defined]
-    tensor_init.original = original  # type: ignore[attr-defined]
-    core.tensor.__init__ = tensor_init
+        def tensor_init(self: Any, handle: Any, type: Any) -> None:  # (Triton's argument names)
+            self.handle = handle
+            shape = type.shape if type.is_block() else ()
+            try:
+                self.numel, self.shape = made[shape]
+            except KeyError:
+                self.numel, self.shape = made[shape] = (
+                    core.constexpr(math.prod(shape)),
+                    core.tuple([core.constexpr(s) for s in shape]),
+                )
+            except TypeError:  # a shape that cannot be hashed: made for this tensor alone
+                self.numel = core.constexpr(math.prod(shape))
+                self.shape = core.tuple([core.constexpr(s) for s in shape])
+            self.type = type
+            self.dtype = type.scalar
+
+        return tensor_init
+
+    _in_front(core.tensor, "__init__", "shares_shapes", stand_in_for)
 
 
 def install() -> None:
