@@ -253,8 +253,10 @@ class GraphSubsystem(Subsystem):
                 return False  # a hyperparameter became a tensor: the full step handles it
             if not fusion.refresh_values(groups):
                 return False  # a switch changed (amsgrad, nesterov, ...): new kernels, through the full path
-            steady.nested = _nested(groups)  # a list where there was none, or a key added: copied from now on
-            steady.values = _group_values(groups, steady.nested)
+            if _lists_appeared(values, steady.values):  # a list where there was none, or a key added
+                steady.nested = _nested(groups)  # copied from now on
+                values = _group_values(groups, steady.nested)
+            steady.values = values
         found = fusion.follow()
         if found == OTHER:
             return False
@@ -327,13 +329,25 @@ def _holds_list(value: Any) -> bool:
     return type(value) is list or (type(value) is tuple and any(_holds_list(v) for v in value))
 
 
+def _lists_appeared(values: tuple, before: tuple) -> bool:
+    """Whether ``values`` (`_group_values`'s, after a change) hold a list where ``before`` held none: a row of another
+    length (a key added or removed), or a value that is not the one kept and holds a list. Only the changed values
+    are looked into: an LR scheduler's new ``lr`` each step costs a look at one number, not `_nested` over all."""
+    if len(values) != len(before):
+        return True
+    for row, kept in zip(values, before, strict=True):
+        if len(row) != len(kept) or any(v is not w and _holds_list(v) for v, w in zip(row, kept, strict=True)):
+            return True
+    return False
+
+
 def _group_values(groups: list[dict[str, Any]], nested: tuple[tuple[int, ...], ...] | None) -> tuple:
     """Each group's values, in order: its params list as it is (the same object while the structure key holds,
     compared by identity), and at the positions ``nested`` names (`_nested`) the list copied to a tuple, nested
     ones too, so that ``group["betas"][0] = x`` or ``group["ns_coefficients"][0][0] = x`` on the same lists compares
     unequal (a container compares its own items by identity first). No value kept here is a list, so a list where
     ``nested`` names none (a value replaced by one, a key added) compares unequal to what was there before; the
-    caller then takes ``nested`` again."""
+    caller then takes ``nested`` again (`_lists_appeared`)."""
     if nested is None:
         return tuple([tuple(g.values()) for g in groups])
     rows = []
