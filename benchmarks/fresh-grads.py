@@ -14,8 +14,13 @@ kernels take it) and how many another replay or no replay, and the host time of 
 idle, as `kitsune bench`'s host column): median over the block's steps. A third mode, ``python``, is ``fresh`` with
 the native read of the grads declined (the native module's ``follow`` answering "cannot", as where a grad is not
 as the kernels take it), so the step takes the full path and reads the grads' addresses in Python, as before
-`e559b94` and `07f8a25`: that path's cost, beside the steady replay's, in one process. It prints, per mode,
-the medians over the blocks.
+`e559b94` and `07f8a25`: that path's cost, beside the steady replay's, in one process. A fourth, ``settled``, is
+``fresh`` with one 64 KiB host allocation made and freed after the grads' making, outside the timer. Freeing the
+last grads leaves thousands of small blocks (their TensorImpls and storages) in glibc's fast lists, and the first
+allocation of a kilobyte or more after that sorts them all, on cold memory, whoever makes it: in ``fresh`` that is
+the step (its native check's scratch, its list of the new addresses), in a training loop whichever allocation comes
+first after ``zero_grad()`` or backward's frees. ``settled`` times the step with that work done before it. It prints,
+per mode, the medians over the blocks.
 """
 
 from __future__ import annotations
@@ -50,7 +55,9 @@ class _DeclinedRead:
         return _native.OTHER
 
 
-MODES = ("kept", "fresh", "python")
+MODES = ("kept", "fresh", "python", "settled")
+SETTLE = 1 << 16
+"""``settled``'s allocation: well above the size (1 KiB) from which glibc sorts its fast lists first."""
 
 
 def block(
@@ -72,6 +79,8 @@ def block(
     try:
         for _ in range(steps):
             (refill_grads if mode == "kept" else fresh_grads)(params, gen)
+            if mode == "settled":
+                bytearray(SETTLE)  # made and freed at once: the allocator's sorting of the freed grads happens here
             synchronize(device)
             t0 = time.perf_counter_ns()
             opt.step()
@@ -119,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = {key: percentile([b[key] for b in rows], 50) for key in rows[0]}
         out[mode] = {"median": summary, "blocks": rows}
         print(
-            f"  {mode:6s}: steps whose grads moved {summary['moved']:.0f} of {args.steps}, steady replays "
+            f"  {mode:7s}: steps whose grads moved {summary['moved']:.0f} of {args.steps}, steady replays "
             f"{summary['steady']:.0f}, other replays {summary['other_replays']:.0f}, host {summary['host_us']:.1f} us "
             "a step (medians over the blocks)"
         )
