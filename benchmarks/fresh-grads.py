@@ -16,7 +16,7 @@ the native read of the grads declined (the native module's ``follow`` answering 
 as the kernels take it), so the step takes the full path and reads the grads' addresses in Python, as before
 `e559b94` and `07f8a25`: that path's cost, beside the steady replay's, in one process. A fourth, ``settled``, is
 ``fresh`` with one 64 KiB host allocation made and freed after the grads' making, outside the timer. Freeing the
-last grads leaves thousands of small blocks (their TensorImpls and storages) in glibc's fast lists, and the first
+last grads leaves thousands of small blocks (their TensorImpls and storages) in glibc's fast bins, and the first
 allocation of a kilobyte or more after that sorts them all, on cold memory, whoever makes it: in ``fresh`` that is
 the step (its native check's scratch, its list of the new addresses), in a training loop whichever allocation comes
 first after ``zero_grad()`` or backward's frees. ``settled`` times the step with that work done before it. It prints,
@@ -57,7 +57,7 @@ class _DeclinedRead:
 
 MODES = ("kept", "fresh", "python", "settled")
 SETTLE = 1 << 16
-"""``settled``'s allocation: well above the size (1 KiB) from which glibc sorts its fast lists first."""
+"""``settled``'s allocation: well above the size (1 KiB) from which glibc sorts its fast bins first."""
 
 
 def block(
