@@ -472,7 +472,7 @@ class FusionSubsystem(Subsystem):
         # (cut short before this, the step leaves the steady replay disarmed: the next one takes the full path,
         # which binds the norm pass whenever it runs)
         if found == MOVED and self._norm is not None:
-            self._bind_norm()
+            self._bind_norm(moved=True)
         return found
 
     def refresh_values(self, groups: list[dict[str, Any]]) -> bool:
@@ -508,18 +508,17 @@ class FusionSubsystem(Subsystem):
         """Whether step ``s`` launches the norm pass: trust ratios, clipping, or AMP's overflow check fused in."""
         return self._trust or s.max_norm is not None or s.check_inf
 
-    def _bind_norm(self) -> None:
-        """Point the norm pass at this step's grads (and the params, for trust ratios): host work, before launch."""
+    def _bind_norm(self, moved: bool = False) -> None:
+        """Point the norm pass at this step's grads (and the params, for trust ratios): host work, before launch.
+        ``moved``: the grads moved since the last binding (`follow` found them so), so the table is uploaded from the
+        units' host tensors with no list made or compared."""
         if self._norm is None:
             from kitsune.kernels.norms import MultiTensorNorm
 
             numels = [n for u in self._units for n in u.numels]
             norm_type = 2.0 if self._trust else self._grads.norm_type
             self._norm = MultiTensorNorm(numels * (2 if self._trust else 1), self._units[0].device, norm_type)
-        addresses = [a for u in self._units for a in u.grad_addresses]
         roles = ("grad", "param") if self._trust else ("grad",)
-        if self._trust:
-            addresses += [a for u in self._units for a in u.param_addresses]
         # the units' tables hold these addresses as CPU tensors already (and, where the native check read moved
         # grads, their low bits): one concatenation, not a conversion of the list
         hosts = [u.tables.host(role) for role in roles for u in self._units]
@@ -530,6 +529,11 @@ class FusionSubsystem(Subsystem):
                 low = 0
                 for _, bits in hosts:
                     low |= bits
+        addresses = None
+        if host is None or not moved:
+            addresses = [a for u in self._units for a in u.grad_addresses]
+            if self._trust:
+                addresses += [a for u in self._units for a in u.param_addresses]
         self._norm.bind_addresses(addresses, self._norm_dtypes, host, low)
 
     def grad_layout(self, units: list[FusedUnit], norm: bool) -> tuple[bool, ...]:

@@ -85,24 +85,35 @@ class TensorTables:
         """Address tables copied to the device so far (plan-time tables included)."""
 
     def set_role(
-        self, role: str, addresses: list[int], host: torch.Tensor | None = None, low_bits: int | None = None
+        self, role: str, addresses: list[int] | None, host: torch.Tensor | None = None, low_bits: int | None = None
     ) -> bool:
         """Point ``role`` at these (T,) addresses; upload only if they differ from the cached ones. ``host``: the same
-        addresses as a CPU int64 tensor the caller has built already (kept; the caller must not change it).
-        ``low_bits``: the OR of the addresses' low six bits, where the caller knows it (`kitsune._native.follow`
-        does): `aligned` then answers from it."""
-        if self._cached.get(role) == addresses:
+        addresses as a CPU int64 tensor the caller has built already (kept; the caller must not change it); with
+        ``addresses`` None, ``host`` alone, addresses the caller knows to differ from the last ones (a native read
+        that found the grads moved): uploaded with no list made or compared. ``low_bits``: the OR of the addresses'
+        low six bits, where the caller knows it (`kitsune._native.follow` does): `aligned` then answers from it."""
+        if addresses is None:
+            if host is None:
+                raise ValueError(f"role {role!r}: no addresses and no host tensor")
+            count = host.numel()
+        elif self._cached.get(role) == addresses:
             return False
-        if len(addresses) != self.num_tensors:
-            raise ValueError(f"role {role!r}: {len(addresses)} addresses for {self.num_tensors} tensors")
+        else:
+            count = len(addresses)
+        if count != self.num_tensors:
+            raise ValueError(f"role {role!r}: {count} addresses for {self.num_tensors} tensors")
         if host is None:
-            host = int64_tensor(addresses)
+            host = int64_tensor(addresses)  # type: ignore[arg-type]
         table = self._roles.get(role)
         if table is None:  # a copy on the CPU too: the caller's tensor may be another table's host (`host`)
             self._roles[role] = host.to(self.device, copy=True)
         else:  # keep the device buffer (its address may be baked into a captured graph)
             table.copy_(pinned(host, self.device), non_blocking=True)
-        self._cached[role], self._hosts[role] = addresses, host
+        if addresses is None:
+            self._cached.pop(role, None)  # the next list compares unequal: uploaded
+        else:
+            self._cached[role] = addresses
+        self._hosts[role] = host
         self._aligned = {key: ok for key, ok in self._aligned.items() if key[0] != role}
         self._low[role] = low_bits
         self.uploads += 1

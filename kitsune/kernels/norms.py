@@ -338,14 +338,15 @@ class MultiTensorNorm:
 
     def bind_addresses(
         self,
-        addresses: list[int],
+        addresses: list[int] | None,
         dtypes: list[torch.dtype],
         host: torch.Tensor | None = None,
         low_bits: int | None = None,
     ) -> None:
         """Point the tables at tensors by address (``-1``: skip), for callers that have already checked them
         (the fusion subsystem's units have); uploads only what changed. ``host`` and ``low_bits``: the addresses as
-        a CPU int64 tensor and their low bits, where the caller has them (`TensorTables.set_role`). Then `launch`."""
+        a CPU int64 tensor and their low bits, where the caller has them; ``addresses`` None: ``host`` alone,
+        known to differ from the last (`TensorTables.set_role`). Then `launch`."""
         if dtypes != self._dtypes:
             self.tables.set_role("dtype", [_CODES[d] for d in dtypes])
             self._dtypes = dtypes

@@ -421,6 +421,45 @@ def test_grads_that_alternate_between_two_places_follow_torch_through_the_native
     assert [_native.moved_low_bits(r) is not None for r in reads] == ([True] * 30 if check_path == "native" else [])
 
 
+def test_a_moved_step_keeps_the_native_read_and_later_python_checks_see_every_change(device):
+    """A step whose grads moved records their addresses as the native read left them, a tensor, with no list made
+    (`FusedUnit._follow`). What runs after it reads that record: a step with a None grad (the full check), the
+    native check switched off (torch's C++ compare, or its stand-in, against the list made from the tensor then),
+    grads kept in place, and grads that move again. Every step matches torch."""
+    assert _native.CHECKS is not None, f"the native address check is unavailable: {_native.reason()}"
+    ours, opt, ref, ref_opt = _twins(device)
+    unit = opt._subsystem("fusion")._units[0]
+    done = 0
+
+    def steps(n: int, in_place: bool, skip: Collection[int] = ()) -> None:
+        nonlocal done
+        for _ in range(n):  # fresh grads each step, as `_train`'s, from where the last call left off
+            for params in (ours, ref):
+                for i, (p, g) in enumerate(zip(params, random_grads(params, done), strict=True)):
+                    p.grad = None if i in skip else p.grad.copy_(g) if in_place and p.grad is not None else g
+            opt.step()
+            ref_opt.step()
+            done += 1
+
+    steps(4, in_place=False)  # new grads every step: after the first, each step is MOVED
+    assert unit._grads_at is not None and unit._grads_at._list is None  # recorded as the read's tensor alone
+    assert unit.grad_addresses == [p.grad.data_ptr() for p in ours]  # the list, made when asked
+    steps(1, in_place=False, skip={2})  # a None grad: the full check
+    steps(2, in_place=False)  # moved again, natively
+    assert unit._grads_at._list is None
+    real = _native.CHECKS
+    try:
+        _native.CHECKS = None  # the Python checks now read the recorded tensor as a list
+        steps(2, in_place=True)  # in place: unchanged
+        steps(2, in_place=False)  # moved: seen
+    finally:
+        _native.CHECKS = real
+    steps(3, in_place=False)
+    assert_close_params(ours, ref, torch.float32)
+    assert opt.plan.fused_tensors == len(ours)
+    assert unit.grad_addresses == [p.grad.data_ptr() for p in ours]
+
+
 def test_the_native_check_reads_fsdp2_local_shards(tmp_path):
     """``unchanged_local`` on real DTensors (a one-process gloo mesh): each param still holds the shard planned, at
     its address, and its grad's shard sits where the table says; any other answer (a shard replaced, a grad that is
