@@ -12,8 +12,10 @@ optimizer built first can be the slower one on the ``many`` set, whichever commi
     python3 benchmarks/ab.py --other /tmp/other/kitsune --other-first --json ab-other-first.json
 
 GPU only. Cases: AdamW on gpt2, many and llama1b (``KitsuneOptimizer(..., enable_fusion=True)``), gpt2 and many with
-``GraphConfig(static_addresses=True)`` and with ``capture_graph=False`` (``eager``: every step the full path), and
-gpt2's float16 AMP + clip 1.0 + zero-in-step phase with fresh grads.
+``GraphConfig(static_addresses=True)``, with ``capture_graph=False`` (``eager``: every step the full path) and with
+grads that move every step (``moving``: `kitsune.bench.params.fresh_grads` before each step, as a training loop's
+``zero_grad()`` and backward leave them; in the back-to-back time, the same for both commits, and outside the host
+time), and gpt2's float16 AMP + clip 1.0 + zero-in-step phase with fresh grads.
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ from typing import Any
 
 import torch
 
-CASES = [("gpt2", "default"), ("gpt2", "static"), ("gpt2", "eager"), ("many", "default"), ("many", "static"),
-         ("many", "eager"), ("gpt2", "phase"), ("llama1b", "default")]  # fmt: skip
+CASES = [("gpt2", "default"), ("gpt2", "static"), ("gpt2", "eager"), ("gpt2", "moving"),
+         ("many", "default"), ("many", "static"), ("many", "eager"), ("many", "moving"),
+         ("gpt2", "phase"), ("llama1b", "default")]  # fmt: skip
 
 
 def load_other(path: Path) -> ModuleType:
@@ -62,11 +65,11 @@ def make(mod: ModuleType, params: list[torch.nn.Parameter], variant: str) -> Any
 
 
 def case(sides: dict[str, ModuleType], set_name: str, variant: str, rounds: int, steps: int) -> dict[str, Any]:
-    from kitsune.bench.params import get_param_set, make_params
+    from kitsune.bench.params import fresh_grads, get_param_set, make_params
 
     device = torch.device("cuda")
     pset = get_param_set(set_name)
-    step_of = {}
+    step_of, prep_of = {}, {}
     for name, mod in sides.items():
         params = make_params(pset, device, 0)
         opt = make(mod, params, variant)
@@ -82,31 +85,38 @@ def case(sides: dict[str, ModuleType], set_name: str, variant: str, rounds: int,
             if variant == "phase":
                 opt.zero_grad(set_to_none=False)
 
+        def prep(params: list = params, gen: Any = gen) -> None:
+            if variant == "moving":
+                fresh_grads(params, gen)
+
         for _ in range(12):  # warm-up, capture, then the steady replay
+            prep()
             step()
-        step_of[name] = step
+        step_of[name], prep_of[name] = step, prep
     times: dict[str, dict[str, list[float]]] = {name: {"ms": [], "host_ms": []} for name in sides}
     names = list(sides)
     for r in range(rounds):
         for name in names if r % 2 == 0 else names[::-1]:
-            step = step_of[name]
+            step, prep = step_of[name], prep_of[name]
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(steps):
+                prep()
                 step()
             end.record()
             torch.cuda.synchronize()
             times[name]["ms"].append(start.elapsed_time(end) / steps)
             host = []
             for _ in range(steps):
+                prep()
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 step()
                 host.append((time.perf_counter() - t0) * 1e3)
             times[name]["host_ms"].append(statistics.median(host))
     out = {name: {k: statistics.median(v) for k, v in t.items()} for name, t in times.items()}
-    del step_of
+    del step_of, prep_of
     torch.cuda.empty_cache()
     return out
 
