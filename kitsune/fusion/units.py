@@ -78,15 +78,14 @@ class FusedUnit:
         self.tables = TensorTables(self.device, self.numels, group_index, block)
         self._param_ptrs = self.param_addresses = self._addresses(params)
         self.tables.set_role("param", self._param_ptrs)
-        self._grads_at: _Addresses | None = None
-        """Where the last step found the grads (None before the first read, and after a step that read them through
-        copies)."""
+        self._grads_read = False
+        """Whether the grad table holds where the last step found the grads (not before the first read, nor after a
+        step that read them through copies)."""
         self._table = int64_tensor(self._param_ptrs * 2 + self.numels + list(map(_native.shape_key, self.shapes)))
-        """The native check's int64 table: the params' addresses, the grads' as of `_grads_at`, the numels, the
+        """The native check's int64 table: the params' addresses, the grads' as of `_grad_ptrs`, the numels, the
         params' shape keys."""
         self._table_grads = self._table[len(params) : 2 * len(params)]  # the grads' rows, as one view
         self._scratch: torch.Tensor | None = None  # the native read's answer (`_out`)
-        self._uploaded = _Addresses([DEAD] * len(params))
         self._copied: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.unhandled: list[torch.Tensor] = []
         """Params skipped this step because their grad is one the kernel cannot take (sparse, another dtype)."""
@@ -187,12 +186,13 @@ class FusedUnit:
     @property
     def grad_addresses(self) -> list[int]:
         """The grad table as uploaded: what the kernels read this step (-1 for a grad that is None)."""
-        return self._uploaded.list()
+        uploaded = self.tables.addresses("grad")
+        return [DEAD] * len(self.params) if uploaded is None else uploaded
 
     @property
     def _grad_ptrs(self) -> list[int] | None:
         """The grads' addresses as the last step found them, for the Python checks (None: not read yet)."""
-        return None if self._grads_at is None else self._grads_at.list()
+        return self.tables.addresses("grad") if self._grads_read else None
 
     def moved(self) -> bool:
         """Whether a param's storage moved since the plan (``p.data = ...``, ``model.half()``, a device move). The
@@ -201,13 +201,13 @@ class FusedUnit:
         self._found = None
         if self._intact is not None and self._intact.ok:
             moved = False  # static addresses: the watch holds the params' storages
-        elif self._grads_at is not None and self._grads_whole and (found := self._native_follow()) is not None:
+        elif self._grads_read and self._grads_whole and (found := self._native_follow()) is not None:
             # the params and, in the same passes, the grads: where those are as the kernels take them (SAME or
             # MOVED), the params are where planned and `prepare` takes the grads' answer from here
             moved, self._found = False, found
-        elif self._grads_at is not None and (same := self._native_check(grads=False)) is not None:
+        elif self._grads_read and (same := self._native_check(grads=False)) is not None:
             moved = not same  # a step `_unchanged` checks
-        elif self.plain_tensors and self._grads_at is not None and _PTRS_EQUAL is not None:
+        elif self.plain_tensors and self._grads_read and _PTRS_EQUAL is not None:
             try:
                 same = _PTRS_EQUAL(self.params, self._param_ptrs, self._every)
                 moved = not (same and self._layout_holds(self.params))
@@ -325,7 +325,7 @@ class FusedUnit:
     def _pending(self) -> bool:
         """Whether the last step left something the per-step check cannot vouch for: no grads read yet, grads read
         through copies, lazy state or grads the kernels cannot take (the full check sorts those out)."""
-        return self._grads_at is None or bool(self._copied) or bool(self.uninit) or bool(self.unhandled)
+        return not self._grads_read or bool(self._copied) or bool(self.uninit) or bool(self.unhandled)
 
     def _point_grads(
         self,
@@ -340,15 +340,12 @@ class FusedUnit:
         instead, contiguous ``copied`` stand-ins'), then record them for the next step's check. The record comes
         last: cut short before it (an exception, a Ctrl-C), the step leaves it at the last grads, and the next one
         finds these moved and uploads again."""
-        found = _Addresses(ptrs, host)
         if upload is None or upload is ptrs:
             self.tables.set_role("grad", ptrs, host, low_bits=low_bits)
-            self._uploaded = found
         else:
             self.tables.set_role("grad", upload, low_bits=low_bits)
-            self._uploaded = _Addresses(upload)
         self._copied = copied or []
-        self._grads_at = None if copied else found
+        self._grads_read = not copied  # the table holds ``ptrs`` (`_grad_ptrs` reads them there)
         self._table_grads.copy_(host)
 
     def _unchanged(self) -> bool:
@@ -680,23 +677,6 @@ class FusedUnit:
 
 _QUICK_BREAKS = 3
 """A static unit whose watch breaks before its first use this many times in a row stops watching."""
-
-
-class _Addresses:
-    """Addresses a step recorded, as a list or as the CPU int64 tensor a native read left: a step whose grads moved
-    records the tensor alone, and the list is made only where a Python check asks for it (`list`)."""
-
-    __slots__ = ("_list", "host")
-
-    def __init__(self, addresses: list[int] | None, host: torch.Tensor | None = None) -> None:
-        if addresses is None and host is None:
-            raise ValueError("addresses need a list or a host tensor")
-        self._list, self.host = addresses, host
-
-    def list(self) -> list[int]:
-        if self._list is None:
-            self._list = self.host.tolist()  # type: ignore[union-attr]
-        return self._list
 
 
 class _Intact:

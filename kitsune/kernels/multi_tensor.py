@@ -110,7 +110,7 @@ class TensorTables:
         else:  # keep the device buffer (its address may be baked into a captured graph)
             table.copy_(pinned(host, self.device), non_blocking=True)
         if addresses is None:
-            self._cached.pop(role, None)  # the next list compares unequal: uploaded
+            self._cached.pop(role, None)  # made from ``host`` if asked (`addresses`)
         else:
             self._cached[role] = addresses
         self._hosts[role] = host
@@ -118,6 +118,14 @@ class TensorTables:
         self._low[role] = low_bits
         self.uploads += 1
         return True
+
+    def addresses(self, role: str) -> list[int] | None:
+        """``role``'s addresses as last set, as a list (None before the first): made from its host tensor, once,
+        where `set_role` was given that alone."""
+        cached = self._cached.get(role)
+        if cached is None and (host := self._hosts.get(role)) is not None:
+            cached = self._cached[role] = host.tolist()  # what the device table holds
+        return cached
 
     def host(self, role: str) -> tuple[torch.Tensor | None, int | None]:
         """``role``'s addresses as last set, as a CPU int64 tensor (None before the first), and their low bits where

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Collection
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -70,10 +71,10 @@ def _twins(device, make=lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0
     return ours, opt, ref, make(ref)
 
 
-def _train(ours, opt, ref, ref_opt, steps: int, in_place: bool, skip: Collection[int] = ()) -> None:
-    """``steps`` steps of both optimizers on the same fresh grads, written into the old grads or as new tensors;
-    the params in ``skip`` get no grad (None)."""
-    for step in range(steps):
+def _train(ours, opt, ref, ref_opt, steps: int, in_place: bool, skip: Collection[int] = (), start: int = 0) -> None:
+    """``steps`` steps of both optimizers on the same fresh grads (those of steps ``start`` on), written into the old
+    grads or as new tensors; the params in ``skip`` get no grad (None)."""
+    for step in range(start, start + steps):
         for params in (ours, ref):
             for i, (p, g) in enumerate(zip(params, random_grads(params, step), strict=True)):
                 p.grad = None if i in skip else p.grad.copy_(g) if in_place and p.grad is not None else g
@@ -429,32 +430,21 @@ def test_a_moved_step_keeps_the_native_read_and_later_python_checks_see_every_ch
     assert _native.CHECKS is not None, f"the native address check is unavailable: {_native.reason()}"
     ours, opt, ref, ref_opt = _twins(device)
     unit = opt._subsystem("fusion")._units[0]
-    done = 0
-
-    def steps(n: int, in_place: bool, skip: Collection[int] = ()) -> None:
-        nonlocal done
-        for _ in range(n):  # fresh grads each step, as `_train`'s, from where the last call left off
-            for params in (ours, ref):
-                for i, (p, g) in enumerate(zip(params, random_grads(params, done), strict=True)):
-                    p.grad = None if i in skip else p.grad.copy_(g) if in_place and p.grad is not None else g
-            opt.step()
-            ref_opt.step()
-            done += 1
-
-    steps(4, in_place=False)  # new grads every step: after the first, each step is MOVED
-    assert unit._grads_at is not None and unit._grads_at._list is None  # recorded as the read's tensor alone
+    train = partial(_train, ours, opt, ref, ref_opt)  # each call's ``start``: new draws of grads
+    train(4, in_place=False, start=0)  # new grads every step: after the first, each step is MOVED
+    assert unit._grads_read and unit.tables._cached.get("grad") is None  # recorded as the read's tensor alone
     assert unit.grad_addresses == [p.grad.data_ptr() for p in ours]  # the list, made when asked
-    steps(1, in_place=False, skip={2})  # a None grad: the full check
-    steps(2, in_place=False)  # moved again, natively
-    assert unit._grads_at._list is None
+    train(1, in_place=False, skip={2}, start=4)  # a None grad: the full check
+    train(2, in_place=False, start=5)  # moved again, natively
+    assert unit.tables._cached.get("grad") is None
     real = _native.CHECKS
     try:
         _native.CHECKS = None  # the Python checks now read the recorded tensor as a list
-        steps(2, in_place=True)  # in place: unchanged
-        steps(2, in_place=False)  # moved: seen
+        train(2, in_place=True, start=7)  # in place: unchanged
+        train(2, in_place=False, start=9)  # moved: seen
     finally:
         _native.CHECKS = real
-    steps(3, in_place=False)
+    train(3, in_place=False, start=11)
     assert_close_params(ours, ref, torch.float32)
     assert opt.plan.fused_tensors == len(ours)
     assert unit.grad_addresses == [p.grad.data_ptr() for p in ours]
