@@ -520,11 +520,12 @@ class FusionSubsystem(Subsystem):
             self._norm = MultiTensorNorm(numels * (2 if self._trust else 1), self._units[0].device, norm_type)
         roles = ("grad", "param") if self._trust else ("grad",)
         # the units' tables hold these addresses as CPU tensors already (and, where the native check read moved
-        # grads, their low bits): one concatenation, not a conversion of the list
+        # grads, their low bits): one concatenation, not a conversion of the list, straight into the norm table's
+        # staging tensor (page-locked on a GPU), which the upload then copies from
         hosts = [u.tables.host(role) for role in roles for u in self._units]
         host = low = None
         if all(h is not None for h, _ in hosts):
-            host = hosts[0][0] if len(hosts) == 1 else torch.cat([h for h, _ in hosts])
+            host = torch.cat([h for h, _ in hosts], out=self._norm.tables.staging("x"))
             if all(bits is not None for _, bits in hosts):
                 low = 0
                 for _, bits in hosts:

@@ -85,7 +85,6 @@ class FusedUnit:
         """The native check's int64 table: the params' addresses, the grads' as of `_grad_ptrs`, the numels, the
         params' shape keys."""
         self._table_grads = self._table[len(params) : 2 * len(params)]  # the grads' rows, as one view
-        self._scratch: torch.Tensor | None = None  # the native read's answer (`_out`)
         self._copied: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.unhandled: list[torch.Tensor] = []
         """Params skipped this step because their grad is one the kernel cannot take (sparse, another dtype)."""
@@ -317,8 +316,7 @@ class FusedUnit:
         if found <= SAME:
             return found  # nothing moved, or something the full path sorts out
         low = _native.moved_low_bits(found)
-        host = out.pin_memory() if self.device.type == "cuda" else out.clone()  # kept by the tables; `out` is not
-        self._point_grads(None, host, low_bits=low)  # no list: a Python check that asks later makes one
+        self._point_grads(None, out, low_bits=low)  # no list (a Python check that asks later makes one), no copy
         return MOVED
 
     @property
@@ -442,7 +440,7 @@ class FusedUnit:
             if adopt:
                 grads, ptrs = self._adopt_grads(grads, ptrs)
             upload = ptrs
-            host = self._scratch.clone() if checked and not adopt else int64_tensor(ptrs)  # type: ignore[union-attr]
+            host = self._out() if checked and not adopt else int64_tensor(ptrs)  # the native read's, handed over
             copied: list[tuple[torch.Tensor, torch.Tensor]] = []
             if not checked and not all(
                 map(
@@ -478,10 +476,9 @@ class FusedUnit:
         )
 
     def _out(self) -> torch.Tensor:
-        """The native read's answer: n int64 on the CPU, made once."""
-        if self._scratch is None:
-            self._scratch = torch.empty(len(self.params), dtype=torch.int64)
-        return self._scratch
+        """Where the native read writes the grads' addresses: the grad table's staging tensor (page-locked on a GPU),
+        the same until a step hands it to the table as the grads' record (`TensorTables.staging`)."""
+        return self.tables.staging("grad")
 
     def _adopt_grads(
         self, grads: list[torch.Tensor | None], ptrs: list[int]

@@ -13,7 +13,9 @@ A launch over T tensors needs, on the device:
 
 Everything but the grad table is built once per plan. Grads may be re-allocated every step
 (``zero_grad(set_to_none=True)``), so `TensorTables.set_role` compares the new address list with the cached
-one (a C-speed list compare) and uploads one small table only when it changed.
+one (a C-speed list compare) and uploads one small table only when it changed; a caller that reads the new
+addresses in C++ writes them straight into the role's page-locked staging tensor (`TensorTables.staging`), which the
+upload copies from with no host copy, list or driver query.
 """
 
 from __future__ import annotations
@@ -39,10 +41,15 @@ def int64_tensor(values: Sequence[int]) -> torch.Tensor:
 
 
 def pinned(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``host`` in page-locked memory when it is bound for a GPU. A copy from pageable memory first waits for the
-    stream to drain (CUDA stages it synchronously), which would stall a host that is queueing work ahead, e.g.
-    inside backward; torch's pinned-memory cache keeps the block until the copy has read it."""
-    return host.pin_memory() if device.type == "cuda" else host
+    """``host``'s values in page-locked memory when they are bound for a GPU. A copy from pageable memory first waits
+    for the stream to drain (CUDA stages it synchronously), which would stall a host that is queueing work ahead, e.g.
+    inside backward; torch's pinned-memory cache keeps the block until the copy has read it. A new block, filled on
+    the host: ``host.pin_memory()`` would first ask the driver whether ``host`` is page-locked already
+    (``cudaPointerGetAttributes``), which costs more than copying a table. Where the caller can write the values
+    into page-locked memory in the first place, `TensorTables.staging` saves the copy too."""
+    if device.type != "cuda":
+        return host
+    return torch.empty(host.shape, dtype=host.dtype, pin_memory=True).copy_(host)
 
 
 def block_map(numels: Sequence[int], block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,6 +88,7 @@ class TensorTables:
         self._low: dict[str, int | None] = {}  # each role's low bits as last given to `set_role`
         self._aligned: dict[tuple[str, int], bool] = {}  # `aligned`'s answers per role until the role moves
         self._scratch: dict[str, torch.Tensor] = {}
+        self._staging: dict[str, torch.Tensor] = {}  # each role's `staging` tensor until `set_role` takes it
         self.uploads = 0
         """Address tables copied to the device so far (plan-time tables included)."""
 
@@ -91,7 +99,8 @@ class TensorTables:
         addresses as a CPU int64 tensor the caller has built already (kept; the caller must not change it); with
         ``addresses`` None, ``host`` alone, addresses the caller knows to differ from the last ones (a native read
         that found the grads moved): uploaded with no list made or compared. ``low_bits``: the OR of the addresses'
-        low six bits, where the caller knows it (`kitsune._native.follow` does): `aligned` then answers from it."""
+        low six bits, where the caller knows it (`kitsune._native.follow` does): `aligned` then answers from it.
+        ``host`` may be the role's `staging` tensor: uploaded from where it is, with no copy on the host."""
         if addresses is None:
             if host is None:
                 raise ValueError(f"role {role!r}: no addresses and no host tensor")
@@ -104,11 +113,14 @@ class TensorTables:
             raise ValueError(f"role {role!r}: {count} addresses for {self.num_tensors} tensors")
         if host is None:
             host = int64_tensor(addresses)  # type: ignore[arg-type]
+        staged = host is self._staging.get(role)
+        if staged:  # the record from now on: the next `staging` call makes another, as a copy may still read this
+            del self._staging[role]
         table = self._roles.get(role)
         if table is None:  # a copy on the CPU too: the caller's tensor may be another table's host (`host`)
             self._roles[role] = host.to(self.device, copy=True)
         else:  # keep the device buffer (its address may be baked into a captured graph)
-            table.copy_(pinned(host, self.device), non_blocking=True)
+            table.copy_(host if staged else pinned(host, self.device), non_blocking=True)
         if addresses is None:
             self._cached.pop(role, None)  # made from ``host`` if asked (`addresses`)
         else:
@@ -118,6 +130,17 @@ class TensorTables:
         self._low[role] = low_bits
         self.uploads += 1
         return True
+
+    def staging(self, role: str) -> torch.Tensor:
+        """A CPU int64 tensor of one address per tensor, for a caller to write ``role``'s next addresses into (a
+        native read) and hand to `set_role` as ``host``: page-locked where the tables live on a GPU, so the upload
+        copies straight from it. The same tensor until `set_role` takes it (it is then the role's record, which an
+        upload in flight may still read), a new one after."""
+        buf = self._staging.get(role)
+        if buf is None:
+            cuda = self.device.type == "cuda"
+            buf = self._staging[role] = torch.empty(self.num_tensors, dtype=torch.int64, pin_memory=cuda)
+        return buf
 
     def addresses(self, role: str) -> list[int] | None:
         """``role``'s addresses as last set, as a list (None before the first): made from its host tensor, once,

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kitsune.kernels import DEAD, NUM_FIELDS, Algo, TensorTables, UpdateSpec, block_map, multi_tensor_update
+from kitsune.kernels.multi_tensor import pinned
 from kitsune.kernels.spec import B1, B2, EPS, EXTRA, LR
 
 
@@ -33,6 +34,43 @@ def test_tables_upload_only_on_change():
     assert tables.role("grad").tolist() == [16, 48]
     with pytest.raises(ValueError, match="2 tensors"):
         tables.set_role("param", [1, 2, 3])
+
+
+def test_a_staged_upload_becomes_the_record_and_the_next_read_gets_a_new_tensor(device):
+    """`TensorTables.staging`: the tensor a native read writes the next addresses into, page-locked on a GPU. Handed
+    to `set_role`, it is uploaded from where it is and kept as the role's record, so the next staging tensor is
+    another: a later read never writes into the record, nor into memory an upload in flight may still read."""
+    tables = TensorTables(device, [4, 4, 4], [0, 0, 0])
+    tables.set_role("grad", [16, 32, 48])
+    staged = tables.staging("grad")
+    assert tables.staging("grad") is staged  # the same until handed over
+    assert staged.device.type == "cpu" and staged.dtype == torch.int64 and staged.numel() == 3
+    assert staged.is_pinned() == (device.type == "cuda")
+    staged.copy_(torch.tensor([64, 80, 96]))
+    assert tables.set_role("grad", None, staged, low_bits=(64 | 80 | 96) & 63) and tables.uploads == 2
+    assert tables.host("grad")[0] is staged
+    following = tables.staging("grad")
+    assert following is not staged and following.data_ptr() != staged.data_ptr()
+    following.fill_(-7)  # the next read writes here
+    assert tables.addresses("grad") == [64, 80, 96] and tables.role("grad").tolist() == [64, 80, 96]
+    assert tables.aligned(["grad"], 16) and not tables.aligned(["grad"], 32)
+    # a staging tensor handed over with the addresses the table holds is not taken: the next read writes it again
+    following.copy_(torch.tensor([64, 80, 96]))
+    assert not tables.set_role("grad", [64, 80, 96], following) and tables.staging("grad") is following
+    assert tables.host("grad")[0] is staged
+    # the same with other addresses: taken, uploaded
+    following.copy_(torch.tensor([128, 144, 160]))
+    assert tables.set_role("grad", [128, 144, 160], following) and tables.staging("grad") is not following
+    assert tables.role("grad").tolist() == [128, 144, 160] and tables.host("grad")[0] is following
+
+
+def test_pinned_copies_values_bound_for_a_gpu_and_leaves_others(device):
+    host = torch.tensor([[1.5, -2.0], [3.25, 4.0]], dtype=torch.float64)
+    out = pinned(host, device)
+    if device.type == "cuda":
+        assert out.is_pinned() and out.data_ptr() != host.data_ptr() and torch.equal(out, host)
+    else:
+        assert out is host
 
 
 def test_alignment_answers_follow_the_addresses_set():
