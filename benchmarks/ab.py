@@ -15,7 +15,8 @@ GPU only. Cases: AdamW on gpt2, many and llama1b (``KitsuneOptimizer(..., enable
 ``GraphConfig(static_addresses=True)``, with ``capture_graph=False`` (``eager``: every step the full path) and with
 grads that move every step (``moving``: `kitsune.bench.params.fresh_grads` before each step, as a training loop's
 ``zero_grad()`` and backward leave them; in the back-to-back time, the same for both commits, and outside the host
-time), and gpt2's float16 AMP + clip 1.0 + zero-in-step phase with fresh grads.
+time), with an LR scheduler stepped before every step (``sched``: `LambdaLR`, outside the host time; each step
+uploads the new hyperparameters), and gpt2's float16 AMP + clip 1.0 + zero-in-step phase with fresh grads.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import torch
 
 CASES = [("gpt2", "default"), ("gpt2", "static"), ("gpt2", "eager"), ("gpt2", "moving"),
          ("many", "default"), ("many", "static"), ("many", "eager"), ("many", "moving"),
-         ("gpt2", "phase"), ("llama1b", "default")]  # fmt: skip
+         ("gpt2", "sched"), ("many", "sched"), ("gpt2", "phase"), ("llama1b", "default")]  # fmt: skip
 
 
 def load_other(path: Path) -> ModuleType:
@@ -73,6 +74,10 @@ def case(sides: dict[str, ModuleType], set_name: str, variant: str, rounds: int,
     for name, mod in sides.items():
         params = make_params(pset, device, 0)
         opt = make(mod, params, variant)
+        sched = None
+        if variant == "sched":
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.999**s)
+            opt.step()  # a step before the scheduler's first, as a training loop's order has it
         one = torch.ones((), device=device)
         gen = torch.Generator(device=device).manual_seed(1)
 
@@ -85,9 +90,11 @@ def case(sides: dict[str, ModuleType], set_name: str, variant: str, rounds: int,
             if variant == "phase":
                 opt.zero_grad(set_to_none=False)
 
-        def prep(params: list = params, gen: Any = gen) -> None:
+        def prep(params: list = params, gen: Any = gen, sched: Any = sched) -> None:
             if variant == "moving":
                 fresh_grads(params, gen)
+            elif sched is not None:  # a new lr before every step, as a scheduler stepped each iteration gives
+                sched.step()
 
         for _ in range(12):  # warm-up, capture, then the steady replay
             prep()
