@@ -249,11 +249,12 @@ class GraphSubsystem(Subsystem):
         except (RuntimeError, ValueError, TypeError):  # a value became a tensor or an array: no single truth value
             return False
         if changed:
-            if _has_tensor(values):
+            fresh = _fresh(values, steady.values)  # an LR scheduler's new lr: one value to look at, not every one
+            if _has_tensor(values if fresh is None else (fresh,)):
                 return False  # a hyperparameter became a tensor: the full step handles it
             if not fusion.refresh_values(groups):
                 return False  # a switch changed (amsgrad, nesterov, ...): new kernels, through the full path
-            if _lists_appeared(values, steady.values):  # a list where there was none, or a key added
+            if fresh is None or any(map(_holds_list, fresh)):  # a key added or removed, or a list where none was
                 steady.nested = _nested(groups)  # copied from now on
                 values = _group_values(groups, steady.nested)
             steady.values = values
@@ -329,16 +330,19 @@ def _holds_list(value: Any) -> bool:
     return type(value) is list or (type(value) is tuple and any(_holds_list(v) for v in value))
 
 
-def _lists_appeared(values: tuple, before: tuple) -> bool:
-    """Whether ``values`` (`_group_values`'s, after a change) hold a list where ``before`` held none: a row of another
-    length (a key added or removed), or a value that is not the one kept and holds a list. Only the changed values
-    are looked into: an LR scheduler's new ``lr`` each step costs a look at one number, not `_nested` over all."""
+def _fresh(values: tuple, before: tuple) -> list | None:
+    """The values of ``values`` (`_group_values`'s, after a change) that are not the ones ``before`` kept at their
+    place, or None where the groups or a group's keys are not the same in number (a key added or removed): only
+    those need a look for a tensor or a list. ``before`` holds neither (the steady replay is armed only then, and
+    `_group_values` copies lists to tuples), so an LR scheduler's new ``lr`` each step costs a look at one number."""
     if len(values) != len(before):
-        return True
+        return None
+    fresh = []
     for row, kept in zip(values, before, strict=True):
-        if len(row) != len(kept) or any(v is not w and _holds_list(v) for v, w in zip(row, kept, strict=True)):
-            return True
-    return False
+        if len(row) != len(kept):
+            return None
+        fresh += [v for v, w in zip(row, kept, strict=True) if v is not w]
+    return fresh
 
 
 def _group_values(groups: list[dict[str, Any]], nested: tuple[tuple[int, ...], ...] | None) -> tuple:
@@ -347,7 +351,7 @@ def _group_values(groups: list[dict[str, Any]], nested: tuple[tuple[int, ...], .
     ones too, so that ``group["betas"][0] = x`` or ``group["ns_coefficients"][0][0] = x`` on the same lists compares
     unequal (a container compares its own items by identity first). No value kept here is a list, so a list where
     ``nested`` names none (a value replaced by one, a key added) compares unequal to what was there before; the
-    caller then takes ``nested`` again (`_lists_appeared`)."""
+    caller then takes ``nested`` again (`_fresh`)."""
     if nested is None:
         return tuple([tuple(g.values()) for g in groups])
     rows = []
