@@ -17,9 +17,10 @@ instead (``capture_graph=False``, as `kitsune bench`'s ``eager`` row), its launc
 ``AdamW`` through ``KitsuneOptimizer(..., enable_fusion=True)`` over a `kitsune bench` set's tensors (``--scale``
 shrinks each tensor, not their count: the host path's cost is per tensor). Grads ``kept`` (the same tensors every
 step) or ``fresh`` (`kitsune.bench.params.fresh_grads` before each step, outside the timer: every grad moved, as a
-training loop's). Per round and side, the median of ``--steps`` host times; printed: the median over the rounds.
-The optimizer built first can be the slower one, whichever commit it is (where the objects a step reads land in
-memory): run both orders before reading a difference as a commit's.
+training loop's); ``sched``: kept grads and an LR scheduler (`LambdaLR`) stepped before each step, outside the timer,
+so that every step uploads new hyperparameters. Per round and side, the median of ``--steps`` host times; printed:
+the median over the rounds. The optimizer built first can be the slower one, whichever commit it is (where the
+objects a step reads land in memory): run both orders before reading a difference as a commit's.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def main() -> None:
     parser.add_argument("--other-first", action="store_true", help="build the other commit's optimizer first")
     parser.add_argument("--sets", default="gpt2,many", help="comma-separated kitsune bench sets")
     parser.add_argument("--scale", type=float, default=1e-3, help="elements per tensor, as kitsune bench --scale")
-    parser.add_argument("--grads", default="kept,fresh", help="comma-separated: kept, fresh")
+    parser.add_argument("--grads", default="kept,fresh", help="comma-separated: kept, fresh, sched")
     parser.add_argument(
         "--path", choices=["steady", "eager"], default="steady",
         help="steady: the one line's steady replay; eager: capture_graph=False, every step the full path",
@@ -118,7 +119,10 @@ def main() -> None:
     for set_name in args.sets.split(","):
         built = {name: build(mod, set_name, args.scale, args.path) for name, mod in sides.items()}
         gen = torch.Generator().manual_seed(1)
-        for params, opt, _ in built.values():  # warm-up (3 steps), capture, then the steady replay
+        scheds = {}
+        for name, (params, opt, _) in built.items():  # warm-up (3 steps), capture, then the steady replay
+            if "sched" in modes:
+                scheds[name] = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.999**s)
             for _ in range(8):
                 fresh_grads(params, gen)
                 opt.step()
@@ -133,6 +137,8 @@ def main() -> None:
                     for _ in range(args.steps):
                         if mode == "fresh":
                             fresh_grads(params, gen)
+                        elif mode == "sched":
+                            scheds[name].step()
                         t0 = time.perf_counter_ns()
                         opt.step()
                         host.append((time.perf_counter_ns() - t0) / 1e3)
