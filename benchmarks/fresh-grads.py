@@ -18,9 +18,9 @@ as the kernels take it), so the step takes the full path and reads the grads' ad
 ``fresh`` with one 64 KiB host allocation made and freed after the grads' making, outside the timer. Freeing the
 last grads leaves thousands of small blocks (their TensorImpls and storages) in glibc's fast bins, and the first
 allocation of a kilobyte or more after that sorts them all, on cold memory, whoever makes it: in ``fresh`` that is
-the step (its native check's scratch, its copy of the new addresses), in a training loop whichever allocation comes
-first after ``zero_grad()`` or backward's frees. ``settled`` times the step with that work done before it. It prints,
-per mode, the medians over the blocks.
+the step (the page-locked tensor its native read writes the new addresses into), in a training loop whichever
+allocation comes first after ``zero_grad()`` or backward's frees. ``settled`` times the step with that work done
+before it. It prints, per mode, the medians over the blocks.
 """
 
 from __future__ import annotations
