@@ -26,7 +26,6 @@ before it. It prints, per mode, the medians over the blocks.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -34,7 +33,7 @@ from typing import Any
 import torch
 
 from kitsune import KitsuneOptimizer, __version__, _native
-from kitsune.bench.cli import add_device_args, device_and_defaults
+from kitsune.bench.cli import add_device_args, device_and_defaults, write_script_json
 from kitsune.bench.params import fresh_grads, get_param_set, make_params, refill_grads
 from kitsune.bench.timing import native_check_ready, percentile, synchronize
 
@@ -133,10 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             "a step (medians over the blocks)"
         )
     if args.json is not None:
-        env = {"torch": torch.__version__, "kitsune": __version__, "cuda": torch.version.cuda}
-        if device.type == "cuda":
-            env["device"] = torch.cuda.get_device_name(device)
-        args.json.write_text(json.dumps({"environment": env, **out}, indent=1))
+        write_script_json(args.json, device, out)
     return 0
 
 

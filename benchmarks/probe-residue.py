@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import json
 import pstats
 import warnings
 from contextlib import ExitStack
@@ -34,7 +33,7 @@ from unittest import mock
 import torch
 
 from kitsune import KitsuneOptimizer, __version__
-from kitsune.bench.cli import add_device_args, device_and_defaults
+from kitsune.bench.cli import add_device_args, device_and_defaults, write_script_json
 from kitsune.bench.params import get_param_set, make_params
 from kitsune.bench.timing import native_check_ready, percentile, synchronize, time_block
 from kitsune.config import FusionConfig, KitsuneConfig, ProfilerConfig
@@ -169,10 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         if opt.profiler is not None:
             opt.profiler.close()  # the NVML sampler's thread
     if args.json is not None:
-        env = {"torch": torch.__version__, "kitsune": __version__, "cuda": torch.version.cuda}
-        if device.type == "cuda":
-            env["device"] = torch.cuda.get_device_name(device)
-        args.json.write_text(json.dumps({"environment": env, **out}, indent=1))
+        write_script_json(args.json, device, out)
     return 0
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
-import json
 import os
 import sys
 import time
@@ -44,7 +43,7 @@ if _pre.parse_known_args(sys.argv[1:])[0].device == "cpu":
 import torch  # noqa: E402
 
 from kitsune import KitsuneOptimizer, __version__  # noqa: E402
-from kitsune.bench.cli import add_device_args, device_and_defaults  # noqa: E402
+from kitsune.bench.cli import add_device_args, device_and_defaults, write_script_json  # noqa: E402
 from kitsune.bench.params import fresh_grads, get_param_set, make_params  # noqa: E402
 from kitsune.bench.timing import native_check_ready, percentile, synchronize  # noqa: E402
 from kitsune.fusion.executor import FusionSubsystem  # noqa: E402
@@ -172,10 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         del opt, params
     if args.json is not None:
-        env = {"torch": torch.__version__, "kitsune": __version__, "cuda": torch.version.cuda}
-        if device.type == "cuda":
-            env["device"] = torch.cuda.get_device_name(device)
-        args.json.write_text(json.dumps({"environment": env, **out}, indent=1))
+        write_script_json(args.json, device, out)
     return 0
 
 

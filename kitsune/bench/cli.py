@@ -39,6 +39,21 @@ def device_and_defaults(parser: argparse.ArgumentParser, args: argparse.Namespac
     return device
 
 
+def write_script_json(path: Path, device: Any, out: dict[str, Any]) -> None:
+    """A `benchmarks/` script's results at ``path``: ``out`` under an ``environment`` entry (torch's, kitsune's and
+    CUDA's versions, and the GPU's name on one)."""
+    import json
+
+    import torch
+
+    from kitsune import __version__
+
+    env = {"torch": torch.__version__, "kitsune": __version__, "cuda": torch.version.cuda}
+    if device.type == "cuda":
+        env["device"] = torch.cuda.get_device_name(device)
+    path.write_text(json.dumps({"environment": env, **out}, indent=1))
+
+
 def _names(choices: dict[str, Any]) -> Callable[[str], list[str]]:
     """An argparse ``type``: comma-separated names, each one of ``choices``, at least one; a repeated name counts
     once (``gpt2,gpt2`` times gpt2 once)."""
