@@ -20,6 +20,7 @@ upload copies from with no host copy, list or driver query.
 
 from __future__ import annotations
 
+import ctypes
 import math
 from array import array
 from collections.abc import Sequence
@@ -40,16 +41,34 @@ def int64_tensor(values: Sequence[int]) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=torch.int64).clone() if len(buf) else torch.empty(0, dtype=torch.int64)
 
 
+def host_tensor(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised CPU tensor for values bound for ``device``: page-locked where that is a GPU. A copy from
+    pageable memory first waits for the stream to drain (CUDA stages it synchronously), which would stall a host
+    that is queueing work ahead, e.g. inside backward; from page-locked memory it is queued, and torch's pinned-memory
+    cache keeps the block until the copy has read it."""
+    return torch.empty(tuple(shape), dtype=dtype, pin_memory=device.type == "cuda")
+
+
+def staged(values: array, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` (a Python array whose items are ``dtype``'s, ``math.prod(shape)`` of them) in a new `host_tensor`
+    for ``device``, with one memmove: no tensor made over the array and copied again, as `pinned` would."""
+    out = host_tensor(shape, dtype, device)
+    if out.element_size() != values.itemsize or out.numel() != len(values):
+        size = f"{len(values)} values of {values.itemsize} bytes"
+        raise ValueError(f"{size} for a {dtype} tensor of shape {tuple(shape)}")
+    if len(values):
+        ctypes.memmove(out.data_ptr(), values.buffer_info()[0], len(values) * values.itemsize)
+    return out
+
+
 def pinned(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``host``'s values in page-locked memory when they are bound for a GPU. A copy from pageable memory first waits
-    for the stream to drain (CUDA stages it synchronously), which would stall a host that is queueing work ahead, e.g.
-    inside backward; torch's pinned-memory cache keeps the block until the copy has read it. A new block, filled on
-    the host: ``host.pin_memory()`` would first ask the driver whether ``host`` is page-locked already
+    """``host``'s values in page-locked memory when they are bound for a GPU (see `host_tensor`). A new block, filled
+    on the host: ``host.pin_memory()`` would first ask the driver whether ``host`` is page-locked already
     (``cudaPointerGetAttributes``), which costs more than copying a table. Where the caller can write the values
-    into page-locked memory in the first place, `TensorTables.staging` saves the copy too."""
+    into page-locked memory in the first place (`staged`, `TensorTables.staging`), that saves the copy too."""
     if device.type != "cuda":
         return host
-    return torch.empty(host.shape, dtype=host.dtype, pin_memory=True).copy_(host)
+    return host_tensor(host.shape, host.dtype, device).copy_(host)
 
 
 def block_map(numels: Sequence[int], block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,16 +130,16 @@ class TensorTables:
             count = len(addresses)
         if count != self.num_tensors:
             raise ValueError(f"role {role!r}: {count} addresses for {self.num_tensors} tensors")
+        ready = host is None or host is self._staging.get(role)  # page-locked already where that matters
         if host is None:
-            host = int64_tensor(addresses)  # type: ignore[arg-type]
-        staged = host is self._staging.get(role)
-        if staged:  # the record from now on: the next `staging` call makes another, as a copy may still read this
+            host = staged(array("q", addresses), (count,), torch.int64, self.device)  # type: ignore[arg-type]
+        elif ready:  # the record from now on: the next `staging` call makes another, as a copy may still read this
             del self._staging[role]
         table = self._roles.get(role)
         if table is None:  # a copy on the CPU too: the caller's tensor may be another table's host (`host`)
             self._roles[role] = host.to(self.device, copy=True)
         else:  # keep the device buffer (its address may be baked into a captured graph)
-            table.copy_(host if staged else pinned(host, self.device), non_blocking=True)
+            table.copy_(host if ready else pinned(host, self.device), non_blocking=True)
         if addresses is None:
             self._cached.pop(role, None)  # made from ``host`` if asked (`addresses`)
         else:
@@ -138,8 +157,7 @@ class TensorTables:
         upload in flight may still read), a new one after."""
         buf = self._staging.get(role)
         if buf is None:
-            cuda = self.device.type == "cuda"
-            buf = self._staging[role] = torch.empty(self.num_tensors, dtype=torch.int64, pin_memory=cuda)
+            buf = self._staging[role] = host_tensor((self.num_tensors,), torch.int64, self.device)
         return buf
 
     def addresses(self, role: str) -> list[int] | None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from array import array
+
 import pytest
 import torch
 
 from kitsune.kernels import DEAD, NUM_FIELDS, Algo, TensorTables, UpdateSpec, block_map, multi_tensor_update
-from kitsune.kernels.multi_tensor import pinned
+from kitsune.kernels.multi_tensor import pinned, staged
 from kitsune.kernels.spec import B1, B2, EPS, EXTRA, LR
 
 
@@ -71,6 +73,35 @@ def test_pinned_copies_values_bound_for_a_gpu_and_leaves_others(device):
         assert out.is_pinned() and out.data_ptr() != host.data_ptr() and torch.equal(out, host)
     else:
         assert out is host
+
+
+def test_staged_moves_an_arrays_values_into_a_new_tensor_bound_for_the_device(device):
+    """`staged`: an array's values in a new CPU tensor, page-locked on a GPU, each time another (an upload in flight
+    may still read the last); a size or item width that does not fit raises before anything is written."""
+    gen = torch.Generator().manual_seed(3)
+    values = array("d", torch.randn(12, generator=gen, dtype=torch.float64).tolist())
+    out = staged(values, (3, 4), torch.float64, device)
+    again = staged(values, (3, 4), torch.float64, device)
+    assert out.device.type == "cpu" and out.shape == (3, 4) and out.dtype == torch.float64
+    assert out.is_pinned() == (device.type == "cuda") and again.data_ptr() != out.data_ptr()
+    assert out.flatten().tolist() == list(values)  # bit for bit
+    addresses = array("q", [2**40 + 16, -1, 0])
+    assert staged(addresses, (3,), torch.int64, device).tolist() == [2**40 + 16, -1, 0]
+    assert staged(array("d"), (0, 4), torch.float64, device).shape == (0, 4)
+    with pytest.raises(ValueError, match="12 values of 8 bytes"):
+        staged(values, (2, 4), torch.float64, device)
+    with pytest.raises(ValueError, match="3 values of 8 bytes"):
+        staged(addresses, (3,), torch.int32, device)
+
+
+def test_a_listed_upload_is_staged_and_kept_as_the_record(device):
+    """`TensorTables.set_role` with a list: the table gets those addresses and the record (`host`) is the staged
+    tensor the upload read, page-locked on a GPU, not a pageable one copied again."""
+    tables = TensorTables(device, [4, 4], [0, 0])
+    tables.set_role("grad", [16, 32])
+    assert tables.set_role("grad", [48, 2**33]) and tables.role("grad").tolist() == [48, 2**33]
+    host, _ = tables.host("grad")
+    assert host.tolist() == [48, 2**33] and host.is_pinned() == (device.type == "cuda")
 
 
 def test_alignment_answers_follow_the_addresses_set():

@@ -1,0 +1,68 @@
+"""The device-held hyperparameters (`kitsune.fusion.context.DeviceContext`): what an LR scheduler's every step
+uploads lands bit for bit, in the buffer the kernels and captured graphs hold, and a bad value changes nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kitsune.fusion.context import DeviceContext
+from kitsune.kernels.spec import NUM_FIELDS
+
+
+def _row(group: dict) -> tuple:
+    return tuple(group["values"])
+
+
+def _groups(gen: torch.Generator, widths: tuple[int, ...]) -> list[dict]:
+    return [{"values": torch.randn(w, generator=gen, dtype=torch.float64).tolist()} for w in widths]
+
+
+def _expected(groups: list[dict]) -> torch.Tensor:
+    out = torch.zeros(len(groups), NUM_FIELDS, dtype=torch.float64)
+    for i, g in enumerate(groups):
+        out[i, : len(g["values"])] = torch.tensor(g["values"], dtype=torch.float64)
+    return out
+
+
+def test_refreshes_land_bit_for_bit_in_the_same_buffer(device):
+    """Rows of different widths, padded with zeros, over many refreshes with new random values each (an LR
+    scheduler's steps): each lands exactly, in the buffer first made (its address is baked into captured graphs);
+    unchanged values upload nothing."""
+    gen = torch.Generator().manual_seed(11)
+    context = DeviceContext(device, _row)
+    groups = _groups(gen, (5, NUM_FIELDS, 1))
+    assert context.refresh(groups) and context.uploads == 1
+    buffer = context.buffer
+    assert buffer.device.type == device.type and torch.equal(buffer.cpu(), _expected(groups))
+    for step in range(20):
+        groups[step % 3]["values"][0] = torch.randn(1, generator=gen, dtype=torch.float64).item()
+        assert context.refresh(groups)
+        assert context.buffer is buffer and torch.equal(buffer.cpu(), _expected(groups))
+    assert not context.refresh(groups) and context.uploads == 21
+    assert not context.differs(groups)
+    groups[1]["values"][-1] += 1.0
+    assert context.differs(groups) and context.uploads == 21  # asked, not uploaded
+
+
+def test_a_value_that_is_not_a_number_changes_nothing(device):
+    gen = torch.Generator().manual_seed(12)
+    context = DeviceContext(device, _row)
+    groups = _groups(gen, (4, 4))
+    context.refresh(groups)
+    before = context.buffer.clone()
+    good = list(groups[1]["values"])
+    groups[0]["values"][0] = 0.5  # a change before the bad value: not uploaded either
+    groups[1]["values"][2] = "0.1"
+    with pytest.raises(TypeError, match=r"param group 1 holds '0.1' \(str\) where its step reads a number"):
+        context.refresh(groups)
+    assert torch.equal(context.buffer, before) and context.uploads == 1
+    groups[1]["values"] = good
+    assert context.refresh(groups) and torch.equal(context.buffer.cpu(), _expected(groups))
+
+
+def test_a_row_wider_than_the_buffer_is_refused(device):
+    context = DeviceContext(device, _row)
+    with pytest.raises(ValueError, match=f"at most {NUM_FIELDS} fit"):
+        context.refresh([{"values": [1.0] * (NUM_FIELDS + 1)}])
+    assert context.buffer is None
