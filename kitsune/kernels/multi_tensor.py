@@ -50,14 +50,16 @@ def host_tensor(shape: Sequence[int], dtype: torch.dtype, device: torch.device) 
 
 
 def staged(values: array, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``values`` (a Python array whose items are ``dtype``'s, ``math.prod(shape)`` of them) in a new `host_tensor`
-    for ``device``, with one memmove: no tensor made over the array and copied again, as `pinned` would."""
-    out = host_tensor(shape, dtype, device)
-    if out.element_size() != values.itemsize or out.numel() != len(values):
+    """``values`` (a Python array whose items are ``dtype``'s, ``math.prod(shape)`` of them) as a CPU tensor bound
+    for ``device``: on a GPU a new `host_tensor` they are moved into with one memmove (no tensor made over the array
+    and copied again, as `pinned` would), elsewhere a tensor over the array's own memory."""
+    if math.prod(shape) != len(values) or dtype.itemsize != values.itemsize:
         size = f"{len(values)} values of {values.itemsize} bytes"
         raise ValueError(f"{size} for a {dtype} tensor of shape {tuple(shape)}")
-    if len(values):
-        ctypes.memmove(out.data_ptr(), values.buffer_info()[0], len(values) * values.itemsize)
+    if device.type != "cuda" or not values:
+        return torch.frombuffer(values, dtype=dtype).view(*shape) if values else torch.empty(shape, dtype=dtype)
+    out = host_tensor(shape, dtype, device)
+    ctypes.memmove(out.data_ptr(), values.buffer_info()[0], len(values) * values.itemsize)
     return out
 
 

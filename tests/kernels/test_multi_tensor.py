@@ -76,14 +76,19 @@ def test_pinned_copies_values_bound_for_a_gpu_and_leaves_others(device):
 
 
 def test_staged_moves_an_arrays_values_into_a_new_tensor_bound_for_the_device(device):
-    """`staged`: an array's values in a new CPU tensor, page-locked on a GPU, each time another (an upload in flight
-    may still read the last); a size or item width that does not fit raises before anything is written."""
+    """`staged`: an array's values as a CPU tensor; bound for a GPU, in a new page-locked block each time (an upload
+    in flight may still read the last), else over the array's memory; a size or item width that does not fit raises
+    before anything is written."""
     gen = torch.Generator().manual_seed(3)
     values = array("d", torch.randn(12, generator=gen, dtype=torch.float64).tolist())
     out = staged(values, (3, 4), torch.float64, device)
     again = staged(values, (3, 4), torch.float64, device)
     assert out.device.type == "cpu" and out.shape == (3, 4) and out.dtype == torch.float64
-    assert out.is_pinned() == (device.type == "cuda") and again.data_ptr() != out.data_ptr()
+    if device.type == "cuda":
+        assert out.is_pinned() and again.is_pinned() and again.data_ptr() != out.data_ptr()
+        assert out.data_ptr() != values.buffer_info()[0]
+    else:
+        assert out.data_ptr() == values.buffer_info()[0]
     assert out.flatten().tolist() == list(values)  # bit for bit
     addresses = array("q", [2**40 + 16, -1, 0])
     assert staged(addresses, (3,), torch.int64, device).tolist() == [2**40 + 16, -1, 0]
