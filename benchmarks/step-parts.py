@@ -14,6 +14,8 @@ timed around its call (a wrapper costs about 0.1 us):
 * ``follow``: the native check of every param and grad and, where the grads moved, the grad tables pointed at them
   (`FusionSubsystem.follow`); ``upload``, inside it: the tables' uploads (`TensorTables.set_role`);
 * ``values``: a changed group's switches checked and the hyperparameters uploaded (`FusionSubsystem.refresh_values`);
+  ``switches`` and ``hyper``, inside it: the switches' check (`FusionSubsystem._switches_changed`) and the rows'
+  upload (`DeviceContext._upload`: the array, its page-locked block, the copy);
 * ``layout``: the kernel variants the moved grads' addresses pick (`FusionSubsystem.grad_layout`);
 * ``replay``: the graph's launch (`GraphBackend.replay`);
 * ``rest``: the step less ``follow``, ``values``, ``layout`` and ``replay`` (the groups' comparison, the step's
@@ -46,6 +48,7 @@ from kitsune import KitsuneOptimizer, __version__  # noqa: E402
 from kitsune.bench.cli import add_device_args, device_and_defaults, write_script_json  # noqa: E402
 from kitsune.bench.params import fresh_grads, get_param_set, make_params  # noqa: E402
 from kitsune.bench.timing import native_check_ready, percentile, synchronize  # noqa: E402
+from kitsune.fusion.context import DeviceContext  # noqa: E402
 from kitsune.fusion.executor import FusionSubsystem  # noqa: E402
 from kitsune.kernels.multi_tensor import TensorTables  # noqa: E402
 
@@ -54,6 +57,8 @@ PARTS: dict[str, tuple[Any, str] | str] = {
     "follow": (FusionSubsystem, "follow"),
     "upload": (TensorTables, "set_role"),
     "values": (FusionSubsystem, "refresh_values"),
+    "switches": (FusionSubsystem, "_switches_changed"),
+    "hyper": (DeviceContext, "_upload"),
     "layout": (FusionSubsystem, "grad_layout"),
     "replay": "replay",  # the graph subsystem's backend object's
 }
