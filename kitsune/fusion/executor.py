@@ -83,6 +83,7 @@ class FusionSubsystem(Subsystem):
         self._handled: frozenset[torch.Tensor] = frozenset()
         self._contexts: dict[torch.device, DeviceContext] = {}
         self._switches: tuple[Any, ...] = ()
+        self._switch_keys: frozenset[str] | None = None  # the keys they were read from (None: every key)
         self._info: AlgoInfo | None = None
         self._logged: set[str] = set()
         self._steps = 0
@@ -126,7 +127,7 @@ class FusionSubsystem(Subsystem):
         low_params = {p for u in planned.units if u.spec.state != StateFormat.PARAM for p in u.params}
         if state_format.decode_others(base.state, low_params):  # the others' 8-bit state, or float state of another
             planned = self._planner.plan(base, remote, backward_bytes)  # dtype, now as their steps read it: route that
-        self._info, self._switches = planned.info, planned.switches
+        self._info, self._switches, self._switch_keys = planned.info, planned.switches, planned.switch_keys
         self._units, self._muon, self._shadows = planned.units, planned.muon, planned.shadows
         self._prepared = []  # the last step's units: the old plan's go with it (their slots hold the pool's arenas)
         # the params a step updates itself, a set made once a plan (a step's `prepare` takes out the unhandled ones)
@@ -475,10 +476,14 @@ class FusionSubsystem(Subsystem):
             self._bind_norm(moved=True)
         return found
 
-    def refresh_values(self, groups: list[dict[str, Any]]) -> bool:
+    def refresh_values(self, groups: list[dict[str, Any]], keys: Collection[str] | None = None) -> bool:
         """A group's values changed between two steady replays: refresh the hyperparameter buffers, or return False
-        when a switch changed (the kernels must be planned again, through `prepare`)."""
-        if self._switches_changed(groups):
+        when a switch changed (the kernels must be planned again, through `prepare`). ``keys``: the keys whose
+        values changed, where the caller knows them (None: any may have): the switches are compared only where one
+        of them is a key they are read from (`kitsune.fusion.planner.switch_keys`), so an LR scheduler's new ``lr``
+        costs no comparison."""
+        read = self._switch_keys
+        if (keys is None or read is None or not read.isdisjoint(keys)) and self._switches_changed(groups):
             return False
         self.refresh_contexts()
         return True

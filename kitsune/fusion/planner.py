@@ -122,6 +122,9 @@ class Planned:
     """Each group's compile-time switches (`AlgoInfo.spec`)."""
     switches: tuple[Any, ...] = ()
     """`group_switches` as this plan saw them: a change of any plans again."""
+    switch_keys: frozenset[str] | None = None
+    """The group keys `group_switches` read (`switch_keys`; None: every key): a change to any other key cannot change
+    the switches."""
     units: list[FusedUnit] = field(default_factory=list)
     muon: list[muon_unit.MuonUnit] = field(default_factory=list)
     shadows: list[TorchShadow] = field(default_factory=list)
@@ -190,7 +193,7 @@ class Planner:
                 buckets[key].append((gi, p))
                 notes[key] |= _group_notes(g) | ({note} if note else set())
 
-        out = Planned(Plan(), info, specs, group_switches(info, groups))
+        out = Planned(Plan(), info, specs, group_switches(info, groups), switch_keys(info, groups))
         for key, members in buckets.items():
             device, dtype, spec, route, reason = key
             bp = self._plan_bucket(base, info, specs, device, dtype, spec, route, reason, members)
@@ -509,6 +512,72 @@ def group_switches(info: AlgoInfo | None, groups: list[dict[str, Any]]) -> tuple
         return ()
     specs = group_specs(info, groups)
     return tuple((spec, _group_reason(g) is not None) for spec, g in zip(specs, groups, strict=True))
+
+
+def switch_keys(info: AlgoInfo | None, groups: list[dict[str, Any]]) -> frozenset[str] | None:
+    """The keys `group_switches` reads from ``groups``, or None where it reads every key (or raises): a step whose
+    groups changed only at other keys (an LR scheduler's ``lr``) has the switches of the last, and the steady replay
+    skips their comparison. Found by running it on copies of the groups that note each key read, so no list of
+    switch keys is kept beside the switches that could fall out of step with them; a read that depends on a value
+    (a key read only while another is set) is seen again, as the key deciding it was read."""
+    if info is None:
+        return frozenset()
+    copies = [_Reads(g) for g in groups]
+    try:
+        group_switches(info, copies)  # type: ignore[arg-type]
+    except Exception:  # the switches' own errors are raised by `group_switches` itself, where it matters
+        return None
+    if any(c.every for c in copies):
+        return None
+    return frozenset().union(*(c.read for c in copies))
+
+
+class _Reads(dict):
+    """A param group's copy that notes the keys read from it (`switch_keys`); ``every`` once a read covers them all."""
+
+    def __init__(self, group: dict[str, Any]) -> None:
+        super().__init__(group)
+        self.read: set[Any] = set()
+        self.every = False
+
+    def __getitem__(self, key: Any) -> Any:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        self.read.add(key)
+        return super().__contains__(key)
+
+    def _all(self, name: str, *args: Any) -> Any:
+        self.every = True
+        return getattr(super(), name)(*args)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return self._all("__iter__")
+
+    def __len__(self) -> int:
+        return self._all("__len__")
+
+    def __eq__(self, other: object) -> bool:
+        return self._all("__eq__", other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def keys(self):  # type: ignore[no-untyped-def]
+        return self._all("keys")
+
+    def values(self):  # type: ignore[no-untyped-def]
+        return self._all("values")
+
+    def items(self):  # type: ignore[no-untyped-def]
+        return self._all("items")
+
+    def copy(self) -> dict[str, Any]:
+        return self._all("copy")
 
 
 def _group_reason(g: dict[str, Any]) -> tuple[Route, str] | None:

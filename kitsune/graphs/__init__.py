@@ -222,7 +222,7 @@ class GraphSubsystem(Subsystem):
         nested = _nested(groups)
         values = _group_values(groups, nested)
         if not _has_tensor(values):  # tensor hyperparameters change in place: the full step compares their values
-            self._steady = _Steady(groups, values, nested, self._fusion.plan_version, tuple(zeroed))
+            self._steady = _Steady(groups, values, nested, _keys(groups), self._fusion.plan_version, tuple(zeroed))
 
     def disarm(self) -> None:
         """A step through the full path: the steady replay waits for that path to replay the graph again."""
@@ -243,18 +243,21 @@ class GraphSubsystem(Subsystem):
             return False
         if not planned.fits(groups, state):
             return False  # a group's params list replaced or grown: re-plan (and the values below compare safely)
+        if _keys(groups) != steady.keys:
+            return False  # a key added, removed or moved (the values below are compared by their place)
         values = _group_values(groups, steady.nested)
         try:
             changed = values != steady.values
         except (RuntimeError, ValueError, TypeError):  # a value became a tensor or an array: no single truth value
             return False
         if changed:
-            fresh = _fresh(values, steady.values)  # an LR scheduler's new lr: one value to look at, not every one
-            if _has_tensor(values if fresh is None else (fresh,)):
+            # an LR scheduler's new lr: one value to look at, not every one, and one key for the switches to ask about
+            fresh, keys = _fresh(values, steady.values, steady.keys)
+            if _has_tensor((fresh,)):
                 return False  # a hyperparameter became a tensor: the full step handles it
-            if not fusion.refresh_values(groups):
+            if not fusion.refresh_values(groups, keys):
                 return False  # a switch changed (amsgrad, nesterov, ...): new kernels, through the full path
-            if fresh is None or any(map(_holds_list, fresh)):  # a key added or removed, or a list where none was
+            if any(map(_holds_list, fresh)):  # a list where none was
                 steady.nested = _nested(groups)  # copied from now on
                 values = _group_values(groups, steady.nested)
             steady.values = values
@@ -307,12 +310,18 @@ class _Steady:
     """What the steady replay compares a step against (the groups object and the values the last step used, with
     where those hold lists) and what it books afterwards (the params whose grads the captured work zeroed)."""
 
-    __slots__ = ("groups", "nested", "plan_version", "values", "zeroed")
+    __slots__ = ("groups", "keys", "nested", "plan_version", "values", "zeroed")
 
     def __init__(
-        self, groups: list, values: tuple, nested: tuple | None, plan_version: int, zeroed: tuple[torch.Tensor, ...]
+        self,
+        groups: list,
+        values: tuple,
+        nested: tuple | None,
+        keys: tuple[tuple[str, ...], ...],
+        plan_version: int,
+        zeroed: tuple[torch.Tensor, ...],
     ) -> None:
-        self.groups, self.values, self.nested = groups, values, nested
+        self.groups, self.values, self.nested, self.keys = groups, values, nested, keys
         self.plan_version, self.zeroed = plan_version, zeroed
 
 
@@ -330,19 +339,25 @@ def _holds_list(value: Any) -> bool:
     return type(value) is list or (type(value) is tuple and any(_holds_list(v) for v in value))
 
 
-def _fresh(values: tuple, before: tuple) -> list | None:
+def _fresh(values: tuple, before: tuple, keys: tuple[tuple[str, ...], ...]) -> tuple[list, set[str]]:
     """The values of ``values`` (`_group_values`'s, after a change) that are not the ones ``before`` kept at their
-    place, or None where the groups or a group's keys are not the same in number (a key added or removed): only
-    those need a look for a tensor or a list. ``before`` holds neither (the steady replay is armed only then, and
-    `_group_values` copies lists to tuples), so an LR scheduler's new ``lr`` each step costs a look at one number."""
-    if len(values) != len(before):
-        return None
-    fresh = []
-    for row, kept in zip(values, before, strict=True):
-        if len(row) != len(kept):
-            return None
-        fresh += [v for v, w in zip(row, kept, strict=True) if v is not w]
-    return fresh
+    place, and the keys they sit at (``keys``: each group's, the same for both): only those values need a look for a
+    tensor or a list, and only those keys can have changed a kernel switch (`FusionSubsystem.refresh_values`).
+    ``before`` holds neither a tensor nor a list (the steady replay is armed only then, and `_group_values` copies
+    lists to tuples), so an LR scheduler's new ``lr`` each step costs a look at one number and one key."""
+    fresh: list = []
+    changed: set[str] = set()
+    for row, kept, names in zip(values, before, keys, strict=True):
+        for value, was, name in zip(row, kept, names, strict=True):
+            if value is not was:
+                fresh.append(value)
+                changed.add(name)
+    return fresh, changed
+
+
+def _keys(groups: list[dict[str, Any]]) -> tuple[tuple[str, ...], ...]:
+    """Each group's keys, in order: what the positions of `_group_values`'s rows are the values of."""
+    return tuple(map(tuple, groups))
 
 
 def _group_values(groups: list[dict[str, Any]], nested: tuple[tuple[int, ...], ...] | None) -> tuple:
@@ -350,8 +365,8 @@ def _group_values(groups: list[dict[str, Any]], nested: tuple[tuple[int, ...], .
     compared by identity), and at the positions ``nested`` names (`_nested`) the list copied to a tuple, nested
     ones too, so that ``group["betas"][0] = x`` or ``group["ns_coefficients"][0][0] = x`` on the same lists compares
     unequal (a container compares its own items by identity first). No value kept here is a list, so a list where
-    ``nested`` names none (a value replaced by one, a key added) compares unequal to what was there before; the
-    caller then takes ``nested`` again (`_fresh`)."""
+    ``nested`` names none (a value replaced by one) compares unequal to what was there before; the caller then takes
+    ``nested`` again. Values are compared by their place: the caller compares the groups' keys first (`_keys`)."""
     if nested is None:
         return tuple([tuple(g.values()) for g in groups])
     rows = []

@@ -425,3 +425,34 @@ def test_params_moved_where_the_kernel_runs_after_wrapping_are_fused(device, mon
     assert routes == [{Route.TRITON}] * 6
     for a, b in zip(model.parameters(), twin.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_switch_keys_are_the_keys_the_switches_are_read_from():
+    """`switch_keys`: the keys `group_switches` reads, found by running it (an LR scheduler's lr is not one, so its
+    steady replays compare no switches); None where it reads every key or raises, so that every change compares."""
+    from dataclasses import replace
+
+    from kitsune.fusion.algos import ALGOS
+    from kitsune.fusion.planner import group_switches, switch_keys
+    from kitsune.optim import Muon
+
+    params = [torch.zeros(4, 4, requires_grad=True)]
+    adamw = torch.optim.AdamW(params, lr=1e-3)
+    sgd = torch.optim.SGD([{"params": params}, {"params": [], "nesterov": True}], lr=0.1, momentum=0.9)
+    muon = Muon(params, lr=0.02)
+    assert switch_keys(ALGOS[torch.optim.AdamW], adamw.param_groups) == {"amsgrad", "maximize", "differentiable"}
+    sgd_keys = {"momentum", "nesterov", "maximize", "differentiable"}
+    assert switch_keys(ALGOS[torch.optim.SGD], sgd.param_groups) == sgd_keys
+    muon_keys = switch_keys(ALGOS[Muon], muon.param_groups)
+    assert {"ns_coefficients", "ns_steps", "nesterov"} <= muon_keys and "lr" not in muon_keys
+    assert switch_keys(None, adamw.param_groups) == frozenset()
+    info = ALGOS[torch.optim.AdamW]
+    every = replace(info, spec=lambda g: (info.spec(g), sorted(g.items(), key=str)))
+    assert switch_keys(every, adamw.param_groups) is None
+    group = dict(adamw.param_groups[0])
+    del group["amsgrad"]  # torch's step raises KeyError: so do the switches
+    with pytest.raises(KeyError):
+        group_switches(info, [group])
+    assert switch_keys(info, [group]) is None
+    # the groups themselves are read, not changed
+    assert adamw.param_groups[0]["amsgrad"] is False and type(adamw.param_groups[0]) is dict

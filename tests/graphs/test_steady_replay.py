@@ -307,6 +307,70 @@ def test_every_change_leaves_the_steady_replay_and_matches_torch(device, change,
         assert backend.captured == captured + 1
 
 
+def _swap_keys(group: dict, a: str, b: str) -> None:
+    """The same dict holding the same values in the same order, keys ``a`` and ``b`` trading places: each now holds
+    the other's value."""
+    items = [(b if k == a else a if k == b else k, v) for k, v in group.items()]
+    group.clear()
+    group.update(items)
+
+
+def test_keys_that_trade_places_with_the_same_values_leave_the_steady_replay(device):
+    """``nesterov`` and ``maximize`` trade places in the group (the same values, in the same order, under each
+    other's key): the groups' values compare equal place by place, so only their keys show the switch change."""
+    make = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True)  # noqa: E731
+    ref, ours, ref_opt, opt, backend = _twins(device, make)
+    pairs = [(ref, ref_opt), (ours, opt)]
+    for step in range(14):
+        if step == 7:  # after steady replays began (warm-up 3, the capture)
+            steady = _steady(opt)
+            for _, o in pairs:
+                _swap_keys(o.param_groups[0], "nesterov", "maximize")
+            assert (opt.param_groups[0]["nesterov"], opt.param_groups[0]["maximize"]) == (False, True)
+        for params, o in pairs:
+            grads_in_place(params, step)
+            o.step()
+        assert_close_params(ours, ref, torch.float32)
+    assert steady > 0 and _steady(opt) > steady and backend.captured == 2  # left, planned again, back
+
+
+@pytest.mark.parametrize("where", ["same_group", "other_group"])
+def test_a_switch_changed_in_the_step_an_lr_scheduler_changes_the_lr_is_seen(device, where):
+    """An LR scheduler changes every group's lr every step, which compares no switches (only keys a switch is read
+    from ask for that); ``nesterov`` turned on in the same step, in that group or another, is still seen."""
+    from kitsune.fusion.executor import FusionSubsystem
+
+    def make(ps):
+        return torch.optim.SGD([{"params": ps[:2]}, {"params": ps[2:], "lr": 0.02}], lr=0.05, momentum=0.9)
+
+    ref, ours, ref_opt, opt, backend = _twins(device, make)
+    pairs = [(ref, ref_opt), (ours, opt)]
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 0.95**s) for o in (ref_opt, opt)]
+    compared = []
+    real = FusionSubsystem._switches_changed
+    FusionSubsystem._switches_changed = lambda self, groups: compared.append(1) or real(self, groups)
+    try:
+        for step in range(16):
+            if step == 9:
+                before = (len(compared), _steady(opt))
+                for _, o in pairs:
+                    o.param_groups[0 if where == "same_group" else 1]["nesterov"] = True
+            for params, o in pairs:
+                grads_in_place(params, step)
+                o.step()
+            for sched in scheds:
+                sched.step()
+            assert_close_params(ours, ref, torch.float32)
+            if step == 3:  # warm-up 3, then the capture: the full path, which compares the switches
+                planned = len(compared)
+            if step == 8:  # steady replays with a new lr each step, and no comparison of the switches
+                assert _steady(opt) == 5 and len(compared) == planned > 0
+    finally:
+        FusionSubsystem._switches_changed = real
+    assert len(compared) > before[0] and backend.captured == 2
+    assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"] != 0.05
+
+
 @pytest.mark.parametrize("how", ["list", "tuple_then_list", "tensors"])
 def test_betas_changed_inside_their_container_reach_the_step(device, how):
     """``group["betas"][0] = x`` on a list, or betas given as CPU tensors changed with ``fill_``: the same container
