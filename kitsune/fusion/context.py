@@ -10,6 +10,7 @@ see their value without a sync.
 
 from __future__ import annotations
 
+import sys
 from array import array
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -50,7 +51,7 @@ class DeviceContext:
 
     def _rows(self, groups: Sequence[dict[str, Any]]) -> tuple[tuple[Any, ...], ...]:
         rows = tuple(self._row(g) for g in groups)
-        if any(isinstance(v, torch.Tensor) for row in rows for v in row):
+        if any(type(v) not in _PLAIN and changes_in_place(v) for row in rows for v in row):
             rows = tuple(tuple(_key(v) for v in row) for row in rows)
         return rows
 
@@ -102,8 +103,28 @@ class _DeviceValue:
         return id(self.tensor)
 
 
+_PLAIN = frozenset({float, int, bool, type(None)})
+"""The types most hyperparameters have, none of which changes in place: `changes_in_place` is not asked about them."""
+
+
+def changes_in_place(value: Any) -> bool:
+    """Whether ``value`` may hold another number while it stays the same object, so that comparing it by identity
+    (as a tuple of the groups' values does first) misses the change: a tensor (LRScheduler does ``lr.fill_()`` on a
+    tensor lr) or a NumPy array (``lr[...] = x``)."""
+    if isinstance(value, torch.Tensor):
+        return True
+    numpy = sys.modules.get("numpy")  # not imported: no array can exist
+    return numpy is not None and isinstance(value, numpy.ndarray)
+
+
 def _key(value: Any) -> Any:
-    # a CPU tensor may be updated in place (LRScheduler does lr.fill_()), so compare its value, read without a sync
+    # a value that changes in place is compared by its value: a CPU tensor's or an array's read without a sync, a
+    # device tensor's copied every step
     if isinstance(value, torch.Tensor):
         return float(value) if value.device.type == "cpu" else _DeviceValue(value)
+    if changes_in_place(value):
+        try:
+            return float(value)
+        except (TypeError, ValueError):  # not one number: the upload raises, naming it
+            return value
     return value

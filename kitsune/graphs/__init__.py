@@ -34,6 +34,7 @@ import torch
 
 from kitsune._native import MOVED, OTHER
 from kitsune.config import GraphConfig
+from kitsune.fusion.context import changes_in_place
 from kitsune.graphs.backend import CudaGraphBackend
 from kitsune.subsystem import PlannedGroups, StepState, Subsystem
 
@@ -221,7 +222,7 @@ class GraphSubsystem(Subsystem):
         """After a replayed step: let the next steps replay straight away while nothing they depend on changed."""
         nested = _nested(groups)
         values = _group_values(groups, nested)
-        if not _has_tensor(values):  # tensor hyperparameters change in place: the full step compares their values
+        if not _changes_in_place(values):  # tensors and arrays: the full step compares their values
             self._steady = _Steady(groups, values, nested, _keys(groups), self._fusion.plan_version, tuple(zeroed))
 
     def disarm(self) -> None:
@@ -253,8 +254,8 @@ class GraphSubsystem(Subsystem):
         if changed:
             # an LR scheduler's new lr: one value to look at, not every one, and one key for the switches to ask about
             fresh, keys = _fresh(values, steady.values, steady.keys)
-            if _has_tensor((fresh,)):
-                return False  # a hyperparameter became a tensor: the full step handles it
+            if _changes_in_place((fresh,)):
+                return False  # a hyperparameter became a tensor or an array: the full step handles it
             if not fusion.refresh_values(groups, keys):
                 return False  # a switch changed (amsgrad, nesterov, ...): new kernels, through the full path
             if any(map(_holds_list, fresh)):  # a list where none was
@@ -389,10 +390,10 @@ def _copied(value: Any) -> Any:
     return value
 
 
-def _has_tensor(values: tuple) -> bool:
-    """A tensor among the values or in a tuple of them (``betas=(torch.tensor(0.9), ...)``), which changes in place."""
+def _changes_in_place(values: tuple) -> bool:
+    """A value that changes in place among the values or in a tuple of them (a tensor or an array:
+    `kitsune.fusion.context.changes_in_place`; ``betas=(torch.tensor(0.9), ...)``), which an identity comparison
+    misses."""
     return any(
-        isinstance(v, torch.Tensor) or (type(v) is tuple and any(isinstance(x, torch.Tensor) for x in v))
-        for row in values
-        for v in row
+        changes_in_place(v) or (type(v) is tuple and any(changes_in_place(x) for x in v)) for row in values for v in row
     )

@@ -66,3 +66,18 @@ def test_a_row_wider_than_the_buffer_is_refused(device):
     with pytest.raises(ValueError, match=f"at most {NUM_FIELDS} fit"):
         context.refresh([{"values": [1.0] * (NUM_FIELDS + 1)}])
     assert context.buffer is None
+
+
+def test_a_numpy_value_changed_in_place_is_uploaded(device):
+    """A 0-d NumPy array keeps its identity when ``lr[...] = x`` changes it, as a tensor does under ``fill_``: the
+    refresh compares its value, not the object."""
+    numpy = pytest.importorskip("numpy")
+    lr = numpy.array(1e-3)
+    context = DeviceContext(device, _row)
+    groups = [{"values": [lr, 0.9]}]
+    assert context.refresh(groups)
+    for value in (0.25, 0.5, 0.5, 1e-4):
+        changed = float(lr) != value
+        lr[...] = value
+        assert context.refresh(groups) == changed
+        assert context.buffer[0, 0].item() == value

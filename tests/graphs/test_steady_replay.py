@@ -371,6 +371,28 @@ def test_a_switch_changed_in_the_step_an_lr_scheduler_changes_the_lr_is_seen(dev
     assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"] != 0.05
 
 
+@pytest.mark.parametrize("graphed", [True, False])
+def test_a_numpy_lr_changed_in_place_reaches_the_step(device, graphed):
+    """An lr held in a 0-d NumPy array (torch's step takes one), changed in place between steps (``lr[...] = x``: the
+    same object, another number): every step is torch's, on the fused route, with or without the graph. An identity
+    comparison of the groups' values misses such a change, so the steady replay is never armed over it and the full
+    path compares its value."""
+    numpy = pytest.importorskip("numpy")
+    ref, ours = make_params(SIZES, torch.float32, device), make_params(SIZES, torch.float32, device)
+    ref_lr, lr = numpy.array(1e-2), numpy.array(1e-2)
+    ref_opt = torch.optim.AdamW(ref, lr=ref_lr, weight_decay=0.1)
+    opt = KitsuneOptimizer(torch.optim.AdamW(ours, lr=lr, weight_decay=0.1), enable_fusion=True, capture_graph=graphed)
+    if graphed:
+        record_graphs(opt)
+    for step in range(14):
+        for params, o in ((ref, ref_opt), (ours, opt)):
+            grads_in_place(params, step)
+            o.step()
+        assert_close_params(ours, ref, torch.float32)
+        ref_lr[...] = lr[...] = 1e-2 * 0.7**step
+    assert opt.plan.buckets[0].route.fused and _steady(opt) == 0
+
+
 @pytest.mark.parametrize("how", ["list", "tuple_then_list", "tensors"])
 def test_betas_changed_inside_their_container_reach_the_step(device, how):
     """``group["betas"][0] = x`` on a list, or betas given as CPU tensors changed with ``fill_``: the same container
