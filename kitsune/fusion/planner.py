@@ -552,6 +552,14 @@ class _Reads(dict):
         self.read.add(key)
         return super().__contains__(key)
 
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        self.read.add(key)
+        return super().setdefault(key, default)
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        self.read.add(key)
+        return super().pop(key, *default)
+
     def _all(self, name: str, *args: Any) -> Any:
         self.every = True
         return getattr(super(), name)(*args)
@@ -578,6 +586,9 @@ class _Reads(dict):
 
     def copy(self) -> dict[str, Any]:
         return self._all("copy")
+
+    def popitem(self) -> tuple[Any, Any]:
+        return self._all("popitem")
 
 
 def _group_reason(g: dict[str, Any]) -> tuple[Route, str] | None:

@@ -449,6 +449,15 @@ def test_switch_keys_are_the_keys_the_switches_are_read_from():
     info = ALGOS[torch.optim.AdamW]
     every = replace(info, spec=lambda g: (info.spec(g), sorted(g.items(), key=str)))
     assert switch_keys(every, adamw.param_groups) is None
+    defaulted = replace(info, spec=lambda g: (info.spec(g), g.setdefault("momentum_decay", 4e-3), g.pop("eps")))
+    assert switch_keys(defaulted, adamw.param_groups) == {
+        "amsgrad",
+        "maximize",
+        "differentiable",
+        "momentum_decay",
+        "eps",
+    }
+    assert "momentum_decay" not in adamw.param_groups[0] and "eps" in adamw.param_groups[0]
     group = dict(adamw.param_groups[0])
     del group["amsgrad"]  # torch's step raises KeyError: so do the switches
     with pytest.raises(KeyError):
