@@ -8,8 +8,9 @@ before every step (new hyperparameters each step), in one process.
 ``KitsuneOptimizer(torch.optim.AdamW(params), enable_fusion=True)`` over each set's params, run in alternating blocks
 of ``--steps`` steps a mode (``kept``: the same grads; ``fresh``: `kitsune.bench.params.fresh_grads` before each
 step, outside the timer; ``sched``: kept grads and `LambdaLR` stepped before each step, outside the timer). Each
-step starts with the device idle, as `kitsune bench`'s host column. The parts are the step's own methods, each
-timed around its call (a wrapper costs about 0.1 us):
+step starts with the device idle, as `kitsune bench`'s host column, or with ``--back-to-back`` right after the last
+(the device may still run earlier steps, as in a training loop without a sync). The parts are the step's own
+methods, each timed around its call (a wrapper costs about 0.1 us):
 
 * ``follow``: the native check of every param and grad and, where the grads moved, the grad tables pointed at them
   (`FusionSubsystem.follow`); ``upload``, inside it: the tables' uploads (`TensorTables.set_role`);
@@ -108,8 +109,11 @@ def stand_in_graphs(opt: KitsuneOptimizer) -> None:
         raise SystemExit(f"the graph subsystem is inactive: {graphs.reason}")
 
 
-def block(opt: KitsuneOptimizer, params: list, sched: Any, mode: str, steps: int, gen: Any, device: Any) -> dict:
-    """One block of ``steps`` steps in ``mode``: each part's median (us) over its steps, and the steady replays."""
+def block(
+    opt: KitsuneOptimizer, params: list, sched: Any, mode: str, steps: int, gen: Any, device: Any, idle: bool = True
+) -> dict:
+    """One block of ``steps`` steps in ``mode``: each part's median (us) over its steps, and the steady replays.
+    ``idle``: each step starts with the device idle (else back to back: the device may still run earlier steps)."""
     graphs = opt._subsystem("graphs")
     steady = graphs.steady_replays
     rows: dict[str, list[float]] = {part: [] for part in (*PARTS, "rest", "step")}
@@ -118,7 +122,8 @@ def block(opt: KitsuneOptimizer, params: list, sched: Any, mode: str, steps: int
             fresh_grads(params, gen)
         elif mode == "sched":
             sched.step()
-        synchronize(device)
+        if idle:
+            synchronize(device)
         spent = dict.fromkeys(PARTS, 0.0)
         with timed_parts(spent, graphs.backend):
             t0 = time.perf_counter_ns()
@@ -140,6 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sets", default="gpt2,many", help="comma-separated kitsune bench sets")
     parser.add_argument("--rounds", type=int, default=None, help="blocks of each mode (default 10; 2 on a CPU)")
     parser.add_argument("--steps", type=int, default=20, help="steps a block")
+    parser.add_argument(
+        "--back-to-back",
+        action="store_true",
+        help="do not wait for the device before each step: the GPU may still run the last steps' work, as in a "
+        "training loop without a sync (default: each step starts with the device idle)",
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     device = device_and_defaults(parser, args, rounds=(2, 10))
@@ -164,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         blocks: dict[str, list[dict]] = {mode: [] for mode in MODES}
         for r in range(args.rounds):
             for mode in MODES if r % 2 == 0 else MODES[::-1]:
-                blocks[mode].append(block(opt, params, sched, mode, args.steps, gen, device))
+                blocks[mode].append(block(opt, params, sched, mode, args.steps, gen, device, not args.back_to_back))
         out[set_name] = {}
         for mode, rows in blocks.items():
             median = {key: percentile([b[key] for b in rows], 50) for key in rows[0]}

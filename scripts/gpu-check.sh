@@ -2,7 +2,7 @@
 # The one script to run on a lent GPU: environment, the CUDA tests, `kitsune bench` on all sets, then the demo.
 # Writes into $OUT (default ./gpu-out): env.log, cuda-tests.log, gpu-suites.log, gpu-fusion.log, bench.log,
 # bench.json, muon.log, muon.json, demo.log, demo-profile.json, exit-codes.txt; with STAGES naming fresh,
-# bench-fresh.log, bench-fresh.json, fresh-grads.json and step-parts.json; with STAGES naming compile, e2e-compile.log and e2e-compile.json; with STAGES naming peers, peers.log and peers.json (the peers' wheels
+# bench-fresh.log, bench-fresh.json, fresh-grads.json, step-parts.json and step-parts-b2b.json; with STAGES naming compile, e2e-compile.log and e2e-compile.json; with STAGES naming peers, peers.log and peers.json (the peers' wheels
 # in .peers/, PEER_SETS the sets: one a call, as a set with every peer takes minutes).
 # Each stage has its own time limit, so a slow stage cannot starve the next; a lent GPU allows 10 minutes a call,
 # so run the stages in two or three calls (STAGES below).
@@ -96,11 +96,14 @@ stage fresh && {
 timeout 120 python3 -m kitsune.bench --device "$BENCH_DEVICE" --sets gpt2,many --variants foreach,fused,kitsune,eager \
     --warmup 10 --grads fresh --json "$OUT/bench-fresh.json" 2>&1 | tee "$OUT/bench-fresh.log" || bench_rc=$?
 # where the moving grads' host time goes: kept, moving, settled and Python-read grads on many; then the steady
-# step part by part with kept grads, moving grads and an LR scheduler (their lines appended to bench-fresh.log)
+# step part by part with kept grads, moving grads and an LR scheduler, each step after an idle device and back to
+# back (their lines appended to bench-fresh.log)
 timeout 120 python3 benchmarks/fresh-grads.py --device "$BENCH_DEVICE" --json "$OUT/fresh-grads.json" 2>&1 \
     | tee -a "$OUT/bench-fresh.log" || bench_rc=$?
 timeout 120 python3 benchmarks/step-parts.py --device "$BENCH_DEVICE" --json "$OUT/step-parts.json" 2>&1 \
     | tee -a "$OUT/bench-fresh.log" || bench_rc=$?
+timeout 120 python3 benchmarks/step-parts.py --device "$BENCH_DEVICE" --back-to-back \
+    --json "$OUT/step-parts-b2b.json" 2>&1 | tee -a "$OUT/bench-fresh.log" || bench_rc=$?
 }
 
 # the same end-to-end run with the model compiled (torch.compile, inductor) on every side: a separate stage, as
