@@ -20,8 +20,6 @@ import torch
 from kitsune.kernels.multi_tensor import staged
 from kitsune.kernels.spec import NUM_FIELDS
 
-_EMPTY = torch.empty((0, NUM_FIELDS), dtype=torch.float64)
-
 
 class DeviceContext:
     """The ``(n_groups, NUM_FIELDS)`` float64 hyperparameter buffer on one device."""
@@ -78,10 +76,10 @@ class DeviceContext:
                         f"number ({exc}): give the hyperparameter a number or a one-element tensor, as torch.optim "
                         "takes it. Nothing was changed."
                     ) from exc
-        host = staged(values, (len(rows), NUM_FIELDS), torch.float64, self.device) if rows else _EMPTY
+        host = staged(values, (len(rows), NUM_FIELDS), torch.float64, self.device)
         self._device_values = device_values
         if self.buffer is None or self.buffer.shape[0] != len(rows):
-            self.buffer = host.to(self.device, copy=True)  # its own memory, on a CPU too (``host`` may be _EMPTY)
+            self.buffer = host.to(self.device, copy=True)  # its own memory, on a CPU too (``host`` is the array's)
         else:  # keep the buffer's address: kernels (and captured graphs) hold it
             self.buffer.copy_(host, non_blocking=True)
         self._cached = rows

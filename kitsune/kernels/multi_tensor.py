@@ -30,15 +30,16 @@ import torch
 DEFAULT_BLOCK = 1024
 """Elements per program: 4 KB of fp32 per role, large enough to stream at full bandwidth with 4 warps."""
 
+_CPU = torch.device("cpu")
+
 DEAD = -1
 """Grad address of a tensor whose grad is None this step: its blocks do nothing (0 is a valid empty-tensor address)."""
 
 
 def int64_tensor(values: Sequence[int]) -> torch.Tensor:
-    """``values`` as a CPU int64 tensor: array('q') and frombuffer avoid torch.tensor's per-element Python conversion
-    (about 10x faster on 2000 ints)."""
-    buf = array("q", values)
-    return torch.frombuffer(buf, dtype=torch.int64).clone() if len(buf) else torch.empty(0, dtype=torch.int64)
+    """``values`` as a CPU int64 tensor (`staged` for the CPU): array('q') and frombuffer avoid torch.tensor's
+    per-element Python conversion (about 10x faster on 2000 ints)."""
+    return staged(array("q", values), (len(values),), torch.int64, _CPU)
 
 
 def host_tensor(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -56,8 +57,10 @@ def staged(values: array, shape: Sequence[int], dtype: torch.dtype, device: torc
     if math.prod(shape) != len(values) or dtype.itemsize != values.itemsize:
         size = f"{len(values)} values of {values.itemsize} bytes"
         raise ValueError(f"{size} for a {dtype} tensor of shape {tuple(shape)}")
-    if device.type != "cuda" or not values:
-        return torch.frombuffer(values, dtype=dtype).view(*shape) if values else torch.empty(shape, dtype=dtype)
+    if not values:
+        return torch.empty(shape, dtype=dtype)
+    if device.type != "cuda":
+        return torch.frombuffer(values, dtype=dtype).view(*shape)
     out = host_tensor(shape, dtype, device)
     ctypes.memmove(out.data_ptr(), values.buffer_info()[0], len(values) * values.itemsize)
     return out
