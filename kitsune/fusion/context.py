@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kitsune.kernels.multi_tensor import staged
+from kitsune.kernels.multi_tensor import UploadRing, staged
 from kitsune.kernels.spec import NUM_FIELDS
 
 
@@ -28,6 +28,7 @@ class DeviceContext:
         self.device = device
         self._row = row
         self.buffer: torch.Tensor | None = None
+        self._ring: UploadRing | None = None  # the buffer's uploads after its first
         self._cached: tuple | None = None
         self._device_values: list[tuple[int, int, torch.Tensor]] = []
         self.uploads = 0
@@ -54,9 +55,9 @@ class DeviceContext:
         return rows
 
     def _upload(self, rows: tuple[tuple[Any, ...], ...]) -> None:
-        # the values in a Python array, then moved in one memmove into the page-locked block the copy reads: a
-        # tensor's item assignment costs about a microsecond each, a tensor over the array and a pinned copy of it
-        # about 15 us on a GPU's host, and an LR scheduler has a step upload every time
+        # the values in a Python array, then moved in one memmove into the page-locked slot the copy reads
+        # (`UploadRing`): a tensor's item assignment costs about a microsecond each, a tensor over the array and a
+        # pinned copy of it about 15 us on a GPU's host, and an LR scheduler has a step upload every time
         values = array("d", bytes(8 * NUM_FIELDS * len(rows)))
         device_values = []
         for i, row in enumerate(rows):
@@ -76,12 +77,14 @@ class DeviceContext:
                         f"number ({exc}): give the hyperparameter a number or a one-element tensor, as torch.optim "
                         "takes it. Nothing was changed."
                     ) from exc
-        host = staged(values, (len(rows), NUM_FIELDS), torch.float64, self.device)
         self._device_values = device_values
-        if self.buffer is None or self.buffer.shape[0] != len(rows):
-            self.buffer = host.to(self.device, copy=True)  # its own memory, on a CPU too (``host`` is the array's)
+        shape = (len(rows), NUM_FIELDS)
+        if self.buffer is None or self._ring is None or self.buffer.shape != shape:
+            # its own memory, on a CPU too (`staged` there is a tensor over the array)
+            self.buffer = staged(values, shape, torch.float64, self.device).to(self.device, copy=True)
+            self._ring = UploadRing(shape, torch.float64, self.device)
         else:  # keep the buffer's address: kernels (and captured graphs) hold it
-            self.buffer.copy_(host, non_blocking=True)
+            self._ring.upload(values, self.buffer)
         self._cached = rows
         self.uploads += 1
 

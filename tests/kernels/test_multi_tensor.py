@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kitsune.kernels import DEAD, NUM_FIELDS, Algo, TensorTables, UpdateSpec, block_map, multi_tensor_update
-from kitsune.kernels.multi_tensor import pinned, staged
+from kitsune.kernels.multi_tensor import UploadRing, pinned, staged
 from kitsune.kernels.spec import B1, B2, EPS, EXTRA, LR
 
 
@@ -73,6 +73,61 @@ def test_pinned_copies_values_bound_for_a_gpu_and_leaves_others(device):
         assert out.is_pinned() and out.data_ptr() != host.data_ptr() and torch.equal(out, host)
     else:
         assert out is host
+
+
+def _rows(i: int) -> array:
+    """Upload ``i``'s values: every one differs from every other upload's."""
+    return array("d", [i + j / 16 for j in range(2 * NUM_FIELDS)])
+
+
+def test_an_upload_ring_lands_every_upload_bit_for_bit_over_several_laps(device):
+    """`UploadRing`: uploads of one shape, three laps of its slots, each seen by the device work queued after it (a
+    device copy of the buffer, as the next step's kernel reads it); the buffer keeps its address."""
+    out = torch.full((2, NUM_FIELDS), -1.0, dtype=torch.float64, device=device)
+    ring = UploadRing((2, NUM_FIELDS), torch.float64, device)
+    seen = torch.empty((3 * UploadRing.SLOTS + 5, 2, NUM_FIELDS), dtype=torch.float64, device=device)
+    address = out.data_ptr()
+    for i in range(seen.shape[0]):
+        ring.upload(_rows(i), out)
+        seen[i].copy_(out)
+    assert out.data_ptr() == address
+    for i in range(seen.shape[0]):
+        assert seen[i].flatten().tolist() == list(_rows(i))
+
+
+def test_an_upload_that_does_not_fit_the_ring_changes_nothing(device):
+    out = torch.zeros((2, NUM_FIELDS), dtype=torch.float64, device=device)
+    ring = UploadRing((2, NUM_FIELDS), torch.float64, device)
+    ring.upload(_rows(1), out)
+    with pytest.raises(ValueError, match="8 values of 8 bytes for a torch.float64 upload of \\(2, 8\\)"):
+        ring.upload(array("d", [0.5] * NUM_FIELDS), out)
+    with pytest.raises(ValueError, match="16 values of 4 bytes"):
+        ring.upload(array("f", [0.5] * 2 * NUM_FIELDS), out)
+    assert out.flatten().tolist() == list(_rows(1))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("streams", [1, 2])
+def test_an_upload_ring_waits_for_its_slots_copies_before_writing_them_again(streams):
+    """The host queues more uploads than the ring has slots while the device is held up (on one of two streams): a
+    slot is written again only after the copy that read it ran, so every upload still lands as it was given."""
+    device = torch.device("cuda")
+    queues = [torch.cuda.current_stream(device)] + [torch.cuda.Stream(device) for _ in range(streams - 1)]
+    outs = [torch.zeros((2, NUM_FIELDS), dtype=torch.float64, device=device) for _ in queues]
+    ring = UploadRing((2, NUM_FIELDS), torch.float64, device)
+    n = 3 * UploadRing.SLOTS + 5
+    seen = torch.zeros((n, 2, NUM_FIELDS), dtype=torch.float64, device=device)
+    torch.cuda.synchronize(device)
+    with torch.cuda.stream(queues[-1]):
+        torch.cuda._sleep(50_000_000)  # tens of ms: the host runs laps ahead of this stream's copies
+    for i in range(n):
+        which = i % len(queues)
+        with torch.cuda.stream(queues[which]):
+            ring.upload(_rows(i), outs[which])
+            seen[i].copy_(outs[which])
+    torch.cuda.synchronize(device)
+    for i in range(n):
+        assert seen[i].flatten().tolist() == list(_rows(i)), i
 
 
 def test_staged_moves_an_arrays_values_into_a_new_tensor_bound_for_the_device(device):
