@@ -79,16 +79,16 @@ def pinned(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 class UploadRing:
     """Page-locked slots for an upload of one shape repeated step after step (an LR scheduler's new hyperparameters
     every step), used in turn: a new page-locked block per upload (`staged`) costs torch's pinned-memory cache its
-    bookkeeping (about 7 us an upload on an H100's host, 2026-12-05), a slot one memmove.
+    bookkeeping, a slot a copy of the values on the host.
 
     A slot is written again only once the copies that read it are done. The slots are taken in stretches of `FENCE`:
     when a stretch is full, an event is recorded on each stream its copies were queued on, and the first upload into a
-    stretch waits for the events recorded when it was last filled: long done, unless the host ran more than `SLOTS`
-    uploads ahead of the device, and then waiting is what keeps the values right. Off a GPU there is nothing to wait
-    for: the values are copied from the array at once."""
+    stretch waits for the events recorded when it was last filled: long done, unless the host ran more than
+    ``SLOTS - FENCE`` uploads ahead of the device, and then waiting is what keeps the values right. Off a GPU there is
+    nothing to wait for: the values are copied from the array at once."""
 
-    SLOTS = 32
-    FENCE = 8
+    SLOTS = 256
+    FENCE = 32
 
     def __init__(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> None:
         self.shape = tuple(shape)
@@ -96,42 +96,50 @@ class UploadRing:
         self.device = device
         self._count = math.prod(self.shape)
         self._nbytes = self._count * dtype.itemsize
-        self._slots: list[torch.Tensor] = []  # made at the first upload to a GPU
-        self._base = 0
+        self._block: torch.Tensor | None = None  # made at the first upload to a GPU
+        self._slots: list[torch.Tensor] = []  # the block's slots, as tensors (the copies' sources) ...
+        self._bytes: list[memoryview] = []  # ... and as the host's bytes (the values' destination)
         self._next = 0
         self._fences: list[list[torch.cuda.Event]] = [[] for _ in range(self.SLOTS // self.FENCE)]
-        self._streams: set[torch.cuda.Stream] = set()  # the streams this stretch's copies were queued on
+        self._queued: set[int] = set()  # the streams this stretch's copies were queued on (raw handles)
+        self._streams: dict[int, torch.cuda.Stream] = {}  # every stream seen, by raw handle: an event is recorded on it
 
     def upload(self, values: array, out: torch.Tensor) -> None:
         """Copy ``values`` (a Python array of ``dtype``'s items, as many as ``shape`` holds) into ``out`` (a tensor of
         that shape and dtype on ``device``), queued behind the work on ``out``'s current stream."""
         if len(values) != self._count or values.itemsize != self.dtype.itemsize:
-            raise ValueError(f"{len(values)} values of {values.itemsize} bytes for a {self.dtype} upload of {self.shape}")
+            size = f"{len(values)} values of {values.itemsize} bytes"
+            raise ValueError(f"{size} for a {self.dtype} upload of {self.shape}")
         if not values:
             return
         if self.device.type != "cuda":
             out.copy_(torch.frombuffer(values, dtype=self.dtype).view(self.shape))
             return
-        if not self._slots:
-            block = host_tensor((self.SLOTS, *self.shape), self.dtype, self.device)
-            self._slots = list(block.unbind(0))
-            self._base = block.data_ptr()
+        if self._block is None:
+            self._block = host_tensor((self.SLOTS, *self.shape), self.dtype, self.device)
+            self._slots = list(self._block.unbind(0))
+            whole = (ctypes.c_char * (self.SLOTS * self._nbytes)).from_address(self._block.data_ptr())
+            flat = memoryview(whole).cast("B")
+            self._bytes = [flat[k * self._nbytes : (k + 1) * self._nbytes] for k in range(self.SLOTS)]
         k = self._next
         stretch = k // self.FENCE
         if k % self.FENCE == 0:  # the stretch's last lap: its copies must be done before a slot is written
             for event in self._fences[stretch]:
                 event.synchronize()
             self._fences[stretch] = []
-        stream = torch.cuda.current_stream(out.device)
-        self._streams.add(stream)
-        ctypes.memmove(self._base + k * self._nbytes, values.buffer_info()[0], self._nbytes)
+        index = out.get_device()
+        raw = torch._C._cuda_getCurrentRawStream(index)  # the handle: torch.cuda.current_stream's object costs ~5 us
+        if raw not in self._streams:
+            self._streams[raw] = torch.cuda.current_stream(index)
+        self._queued.add(raw)
+        self._bytes[k][:] = memoryview(values).cast("B")
         out.copy_(self._slots[k], non_blocking=True)
         if k % self.FENCE == self.FENCE - 1:
-            for queued in self._streams:
+            for queued in self._queued:
                 event = torch.cuda.Event()
-                event.record(queued)
+                event.record(self._streams[queued])
                 self._fences[stretch].append(event)
-            self._streams = set()
+            self._queued = set()
         self._next = (k + 1) % self.SLOTS
 
 
