@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kitsune.kernels.multi_tensor import UploadRing, staged
+from kitsune.kernels.multi_tensor import UploadRing
 from kitsune.kernels.spec import NUM_FIELDS
 
 
@@ -28,7 +28,7 @@ class DeviceContext:
         self.device = device
         self._row = row
         self.buffer: torch.Tensor | None = None
-        self._ring: UploadRing | None = None  # the buffer's uploads after its first
+        self._ring: UploadRing | None = None  # the buffer's uploads
         self._cached: tuple | None = None
         self._device_values: list[tuple[int, int, torch.Tensor]] = []
         self.uploads = 0
@@ -79,12 +79,10 @@ class DeviceContext:
                     ) from exc
         self._device_values = device_values
         shape = (len(rows), NUM_FIELDS)
-        if self.buffer is None or self._ring is None or self.buffer.shape != shape:
-            # its own memory, on a CPU too (`staged` there is a tensor over the array)
-            self.buffer = staged(values, shape, torch.float64, self.device).to(self.device, copy=True)
+        if self._ring is None or self._ring.shape != shape:
             self._ring = UploadRing(shape, torch.float64, self.device)
-        else:  # keep the buffer's address: kernels (and captured graphs) hold it
-            self._ring.upload(values, self.buffer)
+            self.buffer = torch.empty(shape, dtype=torch.float64, device=self.device)
+        self._ring.upload(values, self.buffer)  # the buffer keeps its address: kernels (and captured graphs) hold it
         self._cached = rows
         self.uploads += 1
 

@@ -30,16 +30,14 @@ import torch
 DEFAULT_BLOCK = 1024
 """Elements per program: 4 KB of fp32 per role, large enough to stream at full bandwidth with 4 warps."""
 
-_CPU = torch.device("cpu")
-
 DEAD = -1
 """Grad address of a tensor whose grad is None this step: its blocks do nothing (0 is a valid empty-tensor address)."""
 
 
 def int64_tensor(values: Sequence[int]) -> torch.Tensor:
-    """``values`` as a CPU int64 tensor (`staged` for the CPU): array('q') and frombuffer avoid torch.tensor's
-    per-element Python conversion (about 10x faster on 2000 ints)."""
-    return staged(array("q", values), (len(values),), torch.int64, _CPU)
+    """``values`` as a CPU int64 tensor: array('q') and frombuffer avoid torch.tensor's per-element Python conversion
+    (about 10x faster on 2000 ints)."""
+    return torch.frombuffer(array("q", values), dtype=torch.int64) if values else torch.empty(0, dtype=torch.int64)
 
 
 def host_tensor(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -50,45 +48,22 @@ def host_tensor(shape: Sequence[int], dtype: torch.dtype, device: torch.device) 
     return torch.empty(tuple(shape), dtype=dtype, pin_memory=device.type == "cuda")
 
 
-def staged(values: array, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``values`` (a Python array whose items are ``dtype``'s, ``math.prod(shape)`` of them) as a CPU tensor bound
-    for ``device``: on a GPU a new `host_tensor` they are moved into with one memmove (no tensor made over the array
-    and copied again, as `pinned` would), elsewhere a tensor over the array's own memory."""
-    if math.prod(shape) != len(values) or dtype.itemsize != values.itemsize:
-        size = f"{len(values)} values of {values.itemsize} bytes"
-        raise ValueError(f"{size} for a {dtype} tensor of shape {tuple(shape)}")
-    if not values:
-        return torch.empty(shape, dtype=dtype)
-    if device.type != "cuda":
-        return torch.frombuffer(values, dtype=dtype).view(*shape)
-    out = host_tensor(shape, dtype, device)
-    ctypes.memmove(out.data_ptr(), values.buffer_info()[0], len(values) * values.itemsize)
-    return out
-
-
-def pinned(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``host``'s values in page-locked memory when they are bound for a GPU (see `host_tensor`). A new block, filled
-    on the host: ``host.pin_memory()`` would first ask the driver whether ``host`` is page-locked already
-    (``cudaPointerGetAttributes``), which costs more than copying a table. Where the caller can write the values
-    into page-locked memory in the first place (`staged`, `TensorTables.staging`), that saves the copy too."""
-    if device.type != "cuda":
-        return host
-    return host_tensor(host.shape, host.dtype, device).copy_(host)
-
-
 class UploadRing:
-    """Page-locked slots for an upload of one shape repeated step after step (an LR scheduler's new hyperparameters
-    every step), used in turn: a new page-locked block per upload (`staged`) costs torch's pinned-memory cache its
-    bookkeeping, a slot a copy of the values on the host.
+    """Host slots for an upload of one shape repeated step after step (an LR scheduler's new hyperparameters, the
+    grad table of grads that moved), used in turn: page-locked where the upload goes to a GPU. A new page-locked block
+    per upload costs torch's pinned-memory cache its bookkeeping, a slot a copy of the values on the host.
 
-    A slot is written again only once the copies that read it are done. The slots are taken in stretches of `FENCE`:
-    when a stretch is full, an event is recorded on each stream its copies were queued on, and the first upload into a
-    stretch waits for the events recorded when it was last filled: long done, unless the host ran more than
-    ``SLOTS - FENCE`` uploads ahead of the device, and then waiting is what keeps the values right. Off a GPU there is
-    nothing to wait for: the values are copied from the array at once."""
+    A slot is written again only once the copy that read it is done. The slots are taken in stretches: when a stretch
+    is full, an event is recorded on each stream its copies were queued on, and the first write into a stretch waits
+    for the events recorded when it was last filled: long done, unless the host ran a whole lap, less a stretch,
+    ahead of the device, and then waiting is what keeps the values right. On a CPU the copies are done when `send`
+    returns, and nothing waits.
 
-    SLOTS = 256
-    FENCE = 32
+    The slot sent last stays as it is until ``slots - 1`` more are sent: a caller may keep it as the record of what
+    the device holds until its next upload."""
+
+    BUDGET = 1 << 20
+    """Bytes of host memory a ring takes at most, where its shape allows eight slots (a ring always has eight)."""
 
     def __init__(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> None:
         self.shape = tuple(shape)
@@ -96,51 +71,73 @@ class UploadRing:
         self.device = device
         self._count = math.prod(self.shape)
         self._nbytes = self._count * dtype.itemsize
-        self._block: torch.Tensor | None = None  # made at the first upload to a GPU
-        self._slots: list[torch.Tensor] = []  # the block's slots, as tensors (the copies' sources) ...
-        self._bytes: list[memoryview] = []  # ... and as the host's bytes (the values' destination)
+        slots = 256
+        while slots > 8 and slots * self._nbytes > self.BUDGET:
+            slots //= 2
+        self.slots = slots
+        self._fence = slots // 8  # slots a stretch
+        self._slots: list[torch.Tensor] = []  # made at the first use, as tensors (the copies' sources) ...
+        self._bytes: list[memoryview] = []  # ... and as the host's bytes (an array's values' destination)
         self._next = 0
-        self._fences: list[list[torch.cuda.Event]] = [[] for _ in range(self.SLOTS // self.FENCE)]
+        self._ready = -1  # the slot whose stretch was last waited for
+        self._cuda = device.type == "cuda"
+        self._fences: list[list[torch.cuda.Event]] = [[] for _ in range(8)]
         self._queued: set[int] = set()  # the streams this stretch's copies were queued on (raw handles)
         self._streams: dict[int, torch.cuda.Stream] = {}  # every stream seen, by raw handle: an event is recorded on it
 
-    def upload(self, values: array, out: torch.Tensor) -> None:
-        """Copy ``values`` (a Python array of ``dtype``'s items, as many as ``shape`` holds) into ``out`` (a tensor of
-        that shape and dtype on ``device``), queued behind the work on ``out``'s current stream."""
+    def slot(self) -> torch.Tensor:
+        """The slot the next `send` copies from, for the caller to fill (a native read writes into it): the same until
+        then, free of any copy still to read it."""
+        if not self._slots:
+            block = host_tensor((self.slots, *self.shape), self.dtype, self.device)
+            self._slots = list(block.unbind(0))
+            if self._nbytes:
+                whole = (ctypes.c_char * (self.slots * self._nbytes)).from_address(block.data_ptr())
+                flat = memoryview(whole).cast("B")  # keeps nothing alive: the slots' tensors keep the block
+                self._bytes = [flat[k * self._nbytes : (k + 1) * self._nbytes] for k in range(self.slots)]
+        k = self._next
+        if k % self._fence == 0 and self._ready != k:  # a stretch's last lap: its copies must be done
+            stretch = self._fences[k // self._fence]
+            for event in stretch:
+                event.synchronize()
+            stretch.clear()
+            self._ready = k
+        return self._slots[k]
+
+    def send(self, out: torch.Tensor) -> torch.Tensor:
+        """Copy the next slot (`slot`) into ``out`` (a tensor of the ring's shape and dtype on its device), queued
+        behind the work on ``out``'s current stream; return the slot, which stays as it is until ``slots - 1`` more
+        are sent."""
+        host = self.slot()
+        k = self._next
+        if not self._cuda:
+            out.copy_(host)
+        else:
+            index = out.get_device()
+            raw = torch._C._cuda_getCurrentRawStream(index)  # the handle: current_stream's object costs ~5 us
+            if raw not in self._streams:
+                self._streams[raw] = torch.cuda.current_stream(index)
+            self._queued.add(raw)
+            out.copy_(host, non_blocking=True)
+            if k % self._fence == self._fence - 1:
+                for queued in self._queued:
+                    event = torch.cuda.Event()
+                    event.record(self._streams[queued])
+                    self._fences[k // self._fence].append(event)
+                self._queued = set()
+        self._next = (k + 1) % self.slots
+        return host
+
+    def upload(self, values: array, out: torch.Tensor) -> torch.Tensor:
+        """`send` ``values`` (a Python array of ``dtype``'s items, as many as ``shape`` holds) into ``out``; return
+        the slot they were sent from."""
         if len(values) != self._count or values.itemsize != self.dtype.itemsize:
             size = f"{len(values)} values of {values.itemsize} bytes"
             raise ValueError(f"{size} for a {self.dtype} upload of {self.shape}")
-        if not values:
-            return
-        if self.device.type != "cuda":
-            out.copy_(torch.frombuffer(values, dtype=self.dtype).view(self.shape))
-            return
-        if self._block is None:
-            self._block = host_tensor((self.SLOTS, *self.shape), self.dtype, self.device)
-            self._slots = list(self._block.unbind(0))
-            whole = (ctypes.c_char * (self.SLOTS * self._nbytes)).from_address(self._block.data_ptr())
-            flat = memoryview(whole).cast("B")
-            self._bytes = [flat[k * self._nbytes : (k + 1) * self._nbytes] for k in range(self.SLOTS)]
-        k = self._next
-        stretch = k // self.FENCE
-        if k % self.FENCE == 0:  # the stretch's last lap: its copies must be done before a slot is written
-            for event in self._fences[stretch]:
-                event.synchronize()
-            self._fences[stretch] = []
-        index = out.get_device()
-        raw = torch._C._cuda_getCurrentRawStream(index)  # the handle: torch.cuda.current_stream's object costs ~5 us
-        if raw not in self._streams:
-            self._streams[raw] = torch.cuda.current_stream(index)
-        self._queued.add(raw)
-        self._bytes[k][:] = memoryview(values).cast("B")
-        out.copy_(self._slots[k], non_blocking=True)
-        if k % self.FENCE == self.FENCE - 1:
-            for queued in self._queued:
-                event = torch.cuda.Event()
-                event.record(self._streams[queued])
-                self._fences[stretch].append(event)
-            self._queued = set()
-        self._next = (k + 1) % self.SLOTS
+        self.slot()
+        if values:
+            self._bytes[self._next][:] = memoryview(values).cast("B")
+        return self.send(out)
 
 
 def block_map(numels: Sequence[int], block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,7 +176,7 @@ class TensorTables:
         self._low: dict[str, int | None] = {}  # each role's low bits as last given to `set_role`
         self._aligned: dict[tuple[str, int], bool] = {}  # `aligned`'s answers per role until the role moves
         self._scratch: dict[str, torch.Tensor] = {}
-        self._staging: dict[str, torch.Tensor] = {}  # each role's `staging` tensor until `set_role` takes it
+        self._rings: dict[str, UploadRing] = {}  # each role's host slots: its `staging` tensor, its uploads' sources
         self.uploads = 0
         """Address tables copied to the device so far (plan-time tables included)."""
 
@@ -202,16 +199,17 @@ class TensorTables:
             count = len(addresses)
         if count != self.num_tensors:
             raise ValueError(f"role {role!r}: {count} addresses for {self.num_tensors} tensors")
-        ready = host is None or host is self._staging.get(role)  # page-locked already where that matters
-        if host is None:
-            host = staged(array("q", addresses), (count,), torch.int64, self.device)  # type: ignore[arg-type]
-        elif ready:  # the record from now on: the next `staging` call makes another, as a copy may still read this
-            del self._staging[role]
         table = self._roles.get(role)
-        if table is None:  # a copy on the CPU too: the caller's tensor may be another table's host (`host`)
-            self._roles[role] = host.to(self.device, copy=True)
-        else:  # keep the device buffer (its address may be baked into a captured graph)
-            table.copy_(host if ready else pinned(host, self.device), non_blocking=True)
+        if table is None:  # kept from now on: its address may be baked into a captured graph
+            table = self._roles[role] = torch.empty((self.num_tensors,), dtype=torch.int64, device=self.device)
+        ring = self._ring(role)
+        if host is None:
+            host = ring.upload(array("q", addresses), table)  # type: ignore[arg-type]
+        elif host is ring.slot():  # the role's `staging` tensor: uploaded from where it is
+            ring.send(table)
+        else:  # the caller's tensor (another table's record) stays the record, as the caller keeps it unchanged
+            ring.slot().copy_(host)
+            ring.send(table)
         if addresses is None:
             self._cached.pop(role, None)  # made from ``host`` if asked (`addresses`)
         else:
@@ -226,11 +224,14 @@ class TensorTables:
         """A CPU int64 tensor of one address per tensor, for a caller to write ``role``'s next addresses into (a
         native read) and hand to `set_role` as ``host``: page-locked where the tables live on a GPU, so the upload
         copies straight from it. The same tensor until `set_role` takes it (it is then the role's record, which an
-        upload in flight may still read), a new one after."""
-        buf = self._staging.get(role)
-        if buf is None:
-            buf = self._staging[role] = host_tensor((self.num_tensors,), torch.int64, self.device)
-        return buf
+        upload in flight may still read), another after: the next slot of the role's `UploadRing`."""
+        return self._ring(role).slot()
+
+    def _ring(self, role: str) -> UploadRing:
+        ring = self._rings.get(role)
+        if ring is None:
+            ring = self._rings[role] = UploadRing((self.num_tensors,), torch.int64, self.device)
+        return ring
 
     def addresses(self, role: str) -> list[int] | None:
         """``role``'s addresses as last set, as a list (None before the first): made from its host tensor, once,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kitsune.kernels import DEAD, NUM_FIELDS, Algo, TensorTables, UpdateSpec, block_map, multi_tensor_update
-from kitsune.kernels.multi_tensor import UploadRing, pinned, staged
+from kitsune.kernels.multi_tensor import UploadRing
 from kitsune.kernels.spec import B1, B2, EPS, EXTRA, LR
 
 
@@ -66,13 +66,29 @@ def test_a_staged_upload_becomes_the_record_and_the_next_read_gets_a_new_tensor(
     assert tables.role("grad").tolist() == [128, 144, 160] and tables.host("grad")[0] is following
 
 
-def test_pinned_copies_values_bound_for_a_gpu_and_leaves_others(device):
-    host = torch.tensor([[1.5, -2.0], [3.25, 4.0]], dtype=torch.float64)
-    out = pinned(host, device)
-    if device.type == "cuda":
-        assert out.is_pinned() and out.data_ptr() != host.data_ptr() and torch.equal(out, host)
-    else:
-        assert out is host
+def test_the_records_of_many_uploads_hold_until_the_role_is_set_again(device):
+    """Grads that move every step, over several laps of the role's host slots: each upload's record (`host`,
+    `addresses`) and the device table hold that upload's addresses, the staging tensor is never the record, and
+    addresses given as a list or in a caller's own tensor go the same way."""
+    tables = TensorTables(device, [4, 4, 4], [0, 0, 0])
+    gen = torch.Generator().manual_seed(5)
+    laps = 3 * UploadRing((3,), torch.int64, device).slots + 3
+    for i in range(laps):
+        addresses = (torch.randint(1, 2**40, (3,), generator=gen) * 16).tolist()
+        if i % 3 == 0:  # a native read's way: into the staging tensor
+            staging = tables.staging("grad")
+            assert staging is not tables.host("grad")[0]
+            staging.copy_(torch.tensor(addresses))
+            assert tables.set_role("grad", None, staging)
+        elif i % 3 == 1:  # a list
+            assert tables.set_role("grad", addresses)
+        else:  # the caller's own tensor, kept as the record
+            mine = torch.tensor(addresses)
+            assert tables.set_role("grad", list(addresses), mine) and tables.host("grad")[0] is mine
+        tables.staging("grad").fill_(-1)  # the next read writes into the staging tensor: never the record
+        assert tables.host("grad")[0].tolist() == addresses and tables.addresses("grad") == addresses
+        assert tables.role("grad").tolist() == addresses
+    assert tables.uploads == laps
 
 
 def _rows(i: int) -> array:
@@ -85,7 +101,7 @@ def test_an_upload_ring_lands_every_upload_bit_for_bit_over_several_laps(device)
     device copy of the buffer, as the next step's kernel reads it); the buffer keeps its address."""
     out = torch.full((2, NUM_FIELDS), -1.0, dtype=torch.float64, device=device)
     ring = UploadRing((2, NUM_FIELDS), torch.float64, device)
-    seen = torch.empty((3 * UploadRing.SLOTS + 5, 2, NUM_FIELDS), dtype=torch.float64, device=device)
+    seen = torch.empty((3 * ring.slots + 5, 2, NUM_FIELDS), dtype=torch.float64, device=device)
     address = out.data_ptr()
     for i in range(seen.shape[0]):
         ring.upload(_rows(i), out)
@@ -115,7 +131,7 @@ def test_an_upload_ring_waits_for_its_slots_copies_before_writing_them_again(str
     queues = [torch.cuda.current_stream(device)] + [torch.cuda.Stream(device) for _ in range(streams - 1)]
     outs = [torch.zeros((2, NUM_FIELDS), dtype=torch.float64, device=device) for _ in queues]
     ring = UploadRing((2, NUM_FIELDS), torch.float64, device)
-    n = 3 * UploadRing.SLOTS + 5
+    n = 3 * ring.slots + 5
     seen = torch.zeros((n, 2, NUM_FIELDS), dtype=torch.float64, device=device)
     torch.cuda.synchronize(device)
     with torch.cuda.stream(queues[-1]):
@@ -128,30 +144,6 @@ def test_an_upload_ring_waits_for_its_slots_copies_before_writing_them_again(str
     torch.cuda.synchronize(device)
     for i in range(n):
         assert seen[i].flatten().tolist() == list(_rows(i)), i
-
-
-def test_staged_moves_an_arrays_values_into_a_new_tensor_bound_for_the_device(device):
-    """`staged`: an array's values as a CPU tensor; bound for a GPU, in a new page-locked block each time (an upload
-    in flight may still read the last), else over the array's memory; a size or item width that does not fit raises
-    before anything is written."""
-    gen = torch.Generator().manual_seed(3)
-    values = array("d", torch.randn(12, generator=gen, dtype=torch.float64).tolist())
-    out = staged(values, (3, 4), torch.float64, device)
-    again = staged(values, (3, 4), torch.float64, device)
-    assert out.device.type == "cpu" and out.shape == (3, 4) and out.dtype == torch.float64
-    if device.type == "cuda":
-        assert out.is_pinned() and again.is_pinned() and again.data_ptr() != out.data_ptr()
-        assert out.data_ptr() != values.buffer_info()[0]
-    else:
-        assert out.data_ptr() == values.buffer_info()[0]
-    assert out.flatten().tolist() == list(values)  # bit for bit
-    addresses = array("q", [2**40 + 16, -1, 0])
-    assert staged(addresses, (3,), torch.int64, device).tolist() == [2**40 + 16, -1, 0]
-    assert staged(array("d"), (0, 4), torch.float64, device).shape == (0, 4)
-    with pytest.raises(ValueError, match="12 values of 8 bytes"):
-        staged(values, (2, 4), torch.float64, device)
-    with pytest.raises(ValueError, match="3 values of 8 bytes"):
-        staged(addresses, (3,), torch.int32, device)
 
 
 def test_a_listed_upload_is_staged_and_kept_as_the_record(device):
@@ -292,3 +284,11 @@ def test_one_tensor_over_2_31_elements():
     torch.testing.assert_close(p[-4:].cpu(), torch.tensor([0.5, 0.0, -0.5, -1.0]))
     torch.testing.assert_close(p[:4].cpu(), torch.full((4,), 0.5))
     assert (p[2**31 - 8 : 2**31] == 0.5).all()  # the last 3 elements had other grads
+
+
+def test_an_upload_ring_keeps_to_its_memory_budget_with_eight_slots_at_least():
+    cpu = torch.device("cpu")
+    assert UploadRing((2, NUM_FIELDS), torch.float64, cpu).slots == 256  # 128 bytes a slot
+    many = UploadRing((2000,), torch.int64, cpu)  # a grad table of 2000 tensors: 16 KB a slot
+    assert many.slots == 64 and many.slots * 2000 * 8 <= UploadRing.BUDGET
+    assert UploadRing((10**6,), torch.int64, cpu).slots == 8  # over the budget: eight all the same
