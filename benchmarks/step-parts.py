@@ -16,7 +16,7 @@ methods, each timed around its call (a wrapper costs about 0.1 us):
   (`FusionSubsystem.follow`); ``upload``, inside it: the tables' uploads (`TensorTables.set_role`);
 * ``values``: a changed group's switches checked and the hyperparameters uploaded (`FusionSubsystem.refresh_values`);
   ``switches`` and ``hyper``, inside it: the switches' check (`FusionSubsystem._switches_changed`) and the rows'
-  upload (`DeviceContext._upload`: the array, its page-locked block, the copy);
+  upload (`DeviceContext._upload`: the array, its page-locked slot, the copy);
 * ``layout``: the kernel variants the moved grads' addresses pick (`FusionSubsystem.grad_layout`);
 * ``replay``: the graph's launch (`GraphBackend.replay`);
 * ``rest``: the step less ``follow``, ``values``, ``layout`` and ``replay`` (the groups' comparison, the step's
