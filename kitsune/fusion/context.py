@@ -28,7 +28,7 @@ class DeviceContext:
         self.device = device
         self._row = row
         self.buffer: torch.Tensor | None = None
-        self._ring: UploadRing | None = None  # the buffer's uploads
+        self._ring: UploadRing | None = None  # the buffer's uploads after its first
         self._cached: tuple | None = None
         self._device_values: list[tuple[int, int, torch.Tensor]] = []
         self.uploads = 0
@@ -79,10 +79,14 @@ class DeviceContext:
                     ) from exc
         self._device_values = device_values
         shape = (len(rows), NUM_FIELDS)
-        if self._ring is None or self._ring.shape != shape:
-            self._ring = UploadRing(shape, torch.float64, self.device)
-            self.buffer = torch.empty(shape, dtype=torch.float64, device=self.device)
-        self._ring.upload(values, self.buffer)  # the buffer keeps its address: kernels (and captured graphs) hold it
+        if self.buffer is None or self.buffer.shape != shape:  # a buffer of its own memory, on a CPU too
+            host = torch.frombuffer(values, dtype=torch.float64) if values else torch.empty(0, dtype=torch.float64)
+            self.buffer = host.view(shape).to(self.device, copy=True)
+            self._ring = None
+        else:  # the buffer keeps its address (kernels and captured graphs hold it); the values go through host slots
+            if self._ring is None:
+                self._ring = UploadRing(shape, torch.float64, self.device)
+            self._ring.upload(values, self.buffer)
         self._cached = rows
         self.uploads += 1
 

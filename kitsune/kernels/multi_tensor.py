@@ -200,16 +200,21 @@ class TensorTables:
         if count != self.num_tensors:
             raise ValueError(f"role {role!r}: {count} addresses for {self.num_tensors} tensors")
         table = self._roles.get(role)
-        if table is None:  # kept from now on: its address may be baked into a captured graph
-            table = self._roles[role] = torch.empty((self.num_tensors,), dtype=torch.int64, device=self.device)
-        ring = self._ring(role)
-        if host is None:
-            host = ring.upload(array("q", addresses), table)  # type: ignore[arg-type]
-        elif host is ring.slot():  # the role's `staging` tensor: uploaded from where it is
-            ring.send(table)
-        else:  # the caller's tensor (another table's record) stays the record, as the caller keeps it unchanged
-            ring.slot().copy_(host)
-            ring.send(table)
+        staged = role in self._rings and host is self._rings[role].slot()  # the role's `staging` tensor
+        if table is None and not staged:  # the role's first: a table kept from now on (a graph may hold its address)
+            host = int64_tensor(addresses) if host is None else host  # type: ignore[arg-type]
+            self._roles[role] = host.to(self.device, copy=True)
+        else:  # a role set again (the grads that moved) has host slots of its own (`UploadRing`)
+            if table is None:
+                table = self._roles[role] = torch.empty((count,), dtype=torch.int64, device=self.device)
+            ring = self._ring(role)
+            if host is None:
+                host = ring.upload(array("q", addresses), table)  # type: ignore[arg-type]
+            elif staged:  # uploaded from where it is
+                ring.send(table)
+            else:  # the caller's tensor (another table's record) stays the record, as the caller keeps it unchanged
+                ring.slot().copy_(host)
+                ring.send(table)
         if addresses is None:
             self._cached.pop(role, None)  # made from ``host`` if asked (`addresses`)
         else:
