@@ -10,6 +10,7 @@ optimizer built first can be the slower one on the ``many`` set, whichever commi
     git archive 9668348 kitsune | tar -x -C /tmp/other        # the commit to compare against
     python3 benchmarks/ab.py --other /tmp/other/kitsune --json ab.json
     python3 benchmarks/ab.py --other /tmp/other/kitsune --other-first --json ab-other-first.json
+    python3 benchmarks/ab.py --other /tmp/other/kitsune --sets gpt2 --cases default,sched   # some cases only
 
 GPU only. Cases: AdamW on gpt2, many and llama1b (``KitsuneOptimizer(..., enable_fusion=True)``), gpt2 and many with
 ``GraphConfig(static_addresses=True)``, with ``capture_graph=False`` (``eager``: every step the full path) and with
@@ -135,15 +136,25 @@ def _try_import(name: str) -> ModuleType | None:
         return None
 
 
+def _variants() -> list[str]:
+    return list(dict.fromkeys(variant for _, variant in CASES))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--other", type=Path, required=True, help="the other commit's kitsune package folder")
     parser.add_argument("--other-first", action="store_true", help="build the other commit's optimizer first")
     parser.add_argument("--sets", default="gpt2,many,llama1b", help="comma-separated: gpt2,many,llama1b")
+    parser.add_argument(
+        "--cases", default=None, help="comma-separated cases to run (default: all): " + ",".join(_variants())
+    )
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=20, help="steps a round")
     parser.add_argument("--json", type=Path, help="write the medians here")
     args = parser.parse_args()
+    cases = None if args.cases is None else args.cases.split(",")
+    if cases is not None and set(cases) - set(_variants()):
+        parser.error(f"unknown case(s) {', '.join(sorted(set(cases) - set(_variants())))}: {', '.join(_variants())}")
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
     import kitsune
@@ -159,7 +170,7 @@ def main() -> None:
                   f"{time.perf_counter() - t0:.1f} s", flush=True)  # fmt: skip
     results = {}
     for set_name, variant in CASES:
-        if set_name not in args.sets.split(","):
+        if set_name not in args.sets.split(",") or (cases is not None and variant not in cases):
             continue
         r = results[f"{set_name}/{variant}"] = case(sides, set_name, variant, args.rounds, args.steps)
         this, them = r["this"], r["other"]
