@@ -55,28 +55,16 @@ class DeviceContext:
         return rows
 
     def _upload(self, rows: tuple[tuple[Any, ...], ...]) -> None:
-        # the values in a Python array, then moved in one memmove into the page-locked slot the copy reads
-        # (`UploadRing`): a tensor's item assignment costs about a microsecond each, a tensor over the array and a
-        # pinned copy of it about 15 us on a GPU's host, and an LR scheduler has a step upload every time
-        values = array("d", bytes(8 * NUM_FIELDS * len(rows)))
-        device_values = []
-        for i, row in enumerate(rows):
+        # the values in a Python array, then copied into the page-locked slot the upload reads (`UploadRing`): a
+        # tensor's item assignment costs about a microsecond each, and an LR scheduler has a step upload every time
+        for row in rows:
             if len(row) > NUM_FIELDS:
                 raise ValueError(f"kitsune: a hyperparameter row holds {len(row)} values, at most {NUM_FIELDS} fit")
-            for j, value in enumerate(row):
-                if isinstance(value, _DeviceValue):
-                    device_values.append((i, j, value.tensor))
-                    continue
-                try:
-                    if isinstance(value, str | bytes):  # float() would parse it; torch's step raises TypeError
-                        raise TypeError("text is not a number")
-                    values[i * NUM_FIELDS + j] = float(value)
-                except (TypeError, ValueError) as exc:  # before anything changed: the buffer keeps its values
-                    raise TypeError(
-                        f"kitsune: param group {i} holds {value!r} ({type(value).__name__}) where its step reads a "
-                        f"number ({exc}): give the hyperparameter a number or a one-element tensor, as torch.optim "
-                        "takes it. Nothing was changed."
-                    ) from exc
+        try:  # every value a number, as an LR scheduler's steps leave them: one conversion in C
+            values = array("d", [v for row in rows for v in (*row, *_PAD[len(row) :])])
+            device_values: list[tuple[int, int, torch.Tensor]] = []
+        except (TypeError, ValueError):  # a device tensor's value, or one that is not a number: value by value
+            values, device_values = _convert(rows)
         self._device_values = device_values
         shape = (len(rows), NUM_FIELDS)
         if self.buffer is None or self.buffer.shape != shape:  # a buffer of its own memory, on a CPU too
@@ -89,6 +77,32 @@ class DeviceContext:
             self._ring.upload(values, self.buffer)
         self._cached = rows
         self.uploads += 1
+
+
+_PAD = (0.0,) * NUM_FIELDS
+
+
+def _convert(rows: tuple[tuple[Any, ...], ...]) -> tuple[array, list[tuple[int, int, torch.Tensor]]]:
+    """The rows' values in a float64 array of ``NUM_FIELDS`` a row, and where a device tensor's value goes instead
+    (row, field, tensor); a value that is not a number raises, naming it, before anything changed."""
+    values = array("d", bytes(8 * NUM_FIELDS * len(rows)))
+    device_values = []
+    for i, row in enumerate(rows):
+        for j, value in enumerate(row):
+            if isinstance(value, _DeviceValue):
+                device_values.append((i, j, value.tensor))
+                continue
+            try:
+                if isinstance(value, str | bytes):  # float() would parse it; torch's step raises TypeError
+                    raise TypeError("text is not a number")
+                values[i * NUM_FIELDS + j] = float(value)
+            except (TypeError, ValueError) as exc:  # before anything changed: the buffer keeps its values
+                raise TypeError(
+                    f"kitsune: param group {i} holds {value!r} ({type(value).__name__}) where its step reads a "
+                    f"number ({exc}): give the hyperparameter a number or a one-element tensor, as torch.optim "
+                    "takes it. Nothing was changed."
+                ) from exc
+    return values, device_values
 
 
 class _DeviceValue:

@@ -81,3 +81,34 @@ def test_a_numpy_value_changed_in_place_is_uploaded(device):
         lr[...] = value
         assert context.refresh(groups) == changed
         assert context.buffer[0, 0].item() == value
+
+
+class _Odd:
+    """A number-like value whose float() raises ValueError."""
+
+    def __float__(self) -> float:
+        raise ValueError("no value yet")
+
+
+def test_every_kind_of_number_lands_as_float_gives_it_and_other_values_are_named(device):
+    """The rows' values are converted together where each is a number (bool, int, a float subclass, a Fraction, an
+    object with ``__float__``), exactly as ``float()`` converts each; one that is not (None, text, a ``__float__``
+    that raises) is named, and nothing changes."""
+    from fractions import Fraction
+
+    class Rate:
+        def __float__(self) -> float:
+            return 0.125
+
+    class Sub(float):
+        pass
+
+    context = DeviceContext(device, _row)
+    values = [True, 3, Sub(0.1), Fraction(1, 3), Rate(), 2**53 + 1, -0.0]
+    assert context.refresh([{"values": values}])
+    assert context.buffer[0].tolist() == [float(v) for v in values] + [0.0] * (NUM_FIELDS - len(values))
+    before = context.buffer.clone()
+    for bad, name in ((None, "NoneType"), (b"1", "bytes"), (_Odd(), "_Odd")):
+        with pytest.raises(TypeError, match=rf"param group 0 holds .* \({name}\) where its step reads a number"):
+            context.refresh([{"values": [0.5, bad]}])
+        assert torch.equal(context.buffer, before) and context.uploads == 1
