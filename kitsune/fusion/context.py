@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kitsune.kernels.multi_tensor import UploadRing
+from kitsune.kernels.multi_tensor import UploadRing, array_tensor
 from kitsune.kernels.spec import NUM_FIELDS
 
 
@@ -28,7 +28,7 @@ class DeviceContext:
         self.device = device
         self._row = row
         self.buffer: torch.Tensor | None = None
-        self._ring: UploadRing | None = None  # the buffer's uploads after its first
+        self._ring: UploadRing | None = None  # the buffer's uploads after its first (made with the buffer)
         self._cached: tuple | None = None
         self._device_values: list[tuple[int, int, torch.Tensor]] = []
         self.uploads = 0
@@ -67,13 +67,10 @@ class DeviceContext:
             values, device_values = _convert(rows)
         self._device_values = device_values
         shape = (len(rows), NUM_FIELDS)
-        if self.buffer is None or self.buffer.shape != shape:  # a buffer of its own memory, on a CPU too
-            host = torch.frombuffer(values, dtype=torch.float64) if values else torch.empty(0, dtype=torch.float64)
-            self.buffer = host.view(shape).to(self.device, copy=True)
-            self._ring = None
+        if self._ring is None or self._ring.shape != shape:  # a buffer of its own memory, on a CPU too
+            self.buffer = array_tensor(values, torch.float64).view(shape).to(self.device, copy=True)
+            self._ring = UploadRing(shape, torch.float64, self.device)  # its slots made at its first upload
         else:  # the buffer keeps its address (kernels and captured graphs hold it); the values go through host slots
-            if self._ring is None:
-                self._ring = UploadRing(shape, torch.float64, self.device)
             self._ring.upload(values, self.buffer)
         self._cached = rows
         self.uploads += 1
