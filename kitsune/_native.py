@@ -11,9 +11,9 @@ has checked the params before), its reads in passes that prefetch the next pass'
 takes the full check) for anything it cannot read (a grad that is None or sparse, a tensor without storage).
 `follow` is `unchanged` for a step whose grads may have moved (``zero_grad()`` freed them and backward allocated new
 ones elsewhere, as most training loops' grads do): in the same passes it reads every grad's address into an int64
-tensor, and answers whether nothing moved, only grads did (each present, dense, contiguous, of the unit's dtype and
-of its param's planned shape: the tables need only point at them), or anything else (the Python check then sorts out
-what, and raises where torch would).
+tensor, and answers whether nothing moved, only grads did (each present, dense in its param's order, of the unit's
+dtype and of its param's planned shape: the tables need only point at them), or anything else (the Python check
+then sorts out what, and raises where torch would).
 `unchanged_local` does the same for FSDP2's DTensor params through their local shards (each param must still hold
 the shard the plan resolved, and its grad's local shard must sit where the table says): the grad is read in C++,
 DTensor's ``_local_tensor`` slot directly, and the reads go in passes over all params so that a CPU whose caches
@@ -55,18 +55,19 @@ SOURCE = r"""
 #include <vector>
 
 // params[i] sits at table[i] (what: 0 or 1) and its grad (dense) at table[n + i] (what: 1 or 2; 2 leaves out the
-// params, which the step checked before), each contiguous, of dtype and of table[2n + i] elements, both of the
-// shape whose `shape_key` is table[3n + i] (table: 4n int64 on the CPU): a tensor re-strided, re-typed, resized or
-// reshaped where it sat (``p.data = p.data.t()``, ``p.data = p.data.view(...)``, a grad of another layout in a
-// block the allocator handed out again) is a change as much as a move. Anything else answers false.
+// params, which the step checked before), each of dtype and of table[2n + i] elements, both of the shape and order
+// (row-major, channels_last) whose `shape_key` is table[3n + i] (table: 4n int64 on the CPU): a tensor re-strided,
+// re-typed, resized or reshaped where it sat (``p.data = p.data.t()``, ``p.data = p.data.view(...)``, a grad of
+// another layout in a block the allocator handed out again) is a change as much as a move. Anything else answers false.
 // A param's address is two dependent reads away from its Python object (the TensorImpl, then its storage), its
 // grad's four (the autograd meta, the grad's TensorImpl, its storage). Between steps, backward and the kernels'
 // launches push these objects out of the CPU's caches, so the reads go in passes over every param, each pass
 // prefetching what the next one reads: the CPU waits for many misses at once, not for one param's chain after
 // another's (2000 params on a CPU, caches flushed: about 190 ns a param against 390 one param at a time).
-// The metadata the kernels rely on besides the address: dense and contiguous, the dtype they read, the numel planned.
+// The metadata the kernels rely on besides the address: strided, the dtype they read, the numel planned (the order
+// its elements lie in, row-major or channels_last, is in its shape key).
 static inline bool same_layout(const c10::TensorImpl* t, caffe2::TypeMeta dtype, int64_t numel) {
-  return t->layout() == at::kStrided && t->dtype() == dtype && t->numel() == numel && t->is_contiguous();
+  return t->layout() == at::kStrided && t->dtype() == dtype && t->numel() == numel;
 }
 
 // A contiguous int64 CPU tensor of numel elements: the tables these checks read and the addresses they write.
@@ -87,19 +88,32 @@ static inline const c10::TensorImpl* grad_of(const c10::TensorImpl* param) {
   return grad;
 }
 
-// A tensor's sizes as one number: 64-bit FNV-1a over them, shifted to 63 bits (kitsune._native.shape_key).
+// The order a tensor's elements lie in, which the kernels walk as flat memory (kitsune._native.layout_code): 0
+// row-major (contiguous), 1 channels_last, 2 channels_last_3d, 3 none of these (not dense, or dense in another order).
+static inline uint64_t layout_code(const c10::TensorImpl* t) {
+  if (t->is_contiguous()) return 0;
+  if (t->is_contiguous(at::MemoryFormat::ChannelsLast)) return 1;
+  if (t->is_contiguous(at::MemoryFormat::ChannelsLast3d)) return 2;
+  return 3;
+}
+
+// A tensor's sizes and the order its elements lie in as one number: 64-bit FNV-1a over the sizes, then (where the
+// order is not row-major) its layout code, shifted to 63 bits (kitsune._native.shape_key).
 static inline int64_t shape_key(const c10::TensorImpl* t) {
   uint64_t h = 14695981039346656037ULL;
   for (const int64_t size : t->sizes()) h = (h ^ static_cast<uint64_t>(size)) * 1099511628211ULL;
+  const uint64_t code = layout_code(t);
+  if (code != 0) h = (h ^ (256 + code)) * 1099511628211ULL;
   return static_cast<int64_t>(h >> 1);
 }
 
 // The passes of `unchanged` and `follow`. what: 0 the params, 1 the params and their grads, 2 the grads alone (the
 // step checked the params before). out: null, or n int64 for the grads' addresses. Answers 0 where everything
 // checked sits where the table says; with out, 1 + the OR of every grad address's low six bits (1 to 64: their
-// alignment) where the params checked do and every grad is present, dense, contiguous, of dtype and of its param's
-// numel and shape, some of them elsewhere: out holds every grad's address; -1 for anything else (out then partly
-// written). The table is only read: the caller writes the new addresses into it once its own tables hold them.
+// alignment) where the params checked do and every grad is present, dense in its param's order, of dtype and of
+// its param's numel and shape, some of them elsewhere: out holds every grad's address; -1 for anything else (out
+// then partly written). The table is only read: the caller writes the new addresses into it once its own tables
+// hold them.
 static int64_t scan(PyObject* list, const at::Tensor& table, int64_t what, int64_t* out, at::ScalarType scalar_type) {
   const Py_ssize_t n = PyList_GET_SIZE(list);
   if (!int64_cpu(table, 4 * n)) return -1;
@@ -270,12 +284,39 @@ bool same(py::list a, py::list b) {
 """
 
 
-def shape_key(shape: Sequence[int]) -> int:
-    """``shape`` as one int64, as the native check computes it from a tensor's sizes (64-bit FNV-1a, 63 bits): the
-    last quarter of its table."""
+MEMORY_FORMATS = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
+"""The orders a fused launch takes a tensor's elements in, by layout code (`layout_code`): the kernels walk each
+tensor as flat memory, so a param, its grad and its state must lie in the same one."""
+NOT_DENSE = len(MEMORY_FORMATS)
+"""The layout code of a tensor in none of `MEMORY_FORMATS`' orders."""
+
+
+def layout_code(t: torch.Tensor) -> int:
+    """The order ``t``'s elements lie in, as an index into `MEMORY_FORMATS` (`NOT_DENSE` for none), as the native
+    check reads it: row-major first, so a tensor that is both (a channel dim of one) counts as row-major."""
+    if t.is_contiguous():
+        return 0
+    if t.is_contiguous(memory_format=torch.channels_last):
+        return 1
+    if t.is_contiguous(memory_format=torch.channels_last_3d):
+        return 2
+    return NOT_DENSE
+
+
+def lies_in(t: torch.Tensor, code: int) -> bool:
+    """Whether ``t``'s elements lie in the order of layout code ``code`` (a tensor that lies row-major and in
+    channels_last order alike lies in both)."""
+    return t.is_contiguous(memory_format=MEMORY_FORMATS[code]) if code < NOT_DENSE else False
+
+
+def shape_key(shape: Sequence[int], code: int = 0) -> int:
+    """``shape`` and layout code ``code`` (`layout_code`) as one int64, as the native check computes it from a
+    tensor's sizes and order (64-bit FNV-1a, 63 bits): the last quarter of its table."""
     h = 14695981039346656037
     for size in shape:
         h = ((h ^ size) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
+    if code:
+        h = ((h ^ (256 + code)) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
     return h >> 1
 
 

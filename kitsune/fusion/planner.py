@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from kitsune import _native
 from kitsune.config import FusionConfig, GradConfig, StreamConfig
 from kitsune.distributed import fsdp
 from kitsune.fusion import muon_unit, state_format
@@ -179,6 +180,8 @@ class Planner:
                     route, reason = _param_reason(p)
                 if route is None and fsdp.is_dtensor(p):
                     route, reason = _shard_route(p, spec, mesh)
+                if route is None and isinstance(spec, MuonSpec) and _native.layout_code(p):
+                    route, reason = _NOT_DENSE  # Muon orthogonalises the row-major matrix
                 pspec, note = spec, None
                 if route is None and isinstance(spec, UpdateSpec):
                     pspec, note = self._state_format(info, spec, p)  # type: ignore[arg-type]
@@ -217,6 +220,11 @@ class Planner:
             return spec, (
                 f"state_precision={precision!r} does not apply to centered RMSprop: square_avg - grad_avg**2 would "
                 "go negative when the two are rounded apart; state in the param's dtype"
+            )
+        if fmt == StateFormat.Q8 and _native.layout_code(p):
+            return spec, (
+                f"state_precision={precision!r} takes row-major params (its blocks are runs of the param's rows); a "
+                "channels_last param keeps its state in its own dtype"
             )
         if fmt == StateFormat.Q8 and p.numel() < self.config.min_8bit_size:
             return spec, f"under min_8bit_size={self.config.min_8bit_size} elements: state in the param's dtype"
@@ -442,12 +450,18 @@ def _param_reason(p: torch.Tensor) -> tuple[Route | None, str]:
         return (_TORCH if p.dtype in _TORCH_DTYPES else Route.BASE_STEP), (
             f"{str(p.dtype).removeprefix('torch.')} params: the fused kernel takes fp32/bf16/fp16 (math in fp32)"
         )
-    if not p.is_contiguous():
-        return Route.TORCH_FOREACH, (
-            "non-contiguous param: the fused kernel addresses flat memory (torch's foreach path takes it: "
-            "torch's fused kernels need each grad laid out as its param)"
-        )
+    layout = _native.layout_code(p)
+    if layout == _native.NOT_DENSE or (layout and fsdp.is_dtensor(p)):
+        return _NOT_DENSE
     return None, "fused Triton multi-tensor kernel"
+
+
+_NOT_DENSE = (
+    Route.TORCH_FOREACH,
+    "non-contiguous param: the fused kernel addresses flat memory, row-major or channels_last (torch's foreach path "
+    "takes it: torch's fused kernels need each grad laid out as its param)",
+)
+"""Where a param's elements lie in no order the fused kernel walks them in (`kitsune._native.MEMORY_FORMATS`)."""
 
 
 def _shard_route(p: torch.Tensor, spec: Any, mesh: list[Any]) -> tuple[Route | None, str]:

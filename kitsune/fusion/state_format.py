@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from kitsune import _native
 from kitsune.distributed import fsdp
 from kitsune.kernels import codes as _tables
 from kitsune.kernels.codes import CODE_SIZE, CODES_ALIGN, MIN_SCALE, QUANT_BLOCK
@@ -250,14 +251,21 @@ def conform(s: dict[str, Any], key: str, p: torch.Tensor, fmt: StateFormat) -> l
 
 
 def dense(t: torch.Tensor, p: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """State tensor ``t`` (``p``'s shape) as the kernels address it: ``dtype`` on ``device``, its shard contiguous;
-    ``t`` itself where it is already. A copy is made with ``.contiguous()``: ``t.to(memory_format=contiguous_format)``
-    returns a dense non-contiguous tensor (a transposed one) as it is."""
+    """State tensor ``t`` (``p``'s shape) as the kernels address it: ``dtype`` on ``device``, its elements in the
+    order ``p``'s lie in (`kitsune._native.layout_code`: row-major, or channels_last as a channels_last conv weight's;
+    a shard contiguous); ``t`` itself where it is already. A copy is made with ``.contiguous()``:
+    ``t.to(memory_format=...)`` returns a dense tensor of another order (a transposed one) as it is."""
     if t.dtype != dtype or fsdp.local(t).device != device:
         t = t.to(device=device, dtype=dtype)
     shard = fsdp.local(t)
-    if not shard.is_contiguous():
-        t = fsdp.wrap_local(shard.contiguous(), p) if fsdp.is_dtensor(t) else t.contiguous()
+    if fsdp.is_dtensor(t):
+        if not shard.is_contiguous():
+            t = fsdp.wrap_local(shard.contiguous(), p)
+        return t
+    code = _native.layout_code(p)
+    code = 0 if code == _native.NOT_DENSE else code
+    if not _native.lies_in(t, code):
+        t = t.contiguous(memory_format=_native.MEMORY_FORMATS[code])
     return t
 
 

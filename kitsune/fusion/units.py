@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from kitsune import _native
-from kitsune._native import MOVED, OTHER, SAME
+from kitsune._native import MEMORY_FORMATS, MOVED, OTHER, SAME, lies_in
 from kitsune.distributed import fsdp
 from kitsune.fusion import state_format
 from kitsune.fusion.algos import AlgoInfo, extra_keys, init_state, missing_key
@@ -75,13 +75,19 @@ class FusedUnit:
         self.numels = [fsdp.local(p).numel() for p in params]
         self.shapes = [fsdp.local(p).shape for p in params]
         """The params' (local shards') shapes as planned: the state's, and for Muon the matrices'."""
+        self.layouts = [_native.layout_code(fsdp.local(p)) for p in params]
+        """The order each param's elements lie in as planned (`kitsune._native.layout_code`: row-major, channels_last):
+        the kernels walk a param, its grad and its state as flat memory, so the grad and the state must lie in it."""
+        self._row_major = not any(self.layouts)  # every param contiguous: the checks take C-level maps
         self.tables = TensorTables(self.device, self.numels, group_index, block)
         self._param_ptrs = self.param_addresses = self._addresses(params)
         self.tables.set_role("param", self._param_ptrs)
         self._grads_read = False
         """Whether the grad table holds where the last step found the grads (not before the first read, nor after a
         step that read them through copies)."""
-        self._table = int64_tensor(self._param_ptrs * 2 + self.numels + list(map(_native.shape_key, self.shapes)))
+        self._table = int64_tensor(
+            self._param_ptrs * 2 + self.numels + list(map(_native.shape_key, self.shapes, self.layouts))
+        )
         """The native check's int64 table: the params' addresses, the grads' as of `_grad_ptrs`, the numels, the
         params' shape keys."""
         self._table_grads = self._table[len(params) : 2 * len(params)]  # the grads' rows, as one view
@@ -442,15 +448,12 @@ class FusedUnit:
             upload = ptrs
             host = self._out() if checked and not adopt else int64_tensor(ptrs)  # the native read's, handed over
             copied: list[tuple[torch.Tensor, torch.Tensor]] = []
-            if not checked and not all(
-                map(
-                    _IS_CONTIGUOUS, [g for g in grads if g is not None and g.layout == torch.strided] if dead else grads
-                )
-            ):
-                # the kernel addresses flat memory: give it contiguous copies (freeing them after the launch is
-                # queued is stream-ordered, so safe) and do not cache, as the copies are new every step
+            if not checked and not self._grads_lie_in_order(grads, ptrs, dead):
+                # the kernel addresses flat memory: give it copies laid out as their params (freeing them after the
+                # launch is queued is stream-ordered, so safe) and do not cache, as the copies are new every step
                 self._copies = [
-                    g if a == DEAD or _IS_CONTIGUOUS(g) else g.contiguous() for g, a in zip(grads, ptrs, strict=True)
+                    g if a == DEAD or lies_in(g, code) else g.contiguous(memory_format=MEMORY_FORMATS[code])
+                    for g, a, code in zip(grads, ptrs, self.layouts, strict=True)
                 ]
                 copied = [(g, c) for g, c in zip(grads, self._copies, strict=True) if c is not g]
                 upload = [a if a == DEAD else c.data_ptr() for c, a in zip(self._copies, ptrs, strict=True)]
@@ -496,10 +499,10 @@ class FusedUnit:
 
     def _layout_holds(self, tensors: list[torch.Tensor]) -> bool:
         """Whether ``tensors`` (plain tensors or local shards, one per param, none None) are what the kernels read
-        besides their addresses: contiguous, of the unit's dtype, of the planned shapes (a param reshaped where it
-        sat, ``p.data = p.data.view(...)``, no longer fits its state). C-level maps."""
+        besides their addresses: in the planned order (`layouts`), of the unit's dtype, of the planned shapes (a
+        param reshaped where it sat, ``p.data = p.data.view(...)``, no longer fits its state). C-level maps."""
         return (
-            all(map(_IS_CONTIGUOUS, tensors))
+            (all(map(_IS_CONTIGUOUS, tensors)) if self._row_major else all(map(lies_in, tensors, self.layouts)))
             and set(map(_DTYPE, tensors)) == {self.dtype}
             and list(map(_SHAPE, tensors)) == self.shapes
         )
@@ -509,9 +512,23 @@ class FusedUnit:
         if DEAD not in ptrs:
             return self._layout_holds(grads)  # type: ignore[arg-type]
         return all(
-            g.is_contiguous() and g.dtype == self.dtype and g.shape == shape
-            for g, a, shape in zip(grads, ptrs, self.shapes, strict=True)
+            lies_in(g, code) and g.dtype == self.dtype and g.shape == shape
+            for g, a, shape, code in zip(grads, ptrs, self.shapes, self.layouts, strict=True)
             if a != DEAD and g is not None
+        )
+
+    def _grads_lie_in_order(self, grads: list[torch.Tensor | None], ptrs: list[int], dead: int) -> bool:
+        """Whether every grad the kernels read (dense ones, where some are `DEAD`) lies in its param's order."""
+        if self._row_major:
+            return all(
+                map(
+                    _IS_CONTIGUOUS, [g for g in grads if g is not None and g.layout == torch.strided] if dead else grads
+                )
+            )
+        return all(
+            lies_in(g, code)
+            for g, a, code in zip(grads, ptrs, self.layouts, strict=True)
+            if not (dead and (a == DEAD or g is None or g.layout != torch.strided))
         )
 
     def _locals(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kitsune._native import MEMORY_FORMATS
 from kitsune.config import MemoryConfig
 from kitsune.subsystem import Subsystem
 
@@ -63,11 +64,16 @@ class Arena:
     def nbytes(self) -> int:
         return self.numel * self.element_size
 
-    def view(self, offset: int, shape: torch.Size) -> torch.Tensor:
+    def view(self, offset: int, shape: torch.Size, layout: int = 0) -> torch.Tensor:
+        """The slot at ``offset`` as a tensor of ``shape`` whose elements lie in the order of layout code ``layout``
+        (`kitsune._native.layout_code`: row-major, or channels_last as its param's)."""
         if self.buffer is None:  # zero-filled so unused padding never holds nan
             self.buffer = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
-        n = shape.numel()
-        return self.buffer[offset : offset + n].view(shape) if shape else self.buffer[offset]
+        if not shape:
+            return self.buffer[offset]
+        if layout:
+            return self.buffer.as_strided(shape, _strides(shape, layout), offset)
+        return self.buffer[offset : offset + shape.numel()].view(shape)
 
 
 class UnitSlots:
@@ -92,18 +98,22 @@ class UnitSlots:
         self.params = unit.params
         self.keys = [k for k in unit.info.state_keys(unit.spec) if k]
         self.step_arena, self.grad_arena = step_arena, grad_arena
-        self.offsets: dict[str, list[tuple[Arena, int, torch.Size, torch.dtype]]] = defaultdict(list)
-        """Per state entry name: each param's (arena, offset, shape, dtype); offset `_NO_ROOM` for a frozen param."""
+        self.offsets: dict[str, list[tuple[Arena, int, torch.Size, torch.dtype, int]]] = defaultdict(list)
+        """Per state entry name: each param's (arena, offset, shape, dtype, layout code); offset `_NO_ROOM` for a
+        frozen param."""
         extra = extra_keys(unit.spec)  # the Kahan compensation, in the param's dtype whatever the state's format
         # a frozen param (requires_grad=False) gets no state while it stays frozen, as in torch: no room for it (a
         # frozen backbone would fill the arena, and every saved state dict, with zeros); unfrozen, its state gets
         # tensors of its own until a plan lays it out
         trainable = [p.requires_grad for p in unit.params]
-        for p, room in zip(unit.params, trainable, strict=True):
+        self.layouts = unit.layouts
+        for p, room, layout in zip(unit.params, trainable, self.layouts, strict=True):
             for key, fmt in [(k, unit.spec.state) for k in self.keys] + [(k, StateFormat.PARAM) for k in extra]:
                 for name, dtype, shape in entries(key, fmt, p):
                     arena = arena_for(dtype)
-                    self.offsets[name].append((arena, arena.reserve(shape.numel()) if room else _NO_ROOM, shape, dtype))
+                    offset = arena.reserve(shape.numel()) if room else _NO_ROOM
+                    # a state entry of the param's shape lies in its order (the kernels walk both as flat memory)
+                    self.offsets[name].append((arena, offset, shape, dtype, layout if shape == p.shape else 0))
         numels = [p.numel() for p in unit.params]
         self.scalar_offsets = (
             {k: [step_arena.reserve(1) if t else _NO_ROOM for t in trainable] for k in unit.info.scalars}
@@ -134,8 +144,8 @@ class UnitSlots:
                 offset = self.scalar_offsets[key][i]
                 v = self.step_arena.view(offset, torch.Size()) if offset != _NO_ROOM else self._own(key, i)
             else:
-                arena, offset, shape, _ = self.offsets[key][i]
-                v = arena.view(offset, shape) if offset != _NO_ROOM else self._own(key, i)
+                arena, offset, shape, _, layout = self.offsets[key][i]
+                v = arena.view(offset, shape, layout) if offset != _NO_ROOM else self._own(key, i)
             self._views[(key, i)] = weakref.ref(v)
         return v
 
@@ -144,8 +154,8 @@ class UnitSlots:
         if key in self.scalar_offsets:
             assert self.step_arena is not None
             return torch.zeros((), dtype=torch.float32, device=self.step_arena.device)
-        arena, _, shape, dtype = self.offsets[key][i]
-        return torch.zeros(shape, dtype=dtype, device=arena.device)
+        arena, _, shape, dtype, layout = self.offsets[key][i]
+        return torch.zeros(shape, dtype=dtype, device=arena.device).contiguous(memory_format=MEMORY_FORMATS[layout])
 
     def grad_view(self, i: int) -> torch.Tensor:
         """The arena view for ``params[i]``'s grad: the one ``p.grad`` holds, or a new one. The slots keep only a
@@ -154,7 +164,7 @@ class UnitSlots:
         v = ref() if ref is not None else None
         if v is None:
             assert self.grad_arena is not None
-            v = self.grad_arena.view(self.grad_offsets[i], self.params[i].shape)
+            v = self.grad_arena.view(self.grad_offsets[i], self.params[i].shape, self.layouts[i])
             self._grad_refs[i] = weakref.ref(v)
         return v
 
@@ -271,7 +281,7 @@ class MemoryPool(Subsystem):
         layout = tuple(
             (str(u.device), u.dtype, u.info.name, tuple(k for k in u.info.state_keys(u.spec) if k), u.spec.state,
              getattr(u.spec, "kahan", False), u.info.scalars, tuple(map(id, u.params)),
-             tuple(p.numel() for p in u.params), tuple(p.requires_grad for p in u.params))
+             tuple(p.numel() for p in u.params), tuple(p.requires_grad for p in u.params), tuple(u.layouts))
             for u in units
         )  # fmt: skip
         if layout == self._layout:
@@ -358,3 +368,8 @@ def _unit_bytes(unit: FusedUnit, flat_grads: bool) -> int:
     res = _Reservations({}, unit.device)
     res.slots(unit, flat_grads)
     return res.nbytes
+
+
+def _strides(shape: torch.Size, layout: int) -> tuple[int, ...]:
+    """The strides of a dense tensor of ``shape`` whose elements lie in the order of layout code ``layout``."""
+    return torch.empty(shape, device="meta", memory_format=MEMORY_FORMATS[layout]).stride()

@@ -51,13 +51,15 @@ def test_sgd_momentum_on_torchs_fused_route_starts_a_late_buffer_as_torch(late, 
 @pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW])
 @pytest.mark.parametrize("when", ["from_the_start", "mid_run"])
 def test_adam_with_a_tensor_lr_on_torchs_foreach_route_steps_as_torch(cls, when, device):
-    """A channels_last conv weight takes torch's foreach route, whose Adam refuses a tensor lr without capturable
-    (it raised every step): that group steps as torch's default does there, one tensor at a time."""
+    """A param laid out column-major (a transposed weight) takes torch's foreach route, whose Adam refuses a tensor lr
+    without capturable (it raised every step): that group steps as torch's default does there, one tensor at a
+    time."""
 
     def model() -> torch.nn.Module:
         torch.manual_seed(0)
-        net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.Linear(64, 2))
-        return net.to(device=device, memory_format=torch.channels_last)
+        net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(108, 4), torch.nn.Linear(4, 2)).to(device)
+        net[1].weight = torch.nn.Parameter(net[1].weight.detach().t().contiguous().t())  # dense, column-major
+        return net
 
     lr: Callable[[], float | torch.Tensor] = (lambda: torch.tensor(2e-3)) if when == "from_the_start" else lambda: 2e-3
     net, twin = model(), model()
@@ -69,7 +71,7 @@ def test_adam_with_a_tensor_lr_on_torchs_foreach_route_steps_as_torch(cls, when,
         if when == "mid_run" and step == 3:
             opt.param_groups[0]["lr"] = torch.tensor(5e-3)
             ref.param_groups[0]["lr"] = torch.tensor(5e-3)
-        x = torch.randn(2, 3, 6, 6, generator=gen).to(device=device, memory_format=torch.channels_last)
+        x = torch.randn(2, 3, 6, 6, generator=gen).to(device=device)
         for m, o in ((net, opt), (twin, ref)):
             m(x).square().mean().backward()
             o.step()

@@ -1,0 +1,237 @@
+"""Params whose elements lie in channels_last order (a vision model's conv weights after
+``model.to(memory_format=torch.channels_last)``) on the fused kernel: it walks a param, its grad and its state as flat
+memory, so their state lies in the same order (as torch's lazy init makes it) and a grad of another order is read
+through a copy in its param's. Every trajectory is torch's own optimizer's on a twin, step for step."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from twins import record_graphs
+
+from kitsune import FusionConfig, KitsuneOptimizer, _native
+
+CL, CL3 = torch.channels_last, torch.channels_last_3d
+
+
+def _model(device: torch.device) -> torch.nn.Module:
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3),
+        torch.nn.GELU(),
+        torch.nn.Conv2d(8, 6, 3, bias=False),
+        torch.nn.Flatten(),
+        torch.nn.Linear(6 * 4 * 4, 5),
+    )
+    return net.to(device=device, memory_format=CL)
+
+
+def _batch(step: int, device: torch.device) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(4, 3, 8, 8, generator=gen).to(device=device, memory_format=CL)
+
+
+def _routes(opt: KitsuneOptimizer) -> set[str]:
+    return {b.route.value for b in opt.plan.buckets}
+
+
+def _train(nets, opts, steps: int, device: torch.device, set_to_none: bool = True, start: int = 0) -> None:
+    """A training loop's steps on every (model, optimizer) pair; the params compared after each step."""
+    for step in range(start, start + steps):
+        for net, opt in zip(nets, opts, strict=True):
+            opt.zero_grad(set_to_none=set_to_none)
+            net(_batch(step, device)).square().mean().backward()
+            opt.step()
+        for a, b in zip(nets[0].parameters(), nets[1].parameters(), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+OPTIMIZERS = {
+    "AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+    "Adam-amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True, weight_decay=1e-3),
+    "SGD-nesterov": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True, weight_decay=1e-3),
+    "RMSprop-centered": lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.5, centered=True),
+    "NAdam": lambda ps: torch.optim.NAdam(ps, lr=1e-2, decoupled_weight_decay=True, weight_decay=0.1),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_channels_last_params_are_fused_and_follow_torch(device, check_path, name):
+    """Conv weights in channels_last order are fused (no param left to torch's foreach path), with clipping in the
+    step; 30 steps of a training loop (grads freed and made anew by backward, in the params' order) follow torch, and
+    the state torch's optimizer would hold lies in the same order with the same values."""
+    make = OPTIMIZERS[name]
+    net, twin = _model(device), _model(device)
+    assert net[0].weight.is_contiguous(memory_format=CL) and not net[0].weight.is_contiguous()
+    opt = KitsuneOptimizer(make(net.parameters()), enable_fusion=True, max_grad_norm=0.5)
+    ref = make(twin.parameters())
+    assert _routes(opt) == {"triton"}, opt.plan
+    clipping = torch.nn.utils.clip_grad_norm_
+
+    class Clipped:  # torch's loop: clip, then step
+        def zero_grad(self, set_to_none: bool = True) -> None:
+            ref.zero_grad(set_to_none=set_to_none)
+
+        def step(self) -> None:
+            clipping(twin.parameters(), 0.5)
+            ref.step()
+
+    _train([net, twin], [opt, Clipped()], 30, device)
+    for p, q in zip(net.parameters(), twin.parameters(), strict=True):
+        for key, value in ref.state[q].items():
+            mine = opt.state[p][key]
+            if value.dim() == 4:
+                assert mine.is_contiguous(memory_format=CL) == value.is_contiguous(memory_format=CL), key
+            torch.testing.assert_close(mine.to(value.dtype), value, rtol=1e-4, atol=1e-6)
+
+
+def test_channels_last_3d_params_are_fused(device):
+    """A Conv3d weight in channels_last_3d order: fused, torch's trajectory."""
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Conv3d(2, 4, 3).to(device=device, memory_format=CL3)
+
+    net, twin = model(), model()
+    assert net.weight.is_contiguous(memory_format=CL3) and not net.weight.is_contiguous()
+    opt = KitsuneOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-2), enable_fusion=True)
+    ref = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    assert _routes(opt) == {"triton"}
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(10):
+        x = torch.randn(2, 2, 5, 5, 5, generator=gen).to(device=device, memory_format=CL3)
+        for m, o in ((net, opt), (twin, ref)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+        torch.testing.assert_close(net.weight, twin.weight, rtol=1e-5, atol=1e-6)
+    assert opt.state[net.weight]["exp_avg"].is_contiguous(memory_format=CL3)
+
+
+def test_a_grad_of_another_order_is_read_through_a_copy(device, check_path):
+    """A grad set by hand in row-major order on a channels_last param (the kernel would read its elements in the
+    wrong order as flat memory): read through a copy in its param's order, the step is still torch's."""
+    net, twin = _model(device), _model(device)
+    opt = KitsuneOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-2), enable_fusion=True)
+    ref = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(6):
+        for p, q in zip(net.parameters(), twin.parameters(), strict=True):
+            g = torch.randn(p.shape, generator=gen).to(device)  # row-major, whatever the param's order
+            p.grad, q.grad = g, g.clone()
+        opt.step()
+        ref.step()
+        for a, b in zip(net.parameters(), twin.parameters(), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert _routes(opt) == {"triton"}
+
+
+def test_the_graph_steady_replay_follows_channels_last_grads(device, check_path):
+    """Through the graph's warm-up, capture and steady replays (the recording backend on a CPU): grads kept in place
+    and grads made anew every step, both in the params' order, follow torch; with the native check the steps after
+    the capture replay steady."""
+    net, twin = _model(device), _model(device)
+    opt = KitsuneOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1), enable_fusion=True)
+    ref = torch.optim.AdamW(twin.parameters(), lr=1e-2, weight_decay=0.1)
+    backend = record_graphs(opt)
+    _train([net, twin], [opt, ref], 10, device, set_to_none=False)
+    _train([net, twin], [opt, ref], 10, device, set_to_none=True, start=10)
+    assert backend.captured == 1
+    if check_path == "native":
+        assert opt._subsystem("graphs").steady_replays >= 15
+
+
+@pytest.mark.parametrize("pool", [True, False], ids=["pool", "no-pool"])
+def test_a_param_that_changes_order_is_planned_again(device, check_path, pool):
+    """``p.data = p.data.contiguous()`` between steps (the same values, now row-major, its state still channels_last):
+    seen by the step's check, which plans again; the state follows the param's new order and torch's trajectory
+    holds."""
+    net, twin = _model(device), _model(device)
+    size = {} if pool else {"memory_pool_size": 0}  # the state in the pool's views, or in tensors of its own
+    opt = KitsuneOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-2), enable_fusion=True, **size)
+    ref = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    record_graphs(opt)
+    _train([net, twin], [opt, ref], 6, device)
+    weight = net[2].weight
+    weight.data = weight.data.contiguous()
+    assert weight.is_contiguous() and not weight.is_contiguous(memory_format=CL)
+    _train([net, twin], [opt, ref], 6, device, start=6)
+    assert opt.state[weight]["exp_avg"].is_contiguous()
+    assert _routes(opt) == {"triton"}
+
+
+@pytest.mark.parametrize("pool", [True, False], ids=["pool", "no-pool"])
+def test_a_checkpoint_goes_to_torch_and_back(device, pool):
+    """The wrapper's state dict loads into torch's own optimizer, which goes on as the wrapper does; torch's state
+    dict, saved row-major, loads into a new wrapper, which lays it out in its params' order and goes on as torch's
+    optimizer loaded from the same checkpoint."""
+    net = _model(device)
+    opt = KitsuneOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-2), enable_fusion=True)
+    ref_net = copy.deepcopy(net)
+    ref = torch.optim.AdamW(ref_net.parameters(), lr=1e-2)
+    _train([net, ref_net], [opt, ref], 5, device)
+
+    plain_net = copy.deepcopy(net)
+    plain = torch.optim.AdamW(plain_net.parameters(), lr=1e-2)
+    plain.load_state_dict(copy.deepcopy(opt.state_dict()))  # its own tensors (a loaded dict shares them)
+    saved = copy.deepcopy(plain.state_dict())
+    for s in saved["state"].values():  # a checkpoint whose state was saved row-major
+        for key in ("exp_avg", "exp_avg_sq"):
+            s[key] = s[key].contiguous()
+    back_net, torch_net = copy.deepcopy(net), copy.deepcopy(net)
+    size = {} if pool else {"memory_pool_size": 0}
+    back = KitsuneOptimizer(torch.optim.AdamW(back_net.parameters(), lr=1e-2), enable_fusion=True, **size)
+    back.load_state_dict(copy.deepcopy(saved))
+    torch_opt = torch.optim.AdamW(torch_net.parameters(), lr=1e-2)
+    torch_opt.load_state_dict(saved)
+    _train([net, plain_net], [opt, plain], 5, device, start=5)
+    _train([back_net, torch_net], [back, torch_opt], 5, device, start=5)
+    assert back.state[back_net[0].weight]["exp_avg"].is_contiguous(memory_format=CL)
+    assert _routes(back) == {"triton"}
+
+
+def test_8bit_state_keeps_channels_last_params_in_their_dtype(device):
+    """``state_precision="8bit"`` quantizes runs of a param's rows: a channels_last param keeps its state in its own
+    dtype, with a note in the plan, and is still fused."""
+    net = _model(device)
+    config = FusionConfig(enabled=True, state_precision="8bit", min_8bit_size=0)
+    opt = KitsuneOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-2), enable_fusion=True, fusion_config=config)
+    assert _routes(opt) == {"triton"}
+    notes = " ".join(n for b in opt.plan.buckets for n in b.notes)
+    assert "channels_last param keeps its state in its own dtype" in notes
+    opt.zero_grad()
+    net(_batch(0, device)).square().mean().backward()
+    opt.step()
+    assert opt.state[net[0].weight]["exp_avg"].dtype == torch.float32
+    assert "exp_avg_codes" in opt.state[net[4].weight]  # the row-major Linear weight: 8 bits
+
+
+def test_the_native_check_reads_the_order_in_the_shape_key():
+    """The native check's shape key holds the order a tensor's elements lie in: a channels_last tensor matches the
+    key made for it and not the row-major one of its shape, and a param of either order moved to the other is a
+    change; a tensor row-major and channels_last alike (one channel) counts as row-major, in Python and in C++."""
+    checks = _native.wait(timeout=600)
+    assert checks is not None, _native.reason()
+    f32 = torch.float32
+    shape = (4, 3, 2, 2)
+    p = torch.nn.Parameter(torch.randn(shape).contiguous(memory_format=CL))
+    p.grad = torch.randn(shape).contiguous(memory_format=CL)
+    cl_key, rm_key = _native.shape_key(shape, 1), _native.shape_key(shape)
+    assert cl_key != rm_key and _native.layout_code(p) == 1
+    table = torch.tensor([p.data_ptr(), p.grad.data_ptr(), p.numel(), cl_key])
+    assert checks.unchanged([p], table, 1, f32)
+    assert not checks.unchanged([p], torch.tensor([p.data_ptr(), p.grad.data_ptr(), p.numel(), rm_key]), 1, f32)
+    grad = p.grad
+    p.grad = grad.contiguous()  # row-major grad: another order
+    assert not checks.unchanged([p], table, 2, f32) and checks.unchanged([p], table, 0, f32)
+    p.grad = grad
+    p.data = p.data.contiguous()  # the param row-major, where the table says
+    table[0] = p.data_ptr()
+    assert not checks.unchanged([p], table, 0, f32) and checks.unchanged([p], table, 2, f32)
+    one = torch.nn.Parameter(torch.randn(4, 1, 2, 2).contiguous(memory_format=CL))
+    assert one.is_contiguous() and _native.layout_code(one) == 0
+    assert checks.unchanged([one], torch.tensor([one.data_ptr(), 0, 16, _native.shape_key((4, 1, 2, 2))]), 0, f32)
+    t = torch.randn(4, 3, 2, 2).transpose(0, 1)  # dense, but in no order the kernels walk
+    assert _native.layout_code(t) == _native.NOT_DENSE
