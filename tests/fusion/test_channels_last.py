@@ -11,7 +11,8 @@ import pytest
 import torch
 from twins import record_graphs
 
-from kitsune import FusionConfig, KitsuneOptimizer, _native
+from kitsune import FusionConfig, GraphConfig, KitsuneConfig, KitsuneOptimizer, MemoryConfig, _native
+from kitsune.optim import Lion
 
 CL, CL3 = torch.channels_last, torch.channels_last_3d
 
@@ -235,3 +236,66 @@ def test_the_native_check_reads_the_order_in_the_shape_key():
     assert checks.unchanged([one], torch.tensor([one.data_ptr(), 0, 16, _native.shape_key((4, 1, 2, 2))]), 0, f32)
     t = torch.randn(4, 3, 2, 2).transpose(0, 1)  # dense, but in no order the kernels walk
     assert _native.layout_code(t) == _native.NOT_DENSE
+
+
+CONFIGS = {
+    "flat-grads": (lambda ps: torch.optim.AdamW(ps, lr=1e-2), torch.float32, {"memory": {"flat_grads": True}}),
+    "static-addresses": (
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+        torch.float32,
+        {"graphs": {"static_addresses": True}},
+    ),
+    "bf16-state": (lambda ps: torch.optim.AdamW(ps, lr=1e-2), torch.float32, {"fusion": {"state_precision": "bf16"}}),
+    "bf16-params-kahan": (
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+        torch.bfloat16,
+        {"fusion": {"param_rounding": "kahan"}},
+    ),
+    "bf16-params-stochastic": (
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+        torch.bfloat16,
+        {"fusion": {"param_rounding": "stochastic"}},
+    ),
+    "Lion": (lambda ps: Lion(ps, lr=1e-3, weight_decay=0.1), torch.float32, {}),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_every_elementwise_option_steps_the_same_in_either_order(device, name):
+    """kitsune's own options over a channels_last net and over the same net row-major (the grads pooled in the
+    arena, static addresses, bf16 state, bf16 params with Kahan compensation or stochastic rounding, Lion): the
+    update is element for element, so both orders take bit for bit the same 12 steps (stochastic rounding within a
+    few ulps: its random numbers go by place in memory), the channels_last one fused with its state in its order."""
+    make, dtype, sections = CONFIGS[name]
+    nets = []
+    for fmt in (CL, torch.contiguous_format):
+        net = _model(device).to(dtype=dtype, memory_format=fmt)
+        parts = {"fusion": FusionConfig(enabled=True, **sections.get("fusion", {}))}
+        if "memory" in sections:
+            parts["memory"] = MemoryConfig(**sections["memory"])
+        if "graphs" in sections:
+            parts["graphs"] = GraphConfig(**sections["graphs"])
+        opt = KitsuneOptimizer(make(net.parameters()), config=KitsuneConfig(**parts))
+        assert _routes(opt) == {"triton"}
+        nets.append((net, opt))
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(12):
+        x = torch.randn(4, 3, 8, 8, generator=gen).to(device=device, dtype=dtype)
+        grads = None
+        for net, opt in nets:
+            opt.zero_grad(set_to_none="static" not in name)
+            net(x.contiguous(memory_format=CL)).float().square().mean().backward()
+            if grads is None:  # the same grads for both orders (backward's own sums may round apart)
+                grads = [p.grad.clone() for p in net.parameters()]
+            else:
+                for p, g in zip(net.parameters(), grads, strict=True):
+                    p.grad.copy_(g)
+            opt.step()
+    (cl_net, cl_opt), (rm_net, _) = nets
+    for a, b in zip(cl_net.parameters(), rm_net.parameters(), strict=True):
+        if "stochastic" in name:  # each element's rounding draws the number of its place in memory: a few ulps apart
+            torch.testing.assert_close(a, b, rtol=0, atol=2e-2)
+        else:
+            assert torch.equal(a, b)
+    key = "exp_avg" if "exp_avg" in cl_opt.state[cl_net[0].weight] else next(iter(cl_opt.state[cl_net[0].weight]))
+    assert cl_opt.state[cl_net[0].weight][key].is_contiguous(memory_format=CL)
