@@ -38,6 +38,7 @@ def quiet() -> Console:
         ("many", 2000, 2000 * 4096),
         # embed + lm head 2 * 32000 * 2048, per layer 4 * 2048^2 + 3 * 2048 * 8192 + 2 * 2048, final norm 2048
         ("llama1b", 147, 2 * 32000 * 2048 + 16 * (4 * 2048**2 + 3 * 2048 * 8192 + 2 * 2048) + 2048),
+        ("resnet50", 161, 25_557_032),  # torchvision's resnet50: 53 convs, 53 batch norms' weight and bias, fc
     ],
 )
 def test_full_scale_sets_have_documented_sizes(name, tensors, elements):
@@ -51,6 +52,20 @@ def test_llama1b_is_about_1_2b_and_gpt2_floor_matches_design():
     assert 1.2e9 <= PARAM_SETS["llama1b"].n_elements < 1.21e9
     # DESIGN.md: 124M params * 28 bytes at 3.0 TB/s is 1.16 ms
     assert PARAM_SETS["gpt2"].n_elements * ADAMW_BYTES_PER_PARAM / 3.0e12 * 1e3 == pytest.approx(1.16, abs=0.01)
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.001])
+def test_the_resnet50_set_is_a_channels_last_net(scale):
+    """Its params as `make_params` gives them: every conv weight and its grad in channels_last order, the 3x3 and
+    7x7 ones in that order alone at any scale (the scale shrinks their channels, not their kernels)."""
+    pset = get_param_set("resnet50", scale)
+    params = make_params(pset, "cpu")
+    convs = [p for p in params if p.dim() == 4]
+    assert len(convs) == 53 and all(p.is_contiguous(memory_format=torch.channels_last) for p in convs)
+    assert all(p.grad.is_contiguous(memory_format=torch.channels_last) for p in convs)
+    spatial = [p for p in convs if p.shape[2] > 1 and p.shape[1] > 1]
+    assert len(spatial) >= 16 and not any(p.is_contiguous() for p in spatial)
+    assert 0.0005 < pset.n_elements / PARAM_SETS["resnet50"].n_elements <= 1
 
 
 def test_scaling_keeps_tensor_count_and_shrinks_elements():
@@ -243,9 +258,9 @@ def test_register_adds_bench_subcommand(tmp_path):
 @pytest.mark.parametrize(
     ("argv", "listed"),
     [
-        (["--sets", ","], "gpt2, many, llama1b"),
-        (["--sets", ""], "gpt2, many, llama1b"),
-        (["--sets", "gpt3"], "gpt2, many, llama1b"),
+        (["--sets", ","], "gpt2, many, llama1b, resnet50"),
+        (["--sets", ""], "gpt2, many, llama1b, resnet50"),
+        (["--sets", "gpt3"], "gpt2, many, llama1b, resnet50"),
         (["--variants", " , "], "foreach, fused, graph, kitsune"),
         (["--variants", "sgd,adam"], "foreach, fused, graph, kitsune"),
     ],

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -19,6 +19,9 @@ class ParamSet:
     shapes: tuple[tuple[str, Shape], ...]
     """(name, shape) per tensor, in model order."""
     default_steps: int
+    channels_last: bool = False
+    """Whether its 4-D tensors lie in channels_last order, as a vision model's conv weights after
+    ``model.to(memory_format=torch.channels_last)``."""
 
     @property
     def n_tensors(self) -> int:
@@ -29,7 +32,9 @@ class ParamSet:
         return sum(math.prod(shape) for _, shape in self.shapes)
 
     def scaled(self, scale: float) -> ParamSet:
-        """The same tensors with about ``scale`` times the elements each (each dim times scale**(1/ndim)).
+        """The same tensors with about ``scale`` times the elements each (each dim times scale**(1/ndim); a
+        channels_last set's 4-D tensors keep their kernel's height and width, their two channel dims scaled by
+        scale**(1/2), so that they stay in channels_last order and not row-major too).
 
         The tensor count is kept: it is what the host-bound sets are about.
         """
@@ -37,10 +42,14 @@ class ParamSet:
             raise ValueError(f"scale must be in (0, 1], got {scale}")
         if scale == 1:
             return self
-        shapes = tuple(
-            (name, tuple(max(1, round(d * scale ** (1 / len(shape)))) for d in shape)) for name, shape in self.shapes
-        )
-        return ParamSet(self.name, f"{self.description} (scale {scale:g})", shapes, self.default_steps)
+
+        def dims(shape: Shape) -> Shape:
+            if self.channels_last and len(shape) == 4:
+                return (*(max(1, round(d * scale**0.5)) for d in shape[:2]), *shape[2:])
+            return tuple(max(1, round(d * scale ** (1 / len(shape)))) for d in shape)
+
+        shapes = tuple((name, dims(shape)) for name, shape in self.shapes)
+        return replace(self, description=f"{self.description} (scale {scale:g})", shapes=shapes)
 
 
 def _gpt2() -> tuple[tuple[str, Shape], ...]:
@@ -87,10 +96,35 @@ def _llama1b() -> tuple[tuple[str, Shape], ...]:
     return (*shapes, ("norm.weight", (d,)), ("lm_head.weight", (vocab, d)))
 
 
+def _resnet50() -> tuple[tuple[str, Shape], ...]:
+    # torchvision's ResNet-50: bottleneck blocks (1x1, 3x3, 1x1 convs, expansion 4) in stages of 3, 4, 6 and 3, a
+    # batch norm's weight and bias after every conv, a 1x1 conv and batch norm on each stage's first shortcut
+    shapes: list[tuple[str, Shape]] = [("conv1.weight", (64, 3, 7, 7)), ("bn1.weight", (64,)), ("bn1.bias", (64,))]
+    width = 64
+    for stage, (planes, blocks) in enumerate(zip((64, 128, 256, 512), (3, 4, 6, 3), strict=True), 1):
+        for b in range(blocks):
+            n = f"layer{stage}.{b}"
+            convs = [
+                ("conv1", (planes, width, 1, 1)),
+                ("conv2", (planes, planes, 3, 3)),
+                ("conv3", (4 * planes, planes, 1, 1)),
+            ]
+            if b == 0:
+                convs.append(("downsample.0", (4 * planes, width, 1, 1)))
+            for i, (conv, shape) in enumerate(convs, 1):
+                bn = f"{n}.downsample.1" if conv.startswith("downsample") else f"{n}.bn{i}"
+                shapes += [(f"{n}.{conv}.weight", shape), (f"{bn}.weight", (shape[0],)), (f"{bn}.bias", (shape[0],))]
+            width = 4 * planes
+    return (*shapes, ("fc.weight", (1000, 2048)), ("fc.bias", (1000,)))
+
+
 PARAM_SETS: dict[str, ParamSet] = {
     "gpt2": ParamSet("gpt2", "GPT-2 124M shapes", _gpt2(), default_steps=50),
     "many": ParamSet("many", "2000 tensors of 4096 elements", _many(), default_steps=50),
     "llama1b": ParamSet("llama1b", "1.2B Llama-style (16 layers, hidden 2048, FFN 8192)", _llama1b(), 20),
+    "resnet50": ParamSet(
+        "resnet50", "ResNet-50 shapes, conv weights channels_last", _resnet50(), 50, channels_last=True
+    ),
 }
 """Every set, by the name ``--sets`` takes."""
 
@@ -111,8 +145,12 @@ def make_params(
     gen = torch.Generator(device=device).manual_seed(seed)
     params = []
     for _, shape in pset.shapes:
-        p = torch.nn.Parameter(torch.empty(shape, device=device, dtype=dtype).normal_(0.0, 0.02, generator=gen))
-        # random, never zeros: no kernel may take a shortcut on an all-zero grad
+        data = torch.empty(shape, device=device, dtype=dtype).normal_(0.0, 0.02, generator=gen)
+        if pset.channels_last and data.dim() == 4:
+            data = data.contiguous(memory_format=torch.channels_last)
+        p = torch.nn.Parameter(data)
+        # random, never zeros: no kernel may take a shortcut on an all-zero grad (laid out as its param, as
+        # backward makes it)
         p.grad = torch.empty_like(p).normal_(generator=gen)
         params.append(p)
     return params

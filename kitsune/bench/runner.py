@@ -25,6 +25,7 @@ from kitsune.bench.e2e import check_compile_backend, run_e2e
 from kitsune.bench.guards import failure_reason, free_memory, memory_shortfall
 from kitsune.bench.pairs import run_paired_ratio, run_profiler_cost
 from kitsune.bench.params import (
+    PARAM_SETS,
     ParamSet,
     check_grads_mode,
     fresh_grads,
@@ -449,7 +450,7 @@ def _command_line() -> str:
 
 
 def run_bench(
-    sets: list[str] | tuple[str, ...] = ("gpt2", "many", "llama1b"),
+    sets: list[str] | tuple[str, ...] = tuple(PARAM_SETS),
     variants: list[str] | tuple[str, ...] = DEFAULT_VARIANTS,
     device: str | torch.device | None = None,
     steps: int | None = None,
@@ -476,7 +477,7 @@ def run_bench(
         sets: parameter set names (``PARAM_SETS``).
         variants: variant names (``VARIANTS``), run in this order on each set.
         device: ``cuda``, ``cpu`` or None for a GPU when there is one.
-        steps: timed steps per variant; None: each set's default on a GPU (50, 50, 20), 3 on a CPU.
+        steps: timed steps per variant; None: each set's default on a GPU (`ParamSet.default_steps`), 3 on a CPU.
         warmup: untimed steps first (at least 1); None: 10 on a GPU, 1 on a CPU.
         scale: shrink each tensor to about this fraction of its elements; None: 1 on a GPU, 0.001 on a CPU.
         phase: also time the AMP + clipping phase on the gpt2 set.
