@@ -92,7 +92,7 @@ def test_demo_help_describes_every_option(capsys):
             ["bench"],
             [
                 "smoke test of the command, not a comparison",
-                "--sets SETS comma-separated, of gpt2,many,llama1b (default: all)",
+                "--sets SETS comma-separated, of gpt2,many,llama1b,resnet50 (default: all)",
             ],
         ),
     ],
