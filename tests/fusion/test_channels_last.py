@@ -299,3 +299,23 @@ def test_every_elementwise_option_steps_the_same_in_either_order(device, name):
             assert torch.equal(a, b)
     key = "exp_avg" if "exp_avg" in cl_opt.state[cl_net[0].weight] else next(iter(cl_opt.state[cl_net[0].weight]))
     assert cl_opt.state[cl_net[0].weight][key].is_contiguous(memory_format=CL)
+
+
+def test_a_model_converted_after_the_wrapper_is_planned_again(device, check_path):
+    """``model.to(memory_format=torch.channels_last)`` after the wrapper was built (and stepped): the step sees the
+    params moved, plans again with their new order, and the state follows them; torch's trajectory throughout."""
+
+    def row_major() -> torch.nn.Module:
+        return _model(device).to(memory_format=torch.contiguous_format)
+
+    net, twin = row_major(), row_major()
+    assert all(p.is_contiguous() for p in net.parameters())
+    opt = KitsuneOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1), enable_fusion=True)
+    ref = torch.optim.AdamW(twin.parameters(), lr=1e-2, weight_decay=0.1)
+    _train([net, twin], [opt, ref], 4, device)
+    for m in (net, twin):
+        m.to(memory_format=CL)
+    assert not net[0].weight.is_contiguous()
+    _train([net, twin], [opt, ref], 6, device, start=4)
+    assert _routes(opt) == {"triton"}
+    assert opt.state[net[0].weight]["exp_avg"].is_contiguous(memory_format=CL)
