@@ -46,6 +46,7 @@ SUPPORTED_DTYPES = tuple(_CODES)
 _DATA_PTR = torch.Tensor.data_ptr
 _NUMEL = torch.Tensor.numel
 _IS_CONTIGUOUS = torch.Tensor.is_contiguous
+_CL, _CL3D = torch.channels_last, torch.channels_last_3d
 _DTYPE = attrgetter("dtype")
 _DEVICE = attrgetter("device")
 NORM_BLOCK = 16384
@@ -257,8 +258,8 @@ class Norms(NamedTuple):
 
 def is_dense(t: torch.Tensor) -> bool:
     """Whether ``t`` covers exactly ``numel`` elements from its data pointer, in any dim order (channels_last)."""
-    if t.is_contiguous():
-        return True
+    if t.is_contiguous() or t.is_contiguous(memory_format=_CL) or t.is_contiguous(memory_format=_CL3D):
+        return True  # the orders a model's tensors lie in, each a flag torch keeps: no sort of the strides
     expected = 1
     for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride(), strict=True) if s != 1):
         if stride != expected:
