@@ -11,7 +11,7 @@ import pytest
 import torch
 from twins import record_graphs
 
-from kitsune import FusionConfig, GraphConfig, KitsuneConfig, KitsuneOptimizer, MemoryConfig, _native
+from kitsune import FusionConfig, GraphConfig, KitsuneConfig, KitsuneOptimizer, MemoryConfig, StreamConfig, _native
 from kitsune.optim import Lion
 
 CL, CL3 = torch.channels_last, torch.channels_last_3d
@@ -319,3 +319,16 @@ def test_a_model_converted_after_the_wrapper_is_planned_again(device, check_path
     _train([net, twin], [opt, ref], 6, device, start=4)
     assert _routes(opt) == {"triton"}
     assert opt.state[net[0].weight]["exp_avg"].is_contiguous(memory_format=CL)
+
+
+def test_updates_inside_backward_take_channels_last_params(device):
+    """``StreamConfig(step_in_backward=True)``: each unit's update launches inside backward once its grads are in,
+    channels_last ones as the rest; torch's trajectory, every update inside backward."""
+    net, twin = _model(device), _model(device)
+    config = StreamConfig(step_in_backward=True)
+    opt = KitsuneOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-2), enable_fusion=True, stream_config=config)
+    ref = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    _train([net, twin], [opt, ref], 8, device)
+    report = opt._subsystem("streams").report()
+    assert report["units_updated_in_backward"] == 8 * report["units"] and report["units_updated_in_step"] == 0
+    assert _routes(opt) == {"triton"}
