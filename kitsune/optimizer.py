@@ -312,6 +312,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
     def _pipeline(self, s: StepState, closure: _Closure | None) -> Any:
         """plan current? -> prepare and check -> grad pass -> execute -> finish. Raises before the first param or
         state tensor changes (a pass of the grads' own may have run: see kitsune.grads)."""
+        self._graphs.refuse_caller_capture()
         self._graphs.disarm()
         if not self._plan_fits():
             self._replan()

@@ -127,6 +127,14 @@ class GraphSubsystem(Subsystem):
         self._warm = 0
 
     # -- the step -----------------------------------------------------------------------------------------------
+    def refuse_caller_capture(self) -> None:
+        """Raise where this step runs while the current CUDA stream captures a graph of the caller's
+        (``torch.cuda.graph`` around ``optimizer.step()``): kitsune's own capture cannot run inside it (it
+        synchronizes first) nor its graph be launched into it, and the step's host work would not run on the
+        caller's replays. The full path asks before anything changes; the steady replay where its launch fails."""
+        if self.active and self._device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(CALLER_CAPTURE)
+
     def execute(self, s: StepState, live: list[Any]) -> None:
         """The fused step's device work (prepared by the fused executor): warmed up, captured or replayed; eagerly,
         without dropping the graph, where this step cannot replay it."""
@@ -271,7 +279,11 @@ class GraphSubsystem(Subsystem):
         scaler = self._scaler
         if scaler is not None and not scaler.take_scaled_loss():
             return False  # a loss not scaled by optimizer.backward: the full path says so
-        self.backend.replay(self._graph)  # with float16 AMP, the scale update too
+        try:
+            self.backend.replay(self._graph)  # with float16 AMP, the scale update too
+        except RuntimeError:
+            self.refuse_caller_capture()  # launched into the caller's capture: say so
+            raise
         self.replays += 1
         self.steady_replays += 1
         fusion.count_replay()
@@ -290,6 +302,14 @@ class GraphSubsystem(Subsystem):
             "last_eager_reason": self.last_eager_reason,
             "capture_ms": round(self._capture_ms, 3),
         }
+
+
+CALLER_CAPTURE = (
+    "kitsune: optimizer.step() was called while the current CUDA stream is capturing a CUDA graph (torch.cuda.graph). "
+    "kitsune captures the optimizer phase in a CUDA graph of its own (capture_graph=True) and runs host work every "
+    "step, neither of which can happen inside your capture: call optimizer.step() outside the captured region, after "
+    "each replay of your graph (capture the forward and backward alone). Nothing was changed."
+)
 
 
 class _Key(NamedTuple):
