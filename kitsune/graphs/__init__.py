@@ -65,6 +65,9 @@ class GraphSubsystem(Subsystem):
         self._may_steady = False
         self._collectives = False
         """Whether the captured work holds collectives (FSDP2's norm all-reduce)."""
+        self._cuda_work = False
+        """Whether the plan launches fused kernels on a CUDA device (graphed or not): a step then refuses to run
+        inside a capture of the caller's (`refuse_caller_capture`)."""
         self.captures = 0
         self.replays = 0
         self.steady_replays = 0
@@ -84,6 +87,9 @@ class GraphSubsystem(Subsystem):
         self.invalidate("re-planned (param groups, state or storage changed)")
         self._steady = None
         fusion = self._fusion
+        self._cuda_work = (
+            fusion is not None and fusion.active and any(u.device.type == "cuda" for u in fusion.launch_units)
+        )
         self._version = fusion.plan_version if fusion is not None and fusion.active else -1
         reason = self._why_not(in_backward)
         if reason is None and (leftover or (fusion.grad_pass is not None and grad_passes)):
@@ -128,11 +134,13 @@ class GraphSubsystem(Subsystem):
 
     # -- the step -----------------------------------------------------------------------------------------------
     def refuse_caller_capture(self) -> None:
-        """Raise where this step runs while the current CUDA stream captures a graph of the caller's
-        (``torch.cuda.graph`` around ``optimizer.step()``): kitsune's own capture cannot run inside it (it
-        synchronizes first) nor its graph be launched into it, and the step's host work would not run on the
-        caller's replays. The full path asks before anything changes; the steady replay where its launch fails."""
-        if self.active and self._device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        """Raise where this step's fused kernels run on a CUDA device while the current stream captures a graph of
+        the caller's (``torch.cuda.graph`` around ``optimizer.step()``): kitsune's own capture cannot run inside it
+        (it synchronizes first) nor its graph be launched into it; without a graph of kitsune's (``capture_graph=
+        False``) the step's uploads would be captured reading host slots that later steps write again; and the
+        host work would not run on the caller's replays. The full path asks before anything changes; the steady
+        replay where its launch fails."""
+        if self._cuda_work and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(CALLER_CAPTURE)
 
     def execute(self, s: StepState, live: list[Any]) -> None:
@@ -306,9 +314,10 @@ class GraphSubsystem(Subsystem):
 
 CALLER_CAPTURE = (
     "kitsune: optimizer.step() was called while the current CUDA stream is capturing a CUDA graph (torch.cuda.graph). "
-    "kitsune captures the optimizer phase in a CUDA graph of its own (capture_graph=True) and runs host work every "
-    "step, neither of which can happen inside your capture: call optimizer.step() outside the captured region, after "
-    "each replay of your graph (capture the forward and backward alone). Nothing was changed."
+    "kitsune's step runs host work every step (it checks the grads' addresses and uploads what changed) and, with "
+    "capture_graph=True, replays a CUDA graph of its own: neither can happen inside your capture. Call "
+    "optimizer.step() outside the captured region, after each replay of your graph (capture the forward and backward "
+    "alone). Nothing was changed."
 )
 
 

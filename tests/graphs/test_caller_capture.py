@@ -1,8 +1,9 @@
 """``optimizer.step()`` inside a CUDA graph capture of the caller's (``torch.cuda.graph`` around the whole training
-step): kitsune's own capture cannot run inside it and its steps' host work would not run on the caller's replays,
-so the step raises, naming the fix, before anything changes; on the steady replay, where launching kitsune's graph
-into the caller's capture fails. On a CPU the capture is stood in (the current stream said to be capturing, the
-graph's device a CUDA one); on a GPU, the last test captures for real."""
+step): kitsune's own capture cannot run inside it, its uploads would be captured reading host slots that later
+steps write again, and its steps' host work would not run on the caller's replays, so the step raises, naming the
+fix, before anything changes; on the steady replay, where launching kitsune's graph into the caller's capture
+fails. On a CPU the capture is stood in (the current stream said to be capturing, the plan's kernels said to run on
+a CUDA device); on a GPU, the last test captures for real."""
 
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ SIZES = [(7, 3), 16, (4, 5), 9]
 
 
 def _capturing(monkeypatch: pytest.MonkeyPatch, opt: KitsuneOptimizer) -> None:
-    """From now on the current stream is capturing, and the graph subsystem's device is a CUDA one."""
+    """From now on the current stream is capturing, and the plan's fused kernels are said to run on a CUDA device."""
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    monkeypatch.setattr(opt._subsystem("graphs"), "_device", torch.device("cuda", 0))
+    monkeypatch.setattr(opt._subsystem("graphs"), "_cuda_work", True)
 
 
 def _snapshot(params, opt):
@@ -101,14 +102,36 @@ def test_the_steady_replay_launched_into_the_callers_capture_says_so(device, mon
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_a_step_outside_any_capture_asks_nothing_of_a_cpu_plan(device, monkeypatch):
-    """Where the graph's device is not a CUDA one (or no graph runs), the step never asks about captures."""
+def test_without_a_graph_of_kitsunes_a_step_inside_the_callers_capture_raises_too(device, monkeypatch):
+    """``capture_graph=False``: the step's uploads would still be captured reading host slots that later steps
+    write again, so the step refuses the capture as well, before anything changes."""
     params = make_params(SIZES, torch.float32, device)
     opt = KitsuneOptimizer(torch.optim.AdamW(params, lr=1e-2), enable_fusion=True, capture_graph=False)
+    for step in range(2):
+        grads_in_place(params, step)
+        opt.step()
+    grads_in_place(params, 2)
+    before = _snapshot(params, opt)
+    with monkeypatch.context() as m:
+        _capturing(m, opt)
+        with pytest.raises(RuntimeError, match="outside the captured region"):
+            opt.step()
+    _assert_same(before, params, opt)
+    assert opt.step_count == 2
+
+
+@pytest.mark.parametrize("fusion", [True, False])
+def test_a_plan_without_fused_kernels_on_cuda_never_asks(device, monkeypatch, fusion):
+    """A plan whose fused kernels run on no CUDA device (a CPU plan, or fusion off: torch's own step, whose capture
+    rules are torch's) never asks about captures."""
+    if device.type == "cuda" and fusion:
+        pytest.skip("a CUDA plan asks")
+    params = make_params(SIZES, torch.float32, device)
+    opt = KitsuneOptimizer(torch.optim.AdamW(params, lr=1e-2), enable_fusion=fusion)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: pytest.fail("asked"))
     grads_in_place(params, 0)
     opt.step()
-    assert opt.step_count == 1
+    assert opt.step_count == 1 and not opt._subsystem("graphs")._cuda_work
 
 
 @pytest.mark.cuda
