@@ -332,3 +332,28 @@ def test_updates_inside_backward_take_channels_last_params(device):
     report = opt._subsystem("streams").report()
     assert report["units_updated_in_backward"] == 8 * report["units"] and report["units_updated_in_step"] == 0
     assert _routes(opt) == {"triton"}
+
+
+EVERY = {
+    "Adam-maximize": lambda ps: torch.optim.Adam(ps, lr=1e-2, maximize=True, weight_decay=0.1),
+    "SGD-dampening": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, dampening=0.1, weight_decay=0.01),
+    "SGD-plain": lambda ps: torch.optim.SGD(ps, lr=1e-2),
+    "Adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2, lr_decay=0.01, weight_decay=0.01),
+    "RMSprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-3, weight_decay=0.01),
+    "Adadelta": lambda ps: torch.optim.Adadelta(ps, lr=1.0, weight_decay=0.01),
+    "Adamax": lambda ps: torch.optim.Adamax(ps, lr=1e-2, weight_decay=0.01),
+    "RAdam": lambda ps: torch.optim.RAdam(ps, lr=1e-2, decoupled_weight_decay=True, weight_decay=0.1),
+    "Rprop": lambda ps: torch.optim.Rprop(ps, lr=1e-2),
+    "ASGD": lambda ps: torch.optim.ASGD(ps, lr=1e-2, t0=3),
+}
+
+
+@pytest.mark.parametrize("name", list(EVERY))
+def test_every_fused_torch_optimizer_takes_channels_last_params(device, name):
+    """The rest of torch's optimizers kitsune fuses, over the channels_last net: fused, 15 steps of torch's
+    trajectory."""
+    make = EVERY[name]
+    net, twin = _model(device), _model(device)
+    opt = KitsuneOptimizer(make(net.parameters()), enable_fusion=True)
+    assert _routes(opt) == {"triton"}
+    _train([net, twin], [opt, make(twin.parameters())], 15, device)
