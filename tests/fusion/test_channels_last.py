@@ -12,7 +12,7 @@ import torch
 from twins import record_graphs
 
 from kitsune import FusionConfig, GraphConfig, KitsuneConfig, KitsuneOptimizer, MemoryConfig, StreamConfig, _native
-from kitsune.optim import Lion
+from kitsune.optim import LAMB, LARS, Lion
 
 CL, CL3 = torch.channels_last, torch.channels_last_3d
 
@@ -345,13 +345,15 @@ EVERY = {
     "RAdam": lambda ps: torch.optim.RAdam(ps, lr=1e-2, decoupled_weight_decay=True, weight_decay=0.1),
     "Rprop": lambda ps: torch.optim.Rprop(ps, lr=1e-2),
     "ASGD": lambda ps: torch.optim.ASGD(ps, lr=1e-2, t0=3),
+    "LAMB": lambda ps: LAMB(ps, lr=1e-2, weight_decay=0.01),  # trust ratios: per-tensor norms over flat memory
+    "LARS": lambda ps: LARS(ps, lr=1e-2, momentum=0.9),
 }
 
 
 @pytest.mark.parametrize("name", list(EVERY))
 def test_every_fused_torch_optimizer_takes_channels_last_params(device, name):
-    """The rest of torch's optimizers kitsune fuses, over the channels_last net: fused, 15 steps of torch's
-    trajectory."""
+    """The rest of torch's optimizers kitsune fuses, and kitsune's LAMB and LARS, over the channels_last net: fused,
+    15 steps of the optimizer's own step's trajectory."""
     make = EVERY[name]
     net, twin = _model(device), _model(device)
     opt = KitsuneOptimizer(make(net.parameters()), enable_fusion=True)
