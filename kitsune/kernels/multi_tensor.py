@@ -204,7 +204,7 @@ class TensorTables:
         if count != self.num_tensors:
             raise ValueError(f"role {role!r}: {count} addresses for {self.num_tensors} tensors")
         table = self._roles.get(role)
-        staged = role in self._rings and host is self._rings[role].slot()  # the role's `staging` tensor
+        staged = host is not None and role in self._rings and host is self._rings[role].slot()  # `staging`'s
         if table is None and not staged:  # the role's first: a table kept from now on (a graph may hold its address)
             host = int64_tensor(addresses) if host is None else host  # type: ignore[arg-type]
             self._roles[role] = host.to(self.device, copy=True)

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kitsune._native import NOT_DENSE, layout_code
 from kitsune.kernels import common as _common
 from kitsune.kernels.common import (
     TL_DTYPES,
@@ -46,7 +47,6 @@ SUPPORTED_DTYPES = tuple(_CODES)
 _DATA_PTR = torch.Tensor.data_ptr
 _NUMEL = torch.Tensor.numel
 _IS_CONTIGUOUS = torch.Tensor.is_contiguous
-_CL, _CL3D = torch.channels_last, torch.channels_last_3d
 _DTYPE = attrgetter("dtype")
 _DEVICE = attrgetter("device")
 NORM_BLOCK = 16384
@@ -258,8 +258,8 @@ class Norms(NamedTuple):
 
 def is_dense(t: torch.Tensor) -> bool:
     """Whether ``t`` covers exactly ``numel`` elements from its data pointer, in any dim order (channels_last)."""
-    if t.is_contiguous() or t.is_contiguous(memory_format=_CL) or t.is_contiguous(memory_format=_CL3D):
-        return True  # the orders a model's tensors lie in, each a flag torch keeps: no sort of the strides
+    if layout_code(t) != NOT_DENSE:
+        return True  # row-major or channels_last, from flags torch keeps: no sort of the strides
     expected = 1
     for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride(), strict=True) if s != 1):
         if stride != expected:
