@@ -107,7 +107,11 @@ def clip_grad_norm_(
     fp32 and each grad value is rounded once, so the result is closer to exact; the returned norm is rounded to
     the grads' dtype as torch's is. ``error_if_nonfinite`` looks at the fp32 norm: fp16 grads whose norm exceeds
     65504 (inf in torch's fp16 arithmetic) are clipped, not refused.
+
+    Inside a function that ``torch.compile`` traces it is torch's function, which the compiler traces with the rest.
     """
+    if torch.compiler.is_compiling():  # traced by torch.compile: torch's function, which it traces and fuses
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     else:
