@@ -103,3 +103,59 @@ def test_ddp_turns_updates_inside_backward_off_with_the_reason(trained):
     for r in trained:
         active, reason = r["fused_step_in_backward"]["streams"]
         assert not active and "torch.distributed runs 2 ranks" in reason
+
+
+class _Branchy(torch.nn.Module):
+    """A net whose ``c`` is left out of some forwards (its params unused on those steps)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = torch.nn.Linear(7, 16), torch.nn.Linear(16, 5), torch.nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor, branch: bool) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        return self.b(h) + self.c(h) if branch else self.b(h)
+
+
+def _bucket_views(rank: int, world: int) -> dict:
+    """DDP with ``gradient_as_bucket_view=True`` (the grads are views of DDP's buckets) and unused params on every
+    third step: torch's AdamW and kitsune's fused step under the same DDP, grads set to None and zeroed."""
+    from kitsune import KitsuneOptimizer
+
+    out = {}
+    for kind in ("torch", "kitsune"):
+        for set_to_none in (True, False):
+            torch.manual_seed(0)
+            net = _Branchy()
+            model = torch.nn.parallel.DistributedDataParallel(
+                net, gradient_as_bucket_view=True, find_unused_parameters=True
+            )
+            base = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+            opt = base if kind == "torch" else KitsuneOptimizer(base, enable_fusion=True)
+            gen = torch.Generator().manual_seed(1)
+            snaps = []
+            for step in range(STEPS + 3):
+                x, y = torch.randn(8, 7, generator=gen), torch.randn(8, 5, generator=gen)
+                lo, hi = rank * len(x) // world, (rank + 1) * len(x) // world
+                torch.nn.functional.mse_loss(model(x[lo:hi], step % 3 != 1), y[lo:hi]).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=set_to_none)
+                snaps.append([p.detach().clone() for p in net.parameters()])
+            out[kind, set_to_none] = snaps
+            if kind == "kitsune":
+                out["routes", set_to_none] = {b.route.value for b in opt.plan.buckets}
+    return out
+
+
+@pytest.fixture(scope="module")
+def bucket_views() -> list[dict]:
+    return run_ranks(_bucket_views, world=2, timeout_s=120)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["set-to-none", "zeroed"])
+def test_ddp_grads_as_bucket_views_with_unused_params_train_as_torch(set_to_none, bucket_views):
+    for rank in bucket_views:
+        assert rank["routes", set_to_none] == {"triton"}
+        for step, (got, want) in enumerate(zip(rank["kitsune", set_to_none], rank["torch", set_to_none], strict=True)):
+            for a, b in zip(got, want, strict=True):
+                torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=lambda m, s=step: f"step {s}: {m}")
