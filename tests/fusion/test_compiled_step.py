@@ -203,3 +203,28 @@ def test_checkpoints_and_param_groups_inside_a_compiled_function(device, monkeyp
     torch.compile(lambda: opt.add_param_group({"params": [extra], "lr": 1e-3}), backend="eager")()
     assert opt.param_groups[-1]["params"] == [extra] and opt.param_groups[-1]["lr"] == 1e-3
     assert len(seen) >= 4 and not any(seen), seen  # run as they are, never traced
+
+
+@pytest.mark.cuda
+def test_a_model_compiled_with_reduce_overhead_trains_like_torch():
+    """On a GPU: the model compiled by inductor (``reduce-overhead``: its forward and backward replay CUDA graphs of
+    torch's, the grads outputs of them) and kitsune's default step, with its own graph, past its warm-up and
+    capture; torch's AdamW on the twin model, compiled the same way."""
+    torch._dynamo.reset()
+    device = torch.device("cuda")
+    net, twin = _nets(device)
+    gen = torch.Generator().manual_seed(5)
+    data = [(torch.randn(8, 6, generator=gen).cuda(), torch.randn(8, 3, generator=gen).cuda()) for _ in range(20)]
+    runs = []
+    for model, opt in ((net, KitsuneOptimizer(_adamw(net), enable_fusion=True)), (twin, _adamw(twin))):
+        compiled = torch.compile(model, mode="reduce-overhead")
+        for x, y in data:
+            torch.compiler.cudagraph_mark_step_begin()
+            nn.functional.mse_loss(compiled(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append(opt)
+    assert _routes(runs[0]) == {"triton"}, runs[0].plan
+    assert runs[0]._subsystem("graphs").report()["replays"] > 0  # kitsune's own graph replayed
+    for a, b in zip(net.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
