@@ -39,6 +39,12 @@ def train(
     return snaps
 
 
+def routes(opt: torch.optim.Optimizer) -> set[str]:
+    """The routes of a KitsuneOptimizer's plan (``{"triton"}`` where every bucket runs the fused kernel): a test that
+    could pass while fusion fell back asserts them."""
+    return {b.route.value for b in opt.plan.buckets}  # type: ignore[attr-defined]
+
+
 def assert_identical(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]]) -> None:
     assert len(a) == len(b)
     for step, (sa, sb) in enumerate(zip(a, b, strict=True)):

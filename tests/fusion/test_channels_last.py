@@ -9,6 +9,7 @@ import copy
 
 import pytest
 import torch
+from helpers import routes
 from twins import record_graphs
 
 from kitsune import FusionConfig, GraphConfig, KitsuneConfig, KitsuneOptimizer, MemoryConfig, StreamConfig, _native
@@ -32,10 +33,6 @@ def _model(device: torch.device) -> torch.nn.Module:
 def _batch(step: int, device: torch.device) -> torch.Tensor:
     gen = torch.Generator().manual_seed(1000 + step)
     return torch.randn(4, 3, 8, 8, generator=gen).to(device=device, memory_format=CL)
-
-
-def _routes(opt: KitsuneOptimizer) -> set[str]:
-    return {b.route.value for b in opt.plan.buckets}
 
 
 def _train(nets, opts, steps: int, device: torch.device, set_to_none: bool = True, start: int = 0) -> None:
@@ -68,7 +65,7 @@ def test_channels_last_params_are_fused_and_follow_torch(device, check_path, nam
     assert net[0].weight.is_contiguous(memory_format=CL) and not net[0].weight.is_contiguous()
     opt = KitsuneOptimizer(make(net.parameters()), enable_fusion=True, max_grad_norm=0.5)
     ref = make(twin.parameters())
-    assert _routes(opt) == {"triton"}, opt.plan
+    assert routes(opt) == {"triton"}, opt.plan
     clipping = torch.nn.utils.clip_grad_norm_
 
     class Clipped:  # torch's loop: clip, then step
@@ -99,7 +96,7 @@ def test_channels_last_3d_params_are_fused(device):
     assert net.weight.is_contiguous(memory_format=CL3) and not net.weight.is_contiguous()
     opt = KitsuneOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-2), enable_fusion=True)
     ref = torch.optim.AdamW(twin.parameters(), lr=1e-2)
-    assert _routes(opt) == {"triton"}
+    assert routes(opt) == {"triton"}
     gen = torch.Generator().manual_seed(3)
     for _ in range(10):
         x = torch.randn(2, 2, 5, 5, 5, generator=gen).to(device=device, memory_format=CL3)
@@ -126,7 +123,7 @@ def test_a_grad_of_another_order_is_read_through_a_copy(device, check_path):
         ref.step()
         for a, b in zip(net.parameters(), twin.parameters(), strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    assert _routes(opt) == {"triton"}
+    assert routes(opt) == {"triton"}
 
 
 def test_the_graph_steady_replay_follows_channels_last_grads(device, check_path):
@@ -160,7 +157,7 @@ def test_a_param_that_changes_order_is_planned_again(device, check_path, pool):
     assert weight.is_contiguous() and not weight.is_contiguous(memory_format=CL)
     _train([net, twin], [opt, ref], 6, device, start=6)
     assert opt.state[weight]["exp_avg"].is_contiguous()
-    assert _routes(opt) == {"triton"}
+    assert routes(opt) == {"triton"}
 
 
 @pytest.mark.parametrize("pool", [True, False], ids=["pool", "no-pool"])
@@ -190,7 +187,7 @@ def test_a_checkpoint_goes_to_torch_and_back(device, pool):
     _train([net, plain_net], [opt, plain], 5, device, start=5)
     _train([back_net, torch_net], [back, torch_opt], 5, device, start=5)
     assert back.state[back_net[0].weight]["exp_avg"].is_contiguous(memory_format=CL)
-    assert _routes(back) == {"triton"}
+    assert routes(back) == {"triton"}
 
 
 def test_8bit_state_keeps_channels_last_params_in_their_dtype(device):
@@ -199,7 +196,7 @@ def test_8bit_state_keeps_channels_last_params_in_their_dtype(device):
     net = _model(device)
     config = FusionConfig(enabled=True, state_precision="8bit", min_8bit_size=0)
     opt = KitsuneOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-2), enable_fusion=True, fusion_config=config)
-    assert _routes(opt) == {"triton"}
+    assert routes(opt) == {"triton"}
     notes = " ".join(n for b in opt.plan.buckets for n in b.notes)
     assert "channels_last param keeps its state in its own dtype" in notes
     opt.zero_grad()
@@ -276,7 +273,7 @@ def test_every_elementwise_option_steps_the_same_in_either_order(device, name):
         if "graphs" in sections:
             parts["graphs"] = GraphConfig(**sections["graphs"])
         opt = KitsuneOptimizer(make(net.parameters()), config=KitsuneConfig(**parts))
-        assert _routes(opt) == {"triton"}
+        assert routes(opt) == {"triton"}
         nets.append((net, opt))
     gen = torch.Generator().manual_seed(7)
     for _ in range(12):
@@ -317,7 +314,7 @@ def test_a_model_converted_after_the_wrapper_is_planned_again(device, check_path
         m.to(memory_format=CL)
     assert not net[0].weight.is_contiguous()
     _train([net, twin], [opt, ref], 6, device, start=4)
-    assert _routes(opt) == {"triton"}
+    assert routes(opt) == {"triton"}
     assert opt.state[net[0].weight]["exp_avg"].is_contiguous(memory_format=CL)
 
 
@@ -331,7 +328,7 @@ def test_updates_inside_backward_take_channels_last_params(device):
     _train([net, twin], [opt, ref], 8, device)
     report = opt._subsystem("streams").report()
     assert report["units_updated_in_backward"] == 8 * report["units"] and report["units_updated_in_step"] == 0
-    assert _routes(opt) == {"triton"}
+    assert routes(opt) == {"triton"}
 
 
 EVERY = {
@@ -357,5 +354,5 @@ def test_every_fused_torch_optimizer_takes_channels_last_params(device, name):
     make = EVERY[name]
     net, twin = _model(device), _model(device)
     opt = KitsuneOptimizer(make(net.parameters()), enable_fusion=True)
-    assert _routes(opt) == {"triton"}
+    assert routes(opt) == {"triton"}
     _train([net, twin], [opt, make(twin.parameters())], 15, device)

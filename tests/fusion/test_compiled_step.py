@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import routes
 from torch import nn
 
 import kitsune
@@ -61,10 +62,6 @@ def _assert_close(got: list[list[torch.Tensor]], ref: list[list[torch.Tensor]]) 
             torch.testing.assert_close(x, y, atol=2e-6, rtol=1e-5, msg=lambda m, s=step: f"step {s}: {m}")
 
 
-def _routes(opt: KitsuneOptimizer) -> set[str]:
-    return {b.route.value for b in opt.plan.buckets}
-
-
 def _spy(monkeypatch: pytest.MonkeyPatch, owner: type, name: str, seen: list[bool]) -> None:
     """Record, at each call of ``owner.name``, whether torch.compile is tracing it (a traced call records True)."""
     real = getattr(owner, name)
@@ -102,7 +99,7 @@ def test_a_compiled_training_step_trains_like_torch(backend, device, monkeypatch
         sched.step()
         assert all(p.grad is None for p in net.parameters())  # zero_grad() ran, set_to_none as torch's
         snaps.append([p.detach().clone() for p in net.parameters()])
-    assert _routes(opt) == {"triton"}, opt.plan  # kitsune's fused step, not a fallback
+    assert routes(opt) == {"triton"}, opt.plan  # kitsune's fused step, not a fallback
     assert opt.step_count == STEPS
     assert seen == {"step": [False] * STEPS, "zero_grad": [False] * STEPS}  # run as they are, never traced
     _assert_close(snaps, _reference(twin, data))
@@ -128,7 +125,7 @@ def test_torchs_recipe_of_a_compiled_step(device):
         opt.zero_grad()
         sched.step()
         snaps.append([p.detach().clone() for p in net.parameters()])
-    assert _routes(opt) == {"triton"}, opt.plan
+    assert routes(opt) == {"triton"}, opt.plan
     _assert_close(snaps, _reference(twin, data))
 
 
@@ -224,7 +221,7 @@ def test_a_model_compiled_with_reduce_overhead_trains_like_torch():
             opt.step()
             opt.zero_grad()
         runs.append(opt)
-    assert _routes(runs[0]) == {"triton"}, runs[0].plan
+    assert routes(runs[0]) == {"triton"}, runs[0].plan
     assert runs[0]._subsystem("graphs").report()["replays"] > 0  # kitsune's own graph replayed
     for a, b in zip(net.parameters(), twin.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -7,12 +7,9 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from helpers import routes
 
 from kitsune import KitsuneOptimizer
-
-
-def _routes(opt: KitsuneOptimizer) -> set[str]:
-    return {b.route.value for b in opt.plan.buckets}
 
 
 def _state(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -30,7 +27,7 @@ def test_sgd_momentum_on_torchs_fused_route_starts_a_late_buffer_as_torch(late, 
     theirs = [torch.nn.Parameter(t.clone()) for t in start]
     opt = KitsuneOptimizer(torch.optim.SGD(ours, lr=0.05, momentum=0.9, nesterov=True), enable_fusion=True)
     ref = torch.optim.SGD(theirs, lr=0.05, momentum=0.9, nesterov=True)
-    assert _routes(opt) == {"torch_fused"}  # float64: torch's fused SGD
+    assert routes(opt) == {"torch_fused"}  # float64: torch's fused SGD
     for step in range(8):
         grads = [torch.randn(12, generator=gen, dtype=torch.float64).to(device) for _ in range(3)]
         for params in (ours, theirs):
@@ -65,7 +62,7 @@ def test_adam_with_a_tensor_lr_on_torchs_foreach_route_steps_as_torch(cls, when,
     net, twin = model(), model()
     opt = KitsuneOptimizer(cls(net.parameters(), lr=lr(), weight_decay=0.01), enable_fusion=True)
     ref = cls(twin.parameters(), lr=lr(), weight_decay=0.01)
-    assert "torch_foreach" in _routes(opt) and "triton" in _routes(opt)
+    assert "torch_foreach" in routes(opt) and "triton" in routes(opt)
     gen = torch.Generator().manual_seed(1)
     for step in range(6):
         if when == "mid_run" and step == 3:
@@ -101,7 +98,7 @@ def test_a_switch_deleted_from_a_torch_group_raises_keyerror_as_torch(make, key,
     twins = [torch.nn.Parameter(start.clone())]
     opt = KitsuneOptimizer(make(params), enable_fusion=True)
     ref = make(twins)
-    assert _routes(opt) == {"triton"}
+    assert routes(opt) == {"triton"}
     for step in range(3):
         g = torch.randn(16, generator=gen).to(device)
         params[0].grad, twins[0].grad = g.clone(), g.clone()
@@ -130,7 +127,7 @@ def test_sgd_on_torchs_fused_route_skips_an_overflowing_first_step_as_grad_scale
     p = torch.nn.Parameter(torch.randn(16, device=device))
     config = KitsuneConfig(fusion=FusionConfig(min_fusion_benefit=1e9), amp=AMPConfig(dtype=torch.float16))
     opt = KitsuneOptimizer(torch.optim.SGD([p], lr=0.05, momentum=0.9), config=config)
-    assert _routes(opt) == {"torch_fused"}
+    assert routes(opt) == {"torch_fused"}
     before = p.detach().clone()
     opt.backward((p * float("inf")).sum())  # an overflow on the first step
     opt.step()
