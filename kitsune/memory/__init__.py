@@ -150,12 +150,12 @@ class UnitSlots:
         return v
 
     def _own(self, key: str, i: int) -> torch.Tensor:
-        """A zeroed tensor of its own for ``state[params[i]][key]``, in the slot's dtype, shape and device."""
+        """A zeroed tensor of its own for ``state[params[i]][key]``, in the slot's dtype, shape, order and device."""
         if key in self.scalar_offsets:
             assert self.step_arena is not None
             return torch.zeros((), dtype=torch.float32, device=self.step_arena.device)
         arena, _, shape, dtype, layout = self.offsets[key][i]
-        return torch.zeros(shape, dtype=dtype, device=arena.device).contiguous(memory_format=MEMORY_FORMATS[layout])
+        return torch.empty(shape, dtype=dtype, device=arena.device, memory_format=MEMORY_FORMATS[layout]).zero_()
 
     def grad_view(self, i: int) -> torch.Tensor:
         """The arena view for ``params[i]``'s grad: the one ``p.grad`` holds, or a new one. The slots keep only a
