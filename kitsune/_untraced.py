@@ -1,22 +1,28 @@
-"""kitsune's calls made inside a function that ``torch.compile`` traces: run as they are, outside the trace.
+"""kitsune's code that ``torch.compile`` meets: run as it is, outside the trace.
 
 A kitsune step launches its own fused kernels and replays its own CUDA graph, checks addresses in native code and
 keeps counters on the host: torch.compile cannot trace it, and compiling it would add nothing. torch.optim marks
 its own ``zero_grad``, ``state_dict``, ``load_state_dict`` and ``add_param_group`` the same way (its ``step`` is
 traced, which kitsune's cannot be). So a compiled training step (``torch.compile`` around forward, backward and
 ``optimizer.step()``) or torch's recipe of a compiled ``opt.step()`` breaks its graph at the call and runs kitsune's
-step as it runs without the compiler; with ``fullgraph=True`` torch.compile raises, naming the reason below.
+step as it runs without the compiler; with ``fullgraph=True`` torch.compile raises, naming `REASON`.
 
-The methods ask `torch.compiler.is_compiling` first (0.16 us a call on a 2-core CPU host; torch's own marking, a
-wrapper around every call, costs 0.35-0.46 us more there): True only while torch.compile traces them, when they
-call `outside_compile`'s function, which torch.compile does not trace into (``torch.compiler.disable``, made at
-the first call so that importing kitsune does not import torch._dynamo).
+The hooks and callbacks autograd calls during ``backward()`` (updates inside backward, ZeRO's reductions) are the
+other way in: a ``backward()`` inside a traced function runs where torch.compile broke its graph, and a hook that
+autograd calls from that thread (a CPU param's, or the callback at backward's end) would be traced as a function of
+its own; a module hook (ZeRO's wait for the params' all-gather) would be traced into a compiled model's forward.
+
+`never_traced` is the one way kitsune marks all of them, once, where they are defined or made: no cost to a call
+(a check of ``torch.compiler.is_compiling()`` at every step cost 0.16 us on a 2-core CPU host, a wrapper such as
+``torch.compiler.disable``'s 0.35-0.46 us more), and importing kitsune does not import torch._dynamo.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 REASON = (
     "kitsune's optimizer runs its own fused kernels and CUDA graphs, outside torch.compile's graph: compile the model "
@@ -24,22 +30,23 @@ REASON = (
 )
 
 
-def outside_compile(fn: Callable[..., Any], reason: str = REASON) -> Callable[..., Any]:
-    """``fn`` for a caller that torch.compile traces: torch.compile breaks its graph at the call, and ``fn`` runs as
-    without the compiler (nothing it calls is traced)."""
-    disabled: list[Callable[..., Any]] = []
+def never_traced(fn: F) -> F:
+    """``fn``, marked so that torch.compile neither traces it nor what it calls: where a traced function calls it
+    (``optimizer.step()`` in a compiled training step, a module hook in a compiled forward: a graph break at the
+    call, then the call as it is), and where it runs as a function of its own (a hook autograd calls inside a traced
+    function's ``backward()``). Every function made by the same ``def`` shares the first mark below; each function
+    object takes the second.
 
-    def outside(*args: Any, **kwargs: Any) -> Any:
-        if not disabled:  # torch._dynamo is imported: torch.compile is running
-            import torch._dynamo
-
-            disabled.append(torch._dynamo.disable(fn, reason=reason))
-        return disabled[0](*args, **kwargs)
-
-    # what torch.compiler.disable marks a function with: torch.compile does not trace into ``outside`` (its graph
-    # breaks at the call, or with fullgraph=True it raises, naming ``reason``)
-    outside._torchdynamo_disable = True  # type: ignore[attr-defined]
-    outside._torchdynamo_disable_msg = reason  # type: ignore[attr-defined]
-    outside.__name__ = getattr(fn, "__name__", "outside")
-    outside.__qualname__ = getattr(fn, "__qualname__", outside.__name__)
-    return outside
+    The marks are torch.compile's own: its per-code setting (``set_code_exec_strategy``, not public: skip the frame
+    and every frame it calls) and the attribute ``torch.compiler.disable`` sets (``fullgraph=True`` raises, naming
+    `REASON`). Both are read only while torch.compile is set to trace. A torch without the first marks nothing, and
+    torch.compile traces kitsune there."""
+    try:
+        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+    except ImportError:  # pragma: no cover - a torch built without torch.compile, or one that moved the setting
+        return fn
+    target = getattr(fn, "__func__", fn)  # a bound method: its function
+    set_code_exec_strategy(target.__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
+    target._torchdynamo_disable = True
+    target._torchdynamo_disable_msg = REASON
+    return fn

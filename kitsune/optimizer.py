@@ -22,7 +22,7 @@ from torch.optim.optimizer import _global_optimizer_post_hooks as _global_post
 from torch.optim.optimizer import _global_optimizer_pre_hooks as _global_pre
 
 from kitsune import checkpoint
-from kitsune._untraced import outside_compile
+from kitsune._untraced import never_traced
 from kitsune.amp import AMPSubsystem
 from kitsune.config import AMPConfig, FusionConfig, GradConfig, KitsuneConfig, ShardConfig, StreamConfig, resolve_config
 from kitsune.distributed.zero import ShardSubsystem
@@ -269,13 +269,12 @@ class KitsuneOptimizer(torch.optim.Optimizer):
                 warnings.warn(f"kitsune: {s.name} was asked for but is inactive: {s.reason}", UserWarning, stacklevel=3)
 
     # -- the step -----------------------------------------------------------------------------------------------
+    @never_traced  # inside a function torch.compile traces: a graph break, and the step runs as it is
     def step(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         """One optimizer step, ``step(closure=None)`` as torch's; torch's hook order around it: global and then this
         optimizer's pre-hooks, the wrapped optimizer's pre-hooks, the update, its post-hooks, this optimizer's and
         then the global post-hooks. Hooks get the arguments as the caller passed them (a closure by keyword stays a
         keyword) and may return new ones, as with torch's optimizers."""
-        if torch.compiler.is_compiling():  # traced by torch.compile: run as it is, outside the trace
-            return _STEP(self, *args, **kwargs)
         pre, post = self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks
         if not (pre or post or _global_pre or _global_post or torch.autograd._profiler_enabled()):
             return self._step(*args, **kwargs)  # torch's hook runner costs a profiler label (about 50 us of host time)
@@ -408,16 +407,15 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         with self._accumulation:
             yield
 
+    @never_traced
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the grads of every param as ``torch.optim.Optimizer.zero_grad`` does (see
         `kitsune.grads.GradPass.zero_grad` for ``GradConfig(zero_in_step=True)`` and flat grads); with updates inside
         backward, a backward that did not reach ``step()`` is forgotten (see `StreamScheduler.discard_backward`)."""
-        if torch.compiler.is_compiling():  # traced by torch.compile: run as it is, outside the trace
-            return _ZERO_GRAD(self, set_to_none)
         self._streams.discard_backward()
         self._grads.zero_grad(self._optimizer, set_to_none, self._zero_grad_profile_name)
 
-    @torch._disable_dynamo  # as torch.optim's: not traced by torch.compile
+    @never_traced  # as torch.optim's: not traced by torch.compile
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group to the wrapped optimizer (its defaults fill the gaps) and re-plan; a group the plan
         cannot take (a switch of the wrong type, ``momentum="0.9"``) is removed again before the error is raised."""
@@ -434,7 +432,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             raise
 
     # -- checkpoints and copies ---------------------------------------------------------------------------------
-    @torch._disable_dynamo  # as torch.optim's: not traced by torch.compile
+    @never_traced  # as torch.optim's: not traced by torch.compile
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """The wrapped optimizer's state dict (torch's keys and layout) plus kitsune's own under ``"kitsune"``. 8-bit
         state of FSDP2 params is decoded into torch's keys as fp32 DTensors, as torch keeps FSDP2 state (see
@@ -458,7 +456,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         Does nothing otherwise."""
         self._shard.wait_params()
 
-    @torch._disable_dynamo  # as torch.optim's: not traced by torch.compile
+    @never_traced  # as torch.optim's: not traced by torch.compile
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Load a state dict saved by kitsune or by the plain torch optimizer: all of it, or (raising) none of it."""
         if not isinstance(state_dict, Mapping):
@@ -547,6 +545,3 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         """Write the timed steps (and NVML samples) as a Chrome trace that Perfetto and chrome://tracing open."""
         return export_chrome_trace(self, filepath)
 
-
-_STEP = outside_compile(KitsuneOptimizer.step)
-_ZERO_GRAD = outside_compile(KitsuneOptimizer.zero_grad)

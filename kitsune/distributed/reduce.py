@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kitsune._untraced import never_traced
 from kitsune.config import ShardConfig
 from kitsune.distributed.layout import Bucket
 from kitsune.subsystem import Accumulation
@@ -80,6 +81,7 @@ class GradReduction:
             self._next += 1
             self.in_backward += 1
 
+    @never_traced  # autograd calls it when backward ends, inside a traced function's backward too
     def _end_of_backward(self) -> None:
         for b in self.buckets[self._next :]:  # params that got no grad in this backward leave buckets incomplete
             self.launch(b)

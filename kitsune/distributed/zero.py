@@ -70,6 +70,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.modules.module import register_module_forward_pre_hook
 
+from kitsune._untraced import never_traced
 from kitsune.config import ShardConfig
 from kitsune.distributed import fsdp
 from kitsune.distributed.layout import NOT_CONTIGUOUS, Bucket, partition, whole_reason
@@ -571,7 +572,7 @@ def _forward_pre_hook(ref: weakref.ref) -> Any:
         elif module._parameters:
             shard.wait_params(p for p in module._parameters.values() if p is not None)
 
-    handle = register_module_forward_pre_hook(hook)
+    handle = register_module_forward_pre_hook(never_traced(hook))
     return handle
 
 
@@ -581,7 +582,7 @@ def _ready_hook(ref: weakref.ref, bi: int, k: int) -> Callable[[torch.Tensor], N
         if shard is not None and shard.active:
             shard.grad_ready(bi, k)
 
-    return ready
+    return never_traced(ready)  # autograd calls it, inside a traced function's backward too: see kitsune._untraced
 
 
 @torch.no_grad()

@@ -37,6 +37,7 @@ interpreter) the same hooks run the updates synchronously: the logic is the same
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -44,6 +45,7 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from kitsune._untraced import never_traced
 from kitsune.config import GraphConfig, StreamConfig
 from kitsune.distributed.fsdp import is_dtensor
 from kitsune.grads import grad_marks, marks_changed
@@ -222,7 +224,9 @@ class StreamScheduler(Subsystem):
             if len(seen) == need:
                 self._launch(index)
 
-        return ready
+        # autograd calls it, from the thread that runs backward: inside a function torch.compile traces, that is the
+        # traced function's own (a CPU param's grad), and the hook and its launch run as they are, not traced
+        return never_traced(ready)
 
     def _why_no_graphs(self, units: list[Any]) -> str | None:
         if not self.graph_config.enabled:
@@ -243,7 +247,7 @@ class StreamScheduler(Subsystem):
             ref = weakref.ref(self)
             # the grads as backward leaves them, when it ends: backward itself writes grads after a unit's launch
             # (flat grads share one version counter, and later params' grads accumulate into the same arena)
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: (s := ref()) and s._backward_ended())
+            torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_backward_ended, ref))
         if not self._open:
             return  # a switch changed (maximize, amsgrad, ...) or the state dict did: step() re-plans, updates all
         if not fusion.prepare_unit(unit):
@@ -431,6 +435,13 @@ def _world_size() -> int:
     """The default process group's size, 1 without one."""
     dist = torch.distributed
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+@never_traced  # autograd calls it when backward ends (see StreamScheduler._hook)
+def _backward_ended(ref: weakref.ref) -> None:
+    scheduler = ref()
+    if scheduler is not None:
+        scheduler._backward_ended()
 
 
 _HOOKED = WeakIdKeyDictionary()

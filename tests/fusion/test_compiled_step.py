@@ -15,7 +15,9 @@ from torch import nn
 
 import kitsune
 from kitsune import KitsuneOptimizer, checkpoint
+from kitsune.config import FusionConfig, KitsuneConfig, StreamConfig
 from kitsune.grads import GradPass
+from kitsune.streams import StreamScheduler
 
 STEPS = 12
 MAX_NORM = 0.3
@@ -225,3 +227,40 @@ def test_a_model_compiled_with_reduce_overhead_trains_like_torch():
     assert runs[0]._subsystem("graphs").report()["replays"] > 0  # kitsune's own graph replayed
     for a, b in zip(net.parameters(), twin.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_updates_inside_a_compiled_functions_backward(device, monkeypatch):
+    """``StreamConfig(step_in_backward=True)`` with ``backward()`` inside the traced function: autograd calls the
+    hooks from the traced function's thread (a CPU param's grads) and from its own (a CUDA param's); either way the
+    hooks, their launches and the callback at backward's end run as they are, not traced, and every unit updates
+    inside backward."""
+    torch._dynamo.reset()
+    seen: dict[str, list[bool]] = {"launch": [], "ended": []}
+    _spy(monkeypatch, StreamScheduler, "_launch", seen["launch"])
+    _spy(monkeypatch, StreamScheduler, "_backward_ended", seen["ended"])
+    net, twin = _nets(device)
+    data = _data(device)
+    config = KitsuneConfig(fusion=FusionConfig(enabled=True), streams=StreamConfig(step_in_backward=True))
+    opt = KitsuneOptimizer(_adamw(net), config=config)
+    assert opt.scheduler.active, opt.scheduler.reason
+
+    @torch.compile(backend="eager")
+    def train_step(x, y):
+        loss = nn.functional.mse_loss(net(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    ref = _adamw(twin)
+    for step, (x, y) in enumerate(data):
+        train_step(x, y)
+        nn.functional.mse_loss(twin(x), y).backward()
+        ref.step()
+        ref.zero_grad()
+        for a, b in zip(net.parameters(), twin.parameters(), strict=True):
+            torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5, msg=lambda m, s=step: f"step {s}: {m}")
+    assert routes(opt) == {"triton"}, opt.plan
+    report = opt.scheduler.report()
+    assert report["units_updated_in_backward"] == STEPS * report["units"] > 0, report
+    assert seen == {"launch": [False] * STEPS * report["units"], "ended": [False] * STEPS}  # never traced
