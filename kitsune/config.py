@@ -285,7 +285,9 @@ class ShardConfig(_Config):
     A param read outside a module's forward before then (an EMA, ``model.state_dict()``, a param used by a module
     that does not own it before its owner runs) holds its old values until ``optimizer.wait_params()``; kitsune's
     own ``step()``, ``state_dict()`` and re-plans wait first. Holds every bucket's gather buffer (one copy of the
-    trainable params) until the forward reaches it. For eager models: leave it off under ``torch.compile``."""
+    trainable params) until the forward reaches it. For eager models: leave it off under ``torch.compile`` (a model
+    compiled before any step never calls the hook; the step after a forward that read a param still pending
+    refuses, updating nothing)."""
 
     @field_validator("stage", mode="before")
     @classmethod

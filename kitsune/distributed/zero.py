@@ -123,6 +123,9 @@ class ShardSubsystem(Subsystem):
         self._pending: dict[int, _Gather] = {}
         """``gather_in_forward``: id(model param) -> its bucket's all-gather, launched and not yet copied in."""
         self._forward_hook: Any = None
+        self._read_before_gather = False
+        """A backward since the last ``zero_grad()`` gave a grad to a param whose all-gather was pending: its forward
+        read the values from before the last update."""
         self.deactivate("zero_stage=0")
 
     @property
@@ -341,6 +344,8 @@ class ShardSubsystem(Subsystem):
     # -- inside backward -------------------------------------------------------------------------------------------
     def grad_ready(self, bi: int, k: int) -> None:
         """Param ``k`` of bucket ``bi`` has its grad of this backward (its post-accumulate-grad hook)."""
+        if self._pending and id(self.buckets[bi].params[k]) in self._pending:
+            self._read_before_gather = True
         self._reduction.grad_ready(bi, k)
 
     # -- the step --------------------------------------------------------------------------------------------------
@@ -350,6 +355,16 @@ class ShardSubsystem(Subsystem):
         flags. Raises before anything changes when a group's partition no longer holds."""
         self._accumulating.refuse_step()
         self.wait_params()  # params no forward reached since the last step (gather_in_forward)
+        if self._read_before_gather:
+            raise RuntimeError(
+                "a forward read params whose all-gather from the last step was still pending, so their grads are of "
+                "the values before that update: ShardConfig(gather_in_forward=True) completes a module's gathers in "
+                "its forward pre-hook, which this forward did not run (a model under torch.compile, which does not "
+                "call module hooks registered after it compiled, or a param read by a module that does not own it "
+                "before its owner's forward). Nothing was updated; the params now hold every rank's update. Set "
+                "gather_in_forward=False (the step then completes the gathers), or call optimizer.wait_params() "
+                "before such a forward; then zero_grad() and run the forward and backward again"
+            )
         self._check_groups()
         self._follow_storage()
         if not self._reduction.reduced:  # no backward reduced the grads
@@ -465,6 +480,7 @@ class ShardSubsystem(Subsystem):
         for p, *_ in self._shards:  # not in the groups, so optimizer.zero_grad does not reach them
             p.grad = None
         self._reduction.forget()
+        self._read_before_gather = False
 
     def filter_load(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """The part of a consolidated (or plain torch) state dict this rank keeps: its own elements of each param's
