@@ -92,6 +92,9 @@ def _switches(cls: type) -> Callable[[dict[str, Any], str], bool]:
     return switch
 
 
+_DECOUPLED = "decoupled_weight_decay"
+
+
 def _adam_spec(cls: type, decoupled: bool) -> Callable[[dict[str, Any]], UpdateSpec]:
     switch = _switches(cls)
 
@@ -99,7 +102,8 @@ def _adam_spec(cls: type, decoupled: bool) -> Callable[[dict[str, Any]], UpdateS
         return UpdateSpec(
             Algo.ADAM,
             maximize=switch(g, "maximize"),
-            decoupled_wd=decoupled or switch(g, "decoupled_weight_decay"),
+            # AdamW's groups carry the flag too (True; torch's step reads it, so a group set to False decays as Adam)
+            decoupled_wd=switch(g, _DECOUPLED) if _DECOUPLED in g else decoupled or switch(g, _DECOUPLED),
             amsgrad=switch(g, "amsgrad"),
         )
 

@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+
+def check_lr(lr: Any, where: str = "") -> None:
+    """Refuse an lr that is not a number or a one-element tensor (a string ``"1e-3"``: TypeError, as torch.optim's
+    comparison raises), or that is negative (ValueError). ``where``: " in <group>" for a message about one group."""
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"Invalid learning rate{where}: a tensor lr must have one element")
+    elif isinstance(lr, bool) or not isinstance(lr, numbers.Real):
+        raise TypeError(f"Invalid learning rate{where}: {lr!r} (a number or a one-element tensor, e.g. lr=1e-3)")
+    if not 0.0 <= float(lr):
+        raise ValueError(f"Invalid learning rate{where}: {float(lr)}")
 
 
 class EagerOptimizer(torch.optim.Optimizer):
@@ -28,6 +41,19 @@ class EagerOptimizer(torch.optim.Optimizer):
     def _algorithm(self, group: dict[str, Any]) -> str:
         """The name a refusal gives for ``group``'s algorithm."""
         return type(self).__name__
+
+    def _new_step(self, p: torch.Tensor, value: float = 0.0) -> torch.Tensor:
+        """A step count for ``p``'s state (an optimizer that keeps one): 0-dim float32 on the param's device."""
+        return torch.tensor(value, dtype=torch.float32, device=p.device)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """``load_state_dict`` (and unpickling) land here: a step count saved as a number (an older checkpoint's, or
+        one written by hand) becomes a tensor, as torch.optim's optimizers make theirs, so that the step counts on."""
+        super().__setstate__(state)
+        for p, s in self.state.items():
+            step = s.get("step") if isinstance(s, dict) else None
+            if step is not None and not torch.is_tensor(step) and torch.is_tensor(p):
+                s["step"] = self._new_step(p, float(step))
 
     def _init_state(self, p: torch.Tensor, group: dict[str, Any]) -> Any:
         """Create ``p``'s missing state in ``self.state[p]`` and return what `_update` reads from it; a check
@@ -57,14 +83,14 @@ class EagerOptimizer(torch.optim.Optimizer):
                             f"{p.dtype} param has a {p.grad.dtype} grad. Keep the grads in the params' dtype "
                             "(p.grad_dtype = None). Nothing was updated."
                         )
-        gathered = [self._init_group(group) for group in self.param_groups]
+        gathered = [self._gather_group(group) for group in self.param_groups]
         for group, (params, grads, states) in zip(self.param_groups, gathered, strict=True):
             if params:
                 grads = [-g for g in grads] if group.get("maximize", False) else grads
                 self._update(group, params, grads, states)
         return loss
 
-    def _init_group(self, group: dict[str, Any]) -> tuple[list[torch.Tensor], list[torch.Tensor], list[Any]]:
+    def _gather_group(self, group: dict[str, Any]) -> tuple[list[torch.Tensor], list[torch.Tensor], list[Any]]:
         params, grads, states = [], [], []
         for p in group["params"]:
             if p.grad is not None:  # no grad: no state, no update

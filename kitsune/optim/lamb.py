@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import ParamsT
 
-from kitsune.optim.base import EagerOptimizer
+from kitsune.optim.base import EagerOptimizer, check_lr
 
 
 class LAMB(EagerOptimizer):
@@ -77,10 +77,7 @@ class LAMB(EagerOptimizer):
         layer_adaptation: bool = True,
         maximize: bool = False,
     ) -> None:
-        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-            raise ValueError("Tensor lr must be 1-element")
-        if not 0.0 <= float(lr):
-            raise ValueError(f"Invalid learning rate: {lr}")
+        check_lr(lr)
         if not 0.0 <= eps:
             raise ValueError(f"Invalid epsilon value: {eps}")
         if not 0.0 <= betas[0] < 1.0:
@@ -109,7 +106,7 @@ class LAMB(EagerOptimizer):
     def _init_state(self, p: torch.Tensor, group: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         state = self.state[p]
         if len(state) == 0:
-            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            state["step"] = self._new_step(p)
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state["step"], state["exp_avg"], state["exp_avg_sq"]

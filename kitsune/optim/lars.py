@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import ParamsT
 
-from kitsune.optim.base import EagerOptimizer
+from kitsune.optim.base import EagerOptimizer, check_lr
 from kitsune.optim.lamb import tensor_norm
 
 
@@ -82,10 +82,7 @@ class LARS(EagerOptimizer):
         layer_adaptation: bool = True,
         maximize: bool = False,
     ) -> None:
-        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-            raise ValueError("Tensor lr must be 1-element")
-        if not 0.0 <= float(lr):
-            raise ValueError(f"Invalid learning rate: {lr}")
+        check_lr(lr)
         if not 0.0 <= momentum:
             raise ValueError(f"Invalid momentum value: {momentum}")
         if not 0.0 <= weight_decay:

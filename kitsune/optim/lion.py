@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import ParamsT
 
-from kitsune.optim.base import EagerOptimizer
+from kitsune.optim.base import EagerOptimizer, check_lr
 
 
 class Lion(EagerOptimizer):
@@ -35,8 +35,7 @@ class Lion(EagerOptimizer):
         weight_decay: float = 0.0,
         maximize: bool = False,
     ) -> None:
-        if not 0.0 <= float(lr):
-            raise ValueError(f"Invalid learning rate: {lr}")
+        check_lr(lr)
         if not 0.0 <= betas[0] <= 1.0 or not 0.0 <= betas[1] <= 1.0:
             raise ValueError(f"Invalid betas: {betas} (each must be in [0, 1])")
         if not 0.0 <= weight_decay:

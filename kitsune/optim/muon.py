@@ -33,7 +33,7 @@ from torch.optim.adamw import adamw
 from torch.optim.optimizer import ParamsT
 
 from kitsune.kernels.coefficients import MUON_COEFFICIENTS, Coefficients, schedule
-from kitsune.optim.base import EagerOptimizer
+from kitsune.optim.base import EagerOptimizer, check_lr
 
 try:  # Triton is optional: without it every step takes the torch path
     from kitsune.kernels import newton_schulz as _ns
@@ -140,6 +140,11 @@ class Muon(EagerOptimizer):
         super().__init__(params, defaults)
         self.process_group = process_group
 
+    def _new_step(self, p: torch.Tensor, value: float = 0.0) -> torch.Tensor:
+        """The AdamW params' step count, as torch.optim.AdamW's: on the CPU, float64 under a float64 default."""
+        scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+        return torch.tensor(value, dtype=scalar)
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         """torch's ``load_state_dict`` (and unpickling) land here with the saved groups: a ``torch.optim.Muon``
         checkpoint's groups have no ``use_muon`` and no ``betas``; they are Muon groups, given this optimizer's
@@ -174,11 +179,7 @@ class Muon(EagerOptimizer):
 
     @staticmethod
     def _check(group: dict[str, Any], where: str) -> None:
-        lr = group["lr"]
-        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-            raise ValueError(f"Invalid learning rate in {where}: a tensor lr must have one element")
-        if not 0.0 <= float(lr):
-            raise ValueError(f"Invalid learning rate in {where}: {float(lr)}")
+        check_lr(group["lr"], f" in {where}")
         if not 0.0 <= group["weight_decay"]:
             raise ValueError(f"Invalid weight_decay value in {where}: {group['weight_decay']}")
         if not 0.0 <= group["eps"]:
@@ -224,8 +225,7 @@ class Muon(EagerOptimizer):
                 )
             return buf
         if "step" not in state:  # torch.optim.AdamW's state: a CPU float step, moments like the param
-            scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-            state["step"] = torch.tensor(0.0, dtype=scalar)
+            state["step"] = self._new_step(p)
         for key in ("exp_avg", "exp_avg_sq"):
             if key not in state:
                 state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)

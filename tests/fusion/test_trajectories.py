@@ -187,6 +187,27 @@ def test_tensor_lr(device):
     assert_close_params(params, ref_params, torch.float32)
 
 
+def test_adamw_set_to_coupled_decay_mid_run_decays_as_torchs_step(device):
+    """torch's AdamW reads its group's ``decoupled_weight_decay`` (an Adam with the flag on): set to False, the
+    weight decay goes into the grad, as Adam's. The fused step follows it (a re-plan), not the class's default."""
+    make = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.5)  # noqa: E731
+    params, opt = trajectory(make, SIZES, torch.float32, device, steps=2, fused=True)
+    ref_params, ref = trajectory(make, SIZES, torch.float32, device, steps=2)
+    for o in (opt, ref):
+        o.param_groups[0]["decoupled_weight_decay"] = False
+    from twins import random_grads
+
+    for step in range(2, 8):
+        for ps in (params, ref_params):
+            for p, g in zip(ps, random_grads(ps, step), strict=True):
+                p.grad = g
+        opt.step()
+        ref.step()
+    assert {b.route for b in opt.plan.buckets} == {Route.TRITON}
+    assert_close_params(params, ref_params, torch.float32)
+    assert_same_state(ref, opt, torch.float32)
+
+
 def test_switch_change_mid_run_replans(device):
     """A group option that is a compile-time switch (amsgrad here) changes the kernel variant on the next step."""
     params, opt = trajectory(CASES["sgd"], SIZES, torch.float32, device, steps=2, fused=True)

@@ -113,3 +113,77 @@ def test_a_grad_of_another_dtype_is_refused_before_anything_changes_or_taken_as_
     for p, want in zip(params, before, strict=True):
         assert torch.equal(p, want)
     _assert_same_state(opt.state_dict()["state"], state)
+
+
+@pytest.mark.parametrize("name", ["Lion", "LAMB", "LARS", "Muon"])
+@pytest.mark.parametrize(
+    ("lr", "exc", "match"),
+    [
+        ("1e-3", TypeError, r"Invalid learning rate( in defaults)?: '1e-3' \(a number or a one-element tensor"),
+        (True, TypeError, "Invalid learning rate( in defaults)?: True"),
+        (-0.1, ValueError, "Invalid learning rate( in defaults)?: -0.1"),
+        (torch.tensor([1e-3, 2e-3]), ValueError, "a tensor lr must have one element"),
+    ],
+    ids=["string", "bool", "negative", "two-element-tensor"],
+)
+def test_an_lr_torch_would_refuse_is_refused_at_build(name, lr, exc, match):
+    """As torch.optim's optimizers: a string lr is not converted (it would reach an LR scheduler's arithmetic)."""
+    optimizer = {"Lion": Lion, "LAMB": LAMB, "LARS": LARS, "Muon": Muon}[name]
+    with pytest.raises(exc, match=match):
+        optimizer(_params(seed=0), lr=lr)
+
+
+@pytest.mark.parametrize("lr", [1e-3, 0, torch.tensor(1e-3), torch.tensor([1e-3])])
+def test_numbers_and_one_element_tensors_are_taken_as_lr(lr):
+    for optimizer in (Lion, LAMB, LARS, Muon):
+        assert optimizer(_params(seed=0), lr=lr).param_groups[0]["lr"] is lr
+
+
+@pytest.mark.parametrize("name", ["LAMB", "Muon+AdamW"])
+def test_a_step_count_saved_as_a_number_counts_on_after_loading(name):
+    """An older checkpoint's (or a hand-written) step count as a Python number: loaded, it becomes a tensor as
+    torch.optim's optimizers make theirs, and the run continues as from the tensor checkpoint (bias correction moving
+    with it, not frozen at the loaded count)."""
+    params, opt = _stepped(name, warmup=3)
+    numbers = copy.deepcopy(opt.state_dict())
+    counted = [s for s in numbers["state"].values() if "step" in s]
+    assert counted
+    for s in counted:
+        s["step"] = float(s["step"])
+    runs = []
+    for checkpoint in (numbers, opt.state_dict()):
+        mine = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        other = OPTIMIZERS[name]([{"params": mine[:2]}, {"params": mine[2:]}])
+        other.load_state_dict(checkpoint)
+        for step in range(4):
+            _set_grads(mine, seed=200 + step)
+            other.step()
+        runs.append((mine, other.state_dict()["state"]))
+    (got, got_state), (want, want_state) = runs
+    for p, q in zip(got, want, strict=True):
+        assert torch.equal(p, q)
+    _assert_same_state(got_state, want_state)
+    assert all(float(s["step"]) == 7.0 for s in got_state.values() if "step" in s)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_compiled_training_step_trains_as_the_eager_one(name):
+    """``opt.step()`` inside a function torch.compile traces, as torch.optim's are: torch.compile handles a method
+    named ``_init_group`` on any torch.optim.Optimizer as torch's own (run outside the trace, its result taken as a
+    constant), which the shared step's gathering is not."""
+    runs = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        params = _params(seed=3)
+        opt = OPTIMIZERS[name]([{"params": params[:2]}, {"params": params[2:]}])
+
+        def train_step(seed: int, params=params, opt=opt) -> None:
+            _set_grads(params, seed)
+            opt.step()
+
+        step = torch.compile(train_step, backend="eager") if compiled else train_step
+        for seed in range(5):
+            step(seed)
+        runs.append(params)
+    for p, q in zip(*runs, strict=True):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-6)

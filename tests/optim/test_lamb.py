@@ -194,7 +194,7 @@ def test_closure_tensor_lr_and_sparse_grads():
     ("kwargs", "match"),
     [
         ({"lr": -1.0}, "learning rate"),
-        ({"lr": torch.tensor([0.1, 0.2])}, "Tensor lr"),
+        ({"lr": torch.tensor([0.1, 0.2])}, "a tensor lr must have one element"),
         ({"betas": (1.0, 0.999)}, "beta parameter at index 0"),
         ({"betas": (0.9, -0.1)}, "beta parameter at index 1"),
         ({"eps": -1e-6}, "epsilon"),

@@ -208,7 +208,7 @@ def test_closure_tensor_lr_and_sparse_grads():
     ("kwargs", "match"),
     [
         ({"lr": -1.0}, "learning rate"),
-        ({"lr": torch.tensor([0.1, 0.2])}, "Tensor lr"),
+        ({"lr": torch.tensor([0.1, 0.2])}, "a tensor lr must have one element"),
         ({"momentum": -0.1}, "momentum"),
         ({"weight_decay": -0.1}, "weight_decay"),
         ({"nesterov": True, "momentum": 0.0}, "Nesterov"),
