@@ -23,6 +23,28 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    """An argparse ``type``: a finite number greater than 0 (a clipping norm, a rate), else argparse's error."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number greater than 0, got {text!r}") from None
+    if not 0.0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number greater than 0, got {text}")
+    return value
+
+
+def seed(text: str) -> int:
+    """An argparse ``type``: a seed ``torch.manual_seed`` takes (a whole number from -2**63 to 2**64 - 1)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not -(2**63) <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"must be from -2**63 to 2**64 - 1 (torch.manual_seed's range), got {value}")
+    return value
+
+
 def _version() -> str:
     """``kitsune --version``: kitsune's version, and torch's and Triton's, which decide what runs."""
     from importlib.metadata import PackageNotFoundError, version
@@ -93,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="where to write the profile JSON (default kitsune-profile.json)",
     )
     demo.add_argument(
-        "--seed", type=int, default=0, help="seed of the model's init and the synthetic batches (default 0)"
+        "--seed", type=seed, default=0, help="seed of the model's init and the synthetic batches (default 0)"
     )
     demo.set_defaults(func=_demo)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Collection
 from typing import Annotated, Any, Literal, NamedTuple
 
 import torch
@@ -441,7 +442,12 @@ _SECTION_ARGS = {
 }
 
 
-def resolve_config(config: KitsuneConfig | None, sections: dict[str, Any], kwargs: dict[str, Any]) -> KitsuneConfig:
+def resolve_config(
+    config: KitsuneConfig | None,
+    sections: dict[str, Any],
+    kwargs: dict[str, Any],
+    given: Collection[str] | None = None,
+) -> KitsuneConfig:
     """Merge ``config=``, the ``*_config`` objects and the keyword shorthands into one
     [`KitsuneConfig`][kitsune.KitsuneConfig].
 
@@ -450,11 +456,12 @@ def resolve_config(config: KitsuneConfig | None, sections: dict[str, Any], kwarg
     written, what it takes and the fix. It is a plain ``ValueError``, not the ``pydantic.ValidationError`` about the
     field inside the section, which the config classes raise when built directly. Raises ``ValueError`` too when two
     settings disagree, naming both and the fix, and ``TypeError`` when ``config=`` or a ``*_config`` argument is not
-    the config class it names.
+    the config class it names. ``given``: the keywords the caller passed (beside ``config=`` each is refused, also
+    at its default value); without it, those that differ from their defaults.
     """
     # every keyword is checked, also where config= or a section makes it moot: a slip there is still a slip
     seeds = {kwarg: _from_shorthand(kwarg, value) for kwarg, value in kwargs.items()}
-    changed = {k: v for k, v in kwargs.items() if v != _KWARGS[k].default}
+    changed = {k: v for k, v in kwargs.items() if v != _KWARGS[k].default or (given is not None and k in given)}
     given_sections = {k: v for k, v in sections.items() if v is not None}
     if config is not None:
         if not isinstance(config, KitsuneConfig):

@@ -94,7 +94,7 @@ class GradPass:
         if scaler is not None and not scaler.loss_scaled and _every_lr_zero(groups):
             s.unscaled, scaler = True, None  # torch.distributed.checkpoint's state init: no loss, nothing to unscale
         if scaler is not None:
-            scaler.check_scaled()
+            scaler.check_scaled(grad_scaler=handoff is not None)
         clip = self.config.max_norm
         if clip is not None and not fused:
             _refuse_sparse(self._params(groups))

@@ -10,6 +10,7 @@ before everything that can fail has been checked, and hooks run where torch runs
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import warnings
 from collections import OrderedDict
@@ -66,6 +67,23 @@ class _SharedState(_Shared):
         return super().__get__(obj, owner)
 
 
+def _noting_settings_given(init: Callable[..., None]) -> Callable[..., None]:
+    """``KitsuneOptimizer.__init__``, noting which settings the caller passed (by name or position), so that a
+    setting passed beside ``config=`` is refused where its value is its default too (``profile=False`` against a
+    config that profiles)."""
+    signature = inspect.signature(init)
+
+    @functools.wraps(init)
+    def noting(self: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            self._settings_given = frozenset(signature.bind(self, *args, **kwargs).arguments)
+        except TypeError:  # missing or unknown arguments: __init__ raises Python's own error
+            pass
+        init(self, *args, **kwargs)
+
+    return noting
+
+
 class KitsuneOptimizer(torch.optim.Optimizer):
     """Wrap ``optimizer`` and run its step through kitsune's subsystems.
 
@@ -93,6 +111,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True
     """``torch.amp.GradScaler.step`` hands us ``grad_scale``/``found_inf`` instead of syncing itself."""
 
+    @_noting_settings_given
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -112,8 +131,16 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         shard_config: ShardConfig | None = None,
         config: KitsuneConfig | None = None,
     ) -> None:
+        given = self.__dict__.pop("_settings_given", None)
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"KitsuneOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+            if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+                got = f"the class {optimizer.__name__}"
+            else:
+                got = type(optimizer).__name__
+            raise TypeError(
+                f"KitsuneOptimizer wraps a torch optimizer built over the params, got {got}: build it first, "
+                "e.g. KitsuneOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-4), enable_fusion=True)"
+            )
         if isinstance(optimizer, KitsuneOptimizer):
             raise ValueError("this optimizer is already a KitsuneOptimizer: wrap the torch optimizer only once")
         sections = {"amp_config": amp_config, "fusion_config": fusion_config, "stream_config": stream_config}
@@ -121,7 +148,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         kwargs = {"enable_amp": enable_amp, "enable_fusion": enable_fusion, "num_streams": num_streams}
         kwargs |= {"profile": profile, "memory_pool_size": memory_pool_size, "capture_graph": capture_graph}
         kwargs |= {"max_grad_norm": max_grad_norm, "zero_stage": zero_stage}
-        self.config: KitsuneConfig = resolve_config(config, sections, kwargs)
+        self.config: KitsuneConfig = resolve_config(config, sections, kwargs, given)
         refuse_per_evaluation_passes(optimizer, self.config.grads.max_norm is not None, self.config.amp.scales_loss)
         self._optimizer = optimizer
         # torch.optim.Optimizer.__init__ would rebuild param_groups; set up only its hook bookkeeping.
@@ -262,11 +289,12 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         self._device_side = not self._leftover and not sharded and fusion.consumes_found_inf
 
     def _warn_requested_but_inactive(self) -> None:
+        """Warn at the line that built the optimizer (past this method, __init__ and the wrapper noting settings)."""
         cfg = self.config
         asked = {"amp": cfg.amp.enabled, "fusion": cfg.fusion.enabled, "shard": cfg.shard.stage}
         for s in self._subsystems:
             if asked.get(s.name) and not s.active:
-                warnings.warn(f"kitsune: {s.name} was asked for but is inactive: {s.reason}", UserWarning, stacklevel=3)
+                warnings.warn(f"kitsune: {s.name} was asked for but is inactive: {s.reason}", UserWarning, stacklevel=4)
 
     # -- the step -----------------------------------------------------------------------------------------------
     @never_traced  # inside a function torch.compile traces: a graph break, and the step runs as it is
@@ -464,6 +492,19 @@ class KitsuneOptimizer(torch.optim.Optimizer):
                 f"load_state_dict takes the dict state_dict() returned, got {type(state_dict).__name__}: for a file, "
                 "load it first (optimizer.load_state_dict(torch.load(path)['optimizer']), say)"
             )
+        if "param_groups" not in state_dict:
+            keys = ", ".join(repr(k) for k in list(state_dict)[:6]) or "none"
+            inner = next(
+                (k for k in state_dict if isinstance(state_dict[k], Mapping) and "param_groups" in state_dict[k]), None
+            )
+            fix = (
+                f"it holds one under {inner!r}: optimizer.load_state_dict(checkpoint[{inner!r}])"
+                if inner is not None
+                else "pass the dict optimizer.state_dict() returned (its keys: 'state', 'param_groups')"
+            )
+            raise KeyError(
+                f"load_state_dict takes an optimizer's state dict, which has 'param_groups' (keys here: {keys}): {fix}"
+            )
         self._fusion.settle_skips()  # before the state is replaced: a later settle would drop loaded state
         sd = self._shard.filter_load(dict(state_dict))  # a sharded run keeps its own share
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
@@ -544,4 +585,3 @@ class KitsuneOptimizer(torch.optim.Optimizer):
     def export_chrome_trace(self, filepath: str | Path = "trace.json") -> Path:
         """Write the timed steps (and NVML samples) as a Chrome trace that Perfetto and chrome://tracing open."""
         return export_chrome_trace(self, filepath)
-

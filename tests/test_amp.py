@@ -190,6 +190,22 @@ def test_users_grad_scaler_drives_the_wrapper(unscale_first):
     assert all(torch.equal(a, b) for a, b in zip(ref, ours, strict=True))
 
 
+def test_a_grad_scaler_beside_kitsunes_float16_scaling_is_refused_naming_both():
+    """Two loss scalers: the GradScaler's step reaches kitsune's, which refuses before anything changes (not with the
+    "call optimizer.backward(loss)" message: the user's backward did scale, by the other scaler)."""
+    model = small_model()
+    opt = KitsuneOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), enable_amp=True)
+    scaler = torch.amp.GradScaler("cpu")
+    x, y = batches(1)[0]
+    before = [p.detach().clone() for p in model.parameters()]
+    for _ in range(2):  # again: still refused
+        scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+        with pytest.raises(RuntimeError, match="two loss scalers: a torch.amp.GradScaler stepped this optimizer"):
+            scaler.step(opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert opt.step_count == 0 and not opt.state
+
+
 def test_a_retry_on_new_grads_clips_them_afresh():
     """A step raised after clipping; the grads are then replaced by new tensors (the old ones freed) with the same
     version counters, as a new backward into set-to-None grads may leave them. The retry must clip the new grads,

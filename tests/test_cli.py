@@ -63,6 +63,19 @@ def test_bench_counts_are_checked_by_argparse(capsys, flag, value):
     assert err.splitlines()[-1] == f"kitsune bench: error: argument {flag}: must be at least 1, got {value}"
 
 
+@pytest.mark.parametrize("command", ["demo", "bench"])
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("99999999999999999999999", "must be from -2**63 to 2**64 - 1 (torch.manual_seed's range), got 9999"),
+        ("1.5", "expected a whole number, got '1.5'"),
+    ],
+)
+def test_a_seed_torch_cannot_take_is_an_argparse_error(capsys, command, value, expected):
+    err = _argparse_error(capsys, [command, "--seed", value])
+    assert err.splitlines()[-1].startswith(f"kitsune {command}: error: argument --seed: {expected}")
+
+
 def test_bench_scale_that_is_not_a_number_is_an_argparse_error(capsys):
     err = _argparse_error(capsys, ["bench", "--scale", "half"])
     assert err.splitlines()[-1] == "kitsune bench: error: argument --scale: expected a number in (0, 1], got 'half'"
@@ -207,8 +220,12 @@ def _write_bytes(path, data: bytes):
             "profile",
         ),
         (lambda d: _write_bytes(d / "p.json", b'{"schema_version": "1.0"}'), "is not a kitsune profile: created:"),
+        (
+            lambda d: _write_bytes(d / "t.json", b'{"traceEvents": [], "displayTimeUnit": "ms"}'),
+            "t.json is a Chrome trace, not a profile: open it in Perfetto",
+        ),
     ],
-    ids=["directory", "missing", "not-utf8", "not-json", "not-an-object", "old-schema", "missing-fields"],
+    ids=["directory", "missing", "not-utf8", "not-json", "not-an-object", "old-schema", "missing-fields", "trace"],
 )
 def test_report_names_what_is_wrong_with_the_file(tmp_path, capsys, make, expected):
     """``kitsune report PATH`` on what is not a profile: one error line naming the problem, exit code 2."""

@@ -104,6 +104,13 @@ def test_config_object_is_used_as_is():
 
 CONTRADICTIONS = [
     (dict(config=KitsuneConfig(), profile=True), ValueError, "config= was given together with profile"),
+    # beside config=, a setting at its default value is refused too: it would be ignored
+    (
+        dict(config=KitsuneConfig(profiler={"enabled": True}), profile=False),
+        ValueError,
+        "config= was given together with profile",
+    ),
+    (dict(config=KitsuneConfig(graphs={"enabled": False}), capture_graph=True), ValueError, "with capture_graph"),
     (dict(config=KitsuneConfig(), amp_config=AMPConfig()), ValueError, "config= was given together with amp_config"),
     (dict(amp_config=AMPConfig()), ValueError, "pass enable_amp=True"),
     (dict(fusion_config=FusionConfig()), ValueError, "pass enable_fusion=True"),
@@ -341,3 +348,9 @@ def test_a_profiler_section_in_a_kitsune_config_profiles_as_the_other_sections_d
         KitsuneOptimizer(torch.optim.SGD(params, lr=0.1), config=KitsuneConfig(profiler=ProfilerConfig(enabled=False))),
     ):
         assert off.profiler is None
+
+
+def test_a_setting_passed_by_position_beside_config_is_refused():
+    with pytest.raises(ValueError, match="config= was given together with enable_amp"):
+        KitsuneOptimizer(_opt(), False, config=KitsuneConfig())
+    assert KitsuneOptimizer(_opt(), config=KitsuneConfig()).config == KitsuneConfig()  # config= alone

@@ -72,8 +72,13 @@ def test_is_a_torch_optimizer_sharing_the_wrapped_objects():
 
 
 def test_rejects_non_optimizers_and_double_wrapping():
-    with pytest.raises(TypeError, match="wraps a torch.optim.Optimizer"):
+    fix = r"build it first, e.g. KitsuneOptimizer\(torch.optim.AdamW\(model.parameters\(\)"
+    with pytest.raises(TypeError, match="wraps a torch optimizer built over the params, got list: " + fix):
         KitsuneOptimizer([torch.zeros(1)])
+    with pytest.raises(TypeError, match="got generator: " + fix):
+        KitsuneOptimizer(small_model().parameters())
+    with pytest.raises(TypeError, match="got the class AdamW: " + fix):
+        KitsuneOptimizer(torch.optim.AdamW)
     opt = KitsuneOptimizer(torch.optim.SGD(small_model().parameters(), lr=0.1))
     with pytest.raises(ValueError, match="already a KitsuneOptimizer"):
         KitsuneOptimizer(opt)

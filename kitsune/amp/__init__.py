@@ -100,8 +100,16 @@ class AMPSubsystem(Subsystem):
         """Whether the grads this step reads came from a loss scaled by ``optimizer.backward``."""
         return self._loss_scaled
 
-    def check_scaled(self) -> None:
-        """Raise, before the step changes anything, when this step's loss was not scaled."""
+    def check_scaled(self, grad_scaler: bool = False) -> None:
+        """Raise, before the step changes anything, when this step's loss was not scaled, or when a
+        ``torch.amp.GradScaler`` (``grad_scaler``: its ``step`` called this one) scaled it besides."""
+        if grad_scaler:
+            raise RuntimeError(
+                "two loss scalers: a torch.amp.GradScaler stepped this optimizer, and kitsune's float16 AMP "
+                "(enable_amp=True) scales the loss too. Use one: drop the GradScaler (optimizer.backward(loss) scales "
+                "the loss and the step unscales, skips overflow steps and updates the scale), or leave enable_amp off "
+                "and keep the GradScaler. Nothing was updated"
+            )
         if not self._loss_scaled:
             raise RuntimeError(
                 "kitsune AMP with float16 scales the loss: call optimizer.backward(loss) instead of loss.backward() "

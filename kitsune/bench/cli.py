@@ -14,7 +14,7 @@ from kitsune.bench.peers import PEERS
 from kitsune.bench.results import BenchResult
 from kitsune.bench.runner import run_bench
 from kitsune.bench.variants import DEFAULT_VARIANTS, VARIANTS
-from kitsune.cli import positive_int
+from kitsune.cli import positive_int, seed
 
 
 def add_device_args(parser: argparse.ArgumentParser) -> None:
@@ -144,7 +144,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--muon", action="store_true", help="time Newton-Schulz and a Muon step instead (CUDA only)")
     parser.add_argument("--json", dest="json_path", default=None, help="write every number to this JSON file")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the params and grads")
+    parser.add_argument("--seed", type=seed, default=0, help="seed of the params and grads")
     parser.add_argument(
         "--grads",
         choices=GRADS,

@@ -11,7 +11,7 @@ from typing import Any
 from kitsune._paths import write_output
 from kitsune.profiler.core import TimeStats, quantile
 from kitsune.profiler.nvml import FIELDS
-from kitsune.profiler.schema import Profile
+from kitsune.profiler.schema import Profile, Profiled, build_profile
 from kitsune.profiler.summary import (
     Explained,
     bucket_label,
@@ -407,7 +407,15 @@ def render_html(profile: Profile) -> str:
     )
 
 
-def write_html(profile: Profile, path: str | Path) -> Path:
-    """Write the report page for ``profile``; returns the path. A path nothing can be written at (as ``kitsune report
+def write_html(profile: Profile | Profiled, path: str | Path) -> Path:
+    """Write the report page for ``profile`` (a loaded profile, or a KitsuneOptimizer: its profile as
+    ``save_profile`` would write it); returns the path. A path nothing can be written at (as ``kitsune report
     --html`` checks it) is a ValueError of one line, and nothing is written."""
+    if not isinstance(profile, Profile):
+        if not hasattr(profile, "profiler"):
+            raise TypeError(
+                f"write_html needs a Profile (kitsune.profiler.schema.load_profile(path)) or a KitsuneOptimizer, "
+                f"got {type(profile).__name__}"
+            )
+        profile = build_profile(profile)
     return write_output(path, render_html(profile))

@@ -180,8 +180,8 @@ class NvmlSampler:
     def __init__(
         self, device_index: int = 0, interval_s: float = 0.5, max_samples: int = 100_000, origin_ns: int | None = None
     ) -> None:
-        if interval_s <= 0:
-            raise ValueError(f"interval_s must be positive, got {interval_s}")
+        if not 0 < interval_s < float("inf"):  # NaN too: the thread would wait forever, or not at all
+            raise ValueError(f"interval_s must be a finite number of seconds greater than 0, got {interval_s}")
         self.device_index = device_index
         self.interval_s = interval_s
         self.origin_ns = time.perf_counter_ns() if origin_ns is None else origin_ns

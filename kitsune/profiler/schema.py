@@ -233,6 +233,11 @@ def load_profile(path: str | Path) -> Profile:
                 f"{path} is a kitsune bench --json result, not a profile: chart it with python -m kitsune.bench.plot "
                 f"{path} OUT.svg"
             ) from exc
+        if "traceEvents" in raw:  # kitsune's own Chrome trace (export_chrome_trace, kitsune report --trace)
+            raise ValueError(
+                f"{path} is a Chrome trace, not a profile: open it in Perfetto (ui.perfetto.dev) or chrome://tracing; "
+                "kitsune report reads the JSON that optimizer.save_profile() writes"
+            ) from exc
         version = next((e for e in errors if e["loc"] == ("schema_version",)), None)
         if version is not None:
             from kitsune import __version__

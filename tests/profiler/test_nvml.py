@@ -159,8 +159,9 @@ def test_unavailable_says_why_and_never_raises(monkeypatch, setup, reason):
 def test_uuid_forms_match():
     assert normalize_uuid(b"GPU-6EA3e4ea-d1e2") == normalize_uuid("6ea3e4ea-d1e2") == "6ea3e4ea-d1e2"
     assert normalize_uuid("MIG-abc") == "abc"
-    with pytest.raises(ValueError, match="interval_s must be positive"):
-        NvmlSampler(0, interval_s=0)
+    for bad in (0, -1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="interval_s must be a finite number of seconds greater than 0"):
+            NvmlSampler(0, interval_s=bad)
 
 
 def test_report_round_trips_through_json():

@@ -230,6 +230,21 @@ def test_html_without_gpu_data_or_timings(opt):
     assert "Profiling was off" in page and "<svg" not in page
 
 
+def test_html_of_an_optimizer_is_the_page_of_its_profile(opt, tmp_path):
+    """``write_html(optimizer, path)``, as ``export_chrome_trace`` takes one: the page of the profile
+    ``save_profile`` would write (its steps, its plot); anything else is a TypeError naming what it takes."""
+    import re
+
+    def undated(page: str) -> str:
+        return re.sub(r"recorded \d{4}-\d\d-\d\d \d\d:\d\d:\d\d \w+", "recorded", page)
+
+    page = write_html(opt, tmp_path / "report.html").read_text()
+    assert "plot-step-time" in page and undated(page) == undated(render_html(build_profile(opt)))
+    with pytest.raises(TypeError, match="write_html needs a Profile .* or a KitsuneOptimizer, got list"):
+        write_html([], tmp_path / "other.html")
+    assert not (tmp_path / "other.html").exists()
+
+
 def test_html_renders_in_headless_chromium(gpu_profile, tmp_path):
     chromium()
     # Fixed times, not the measured ones: a noisy line is steep, thin, anti-aliased segments with few pure pixels.
