@@ -28,7 +28,7 @@ from accelerate import Accelerator
 from torch import nn
 
 from kitsune import KitsuneOptimizer
-from kitsune.cli import device_arg, output_dir
+from kitsune.cli import device_arg, output_dir, positive_int
 
 
 def train(use_kitsune: bool, args: argparse.Namespace) -> tuple[Accelerator, nn.Module, object, list[float]]:
@@ -65,21 +65,20 @@ def train(use_kitsune: bool, args: argparse.Namespace) -> tuple[Accelerator, nn.
     return accelerator, model, optimizer, losses
 
 
-def positive_int(text: str) -> int:
-    """An argparse ``type``: a whole number of at least 1, as a count of steps needs."""
-    value = int(text)  # not a number: argparse's "invalid positive_int value"
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def main(argv: list[str] | None = None) -> float:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--steps", type=positive_int, default=200, help="optimizer steps (each of --accum micro-batches)"
     )
     parser.add_argument("--accum", type=positive_int, default=2, help="gradient accumulation steps")
-    parser.add_argument("--device", type=device_arg, choices=["cpu", "cuda"], default="auto", help="auto, cpu or cuda")
+    parser.add_argument(
+        "--device",
+        type=device_arg,
+        choices=["cpu", "cuda"],
+        default="auto",
+        metavar="{auto,cpu,cuda}",
+        help="auto: cuda where there is a GPU",
+    )
     parser.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default="no")
     files = output_dir("accelerate-state/optimizer.bin")  # checked before the run
     parser.add_argument("--out-dir", type=files, default=".", help="where accelerate-state/ is written")

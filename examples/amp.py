@@ -31,15 +31,7 @@ import torch
 from torch import nn
 
 from kitsune import AMPConfig, KitsuneOptimizer
-from kitsune.cli import device_arg
-
-
-def positive_int(text: str) -> int:
-    """An argparse ``type``: a whole number of at least 1, as a count of steps needs."""
-    value = int(text)  # not a number: argparse's "invalid positive_int value"
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+from kitsune.cli import device_arg, positive_int
 
 
 def main(argv: list[str] | None = None) -> float:
@@ -53,6 +45,10 @@ def main(argv: list[str] | None = None) -> float:
     dtype = getattr(torch, args.dtype)
     if args.overflow_at is not None and dtype != torch.float16:
         parser.error("--overflow-at needs --dtype float16: bfloat16 has no loss scaler to skip the step")
+    if args.overflow_at is not None and not 0 <= args.overflow_at < args.steps:
+        parser.error(
+            f"argument --overflow-at: {args.overflow_at} is not a step of this run: take one from 0 to {args.steps - 1}"
+        )
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 1)).to(device)

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from kitsune import KitsuneOptimizer
-from kitsune.cli import device_arg, output_dir
+from kitsune.cli import device_arg, output_dir, positive_int
 
 
 def make_batch(step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,14 +79,6 @@ def resume(path: Path, device: torch.device, use_kitsune: bool, total_steps: int
 
 def max_abs_diff(a: nn.Module, b: nn.Module) -> float:
     return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters(), strict=True))
-
-
-def positive_int(text: str) -> int:
-    """An argparse ``type``: a whole number of at least 1, as a count of steps needs."""
-    value = int(text)  # not a number: argparse's "invalid positive_int value"
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:

@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from kitsune import KitsuneOptimizer
-from kitsune.cli import device_arg
+from kitsune.cli import device_arg, positive_int
 
 
 def say(line: str) -> None:
@@ -85,18 +85,17 @@ def train(args: argparse.Namespace, device: torch.device, local_rank: int) -> in
     return 1 if diff != 0 or moved == 0 else 0
 
 
-def positive_int(text: str) -> int:
-    """An argparse ``type``: a whole number of at least 1, as a count of steps needs."""
-    value = int(text)  # not a number: argparse's "invalid positive_int value"
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=positive_int, default=100)
-    parser.add_argument("--device", type=device_arg, choices=["cpu", "cuda"], default="auto", help="auto, cpu or cuda")
+    parser.add_argument(
+        "--device",
+        type=device_arg,
+        choices=["cpu", "cuda"],
+        default="auto",
+        metavar="{auto,cpu,cuda}",
+        help="auto: cuda where there is a GPU",
+    )
     args = parser.parse_args(argv)
     if "LOCAL_RANK" not in os.environ:
         parser.error("run it with torchrun: torchrun --nproc_per_node=2 examples/ddp.py --steps 5")

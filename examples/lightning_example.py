@@ -12,7 +12,8 @@ Lightning's own ``torch.amp.GradScaler`` drives the step (kitsune's ``enable_amp
 where Lightning would turn 16-mixed into bf16-mixed, the example passes a float16 plugin with a CPU GradScaler, so
 the GradScaler path runs there too.
 
-``--clip`` picks who clips the grads to norm ``--clip-val``: ``lightning`` (``Trainer(gradient_clip_val=...)``),
+``--clip`` picks who clips the grads to norm ``--clip-val`` (default: ``lightning`` with ``32-true``, ``kitsune``
+under mixed precision): ``lightning`` (``Trainer(gradient_clip_val=...)``),
 ``hook`` (the module's ``configure_gradient_clipping``, after ``scaler.unscale_(optimizer)``; GradScaler then tells
 kitsune's step that the grads are already unscaled) or ``kitsune`` (``KitsuneOptimizer(..., max_grad_norm=...)``,
 inside the step, after kitsune unscales; use it with 16-mixed). Under mixed precision Lightning refuses its own
@@ -42,7 +43,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 
 from kitsune import KitsuneOptimizer
-from kitsune.cli import device_arg, output_dir
+from kitsune.cli import device_arg, output_dir, positive_float, positive_int
 
 
 class Regressor(L.LightningModule):
@@ -112,24 +113,33 @@ def fit(use_kitsune: bool, args: argparse.Namespace) -> tuple[Regressor, L.Train
     return module, trainer
 
 
-def positive_int(text: str) -> int:
-    """An argparse ``type``: a whole number of at least 1, as a count of steps needs."""
-    value = int(text)  # not a number: argparse's "invalid positive_int value"
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def main(argv: list[str] | None = None) -> float:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=positive_int, default=200)
-    parser.add_argument("--device", type=device_arg, choices=["cpu", "cuda"], default="auto", help="auto, cpu or cuda")
+    parser.add_argument(
+        "--device",
+        type=device_arg,
+        choices=["cpu", "cuda"],
+        default="auto",
+        metavar="{auto,cpu,cuda}",
+        help="auto: cuda where there is a GPU",
+    )
     parser.add_argument("--precision", choices=["32-true", "bf16-mixed", "16-mixed"], default="32-true")
-    parser.add_argument("--clip", choices=["lightning", "hook", "kitsune"], default="lightning", help="who clips")
-    parser.add_argument("--clip-val", type=float, default=1.0, help="the global 2-norm the grads are clipped to")
+    parser.add_argument(
+        "--clip",
+        choices=["lightning", "hook", "kitsune"],
+        default=None,
+        help="who clips (default: lightning with 32-true; kitsune under mixed precision, where Lightning refuses its "
+        "own clipping for an optimizer that unscales in its step)",
+    )
+    parser.add_argument(
+        "--clip-val", type=positive_float, default=1.0, help="the global 2-norm the grads are clipped to"
+    )
     files = output_dir("lightning.ckpt")  # checked before the run
     parser.add_argument("--out-dir", type=files, default=".", help="where lightning.ckpt is written")
     args = parser.parse_args(argv)
+    if args.clip is None:
+        args.clip = "lightning" if args.precision == "32-true" else "kitsune"
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # no "GPU available: ..." banner
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")  # a tiny in-memory data set
 

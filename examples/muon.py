@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from kitsune import KitsuneOptimizer
-from kitsune.cli import device_arg
+from kitsune.cli import device_arg, positive_int
 from kitsune.optim import Muon
 
 VOCAB, DIM, SEQ = 32, 64, 16
@@ -65,14 +65,6 @@ def batch(device: torch.device, size: int = 32) -> tuple[torch.Tensor, torch.Ten
     jumps = torch.randint(0, VOCAB, (size, SEQ + 1), device=device) * (torch.rand(size, SEQ + 1, device=device) < 0.1)
     seq = (start + torch.arange(SEQ + 1, device=device) + jumps.cumsum(1)) % VOCAB
     return seq[:, :-1], seq[:, 1:]
-
-
-def positive_int(text: str) -> int:
-    """An argparse ``type``: a whole number of at least 1, as a count of steps needs."""
-    value = int(text)  # not a number: argparse's "invalid positive_int value"
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def main(argv: list[str] | None = None) -> float:

@@ -28,18 +28,10 @@ import torch
 from torch import nn
 
 from kitsune import KitsuneOptimizer
-from kitsune.cli import device_arg, output_dir
+from kitsune.cli import device_arg, output_dir, positive_int
 from kitsune.cli import main as kitsune_cli
 from kitsune.profiler.schema import load_profile
 from kitsune.profiler.trace import export_chrome_trace
-
-
-def positive_int(text: str) -> int:
-    """An argparse ``type``: a whole number of at least 1, as a count of steps needs."""
-    value = int(text)  # not a number: argparse's "invalid positive_int value"
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def main(argv: list[str] | None = None) -> Path:

@@ -226,9 +226,16 @@ CASES = [
         id="lightning-fp16-clip-kitsune",
         marks=[LIGHTNING_PYTREE, NEEDS_LIGHTNING],
     ),
-    pytest.param(
+    pytest.param(  # the default clip under mixed precision: kitsune's, in the step
         "lightning_example.py",
         ["--steps", "10", "--device", "cpu", "--precision", "16-mixed"],
+        check_lightning_fp16_kitsune_clip,
+        id="lightning-fp16-default-clip",
+        marks=[LIGHTNING_PYTREE, NEEDS_LIGHTNING],
+    ),
+    pytest.param(
+        "lightning_example.py",
+        ["--steps", "10", "--device", "cpu", "--precision", "16-mixed", "--clip", "lightning"],
         check_lightning_fp16,
         id="lightning-fp16-clip-lightning",
         marks=[LIGHTNING_CLIP_UNDER_AMP, LIGHTNING_PYTREE, NEEDS_LIGHTNING],
@@ -332,6 +339,27 @@ BAD_ARGUMENTS = [
         ["--out-dir", "afile"],
         "--out-dir: afile/ckpt-kitsune.pt: afile is a file, not a directory",
         id="ckpt-file",
+    ),
+    pytest.param(
+        "amp.py",
+        ["--steps", "10", "--overflow-at", "10"],
+        "--overflow-at: 10 is not a step of this run: take one from 0 to 9",
+        id="amp-overflow-late",
+    ),
+    pytest.param("amp.py", ["--overflow-at", "-1"], "--overflow-at: -1 is not a step", id="amp-overflow-negative"),
+    pytest.param(
+        "lightning_example.py",
+        ["--clip-val", "-1"],
+        "--clip-val: must be a finite number greater than 0, got -1",
+        id="lightning-clip-negative",
+        marks=NEEDS_LIGHTNING,
+    ),
+    pytest.param(
+        "lightning_example.py",
+        ["--clip-val", "nan"],
+        "--clip-val: must be a finite number greater than 0, got nan",
+        id="lightning-clip-nan",
+        marks=NEEDS_LIGHTNING,
     ),
 ]
 
