@@ -314,13 +314,18 @@ def grad_marks(params: Sequence[torch.Tensor]) -> tuple[list[Any], list[int]]:
     return _refs(grads), _versions(grads)
 
 
-def marks_changed(marks: tuple[list[Any], list[int]], params: Sequence[torch.Tensor]) -> int:
+def marks_changed(
+    marks: tuple[list[Any], list[int]], params: Sequence[torch.Tensor], versions_of_views: bool = True
+) -> int:
     """How many of ``params`` hold another grad than `grad_marks` saw, or the same one written since (0: they
-    hold)."""
+    hold). ``versions_of_views=False``: a grad that is a view (of a flat buffer, whose version counter its siblings'
+    writes move) counts only when replaced."""
     grads = list(map(_GRAD, params))
     refs, versions = marks
-    now = zip(_alive_ids(refs), map(id, grads), versions, _versions(grads), strict=True)
-    return sum(a != b or v != w for a, b, v, w in now)
+    now = zip(_alive_ids(refs), map(id, grads), versions, _versions(grads), grads, strict=True)
+    if versions_of_views:
+        return sum(a != b or v != w for a, b, v, w, _ in now)
+    return sum(a != b or (v != w and g._base is None) for a, b, v, w, g in now)
 
 
 def _versions(grads: Sequence[torch.Tensor | None]) -> list[int]:

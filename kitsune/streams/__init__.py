@@ -98,9 +98,12 @@ class StreamScheduler(Subsystem):
         """Each hooked param's hook handle, by id (`_disown`)."""
         self._seen: list[set[int]] = []
         """Per unit, the params whose grads this backward finished (a second backward before step() is refused)."""
-        self._launched: dict[int, tuple[list[Any], list[int]] | None] = {}
-        """The units updated inside this backward, each with its grads' marks as backward left them
-        (`kitsune.grads.grad_marks`, taken when backward ends: None before)."""
+        self._launched: dict[int, tuple[list[Any], list[int]]] = {}
+        """The units updated inside this backward, each with its grads' marks (`kitsune.grads.grad_marks`): as the
+        update left them until backward ends, then as backward left them."""
+        self._late = 0
+        """Grads changed inside this backward after their unit's update read them (a post-accumulate-grad hook
+        registered after the optimizer's): counted when backward ends, refused by the step."""
         self._accumulating = accumulation if accumulation is not None else Accumulation()
         """Set inside ``optimizer.accumulating()``: backward passes there launch no updates."""
         self._refreshed = False
@@ -280,7 +283,9 @@ class StreamScheduler(Subsystem):
             self._run(index, unit, ctx, graph)
         if ctx.grad_write:
             unit.copy_back(zeroed=ctx.grad_write == 2)
-        self._launched[index] = None  # the grads' marks come when backward ends (`_backward_ended`)
+        # the grads as this update read them: a later hook on the same grads (registered after kitsune's) runs after
+        # it, and `_backward_ended` finds what such a hook changed
+        self._launched[index] = grad_marks(unit.params)
 
     def _run(self, index: int, unit: Any, ctx: StepState, graph: Any) -> None:
         """One unit's update: its graph's replay once captured, else the launch itself (counted towards warm-up)."""
@@ -355,14 +360,18 @@ class StreamScheduler(Subsystem):
         """At the end of the backward that launched updates: each launched unit's grads and their versions, which a
         later change (before ``step()``) moves."""
         units = self._fusion.units
-        for index in self._launched:
-            self._launched[index] = grad_marks(units[index].params)
+        for index, at_launch in self._launched.items():
+            params = units[index].params
+            # a grad replaced since its update read it, or written in place (views of one flat buffer share a version
+            # counter, which later params' grads move: those are compared by identity alone)
+            self._late += marks_changed(at_launch, params, versions_of_views=False)
+            self._launched[index] = grad_marks(params)
 
     def _refuse_changes_since_backward(self) -> None:
         """Raise, before this step changes anything, where the grads or hyperparameters that the updates inside
         backward read changed since (torch's step would use the values it finds): those updates cannot be redone."""
         units = self._fusion.units
-        changed = sum(marks_changed(m, units[i].params) for i, m in self._launched.items() if m is not None)
+        changed = self._late + sum(marks_changed(m, units[i].params) for i, m in self._launched.items())
         if changed:
             raise RuntimeError(
                 f"kitsune: the grads of {changed} param(s) changed after their update ran inside backward "
@@ -387,6 +396,7 @@ class StreamScheduler(Subsystem):
         for seen in self._seen:  # in place: the hooks hold these sets
             seen.clear()
         self._launched = {}
+        self._late = 0
         self._refreshed = False
 
     def finish(self) -> None:
