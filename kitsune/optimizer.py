@@ -255,12 +255,13 @@ class KitsuneOptimizer(torch.optim.Optimizer):
     # -- planning -----------------------------------------------------------------------------------------------
     def _plan_fits(self) -> bool:
         """Whether the plan still fits the groups (see `kitsune.subsystem.PlannedGroups`)."""
-        return self._planned.fits(self._optimizer.param_groups, self._optimizer.state)
+        return self._planned.fits(self._optimizer.param_groups, self._optimizer.state) and self._shard.fits()
 
     def _replan(self) -> None:
         base, groups = self._optimizer, self.param_groups
         params = unique_params(groups)
-        self._shard.plan(groups, base, self.config.grads.norm_type)  # first: which params other ranks update
+        grads, clips = self.config.grads, self.config.grads.max_norm is not None
+        self._shard.plan(groups, base, grads.norm_type, clips, self.config.amp.scales_loss)  # first: what others update
         self._amp.plan(params)
         self._fusion.plan(base, self._shard.remote, self._streams.unit_bytes(groups, trust_ratios(base)))
         self._planned = PlannedGroups(groups, base.state)

@@ -123,6 +123,9 @@ class ShardSubsystem(Subsystem):
         self._pending: dict[int, _Gather] = {}
         """``gather_in_forward``: id(model param) -> its bucket's all-gather, launched and not yet copied in."""
         self._forward_hook: Any = None
+        self._frozen: list[torch.Tensor] = []
+        """The params frozen (``requires_grad=False``) when the state was partitioned: kept whole, in no bucket. One
+        that requires grad again needs a bucket, or each rank would update it with its own grad (`fits`)."""
         self._read_before_gather = False
         """A backward since the last ``zero_grad()`` gave a grad to a param whose all-gather was pending: its forward
         read the values from before the last update."""
@@ -134,9 +137,18 @@ class ShardSubsystem(Subsystem):
         return self._params
 
     # -- planning ------------------------------------------------------------------------------------------------
-    def plan(self, groups: list[dict[str, Any]], base: torch.optim.Optimizer, norm_type: float) -> None:
+    def plan(
+        self,
+        groups: list[dict[str, Any]],
+        base: torch.optim.Optimizer,
+        norm_type: float,
+        clips: bool = False,
+        scales_loss: bool = False,
+    ) -> None:
         """Partition the trainable params of ``groups`` (the wrapped optimizer ``base``'s) over the ranks, and put
-        the shard params in the groups in place of the params this rank updates part of."""
+        the shard params in the groups in place of the params this rank updates part of. ``clips`` and
+        ``scales_loss``: whether the step clips (an all-reduce of the norm) and checks float16 overflows (an
+        all-reduce of the flag), which every rank must agree on."""
         self.wait_params()  # a re-plan reads and re-cuts the params
         cfg = self.config
         if not cfg.stage:
@@ -168,6 +180,8 @@ class ShardSubsystem(Subsystem):
             "overlap": cfg.overlap,
             "gather_in_forward": cfg.gather_in_forward,
             "norm_type": norm_type,
+            "max_grad_norm set": clips,
+            "float16 loss scaling": scales_loss,
             "whole params (per group)": reasons,
         }
         everyone: list[Any] = [None] * self.world
@@ -187,9 +201,12 @@ class ShardSubsystem(Subsystem):
                     "collectives each rank runs)"
                 )
         trainable = [p for p in params if p.requires_grad]
+        frozen = [p for p in params if not p.requires_grad]
         if not trainable:
             self._drop("no param requires grad: nothing to update", base)
+            self._frozen = frozen  # unfrozen later: partitioned then
             return
+        self._frozen = frozen
         self._norm_type = norm_type
         key = (self.world, self.rank, cfg.bucket_bytes, tuple(map(id, params)), tuple(signature), reasons)
         if key != self._key:  # a re-plan that changed nothing keeps the buffers (and grads already reduced)
@@ -309,6 +326,7 @@ class ShardSubsystem(Subsystem):
             self._ranges = [(0, p.numel()) for p in self._params]
             self._place(base, full)
         self.remote, self.buckets, self._mine, self._shards, self._key = frozenset(), [], [], [], None
+        self._frozen = []
         self._reduction.bind([], self.group, self.world, self.rank, torch.device("cpu"))
         self._model_of = {}
         self.executes = False
@@ -340,6 +358,11 @@ class ShardSubsystem(Subsystem):
                 [p.detach() for p in ps],
                 [f.view(p.shape) for f, p in zip(flat.split([p.numel() for p in ps]), ps, strict=True)],
             )
+
+    def fits(self) -> bool:
+        """Whether the partition still holds for what requires grad: False once a param frozen when it was made
+        requires grad again (every rank unfreezes it, and every rank then plans again at its step)."""
+        return not any(p.requires_grad for p in self._frozen)
 
     # -- inside backward -------------------------------------------------------------------------------------------
     def grad_ready(self, bi: int, k: int) -> None:

@@ -1,0 +1,100 @@
+"""ZeRO's partition against what changes after it was made, and what every rank must agree on: 2 gloo CPU processes
+(one spawn for every case) against one process.
+
+A layer frozen when the state was partitioned sits in no bucket; unfrozen mid-run (on every rank) it needs one, or
+each rank updates it with its own grad and the ranks drift apart. Clipping and float16 loss scaling each add an
+all-reduce to the step: a rank built without them would leave the others waiting, so the plan refuses the mismatch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ranks import run_ranks
+
+STEPS = 5
+UNFREEZE_AT = 2
+ROWS = 8
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(300 + step)
+    return torch.randn(ROWS, 6, generator=gen), torch.randn(ROWS, 3, generator=gen)
+
+
+def _train(model, opt, rank: int, world: int) -> None:
+    """``STEPS`` steps with the first layer frozen until step ``UNFREEZE_AT``, on this rank's share of each batch."""
+    for step in range(STEPS):
+        if step == UNFREEZE_AT:
+            model[0].requires_grad_(True)
+        x, y = _batch(step)
+        lo, hi = rank * ROWS // world, (rank + 1) * ROWS // world
+        torch.nn.functional.mse_loss(model(x[lo:hi]), y[lo:hi]).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _unfrozen(rank: int, world: int, stage: int) -> list[torch.Tensor]:
+    from kitsune import KitsuneOptimizer, ShardConfig
+
+    model = _model()
+    model[0].requires_grad_(False)
+    base = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = KitsuneOptimizer(base, enable_fusion=True, zero_stage=stage, shard_config=ShardConfig(stage=stage))
+    _train(model, opt, rank, world)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _mismatch(rank: int, kind: str) -> str | None:
+    """Rank 0 alone clips (or scales the loss): the plan, at construction, refuses on every rank."""
+    from kitsune import KitsuneOptimizer, ShardConfig
+
+    extra = {}
+    if rank == 0:
+        extra = {"max_grad_norm": 1.0} if kind == "clip" else {"enable_amp": True}
+    try:
+        KitsuneOptimizer(
+            torch.optim.AdamW(_model().parameters()), zero_stage=1, shard_config=ShardConfig(stage=1), **extra
+        )
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _cases(rank: int, world: int) -> dict:
+    return {
+        "unfrozen_1": _unfrozen(rank, world, 1),
+        "unfrozen_2": _unfrozen(rank, world, 2),
+        "clip": _mismatch(rank, "clip"),
+        "amp": _mismatch(rank, "amp"),
+    }
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    return run_ranks(_cases, world=2, timeout_s=180)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_layer_unfrozen_mid_run_is_partitioned_and_trains_as_one_process(ranks, stage):
+    model = _model()
+    model[0].requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    _train(model, opt, 0, 1)
+    assert not torch.equal(model[0].weight, _model()[0].weight)  # the unfrozen layer moved
+    for rank in ranks:
+        for got, want in zip(rank[f"unfrozen_{stage}"], model.parameters(), strict=True):
+            torch.testing.assert_close(got, want.detach(), atol=2e-6, rtol=2e-5)
+
+
+@pytest.mark.parametrize(("kind", "setting"), [("clip", "max_grad_norm set"), ("amp", "float16 loss scaling")])
+def test_ranks_that_differ_in_a_setting_that_adds_a_collective_are_refused(ranks, kind, setting):
+    for rank, other in ((0, 1), (1, 0)):
+        error = ranks[rank][kind]
+        assert error is not None and f"rank {other}'s ShardConfig or optimizer differs" in error, error
+        assert setting in error
