@@ -105,19 +105,24 @@ class GradReduction:
             flat = b.flat
         else:
             flat = torch.zeros(world * b.seg, dtype=b.dtype, device=b.device)
+        # stage 1, a further backward before step(): every rank's views hold the average reduced so far, which each
+        # rank's contribution carries on (a grad backward accumulated into its view already does; one made apart is
+        # added; a param with no grad here keeps it), so the new reduction is that average plus the new grads'
+        onto = stage1 and b.reduced
         dst, src, empty = [], [], []
         for k, p in enumerate(b.params):
             v, g = b.views[k] if stage1 else b.view(flat, k), p.grad
             if g is not None and not b.present[k] and g is not (v if stage1 else b.grads.get(k)):
                 b.present[k] = True  # a grad set by hand (a backward's grads are noted by their hooks)
             if g is None or not b.present[k]:  # no grad here since the last step: zeros in the average
-                empty.append(v)
+                if not onto:
+                    empty.append(v)
                 continue
             if g.data_ptr() != v.data_ptr():
                 dst.append(v)
                 src.append(g)
         if src:
-            torch._foreach_copy_(dst, src)
+            (torch._foreach_add_ if onto else torch._foreach_copy_)(dst, src)
         if empty and stage1:
             torch._foreach_zero_(empty)
         flat.div_(world)

@@ -1,9 +1,12 @@
-"""ZeRO's partition against what changes after it was made, and what every rank must agree on: 2 gloo CPU processes
-(one spawn for every case) against one process.
+"""ZeRO's edges: what changes after the partition was made, what every rank must agree on, and accumulation without
+``accumulating()`` where only some ranks give a param a grad: 2 gloo CPU processes (one spawn for every case)
+against one process.
 
 A layer frozen when the state was partitioned sits in no bucket; unfrozen mid-run (on every rank) it needs one, or
 each rank updates it with its own grad and the ranks drift apart. Clipping and float16 loss scaling each add an
 all-reduce to the step: a rank built without them would leave the others waiting, so the plan refuses the mismatch.
+Stage 1 re-reduces the running sum at each backward of an accumulation: a param that one rank has no grad for (yet)
+must carry the average reduced so far, not zeros.
 """
 
 from __future__ import annotations
@@ -66,8 +69,54 @@ def _mismatch(rank: int, kind: str) -> str | None:
     return None
 
 
+class _Branchy(torch.nn.Module):
+    """A body, and a side branch added on the rows a micro-step picks (none of a rank's rows: no grad there)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.body = torch.nn.Linear(6, 3)
+        self.side = torch.nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        out = self.body(x)
+        return torch.where(rows[:, None], out + self.side(x), out) if rows.any() else out
+
+
+MICRO_ROWS = [  # micro-step -> the rows the side branch takes: the last rank's only, none, the first rank's only
+    [ROWS - 1],
+    [],
+    [0, 1],
+]
+
+
+def _accumulate(model, opt, rank: int, world: int, steps: int = 2) -> None:
+    for step in range(steps):
+        for micro, picked in enumerate(MICRO_ROWS):
+            x, y = _batch(10 * step + micro)
+            rows = torch.zeros(ROWS, dtype=torch.bool)
+            rows[picked] = True
+            lo, hi = rank * ROWS // world, (rank + 1) * ROWS // world
+            loss = torch.nn.functional.mse_loss(model(x[lo:hi], rows[lo:hi]), y[lo:hi]) / len(MICRO_ROWS)
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _accumulated(rank: int, world: int, stage: int) -> list[torch.Tensor]:
+    from kitsune import KitsuneOptimizer, ShardConfig
+
+    model = _Branchy()
+    base = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    opt = KitsuneOptimizer(base, zero_stage=stage, shard_config=ShardConfig(stage=stage, bucket_bytes=64))
+    _accumulate(model, opt, rank, world)
+    return [p.detach().clone() for p in model.parameters()]
+
+
 def _cases(rank: int, world: int) -> dict:
     return {
+        "accumulated_1": _accumulated(rank, world, 1),
+        "accumulated_2": _accumulated(rank, world, 2),
         "unfrozen_1": _unfrozen(rank, world, 1),
         "unfrozen_2": _unfrozen(rank, world, 2),
         "clip": _mismatch(rank, "clip"),
@@ -98,3 +147,17 @@ def test_ranks_that_differ_in_a_setting_that_adds_a_collective_are_refused(ranks
         error = ranks[rank][kind]
         assert error is not None and f"rank {other}'s ShardConfig or optimizer differs" in error, error
         assert setting in error
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_accumulation_where_some_ranks_have_no_grad_averages_as_one_process(ranks, stage):
+    """Micro-steps without ``accumulating()``: the side branch has a grad on the last rank only, then on none, then
+    on the first only. Stage 1's re-reductions kept, before, zeros for a rank without a grad: half the side
+    branch's update."""
+    model = _Branchy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    _accumulate(model, opt, 0, 1)
+    assert not torch.equal(model.side.weight, _Branchy().side.weight)
+    for rank in ranks:
+        for got, want in zip(rank[f"accumulated_{stage}"], model.parameters(), strict=True):
+            torch.testing.assert_close(got, want.detach(), atol=2e-6, rtol=2e-5)
