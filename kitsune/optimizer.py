@@ -452,6 +452,12 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             raise RuntimeError("KitsuneOptimizer is not initialised yet")
         groups = self._optimizer.param_groups
         count = len(groups)
+        if self._shard.active and isinstance(param_group, dict):  # the groups hold shards: torch's check misses those
+            new = param_group["params"]
+            new = param_group["params"] = [new] if isinstance(new, torch.Tensor) else list(new)
+            held = {id(p) for p in self._shard.params}
+            if any(id(p) in held for p in new):
+                raise ValueError("some parameters appear in more than one parameter group")  # torch's words
         self._optimizer.add_param_group(param_group)
         try:
             self._replan()
@@ -540,6 +546,13 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             self._step_count = step_count
 
     def __getstate__(self) -> dict[str, Any]:
+        if self._shard.active:  # its groups hold this rank's shards of the params, which a copy would plan as params
+            raise TypeError(
+                "a KitsuneOptimizer with ZeRO-sharded state (zero_stage>0 over several ranks) cannot be copied or "
+                "pickled: each rank holds a shard of the state and its groups hold shards of the params. Save "
+                "kitsune.distributed.consolidated_state_dict(optimizer) (every rank calls it), and load it into a new "
+                "KitsuneOptimizer (or the plain torch optimizer) built over the model's params"
+            )
         self._shard.wait_params()  # a copy holds the params as they are
         self._fusion.settle_skips()
         ours = checkpoint.own_state(self._subsystems, self._step_count)

@@ -160,6 +160,12 @@ class ShardSubsystem(Subsystem):
                 "process group is initialised: call torch.distributed.init_process_group() before building the "
                 "KitsuneOptimizer (or use zero_stage=0)"
             )
+        if isinstance(base, torch.optim.LBFGS):
+            raise ValueError(
+                f"LBFGS under ShardConfig(stage={cfg.stage}): its line search evaluates the closure inside its own "
+                "step, over whole params, and holds its history as one flat vector: there is no state to shard per "
+                "element. Use zero_stage=0 (under DDP every rank runs the same LBFGS step)"
+            )
         if getattr(base, "process_group", None) is not None:
             raise ValueError(
                 "distributed Muon (process_group=...) under ShardConfig(stage>0): sharded state already gives each "

@@ -113,8 +113,48 @@ def _accumulated(rank: int, world: int, stage: int) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
+def _refusals(rank: int, world: int) -> dict:
+    """What a sharded optimizer refuses, and that it still steps after: a copy or a pickle, a group repeating a param
+    (torch's own check sees the groups' shards, not the params), LBFGS."""
+    import copy
+    import io
+
+    from kitsune import KitsuneOptimizer, ShardConfig
+
+    def error(fn) -> str | None:
+        try:
+            fn()
+        except (TypeError, ValueError) as e:
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    model = _model()
+    opt = KitsuneOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2), zero_stage=1, shard_config=ShardConfig(stage=1)
+    )
+    _train(model, opt, rank, world)  # the first layer trains from step 2 on, as above
+    out = {
+        "deepcopy": error(lambda: copy.deepcopy(opt)),
+        "pickle": error(lambda: torch.save(opt, io.BytesIO())),
+        "duplicate": error(lambda: opt.add_param_group({"params": [model[2].bias], "lr": 1e-3})),
+        "groups": len(opt.param_groups),
+        "lbfgs": error(
+            lambda: KitsuneOptimizer(
+                torch.optim.LBFGS(_model().parameters()), zero_stage=1, shard_config=ShardConfig(stage=1)
+            )
+        ),
+    }
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = _batch(99)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    out["steps_after"] = all(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    return out
+
+
 def _cases(rank: int, world: int) -> dict:
     return {
+        "refusals": _refusals(rank, world),
         "accumulated_1": _accumulated(rank, world, 1),
         "accumulated_2": _accumulated(rank, world, 2),
         "unfrozen_1": _unfrozen(rank, world, 1),
@@ -161,3 +201,15 @@ def test_accumulation_where_some_ranks_have_no_grad_averages_as_one_process(rank
     for rank in ranks:
         for got, want in zip(rank[f"accumulated_{stage}"], model.parameters(), strict=True):
             torch.testing.assert_close(got, want.detach(), atol=2e-6, rtol=2e-5)
+
+
+def test_a_sharded_optimizer_refuses_copies_duplicate_params_and_lbfgs_and_steps_on(ranks):
+    for rank in ranks:
+        got = rank["refusals"]
+        for how in ("deepcopy", "pickle"):
+            assert got[how] is not None and got[how].startswith("TypeError: a KitsuneOptimizer with ZeRO-sharded")
+            assert "consolidated_state_dict(optimizer)" in got[how]
+        assert got["duplicate"] == "ValueError: some parameters appear in more than one parameter group"
+        assert got["groups"] == 1
+        assert got["lbfgs"] is not None and got["lbfgs"].startswith("ValueError: LBFGS under ShardConfig(stage=1)")
+        assert got["steps_after"]
