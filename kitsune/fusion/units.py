@@ -641,11 +641,11 @@ class FusedUnit:
                     tables[slot].append(fsdp.local(held[0]).data_ptr())  # FSDP2: the local shard (of the codes)
                     absmax[slot].append(held[-1].data_ptr())
                 elif ready and key and slots is not None:  # the pool's view, with a loaded tensor copied in
-                    _conform(s, key, p)
+                    _conform(s, key, p, self.info.one_dtype)
                     bound.append(slots.adopt(s, i, key))
                     tables[slot].append(bound[-1].data_ptr())
                 elif ready and key:
-                    bound.append(_conform(s, key, p))
+                    bound.append(_conform(s, key, p, self.info.one_dtype))
                     tables[slot].append(fsdp.local(bound[-1]).data_ptr())
                 else:
                     tables[slot].append(0)
@@ -719,12 +719,15 @@ def _has_state(state: Any, p: torch.Tensor, info: AlgoInfo, spec: UpdateSpec) ->
     return all(state_format.present(s, k) for k in (*info.state_keys(spec), *info.scalar_keys) if k)
 
 
-def _conform(s: dict, key: str, p: torch.Tensor) -> torch.Tensor:
+def _conform(s: dict, key: str, p: torch.Tensor, one_dtype: bool = False) -> torch.Tensor:
     """The state tensor the kernel can address: the param's dtype, device, shape and a dense layout.
 
     torch's own load_state_dict already casts to the param's dtype and device; a state tensor that still differs
     (set by hand, or a non-contiguous one) is replaced by a conforming copy, and one held in 8 bits (a checkpoint of
-    an 8-bit run) is decoded first.
+    an 8-bit run) is decoded first. ``one_dtype`` (an algorithm whose torch step lerps the grad into state made like
+    the param, `AlgoInfo.one_dtype`): state of a wider float dtype than its param's (``model.half()`` after the
+    state was made) is refused, as torch's step refuses it, rather than rounded (float16 flushes small second
+    moments to zero); SGD's, Adagrad's and RMSprop's torch steps carry on with such state, so it is cast for them.
     """
     state_format.decode(s, key, p)
     t = s[key]
@@ -732,8 +735,23 @@ def _conform(s: dict, key: str, p: torch.Tensor) -> torch.Tensor:
         t = s[key] = fsdp.like_param(t, p)
     if t.shape != p.shape:
         raise ValueError(f"optimizer state {key!r} has shape {tuple(t.shape)}, its param {tuple(p.shape)}")
+    if one_dtype and t.dtype != p.dtype and t.is_floating_point() and not _widens(t.dtype, p.dtype):
+        raise ValueError(
+            f"optimizer state {key!r} of a {tuple(p.shape)} {p.dtype} param is {t.dtype}: the param's dtype changed "
+            "after its state was made (model.half() or model.to(dtype) after the optimizer was built?). torch's step "
+            "refuses that state, and rounding it to the param's dtype loses what it holds (float16 flushes small "
+            "second moments to zero). Convert the model before building the optimizer, or keep the params in "
+            "float32 and train in float16/bfloat16 with autocast (enable_amp=True). Nothing was updated"
+        )
     t = s[key] = state_format.dense(t, p, fsdp.local(p).device, p.dtype)
     return t
+
+
+def _widens(held: torch.dtype, to: torch.dtype) -> bool:
+    """Whether every ``held`` float is one of ``to`` (float16 or bfloat16 into float32 or float64, float32 into
+    float64): a cast that loses nothing."""
+    a, b = torch.finfo(held), torch.finfo(to)
+    return a.bits < b.bits and a.max <= b.max and a.eps >= b.eps
 
 
 def _conform_scalar(s: dict, key: str, p: torch.Tensor) -> torch.Tensor:

@@ -276,7 +276,7 @@ def test_sparse_grads_on_torchs_fused_route_go_to_the_optimizers_own_step(amp, d
 )
 def test_params_cast_to_float64_mid_run_go_to_torchs_path_with_their_state_cast(name, route, device):
     """``model.double()`` after some steps: torch's own step raises (float32 state, float64 grads); kitsune casts the
-    state as it does for a move between float16, bfloat16 and float32, and the plan routes the params as it would
+    state (a widening cast loses nothing; narrowing ones: the test below), and the plan routes the params as it would
     have from the start (torch's fused or foreach path: the plan was stale on the wrapped step before). The
     trajectory equals torch's with its state cast by hand at the same step."""
     cls = getattr(torch.optim, name)
@@ -303,6 +303,45 @@ def test_params_cast_to_float64_mid_run_go_to_torchs_path_with_their_state_cast(
     for p, t in zip(params, twins, strict=True):
         assert p.dtype == torch.float64 and opt.state[p]["exp_avg"].dtype == torch.float64
         torch.testing.assert_close(p, t, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", ["Adam", "AdamW", "NAdam", "SGD"])
+def test_params_cast_narrower_mid_run(name, dtype, device):
+    """``model.half()`` / ``model.bfloat16()`` after some steps. Adam's family: torch's step raises (it lerps the grad
+    into float32 state), and rounding the state would lose it (float16 flushes small second moments to zero): the
+    step refuses before anything changes, naming the fix. SGD: torch's step carries on; kitsune casts the momentum
+    to the params' dtype (troubleshooting.md says so) and steps."""
+    make = {
+        "Adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
+        "AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+        "NAdam": lambda ps: torch.optim.NAdam(ps, lr=1e-2),
+        "SGD": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+    }[name]
+    params = make_params([7, (3, 5)], torch.float32, device)
+    opt = KitsuneOptimizer(make(params), enable_fusion=True)
+    for step in range(3):
+        for p, g in zip(params, random_grads(params, step), strict=True):
+            p.grad = g
+        opt.step()
+    assert {b.route.value for b in opt.plan.buckets} == {"triton"}
+    for p in params:
+        p.data = p.data.to(dtype)
+    for p, g in zip(params, random_grads(params, 3), strict=True):
+        p.grad = g.to(dtype)
+    before = [p.detach().clone() for p in params]
+    state = {i: {k: v.clone() for k, v in opt.state[p].items()} for i, p in enumerate(params)}
+    if name == "SGD":
+        opt.step()
+        assert all(opt.state[p]["momentum_buffer"].dtype == dtype for p in params)
+        assert not any(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+        return
+    with pytest.raises(ValueError, match="param is torch.float32: the param's dtype changed.*enable_amp=True"):
+        opt.step()
+    for i, p in enumerate(params):
+        assert torch.equal(p, before[i])
+        for k, v in state[i].items():
+            assert opt.state[p][k].dtype == v.dtype and torch.equal(opt.state[p][k], v), (i, k)
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
