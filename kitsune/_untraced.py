@@ -24,6 +24,13 @@ from typing import Any, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+try:  # torch.compile's per-code setting, in torch's C extension (loaded with torch; not torch._dynamo)
+    from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+
+    _SKIP_ALL: Any = _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP)
+except ImportError:  # pragma: no cover - a torch built without torch.compile, or one that moved the setting
+    set_code_exec_strategy = _SKIP_ALL = None
+
 REASON = (
     "kitsune's optimizer runs its own fused kernels and CUDA graphs, outside torch.compile's graph: compile the model "
     "(torch.compile(model)) or the loop without fullgraph=True, and kitsune's step runs as it is, a graph break"
@@ -41,12 +48,10 @@ def never_traced(fn: F) -> F:
     and every frame it calls) and the attribute ``torch.compiler.disable`` sets (``fullgraph=True`` raises, naming
     `REASON`). Both are read only while torch.compile is set to trace. A torch without the first marks nothing, and
     torch.compile traces kitsune there."""
-    try:
-        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
-    except ImportError:  # pragma: no cover - a torch built without torch.compile, or one that moved the setting
+    if set_code_exec_strategy is None:
         return fn
     target = getattr(fn, "__func__", fn)  # a bound method: its function
-    set_code_exec_strategy(target.__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
+    set_code_exec_strategy(target.__code__, _SKIP_ALL)
     target._torchdynamo_disable = True
     target._torchdynamo_disable_msg = REASON
     return fn

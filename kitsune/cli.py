@@ -9,7 +9,7 @@ import sys
 from kitsune._device import device_arg
 from kitsune._paths import output_dir, output_file
 
-__all__ = ["build_parser", "device_arg", "main", "output_dir", "output_file", "positive_int"]
+__all__ = ["build_parser", "device_arg", "main", "output_dir", "output_file", "positive_float", "positive_int", "seed"]
 
 
 def positive_int(text: str) -> int:

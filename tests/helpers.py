@@ -3,9 +3,24 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
+
+
+def recording_tracing(
+    fn: Callable[..., Any], seen: list[bool], when: Callable[..., bool] | None = None
+) -> Callable[..., Any]:
+    """``fn``, recording at each call (where ``when(*args, **kwargs)`` holds) whether torch.compile is tracing it: a
+    traced call records True. Set it in place of a method, and put the method back after."""
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        if when is None or when(*args, **kwargs):
+            seen.append(torch.compiler.is_compiling())
+        return fn(*args, **kwargs)
+
+    return spy
 
 
 def small_model(seed: int = 0, device: torch.device | str = "cpu") -> nn.Module:

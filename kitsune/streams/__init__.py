@@ -357,7 +357,8 @@ class StreamScheduler(Subsystem):
         self._bytes_in_backward += sum(sizes[i] for i in self._launched)
 
     def _backward_ended(self) -> None:
-        """At the end of the backward that launched updates: each launched unit's grads and their versions, which a
+        """At the end of the backward that launched updates: count the grads changed since their unit's update read
+        them (a hook registered after kitsune's), then mark each launched unit's grads as backward left them, which a
         later change (before ``step()``) moves."""
         units = self._fusion.units
         for index, at_launch in self._launched.items():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import recording_tracing
 from ranks import run_ranks
 
 STEPS = 5
@@ -58,16 +59,8 @@ def _compiled_step(rank: int, world: int) -> dict:
     # torch.compile was tracing it
     traced: dict[str, list[bool]] = {"launch": [], "count_grads": []}
     real = {name: getattr(GradReduction, name) for name in traced}
-
-    def spy(name):
-        def call(self, *args, **kwargs):
-            traced[name].append(torch.compiler.is_compiling())
-            return real[name](self, *args, **kwargs)
-
-        return call
-
     for name in traced:
-        setattr(GradReduction, name, spy(name))
+        setattr(GradReduction, name, recording_tracing(real[name], traced[name]))
     model = _model()
     opt = _optimizer(model, stage=2, gather=False)
 
@@ -139,13 +132,8 @@ def _gather_compiled_after_a_step(rank: int, world: int) -> dict:
     torch._dynamo.reset()
     traced: list[bool] = []  # at each module's wait for its params: whether torch.compile was tracing it
     real = ShardSubsystem.wait_params
-
-    def spy(self, params=None):
-        if params is not None:  # the hook's (the step's and wait_params() pass none)
-            traced.append(torch.compiler.is_compiling())
-        return real(self, params)
-
-    ShardSubsystem.wait_params = spy
+    # the hook's calls pass the module's params (the step's and optimizer.wait_params()'s pass none)
+    ShardSubsystem.wait_params = recording_tracing(real, traced, when=lambda self, params=None: params is not None)
     model = _model()
     opt = _optimizer(model, stage=1, gather=True)
     compiled = torch.compile(model, backend="eager")

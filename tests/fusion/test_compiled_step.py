@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import routes
+from helpers import recording_tracing, routes
 from torch import nn
 
 import kitsune
@@ -66,13 +66,7 @@ def _assert_close(got: list[list[torch.Tensor]], ref: list[list[torch.Tensor]]) 
 
 def _spy(monkeypatch: pytest.MonkeyPatch, owner: type, name: str, seen: list[bool]) -> None:
     """Record, at each call of ``owner.name``, whether torch.compile is tracing it (a traced call records True)."""
-    real = getattr(owner, name)
-
-    def spy(*args, **kwargs):
-        seen.append(torch.compiler.is_compiling())
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(owner, name, spy)
+    monkeypatch.setattr(owner, name, recording_tracing(getattr(owner, name), seen))
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
