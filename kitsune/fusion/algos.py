@@ -67,8 +67,9 @@ class AlgoInfo:
     one_dtype: bool = False
     """torch's own step needs each grad in its param's dtype (it lerps the grad into state made like the param):
     given a grad of another dtype (``p.grad_dtype``) it raises after it has bumped ``step`` and applied weight decay,
-    so the fused executor refuses such a grad before anything changes. kitsune.optim's optimizers refuse it in their
-    own step (`kitsune.optim.base.EagerOptimizer`)."""
+    so the fused executor refuses such a grad before anything changes, and state of a wider dtype than its param's
+    (``model.half()`` after the state was made) instead of rounding it. kitsune.optim's optimizers refuse both in
+    their own step (`kitsune.optim.base.EagerOptimizer`)."""
     aux: AlgoInfo | None = None
     """The algorithm of the groups whose spec is an `UpdateSpec` in an optimizer that is mostly something
     else (kitsune.optim.Muon's ``use_muon=False`` groups run AdamW): their fused units use it."""
@@ -297,6 +298,7 @@ ALGOS: dict[type, AlgoInfo] = {
         loop_launches=5,  # mul_, lerp, sign_, add_, lerp_
         torch_foreach=False,
         low_precision=True,
+        one_dtype=True,
     ),
     LARS: AlgoInfo(
         "LARS",
@@ -344,6 +346,7 @@ ALGOS: dict[type, AlgoInfo] = {
         0,
         loop_launches=14,  # step, lerp_, mul_, addcmul_, two divs, sqrt_, add_, wd add_, two norms, ratio, mul_, sub_
         torch_foreach=False,
+        one_dtype=True,
     ),
 }
 

@@ -17,6 +17,7 @@ from kitsune.fusion import state_format
 from kitsune.fusion.algos import AlgoInfo, extra_keys, init_state, missing_key
 from kitsune.kernels.multi_tensor import DEAD, DEFAULT_BLOCK, TensorTables, int64_tensor
 from kitsune.kernels.spec import StateFormat, UpdateSpec
+from kitsune.optim.base import refuse_narrowing
 
 _GRAD = attrgetter("grad")
 _NO_TORCH_FUNCTION = torch._C._disabled_torch_function_impl
@@ -724,10 +725,10 @@ def _conform(s: dict, key: str, p: torch.Tensor, one_dtype: bool = False) -> tor
 
     torch's own load_state_dict already casts to the param's dtype and device; a state tensor that still differs
     (set by hand, or a non-contiguous one) is replaced by a conforming copy, and one held in 8 bits (a checkpoint of
-    an 8-bit run) is decoded first. ``one_dtype`` (an algorithm whose torch step lerps the grad into state made like
+    an 8-bit run) is decoded first. ``one_dtype`` (an algorithm whose plain step lerps the grad into state made like
     the param, `AlgoInfo.one_dtype`): state of a wider float dtype than its param's (``model.half()`` after the
-    state was made) is refused, as torch's step refuses it, rather than rounded (float16 flushes small second
-    moments to zero); SGD's, Adagrad's and RMSprop's torch steps carry on with such state, so it is cast for them.
+    state was made) is refused (`kitsune.optim.base.refuse_narrowing`), as that step refuses it, rather than rounded;
+    SGD's, Adagrad's, RMSprop's and LARS's plain steps carry on with such state, so it is cast for them.
     """
     state_format.decode(s, key, p)
     t = s[key]
@@ -735,23 +736,10 @@ def _conform(s: dict, key: str, p: torch.Tensor, one_dtype: bool = False) -> tor
         t = s[key] = fsdp.like_param(t, p)
     if t.shape != p.shape:
         raise ValueError(f"optimizer state {key!r} has shape {tuple(t.shape)}, its param {tuple(p.shape)}")
-    if one_dtype and t.dtype != p.dtype and t.is_floating_point() and not _widens(t.dtype, p.dtype):
-        raise ValueError(
-            f"optimizer state {key!r} of a {tuple(p.shape)} {p.dtype} param is {t.dtype}: the param's dtype changed "
-            "after its state was made (model.half() or model.to(dtype) after the optimizer was built?). torch's step "
-            "refuses that state, and rounding it to the param's dtype loses what it holds (float16 flushes small "
-            "second moments to zero). Convert the model before building the optimizer, or keep the params in "
-            "float32 and train in float16/bfloat16 with autocast (enable_amp=True). Nothing was updated"
-        )
+    if one_dtype:
+        refuse_narrowing(key, t, p)
     t = s[key] = state_format.dense(t, p, fsdp.local(p).device, p.dtype)
     return t
-
-
-def _widens(held: torch.dtype, to: torch.dtype) -> bool:
-    """Whether every ``held`` float is one of ``to`` (float16 or bfloat16 into float32 or float64, float32 into
-    float64): a cast that loses nothing."""
-    a, b = torch.finfo(held), torch.finfo(to)
-    return a.bits < b.bits and a.max <= b.max and a.eps >= b.eps
 
 
 def _conform_scalar(s: dict, key: str, p: torch.Tensor) -> torch.Tensor:

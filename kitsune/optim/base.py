@@ -21,6 +21,27 @@ def check_lr(lr: Any, where: str = "") -> None:
         raise ValueError(f"Invalid learning rate{where}: {float(lr)}")
 
 
+def widens(held: torch.dtype, to: torch.dtype) -> bool:
+    """Whether every ``held`` float is one of ``to`` (float16 or bfloat16 into float32 or float64, float32 into
+    float64): a cast that loses nothing."""
+    a, b = torch.finfo(held), torch.finfo(to)
+    return a.bits < b.bits and a.max <= b.max and a.eps >= b.eps
+
+
+def refuse_narrowing(key: str, held: torch.Tensor, p: torch.Tensor) -> None:
+    """Raise for state ``key`` of param ``p`` held in a float dtype that ``p``'s does not widen (``model.half()`` after
+    the state was made), for an algorithm whose math needs its state in the param's dtype: rounding it loses what it
+    holds (float16 flushes small second moments to zero), and torch's own step refuses such state."""
+    if held.is_floating_point() and held.dtype != p.dtype and not widens(held.dtype, p.dtype):
+        raise ValueError(
+            f"optimizer state {key!r} of a {tuple(p.shape)} {p.dtype} param is {held.dtype}: the param's dtype "
+            "changed after its state was made (model.half() or model.to(dtype) after the optimizer was built?). "
+            "torch's step refuses that state, and rounding it to the param's dtype loses what it holds (float16 "
+            "flushes small second moments to zero). Convert the model before building the optimizer, or keep the "
+            "params in float32 and train in float16/bfloat16 with autocast (enable_amp=True). Nothing was updated"
+        )
+
+
 class EagerOptimizer(torch.optim.Optimizer):
     """A torch.optim.Optimizer whose ``step`` does the bookkeeping, so that a subclass holds only its own math.
 
@@ -29,13 +50,17 @@ class EagerOptimizer(torch.optim.Optimizer):
     `_update` group by group with the grads negated where the group has ``maximize``, and returns the
     closure's loss. Whatever can raise does so before the first update of any group (torch.optim checks one group
     at a time): a step that raises leaves every param as it was, and one refusing a sparse grad, or a grad of
-    another dtype than its param where `_one_dtype` says the math cannot take one, every state too.
+    another dtype than its param where `_one_dtype` says the math cannot take one, every state too. Where
+    `_one_dtype` holds, state made before the params' dtype changed is converted to the param's dtype when that
+    loses nothing (``model.float()`` after ``model.half()``) and refused otherwise (`refuse_narrowing`), as the
+    fused route does.
     """
 
     def _one_dtype(self, group: dict[str, Any]) -> bool:
-        """Whether ``group``'s math needs each grad in its param's dtype (``lerp`` into state made like the param,
-        as torch.optim.AdamW's): a grad of another dtype (``p.grad_dtype``) is then refused before anything
-        changes. False: the math takes it as it is."""
+        """Whether ``group``'s math needs each grad and state tensor in its param's dtype (``lerp`` into state made
+        like the param, as torch.optim.AdamW's): a grad of another dtype (``p.grad_dtype``) or state of a narrower
+        one is then refused before anything changes, state of a wider one converted. False: the math takes them as
+        they are."""
         return False
 
     def _algorithm(self, group: dict[str, Any]) -> str:
@@ -72,17 +97,27 @@ class EagerOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        widened: list[tuple[dict[str, Any], str, torch.Tensor]] = []
         for group in self.param_groups:
             if any(p.grad is not None and p.grad.is_sparse for p in group["params"]):
                 raise RuntimeError(f"{self._algorithm(group)} does not support sparse gradients")
             if self._one_dtype(group):
                 for p in group["params"]:
-                    if p.grad is not None and p.grad.dtype != p.dtype:
+                    if p.grad is None:
+                        continue
+                    if p.grad.dtype != p.dtype:
                         raise ValueError(
                             f"{self._algorithm(group)} needs each grad in its param's dtype: a {tuple(p.shape)} "
                             f"{p.dtype} param has a {p.grad.dtype} grad. Keep the grads in the params' dtype "
                             "(p.grad_dtype = None). Nothing was updated."
                         )
+                    state = self.state.get(p, {})
+                    for key, t in state.items():
+                        if torch.is_tensor(t) and t.dim() and t.is_floating_point() and t.dtype != p.dtype:
+                            refuse_narrowing(key, t, p)
+                            widened.append((state, key, p))
+        for state, key, p in widened:  # every check passed: the lossless casts
+            state[key] = state[key].to(p.dtype)
         gathered = [self._gather_group(group) for group in self.param_groups]
         for group, (params, grads, states) in zip(self.param_groups, gathered, strict=True):
             if params:

@@ -344,6 +344,60 @@ def test_params_cast_narrower_mid_run(name, dtype, device):
             assert opt.state[p][k].dtype == v.dtype and torch.equal(opt.state[p][k], v), (i, k)
 
 
+@pytest.mark.parametrize("route", ["fused", "eager"])
+@pytest.mark.parametrize("name", ["Lion", "LAMB"])
+def test_kitsune_optim_state_follows_the_params_dtype_as_adams_does(name, route, device):
+    """kitsune.optim's Lion and LAMB lerp the grad into state made like the param, as AdamW does: after
+    ``model.half()`` their state is refused before anything changes (the eager step used to raise torch's bare lerp
+    error, the fused one rounded the state); ``model.float()`` after state made in float16 converts it (nothing is
+    lost) and steps on. The fused route and the bare optimizer agree on both."""
+    from kitsune.optim import LAMB, Lion
+
+    def make(ps):
+        return Lion(ps, lr=1e-3, weight_decay=0.1) if name == "Lion" else LAMB(ps, lr=1e-2, weight_decay=0.1)
+
+    params = make_params([7, (3, 5)], torch.float32, device)
+    opt = KitsuneOptimizer(make(params), enable_fusion=True) if route == "fused" else make(params)
+    for step in range(3):
+        for p, g in zip(params, random_grads(params, step), strict=True):
+            p.grad = g
+        opt.step()
+    if route == "fused":
+        assert {b.route.value for b in opt.plan.buckets} == {"triton"}
+    for p in params:
+        p.data = p.data.half()
+    for p, g in zip(params, random_grads(params, 3), strict=True):
+        p.grad = g.half()
+    before = [p.detach().clone() for p in params]
+    state = {i: {k: v.clone() for k, v in opt.state[p].items()} for i, p in enumerate(params)}
+    with pytest.raises(ValueError, match="'exp_avg' of a .* torch.float16 param is torch.float32.*Nothing was updated"):
+        opt.step()
+    for i, p in enumerate(params):
+        assert torch.equal(p, before[i])
+        for k, v in state[i].items():
+            assert opt.state[p][k].dtype == v.dtype and torch.equal(opt.state[p][k], v), (i, k)
+
+    # made in float16, then the params widened: the state follows, on either route
+    half = make_params([7, (3, 5)], torch.float16, device)
+    twins = [p.detach().clone().requires_grad_() for p in half]
+    opt, ref = make(half), make(twins)  # ref: the same route, its state widened by hand
+    if route == "fused":
+        opt, ref = KitsuneOptimizer(opt, enable_fusion=True), KitsuneOptimizer(ref, enable_fusion=True)
+    for step in range(6):
+        if step == 2:
+            for p, t in zip(half, twins, strict=True):
+                p.data, t.data = p.data.float(), t.data.float()
+            for s in ref.state.values():  # the reference's state widened by hand, before its step sees it
+                s.update({k: v.float() for k, v in s.items() if v.dim()})
+        for p, t, g in zip(half, twins, random_grads(half, 10 + step), strict=True):
+            p.grad, t.grad = g.to(p.dtype), g.to(t.dtype)
+        opt.step()
+        ref.step()
+    for p, t in zip(half, twins, strict=True):
+        assert p.dtype == torch.float32 and all(v.dtype == torch.float32 for v in opt.state[p].values() if v.dim())
+        torch.testing.assert_close(p, t, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
 @pytest.mark.parametrize("name", ["Adam", "SGD"])
 def test_a_param_reshaped_where_it_sits_is_refused_as_torch_refuses_it(name, native, device):
