@@ -536,6 +536,8 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             base.state, base.param_groups = before
             self._replan()  # the plan of the state as it was
             raise
+        del before  # the replaced state's arena views, held until the load could no longer fail, are free now
+        self._fusion.bind_pooled()
         self._load_own_state(ours)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)

@@ -219,6 +219,9 @@ class NoFusion(PlaceholderSubsystem):
     def settle_skips(self) -> None:
         """Nothing fused, no lazy state of a skipped step to remove."""
 
+    def bind_pooled(self) -> None:
+        """Nothing fused, no state in the pool's arenas."""
+
     def needs_replan(self) -> bool:
         return False
 

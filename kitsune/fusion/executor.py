@@ -181,6 +181,16 @@ class FusionSubsystem(Subsystem):
             reasons = "; ".join(sorted({b.reason for b in plan.buckets})) or "no params"
             self.deactivate(f"nothing to fuse: {reasons}")
 
+    def bind_pooled(self) -> None:
+        """Bind the pooled units to the wrapped optimizer's state again: after ``load_state_dict`` let go of the
+        state it replaced, the loaded tensors that got memory of their own while the old arena views were still
+        held move into the arenas (`kitsune.memory.UnitSlots.adopt`), so the pool's memory is not held twice."""
+        if self.pool is None or not self.pool.active:
+            return
+        for unit in self._units:
+            if unit.slots is not None:
+                unit.bind(self._base.state)
+
     def _see_state(self) -> None:
         """Note the wrapped optimizer's state dict and its size as a plan or a step left them (`_state_moved`)."""
         state = self._base.state

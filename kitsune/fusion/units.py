@@ -490,7 +490,7 @@ class FusedUnit:
         """Flat grads: move each new dense grad into its arena slot (``p.grad`` becomes the view)."""
         slots = self.slots
         for i, g in enumerate(grads):
-            if g is None or ptrs[i] == DEAD or g.layout != torch.strided:
+            if g is None or ptrs[i] == DEAD or g.layout != torch.strided or not slots.has_grad_room(i):
                 continue
             if g.data_ptr() != slots.grad_view(i).data_ptr() or g.shape != slots.grad_view(i).shape:
                 grads[i] = slots.adopt_grad(i, g)

@@ -48,17 +48,14 @@ class Arena:
         self.dtype = dtype
         self.numel = 0
         self.buffer: torch.Tensor | None = None
-        self._align = max(1, ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
+        self.element_size = torch.empty((), dtype=dtype).element_size()
+        self._align = max(1, ALIGN_BYTES // self.element_size)
 
     def reserve(self, numel: int) -> int:
         """Room for ``numel`` elements; returns the slot's offset (aligned)."""
         offset = self.numel
         self.numel += -(-max(numel, 1) // self._align) * self._align
         return offset
-
-    @property
-    def element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
 
     @property
     def nbytes(self) -> int:
@@ -74,6 +71,17 @@ class Arena:
         if layout:
             return self.buffer.as_strided(shape, _strides(shape, layout), offset)
         return self.buffer[offset : offset + shape.numel()].view(shape)
+
+    def holds(self, t: torch.Tensor, offset: int) -> bool:
+        """Whether ``t`` still lies at the slot at ``offset``: a view of the arena whose storage nobody swapped
+        (``t.data = ...``, which ``model.to(...)`` does to grads, leaves the same tensor object elsewhere)."""
+        buffer = self.buffer
+        return (
+            buffer is not None
+            and t.dtype == self.dtype
+            and t.data_ptr() == buffer.data_ptr() + offset * self.element_size
+            and t.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+        )
 
 
 class UnitSlots:
@@ -120,7 +128,11 @@ class UnitSlots:
             if step_arena is not None
             else {}
         )
-        self.grad_offsets = [grad_arena.reserve(n) for n in numels] if grad_arena is not None else []
+        self.grad_offsets = (  # a frozen param's grad, should one be set by hand, keeps its own memory
+            [grad_arena.reserve(n) if t else _NO_ROOM for n, t in zip(numels, trainable, strict=True)]
+            if grad_arena is not None
+            else []
+        )
         self._views: dict[tuple[str, int], weakref.ref] = {}
         """Weak, like the grads': a state view the user replaced in ``optimizer.state`` is freed, which the unit
         watching its state sees (`kitsune.fusion.units.FusedUnit.bind`)."""
@@ -160,12 +172,25 @@ class UnitSlots:
     def grad_view(self, i: int) -> torch.Tensor:
         """The arena view for ``params[i]``'s grad: the one ``p.grad`` holds, or a new one. The slots keep only a
         weak reference, so a grad set to None is freed (a static-address unit watches for that)."""
-        ref = self._grad_refs.get(i)
-        v = ref() if ref is not None else None
+        v = self._held_grad(i)
         if v is None:
             assert self.grad_arena is not None
             v = self.grad_arena.view(self.grad_offsets[i], self.params[i].shape, self.layouts[i])
             self._grad_refs[i] = weakref.ref(v)
+        return v
+
+    def has_grad_room(self, i: int) -> bool:
+        """Whether ``params[i]``'s grad has a slot (flat grads; not a param frozen when the pool laid it out)."""
+        return bool(self.grad_offsets) and self.grad_offsets[i] != _NO_ROOM
+
+    def _held_grad(self, i: int) -> torch.Tensor | None:
+        """The live view of ``params[i]``'s grad slot, if one is; a view whose storage was swapped since
+        (``grad.data = ...``) lies elsewhere now, with its own memory, and is forgotten."""
+        ref = self._grad_refs.get(i)
+        v = ref() if ref is not None else None
+        if v is not None and not self.grad_arena.holds(v, self.grad_offsets[i]):  # type: ignore[union-attr]
+            del self._grad_refs[i]
+            return None
         return v
 
     def release_grad(self, i: int) -> None:
@@ -173,16 +198,14 @@ class UnitSlots:
         (``p.grad`` set to None or replaced by hand, the old grad kept by the user): give that view memory of its
         own, with its values, before the slot takes the next grad or the arena is zeroed, so the kept tensor stays
         as torch leaves a grad it no longer holds."""
-        ref = self._grad_refs.get(i)
-        v = ref() if ref is not None else None
+        v = self._held_grad(i)
         if v is not None and self.params[i].grad is not v:
             v.data = v.detach().clone()
             del self._grad_refs[i]
 
     def holds_grad(self, i: int, grad: torch.Tensor) -> bool:
-        """Whether ``grad`` is the arena view of ``params[i]``'s grad."""
-        ref = self._grad_refs.get(i)
-        return ref is not None and ref() is grad
+        """Whether ``grad`` is the arena view of ``params[i]``'s grad (and still lies in its slot)."""
+        return self._held_grad(i) is grad
 
     def alloc(self, i: int) -> Any:
         """An allocator for `kitsune.fusion.algos.init_state`: state key -> this param's arena view."""
@@ -196,16 +219,20 @@ class UnitSlots:
         if ref is not None and ref() is t:
             return t
         v = self.view(key, i, claim=True)  # never ``t``: a new view, or a tensor of its own
-        v.copy_(t.reshape(v.shape) if key in self.scalar_offsets else t)
+        with torch.no_grad():
+            v.copy_(t.reshape(v.shape) if key in self.scalar_offsets else t)
         state[key] = v
         return v
 
     def adopt_grad(self, i: int, grad: torch.Tensor) -> torch.Tensor:
-        """Put this param's grad into its arena slot; returns the view that is now ``p.grad``."""
+        """Put this param's grad into its arena slot; returns the view that is now ``p.grad``. Its values only: a
+        grad that carries a graph (``backward(create_graph=True)``) leaves the graph behind, so the arena never
+        joins one (as ``zero_grad()`` detaches such a grad)."""
         self.release_grad(i)
         v = self.grad_view(i)
         if grad is not v:
-            v.copy_(grad)
+            with torch.no_grad():
+                v.copy_(grad)
             self.params[i].grad = v
         return v
 
@@ -281,13 +308,12 @@ class MemoryPool(Subsystem):
         layout = tuple(
             (str(u.device), u.dtype, u.info.name, tuple(k for k in u.info.state_keys(u.spec) if k), u.spec.state,
              getattr(u.spec, "kahan", False), u.info.scalars, tuple(map(id, u.params)),
-             tuple(p.numel() for p in u.params), tuple(p.requires_grad for p in u.params), tuple(u.layouts))
+             tuple(p.shape for p in u.params), tuple(p.requires_grad for p in u.params), tuple(u.layouts))
             for u in units
         )  # fmt: skip
-        if layout == self._layout:
+        if layout == self._layout:  # and so the same verdict: pooled as before, or nothing fit then either
             for unit, slots in zip(units, self._slots, strict=True):
                 unit.slots = slots
-            self.activate()
             return
         budget: dict[torch.device, int] = defaultdict(lambda: cfg.pool_size)
         arenas: dict[tuple, Arena] = {}
@@ -340,7 +366,8 @@ class MemoryPool(Subsystem):
             return covered
         for (_, _, *kind), arena in self._arenas.items():
             if kind == ["grad"] and arena.buffer is not None:
-                arena.buffer.zero_()
+                with torch.no_grad():
+                    arena.buffer.zero_()
         return covered
 
     def report(self) -> dict[str, Any]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from twins import TOL, make_params, random_grads, trajectory
@@ -80,6 +82,17 @@ def test_pool_off_or_too_small_says_why(device):
     small = KitsuneOptimizer(torch.optim.AdamW(params, lr=1e-2), config=pooled(pool_size=100))
     reason = small._subsystem("memory").reason
     assert not small._subsystem("memory").active and "raise memory_pool_size" in reason
+    # a re-plan to the same layout (a param's storage replaced) keeps the verdict: it said "active" with nothing
+    # pooled, and flat grads then took the pooled path for grads no arena held
+    for step in range(3):
+        for p, g in zip(params, random_grads(params, step), strict=True):
+            p.grad = g
+        if step == 1:
+            params[0].data = params[0].data.clone()
+        small.step()
+    memory = small._subsystem("memory")
+    assert small.plan.fused_tensors == 2 and memory.report()["params_pooled"] == 0
+    assert not memory.active and memory.reason == reason
 
 
 def test_checkpoints_move_between_the_pool_and_plain_torch(device):
@@ -112,6 +125,62 @@ def test_checkpoints_move_between_the_pool_and_plain_torch(device):
     for r, g in zip(ref, params, strict=True):
         torch.testing.assert_close(back.state[g]["exp_avg_sq"], ref_opt.state[r]["exp_avg_sq"], atol=1e-6, rtol=1e-5)
         assert back.state[g]["step"].item() == 30
+
+
+def test_a_checkpoint_loaded_over_pooled_state_goes_into_the_arena(device):
+    """``load_state_dict`` of a checkpoint read from disk (new tensors) into an optimizer whose state is pooled: the
+    load held the replaced state until it could not fail, and the loaded tensors got memory of their own beside the
+    arena, so the state took twice its memory for the rest of the run. They go into the arena now."""
+    import io
+
+    make = lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.05)  # noqa: E731
+    ref = make_params(SIZES, torch.float32, device)
+    ref_opt = make(ref)
+    params = make_params(SIZES, torch.float32, device)
+    opt = KitsuneOptimizer(make(params), config=pooled())
+    for o, ps in ((opt, params), (ref_opt, ref)):
+        for step in range(4):
+            for p, g in zip(ps, random_grads(ps, step), strict=True):
+                p.grad = g
+            o.step()
+    arena = storages(opt, "exp_avg")
+    assert len(arena) == 1 and arena == storages(opt, "exp_avg_sq")
+    buffer = io.BytesIO()
+    torch.save(ref_opt.state_dict(), buffer)
+    buffer.seek(0)
+    opt.load_state_dict(torch.load(buffer, weights_only=True))
+    assert storages(opt, "exp_avg") | storages(opt, "exp_avg_sq") == arena
+    for o, ps in ((opt, params), (ref_opt, ref)):
+        for step in range(4, 9):
+            for p, g in zip(ps, random_grads(ps, step), strict=True):
+                p.grad = g
+            o.step()
+    assert storages(opt, "exp_avg") == arena and opt.plan.fused_tensors == len(params)
+    for r, g in zip(ref, params, strict=True):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
+
+
+def test_a_param_reshaped_with_its_state_reset_trains_on(device):
+    """``p.data = p.data.reshape(...)`` (same size) and its state dropped (``del opt.state[p]``): torch starts the
+    state anew in the new shape. The pool kept the old layout (its key held sizes, not shapes) and refused the
+    step with the old shape's slots."""
+    make = lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.05)  # noqa: E731
+    sides = []
+    for kitsune in (True, False):
+        params = make_params([(4, 6), 5], torch.float32, device)
+        opt = KitsuneOptimizer(make(params), config=pooled()) if kitsune else make(params)
+        for step in range(7):
+            if step == 3:
+                params[0].data = params[0].data.reshape(6, 4)
+                del opt.state[params[0]]
+            for p, g in zip(params, random_grads(params, step), strict=True):
+                p.grad = g
+            opt.step()
+        sides.append((params, opt))
+    (ours, opt), (ref, _) = sides
+    assert opt.plan.fused_tensors == 2 and opt.state[ours[0]]["exp_avg"].shape == (6, 4)
+    for a, b in zip(ours, ref, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 def test_a_load_leaves_the_state_dict_taken_before_it_as_it_was(device):
@@ -253,6 +322,64 @@ def test_flat_grads_leave_an_old_grad_the_user_kept_as_torch_does(how, device):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("how", ["grad.data", "double-float"])
+def test_flat_grads_follow_a_grad_whose_storage_was_swapped(how, device):
+    """``p.grad.data = ...`` keeps the grad object and moves its memory out of the slot (``model.double()`` then
+    ``model.float()`` between backward and step does it to every grad). The pool knew its views by object only: it
+    never took such a grad back, and ``zero_grad()`` zeroed the arena, not it, so grads piled up step after step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3)).to(device)
+    twin = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3)).to(device)
+    twin.load_state_dict(model.state_dict())
+    opt = KitsuneOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), config=pooled(flat_grads=True))
+    plain = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(8):
+        x, y = torch.randn(8, 6, generator=gen).to(device), torch.randn(8, 3, generator=gen).to(device)
+        for m, o in ((model, opt), (twin, plain)):
+            torch.nn.functional.mse_loss(m(x), y).backward()
+            if step == 3 and how == "grad.data":
+                for p in m.parameters():
+                    p.grad.data = p.grad.data.clone()
+            elif step == 3:
+                m.double()
+                m.float()
+            o.step()
+            o.zero_grad(set_to_none=False)
+        assert all(not p.grad.any() for p in model.parameters()), step
+    assert opt.plan.fused_tensors == 4
+    assert len({p.grad.untyped_storage().data_ptr() for p in model.parameters()}) == 1  # back in the arena
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_flat_grads_take_a_grad_made_with_create_graph_without_its_graph(device):
+    """``backward(create_graph=True)`` (a gradient penalty's loop): the pool copied such a grad into its slot with
+    grad mode on, so the arena joined the graph (every step's graph kept alive through it) and
+    ``model.zero_grad(set_to_none=False)`` raised (a view cannot be detached in place). The arena takes the values
+    only; the run matches torch's."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3)).to(device)
+    twin = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3)).to(device)
+    twin.load_state_dict(model.state_dict())
+    opt = KitsuneOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), config=pooled(flat_grads=True))
+    plain = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(6):
+        x, y = torch.randn(8, 6, generator=gen).to(device), torch.randn(8, 3, generator=gen).to(device)
+        for m, o in ((model, opt), (twin, plain)):
+            with warnings.catch_warnings():  # torch's warning (once a process) about the grad/param cycle
+                warnings.simplefilter("ignore", UserWarning)
+                torch.nn.functional.mse_loss(m(x), y).backward(create_graph=True)
+            o.step()
+            m.zero_grad(set_to_none=False)
+    arena = model[0].weight.grad._base
+    assert arena is not None and arena.grad_fn is None and not arena.requires_grad
+    assert opt.plan.fused_tensors == 4
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 def test_flat_grads_zero_grad_keeps_grads_even_with_set_to_none(device):
     params = make_params([10, 20], torch.float32, device)
     opt = KitsuneOptimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9), config=pooled(flat_grads=True))
@@ -315,17 +442,18 @@ def test_peak_memory_of_the_phase_is_no_higher_than_torch_fused():
     assert kitsune_peak <= torch_peak, (kitsune_peak, torch_peak)
 
 
-def test_frozen_params_take_no_room_and_start_their_state_when_unfrozen(device):
+@pytest.mark.parametrize("flat_grads", [False, True], ids=["state", "flat_grads"])
+def test_frozen_params_take_no_room_and_start_their_state_when_unfrozen(flat_grads, device):
     """A frozen backbone handed to the optimizer with the rest (``AdamW(model.parameters())``): torch gives it no
-    state; the arena holds none for it (it would fill the arena, and every saved state dict, with zeros). Unfrozen
-    mid-run, it trains as torch's, its state in tensors of its own."""
+    state; the arena holds none for it (it would fill the arena, and every saved state dict, with zeros), and with
+    flat grads no grad room either. Unfrozen mid-run, it trains as torch's, its state in tensors of its own."""
     make = lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.05)  # noqa: E731
     sides = []
     for kitsune in (True, False):
         params = make_params([(60, 40), 40, (6, 5), 6], torch.float32, device)
         for p in params[:2]:
             p.requires_grad_(False)
-        opt = KitsuneOptimizer(make(params), config=pooled()) if kitsune else make(params)
+        opt = KitsuneOptimizer(make(params), config=pooled(flat_grads=flat_grads)) if kitsune else make(params)
         for step in range(12):
             if step == 6:
                 for p in params[:2]:
@@ -336,7 +464,7 @@ def test_frozen_params_take_no_room_and_start_their_state_when_unfrozen(device):
             if kitsune and step == 5:
                 assert len(opt.state) == 2
                 reserved = opt._subsystem("memory").report()["bytes_per_device"][str(params[0].device)]["reserved"]
-                assert reserved < 4 * 1024  # the trainable 36 elements' state and steps; the frozen 2440 none
+                assert reserved < 4 * 1024  # the trainable 36 elements' state, steps (grads); the frozen 2440 none
         sides.append((params, opt))
     (ours, opt), (ref, _) = sides
     assert opt.plan.fused_tensors == len(ours)
