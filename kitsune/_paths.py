@@ -2,7 +2,9 @@
 
 Checked before any work, so a bad path costs one line and exit code 2, not a traceback after the whole run. Written
 atomically: the text goes to a new file in the same folder, which then replaces the old one in one step, so a write
-that fails (a full disk, Ctrl-C) leaves the old file whole.
+that fails (a full disk, Ctrl-C) leaves the old file whole. What is not a regular file (``/dev/null``, a named pipe,
+``/dev/stdout``) is written in place, as ``open(path, "w")`` writes it: replacing it would put a file where the
+device or the pipe was.
 """
 
 from __future__ import annotations
@@ -120,7 +122,17 @@ def _remove(made: list[Path]) -> None:
 def _replace(out: Path, data: bytes | None) -> None:
     """Write ``data`` to a new file next to ``out`` and move it over ``out`` in one step; ``None``: only make that
     file and remove it (the check). The new file is removed on any failure, Ctrl-C included; an OSError names
-    ``out``, not the new file."""
+    ``out``, not the new file. A device, a pipe or a socket at ``out`` is written in place (the check opens nothing:
+    a pipe without a reader would wait)."""
+    try:
+        found = os.stat(out)  # through links: /dev/stdout is the pipe or terminal it leads to
+    except OSError:
+        found = None
+    if found is not None and not stat.S_ISREG(found.st_mode):
+        if data is not None:
+            with open(out, "wb") as file:
+                file.write(data)
+        return
     target = Path(os.path.realpath(out))  # through a link: its file is replaced, the link kept
     temp = target.with_name(f".{target.name}.{secrets.token_hex(4)}.tmp")
     try:

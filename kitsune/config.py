@@ -426,9 +426,11 @@ def _from_shorthand(kwarg: str, value: Any) -> _Config:
         with contextlib.suppress(ValidationError):  # 4.0 for a count, 1e9 for bytes: the int it means, when valid
             section(**{short.field: int(value)})
             fix = f"{kwarg}={int(value)}"
+    if isinstance(value, _Config):  # a whole section given to its switch: where that section goes instead
+        fix = _section_fix(type(value)) or fix
     if error["type"].endswith("_type"):
         name = type(value).__name__
-        what = "None" if value is None else f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+        what = "None" if value is None else f"{'an' if name[0].lower() in 'aeiou' else 'a'} {name}"
         raise ValueError(f"{kwarg}={value!r} is refused: {kwarg} takes {short.takes}, not {what}; write {fix}")
     raise ValueError(f"{kwarg}={value!r} is refused: {kwarg} takes {short.takes}; write {fix}")
 
@@ -440,6 +442,20 @@ _SECTION_ARGS = {
     "grad_config": "grads",
     "shard_config": "shard",
 }
+
+
+def _section_fix(cls: type) -> str | None:
+    """How a ``cls`` section is passed: its ``*_config`` argument, or inside ``config=``."""
+    section = next((name for name, f in KitsuneConfig.model_fields.items() if f.annotation is cls), None)
+    if section is None:
+        return None
+    arg = next((a for a, name in _SECTION_ARGS.items() if name == section), None)
+    switch = next((k for k, short in _KWARGS.items() if short.section == section and short.field == "enabled"), None)
+    on = f" with {switch}=True" if arg and switch in ("enable_amp", "enable_fusion") else ""
+    if arg:
+        return f"{arg}={cls.__name__}(...){on}"
+    default_on = " (its enabled=True is the default)" if "enabled" in cls.model_fields else ""
+    return f"config=KitsuneConfig({section}={cls.__name__}(...)){default_on}"
 
 
 def resolve_config(

@@ -334,10 +334,12 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             self._profiler.abandon_step()
             raise
         self._step_count = s.step
-        self._grads.finish(s)
-        self._wrapped.post_hooks(args, kwargs)
-        if profiling:
-            profiler.stop(s)
+        try:  # the step is applied: its record is kept even where a post-hook raises (and a probe step's set-up undone)
+            self._grads.finish(s)
+            self._wrapped.post_hooks(args, kwargs)
+        finally:
+            if profiling:
+                profiler.stop(s)
         return loss
 
     def _pipeline(self, s: StepState, closure: _Closure | None) -> Any:
@@ -558,7 +560,8 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         self._shard.wait_params()  # a copy holds the params as they are
         self._fusion.settle_skips()
         ours = checkpoint.own_state(self._subsystems, self._step_count)
-        return {"optimizer": self._optimizer, "config": self.config, "kitsune": ours}
+        clock = self._profiler.clock() if self._profiler.active else 0
+        return {"optimizer": self._optimizer, "config": self.config, "kitsune": ours, "profiler_clock": clock}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # on a live optimizer torch's __setstate__ updates its __dict__: the hooks registered on it stay; a state
@@ -569,6 +572,8 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             # __setstate__ restores an optimizer without calling its class's __init__
             KitsuneOptimizer.__init__(self, state["optimizer"], config=state["config"])
             self._load_own_state(checkpoint.check_own_state(state["kitsune"], self._subsystems))
+            if self._profiler.active:  # the copy's windows go on where the original's stood
+                self._profiler.continue_from(state.get("profiler_clock", 0))
         except BaseException:
             built = self.__dict__.get("_profiler")
             self.__dict__.clear()

@@ -199,6 +199,28 @@ def test_keyword_of_the_wrong_type_is_refused_under_its_own_name(keyword, value,
         assert not re.search(rf"\b{field}\b", text), text
 
 
+def test_a_config_section_given_to_its_switch_is_pointed_where_it_goes():
+    """``profile=ProfilerConfig(...)``: the fix named was ``profile=True``, which drops the settings; it names where
+    the section goes (there is no ``profiler_config`` keyword), and for sections with one, their ``*_config``."""
+    from kitsune import AMPConfig, MemoryConfig, ProfilerConfig
+
+    def refusal(**kwargs):
+        with pytest.raises(ValueError) as info:
+            KitsuneOptimizer(_tiny_sgd(), **kwargs)
+        return str(info.value)
+
+    assert refusal(profile=ProfilerConfig(compare_steps=2)).endswith(
+        "profile takes True or False, not a ProfilerConfig; write "
+        "config=KitsuneConfig(profiler=ProfilerConfig(...)) (its enabled=True is the default)"
+    )
+    assert refusal(enable_amp=AMPConfig()).endswith(
+        "not an AMPConfig; write amp_config=AMPConfig(...) with enable_amp=True"
+    )
+    assert refusal(memory_pool_size=MemoryConfig()).endswith(
+        "not a MemoryConfig; write config=KitsuneConfig(memory=MemoryConfig(...))"
+    )
+
+
 def test_keyword_messages_say_what_it_takes_and_the_fix():
     def refusal(**kwargs):
         with pytest.raises(ValueError) as info:

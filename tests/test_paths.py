@@ -100,6 +100,31 @@ def test_a_write_replaces_the_file_and_keeps_its_mode_and_links(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "out.json"]
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes are POSIX")
+def test_a_pipe_or_device_is_written_in_place_not_replaced(tmp_path):
+    """``save_profile("/dev/null")``, a named pipe, ``/dev/stdout`` piped to another program: the atomic write put a
+    file where the device or pipe was (as root, /dev/null itself), or failed naming a reason that was not the
+    cause. Such a target is written as ``open(path, "w")`` writes it; the check opens nothing (a pipe without a
+    reader would wait)."""
+    import stat
+    import threading
+
+    fifo = tmp_path / "profile.fifo"
+    os.mkfifo(fifo)
+    assert check_output_path(fifo) == fifo  # returns at once, no reader needed
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()))
+    reader.start()
+    write_output(fifo, '{"steps": 3}')
+    reader.join(timeout=30)
+    assert got == [b'{"steps": 3}'] and stat.S_ISFIFO(fifo.stat().st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["profile.fifo"]  # no temp file left
+    code = "from kitsune._paths import write_output; write_output('/dev/stdout', 'to the pipe')"
+    if Path("/dev/stdout").exists():
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and out.stdout == "to the pipe", out.stderr
+
+
 def test_home_is_expanded(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.chdir(tmp_path)

@@ -477,12 +477,30 @@ class Profiler(Subsystem):
         [`stop`][kitsune.profiler.Profiler.stop]: undo what the probe changed."""
         if not self.active:
             return
+        if self._quick:  # not a step: the quick path's count back
+            self._plain += 1
+        else:  # nor one of the windows' steps: a failed call does not use up a window's slot
+            self._index -= 1
+            self._plain = self._granted = 0
+            self._update_sampling()
         self._quick = False
         if self._start_event is not None:
             self._free_events.append(self._start_event)
             self._start_event = None
         if self._mode == "probe":
             self._probe.abandon()
+
+    def clock(self) -> int:
+        """The windows' clock: the steps begun since the profiler started or was reset (what a copy continues)."""
+        self._settle()
+        return self._index
+
+    def continue_from(self, clock: int) -> None:
+        """A copy's profiler (`clock` of the original): its windows go on where the original's stood, so the copy
+        runs the same steps the same way (a comparison's baseline steps round differently), not the windows again.
+        The records stay the original's."""
+        self._index = clock
+        self._update_sampling()
 
     def _finished(self) -> int:
         """How many pending steps, oldest first, can be read: those before the oldest whose events the GPU has not

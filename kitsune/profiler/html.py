@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections import Counter
 from html import escape
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from kitsune.profiler.summary import (
     explain,
     format_bytes,
     headline,
+    left_out,
     plan_rows,
     predicted_speedup,
     probe_lines,
@@ -193,23 +193,13 @@ def _stats_rows(label: str, stats: TimeStats | None) -> list[list[Any]]:
 
 
 def _counts(profile: Profile) -> str:
-    """How many steps were timed and how many the statistics use: the warm-up's (once a later step was timed), the
-    probe's, the comparison's baseline steps and those not timed on the device are left out, and so are records
-    beyond ``max_step_records``."""
+    """How many steps were timed and how many the statistics use, with what they leave out
+    (`kitsune.profiler.summary.left_out`)."""
     metrics = profile.metrics
     assert metrics is not None and metrics.step_time is not None
-    modes = Counter(r.mode for r in profile.steps)
-    kinds = (("probe", "probe"), ("baseline", "comparison baseline"))
-    left_out = [f"{modes[mode]} {what}" for mode, what in kinds if modes[mode]]
-    if metrics.warmup_left_out:
-        left_out.insert(0, f"{metrics.warmup_left_out} warm-up")
-    untimed = sum(1 for r in profile.steps if r.mode == "kitsune" and r.step_ms is None)
-    if untimed:  # CUDA: past the windows one step in device_time_every is timed on the device
-        left_out.append(f"{untimed} not timed on the device")
-    if metrics.steps_timed > len(profile.steps):
-        left_out.append(f"{metrics.steps_timed - len(profile.steps)} older than the kept records")
+    out = left_out(profile)
     text = f"{metrics.steps_timed} steps timed; {metrics.step_time.count} in the statistics below"
-    return text + (f" (left out: {', '.join(left_out)})" if left_out else "")
+    return text + (f" (left out: {', '.join(out)})" if out else "")
 
 
 def _timing_section(profile: Profile) -> list[str]:

@@ -9,6 +9,7 @@ once and referred to after that, and byte counts and nested reports are written 
 from __future__ import annotations
 
 import textwrap
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TextIO
@@ -310,15 +311,36 @@ def plan_tables(plan: dict[str, Any], explained: Explained) -> list[RenderableTy
     return out
 
 
-def timing_table(metrics: ProfilerMetrics) -> Table:
+def left_out(profile: Profile) -> list[str]:
+    """The timed steps the step-time statistics leave out, counted by kind: the warm-up's (once a later step was
+    timed), the probe's, the comparison's baseline steps, those not timed on the device, and records beyond
+    ``max_step_records``."""
+    metrics = profile.metrics
+    assert metrics is not None
+    modes = Counter(r.mode for r in profile.steps)
+    kinds = (("probe", "probe"), ("baseline", "comparison baseline"))
+    out = [f"{modes[mode]} {what}" for mode, what in kinds if modes[mode]]
+    if metrics.warmup_left_out:
+        out.insert(0, f"{metrics.warmup_left_out} warm-up")
+    untimed = sum(1 for r in profile.steps if r.mode == "kitsune" and r.step_ms is None)
+    if untimed:  # CUDA: past the windows one step in device_time_every is timed on the device
+        out.append(f"{untimed} not timed on the device")
+    if metrics.steps_timed > len(profile.steps):
+        out.append(f"{metrics.steps_timed - len(profile.steps)} older than the kept records")
+    return out
+
+
+def timing_table(profile: Profile) -> Table:
+    metrics = profile.metrics
+    assert metrics is not None
     source = "CUDA events" if metrics.timing == "cuda_events" else "host clock"
     kept = metrics.step_time.count if metrics.step_time else 0
     title = f"step time ({count(metrics.steps_timed, 'step')} timed, {source})"
     if metrics.step_time is not None and kept < metrics.steps_timed:
-        warm = f"the {metrics.warmup_left_out} warm-up, " if metrics.warmup_left_out else ""
-        untimed = "those not timed on the device, " if metrics.timing == "cuda_events" else ""
-        left_out = f"{warm}{untimed}probe, baseline and dropped steps left out"
-        title = f"step time ({kept} of {count(metrics.steps_timed, 'step')}: {left_out}; {source})"
+        title = (
+            f"step time ({kept} of {count(metrics.steps_timed, 'step')}: {', '.join(left_out(profile))} left out; "
+            f"{source})"
+        )
     table = Table(title=title, title_justify="left")
     table.add_column("ms/step")
     for col in ("p50", "p90", "mean", "min", "max"):
@@ -486,7 +508,7 @@ def summary_renderables(profile: Profile) -> list[RenderableType]:
             "state loaded, or the steps were the probe's or the comparison's)"
         )
     else:
-        out.append(timing_table(metrics))
+        out.append(timing_table(profile))
     if metrics is not None:
         cmp = metrics.comparison
         if cmp is not None and not (explained.pass_through and cmp.status == "not_applicable"):  # said above

@@ -67,6 +67,14 @@ def test_comparison_reports_measured_speedup_with_counts_and_spread(device):
     assert cmp.speedup_low <= cmp.speedup <= cmp.speedup_high
     # baseline steps are not kitsune's step times, and the warm-up (sample_after=2) is left out
     assert metrics.step_time.count == 12 - 4 - 2 and metrics.warmup_left_out == 2
+    import io
+
+    from rich.console import Console
+
+    out = io.StringIO()
+    opt.print_summary(console=Console(file=out, width=200, color_system=None))
+    words = " ".join(out.getvalue().split())  # the summary's title says what it left out, counted
+    assert "step time (6 of 12 steps: 2 warm-up, 4 comparison baseline left out; host clock)" in words
 
 
 def test_comparison_is_pending_until_its_window_has_run(device):
@@ -104,3 +112,66 @@ def test_a_step_that_raises_inside_the_window_leaves_training_usable(device):
             handle.remove()
         opt.step()
     assert all(torch.isfinite(p).all() for p in params)
+
+
+def test_failed_calls_use_up_no_slot_of_the_windows(device):
+    """A ``step()`` that raises (here the wrapped optimizer's own pre-hook, inside kitsune's step) is no step: torch's
+    step count does not move, and neither does the windows' clock. It did: each failed call took a slot, so the
+    comparison measured fewer steps than ``compare_steps`` on each side."""
+    from kitsune import KitsuneOptimizer
+
+    params = [torch.nn.Parameter(torch.randn(8, device=device)) for _ in range(2)]
+    opt = KitsuneOptimizer(torch.optim.AdamW(params, lr=1e-2), **_config(sample_after=1, compare_steps=3))
+    refuse = {"now": False}
+
+    def pre(*_):
+        if refuse["now"]:
+            raise RuntimeError("refused by the pre-hook")
+
+    opt.base_optimizer.register_step_pre_hook(pre)
+    gen = torch.Generator().manual_seed(3)
+    for call in range(12):
+        for p in params:
+            p.grad = torch.randn(8, generator=gen).to(device)
+        refuse["now"] = call in (2, 6)  # one in the reference window, one in the baseline window
+        if refuse["now"]:
+            with pytest.raises(RuntimeError, match="refused"):
+                opt.step()
+        else:
+            opt.step()
+    assert opt.step_count == 10
+    assert [r.mode for r in opt.profiler.records] == ["kitsune"] * 4 + ["baseline"] * 3 + ["kitsune"] * 3
+    comparison = opt.profiler.get_metrics().comparison  # the first step of each half settles
+    assert comparison.kitsune.count == 2 and comparison.baseline_time.count == 2
+
+
+@pytest.mark.parametrize("copied_after", [3, 8], ids=["inside-the-windows", "past-them"])
+def test_a_copy_goes_on_where_the_windows_stood(copied_after, device):
+    """``copy.deepcopy(optimizer)`` continues bit for bit (docs/step.md). The copy's profiler started its windows
+    again: its comparison's baseline steps (the wrapped optimizer's own step, which rounds differently) fell where
+    the original ran kitsune's, and the two runs parted. The copy's windows now go on where the original's stood."""
+    import copy
+
+    from kitsune import KitsuneOptimizer
+
+    params = [torch.nn.Parameter(torch.randn(37, device=device)) for _ in range(3)]
+    opt = KitsuneOptimizer(torch.optim.AdamW(params, lr=1e-2), **_config(sample_after=1, compare_steps=2))
+    gen = torch.Generator().manual_seed(1)
+    grads = [[torch.randn(37, generator=gen).to(device) for _ in params] for _ in range(16)]
+
+    def step(o, i):
+        for p, g in zip(o.param_groups[0]["params"], grads[i], strict=True):
+            p.grad = g.clone()
+        o.step()
+
+    for i in range(copied_after):
+        step(opt, i)
+    twin = copy.deepcopy(opt)
+    for i in range(copied_after, 16):
+        step(opt, i)
+        step(twin, i)
+        assert twin.profiler.records[-1].mode == opt.profiler.records[-1].mode, i
+        for a, b in zip(opt.param_groups[0]["params"], twin.param_groups[0]["params"], strict=True):
+            assert torch.equal(a, b), i
+    assert "baseline" in {r.mode for r in opt.profiler.records}
+    assert opt.plan.fused_tensors == twin.plan.fused_tensors == 3

@@ -49,6 +49,33 @@ def test_records_carry_increasing_host_start_times():
     assert all(r.device_start_us is None for r in records)  # CPU: no device clock
 
 
+def test_a_post_hook_that_raises_keeps_the_steps_record():
+    """The wrapped optimizer's post-hook raises after the update (torch applies the step and raises): the step
+    counts, and its record is kept. It was lost (the profiler's stop ran after the hooks), and on a GPU a probe
+    step's set-up (sync debug mode, a torch.profiler session, a warnings catcher) was never undone."""
+    m = small_model()
+    base = torch.optim.SGD(m.parameters(), lr=1e-2)
+    opt = KitsuneOptimizer(base, profile=True)
+    calls = {"n": 0}
+
+    def post(*_):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("post-hook")
+
+    base.register_step_post_hook(post)
+    for i, (x, y) in enumerate(batches(6)):
+        torch.nn.functional.mse_loss(m(x), y).backward()
+        if i == 2:
+            with pytest.raises(RuntimeError, match="post-hook"):
+                opt.step()
+        else:
+            opt.step()
+        opt.zero_grad()
+    assert opt.step_count == 6
+    assert [r.step for r in opt.profiler.records] == [1, 2, 3, 4, 5, 6]
+
+
 def test_profiler_is_none_when_off():
     assert _trained(2).profiler is None
 
