@@ -212,8 +212,10 @@ class GradPass:
         if reduce is not None:
             return clip_sharded_grads_(params, cfg.max_norm, cfg.norm_type, reduce)  # type: ignore[arg-type]
         clip = clip_grad_norm_ if self._kernels else torch.nn.utils.clip_grad_norm_
-        # FSDP2 grads: torch returns a replicated DTensor; its local value is the global norm
-        return fsdp.local(clip(params, cfg.max_norm, cfg.norm_type))  # type: ignore[arg-type]
+        norm = clip(params, cfg.max_norm, cfg.norm_type)  # type: ignore[arg-type]
+        # FSDP2 grads: torch returns a DTensor, replicated for a p-norm but Partial(max) for the inf-norm (each rank's
+        # own max): the global norm either way
+        return norm.full_tensor() if fsdp.is_dtensor(norm) else norm
 
     # -- zeroing -------------------------------------------------------------------------------------------------
     def zero_grad(self, base: torch.optim.Optimizer, set_to_none: bool, label: str) -> None:

@@ -48,6 +48,15 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if is_dtensor(t) else t
 
 
+def even_share(t: torch.Tensor) -> int:
+    """The elements of ``t`` one rank holds on an even split: a DTensor's over its mesh (every rank computes the same
+    number, whatever its own shard holds: uneven shards, an empty one), a plain tensor's all. What a decision every
+    rank must make alike (the planner's route) is made on."""
+    if not is_dtensor(t):
+        return t.numel()
+    return -(-t.numel() // t.device_mesh.size())
+
+
 def shard_reason(p: torch.Tensor) -> str | None:
     """None when the fused kernel can update DTensor ``p`` through its local shard; else why it cannot."""
     from torch.distributed.tensor import Shard

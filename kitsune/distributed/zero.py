@@ -171,6 +171,12 @@ class ShardSubsystem(Subsystem):
                 "distributed Muon (process_group=...) under ShardConfig(stage>0): sharded state already gives each "
                 "rank whole matrices to orthogonalise; drop Muon's process_group"
             )
+        if any(fsdp.is_dtensor(p) for g in groups for p in g["params"]):
+            raise ValueError(
+                f"ShardConfig(stage={cfg.stage}) over FSDP2 (DTensor) params: FSDP2 already shards the params, the "
+                "grads and so the optimizer state over the ranks (each rank's state covers its own shards). Use "
+                "zero_stage=0 with fully_shard; ZeRO is for models that every rank holds whole (plain or DDP-free)"
+            )
         self.group = cfg.process_group
         self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         if self.world == 1:

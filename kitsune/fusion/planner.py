@@ -321,11 +321,13 @@ class Planner:
         fallback = torch_route(info, torch.device(device), dtype)
         if route is Route.TORCH_FOREACH and fallback is Route.TORCH_FUSED:
             fallback = Route.TORCH_FOREACH  # a non-contiguous param: torch's fused path misreads other grad layouts
+        if fallback is Route.TORCH_FUSED and any(fsdp.is_dtensor(p) for _, p in members):
+            fallback = Route.TORCH_FOREACH  # FSDP2: torch's fused SGD and Adagrad ops have no DTensor strategy
         if route is None and isinstance(spec, MuonSpec):
             muon_unit.plan_bucket(bp, members, spec, self.config, self.cost_model)
             return bp
-        if route is None:  # fusable: does it pay?
-            nbytes = elements * dtype.itemsize * info.bytes_per_element(spec)
+        if route is None:  # fusable: does it pay? (FSDP2: weighed on an even share, so every rank decides alike)
+            nbytes = sum(fsdp.even_share(p) for _, p in members) * dtype.itemsize * info.bytes_per_element(spec)
             fused, other = weigh(self.cost_model, info, fallback, tensors, nbytes, launches)
             bp.predicted_speedup = round(other / fused, 3)
             bp.predicted_ms = {Route.TRITON.value: _ms(fused), fallback.value: _ms(other)}

@@ -83,6 +83,19 @@ def _use_triton(device: torch.device) -> bool:
     return device.type == "cpu" and _ns.INTERPRETED and os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from kitsune.distributed import fsdp  # torch.distributed only where a model is sharded
+
+    return fsdp.is_dtensor(t)
+
+
+def _shard_like(whole: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``whole`` (equal on every rank) cut into DTensor ``p``'s shard, without communication."""
+    from kitsune.distributed import fsdp
+
+    return fsdp.like_param(whole, p)
+
+
 class Muon(EagerOptimizer):
     """MomentUm Orthogonalized by Newton-Schulz for matrix params, AdamW for the rest.
 
@@ -250,6 +263,12 @@ class Muon(EagerOptimizer):
         batches: dict[tuple, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
         for p, grad, buf in zip(params, grads, bufs, strict=True):
             buf.lerp_(grad, 1 - momentum)
+            if _is_dtensor(p):  # FSDP2: whole matrices are orthogonalised, so each rank gathers one, keeps its share
+                update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+                whole = update.full_tensor()
+                ortho = self._orthogonalize(whole.reshape(1, len(whole), -1), group, plan, alone=True)[0]
+                self._apply(p, _shard_like(ortho.view(whole.shape), p), group, lr, ortho.shape)
+                continue
             if group["ns_steps"] > 0 and (sharded or (grad.dtype in _TRITON_DTYPES and _use_triton(p.device))):
                 batches.setdefault((p.shape, grad.dtype, p.device), []).append((p, grad, buf))
                 continue
@@ -267,26 +286,33 @@ class Muon(EagerOptimizer):
             for o, (p, _, _) in zip(ortho, members, strict=True):
                 self._apply(p, o, group, lr)
 
-    def _orthogonalize(self, updates: torch.Tensor, group: dict[str, Any], plan: list[Coefficients]) -> torch.Tensor:
+    def _orthogonalize(
+        self, updates: torch.Tensor, group: dict[str, Any], plan: list[Coefficients], alone: bool = False
+    ) -> torch.Tensor:
         """Newton-Schulz for a ``(n, rows, cols)`` batch of one shape: kitsune's Triton kernels where they run, else
-        torch's iteration per matrix; with ``process_group``, each rank computes its share of the batch."""
+        torch's iteration per matrix; with ``process_group`` (unless ``alone``: a batch every rank computes whole),
+        each rank computes its share of the batch."""
 
         def run(batch: torch.Tensor) -> torch.Tensor:
-            if batch.dtype in _TRITON_DTYPES and _use_triton(batch.device):
+            if group["ns_steps"] > 0 and batch.dtype in _TRITON_DTYPES and _use_triton(batch.device):
                 return _ns.newton_schulz(batch, group["ns_steps"], plan, group["eps"])
             return torch.stack([zeropower_via_newtonschulz(m, plan, group["eps"]) for m in batch])
 
         process_group = getattr(self, "process_group", None)
-        if process_group is None:
+        if process_group is None or alone:
             return run(updates)
         from kitsune.distributed.muon import orthogonalize_sharded
 
         return orthogonalize_sharded(updates, run, process_group)
 
     @staticmethod
-    def _apply(p: torch.Tensor, ortho: torch.Tensor, group: dict[str, Any], lr: float) -> None:
+    def _apply(
+        p: torch.Tensor, ortho: torch.Tensor, group: dict[str, Any], lr: float, shape: torch.Size | None = None
+    ) -> None:
+        """``p`` decayed and moved by ``ortho`` at Muon's lr for a matrix of ``shape`` (``ortho``'s own where None:
+        an FSDP2 shard's is its whole matrix's)."""
         p.mul_(1 - lr * group["weight_decay"])
-        p.add_(ortho.view(p.shape), alpha=-adjust_lr(lr, group["adjust_lr_fn"], ortho.shape))
+        p.add_(ortho.view(p.shape), alpha=-adjust_lr(lr, group["adjust_lr_fn"], shape or ortho.shape))
 
     @staticmethod
     def _adamw_group(
