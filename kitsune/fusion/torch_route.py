@@ -40,18 +40,50 @@ class TorchShadow:
         `find_unhandled` leaves them to the wrapped optimizer's own step, as a fused unit does."""
         self.opt = type(base)(groups)
         self.opt.state = base.state
+        self._strides: list[tuple[int, ...]] = []
+        """Each param's strides when its state was last put in its order (`_conform_state`)."""
+        if route is Route.TORCH_FUSED:
+            self._conform_state()
         fn = type(self.opt).step
         # beneath torch's hook runner: global step hooks belong to the user's step, not to this inner one
         self._step = fn.__wrapped__ if getattr(fn, "hooked", False) and hasattr(fn, "__wrapped__") else fn
 
+    def _conform_state(self) -> None:
+        """torch's fused kernels walk a param, its grad and its state as flat memory in one order: state laid out
+        in another order than its param (made before ``model.to(memory_format=torch.channels_last)``, or loaded
+        from a checkpoint of the other order) is copied into the param's order, values unchanged, as the fused
+        Triton route conforms its state. torch's own lazy init makes state like the param."""
+        state = self.opt.state
+        for p in self.params:
+            s = state.get(p)
+            for key, t in (s or {}).items():
+                if (
+                    isinstance(t, torch.Tensor)
+                    and t.layout == torch.strided
+                    and t.dim()
+                    and t.shape == p.shape
+                    and t.stride() != p.stride()
+                ):
+                    s[key] = torch.empty_like(p, dtype=t.dtype).copy_(t)
+        self._strides = [p.stride() for p in self.params]
+
     def find_unhandled(self) -> list[torch.Tensor]:
         """Before anything changes: the params whose grads torch's ``fused=True`` step cannot take this step (it
-        raises on a sparse grad, e.g. from ``nn.Embedding(sparse=True)``, or one of another dtype); the foreach
-        route takes what the wrapped optimizer's own step takes."""
+        raises on a sparse grad, e.g. from ``nn.Embedding(sparse=True)``, or one of another dtype; and it reads a
+        grad laid out in another order than its param, or expanded, as if it were, a wrong update on a CPU: torch
+        checks equal strides for its fast path); the foreach route takes what the wrapped optimizer's own step
+        takes."""
         if self.route is not Route.TORCH_FUSED:
             return []
+        # a param laid out anew since (model.to(channels_last)), or state the wrapped optimizer's step made last time
+        # for the params left to it (SGD's momentum buffer is a clone of the grad, in the grad's order)
+        if self.unhandled or [p.stride() for p in self.params] != self._strides:
+            self._conform_state()
         self.unhandled = [
-            p for p in self.params if (g := p.grad) is not None and (g.layout != torch.strided or g.dtype != p.dtype)
+            p
+            for p in self.params
+            if (g := p.grad) is not None
+            and (g.layout != torch.strided or g.dtype != p.dtype or g.stride() != p.stride())
         ]
         return self.unhandled
 

@@ -356,3 +356,53 @@ def test_every_fused_torch_optimizer_takes_channels_last_params(device, name):
     opt = KitsuneOptimizer(make(net.parameters()), enable_fusion=True)
     assert routes(opt) == {"triton"}
     _train([net, twin], [opt, make(twin.parameters())], 15, device)
+
+
+TORCH_FUSED = {
+    "AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+    "Adam_amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True, weight_decay=1e-3),
+    "SGD_nesterov": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True, weight_decay=1e-3),
+    "Adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2, lr_decay=0.01, weight_decay=0.01),
+}
+
+
+@pytest.mark.parametrize("name", list(TORCH_FUSED))
+def test_torch_fused_route_takes_grads_and_state_of_another_order(name, device):
+    """float64 params go to torch's ``fused=True`` step, whose kernels walk a param, its grad and its state as flat
+    memory in one order (on a CPU, a grad or state of another order, or an expanded grad, gave wrong params or
+    nan; on a GPU torch raises after it has counted the step). Grads of another order or expanded are left to the
+    wrapped optimizer's own step, and state made in another order (``model.to(channels_last)`` after the state was
+    made, SGD's momentum cloned from such a grad) is put in its param's order: torch's results, step for step."""
+    make = TORCH_FUSED[name]
+    gen = torch.Generator().manual_seed(1)
+    shapes = [((8, 6, 2, 2), None), ((5, 4, 3, 3), CL), ((6, 5), None)]
+    full = [torch.randn(s, generator=gen, dtype=torch.float64) for s, _ in shapes]
+    made = [[torch.nn.Parameter(t.clone().to(device)) for t in full] for _ in "ab"]
+    for ps in made:
+        for p, (_, fmt) in zip(ps, shapes, strict=True):
+            if fmt is not None:
+                p.data = p.data.contiguous(memory_format=fmt)
+    params, twins = made
+    opt, ref = KitsuneOptimizer(make(params), enable_fusion=True), make(twins)
+    assert routes(opt) == {"torch_fused"}
+    for step in range(8):
+        if step == 4:  # the model converted after the state was made
+            for ps in made:
+                ps[0].data = ps[0].data.contiguous(memory_format=CL)
+                ps[1].data = ps[1].data.contiguous()
+        for p, t in zip(params, twins, strict=True):
+            g = torch.randn(p.shape, generator=gen, dtype=torch.float64).to(device)
+            if step % 3 == 1 and p.dim() == 4:  # the other order than the param's
+                g = g.contiguous(memory_format=CL) if p.is_contiguous() else g.contiguous()
+            elif step % 3 == 2 and p.dim() == 4:  # expanded along dim 0
+                g = g[:1].expand(p.shape)
+            else:
+                g = torch.empty_like(p).copy_(g)
+            p.grad, t.grad = g, g.clone()
+        opt.step()
+        ref.step()
+        for p, t in zip(params, twins, strict=True):
+            torch.testing.assert_close(p, t, rtol=1e-12, atol=1e-12)
+    for p, t in zip(params, twins, strict=True):
+        for key, value in ref.state[t].items():
+            torch.testing.assert_close(opt.state[p][key], value, rtol=1e-12, atol=1e-12)
