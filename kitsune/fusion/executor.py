@@ -261,7 +261,9 @@ class FusionSubsystem(Subsystem):
             unhandled += shadow.find_unhandled()
         if unhandled:
             self._refuse_mixed(units)
-        if unhandled and s.fused_grads and (self.needs_norm(s) or s.grad_scale is not None):
+        # the global norm (clipping) and the overflow check need every grad; trust ratios are per tensor, and the
+        # wrapped optimizer's own step computes those of the params it takes
+        if unhandled and s.fused_grads and (s.max_norm is not None or s.check_inf or s.grad_scale is not None):
             self.undo()
             g = unhandled[0].grad
             fix = (

@@ -42,6 +42,14 @@ def refuse_narrowing(key: str, held: torch.Tensor, p: torch.Tensor) -> None:
         )
 
 
+def _check_number(key: str, value: Any, where: str) -> None:
+    """A group option the math reads as a number: a real number or a one-element tensor (TypeError otherwise)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"Invalid {key}{where}: {value!r} (a number)")
+
+
 class EagerOptimizer(torch.optim.Optimizer):
     """A torch.optim.Optimizer whose ``step`` does the bookkeeping, so that a subclass holds only its own math.
 
@@ -55,6 +63,35 @@ class EagerOptimizer(torch.optim.Optimizer):
     loses nothing (``model.float()`` after ``model.half()``) and refused otherwise (`refuse_narrowing`), as the
     fused route does.
     """
+
+    _numbers: tuple[str, ...] = ()
+    """The group options the math reads as numbers (besides ``lr``): see `_check_group`."""
+    _pairs: tuple[str, ...] = ()
+    """The group options the math reads as two numbers (``betas``): see `_check_group`."""
+
+    def _group_numbers(self, group: dict[str, Any]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """``group``'s options its math reads as numbers and as pairs of numbers: `_numbers` and `_pairs`."""
+        return self._numbers, self._pairs
+
+    def _check_group(self, group: dict[str, Any], where: str) -> None:
+        """Read ``group``'s options as the math will (every group, before the first update): ``lr`` and
+        `_group_numbers`. A key deleted, or a value set to something the math cannot read (``weight_decay=None``,
+        ``betas=(0.9,)``), raises here, while nothing has changed, not halfway through the groups."""
+        check_lr(group["lr"], where)
+        numbers, pairs = self._group_numbers(group)
+        for key in numbers:
+            _check_number(key, group[key], where)
+        for key in pairs:
+            value = group[key]
+            if not isinstance(value, (tuple, list)) or len(value) != 2:
+                raise ValueError(f"Invalid {key}{where}: {value!r} (two numbers, e.g. (0.9, 0.999))")
+            for v in value:
+                _check_number(key, v, where)
+
+    def _takes_complex(self, group: dict[str, Any]) -> bool:
+        """Whether ``group``'s math is defined on complex params (torch.optim's own optimizers treat one as a real
+        pair); False: a complex param with a grad is refused before anything changes."""
+        return True
 
     def _one_dtype(self, group: dict[str, Any]) -> bool:
         """Whether ``group``'s math needs each grad and state tensor in its param's dtype (``lerp`` into state made
@@ -98,9 +135,12 @@ class EagerOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         widened: list[tuple[dict[str, Any], str, torch.Tensor]] = []
-        for group in self.param_groups:
+        for i, group in enumerate(self.param_groups):
+            self._check_group(group, f" in param group {i}")
             if any(p.grad is not None and p.grad.is_sparse for p in group["params"]):
                 raise RuntimeError(f"{self._algorithm(group)} does not support sparse gradients")
+            if not self._takes_complex(group) and any(p.grad is not None and p.is_complex() for p in group["params"]):
+                raise RuntimeError(f"{self._algorithm(group)} does not support complex parameters")
             if self._one_dtype(group):
                 for p in group["params"]:
                     if p.grad is None:

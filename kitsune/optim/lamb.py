@@ -65,6 +65,12 @@ class LAMB(EagerOptimizer):
         maximize: ascend instead of descend.
     """
 
+    _numbers = ("eps", "weight_decay")
+    _pairs = ("betas",)
+
+    def _takes_complex(self, group: dict[str, Any]) -> bool:
+        return False  # its second moment would square a complex grad, not its magnitude
+
     def __init__(
         self,
         params: ParamsT,

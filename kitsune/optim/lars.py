@@ -69,6 +69,8 @@ class LARS(EagerOptimizer):
         maximize: ascend instead of descend.
     """
 
+    _numbers = ("momentum", "dampening", "weight_decay", "trust_coefficient", "eps")
+
     def __init__(
         self,
         params: ParamsT,

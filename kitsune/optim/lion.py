@@ -27,6 +27,12 @@ class Lion(EagerOptimizer):
         maximize: ascend instead of descend.
     """
 
+    _numbers = ("weight_decay",)
+    _pairs = ("betas",)
+
+    def _takes_complex(self, group: dict[str, Any]) -> bool:
+        return False  # sign() is not defined on complex numbers
+
     def __init__(
         self,
         params: ParamsT,

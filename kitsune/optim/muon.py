@@ -179,16 +179,32 @@ class Muon(EagerOptimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         where = f"param group {len(self.param_groups) - 1}"
-        self._check(group, where)
+        try:
+            self._check(group, where)
+            if group["use_muon"]:
+                names = group.get("param_names")
+                for i, p in enumerate(group["params"]):
+                    if p.ndim not in (2, 4):
+                        name = f"'{names[i]}'" if names else f"{i}"
+                        raise ValueError(
+                            f"Muon takes 2-D matrices and 4-D conv weights, but parameter {name} of {where} has "
+                            f"shape {tuple(p.shape)}: put it in a group with use_muon=False (AdamW)"
+                        )
+        except BaseException:  # a group refused is not kept (it would step, and its params could not be added again)
+            self.param_groups.pop()
+            raise
+
+    def _group_numbers(self, group: dict[str, Any]) -> tuple[tuple[str, ...], tuple[str, ...]]:
         if group["use_muon"]:
-            names = group.get("param_names")
-            for i, p in enumerate(group["params"]):
-                if p.ndim not in (2, 4):
-                    name = f"'{names[i]}'" if names else f"{i}"
-                    raise ValueError(
-                        f"Muon takes 2-D matrices and 4-D conv weights, but parameter {name} of {where} has shape "
-                        f"{tuple(p.shape)}: put it in a group with use_muon=False (AdamW)"
-                    )
+            return ("weight_decay", "eps", "momentum"), ()
+        return ("weight_decay", "eps"), ("betas",)
+
+    def _check_group(self, group: dict[str, Any], where: str) -> None:
+        super()._check_group(group, where)  # what each option must be, then its range, as add_param_group checks
+        self._check(group, where.removeprefix(" in "))
+
+    def _takes_complex(self, group: dict[str, Any]) -> bool:
+        return not group["use_muon"]  # torch's AdamW takes complex params as real pairs; Newton-Schulz does not
 
     @staticmethod
     def _check(group: dict[str, Any], where: str) -> None:
@@ -225,8 +241,6 @@ class Muon(EagerOptimizer):
     def _init_state(self, p: torch.Tensor, group: dict[str, Any]) -> Any:
         state = self.state[p]
         if group["use_muon"]:
-            if torch.is_complex(p):
-                raise RuntimeError("Muon does not support complex parameters")
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
             buf = state["momentum_buffer"]

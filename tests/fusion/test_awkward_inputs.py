@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import routes
 from twins import make_params, random_grads
 
 from kitsune import AMPConfig, FusionConfig, KitsuneOptimizer
@@ -501,3 +502,51 @@ def test_params_over_overlapping_memory_take_the_optimizers_own_step(device):
             o.step()
     for p, q in zip(ours, ref, strict=True):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["LAMB", "LARS"])
+def test_trust_ratio_optimizers_leave_unreadable_grads_to_their_own_step(name, device):
+    """Without clipping or float16 scaling, a grad the fused kernels cannot read goes to the optimizer's own step,
+    so the error (or the update) is the one without kitsune. LAMB and LARS always launch the norm pass (their
+    trust ratios), which made kitsune refuse such a grad with a message about clipping and loss scaling neither run
+    used: a sparse grad got it instead of "<name> does not support sparse gradients", and LARS refused a float64
+    grad its own step takes (as torch's SGD does)."""
+    from kitsune.optim import LAMB, LARS
+
+    def make(ps):
+        return LAMB(ps, lr=1e-2, weight_decay=0.1) if name == "LAMB" else LARS(ps, lr=0.5, trust_coefficient=0.02)
+
+    params = make_params([(4, 5), (6, 3)], torch.float32, device)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt, ref = KitsuneOptimizer(make(params), enable_fusion=True), make(twins)
+
+    def grads(step, sparse=False, wide=False):
+        for p, t, g in zip(params, twins, random_grads(params, step), strict=True):
+            p.grad = t.grad = None
+            if p is params[1] and sparse:
+                g = g.to_sparse()
+            if p is params[1]:
+                p.grad_dtype = t.grad_dtype = torch.float64 if wide else None
+                g = g.double() if wide else g
+            p.grad, t.grad = g, g.clone()
+
+    for step in range(2):
+        grads(step)
+        opt.step()
+        ref.step()
+    assert routes(opt) == {"triton"}
+    grads(2, sparse=True)
+    before = [p.detach().clone() for p in params]
+    for o in (opt, ref):  # the same error with the wrapper and without
+        with pytest.raises(RuntimeError, match=f"^{name} does not support sparse gradients$"):
+            o.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+    grads(3, wide=True)
+    if name == "LAMB":  # its own step needs the param's dtype: its own refusal
+        with pytest.raises(ValueError, match="which LAMB's step cannot take"):
+            opt.step()
+        return
+    opt.step()
+    ref.step()
+    for p, t in zip(params, twins, strict=True):
+        torch.testing.assert_close(p, t, rtol=1e-6, atol=1e-7)

@@ -66,6 +66,75 @@ def test_sparse_grad_in_a_later_group_changes_nothing(name, warmup):
     assert len(opt.state) == (len(params) if warmup else 0)
 
 
+BAD_VALUES = {  # a group option set to what the math cannot read, per optimizer
+    "Lion": [("weight_decay", None), ("betas", (0.9,)), ("lr", None), ("betas", None)],
+    "LAMB": [("eps", None), ("betas", (0.9, 0.99, 0.5)), ("weight_decay", "0.1")],
+    "LARS": [("momentum", None), ("trust_coefficient", None), ("eps", "tiny")],
+    "Muon": [("momentum", None), ("weight_decay", None), ("lr", "1e-3")],
+    "Muon+AdamW": [("eps", None), ("betas", (0.9,))],
+}
+
+
+@pytest.mark.parametrize("warmup", [0, 3])
+@pytest.mark.parametrize(("name", "key", "value"), [(n, k, v) for n, kv in BAD_VALUES.items() for k, v in kv])
+def test_a_group_option_the_math_cannot_read_changes_nothing(name, key, value, warmup):
+    """``weight_decay=None``, ``betas=(0.9,)``, a deleted key in the last group: the step read each group's options
+    inside its update, so the groups before it were updated (and their step counts bumped) when it raised. Every
+    group is read before the first update now, as the fused route does."""
+    for change in ("set", "delete"):
+        params, opt = _stepped(name, warmup)
+        group = opt.param_groups[1]
+        if change == "set":
+            group[key] = value
+        else:
+            del group[key]
+        before = [p.detach().clone() for p in params]
+        state = copy.deepcopy(opt.state_dict()["state"])
+        with pytest.raises((TypeError, ValueError, KeyError), match=key):
+            opt.step()
+        for p, want in zip(params, before, strict=True):
+            assert torch.equal(p, want)
+        _assert_same_state(opt.state_dict()["state"], state)
+
+
+@pytest.mark.parametrize("name", ["Lion", "LAMB", "Muon", "LARS", "Muon+AdamW"])
+def test_complex_params_refused_before_anything_changes_where_the_math_is_real(name):
+    """Lion's sign and LAMB's second moment (the square of a complex grad, not its magnitude) are not defined on
+    complex params: Lion raised torch's error halfway through the step, LAMB ran math that is not LAMB. Both refuse
+    the step before anything changes now, as Muon does; LARS and Muon's AdamW groups take complex params as real
+    pairs, as torch's SGD and AdamW do."""
+    params, opt = _stepped(name, 2)
+    z = torch.nn.Parameter(torch.randn(5, 4, dtype=torch.complex64))
+    opt.add_param_group({"params": [z], **({"use_muon": False} if name == "Muon+AdamW" else {})})
+    z.grad = torch.randn(5, 4, dtype=torch.complex64)
+    before = [p.detach().clone() for p in (*params, z)]
+    if name in ("LARS", "Muon+AdamW"):
+        opt.step()
+        assert not torch.equal(z, before[-1])
+        return
+    with pytest.raises(RuntimeError, match=f"^{name} does not support complex parameters$"):
+        opt.step()
+    for p, want in zip((*params, z), before, strict=True):
+        assert torch.equal(p, want)
+    assert z not in opt.state
+
+
+def test_a_muon_group_refused_by_add_param_group_is_not_kept():
+    """A 1-D param, a bad ``adjust_lr_fn`` or a negative lr in a new Muon group raised, but the group stayed in
+    ``param_groups``: the next step ran Muon on it, and adding the param again (as an AdamW group) was refused as a
+    duplicate."""
+    params, opt = _stepped("Muon", 1)
+    bias = torch.nn.Parameter(torch.randn(4))
+    for bad in ({"params": [bias]}, {"params": [bias], "adjust_lr_fn": "bogus"}, {"params": [bias], "lr": -1.0}):
+        with pytest.raises(ValueError):
+            opt.add_param_group(bad)
+        assert len(opt.param_groups) == 2
+    opt.add_param_group({"params": [bias], "use_muon": False})
+    bias.grad = torch.randn(4)
+    opt.step()
+    assert set(opt.state[bias]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
 @pytest.mark.parametrize(("cls", "key"), [(Lion, "exp_avg"), (LAMB, "step"), (LAMB, "exp_avg"), (LAMB, "exp_avg_sq")])
 def test_state_missing_a_key_raises_key_error_before_any_update(cls, key):
     """As torch.optim.Adam: a param's non-empty state is read, not completed; the step raises and moves nothing."""
