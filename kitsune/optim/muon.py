@@ -196,12 +196,16 @@ class Muon(EagerOptimizer):
 
     def _group_numbers(self, group: dict[str, Any]) -> tuple[tuple[str, ...], tuple[str, ...]]:
         if group["use_muon"]:
-            return ("weight_decay", "eps", "momentum"), ()
+            return ("weight_decay", "eps", "momentum", "ns_steps"), ()
         return ("weight_decay", "eps"), ("betas",)
 
     def _check_group(self, group: dict[str, Any], where: str) -> None:
-        super()._check_group(group, where)  # what each option must be, then its range, as add_param_group checks
-        self._check(group, where.removeprefix(" in "))
+        # what the math reads must be there and readable; ranges and names are checked when a group is added, not
+        # when set by hand later, as torch.optim.Muon's (an adjust_lr_fn it does not know then leaves lr as it is)
+        super()._check_group(group, where)
+        if group["use_muon"]:
+            for key in ("nesterov", "ns_coefficients", "adjust_lr_fn"):
+                group[key]  # noqa: B018  (a KeyError now, not halfway through the groups)
 
     def _takes_complex(self, group: dict[str, Any]) -> bool:
         return not group["use_muon"]  # torch's AdamW takes complex params as real pairs; Newton-Schulz does not

@@ -18,6 +18,17 @@ from kitsune.optim import LAMB, LARS, Lion
 CL, CL3 = torch.channels_last, torch.channels_last_3d
 
 
+@pytest.fixture(autouse=True)
+def _same_convolutions():
+    """On a GPU the twins' convolutions give the same grads: cuDNN's deterministic algorithms, without TF32 (what
+    is compared is the optimizers, not the convolution algorithms cuDNN picks for each model)."""
+    cudnn = torch.backends.cudnn
+    saved = cudnn.deterministic, cudnn.benchmark, cudnn.allow_tf32
+    cudnn.deterministic, cudnn.benchmark, cudnn.allow_tf32 = True, False, False
+    yield
+    cudnn.deterministic, cudnn.benchmark, cudnn.allow_tf32 = saved
+
+
 def _model(device: torch.device) -> torch.nn.Module:
     torch.manual_seed(0)
     net = torch.nn.Sequential(
@@ -43,7 +54,7 @@ def _train(nets, opts, steps: int, device: torch.device, set_to_none: bool = Tru
             net(_batch(step, device)).square().mean().backward()
             opt.step()
         for a, b in zip(nets[0].parameters(), nets[1].parameters(), strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 OPTIMIZERS = {
@@ -82,7 +93,7 @@ def test_channels_last_params_are_fused_and_follow_torch(device, check_path, nam
             mine = opt.state[p][key]
             if value.dim() == 4:
                 assert mine.is_contiguous(memory_format=CL) == value.is_contiguous(memory_format=CL), key
-            torch.testing.assert_close(mine.to(value.dtype), value, rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(mine.to(value.dtype), value, rtol=1e-4, atol=1e-5)
 
 
 def test_channels_last_3d_params_are_fused(device):
@@ -104,7 +115,7 @@ def test_channels_last_3d_params_are_fused(device):
             o.zero_grad()
             m(x).square().mean().backward()
             o.step()
-        torch.testing.assert_close(net.weight, twin.weight, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(net.weight, twin.weight, rtol=1e-5, atol=1e-5)
     assert opt.state[net.weight]["exp_avg"].is_contiguous(memory_format=CL3)
 
 
@@ -122,7 +133,7 @@ def test_a_grad_of_another_order_is_read_through_a_copy(device, check_path):
         opt.step()
         ref.step()
         for a, b in zip(net.parameters(), twin.parameters(), strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert routes(opt) == {"triton"}
 
 
@@ -405,4 +416,5 @@ def test_torch_fused_route_takes_grads_and_state_of_another_order(name, device):
             torch.testing.assert_close(p, t, rtol=1e-12, atol=1e-12)
     for p, t in zip(params, twins, strict=True):
         for key, value in ref.state[t].items():
-            torch.testing.assert_close(opt.state[p][key], value, rtol=1e-12, atol=1e-12)
+            # the fused step keeps its step count on the device
+            torch.testing.assert_close(opt.state[p][key].cpu(), value.cpu(), rtol=1e-12, atol=1e-12)

@@ -7,6 +7,8 @@ a CUDA device); on a GPU, the last test captures for real."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from twins import grads_in_place, graphed_twins, make_params, record_graphs
@@ -128,7 +130,14 @@ def test_a_plan_without_fused_kernels_on_cuda_never_asks(device, monkeypatch, fu
         pytest.skip("a CUDA plan asks")
     params = make_params(SIZES, torch.float32, device)
     opt = KitsuneOptimizer(torch.optim.AdamW(params, lr=1e-2), enable_fusion=fusion)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: pytest.fail("asked"))
+    real = torch.cuda.is_current_stream_capturing
+
+    def asked() -> bool:  # torch's own step asks on CUDA (its capture health check): only kitsune's asking fails
+        if sys._getframe(1).f_globals.get("__name__", "").startswith("kitsune"):
+            pytest.fail("asked")
+        return real()
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", asked)
     grads_in_place(params, 0)
     opt.step()
     assert opt.step_count == 1 and not opt._subsystem("graphs")._cuda_work

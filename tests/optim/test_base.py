@@ -254,5 +254,8 @@ def test_a_compiled_training_step_trains_as_the_eager_one(name):
         for seed in range(5):
             step(seed)
         runs.append(params)
+    # Muon's Newton-Schulz runs in bfloat16: traced, torch's iteration (no Triton kernel for CPU params outside
+    # the interpreter) may round a product differently, by about a bfloat16 ulp of the update
+    tol = 1e-4 if name.startswith("Muon") else 1e-6
     for p, q in zip(*runs, strict=True):
-        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(p, q, atol=tol, rtol=tol)
