@@ -92,6 +92,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     device = torch.device(args.device)
     total = args.steps
     save_at = total // 2 if args.save_at is None else args.save_at
+    if total < 2:
+        parser.error(f"--steps must be at least 2 (a save and a resume in between), got {total}")
     if not 0 < save_at < total:
         parser.error(f"--save-at must be between 1 and --steps - 1, got {save_at}")
     args.out_dir.mkdir(parents=True, exist_ok=True)

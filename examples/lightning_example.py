@@ -140,6 +140,11 @@ def main(argv: list[str] | None = None) -> float:
     args = parser.parse_args(argv)
     if args.clip is None:
         args.clip = "lightning" if args.precision == "32-true" else "kitsune"
+    if args.clip == "lightning" and args.precision != "32-true":
+        parser.error(
+            f"--clip lightning works with --precision 32-true only: under {args.precision} Lightning refuses its own "
+            "clipping for an optimizer that unscales in its step; use --clip kitsune or --clip hook"
+        )
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # no "GPU available: ..." banner
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")  # a tiny in-memory data set
 

@@ -56,7 +56,7 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
         zero_stage=args.stage,
         max_grad_norm=1.0,
     )
-    active = ", ".join(s.name for s in optimizer.subsystems if s.active)
+    active = ", ".join(s.name for s in optimizer.subsystems if s.active) or "none"
     say(f"rank {rank}/{world}: backend {dist.get_backend()}, device {device}, kitsune subsystems active: {active}")
 
     gen = torch.Generator().manual_seed(1000 + rank)  # every rank draws its own batches
@@ -116,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if "LOCAL_RANK" not in os.environ:
         parser.error("run it with torchrun: torchrun --nproc_per_node=2 examples/zero.py --steps 5")
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2:  # one rank holds the whole state: there is nothing to shard
+        parser.error("ZeRO shards the state over 2 or more ranks: torchrun --nproc_per_node=2 examples/zero.py")
 
     local_rank = int(os.environ["LOCAL_RANK"])
     if args.device == "cuda":

@@ -218,6 +218,8 @@ def output_dir(*names: str) -> Callable[[str], Path]:
     expanded) when each file can be written there (`check_output_path`), else argparse's one error line."""
 
     def parse(text: str) -> Path:
+        if text == "":
+            raise argparse.ArgumentTypeError("'': the path is empty: name a folder ('.' for this one)")
         try:
             folder = as_path(text)
             for name in names:

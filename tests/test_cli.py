@@ -219,13 +219,30 @@ def _write_bytes(path, data: bytes):
             "schema_version '0.9' is not one this kitsune reads (1.0, 1.1); written by kitsune 0.0.1: re-save the "
             "profile",
         ),
+        (
+            lambda d: _write_bytes(d / "p.json", b'{"schema_version": "2.0", "environment": {"kitsune": "9.0.0"}}'),
+            "schema_version '2.0' is not one this kitsune reads (1.0, 1.1): a newer kitsune wrote it (9.0.0): "
+            "upgrade kitsune-optim",
+        ),
+        (lambda d: _write_bytes(d / "p.json", b'{"schema_version": 1.1}'), "schema_version is 1.1 (float): a string"),
         (lambda d: _write_bytes(d / "p.json", b'{"schema_version": "1.0"}'), "is not a kitsune profile: created:"),
         (
             lambda d: _write_bytes(d / "t.json", b'{"traceEvents": [], "displayTimeUnit": "ms"}'),
             "t.json is a Chrome trace, not a profile: open it in Perfetto",
         ),
     ],
-    ids=["directory", "missing", "not-utf8", "not-json", "not-an-object", "old-schema", "missing-fields", "trace"],
+    ids=[
+        "directory",
+        "missing",
+        "not-utf8",
+        "not-json",
+        "not-an-object",
+        "old-schema",
+        "newer-schema",
+        "version-not-a-string",
+        "missing-fields",
+        "trace",
+    ],
 )
 def test_report_names_what_is_wrong_with_the_file(tmp_path, capsys, make, expected):
     """``kitsune report PATH`` on what is not a profile: one error line naming the problem, exit code 2."""
@@ -251,6 +268,27 @@ def profile_json(tmp_path):
         opt.step()
         opt.zero_grad()
     return opt.save_profile(tmp_path / "p.json")
+
+
+@pytest.mark.parametrize("edit", ["buckets", "elements", "nan"])
+def test_report_of_a_profile_edited_by_hand_is_one_line(profile_json, tmp_path, capsys, edit):
+    """The schema leaves the plan's contents free and took nan for a step time: a profile edited by hand (or by
+    another tool) that passed the checks ended in a traceback from the summary or the HTML. One line, exit 2."""
+    import json
+
+    data = json.loads(profile_json.read_text())
+    if edit == "buckets":
+        data["plan"] = {"buckets": "x"}
+    elif edit == "elements":
+        data["plan"] = {"buckets": [{"elements": "abc", "route": "triton"}]}
+    else:
+        data["steps"][0]["step_ms"] = float("nan")
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(data))
+    assert main(["report", str(path), "--html", str(tmp_path / "r.html")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kitsune report: {path}") and err.count("\n") == 1
+    assert "Traceback" not in err
 
 
 def _deny_writes_to(monkeypatch, directory: Path) -> None:

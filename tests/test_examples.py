@@ -182,14 +182,6 @@ def check_zero(out: str, tmp: Path) -> None:
 
 
 # Lightning's AMP plugin refuses gradient_clip_val for optimizers that unscale in their own step
-LIGHTNING_CLIP_UNDER_AMP = pytest.mark.xfail(
-    raises=RuntimeError,
-    strict=True,
-    reason="KitsuneOptimizer sets _step_supports_amp_scaling = True (kitsune/optimizer.py), so Lightning's "
-    "MixedPrecision.clip_gradients raises 'does not allow for gradient clipping because it performs unscaling of "
-    "gradients internally', as for torch's fused AdamW; --clip hook or --clip kitsune avoid it",
-)
-
 CASES = [
     pytest.param("basic.py", ["--steps", "20"], check_basic, id="basic"),
     pytest.param(
@@ -234,13 +226,6 @@ CASES = [
         marks=[LIGHTNING_PYTREE, NEEDS_LIGHTNING],
     ),
     pytest.param(
-        "lightning_example.py",
-        ["--steps", "10", "--device", "cpu", "--precision", "16-mixed", "--clip", "lightning"],
-        check_lightning_fp16,
-        id="lightning-fp16-clip-lightning",
-        marks=[LIGHTNING_CLIP_UNDER_AMP, LIGHTNING_PYTREE, NEEDS_LIGHTNING],
-    ),
-    pytest.param(
         "accelerate_example.py",
         ["--steps", "12", "--device", "cpu"],
         check_accelerate,
@@ -278,6 +263,22 @@ def test_example_runs(name, args, check, tmp_path, monkeypatch, capsys):
         if "accelerate.state" in sys.modules:  # Accelerate keeps one process-wide state; the next case sets its own
             sys.modules["accelerate.state"].AcceleratorState._reset_state(reset_partial_state=True)
     check(capsys.readouterr().out, tmp_path)
+
+
+@NEEDS_LIGHTNING
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
+def test_lightning_clipping_under_mixed_precision_is_a_usage_error(precision, tmp_path, monkeypatch, capsys):
+    """KitsuneOptimizer unscales in its step (``_step_supports_amp_scaling = True``, as torch's fused AdamW), so
+    Lightning's MixedPrecision refuses to clip for it, with a traceback after the trainer started: the example
+    refuses ``--clip lightning`` under mixed precision before anything runs, naming the two ways that work."""
+    monkeypatch.chdir(tmp_path)
+    args = ["--steps", "3", "--device", "cpu", "--precision", precision, "--clip", "lightning"]
+    monkeypatch.setattr(sys, "argv", ["lightning_example.py", *args])
+    with pytest.raises(SystemExit) as info:
+        runpy.run_path(str(EXAMPLES / "lightning_example.py"), run_name="__main__")
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--clip lightning works with --precision 32-true only" in err and "--clip kitsune or --clip hook" in err
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch was built without torch.distributed")

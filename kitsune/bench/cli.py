@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kitsune._device import device_arg
 from kitsune._paths import check_output_path, write_output
 from kitsune.bench.params import GRADS, PARAM_SETS
 from kitsune.bench.peers import PEERS
@@ -19,7 +20,7 @@ from kitsune.cli import positive_int, seed
 
 def add_device_args(parser: argparse.ArgumentParser) -> None:
     """``--device`` and ``--scale``, as the scripts under ``benchmarks/`` take them (`device_and_defaults`)."""
-    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--device", type=device_arg, default="cuda", help="cpu, cuda, cuda:N or auto")
     parser.add_argument("--scale", type=float, default=None, help="elements per tensor (default 1; 0.001 on a CPU)")
 
 

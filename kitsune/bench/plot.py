@@ -104,6 +104,8 @@ def load_result(path: str | Path) -> BenchResult:
         raise ValueError(f"{path}: is a directory, not a kitsune bench --json result")
     try:
         return BenchResult.load(path)
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: is not UTF-8 text, so not a kitsune bench --json result") from None
     except ValidationError as exc:
         try:
             data = json.loads(path.read_text(encoding="utf-8"))

@@ -31,7 +31,7 @@ from collections import deque
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from kitsune.config import ProfilerConfig
 from kitsune.profiler.nvml import NvmlReport, NvmlSampler
@@ -41,6 +41,8 @@ from kitsune.subsystem import StepState, Subsystem
 
 class StepRecord(BaseModel):
     """One timed step."""
+
+    model_config = ConfigDict(allow_inf_nan=False)  # a time is finite: a profile holding nan was edited by hand
 
     step: int
     """Step number (1-based, counted by the wrapper)."""

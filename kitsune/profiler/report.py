@@ -59,17 +59,31 @@ def run_report(args: argparse.Namespace, console: Console | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    render_summary(profile, console)
-    if args.html is not None:
-        console.print(f"wrote {write_html(profile, args.html)}", soft_wrap=True, markup=False)  # a path, whole
-    if args.trace is not None:
-        trace = export_chrome_trace(profile, args.trace)
-        console.print(f"wrote {trace} (open it in chrome://tracing or Perfetto)", soft_wrap=True, markup=False)
+    try:
+        render_summary(profile, console)
+        if args.html is not None:
+            console.print(f"wrote {write_html(profile, args.html)}", soft_wrap=True, markup=False)  # a path, whole
+        if args.trace is not None:
+            trace = export_chrome_trace(profile, args.trace)
+            console.print(f"wrote {trace} (open it in chrome://tracing or Perfetto)", soft_wrap=True, markup=False)
+    except (AttributeError, KeyError, TypeError, ValueError, OverflowError) as exc:
+        # the schema leaves the plan's contents free (each kitsune version writes its own): a file edited by hand, or
+        # written by another tool, can hold what the report cannot lay out
+        print(
+            f"kitsune report: {args.profile}: a field the report reads holds what kitsune does not write "
+            f"({type(exc).__name__}: {exc}): the file was changed after it was saved, or written by another tool; "
+            "save the profile again from the run",
+            file=sys.stderr,
+        )
+        return 2
     return 0
 
 
 def _input_path(text: str) -> Path:
-    """The profile argument, ``~`` expanded (a shell leaves ``--x=~/p.json`` and a quoted ``~`` as they are)."""
+    """The profile argument, ``~`` expanded (a shell leaves ``--x=~/p.json`` and a quoted ``~`` as they are); ``""``
+    is refused (Path reads it as the current folder)."""
+    if text == "":
+        raise argparse.ArgumentTypeError("'': the path is empty: name the profile JSON that save_profile() wrote")
     return Path(text).expanduser()
 
 

@@ -194,6 +194,18 @@ READS: tuple[str, ...] = get_args(Profile.model_fields["schema_version"].annotat
 """The versions `load_profile` reads (those ``Profile.schema_version`` takes)."""
 
 
+def _newer(version: str, known: tuple[str, ...]) -> bool:
+    """Whether ``version`` ("major.minor") is later than every one of ``known``; False for what does not parse."""
+
+    def key(v: str) -> tuple[int, ...]:
+        return tuple(int(part) for part in v.split("."))
+
+    try:
+        return key(version) > max(map(key, known))
+    except ValueError:
+        return False
+
+
 def load_profile(path: str | Path) -> Profile:
     """Read and validate a profile written by ``save_profile``.
 
@@ -244,11 +256,23 @@ def load_profile(path: str | Path) -> Profile:
 
             writer = raw.get("environment")
             writer = writer.get("kitsune") if isinstance(writer, dict) else None
-            problem = f"{path}: schema_version {version['input']!r} is not one this kitsune reads ({', '.join(READS)})"
+            given = version["input"]
+            if not isinstance(given, str):
+                raise ValueError(
+                    f"{path}: schema_version is {given!r} ({type(given).__name__}): a string such as "
+                    f"{SCHEMA_VERSION!r} is expected; the file was changed after it was saved"
+                ) from exc
+            problem = f"{path}: schema_version {given!r} is not one this kitsune reads ({', '.join(READS)})"
             if writer == __version__:  # this very version wrote it: saving again would not change a thing
                 raise ValueError(
                     f"{problem}, yet kitsune {writer}, this version, wrote it (it writes {SCHEMA_VERSION}): the file "
                     f"was changed after it was saved: save the profile again from the run, or restore the file"
+                ) from exc
+            if _newer(given, READS):
+                raise ValueError(
+                    f"{problem}: a newer kitsune wrote it"
+                    + (f" ({writer})" if isinstance(writer, str) else "")
+                    + ": upgrade kitsune-optim (pip install -U kitsune-optim) to read it"
                 ) from exc
             by = f"; written by kitsune {writer}" if isinstance(writer, str) else ""
             raise ValueError(
