@@ -221,7 +221,10 @@ def print_e2e(e2e: E2EResult, console: Console, cpu_smoke: bool = False) -> None
             f"{side.last_loss:.4f}",
         )
     console.print(table)
-    losses = f"the clipped sides' losses over the first 10 steps differ by at most {e2e.max_loss_diff_first_10:.2g}"
+    compared = min(10, len(e2e.sides[0].losses)) if e2e.sides else 10  # a short run has fewer than 10
+    losses = (
+        f"the clipped sides' losses over the first {compared} steps differ by at most {e2e.max_loss_diff_first_10:.2g}"
+    )
     if cpu_smoke:
         console.print(losses, highlight=False)
         return
