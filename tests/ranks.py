@@ -94,3 +94,27 @@ def run_ranks(job: Job, world: int = 2, timeout_s: int = 120, backend: str = "gl
         if "__error__" in res:
             pytest.fail(f"rank {r} of {job.__module__}.{job.__name__} raised:\n{res['__error__']}")
     return results
+
+
+def run_cases(jobs: dict[str, Callable[[], dict[str, Any]]]) -> dict[str, Any]:
+    """Inside a rank: each of ``jobs`` (name -> case) in turn, its results under its name; a case that raises leaves
+    its traceback (``{"error": ...}``, which `case_results` turns into the test's failure) and the others still run.
+    A barrier after each keeps the ranks' cases apart."""
+    import torch.distributed as dist
+
+    results: dict[str, Any] = {}
+    for name, job in jobs.items():
+        try:
+            results[name] = job()
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+        dist.barrier()
+    return results
+
+
+def case_results(ranks: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    """Every rank's results of case ``name`` (`run_cases`), or the test fails with the first rank's traceback."""
+    for r, res in enumerate(ranks):
+        if "error" in res.get(name, {}):
+            pytest.fail(f"rank {r}, case {name}:\n{res[name]['error']}")
+    return [res[name] for res in ranks]

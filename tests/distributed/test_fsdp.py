@@ -9,11 +9,10 @@ one spawn (spawning and importing costs more than the steps); each test then che
 from __future__ import annotations
 
 import math
-import traceback
 
 import pytest
 import torch
-from ranks import gpu_world, run_ranks, shard_linears
+from ranks import case_results, gpu_world, run_cases, run_ranks, shard_linears
 
 STEPS = 5
 WORLD = 2
@@ -534,7 +533,6 @@ def _eight_bit_state(mesh, rank: int) -> dict:
 def _scenarios(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    results: dict = {}
     mesh = init_device_mesh("cpu", (world,))
     jobs = {name: (lambda sc=sc: _fused_training(sc, mesh, rank)) for name, sc in SCENARIOS.items()}
     jobs["state_dict"] = lambda: _state_dict_parity(mesh, rank)
@@ -543,13 +541,7 @@ def _scenarios(rank: int, world: int) -> dict:
     jobs["found_inf_fused"] = lambda: _found_inf_on_one_rank(mesh, rank, fused=True)
     jobs["found_inf_unfused"] = lambda: _found_inf_on_one_rank(mesh, rank, fused=False)
     jobs["low_precision"] = lambda: _low_precision_state(mesh, rank)
-    for name, job in jobs.items():
-        try:
-            results[name] = job()
-        except Exception:  # the other scenarios still run; the test of this one shows the traceback
-            results[name] = {"error": traceback.format_exc()}
-        torch.distributed.barrier()
-    return results
+    return run_cases(jobs)
 
 
 @pytest.fixture(scope="module")
@@ -557,11 +549,7 @@ def ranks() -> list[dict]:
     return run_ranks(_scenarios, world=WORLD, timeout_s=TIMEOUT_S)
 
 
-def _results(ranks: list[dict], name: str) -> list[dict]:
-    for r, res in enumerate(ranks):
-        if "error" in res.get(name, {}):
-            pytest.fail(f"rank {r}, scenario {name}:\n{res[name]['error']}")
-    return [res[name] for res in ranks]
+_results = case_results
 
 
 # -- the tests ------------------------------------------------------------------------------------------------------

@@ -10,11 +10,10 @@ Muon orthogonalises whole matrices, so a shard is not enough.
 from __future__ import annotations
 
 import math
-import traceback
 
 import pytest
 import torch
-from ranks import run_ranks
+from ranks import case_results, run_cases, run_ranks
 
 WORLD = 2
 TIMEOUT_S = 180
@@ -147,14 +146,7 @@ def _scenarios(rank: int, world: int) -> dict:
         "muon": lambda: _muon(mesh),
         "zero": lambda: _zero_refused(mesh),
     }
-    results: dict = {}
-    for name, job in jobs.items():
-        try:
-            results[name] = job()
-        except Exception:  # the other cases still run; the test of this one shows the traceback
-            results[name] = {"error": traceback.format_exc()}
-        torch.distributed.barrier()
-    return results
+    return run_cases(jobs)
 
 
 @pytest.fixture(scope="module")
@@ -162,11 +154,7 @@ def ranks() -> list[dict]:
     return run_ranks(_scenarios, world=WORLD, timeout_s=TIMEOUT_S)
 
 
-def _results(ranks: list[dict], name: str) -> list[dict]:
-    for r, res in enumerate(ranks):
-        if "error" in res.get(name, {}):
-            pytest.fail(f"rank {r}, case {name}:\n{res[name]['error']}")
-    return [res[name] for res in ranks]
+_results = case_results
 
 
 def test_every_rank_weighs_an_uneven_shard_alike(ranks):

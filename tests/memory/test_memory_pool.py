@@ -252,12 +252,7 @@ def test_one_arena_per_dtype_and_a_new_group_moves_state_over(device):
 
 
 def test_flat_grads_are_arena_views_accumulated_and_zeroed_in_place(device):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3)).to(device)
-    twin = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3)).to(device)
-    twin.load_state_dict(model.state_dict())
-    opt = KitsuneOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), config=pooled(flat_grads=True))
-    plain = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    model, twin, opt, plain = _flat_grads_twins(device)
     gen = torch.Generator().manual_seed(5)
     first_ptrs = None
     for step in range(25):
@@ -322,17 +317,22 @@ def test_flat_grads_leave_an_old_grad_the_user_kept_as_torch_does(how, device):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("how", ["grad.data", "double-float"])
-def test_flat_grads_follow_a_grad_whose_storage_was_swapped(how, device):
-    """``p.grad.data = ...`` keeps the grad object and moves its memory out of the slot (``model.double()`` then
-    ``model.float()`` between backward and step does it to every grad). The pool knew its views by object only: it
-    never took such a grad back, and ``zero_grad()`` zeroed the arena, not it, so grads piled up step after step."""
+def _flat_grads_twins(device: torch.device):
+    """An MLP and its twin; AdamW over the first with flat grads in the pool, plain AdamW over the twin."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3)).to(device)
     twin = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3)).to(device)
     twin.load_state_dict(model.state_dict())
     opt = KitsuneOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), config=pooled(flat_grads=True))
-    plain = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    return model, twin, opt, torch.optim.AdamW(twin.parameters(), lr=1e-2)
+
+
+@pytest.mark.parametrize("how", ["grad.data", "double-float"])
+def test_flat_grads_follow_a_grad_whose_storage_was_swapped(how, device):
+    """``p.grad.data = ...`` keeps the grad object and moves its memory out of the slot (``model.double()`` then
+    ``model.float()`` between backward and step does it to every grad). The pool knew its views by object only: it
+    never took such a grad back, and ``zero_grad()`` zeroed the arena, not it, so grads piled up step after step."""
+    model, twin, opt, plain = _flat_grads_twins(device)
     gen = torch.Generator().manual_seed(1)
     for step in range(8):
         x, y = torch.randn(8, 6, generator=gen).to(device), torch.randn(8, 3, generator=gen).to(device)
@@ -358,12 +358,7 @@ def test_flat_grads_take_a_grad_made_with_create_graph_without_its_graph(device)
     grad mode on, so the arena joined the graph (every step's graph kept alive through it) and
     ``model.zero_grad(set_to_none=False)`` raised (a view cannot be detached in place). The arena takes the values
     only; the run matches torch's."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3)).to(device)
-    twin = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3)).to(device)
-    twin.load_state_dict(model.state_dict())
-    opt = KitsuneOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), config=pooled(flat_grads=True))
-    plain = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    model, twin, opt, plain = _flat_grads_twins(device)
     gen = torch.Generator().manual_seed(2)
     for _ in range(6):
         x, y = torch.randn(8, 6, generator=gen).to(device), torch.randn(8, 3, generator=gen).to(device)
