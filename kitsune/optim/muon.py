@@ -284,14 +284,14 @@ class Muon(EagerOptimizer):
             if _is_dtensor(p):  # FSDP2: whole matrices are orthogonalised, so each rank gathers one, keeps its share
                 update = grad.lerp(buf, momentum) if group["nesterov"] else buf
                 whole = update.full_tensor()
-                ortho = self._orthogonalize(whole.reshape(1, len(whole), -1), group, plan, alone=True)[0]
+                ortho = self._orthogonalize(whole.flatten(1)[None], group, plan, alone=True)[0]
                 self._apply(p, _shard_like(ortho.view(whole.shape), p), group, lr, ortho.shape)
                 continue
             if group["ns_steps"] > 0 and (sharded or (grad.dtype in _TRITON_DTYPES and _use_triton(p.device))):
                 batches.setdefault((p.shape, grad.dtype, p.device), []).append((p, grad, buf))
                 continue
             update = grad.lerp(buf, momentum) if group["nesterov"] else buf
-            ortho = zeropower_via_newtonschulz(update.reshape(len(update), -1), plan, group["eps"])
+            ortho = zeropower_via_newtonschulz(update.flatten(1), plan, group["eps"])
             self._apply(p, ortho, group, lr)
         for (shape, dtype, device), members in batches.items():
             updates = torch.empty((len(members), shape[0], math.prod(shape[1:])), dtype=dtype, device=device)

@@ -312,3 +312,23 @@ def test_flipping_use_muon_mid_run_starts_the_new_algorithm_fresh(device):
         for key in ("step", "exp_avg", "exp_avg_sq"):
             assert torch.equal(opt.state[p][key], left[p][key])
         torch.testing.assert_close(opt.state[p]["momentum_buffer"], fresh_muon.state[twin]["momentum_buffer"])
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="this torch has no torch.optim.Muon")
+def test_an_empty_matrix_steps_as_torchs_muon_on_torchs_iteration(monkeypatch):
+    """A (0, 5) matrix (a layer with no rows, e.g. a vocabulary cut to nothing) through torch's Newton-Schulz
+    iteration (no Triton kernel for it): ``reshape(len(u), -1)`` cannot infer the columns of 0 elements and raised,
+    where torch.optim.Muon steps it (nothing to move)."""
+    monkeypatch.setattr(muon_module, "_use_triton", lambda device: False)
+    gen = torch.Generator().manual_seed(3)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=gen)) for shape in ((0, 5), (4, 5))]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt, ref = Muon(params, lr=0.02), torch.optim.Muon(twins, lr=0.02)
+    for _ in range(3):
+        for p, t in zip(params, twins, strict=True):
+            p.grad = torch.randn(p.shape, generator=gen)
+            t.grad = p.grad.clone()
+        opt.step()
+        ref.step()
+    for p, t in zip(params, twins, strict=True):
+        torch.testing.assert_close(p, t, rtol=1e-6, atol=1e-6)
