@@ -28,7 +28,7 @@ from accelerate import Accelerator
 from torch import nn
 
 from kitsune import KitsuneOptimizer
-from kitsune.cli import device_arg, output_dir, positive_int
+from kitsune.cli import add_device_argument, output_dir, positive_int
 
 
 def train(use_kitsune: bool, args: argparse.Namespace) -> tuple[Accelerator, nn.Module, object, list[float]]:
@@ -71,14 +71,7 @@ def main(argv: list[str] | None = None) -> float:
         "--steps", type=positive_int, default=200, help="optimizer steps (each of --accum micro-batches)"
     )
     parser.add_argument("--accum", type=positive_int, default=2, help="gradient accumulation steps")
-    parser.add_argument(
-        "--device",
-        type=device_arg,
-        choices=["cpu", "cuda"],
-        default="auto",
-        metavar="{auto,cpu,cuda}",
-        help="auto: cuda where there is a GPU",
-    )
+    add_device_argument(parser, gpu_index=False)
     parser.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default="no")
     files = output_dir("accelerate-state/optimizer.bin")  # checked before the run
     parser.add_argument("--out-dir", type=files, default=".", help="where accelerate-state/ is written")

@@ -31,13 +31,13 @@ import torch
 from torch import nn
 
 from kitsune import AMPConfig, KitsuneOptimizer
-from kitsune.cli import device_arg, positive_int
+from kitsune.cli import add_device_argument, positive_int
 
 
 def main(argv: list[str] | None = None) -> float:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=positive_int, default=200)
-    parser.add_argument("--device", type=device_arg, default="auto", help="auto (GPU when there is one), cpu, cuda")
+    add_device_argument(parser)
     parser.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
     parser.add_argument("--overflow-at", type=int, default=None, metavar="STEP", help="inject an inf loss (float16)")
     args = parser.parse_args(argv)

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from kitsune import KitsuneOptimizer
-from kitsune.cli import device_arg, output_dir, positive_int
+from kitsune.cli import add_device_argument, output_dir, positive_int
 
 
 def make_batch(step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=positive_int, default=200, help="steps of the whole run")
     parser.add_argument("--save-at", type=int, default=None, help="checkpoint after this many steps (default: half)")
-    parser.add_argument("--device", type=device_arg, default="auto", help="auto (GPU when there is one), cpu, cuda")
+    add_device_argument(parser)
     files = output_dir("ckpt-kitsune.pt", "ckpt-torch.pt")  # checked before the run
     parser.add_argument("--out-dir", type=files, default=".", help="where the checkpoints are written")
     args = parser.parse_args(argv)

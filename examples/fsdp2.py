@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from kitsune import KitsuneOptimizer
-from kitsune.cli import device_arg, positive_int
+from kitsune.cli import add_device_argument, positive_int
 
 
 def say(line: str) -> None:
@@ -98,14 +98,7 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=positive_int, default=100)
-    parser.add_argument(
-        "--device",
-        type=device_arg,
-        choices=["cpu", "cuda"],
-        default="auto",
-        metavar="{auto,cpu,cuda}",
-        help="auto: cuda where there is a GPU",
-    )
+    add_device_argument(parser, gpu_index=False)
     args = parser.parse_args(argv)
     if "LOCAL_RANK" not in os.environ:
         parser.error("run it with torchrun: torchrun --nproc_per_node=2 examples/fsdp2.py --steps 5")

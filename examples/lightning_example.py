@@ -43,7 +43,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 
 from kitsune import KitsuneOptimizer
-from kitsune.cli import device_arg, output_dir, positive_float, positive_int
+from kitsune.cli import add_device_argument, output_dir, positive_float, positive_int
 
 
 class Regressor(L.LightningModule):
@@ -116,14 +116,7 @@ def fit(use_kitsune: bool, args: argparse.Namespace) -> tuple[Regressor, L.Train
 def main(argv: list[str] | None = None) -> float:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=positive_int, default=200)
-    parser.add_argument(
-        "--device",
-        type=device_arg,
-        choices=["cpu", "cuda"],
-        default="auto",
-        metavar="{auto,cpu,cuda}",
-        help="auto: cuda where there is a GPU",
-    )
+    add_device_argument(parser, gpu_index=False)
     parser.add_argument("--precision", choices=["32-true", "bf16-mixed", "16-mixed"], default="32-true")
     parser.add_argument(
         "--clip",

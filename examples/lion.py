@@ -22,14 +22,14 @@ import torch
 from torch import nn
 
 from kitsune import KitsuneOptimizer
-from kitsune.cli import device_arg, positive_int
+from kitsune.cli import add_device_argument, positive_int
 from kitsune.optim import Lion
 
 
 def main(argv: list[str] | None = None) -> float:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=positive_int, default=200)
-    parser.add_argument("--device", type=device_arg, default="auto", help="auto (GPU when there is one), cpu, cuda")
+    add_device_argument(parser)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
 

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from kitsune import KitsuneOptimizer
-from kitsune.cli import device_arg, output_dir, positive_int
+from kitsune.cli import add_device_argument, output_dir, positive_int
 from kitsune.cli import main as kitsune_cli
 from kitsune.profiler.schema import load_profile
 from kitsune.profiler.trace import export_chrome_trace
@@ -37,7 +37,7 @@ from kitsune.profiler.trace import export_chrome_trace
 def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=positive_int, default=200)
-    parser.add_argument("--device", type=device_arg, default="auto", help="auto (GPU when there is one), cpu, cuda")
+    add_device_argument(parser)
     files = output_dir("profile.json", "trace.json", "report.html")  # checked before the run
     parser.add_argument("--out-dir", type=files, default=".", help="where the three files are written")
     args = parser.parse_args(argv)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kitsune import KitsuneOptimizer
-from kitsune.cli import device_arg, positive_int
+from kitsune.cli import add_device_argument, positive_int
 from kitsune.distributed import consolidated_state_dict
 
 
@@ -105,14 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=positive_int, default=100)
     parser.add_argument("--stage", type=int, choices=[1, 2], default=2)
-    parser.add_argument(
-        "--device",
-        type=device_arg,
-        choices=["cpu", "cuda"],
-        default="auto",
-        metavar="{auto,cpu,cuda}",
-        help="auto: cuda where there is a GPU",
-    )
+    add_device_argument(parser, gpu_index=False)
     args = parser.parse_args(argv)
     if "LOCAL_RANK" not in os.environ:
         parser.error("run it with torchrun: torchrun --nproc_per_node=2 examples/zero.py --steps 5")

@@ -9,7 +9,36 @@ import sys
 from kitsune._device import device_arg
 from kitsune._paths import output_dir, output_file
 
-__all__ = ["build_parser", "device_arg", "main", "output_dir", "output_file", "positive_float", "positive_int", "seed"]
+__all__ = [
+    "add_device_argument",
+    "build_parser",
+    "device_arg",
+    "main",
+    "output_dir",
+    "output_file",
+    "positive_float",
+    "positive_int",
+    "seed",
+]
+
+
+def add_device_argument(parser: argparse.ArgumentParser, gpu_index: bool = True) -> None:
+    """``--device`` on ``parser``, ``auto`` by default (CUDA where torch sees a GPU), through `device_arg`: one error
+    line, before any work, for a device torch cannot use. ``gpu_index=False``: ``cpu`` or ``cuda`` alone, for a
+    program that puts each rank on its GPU itself (torchrun's LOCAL_RANK, Lightning, Accelerate)."""
+    if gpu_index:
+        parser.add_argument(
+            "--device", type=device_arg, default="auto", help="auto (GPU when there is one), cpu, cuda or cuda:N"
+        )
+        return
+    parser.add_argument(
+        "--device",
+        type=device_arg,
+        choices=["cpu", "cuda"],
+        default="auto",
+        metavar="{auto,cpu,cuda}",
+        help="auto: cuda where there is a GPU",
+    )
 
 
 def positive_int(text: str) -> int:
@@ -60,16 +89,6 @@ def _version() -> str:
     return f"kitsune {kitsune.__version__} (torch {torch.__version__}, {triton})"
 
 
-def _demo_device(text: str) -> str:
-    """``--device`` of the demo through `kitsune._device.parse_device`: its ValueError as an argparse error."""
-    from kitsune._device import parse_device
-
-    try:
-        return str(parse_device(text))
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def _demo(args: argparse.Namespace) -> int:
     from kitsune._paths import check_output_path
 
@@ -106,9 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
         "pass-through and no speedup is shown), the profiler's summary, and the profile saved as JSON.",
     )
     demo.add_argument("--steps", type=positive_int, default=100, help="training steps per run (default 100)")
-    demo.add_argument(
-        "--device", type=_demo_device, default="auto", help="auto (GPU when there is one), cpu, cuda or cuda:N"
-    )
+    add_device_argument(demo)
     demo.add_argument(
         "--profile-out",
         default="kitsune-profile.json",

@@ -400,7 +400,8 @@ def test_every_example_is_tested_and_documented():
         how = rf"^(python|torchrun)\b.* examples/{re.escape(path.name)}\b"
         assert re.search(how, doc, re.M), f"{path.name}: the docstring should say how to run it"
         if path.name != "basic.py":
-            assert '"--steps"' in source and '"--device"' in source, f"{path.name}: --steps and --device"
+            has_device = '"--device"' in source or "add_device_argument(" in source
+            assert '"--steps"' in source and has_device, f"{path.name}: --steps and --device"
 
 
 WRITES = re.compile(r'out_dir / "([^"]+)"|"--profile-out", default="([^"]+)"')

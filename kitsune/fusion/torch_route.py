@@ -77,13 +77,13 @@ class TorchShadow:
             return []
         # a param laid out anew since (model.to(channels_last)), or state the wrapped optimizer's step made last time
         # for the params left to it (SGD's momentum buffer is a clone of the grad, in the grad's order)
-        if self.unhandled or [p.stride() for p in self.params] != self._strides:
+        strides = [p.stride() for p in self.params]
+        if self.unhandled or strides != self._strides:
             self._conform_state()
         self.unhandled = [
             p
-            for p in self.params
-            if (g := p.grad) is not None
-            and (g.layout != torch.strided or g.dtype != p.dtype or g.stride() != p.stride())
+            for p, stride in zip(self.params, strides, strict=True)
+            if (g := p.grad) is not None and (g.layout != torch.strided or g.dtype != p.dtype or g.stride() != stride)
         ]
         return self.unhandled
 

@@ -32,6 +32,7 @@ import torch
 from torch.optim.adamw import adamw
 from torch.optim.optimizer import ParamsT
 
+from kitsune.distributed import fsdp
 from kitsune.kernels.coefficients import MUON_COEFFICIENTS, Coefficients, schedule
 from kitsune.optim.base import EagerOptimizer, check_lr
 
@@ -81,19 +82,6 @@ def _use_triton(device: torch.device) -> bool:
     if device.type == "cuda":
         return True
     return device.type == "cpu" and _ns.INTERPRETED and os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    from kitsune.distributed import fsdp  # torch.distributed only where a model is sharded
-
-    return fsdp.is_dtensor(t)
-
-
-def _shard_like(whole: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """``whole`` (equal on every rank) cut into DTensor ``p``'s shard, without communication."""
-    from kitsune.distributed import fsdp
-
-    return fsdp.like_param(whole, p)
 
 
 class Muon(EagerOptimizer):
@@ -281,11 +269,11 @@ class Muon(EagerOptimizer):
         batches: dict[tuple, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
         for p, grad, buf in zip(params, grads, bufs, strict=True):
             buf.lerp_(grad, 1 - momentum)
-            if _is_dtensor(p):  # FSDP2: whole matrices are orthogonalised, so each rank gathers one, keeps its share
+            if fsdp.is_dtensor(p):  # FSDP2: each rank gathers the whole matrix, orthogonalises it, keeps its share
                 update = grad.lerp(buf, momentum) if group["nesterov"] else buf
                 whole = update.full_tensor()
                 ortho = self._orthogonalize(whole.flatten(1)[None], group, plan, alone=True)[0]
-                self._apply(p, _shard_like(ortho.view(whole.shape), p), group, lr, ortho.shape)
+                self._apply(p, fsdp.like_param(ortho.view(whole.shape), p), group, lr, ortho.shape)
                 continue
             if group["ns_steps"] > 0 and (sharded or (grad.dtype in _TRITON_DTYPES and _use_triton(p.device))):
                 batches.setdefault((p.shape, grad.dtype, p.device), []).append((p, grad, buf))

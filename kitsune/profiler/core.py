@@ -500,7 +500,7 @@ class Profiler(Subsystem):
     def continue_from(self, clock: int) -> None:
         """A copy's profiler (`clock` of the original): its windows go on where the original's stood, so the copy
         runs the same steps the same way (a comparison's baseline steps round differently), not the windows again.
-        The records stay the original's."""
+        Its records start empty: the original's stay with the original."""
         self._index = clock
         self._update_sampling()
 
