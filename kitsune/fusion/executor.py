@@ -240,18 +240,16 @@ class FusionSubsystem(Subsystem):
             todo = self._units
         else:
             todo = [unit for i, unit in enumerate(self._units) if i not in done] if done else self._units
-            live = [unit for unit in todo if unit.prepare(state, groups)]
+            live = self._prepare_units(todo, state, groups)
         if any(unit.stale for unit in todo):
-            self._replan()  # a param's storage moved or a state tensor was freed; rebind everything and scan again
+            self._replan_within()  # a param's storage moved or a state tensor was freed; rebind everything, scan again
             todo = self._units
             live = self._prepare_all(state, groups, updated)
-        self._prepared = [*todo, *self._muon]
         if self._muon:
-            live += [unit for unit in self._muon if unit.prepare(state, groups)]
+            live += self._prepare_units(self._muon, state, groups)
             if any(unit.stale for unit in self._muon):
-                self._replan()
-                self._prepared = [*self._units, *self._muon]
-                live = [unit for unit in self._prepared if unit.prepare(state, groups)]
+                self._replan_within()
+                live = self._prepare_units([*self._units, *self._muon], state, groups)
         self.forget_checks()
         if s.grad_write == 1:  # unscaled or clipped, left in the grads (zeroed ones are zeroed in place)
             self._refuse_overlapping()
@@ -332,16 +330,28 @@ class FusionSubsystem(Subsystem):
                         "(p.grad_dtype = None), or the params in the grads' dtype. Nothing was updated."
                     )
 
+    def _prepare_units(self, units: list[FusedUnit], state: Any, groups: list[dict[str, Any]]) -> list[FusedUnit]:
+        """Prepare ``units``; those with a live grad. Each is in `_prepared` before it changes anything, so a step
+        that raises later, in another unit's prepare too, undoes its state and grads (`undo`)."""
+        self._prepared += units
+        return [unit for unit in units if unit.prepare(state, groups)]
+
+    def _replan_within(self) -> None:
+        """`_replan` inside a step's `prepare`: the old plan's units prepared so far stay for `undo`."""
+        prepared = self._prepared
+        self._replan()
+        self._prepared = prepared
+
     def _prepare_all(self, state: Any, groups: list[dict[str, Any]], updated: list[torch.Tensor]) -> list[FusedUnit]:
         """Prepare every unit of a new plan; the params ``updated`` inside backward by the old plan's units are
         skipped this step, as params without a grad (their units of the new plan group them otherwise)."""
         if not updated:
-            return [unit for unit in self._units if unit.prepare(state, groups)]
+            return self._prepare_units(self._units, state, groups)
         grads = [p.grad for p in updated]
         try:
             for p in updated:
                 p.grad = None
-            return [unit for unit in self._units if unit.prepare(state, groups)]
+            return self._prepare_units(self._units, state, groups)
         finally:
             for p, g in zip(updated, grads, strict=True):
                 p.grad = g
@@ -368,15 +378,18 @@ class FusionSubsystem(Subsystem):
         if self._state_moved():
             return False
         ready = unit.prepare(self._base.state, self._base.param_groups) and not unit.stale
+        unit.keep()  # an update inside backward is not undone: the grads it moved into the arena stay
         self._see_state()  # the state this unit's lazy init made
         return ready
 
     def undo(self) -> None:
-        """A step that raised after `prepare`: remove the state it created (a failed step creates none), and
-        check the params' storages again on the retry. A step that raised before its `prepare` (a refusal of the
-        grads' checks) finds nothing to remove: `finish` emptied the last step's list."""
+        """A step that raised after `prepare`: remove the state it created (a failed step creates none), give the
+        grads it moved into the pool's flat arena back to their params, and check the params' storages again on the
+        retry. A step that raised before its `prepare` (a refusal of the grads' checks) finds nothing to undo:
+        `finish` emptied the last step's list."""
         state = self._base.state
         for unit in self._prepared:
+            unit.return_grads()
             for p in unit.created:
                 state.pop(p, None)
         self._prepared = []
@@ -621,6 +634,8 @@ class FusionSubsystem(Subsystem):
                 p for unit in live for p in (without(unit.params, unit.unhandled) if unit.unhandled else unit.params)
             ]
         self._note_skip(s)
+        for unit in self._prepared:
+            unit.keep()
         self._prepared = []  # the state this step created is kept from here on
         if launches is None:
             launches, self._launches_last_launch = (self._launches_last_launch if live else 0), 0

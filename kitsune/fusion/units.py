@@ -97,6 +97,8 @@ class FusedUnit:
         """Params skipped this step because their grad is one the kernel cannot take (sparse, another dtype)."""
         self.created: list[torch.Tensor] = []
         """Params whose state this step's `prepare` created (lazily, on their first grad)."""
+        self.adopted: list[tuple[int, torch.Tensor]] = []
+        """Flat grads: this step's grads moved into their arena slots, with the tensor each param held before."""
         self.stale = False
         """Set when a param's storage moved (``p.data = ...``): the subsystem re-plans before launching."""
         # SGD keeps no step in torch's state: count privately, only to spot each buffer's first step
@@ -185,6 +187,7 @@ class FusedUnit:
     def prepare(self, state: Any, groups: Sequence[dict[str, Any]]) -> bool:
         """Point the tables at this step's grads and create missing state; False if no grad is live."""
         self.created = []  # this step's, whatever path it takes
+        self.adopted = []
         if self.follow() != OTHER:
             return True
         return self._prepare(state, groups)
@@ -493,10 +496,24 @@ class FusedUnit:
             if g is None or ptrs[i] == DEAD or g.layout != torch.strided or not slots.has_grad_room(i):
                 continue
             if g.data_ptr() != slots.grad_view(i).data_ptr() or g.shape != slots.grad_view(i).shape:
+                self.adopted.append((i, self.params[i].grad))
                 grads[i] = slots.adopt_grad(i, g)
                 ptrs[i] = grads[i].data_ptr()
                 slots.adoptions += 1
         return grads, ptrs
+
+    def keep(self) -> None:
+        """The step went through: the grads it moved into the arena stay (the tensors they replaced are let go)."""
+        self.adopted = []
+
+    def return_grads(self) -> None:
+        """A step that raised after `prepare`: each grad it moved into the arena goes back to its param (the tensor
+        the param held, its values untouched), as a step of torch's that raises leaves ``p.grad``; the next step
+        moves it again."""
+        for i, g in self.adopted:
+            self.params[i].grad = g
+            self.slots.adoptions -= 1
+        self.adopted = []
 
     def _layout_holds(self, tensors: list[torch.Tensor]) -> bool:
         """Whether ``tensors`` (plain tensors or local shards, one per param, none None) are what the kernels read

@@ -18,7 +18,8 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from twins import make_params, random_grads, record_graphs
 
-from kitsune import AMPConfig, FusionConfig, GradConfig, KitsuneOptimizer, StreamConfig
+from kitsune import AMPConfig, FusionConfig, GradConfig, KitsuneConfig, KitsuneOptimizer, MemoryConfig, StreamConfig
+from kitsune.fusion import Route
 from kitsune.optim import LAMB, Lion, Muon
 
 
@@ -89,14 +90,22 @@ def _linear_and_sparse_embedding(device: torch.device) -> tuple[torch.nn.Module,
     return torch.nn.Linear(4, 3).to(device), torch.nn.Embedding(6, 3, sparse=True).to(device)
 
 
+def _fused(flat_grads: bool = False, **fusion: Any) -> KitsuneConfig:
+    """The one line's settings; ``flat_grads``: the pool's flat grad arena too (the step moves new grads into it)."""
+    return KitsuneConfig(fusion=FusionConfig(enabled=True, **fusion), memory=MemoryConfig(flat_grads=flat_grads))
+
+
+@pytest.mark.parametrize("flat_grads", [False, True], ids=["grads", "flat_grads"])
 @pytest.mark.parametrize("warm", [0, 3], ids=["first_step", "after_three_steps"])
-def test_a_step_refused_by_the_wrapped_step_changes_nothing(warm, device):
+def test_a_step_refused_by_the_wrapped_step_changes_nothing(warm, flat_grads, device):
     """AdamW over a Linear (fused) and a sparse Embedding (the wrapped AdamW's own step, which refuses sparse grads):
-    the refusal leaves the Linear, every grad and all state as they were, and a retry after the fix steps once."""
+    the refusal leaves the Linear, every grad and all state as they were, and a retry after the fix steps once.
+    With flat grads the Linear's new grads were moved into the arena before the refusal: they are the user's
+    tensors again after it."""
     lin, emb = _linear_and_sparse_embedding(device)
     params = [*lin.parameters(), emb.weight]
     twins = [torch.nn.Parameter(p.detach().clone()) for p in params[:2]]
-    opt = KitsuneOptimizer(torch.optim.AdamW(params, lr=0.1), enable_fusion=True)
+    opt = KitsuneOptimizer(torch.optim.AdamW(params, lr=0.1), config=_fused(flat_grads))
     ref = torch.optim.AdamW(twins, lr=0.1)
     for step in range(warm):  # the embedding gets no grad: it is skipped
         for p, t, g in zip(params[:2], twins, random_grads(params[:2], step), strict=True):
@@ -253,6 +262,38 @@ def test_a_grad_of_the_params_numel_but_another_shape_is_refused(where, native, 
     with pytest.raises(ValueError, match=r"has a grad of shape \(5, 4\)"):
         opt.step()
     _assert_unchanged(before, opt)
+
+
+@pytest.mark.parametrize("flat_grads", [False, True], ids=["grads", "flat_grads"])
+@pytest.mark.parametrize("bad", [0, 1], ids=["first_unit", "second_unit"])
+def test_a_refusal_in_one_unit_undoes_what_the_others_prepared(bad, flat_grads, device):
+    """Two fused units (one tensor a launch), first step: the one whose grad has another shape refuses the step.
+    The other unit, prepared before it, had made its lazy state and (flat grads) moved its grad into the arena:
+    both are undone, so no state stands, each param holds its own grad tensor, and the retry after the fix
+    follows torch's AdamW."""
+    params = make_params([(4, 5), (3, 6)], torch.float32, device)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = KitsuneOptimizer(torch.optim.AdamW(params, lr=0.1), config=_fused(flat_grads, max_fusion_size=1))
+    ref = torch.optim.AdamW(twins, lr=0.1)
+    assert [(b.route, b.tensors, b.launches) for b in opt.plan.buckets] == [(Route.TRITON, 2, 2)]
+    grads = random_grads(params, 0)
+    for p, t, g in zip(params, twins, grads, strict=True):
+        p.grad, t.grad = g.clone(), g.clone()
+    good = params[bad].grad
+    params[bad].grad.data = good.data.view(tuple(reversed(good.shape)))
+    before = _snapshot(opt)
+    with pytest.raises(ValueError, match="has a grad of shape"):
+        opt.step()
+    _assert_unchanged(before, opt)
+    assert not opt.state
+    params[bad].grad.data = good.data.view(params[bad].shape)  # the fix
+    for step in range(4):
+        opt.step()
+        ref.step()
+        for p, t in zip(params, twins, strict=True):
+            torch.testing.assert_close(p, t, rtol=1e-6, atol=1e-6)
+        for p, t, g in zip(params, twins, random_grads(params, step + 1), strict=True):
+            p.grad, t.grad = g.clone(), g.clone()
 
 
 @pytest.mark.parametrize("value", ["abc", "0.01", None, [0.1]], ids=["text", "numeric_text", "none", "list"])
