@@ -529,7 +529,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             # torch checks the groups before it changes anything, but its optimizers' __setstate__ read the loaded
             # state after it is in place (a missing 'step' raises there): what raises puts the old state back
             base.load_state_dict(sd)
-            state_format.restore_low(base, sd["param_groups"], low)
+            state_format.restore_low(base, sd["param_groups"], low, self._fusion.wide_state())
             # kitsune checks what torch's load does not, for every param, before anything binds or decodes it
             state_format.check_loaded(base.state)  # 8-bit state
             algos.check_loaded(base)  # the algorithm's state: tensors of the params' shapes, numeric step counts

@@ -222,6 +222,10 @@ class NoFusion(PlaceholderSubsystem):
     def bind_pooled(self) -> None:
         """Nothing fused, no state in the pool's arenas."""
 
+    def wide_state(self) -> set[torch.Tensor]:
+        """Nothing fused: every param's state is its dtype, as torch's load casts it."""
+        return set()
+
     def needs_replan(self) -> bool:
         return False
 

@@ -181,6 +181,11 @@ class FusionSubsystem(Subsystem):
             reasons = "; ".join(sorted({b.reason for b in plan.buckets})) or "no params"
             self.deactivate(f"nothing to fuse: {reasons}")
 
+    def wide_state(self) -> set[torch.Tensor]:
+        """The params whose state the plan keeps in another format than their dtype (`Planner.wide_state`): a load
+        keeps their checkpoint's wider moments (`kitsune.fusion.state_format.restore_low`)."""
+        return self._planner.wide_state(self._base) if self.active and self._base is not None else set()
+
     def bind_pooled(self) -> None:
         """Bind the pooled units to the wrapped optimizer's state again: after ``load_state_dict`` let go of the
         state it replaced, the loaded tensors that got memory of their own while the old arena views were still

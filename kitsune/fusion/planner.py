@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import os
 from collections import Counter, defaultdict
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -156,10 +156,45 @@ class Planner:
         groups = base.param_groups
         info = ALGOS.get(type(base))
         specs = group_specs(info, groups) if info else ()
-        whole = self._optimizer_reason(base, info)
-        mesh: list[Any] = []  # the one device mesh of the FSDP2 params the fused kernel takes
         buckets: dict[tuple, Members] = defaultdict(list)
         notes: dict[tuple, set[str]] = defaultdict(set)
+        for gi, p, route, reason, pspec, note in self._assign(base, remote, info, specs):
+            key = (str(p.device), p.dtype, pspec if route is not Route.BASE_STEP else None, route, reason)
+            buckets[key].append((gi, p))
+            notes[key] |= _group_notes(groups[gi]) | ({note} if note else set())
+
+        out = Planned(Plan(), info, specs, group_switches(info, groups), switch_keys(info, groups))
+        for key, members in buckets.items():
+            device, dtype, spec, route, reason = key
+            bp = self._plan_bucket(base, info, specs, device, dtype, spec, route, reason, members)
+            bp.notes = sorted(notes[key]) if bp.route.fused else []
+            out.plan.buckets.append(bp)
+            self._build(out, base, info, bp, spec, members, backward_bytes)
+        return out
+
+    def wide_state(self, base: torch.optim.Optimizer) -> set[torch.Tensor]:
+        """The params of ``base`` whose state a plan of it now would ask in another format than their own dtype
+        (``FusionConfig.state_precision``, where it applies: `_state_format`): a load keeps their checkpoint's
+        wider moments for them, where torch's load casts every other param's to its dtype."""
+        if self.config.state_precision == "param":
+            return set()
+        info = ALGOS.get(type(base))
+        specs = group_specs(info, base.param_groups) if info else ()
+        return {
+            p
+            for _, p, _, _, pspec, _ in self._assign(base, frozenset(), info, specs)
+            if isinstance(pspec, UpdateSpec) and pspec.state != StateFormat.PARAM
+        }
+
+    def _assign(
+        self, base: torch.optim.Optimizer, remote: Collection[torch.Tensor], info: AlgoInfo | None, specs: tuple
+    ) -> Iterator[tuple[int, torch.Tensor, Route | None, str, Any, str | None]]:
+        """Each param of ``base`` but ``remote``: ``(group index, param, route, reason, spec, note)``, the route
+        None where the fused kernel may take it (`_plan_bucket` weighs that per bucket), the spec with the param's
+        state format and rounding, and a note where a setting asked for does not apply to it."""
+        groups = base.param_groups
+        whole = self._optimizer_reason(base, info)
+        mesh: list[Any] = []  # the one device mesh of the FSDP2 params the fused kernel takes
         listed = Counter(id(p) for g in groups for p in g["params"])
         shared = _sharing_memory([p for g in groups for p in g["params"] if listed[id(p)] == 1])
         for gi, g in enumerate(groups):
@@ -192,18 +227,7 @@ class Planner:
                         pspec = replace(spec, stochastic=True)
                 elif route is None and self.config.param_rounding == "kahan" and p.dtype == torch.bfloat16:
                     note = "param_rounding='kahan' does not apply to Muon's update: bf16 params round to nearest"
-                key = (str(p.device), p.dtype, pspec if route is not Route.BASE_STEP else None, route, reason)
-                buckets[key].append((gi, p))
-                notes[key] |= _group_notes(g) | ({note} if note else set())
-
-        out = Planned(Plan(), info, specs, group_switches(info, groups), switch_keys(info, groups))
-        for key, members in buckets.items():
-            device, dtype, spec, route, reason = key
-            bp = self._plan_bucket(base, info, specs, device, dtype, spec, route, reason, members)
-            bp.notes = sorted(notes[key]) if bp.route.fused else []
-            out.plan.buckets.append(bp)
-            self._build(out, base, info, bp, spec, members, backward_bytes)
-        return out
+                yield gi, p, route, reason, pspec, note
 
     def _state_format(self, info: AlgoInfo, spec: UpdateSpec, p: torch.Tensor) -> tuple[UpdateSpec, str | None]:
         """``spec`` with the state format ``FusionConfig.state_precision`` gives ``p`` on the fused kernel, and a

@@ -435,10 +435,14 @@ def split_low(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[Any, dic
     return ({**state_dict, "state": kept} if changed else state_dict), stash
 
 
-def restore_low(optimizer: torch.optim.Optimizer, saved_groups: list[dict[str, Any]], stash: dict) -> None:
+def restore_low(
+    optimizer: torch.optim.Optimizer, saved_groups: list[dict[str, Any]], stash: dict, wide: set[torch.Tensor]
+) -> None:
     """Put `split_low`'s entries into ``optimizer.state`` after torch's ``load_state_dict`` (which mapped the saved
-    param ids onto the params, group by group, in order), each on its param's device and in its own dtype (a float
-    moment only where torch's cast changed its dtype; the units convert it to their format as they bind)."""
+    param ids onto the params, group by group, in order), each on its param's device and in its own dtype. A float
+    moment goes back only where torch's cast changed its dtype and the param is in ``wide`` (its state is kept in
+    another format than its dtype: the units convert it as they bind); every other param keeps torch's cast, as
+    torch's own load leaves it (an fp32 checkpoint loaded over bf16 params)."""
     if not stash:
         return
     saved = (pid for g in saved_groups for pid in g["params"])
@@ -450,8 +454,8 @@ def restore_low(optimizer: torch.optim.Optimizer, saved_groups: list[dict[str, A
         st = optimizer.state[p]
         for k, t in entries.items():
             loaded = st.get(k)
-            if k in SIGNED and isinstance(loaded, torch.Tensor) and loaded.dtype == t.dtype:
-                continue  # torch's cast kept it as it was
+            if k in SIGNED and isinstance(loaded, torch.Tensor) and (loaded.dtype == t.dtype or p not in wide):
+                continue  # torch's cast kept it as it was, or its cast is what the param's step reads
             st[k] = t.to(p.device) if isinstance(t, torch.Tensor) else t  # (`check_loaded` refuses what is no tensor)
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from twins import assert_close_params, assert_same_state, make_params, random_grads
 
-from kitsune import KitsuneOptimizer
+from kitsune import FusionConfig, KitsuneOptimizer
 from kitsune.optim import Lion
 
 SIZES = [(4, 3), 5, 1]
@@ -85,3 +85,40 @@ def test_load_state_dict_into_running_kitsune_rebinds(device):
     _steps(opt, params, 6, 12)
     assert_close_params(params, ref_params, torch.float32)
     assert_same_state(ref, opt, torch.float32)
+
+
+NARROW_MAKERS = {name: MAKERS[name] for name in ("adamw_amsgrad", "nadam", "radam", "adamax", "lion", "sgd_momentum")}
+
+
+@pytest.mark.parametrize("precision", ["param", "fp32"])
+@pytest.mark.parametrize("name", list(NARROW_MAKERS))
+def test_a_float32_checkpoint_loads_over_bf16_params_as_torchs_load(name, precision, device):
+    """A run saved in float32, resumed with the model in bf16: torch's load casts the moments to bf16 and steps on.
+    The fused one line did the same for SGD and refused the others (Adam's family, Lion), taking the loaded moments
+    for state made before ``model.half()``. It loads now: the moments as torch's load leaves them, bit for bit,
+    except where ``state_precision="fp32"`` keeps them in float32 (as saved), and the steps after it follow torch's
+    fused step (CPU: the same rounding) or, where torch has none, its own."""
+    make = NARROW_MAKERS[name]
+    params = make_params(SIZES, torch.float32, device)
+    saver = make(params)
+    _steps(saver, params, 0, 3)
+    saved = saver.state_dict()
+    bf16 = [torch.nn.Parameter(p.detach().to(torch.bfloat16)) for p in params]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in bf16]
+    opt = KitsuneOptimizer(make(bf16), enable_fusion=True, fusion_config=FusionConfig(state_precision=precision))
+    ref = make(twins)
+    ref.load_state_dict(copy.deepcopy(saved))
+    opt.load_state_dict(copy.deepcopy(saved))
+    wide = precision == "fp32"
+    assert opt.plan.fused_tensors == len(SIZES)
+    assert [b.state for b in opt.plan.buckets] == ["float32" if wide else "bfloat16"]
+    for i, (p, t) in enumerate(zip(bf16, twins, strict=True)):
+        for key, v in ref.state[t].items():
+            if key == "step" or not v.dim():
+                continue
+            held = opt.state[p][key]
+            expected = saved["state"][i][key] if wide else v
+            assert held.dtype == expected.dtype and torch.equal(held.cpu(), expected.cpu()), (i, key)
+    _steps(opt, bf16, 3, 6)
+    _steps(ref, twins, 3, 6)
+    assert_close_params(bf16, twins, torch.bfloat16)
