@@ -525,6 +525,11 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         base = self._optimizer
         before = base.state, base.param_groups
         sd, low = state_format.split_low(sd)  # 8-bit state goes around torch's cast to the params' dtype
+        # the wrapped optimizer's own post-hooks run once the load can no longer fail, as torch runs none for a failed
+        # load (its load ends with them; kitsune's checks come after it)
+        base_post_hooks = base.__dict__.get("_optimizer_load_state_dict_post_hooks")
+        if base_post_hooks:
+            base._optimizer_load_state_dict_post_hooks = OrderedDict()
         try:
             # torch checks the groups before it changes anything, but its optimizers' __setstate__ read the loaded
             # state after it is in place (a missing 'step' raises there): what raises puts the old state back
@@ -538,9 +543,14 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             base.state, base.param_groups = before
             self._replan()  # the plan of the state as it was
             raise
+        finally:
+            if base_post_hooks:
+                base._optimizer_load_state_dict_post_hooks = base_post_hooks
         del before  # the replaced state's arena views, held until the load could no longer fail, are free now
         self._fusion.bind_pooled()
         self._load_own_state(ours)
+        for hook in (base_post_hooks or {}).values():
+            hook(base)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 

@@ -575,7 +575,8 @@ def unit_info(info: AlgoInfo | None, spec: Any) -> AlgoInfo | None:
 def check_loaded(base: torch.optim.Optimizer) -> None:
     """After the wrapped optimizer loaded a state dict and before anything binds or steps on it: raise
     ``ValueError`` where a param's state cannot be what its algorithm keeps (a tensor of another shape than its
-    param: a checkpoint of another model, or of the same params in another order; a step count that is no number),
+    param: a checkpoint of another model, or of the same params in another order; a step count that is no number;
+    ``KeyError`` for a step count missing),
     for every param of an algorithm kitsune knows, whichever step updates it (a fused kernel, torch's path or the
     optimizer's own: torch's would raise halfway through its step). 8-bit state is `state_format.check_loaded`'s.
     Changes nothing."""
@@ -591,7 +592,13 @@ def check_loaded(base: torch.optim.Optimizer) -> None:
                 continue
             for key in algo.scalars:  # type: ignore[union-attr]
                 v = s.get(key)
-                if v is not None and not (isinstance(v, (int, float)) or _strided(v) and v.numel() == 1):
+                if v is None:  # torch's step raises on such state (its __setstate__ reads only the first param's)
+                    raise KeyError(
+                        f"this state dict's state for a param of shape {tuple(p.shape)} has no {key!r}, which "
+                        f"{info.name} keeps in every state it makes. Nothing was loaded: the optimizer keeps its "
+                        "state"
+                    )
+                if not (isinstance(v, (int, float)) or _strided(v) and v.numel() == 1):
                     raise ValueError(
                         f"this state dict's {key!r} for a param of shape {tuple(p.shape)} is {_what(v)}, not a "
                         "number or a one-element tensor. Nothing was loaded: the optimizer keeps its state"

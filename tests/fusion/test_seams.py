@@ -519,6 +519,57 @@ def test_a_checkpoint_of_values_the_step_cannot_read_loads_nothing(spoil, error,
     assert opt.plan.fused_tensors == 2
 
 
+@pytest.mark.parametrize(
+    ("make", "key"),
+    [
+        (lambda ps: torch.optim.AdamW(ps, lr=0.1), "step"),
+        (lambda ps: torch.optim.NAdam(ps, lr=0.1), "mu_product"),
+    ],
+    ids=["adamw_step", "nadam_mu_product"],
+)
+def test_an_8bit_checkpoint_missing_a_step_count_loads_nothing(make, key, device):
+    """An 8-bit checkpoint whose second param's state lacks a scalar torch keeps in every state (torch's load raises
+    ``KeyError`` on such state): refused at the load, changing nothing. It loaded, and the next step raised."""
+    params = make_params([(16, 16), (8, 40)], torch.float32, device)
+    config = FusionConfig(state_precision="8bit", min_8bit_size=0)
+    opt = KitsuneOptimizer(make(params), enable_fusion=True, fusion_config=config)
+    assert [b.state for b in opt.plan.buckets] == ["8-bit"]
+    for step in range(2):
+        _step([(params, opt)], step)
+    sd = copy.deepcopy(opt.state_dict())
+    del sd["state"][1][key]
+    _refused_load(opt, sd, KeyError, key)
+    _step([(params, opt)], 2)
+    assert opt.step_count == 3
+
+
+@pytest.mark.parametrize("refused", [False, True], ids=["loaded", "refused"])
+def test_the_wrapped_optimizers_load_post_hooks_run_only_for_a_load_that_holds(refused, device):
+    """A load post-hook registered on the wrapped optimizer ran inside its load, before kitsune's own checks, so it
+    saw a checkpoint kitsune then refused and rolled back; torch runs none for a failed load. It runs now once the
+    load holds, before the wrapper's own post-hooks (the wrapped optimizer's load ends first), seeing what loaded."""
+    params = make_params([(4, 3), 5], torch.float32, device)
+    opt = KitsuneOptimizer(torch.optim.AdamW(params, lr=0.1), enable_fusion=True)
+    for step in range(2):
+        _step([(params, opt)], step)
+    sd = copy.deepcopy(opt.state_dict())
+    sd["param_groups"][0]["lr"] = 0.5
+    if refused:
+        sd["state"][0]["exp_avg"] = torch.ones(3, 4, device=device)  # another model's shape
+    seen: list[tuple[str, Any]] = []
+    opt.base_optimizer.register_load_state_dict_post_hook(lambda o: seen.append(("wrapped", o.param_groups[0]["lr"])))
+    opt.register_load_state_dict_post_hook(lambda o: seen.append(("wrapper", o.param_groups[0]["lr"])))
+    if refused:
+        with pytest.raises(ValueError, match="shape"):
+            opt.load_state_dict(sd)
+        assert seen == [] and opt.param_groups[0]["lr"] == 0.1
+    else:
+        opt.load_state_dict(sd)
+        assert seen == [("wrapped", 0.5), ("wrapper", 0.5)]
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # the hook stays registered
+    assert seen[-2:] == [("wrapped", opt.param_groups[0]["lr"]), ("wrapper", opt.param_groups[0]["lr"])]
+
+
 # -- 4. missing state keys raise as torch does --------------------------------------------------------------------
 def _both_raise_key_error(ref: torch.optim.Optimizer, opt: KitsuneOptimizer, key: str) -> None:
     """torch's step raises ``KeyError(key)``, and so does kitsune's, changing nothing."""
