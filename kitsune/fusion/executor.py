@@ -127,6 +127,9 @@ class FusionSubsystem(Subsystem):
         low_params = {p for u in planned.units if u.spec.state != StateFormat.PARAM for p in u.params}
         if state_format.decode_others(base.state, low_params):  # the others' 8-bit state, or float state of another
             planned = self._planner.plan(base, remote, backward_bytes)  # dtype, now as their steps read it: route that
+        counts = {p: c for u in self._units for p, c in u.private_steps()}
+        for unit in planned.units:
+            unit.carry_steps(counts)
         self._info, self._switches, self._switch_keys = planned.info, planned.switches, planned.switch_keys
         self._units, self._muon, self._shadows = planned.units, planned.muon, planned.shadows
         self._prepared = []  # the last step's units: the old plan's go with it (their slots hold the pool's arenas)

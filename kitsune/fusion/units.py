@@ -502,6 +502,30 @@ class FusedUnit:
                 slots.adoptions += 1
         return grads, ptrs
 
+    def private_steps(self) -> list[tuple[torch.Tensor, tuple[torch.Tensor, int]]]:
+        """``(param, (counts, index))`` for each param whose step this unit counts privately (none where torch's
+        state holds the step): what `carry_steps` takes."""
+        steps = self._private_steps
+        return [] if steps is None else [(p, (steps, i)) for i, p in enumerate(self.params)]
+
+    def carry_steps(self, old: dict[torch.Tensor, tuple[torch.Tensor, int]]) -> None:
+        """A new plan's unit: the private step count (`_private_steps`) of each param that keeps its state, as the
+        old plan's unit left it (``old``: param -> that unit's counts and the param's index there), so a plan made
+        again mid-run (a group added, ``optimizer.state[p]`` read for a param without state) goes on counting where
+        it stood: the count is the stochastic rounding's stream, which must not start again. A param whose state
+        went starts from its first step, as its state does."""
+        if self._private_steps is None or not old:
+            return
+        found = [(i, old[p]) for i, p in enumerate(self.params) if i not in self.uninit and p in old]
+        if not found:
+            return
+        with torch.no_grad():
+            index = torch.tensor([i for i, _ in found], device=self.device)
+            counts = torch.stack([t[j].to(self.device) for _, (t, j) in found])
+            # at least the 1 of state that exists: state loaded or made since (by the wrapped optimizer's step) over
+            # a count of 0 is not at its first step
+            self._private_steps.index_copy_(0, index, torch.maximum(counts, self._private_steps[index]))
+
     def keep(self) -> None:
         """The step went through: the grads it moved into the arena stay (the tensors they replaced are let go)."""
         self.adopted = []

@@ -68,6 +68,45 @@ def test_the_same_seed_gives_the_same_bits_and_another_seed_others(device):
     assert (a.float() - c.float()).abs().max().item() <= 2 * 2.0**-7 * a.float().abs().max().item()
 
 
+@pytest.mark.parametrize(
+    ("make", "replan"),
+    [
+        (lambda ps: torch.optim.SGD(ps, lr=1.0), "state_read"),
+        (lambda ps: torch.optim.SGD(ps, lr=1.0), "group_added"),
+        (lambda ps: Lion(ps, lr=1e-3), "group_added"),
+    ],
+    ids=["sgd_state_read", "sgd_group_added", "lion_group_added"],
+)
+def test_a_plan_made_again_mid_run_keeps_the_rounding_stream(make, replan, device):
+    """SGD and Lion keep no step in torch's state: the fused unit counts each param's steps privately, and the
+    stochastic rounding takes that count as its stream. A plan made again mid-run (``optimizer.state[p]`` read for a
+    param without state adds an empty entry to torch's defaultdict; a group added) built new units whose counts
+    started again, so the run drew the same bits again and parted from the run without it. The new units go on
+    counting where the old ones stood: bit for bit as the run without it."""
+
+    def run(with_replan):
+        gen = torch.Generator().manual_seed(1)
+        p = torch.nn.Parameter((1 + torch.rand(4096, generator=gen)).to(torch.bfloat16).to(device))
+        opt = _opt([p], make=make)
+        version = opt.plan
+        for step in range(6):
+            p.grad = (torch.randn(4096, generator=gen) * 2**-9).to(torch.bfloat16).to(device)
+            opt.step()
+            if with_replan and step == 2:
+                if replan == "state_read":
+                    opt.state[p]  # noqa: B018 (the read is the point)
+                else:
+                    opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(3, device=device))]})
+        assert opt.plan.buckets[0].route is Route.TRITON and "stochastic rounding" in opt.plan.buckets[0].options
+        replanned = opt.plan is not version
+        return p.detach().clone(), replanned
+
+    kept, replanned = run(False)
+    moved, replanned_too = run(True)
+    assert not replanned and replanned_too  # the scenario did plan again
+    assert torch.equal(kept, moved)
+
+
 def test_plan_and_dtypes(device):
     params = [
         torch.nn.Parameter(torch.randn(64, device=device, dtype=torch.bfloat16)),
