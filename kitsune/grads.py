@@ -150,6 +150,25 @@ class GradPass:
         self.host_syncs += 1
         return bool(s.found_inf.item())
 
+    def unscale_left(self, s: StepState) -> None:
+        """A user's GradScaler handed its scale to a step whose fused kernels unscale in place, and the step met
+        grads those kernels cannot read (sparse, another dtype: ``s.unhandled``, which go to the wrapped optimizer's
+        own step): unscale those here, as ``GradScaler.unscale_`` does (a float16 sparse grad coalesced first, its
+        values unscaled). GradScaler's ``found_inf`` has checked them already, and the wrapped step skips on it."""
+        if not (s.unhandled and s.fused_grads and s.external_scaler and s.grad_scale is not None):
+            return
+        values = []
+        for p in s.unhandled:
+            g = p.grad
+            if g.is_sparse:
+                if g.dtype == torch.float16:
+                    p.grad = g = g.coalesce()
+                g = g._values()
+            values.append(g)
+        found_inf = s.found_inf
+        assert found_inf is not None  # handed over with the scale
+        unscale_and_check(values, s.grad_scale.double().reciprocal().float(), torch.zeros_like(found_inf))
+
     def abandon(self, s: StepState, groups: list[dict[str, Any]]) -> None:
         """The step raised: remember the clip for a retry on the same grads."""
         norm = s.grad_norm

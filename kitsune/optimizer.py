@@ -370,6 +370,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             self._grads.apply(s, groups, handoff[0] if handoff and not s.fused_grads else None)
             if not self._grads.skip_on_host(s, self._device_side):
                 live = fusion.prepare(s) if executes else []
+                self._grads.unscale_left(s)  # a user's GradScaler: the grads the wrapped step takes, unscaled
                 # params met with grads the fused kernels cannot take (sparse, another dtype) go to the wrapped step,
                 # which cannot skip on the device: an overflow is read on the host for it, as GradScaler.step does
                 skip_wrapped = bool(s.unhandled) and self._device_side and self._grads.skip_on_host(s, False)

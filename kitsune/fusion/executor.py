@@ -268,8 +268,10 @@ class FusionSubsystem(Subsystem):
         if unhandled:
             self._refuse_mixed(units)
         # the global norm (clipping) and the overflow check need every grad; trust ratios are per tensor, and the
-        # wrapped optimizer's own step computes those of the params it takes
-        if unhandled and s.fused_grads and (s.max_norm is not None or s.check_inf or s.grad_scale is not None):
+        # wrapped optimizer's own step computes those of the params it takes. A user's GradScaler has checked every
+        # grad already: the grads the wrapped step takes are unscaled for it (`GradPass.unscale_left`)
+        scaled = s.grad_scale is not None and not s.external_scaler
+        if unhandled and s.fused_grads and (s.max_norm is not None or s.check_inf or scaled):
             self.undo()
             g = unhandled[0].grad
             fix = (
