@@ -16,7 +16,7 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks as _global_post
@@ -44,6 +44,9 @@ from kitsune.wrapped import WrappedStep, refuse_per_evaluation_passes, run_hooke
 _Closure = Callable[[], Any]
 
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
 class _Shared:
     """An attribute of the wrapped optimizer, read and written through the wrapper: one object under two names."""
 
@@ -65,6 +68,40 @@ class _SharedState(_Shared):
         if obj is not None and "_fusion" in obj.__dict__:
             obj._fusion.settle_skips()
         return super().__get__(obj, owner)
+
+
+def _proxied(self: Any) -> KitsuneOptimizer | None:
+    """The wrapper where ``self`` is a framework's proxy of it, else None. Lightning's ``LightningOptimizer``
+    (``self.optimizers()``) and Fabric's optimizer are instances of a class made from their own and the wrapper's,
+    whose ``_optimizer`` is the wrapper and which read every other attribute from it: the wrapper's method run on
+    such a proxy would take the wrapper for the torch optimizer it wraps (``add_param_group`` re-planned the wrapper
+    as an optimizer it cannot fuse: a step was lost) and keep its bookkeeping on the proxy."""
+    inner = getattr(self, "_optimizer", None)
+    return inner if isinstance(inner, KitsuneOptimizer) else None  # the wrapper's own is a torch optimizer
+
+
+def _on_the_wrapper(method: F) -> F:
+    """``method`` run on the wrapper itself where it is called on a framework's proxy of it (`_proxied`). Both
+    proxies define their own ``step``, which calls the wrapper's: ``step`` is left as it is."""
+
+    @functools.wraps(method)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        inner = _proxied(self)
+        return method(self, *args, **kwargs) if inner is None else getattr(inner, method.__name__)(*args, **kwargs)
+
+    return cast(F, run)
+
+
+def _untraced_on_the_wrapper(method: F) -> F:
+    """`_on_the_wrapper` for a method torch.compile does not trace: this wrapper's code is marked as ``method``'s
+    (`never_traced`), so a traced function's call of it is a graph break, as before."""
+
+    @functools.wraps(method)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        inner = _proxied(self)
+        return method(self, *args, **kwargs) if inner is None else getattr(inner, method.__name__)(*args, **kwargs)
+
+    return never_traced(cast(F, run))
 
 
 def _noting_settings_given(init: Callable[..., None]) -> Callable[..., None]:
@@ -194,7 +231,8 @@ class KitsuneOptimizer(torch.optim.Optimizer):
     @property
     def base_optimizer(self) -> torch.optim.Optimizer:
         """The wrapped torch optimizer."""
-        return self._optimizer
+        inner = _proxied(self)
+        return self._optimizer if inner is None else inner.base_optimizer
 
     @property
     def profiler(self) -> Profiler | None:
@@ -415,20 +453,24 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         return baseline
 
     # -- mixed precision and the training loop ------------------------------------------------------------------
+    @_on_the_wrapper
     def autocast(self) -> Any:
         """Autocast context for the forward pass in the AMP dtype (a disabled autocast when AMP is off)."""
         return self._amp.autocast()
 
+    @_on_the_wrapper
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()``, with the loss scaled first when AMP runs in float16."""
         self.scale_loss(loss).backward(**kwargs)
 
+    @_on_the_wrapper
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the current loss scale (float16 AMP; otherwise ``loss`` itself), for a loop that runs its
         own backward (``accelerator.backward(optimizer.scale_loss(loss))``);
         [`backward`][kitsune.KitsuneOptimizer.backward] calls it."""
         return self._amp.scale_loss(loss)
 
+    @_on_the_wrapper
     @contextlib.contextmanager
     def accumulating(self) -> Iterator[None]:
         """Context for the backward passes of gradient accumulation's micro-steps that do not step: with
@@ -439,6 +481,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         with self._accumulation:
             yield
 
+    @_untraced_on_the_wrapper
     @never_traced
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the grads of every param as ``torch.optim.Optimizer.zero_grad`` does (see
@@ -447,6 +490,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         self._streams.discard_backward()
         self._grads.zero_grad(self._optimizer, set_to_none, self._zero_grad_profile_name)
 
+    @_untraced_on_the_wrapper
     @never_traced  # as torch.optim's: not traced by torch.compile
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group to the wrapped optimizer (its defaults fill the gaps) and re-plan; a group the plan
@@ -470,6 +514,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             raise
 
     # -- checkpoints and copies ---------------------------------------------------------------------------------
+    @_untraced_on_the_wrapper
     @never_traced  # as torch.optim's: not traced by torch.compile
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """The wrapped optimizer's state dict (torch's keys and layout) plus kitsune's own under ``"kitsune"``. 8-bit
@@ -488,12 +533,14 @@ class KitsuneOptimizer(torch.optim.Optimizer):
                 sd = out
         return sd
 
+    @_on_the_wrapper
     def wait_params(self) -> None:
         """ZeRO with ``ShardConfig(gather_in_forward=True)``: complete the params' all-gather now, so every param
         holds the last step's update before it is read outside a module's forward (an EMA, ``model.state_dict()``).
         Does nothing otherwise."""
         self._shard.wait_params()
 
+    @_untraced_on_the_wrapper
     @never_traced  # as torch.optim's: not traced by torch.compile
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Load a state dict saved by kitsune or by the plain torch optimizer: all of it, or (raising) none of it."""
@@ -597,23 +644,28 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         if old_profiler is not None:
             old_profiler.close()  # its NVML sampler's thread, now that nothing reads it
 
+    @_on_the_wrapper
     def __repr__(self) -> str:
         active = ", ".join(s.name for s in self._subsystems if s.active) or "none"
         return f"KitsuneOptimizer(active=[{active}]) wrapping {self._optimizer!r}"
 
     # -- reports ------------------------------------------------------------------------------------------------
+    @_on_the_wrapper
     def subsystem_status(self) -> list[dict[str, Any]]:
         """For each subsystem: name, active, the reason when inactive, and what it reports."""
         return [s.status() for s in self._subsystems]
 
+    @_on_the_wrapper
     def print_summary(self, console: Any = None) -> None:
         """Print the plan, the subsystems and the profiler's numbers as rich tables."""
         print_summary(self, console=console)
 
+    @_on_the_wrapper
     def save_profile(self, filepath: str | Path = "profile.json") -> Path:
         """Write the profile (environment, config, subsystems, per-step timings, statistics) as JSON."""
         return save_profile(self, filepath)
 
+    @_on_the_wrapper
     def export_chrome_trace(self, filepath: str | Path = "trace.json") -> Path:
         """Write the timed steps (and NVML samples) as a Chrome trace that Perfetto and chrome://tracing open."""
         return export_chrome_trace(self, filepath)

@@ -102,3 +102,53 @@ def test_accelerate_reads_the_skipped_step_as_with_torch_fused(accelerator):
     torch_fused = overflowing_step(use_kitsune=False, fused=True)
     assert overflowing_step(use_kitsune=True) == torch_fused
     assert torch_fused["params unchanged"] and not torch_fused["step_was_skipped"], torch_fused
+
+
+def _lightning_proxy(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    core = pytest.importorskip("lightning.pytorch.core.optimizer", reason="lightning is not installed")
+    return core.LightningOptimizer(opt)  # what self.optimizers() returns in a LightningModule
+
+
+def _fabric_proxy(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    wrappers = pytest.importorskip("lightning.fabric.wrappers", reason="lightning is not installed")
+    return wrappers._FabricOptimizer(opt, strategy=None)  # what fabric.setup(model, optimizer) hands back
+
+
+@pytest.mark.parametrize("action", ["add_param_group", "load_state_dict"])
+@pytest.mark.parametrize("proxy", [_lightning_proxy, _fabric_proxy], ids=["lightning", "fabric"])
+def test_a_frameworks_proxy_of_the_wrapper_acts_on_the_wrapper(proxy, action, device, monkeypatch):
+    """Lightning's LightningOptimizer and Fabric's optimizer are instances of a class made from theirs and the
+    wrapper's, whose ``_optimizer`` is the wrapper: the wrapper's methods called on them took the wrapper for the
+    torch optimizer it wraps. ``add_param_group`` (or Lightning's ``load_state_dict``) through the proxy re-planned
+    the wrapper as an optimizer it cannot fuse, and the next step updated nothing (one AdamW step fewer than torch).
+    Called on the proxy, each runs on the wrapper now: the same steps as torch's AdamW behind the same proxy, the
+    fused route kept, and the proxy reporting the wrapper's step count and the AdamW it wraps."""
+    if device.type == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # the fused kernels in Triton's interpreter (tests/conftest.py)
+    runs = []
+    for kit in (False, True):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2).to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        opt = KitsuneOptimizer(opt, enable_fusion=True) if kit else opt
+        wrapped = proxy(opt)
+        loads: list[int] = []
+        wrapped.register_load_state_dict_post_hook(lambda o, loads=loads: loads.append(1))
+        gen = torch.Generator().manual_seed(1)
+        for i in range(5):
+            model(torch.randn(8, 4, generator=gen).to(device)).pow(2).mean().backward()
+            opt.step()
+            wrapped.zero_grad()
+            if i == 1 and action == "add_param_group":
+                wrapped.add_param_group({"params": [nn.Parameter(torch.zeros(3, device=device))]})
+            elif i == 1:
+                wrapped.load_state_dict(opt.state_dict())  # Fabric's load_state_dict calls the wrapper's itself
+        runs.append((model.weight.detach().clone(), [s["step"].item() for s in opt.state.values()], loads))
+        if kit:
+            assert [b.route.value for b in opt.plan.buckets] == ["triton"]
+            assert wrapped.step_count == opt.step_count == 5 and wrapped.plan is opt.plan
+            assert type(wrapped.base_optimizer) is torch.optim.AdamW and repr(wrapped) == repr(opt)
+    (ref, ref_steps, _), (ours, our_steps, our_loads) = runs
+    assert our_steps == ref_steps == [5.0, 5.0]
+    assert our_loads == ([1] if action == "load_state_dict" else [])  # the load's post-hook, once
+    torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
