@@ -184,6 +184,44 @@ class FusionSubsystem(Subsystem):
             reasons = "; ".join(sorted({b.reason for b in plan.buckets})) or "no params"
             self.deactivate(f"nothing to fuse: {reasons}")
 
+    # -- checkpoints ----------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The step counts kitsune keeps for params whose stochastic rounding reads them as its stream (SGD, Lion:
+        torch's state holds none; `FusedUnit.private_steps`), by the param's position in the groups, as torch's state
+        dict numbers params: a resumed run, or a copy, draws the bits the uninterrupted one would."""
+        units = [u for u in self._units if u.spec.stochastic and u.private_steps()]
+        if self._base is None or not units:
+            return {}
+        position = {id(p): i for i, p in enumerate(p for g in self._base.param_groups for p in g["params"])}
+        steps: dict[int, float] = {}
+        for unit in units:
+            entries = unit.private_steps()
+            values = entries[0][1][0].tolist()  # the unit's counts, read once (a sync on a GPU: checkpoints only)
+            steps |= {position[id(p)]: values[j] for p, (_, j) in entries if id(p) in position}
+        return {"rounding_steps": steps}
+
+    def check_state_dict(self, state: dict[str, Any]) -> None:
+        steps = state.get("rounding_steps", {}) if isinstance(state, dict) else None
+        total = sum(len(g["params"]) for g in self._base.param_groups) if self._base is not None else 0
+        if not isinstance(steps, dict) or not all(
+            type(i) is int and 0 <= i < total and isinstance(c, (int, float)) and c >= 0 for i, c in steps.items()
+        ):
+            raise ValueError(
+                "the state dict's kitsune entry has fusion rounding_steps that are no step counts of this optimizer's "
+                f"params (a dict of param position -> count >= 0, positions below {total}). Nothing was loaded"
+            )
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        steps = state.get("rounding_steps")
+        if not steps or self._base is None:
+            return
+        params = [p for g in self._base.param_groups for p in g["params"]]
+        saved = torch.tensor([float(c) for c in steps.values()], dtype=torch.float32)
+        counts = {params[i]: (saved, j) for j, i in enumerate(steps)}
+        for unit in self._units:
+            if unit.spec.stochastic:
+                unit.carry_steps(counts)
+
     def wide_state(self) -> set[torch.Tensor]:
         """The params whose state the plan keeps in another format than their dtype (`Planner.wide_state`): a load
         keeps their checkpoint's wider moments (`kitsune.fusion.state_format.restore_low`)."""

@@ -107,6 +107,60 @@ def test_a_plan_made_again_mid_run_keeps_the_rounding_stream(make, replan, devic
     assert torch.equal(kept, moved)
 
 
+@pytest.mark.parametrize("how", ["checkpoint", "deepcopy", "pickle"])
+@pytest.mark.parametrize(
+    "make", [lambda ps: torch.optim.SGD(ps, lr=1.0), lambda ps: Lion(ps, lr=1e-3)], ids=["sgd", "lion"]
+)
+def test_a_resumed_or_copied_run_draws_the_uninterrupted_runs_bits(make, how, device):
+    """The step counts kitsune keeps for SGD's and Lion's stochastic rounding (torch's state holds none) are in the
+    checkpoint's kitsune entry (through ``torch.load``'s default ``weights_only``) and in copies: the resumed run,
+    or the copy, goes on bit for bit as the run that never stopped. They were not, and such a run drew its first
+    steps' bits again."""
+    import copy
+    import io
+    import pickle
+
+    gen = torch.Generator().manual_seed(1)
+    p = torch.nn.Parameter((1 + torch.rand(4096, generator=gen)).to(torch.bfloat16).to(device))
+    grads = [(torch.randn(4096, generator=gen) * 2**-9).to(torch.bfloat16).to(device) for _ in range(7)]
+    opt = _opt([p], make=make, seed=3)
+    for g in grads[:3]:
+        p.grad = g.clone()
+        opt.step()
+    if how == "checkpoint":
+        buf = io.BytesIO()
+        torch.save(opt.state_dict(), buf)
+        buf.seek(0)
+        q = torch.nn.Parameter(p.detach().clone())
+        other = _opt([q], make=make, seed=3)
+        other.load_state_dict(torch.load(buf))
+    else:
+        q, other = copy.deepcopy((p, opt)) if how == "deepcopy" else pickle.loads(pickle.dumps((p, opt)))
+    assert opt.state_dict()["kitsune"]["subsystems"]["fusion"]["rounding_steps"]
+    for g in grads[3:]:
+        for param, o in ((p, opt), (q, other)):
+            param.grad = g.clone()
+            o.step()
+    assert other.plan.buckets[0].route is Route.TRITON and "stochastic rounding" in other.plan.buckets[0].options
+    assert torch.equal(p, q)
+
+
+def test_rounding_steps_that_are_no_counts_load_nothing(device):
+    """A kitsune entry whose rounding step counts name no param of the optimizer, or are no counts: refused before
+    anything changes."""
+    p = torch.nn.Parameter(torch.rand(64).to(torch.bfloat16).to(device))
+    opt = _opt([p])
+    p.grad = torch.rand_like(p)
+    opt.step()
+    for spoiled in ({5: 1.0}, {0: -1.0}, {0: "3"}, [1.0]):
+        sd = opt.state_dict()
+        sd["kitsune"]["subsystems"]["fusion"]["rounding_steps"] = spoiled
+        sd["param_groups"][0]["lr"] = 0.5
+        with pytest.raises(ValueError, match="rounding_steps"):
+            opt.load_state_dict(sd)
+        assert opt.param_groups[0]["lr"] == 1.0
+
+
 def test_plan_and_dtypes(device):
     params = [
         torch.nn.Parameter(torch.randn(64, device=device, dtype=torch.bfloat16)),
