@@ -136,7 +136,8 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         stream_config: stream settings; its ``num_streams`` must agree with ``num_streams`` if both are set.
         memory_pool_size: most bytes per device of flat arena for the fused params' optimizer state (0: off).
         capture_graph: capture the optimizer phase in a CUDA graph (CUDA only).
-        max_grad_norm: clip the grads to this global 2-norm inside the step (see [`GradConfig`][kitsune.GradConfig]).
+        max_grad_norm: clip the grads to this global norm inside the step (a 2-norm unless
+            [`GradConfig`][kitsune.GradConfig]'s ``norm_type`` says otherwise).
         grad_config: clipping (norm type) and zeroing of the grads in the step.
         zero_stage: shard the optimizer state over torch.distributed's ranks: 1 or 2 (ZeRO), 0 off (see
             [`ShardConfig`][kitsune.ShardConfig]).
