@@ -657,10 +657,10 @@ class FusedUnit:
     def bind(self, state: Any) -> None:
         """(Re)build the state and step tables from ``state`` (after a plan, a load_state_dict, or lazy init).
 
-        The unit then holds weak references to the state tensors it bound: one freed (``optimizer.state.clear()``,
-        ``del optimizer.state[p]``, ``state[p]["exp_avg"] = new``) marks the unit stale, and the next step plans
-        again from the state as it is then (as torch reads its state every step), instead of writing through the
-        freed tensor's address."""
+        The unit then holds weak references to the state tensors it bound and to their storages: one freed
+        (``optimizer.state.clear()``, ``del optimizer.state[p]``, ``state[p]["exp_avg"] = new``, ``t.data = new``)
+        marks the unit stale, and the next step plans again from the state as it is then (as torch reads its state
+        every step), instead of writing through the freed tensor's address."""
         keys = self.info.state_keys(self.spec)
         scalars = self.info.scalars
         fmt = self.spec.state
@@ -716,7 +716,11 @@ class FusedUnit:
                 comp.append(fsdp.local(t).data_ptr())
             self.tables.set_role("comp", comp)
         intact = _Intact()
+        # the tensors, and their storages: a storage swapped under a tensor that lives on (``t.data = ...``, as the
+        # ``optimizer_to(device)`` snippets do) frees the storage the tables point at, where nothing else holds it
+        # (a pooled view's storage is the arena, which the pool holds: the kernels write there, never freed memory)
         self._state_refs = [weakref.ref(t, intact) for t in bound]
+        self._state_refs += [weakref.ref(fsdp.local(t).untyped_storage(), intact) for t in bound]
         self._state_intact = intact
         for slot, addrs in enumerate(tables, 1):
             self.tables.set_role(f"state{slot}", addrs)
