@@ -717,7 +717,7 @@ def test_grads_fresh_gives_every_warmup_and_timed_step_new_grads(monkeypatch):
     for grads in ("fresh", "kept"):
         seen.clear()
         v = runner.run_variant("foreach", pset, torch.device("cpu"), 3, 2, 1.0, grads=grads)
-        assert v.status == "ok" and len(seen) == 2 + 2 * 3  # the warm-up, then both passes of the timed steps
+        assert v.status == "ok" and len(seen) == 2 + 3 * 3  # the warm-up, both timed passes, the checked steps
         ids = [{id(g) for g in step} for step in seen]
         if grads == "fresh":  # no step sees a grad an earlier step held
             assert all(len(ids[k]) == len(pset.shapes) and not ids[k] & set().union(*ids[:k]) for k in range(len(ids)))
@@ -751,7 +751,7 @@ def test_the_fresh_variant_is_the_one_line_with_new_grads_every_step(monkeypatch
     for name in ("fresh", "kitsune"):
         seen.clear()
         v = runner.run_variant(name, pset, torch.device("cpu"), 3, 2, 1.0)
-        assert v.status == "ok" and v.label == variants.VARIANTS[name] and len(seen) == 2 + 2 * 3
+        assert v.status == "ok" and v.label == variants.VARIANTS[name] and len(seen) == 2 + 3 * 3
         assert v.kitsune is not None and v.kitsune.total_params == len(pset.shapes)
         ids = [{id(g) for g in step} for step in seen]
         if name == "fresh":  # no step sees a grad an earlier step held
@@ -865,3 +865,41 @@ def test_the_scripts_device_and_defaults_fill_what_was_left_out():
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit):
             device_and_defaults(parser, parser.parse_args([]))
+
+
+@pytest.mark.parametrize("moves", [True, False], ids=["moves", "does_nothing"])
+def test_every_variant_row_is_checked_to_move_its_params_outside_the_timed_passes(moves, monkeypatch):
+    """Every row, not only ``--peers`` runs and the low-precision rows: a step that leaves the params as they were
+    is reported as not timed. The snapshots are taken before and after the back-to-back pass and after each of as
+    many untimed steps: never between timed steps, so every row's host pass is the same."""
+    from kitsune.bench import runner, variants
+
+    events: list[str] = []
+
+    class Recording(variants._TorchVariant):
+        def __init__(self, params):
+            super().__init__(params, foreach=True)
+
+            def step():
+                events.append("step")
+                if moves:
+                    self.opt.step()
+
+            self.step = step
+
+    real_check = runner.MoveCheck
+
+    class Check(real_check):
+        def __call__(self):
+            events.append("check")
+            super().__call__()
+
+    monkeypatch.setattr(runner, "make_variant", lambda name, params: Recording(params))
+    monkeypatch.setattr(runner, "MoveCheck", Check)
+    v = runner.run_variant("fused", get_param_set("gpt2", 0.001), torch.device("cpu"), 3, 2, 1.0)
+    if not moves:
+        assert v.status == "not_timed" and "did not move" in v.reason
+        return
+    assert v.status == "ok", v.reason
+    timed = ["step"] * 3
+    assert events == ["step"] * 2 + ["check", *timed, "check", *timed] + ["step", "check"] * 3

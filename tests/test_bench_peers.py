@@ -90,9 +90,9 @@ def test_a_peer_is_timed_and_its_state_counted():
     assert v.status == "ok", v.reason
     assert v.device_ms.median > 0 and v.host_ms.median > 0 and len(v.device_ms_steps) == 3
     assert v.state_bytes == 4 * TINY.n_elements  # one fp32 tensor per param
-    assert v.peer.grads == "kept" and v.peer.checked_steps == 3 + 1  # each host step, the device steps together
+    assert v.peer.grads == "kept" and v.peer.checked_steps == 3 + 1  # each checked step, the device pass as one
     assert v.peer.package == "torch" and v.peer.version == torch.__version__ and v.peer.settings == "mode=ok"
-    assert built[0].calls == 2 + 3 + 3  # warm-up, device pass, host pass
+    assert built[0].calls == 2 + 3 + 3 + 3  # warm-up, device pass, host pass, checked steps
 
 
 def test_a_slow_peer_times_fewer_steps(monkeypatch):
@@ -111,7 +111,7 @@ def test_a_slow_peer_times_fewer_steps(monkeypatch):
     assert v.status == "ok", v.reason
     assert v.peer.short_steps == runner.PEER_MIN_STEPS == 5
     assert len(v.device_ms_steps) == 5 and v.peer.checked_steps == 5 + 1
-    assert built[0].calls == 2 + 5 + 5
+    assert built[0].calls == 2 + 5 + 5 + 5
     assert "; 5 steps a timed pass (a step took" in _note(v)
     assert "steps a timed pass" not in _note(fast)
 
@@ -173,7 +173,7 @@ def test_a_peer_that_frees_or_zeroes_the_grads_gets_fresh_ones(mode, grads):
     assert v.status == "ok", v.reason
     assert v.peer.grads == grads
     seen = built[0].grad_norms
-    assert len(seen) == 2 + 3 + 3
+    assert len(seen) == 2 + 3 + 3 + 3
     for call in seen:
         assert all(n is not None and n > 0 for n in call)  # every step found a full, non-zero grad
     firsts = [call[0] for call in seen]

@@ -117,7 +117,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"{','.join(PEERS)} (on a CPU, all skips those that compile their step)",
     )
     parser.add_argument(
-        "--steps", dest="timed_steps", type=positive_int, default=None, help="timed steps (default 50/50/20; CPU 3)"
+        "--steps",
+        dest="timed_steps",
+        type=positive_int,
+        default=None,
+        help="timed steps (default per set: gpt2 50, many 50, llama1b 20, resnet50 50; CPU 3)",
     )
     parser.add_argument("--warmup", type=positive_int, default=None, help="untimed steps first (default 10; CPU 1)")
     parser.add_argument(

@@ -318,10 +318,11 @@ class ParamsDidNotMove(Exception):
 class MoveCheck:
     """Each param's L2 norm, snapshotted on the device (one ``torch._foreach_norm``) at every call.
 
-    Passed as ``check`` to `kitsune.bench.timing.time_steps`, it snapshots before the device pass, before each
-    host-pass step and after the last: `verify` then sees every host-timed step move every param, and the device
-    pass move them all. An AdamW or Lion step changes every element by about ``lr``, which changes the norm far
-    above float32 rounding, so an unchanged norm means an unchanged param.
+    Passed as ``check`` to `kitsune.bench.timing.time_steps`, it snapshots before and after the device pass and
+    after each of as many untimed steps run as the timed ones (never between timed steps, so the timed passes are
+    the same with it or without): `verify` then sees the device pass move every param, and every checked step.
+    An AdamW or Lion step changes every element by about ``lr``, which changes the norm far above float32
+    rounding, so an unchanged norm means an unchanged param.
     """
 
     def __init__(self, params: list[torch.nn.Parameter], names: Sequence[str]) -> None:

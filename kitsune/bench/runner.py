@@ -216,13 +216,11 @@ def run_variant(
             between = partial(fresh_grads, params, torch.Generator(device=device).manual_seed(seed + 1))
         try:
             variant.warmup(warmup, between)
-            check = None
             if audit:
                 result.state_bytes, _ = state_bytes(variant.opt.state)
-                check = MoveCheck(params, [n for n, _ in pset.shapes])
+            check = MoveCheck(params, [n for n, _ in pset.shapes])  # every row: a step that moves nothing is no row
             times = time_steps(variant.step, steps, device, between=between, check=check)
-            if check is not None:
-                check.verify()
+            check.verify()
             return times, variant.info()
         finally:
             variant.close()
@@ -238,7 +236,8 @@ def run_peer(
     The first warm-up step shows it: a step that leaves the grads alone gets nothing between steps, as the
     variants; one that zeroes or overwrites them gets fresh random grads in place before each later step; one that
     sets ``p.grad`` to None (or replaces it) gets the original grad tensors back, refilled. Either runs outside
-    the timers, and leaves each such step starting on an idle GPU. Then the steps are timed as a variant's, with
+    the timers (in the back-to-back pass the step's host work may overlap the refill's kernels on the GPU, as a
+    training step's overlaps backward's). Then the steps are timed as a variant's, with
     a `MoveCheck`: a peer whose params did not move on every checked step is reported as not timed. A peer that
     compiles gets at least ``COMPILED_WARMUP`` warm-up steps (heavyball's ``compile_step`` runs its first step
     eagerly and compiles on the second). A peer whose last warm-up step took longer than ``PEER_PASS_SECONDS /

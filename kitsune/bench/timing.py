@@ -132,9 +132,10 @@ def time_steps(
     the timer) so a full launch queue never makes ``step()`` wait for the GPU; what remains is the CPU's cost of
     issuing the step. ``between`` runs before each step, outside both timers (e.g. refilling zeroed grads).
 
-    ``check`` runs with the device idle, outside both timers: before the device pass, before each host-pass step
-    and after the last one (``steps + 2`` calls), e.g. to snapshot the params and see that every step moved them.
-    The device pass's steps stay back to back: between its first and last step nothing else runs.
+    ``check`` runs with the device idle, outside both timers, and never between timed steps: before and after the
+    device pass (its steps stay back to back), then after each of ``steps`` more steps run as the timed ones are
+    (``between``, then ``step``), untimed (``steps + 2`` calls): e.g. to snapshot the params and see that the
+    device pass and every checked step moved them. So the host pass is the same with a check or without one.
     """
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
@@ -158,12 +159,11 @@ def time_steps(
             ends[i].record()
     synchronize(device)
     device_ms = [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)] if cuda else wall_ms
+    if check is not None:
+        check()
 
     host_ms: list[float] = []
     for _ in range(steps):
-        if check is not None:
-            synchronize(device)
-            check()
         if between is not None:
             between()
         synchronize(device)
@@ -172,7 +172,12 @@ def time_steps(
         host_ms.append((time.perf_counter() - t0) * 1e3)
     synchronize(device)
     if check is not None:
-        check()
+        for _ in range(steps):  # the checked steps, as the timed ones ran, one snapshot after each
+            if between is not None:
+                between()
+            step()
+            synchronize(device)
+            check()
     return StepTimes(device_ms=device_ms, host_ms=host_ms, busy_host_ms=wall_ms)
 
 
