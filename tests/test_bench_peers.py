@@ -273,12 +273,17 @@ def test_run_bench_with_peers_lists_missing_ones_and_adds_a_lion_section(monkeyp
     assert lion.workload == "lion_step" and [v.variant for v in lion.variants] == [KITSUNE_LION.name, "fakelion"]
     assert lion.bytes_per_param == 20 and lion.variants[0].peer.reference and not lion.variants[1].peer.reference
     assert all(v.status == "ok" for v in lion.variants) and set(lion.ratio_to_kitsune) == {"fakelion"}
+    # kitsune's reference row says what it ran, as a variant's does (a CPU run outside the interpreter: torch's step)
+    ours = lion.variants[0].kitsune
+    assert ours is not None and ours.total_params == 2000 and not ours.fusion_active
+    assert lion.variants[1].kitsune is None
     assert BenchResult.load(path) == result
 
     out = console.file.getvalue()
     assert "not installed: fake gone (pip install kitsune_no_such_package)" in out
     assert "many Lion" in out and "state MiB" in out and "not timed" in out and "params did not move" in out
     assert "this library is broken here" in out
+    assert "params moved on each of 3 checks; fusion inactive: " in out
 
     from kitsune.bench.plot import write_svg
 

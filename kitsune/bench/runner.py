@@ -72,6 +72,7 @@ from kitsune.bench.variants import (
     make_variant,
 )
 from kitsune.config import GraphConfig
+from kitsune.optimizer import KitsuneOptimizer
 from kitsune.profiler.schema import collect_environment
 
 FP32_BYTES = 4
@@ -262,7 +263,7 @@ def run_peer(
 
     doing = ["while it was built"]  # what the peer is doing, for a stop's message
 
-    def body() -> tuple[StepTimes, None]:
+    def body() -> tuple[StepTimes, KitsuneInfo | None]:
         params = make_params(pset, device, seed)
         grads = [p.grad for p in params]
         gen = torch.Generator(device=device).manual_seed(seed + 1)
@@ -309,9 +310,11 @@ def run_peer(
         times = time_steps(built.step, info.short_steps or steps, device, between=between, check=check)
         check.verify()
         info.checked_steps = check.checked_steps
-        return times, None
+        # kitsune's own reference rows (its fused Lion): what they ran, as the variants' rows say it
+        ours = kitsune_info(built.opt, len(params)) if isinstance(built.opt, KitsuneOptimizer) else None
+        return times, ours
 
-    def body_then_reset() -> tuple[StepTimes, None]:
+    def body_then_reset() -> tuple[StepTimes, KitsuneInfo | None]:
         try:
             with _time_limit(PEER_SECONDS, lambda: doing[0]):
                 return body()

@@ -6,7 +6,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kitsune.bench.e2e import E2EResult
-from kitsune.bench.results import BenchResult, PeerStatus, SetResult, VariantResult
+from kitsune.bench.results import BenchResult, KitsuneInfo, PeerStatus, SetResult, VariantResult
 
 ADAMW_STATE_BYTES_PER_PARAM = 8
 """fp32 AdamW's state: exp_avg and exp_avg_sq, 4 bytes each (the step counts are a few bytes per tensor)."""
@@ -29,10 +29,11 @@ def _note(v: VariantResult) -> str | None:
         return v.reason
     if v.status != "ok":
         return f"{v.status}: {v.reason}"
-    if v.peer is not None:
+    route = _route(v.kitsune)
+    if v.peer is not None:  # kitsune's own reference rows (its fused Lion) are run as peers: their route too
         p = v.peer
         paged = "; state paged" if p.state_paged else ""
-        return (
+        note = (
             f"{p.pip} {p.version or '(version unknown)'}: {p.settings}{paged}{_GRADS[p.grads]}; "
             f"params moved on each of {p.checked_steps} checks"
             + (
@@ -41,7 +42,12 @@ def _note(v: VariantResult) -> str | None:
                 else ""
             )
         )
-    k = v.kitsune
+        return note if route is None else f"{note}; {route}"
+    return route
+
+
+def _route(k: KitsuneInfo | None) -> str | None:
+    """What a kitsune row ran: fused or not, in how many launches, what fell back, the active subsystems."""
     if k is None:
         return None
     active = f"active subsystems: {', '.join(k.active_subsystems) or 'none'}"
