@@ -114,7 +114,12 @@ def _assert_same(params: list, twins: list, opt: Any, ref: Any, step: int) -> No
 def test_state_changed_by_hand_is_read_as_torch_reads_it(opt_case, change, pool, device):
     """The change lands after step 3: torch starts the cleared state afresh and uses the replaced tensors; so must
     kitsune, and its state_dict must show what torch's shows (no stale moments, nothing written to freed memory)."""
-    make, _ = opt_case
+    _changed_after_step_3(opt_case[0], change, pool, device)
+
+
+def _changed_after_step_3(make: Callable, change: Callable, pool: int | None, device: torch.device) -> None:
+    """Kitsune and torch side by side over 7 steps, ``change`` made to both after step 3; the same params and
+    state_dict after every step, and the fused path throughout, before and after the change."""
     params, twins, opt, ref = _twins(make, pool, device)
     for step in range(7):
         _set_grads(params, twins, step)
@@ -124,7 +129,7 @@ def test_state_changed_by_hand_is_read_as_torch_reads_it(opt_case, change, pool,
         opt.step()
         ref.step()
         _assert_same(params, twins, opt, ref, step)
-    assert opt.plan.fused_tensors == len(params)  # the fused path ran throughout, before and after the change
+    assert opt.plan.fused_tensors == len(params)
 
 
 def _moment_storage_swapped(opt: Any, params: list) -> None:
@@ -151,17 +156,7 @@ def test_a_state_tensors_storage_swapped_is_read_as_torch_reads_it(opt_case, cha
     user sees stayed as it was. The units hold weak references to the storages too: the next step plans again from
     the state as it is. (Pooled state is a view of the pool's arena, which the pool holds: a swap there is not
     seen, and the kernels write into the arena; docs/memory.md says so.)"""
-    make, _ = opt_case
-    params, twins, opt, ref = _twins(make, 0, device)
-    for step in range(7):
-        _set_grads(params, twins, step)
-        if step == 3:
-            change(opt, params)
-            change(ref, twins)
-        opt.step()
-        ref.step()
-        _assert_same(params, twins, opt, ref, step)
-    assert opt.plan.fused_tensors == len(params)
+    _changed_after_step_3(opt_case[0], change, 0, device)
 
 
 @pytest.mark.parametrize("pool", [None, 0], ids=["pool", "no-pool"])
