@@ -13,7 +13,9 @@ AdamW, clipping the grads to a global norm of 1.0:
 
 Reported per side: tokens per second over the timed steps (CUDA events around blocks of ``BLOCK`` whole steps:
 forward, backward and optimizer; the sides take turns block by block, the GPU idle at each block's start, see
-``_in_turns``), the peak allocated memory of the timed steps, and the last loss (both sides should agree closely).
+``_in_turns``), the peak allocated memory of its build and warm-up (each side's own, above what the others hold:
+the warm-up's steps allocate what the timed ones do, plus, for kitsune, its graph's capture; with ``--compile`` the
+first side built also holds the compile's memory), and the last loss (both sides should agree closely).
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ class E2ESide(BaseModel):
     step_ms: Stats
     tokens_per_s: float
     peak_memory_bytes: int
+    """The side's peak allocated bytes over its build and warm-up, above what the sides before it hold."""
     last_loss: float
     losses: list[float]
     """Every step's loss, warm-up included (read after the timing)."""

@@ -215,7 +215,7 @@ def print_e2e(e2e: E2EResult, console: Console, cpu_smoke: bool = False) -> None
         f"batch {e2e.batch} x {e2e.seq}, AdamW, clip {e2e.max_grad_norm:g}; {e2e.steps} steps a side in turns of "
         f"{e2e.block}"
     )
-    for name in ("side", "ms/step", "p10-p90", "tokens/s", "peak memory", "last loss"):
+    for name in ("side", "ms/step", "p10-p90", "tokens/s", "peak memory (build, warm-up)", "last loss"):
         table.add_column(name, justify="left" if name == "side" else "right")
     for side in e2e.sides:
         table.add_row(
