@@ -38,6 +38,30 @@ _VERSION = attrgetter("_version")
 _BASE_ZERO_GRAD = torch.optim.Optimizer.zero_grad
 
 
+def _unscaled_tensors(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The dense tensors that unscaling ``params``' grads divides: each grad, or a sparse grad's values (params
+    without a grad left out). As torch's GradScaler does, a float16 sparse grad is coalesced first (``p.grad``
+    replaced), so that duplicate indices are summed and an overflow in that sum is found."""
+    out = []
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        if g.is_sparse:
+            if g.dtype == torch.float16:
+                p.grad = g = g.coalesce()
+            g = g._values()
+        out.append(g)
+    return out
+
+
+def _unscale_handed_over(grads: list[torch.Tensor], scale: torch.Tensor, s: StepState) -> None:
+    """Divide ``grads`` by the scale a user's GradScaler handed to the step. Its ``found_inf`` has checked every
+    grad already, so the check here writes to a scratch flag."""
+    assert s.found_inf is not None  # handed over with the scale
+    unscale_and_check(grads, scale.double().reciprocal().float(), torch.zeros_like(s.found_inf))
+
+
 class GradPass:
     """Shard reduce -> unscale and inf check -> clip, fused into the kernels or run here; see the module docstring.
 
@@ -121,9 +145,7 @@ class GradPass:
                 s.phases.mark("unscale")
             return
         if handoff_scale is not None:  # a user's GradScaler: its found_inf holds the check already
-            unscale_and_check(
-                self._dense_grads(groups), handoff_scale.double().reciprocal().float(), s.found_inf.clone()
-            )
+            _unscale_handed_over(self._dense_grads(groups), handoff_scale, s)
         if self._scaler is not None and not s.unscaled:
             grads = self._shard.owned_grads() if self._shard.active else self._dense_grads(groups)
             s.found_inf = self._scaler.unscale(grads)
@@ -155,19 +177,8 @@ class GradPass:
         grads those kernels cannot read (sparse, another dtype: ``s.unhandled``, which go to the wrapped optimizer's
         own step): unscale those here, as ``GradScaler.unscale_`` does (a float16 sparse grad coalesced first, its
         values unscaled). GradScaler's ``found_inf`` has checked them already, and the wrapped step skips on it."""
-        if not (s.unhandled and s.fused_grads and s.external_scaler and s.grad_scale is not None):
-            return
-        values = []
-        for p in s.unhandled:
-            g = p.grad
-            if g.is_sparse:
-                if g.dtype == torch.float16:
-                    p.grad = g = g.coalesce()
-                g = g._values()
-            values.append(g)
-        found_inf = s.found_inf
-        assert found_inf is not None  # handed over with the scale
-        unscale_and_check(values, s.grad_scale.double().reciprocal().float(), torch.zeros_like(found_inf))
+        if s.unhandled and s.fused_grads and s.external_scaler and s.grad_scale is not None:
+            _unscale_handed_over(_unscaled_tensors(s.unhandled), s.grad_scale, s)
 
     def abandon(self, s: StepState, groups: list[dict[str, Any]]) -> None:
         """The step raised: remember the clip for a retry on the same grads."""
@@ -209,20 +220,8 @@ class GradPass:
         return marks_changed(marks, self._params(groups)) == 0
 
     def _dense_grads(self, groups: list[dict[str, Any]]) -> list[torch.Tensor]:
-        """The dense tensors that unscaling divides: each grad, or a sparse grad's values. As torch's GradScaler
-        does, a float16 sparse grad is coalesced first (``p.grad`` replaced), so that duplicate indices are summed
-        and an overflow in that sum is found."""
-        out = []
-        for p in self._params(groups):
-            g = p.grad
-            if g is None:
-                continue
-            if g.is_sparse:
-                if g.dtype == torch.float16:
-                    p.grad = g = g.coalesce()
-                g = g._values()
-            out.append(g)
-        return out
+        """`_unscaled_tensors` of every param of ``groups``."""
+        return _unscaled_tensors(self._params(groups))
 
     def _clip(self, params: list[torch.Tensor], reduce: Any) -> torch.Tensor:
         """Clipping as a pass of its own: kitsune's two-launch clip_grad_norm_ when reductions are enabled, else
