@@ -40,6 +40,21 @@ def _grads(params, whole, gen) -> None:
         p.grad = distribute_tensor(g.clone(), p.device_mesh, [Shard(0)], src_data_rank=None)
 
 
+def _diff(params, whole) -> float:
+    """The largest difference between the FSDP2 params (gathered) and the one process's whole ones."""
+    return max((p.full_tensor() - w).abs().max().item() for p, w in zip(params, whole, strict=True))
+
+
+def _side_by_side(params, whole, opt, ref, seed: int) -> float:
+    """4 steps of ``opt`` over the FSDP2 params and ``ref`` over the whole ones, on the same fresh grads: `_diff`."""
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(4):
+        _grads(params, whole, gen)
+        opt.step()
+        ref.step()
+    return _diff(params, whole)
+
+
 def _uneven_routes(mesh) -> dict:
     """A (3, 4096) param: two rows on rank 0, one on rank 1 (and a one-row param all on rank 0). The planner
     weighed each rank's shard, so a bucket near ``min_fusion_benefit`` was fused on one rank and not the other."""
@@ -63,12 +78,7 @@ def _torch_fallback(mesh, name: str) -> dict:
     }[name]
     params, whole = _params(mesh, [(5, 3), (7,)], seed=2, dtype=torch.float64)
     opt, ref = KitsuneOptimizer(make(params), enable_fusion=True), make(whole)
-    gen = torch.Generator().manual_seed(3)
-    for _ in range(4):
-        _grads(params, whole, gen)
-        opt.step()
-        ref.step()
-    diff = max((p.full_tensor() - w).abs().max().item() for p, w in zip(params, whole, strict=True))
+    diff = _side_by_side(params, whole, opt, ref, seed=3)
     return {"diff": diff, "routes": sorted({b.route.value for b in opt.plan.buckets})}
 
 
@@ -93,7 +103,7 @@ def _inf_norm_torch_route(mesh) -> dict:
         ref.step()
         opt.step()
         norms.append(float(opt.last_grad_norm))
-    diff = max((p.full_tensor() - w).abs().max().item() for p, w in zip(params, whole, strict=True))
+    diff = _diff(params, whole)
     return {"norms": norms, "ref_norms": ref_norms, "diff": diff, "grad_pass": opt._subsystem("fusion").grad_pass}
 
 
@@ -112,12 +122,7 @@ def _muon(mesh) -> dict:
         opt = Muon(ps, lr=0.02, weight_decay=0.01, nesterov=True)
         opt = KitsuneOptimizer(opt, enable_fusion=True) if wrapped else opt
         ref = Muon(ws, lr=0.02, weight_decay=0.01, nesterov=True)
-        gen = torch.Generator().manual_seed(7)
-        for _ in range(4):
-            _grads(ps, ws, gen)
-            opt.step()
-            ref.step()
-        diff = max((p.full_tensor() - w).abs().max().item() for p, w in zip(ps, ws, strict=True))
+        diff = _side_by_side(ps, ws, opt, ref, seed=7)
         moved = min((p.full_tensor() - w0).abs().max().item() for p, w0 in zip(ps, whole, strict=True))
         results["wrapped" if wrapped else "bare"] = {"diff": diff, "moved": moved}
     return results
