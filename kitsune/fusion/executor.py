@@ -189,13 +189,12 @@ class FusionSubsystem(Subsystem):
         """The step counts kitsune keeps for params whose stochastic rounding reads them as its stream (SGD, Lion:
         torch's state holds none; `FusedUnit.private_steps`), by the param's position in the groups, as torch's state
         dict numbers params: a resumed run, or a copy, draws the bits the uninterrupted one would."""
-        units = [u for u in self._units if u.spec.stochastic and u.private_steps()]
-        if self._base is None or not units:
+        counted = [entries for u in self._units if u.spec.stochastic and (entries := u.private_steps())]
+        if self._base is None or not counted:
             return {}
         position = {id(p): i for i, p in enumerate(p for g in self._base.param_groups for p in g["params"])}
         steps: dict[int, float] = {}
-        for unit in units:
-            entries = unit.private_steps()
+        for entries in counted:
             values = entries[0][1][0].tolist()  # the unit's counts, read once (a sync on a GPU: checkpoints only)
             steps |= {position[id(p)]: values[j] for p, (_, j) in entries if id(p) in position}
         return {"rounding_steps": steps}
