@@ -516,7 +516,8 @@ class FusedUnit:
         went starts from its first step, as its state does."""
         if self._private_steps is None or not old:
             return
-        found = [(i, old[p]) for i, p in enumerate(self.params) if i not in self.uninit and p in old]
+        uninit = set(self.uninit)  # a set: a unit of thousands of params, none with state yet, is met here
+        found = [(i, old[p]) for i, p in enumerate(self.params) if i not in uninit and p in old]
         if not found:
             return
         with torch.no_grad():
