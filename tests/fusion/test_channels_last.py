@@ -93,7 +93,8 @@ def test_channels_last_params_are_fused_and_follow_torch(device, check_path, nam
             mine = opt.state[p][key]
             if value.dim() == 4:
                 assert mine.is_contiguous(memory_format=CL) == value.is_contiguous(memory_format=CL), key
-            torch.testing.assert_close(mine.to(value.dtype), value, rtol=1e-4, atol=1e-5)
+            # the fused step keeps its step count on the device, torch's foreach step on the CPU
+            torch.testing.assert_close(mine.to(value), value, rtol=1e-4, atol=1e-5)
 
 
 def test_channels_last_3d_params_are_fused(device):
@@ -395,7 +396,9 @@ def test_torch_fused_route_takes_grads_and_state_of_another_order(name, device):
                 p.data = p.data.contiguous(memory_format=fmt)
     params, twins = made
     opt, ref = KitsuneOptimizer(make(params), enable_fusion=True), make(twins)
-    assert routes(opt) == {"torch_fused"}
+    # torch's fused Adagrad runs on a CPU only: on a GPU the plan hands Adagrad to torch's foreach step
+    fused = name != "Adagrad" or device.type == "cpu"
+    assert routes(opt) == ({"torch_fused"} if fused else {"torch_foreach"}), opt.plan
     for step in range(8):
         if step == 4:  # the model converted after the state was made
             for ps in made:
