@@ -176,6 +176,24 @@ def test_run_bench_on_cpu_and_json_round_trip(tmp_path, monkeypatch):
     assert "skipped" in texts  # the graph variant, which needs CUDA
     assert main([str(path)]) == 2
 
+    # an 8-bit row's bar is against the set's fp32 floor too (its table column: its own smaller floor), so a step
+    # faster than fp32's floor fills the bar, and its text gives both shares
+    from kitsune.bench.plot import bench_svg
+    from kitsune.bench.timing import Stats
+    from kitsune.bench.variants import BYTES_PER_PARAM
+
+    entry = loaded.sets[0]
+    ms = entry.floor_ms / 1.6  # 160% of the fp32 floor; 8-bit moves 16.06 of fp32's 28 bytes: 92% of its own
+    own = 100 * entry.floor_ms * BYTES_PER_PARAM["8bit"] / 28 / ms
+    row = entry.variants[0].model_copy(update={"variant": "8bit", "label": "kitsune, 8-bit state"})
+    row.device_ms, row.pct_of_floor = Stats.of([ms]), own
+    entry.variants = [row]
+    dom = parseString(bench_svg(loaded.model_copy(update={"sets": [entry], "phase": None})))
+    bars = dom.getElementsByTagName("rect")[1:]
+    texts = [t.firstChild.data for t in dom.getElementsByTagName("text") if t.firstChild]
+    assert len(bars) == 1 and float(bars[0].getAttribute("width")) == pytest.approx(_BAR, abs=0.06)
+    assert f"{ms:.3f} ms (160%; 92% of its own floor, 16.06 B/param)" in texts
+
 
 def test_a_warmup_too_short_for_kitsunes_capture_is_refused_on_cuda(monkeypatch):
     """With fewer warm-up steps than kitsune's eager steps and its capture, the capture was timed as a step."""
@@ -296,6 +314,52 @@ def test_every_variant_times_on_gpu():
         assert v.status == "ok", f"{v.variant}: {v.reason}"
         assert v.device_ms.median > 0 and v.host_ms.median > 0 and 0 < v.pct_of_floor
     assert set(entry.ratio_to_kitsune) == {"foreach", "fused", "graph", "fresh", "eager", "static", "profiled"}
+    ours = {v.variant: v.kitsune for v in entry.variants if v.kitsune is not None}
+    assert set(ours) == {"kitsune", "fresh", "eager", "static", "profiled"}
+    for name, info in ours.items():
+        assert info.fused_all and not info.fallbacks, (name, info.fallbacks)
+        assert info.steps_after_warmup == 3 * 5, name  # the device pass, the host pass and the checked steps
+    assert ours["eager"].graph_replays is None  # capture_graph=False: no graph, and the row says none
+    for name in ("kitsune", "static"):  # kept grads: every step after warm-up replays the graph
+        assert ours[name].graph_replays == 15 and ours[name].last_eager_reason is None, ours[name]
+    assert ours["fresh"].graph_replays is not None and ours["profiled"].graph_replays is not None
+
+
+def test_a_kitsune_rows_info_counts_its_steps_and_replays_after_warm_up():
+    """`kitsune_info` counts the steps after the warm-up's `step_mark` and how many replayed the graph; Muon's
+    ``triton_matmul`` route is fused (not a fallback); the row's note says what ran eagerly and why."""
+    from kitsune.bench.info import kitsune_info, route_line, step_mark
+
+    class Stub:  # the two calls kitsune_info makes, with the counts a run would leave
+        step_count, replays = 10, 7
+
+        def subsystem_status(self):
+            plan = {"buckets": [{"tensors": 8, "route": "triton_matmul"}, {"tensors": 2, "route": "torch_foreach"}]}
+            plan["buckets"][1]["reason"] = "1-D params: Muon takes matrices"
+            fusion = {"params_fused": 8, "plan": plan, "fused_launches_per_step": 3}
+            graphs = {"replays": self.replays, "last_eager_reason": "the grads moved to new kernel variants"}
+            return [
+                {"name": "fusion", "active": True, "reason": None, "report": fusion},
+                {"name": "graphs", "active": True, "reason": None, "report": graphs},
+            ]
+
+    opt = Stub()
+    mark = step_mark(opt)
+    assert mark == (10, 7)
+    opt.step_count, opt.replays = 16, 13  # 6 steps, each replayed
+    info = kitsune_info(opt, 10, since=mark)
+    assert (info.steps_after_warmup, info.graph_replays, info.last_eager_reason) == (6, 6, None)
+    assert info.fallbacks == ["2 tensors -> torch_foreach: 1-D params: Muon takes matrices"] and not info.fused_all
+    assert "graph replayed on 6 of the 6 steps after warm-up;" in route_line(info)
+    opt.step_count = 18  # 2 more, not replayed
+    info = kitsune_info(opt, 10, since=mark)
+    assert (info.steps_after_warmup, info.graph_replays) == (8, 6)
+    assert route_line(info) == (
+        "fused 8/10 params in 3 launch(es)/step; fallback: 2 tensors -> torch_foreach: 1-D params: Muon takes "
+        "matrices; graph replayed on 6 of the 8 steps after warm-up (the last eager one: the grads moved to new "
+        "kernel variants); active subsystems: fusion, graphs"
+    )
+    assert kitsune_info(opt, 10).steps_after_warmup is None  # no mark: nothing counted
 
 
 @pytest.mark.cuda
@@ -338,6 +402,13 @@ def test_e2e_on_cpu_trains_both_sides_alike():
     assert result.ratio == pytest.approx(kitsune_side.tokens_per_s / torch_side.tokens_per_s)
     # same weights, same batches, same AdamW and clip: the losses agree (kitsune's CPU step is torch's own)
     assert kitsune_side.last_loss == pytest.approx(torch_side.last_loss, rel=1e-4)
+    # each kitsune side records what it ran (here: the wrapped step, no graph) and the steps it took after warm-up
+    for side in result.sides:
+        if side.name.startswith("torch"):
+            assert side.kitsune is None
+        else:
+            assert side.kitsune.steps_after_warmup == 2 and side.kitsune.graph_replays is None, side.name
+            assert not side.kitsune.fusion_active and "CPU tensors" in side.kitsune.fusion_reason
 
 
 def test_e2e_flat_grads_sides_pool_every_grad_of_gpt2():

@@ -96,7 +96,54 @@ def test_step_timing_rotates_the_order_and_warms_each_optimizer(monkeypatch):
     runs = [name for i, name in enumerate(log) if i == 0 or log[i - 1] != name]
     assert runs == ["torch", "kitsune", "planner"] + ["torch", "kitsune", "planner", "kitsune", "planner", "torch",
                                                      "planner", "torch", "kitsune"]  # fmt: skip
-    # 3 to warm up; then per round 2 untimed, 2 for the device timer and 2 for the host timer
-    assert all(log.count(name) == 3 + 3 * 6 for name in variants)
+    # 3 to warm up; then per round 2 untimed, 2 for the device timer, 2 for the host timer and 2 checked to move
+    assert all(log.count(name) == 3 + 3 * 8 for name in variants)
     assert set(result) == {"torch", "kitsune", "planner", "speedup", "planner_speedup"}
     assert result["speedup"] == result["torch"]["device_ms"] / result["kitsune"]["device_ms"] > 0
+
+
+def test_a_step_row_whose_params_do_not_move_is_refused(monkeypatch):
+    """Each Muon step row's params are snapshotted around its timed steps: a step that changes nothing (lr 0 here)
+    raises instead of giving a time."""
+    from kitsune.bench import muon
+    from kitsune.bench.peers import ParamsDidNotMove
+
+    def make(lr):
+        return lambda params: torch.optim.SGD(params, lr=lr)
+
+    variants = {"torch": ("moves", make(0.1)), "kitsune": ("still", make(0.0)), "planner": ("moves too", make(0.1))}
+    monkeypatch.setattr(muon, "STEP_VARIANTS", variants)
+    monkeypatch.setattr(muon, "STEP_SHAPES", [(6, 10), (6, 10)])
+    with pytest.raises(ParamsDidNotMove, match="2 of 2 params unchanged"):
+        muon._muon_step(torch.device("cpu"), steps=4, rounds=2)
+
+
+@pytest.mark.filterwarnings("ignore:kitsune. fusion was asked for but is inactive:UserWarning")  # CPU params
+def test_the_planner_row_shows_its_route(monkeypatch):
+    """A KitsuneOptimizer row records what its plan ran, and the table prints it (on a CPU: fusion inactive, the
+    wrapped optimizer's own step, no graph)."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from kitsune import KitsuneOptimizer
+    from kitsune.bench import muon
+
+    def sgd(params):
+        return torch.optim.SGD(params, lr=0.1)
+
+    variants = {
+        "torch": ("torch SGD", sgd),
+        "kitsune": ("another SGD", sgd),
+        "planner": ("KitsuneOptimizer(SGD)", lambda ps: KitsuneOptimizer(sgd(ps), enable_fusion=True)),
+    }
+    monkeypatch.setattr(muon, "STEP_VARIANTS", variants)
+    monkeypatch.setattr(muon, "STEP_SHAPES", [(6, 10), (6, 10)])
+    step = muon._muon_step(torch.device("cpu"), steps=4, rounds=2)
+    assert "route" not in step["torch"] and "route" not in step["kitsune"]
+    assert step["planner"]["fused_all"] is False
+    assert step["planner"]["route"].startswith("fusion inactive: nothing to fuse: CPU tensors")
+    result = {"device": "CPU", "matmul_tflops": 1.0, "newton_schulz": [], "muon_step": step}
+    out = StringIO()
+    muon.print_muon_results(result, Console(file=out, width=400))
+    assert "KitsuneOptimizer(SGD): fusion inactive: nothing to fuse: CPU tensors" in out.getvalue()

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel
 from torch import nn
 
+from kitsune.bench.info import KitsuneInfo, kitsune_info, step_mark
 from kitsune.bench.timing import Stats, synchronize
 
 
@@ -101,6 +102,8 @@ class E2ESide(BaseModel):
     last_loss: float
     losses: list[float]
     """Every step's loss, warm-up included (read after the timing)."""
+    kitsune: KitsuneInfo | None = None
+    """A kitsune side's route, subsystems and graph replays after warm-up (None: a torch side)."""
 
 
 class E2EResult(BaseModel):
@@ -288,12 +291,16 @@ def run_e2e(
         step = partial(train_step, side)
         losses = [step(data[i % len(data)]).detach() for i in range(warmup)]
         peak = torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else 0
-        built.append((step, losses, peak))
+        mark = step_mark(side.opt) if name.startswith("kitsune") else None
+        built.append((side, step, losses, peak, mark))
     block = min(BLOCK, steps)
-    times = _in_turns([step for step, _, _ in built], data, steps, device, first=warmup, block=block)
+    times = _in_turns([b[1] for b in built], data, steps, device, first=warmup, block=block)
     sides = []
-    for (name, label), (_, losses, peak), (ms, timed_losses) in zip(labels.items(), built, times, strict=True):
+    for (name, label), (side, _, losses, peak, mark), (ms, timed_losses) in zip(
+        labels.items(), built, times, strict=True
+    ):
         all_losses = [float(x) for x in losses + timed_losses]
+        n = sum(1 for _ in side.model.parameters())
         stats = Stats.of(ms)
         sides.append(
             E2ESide(
@@ -304,6 +311,7 @@ def run_e2e(
                 peak_memory_bytes=peak,
                 last_loss=all_losses[-1],
                 losses=all_losses,
+                kitsune=None if mark is None else kitsune_info(side.opt, n, since=mark),
             )
         )
     tps = {side.name: side.tokens_per_s for side in sides}

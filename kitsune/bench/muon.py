@@ -9,26 +9,31 @@ the upper triangle of the two symmetric products: ``m^2 n + m^3 + 2 m^2 n``, two
 table reports torch's function called directly (as torch.optim.Muon calls it) and replayed from a CUDA graph (as
 kitsune's `newton_schulz` replays its launches), each implementation's rate on the FLOPs it executes (plain for
 torch, symmetric for kitsune, whose % of the dense bf16 matmul rate is measured in the same run), and kitsune's
-"effective" rate, the plain FLOPs over its time: the rate a plain implementation would need to match it.
+"effective" rate, the plain FLOPs over its time: the rate a plain implementation would need to match it. Every
+time is the median of back-to-back calls, as an optimizer makes them step after step (no cache flush between calls).
 
 The Muon step is timed three ways on the same params and grads: torch.optim.Muon, kitsune.optim.Muon, and
 torch.optim.Muon wrapped in ``KitsuneOptimizer(..., enable_fusion=True)``, which the fusion planner runs on its
 ``triton_matmul`` route (momentum and update in multi-tensor kernels, one batched Newton-Schulz call per shape).
+Every row's params are checked to move on its timed steps (`kitsune.bench.peers.MoveCheck`), and the planner's row
+shows its route and how many of its steps replayed the captured graph.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import triton
 from rich.console import Console
 from rich.table import Table
-from triton.testing import do_bench
 
 from kitsune import KitsuneOptimizer
 from kitsune._device import parse_device
+from kitsune.bench.info import StepMark, kitsune_info, route_line, step_mark
+from kitsune.bench.peers import MoveCheck
 from kitsune.bench.timing import percentile, time_steps
 from kitsune.kernels.newton_schulz import MUON_COEFFICIENTS, newton_schulz
 from kitsune.optim import Muon
@@ -76,9 +81,28 @@ def _torch_ns():
         return lambda g: zeropower_via_newtonschulz(g, [MUON_COEFFICIENTS] * NS_STEPS, 1e-7)
 
 
-def _ms(fn) -> float:
-    """Median ms of back-to-back calls (CUDA events around each, L2 flushed), after warm-up."""
-    return do_bench(fn, warmup=25, rep=200, return_mode="median")
+def _ms(fn: Callable[[], object], warmup_ms: float = 25.0, rep_ms: float = 200.0) -> float:
+    """Median ms of back-to-back calls, each between two CUDA events, as an optimizer calls it step after step (no
+    cache flush between calls), after about ``warmup_ms`` of warm-up calls; about ``rep_ms`` of timed calls, at
+    least 10 and at most 1000."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    each = max((time.perf_counter() - t0) * 1e3 / 3, 1e-3)
+    for _ in range(min(1000, int(warmup_ms / each))):
+        fn()
+    calls = max(10, min(1000, int(rep_ms / each)))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(calls)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(calls)]
+    for start, end in zip(starts, ends, strict=True):
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return percentile([s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)], 50)
 
 
 def _graphed(fn: Callable[[torch.Tensor], object], g: torch.Tensor) -> Callable[[], None]:
@@ -97,16 +121,26 @@ def _graphed(fn: Callable[[torch.Tensor], object], g: torch.Tensor) -> Callable[
     return graph.replay
 
 
-def _warm_stepper(make: Factory, device: torch.device, gen: torch.Generator) -> Callable[[], object]:
-    """The ``step`` of an optimizer from ``make`` over fresh ``STEP_SHAPES`` params with random grads, after three
-    steps (compile, create state, capture)."""
+class _Stepper(NamedTuple):
+    opt: torch.optim.Optimizer
+    params: list[torch.nn.Parameter]
+    check: MoveCheck
+    """Snapshots of the params around the timed steps: each row's params must move (`MoveCheck`)."""
+    mark: StepMark | None
+    """A `KitsuneOptimizer`'s steps and graph replays after warm-up (None: another optimizer)."""
+
+
+def _warm_stepper(make: Factory, device: torch.device, gen: torch.Generator) -> _Stepper:
+    """An optimizer from ``make`` over fresh ``STEP_SHAPES`` params with random grads, after three steps (compile,
+    create state, capture)."""
     params = [torch.nn.Parameter(torch.randn(s, device=device, generator=gen)) for s in STEP_SHAPES]
     for p in params:
         p.grad = torch.randn(p.shape, device=device, generator=gen)
     opt = make(params)
     for _ in range(3):
         opt.step()
-    return opt.step
+    mark = step_mark(opt) if isinstance(opt, KitsuneOptimizer) else None
+    return _Stepper(opt, params, MoveCheck(params, [f"param {i}" for i in range(len(params))]), mark)
 
 
 STEP_ROUNDS = 6
@@ -127,13 +161,19 @@ def _muon_step(device: torch.device, steps: int, rounds: int = STEP_ROUNDS) -> d
     names = list(steppers)
     for r in range(rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
+            stepper = steppers[name]
             for _ in range(per_round):
-                steppers[name]()
-            times = time_steps(steppers[name], per_round, device)
+                stepper.opt.step()
+            times = time_steps(stepper.opt.step, per_round, device, check=stepper.check)
             device_ms[name] += times.device_ms
             host_ms[name] += times.host_ms
-    for name in steppers:
+    for name, stepper in steppers.items():
+        stepper.check.verify()  # ParamsDidNotMove: a step that changed nothing has no row
         results[name] = {"device_ms": percentile(device_ms[name], 50), "host_ms": percentile(host_ms[name], 50)}
+        if stepper.mark is not None:  # what the fusion planner ran: a fallback or eager steps show in the table
+            info = kitsune_info(stepper.opt, len(stepper.params), since=stepper.mark)
+            results[name]["route"] = route_line(info)
+            results[name]["fused_all"] = info.fused_all
     del steppers  # the optimizers, their params and state: nothing else holds them
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -201,7 +241,7 @@ def run_muon_bench(device: torch.device | str, console: Console | None = None, s
 def print_muon_results(result: dict[str, Any], console: Console) -> None:
     table = Table(
         title=f"Newton-Schulz, {NS_STEPS} iterations, bf16 ({result['device']}; bf16 matmul "
-        f"{MATMUL_SIZE}^2: {result['matmul_tflops']:.0f} TFLOP/s)"
+        f"{MATMUL_SIZE}^2: {result['matmul_tflops']:.0f} TFLOP/s; medians of back-to-back calls)"
     )
     for col in ("size", "torch ms", "torch graph ms", "kitsune ms", "speedup", "over the graph"):
         table.add_column(col, justify="right")
@@ -235,3 +275,6 @@ def print_muon_results(result: dict[str, Any], console: Console) -> None:
         speed = "" if speedups.get(name) is None else f"{speedups[name]:.2f}x"
         table.add_row(label, f"{step[name]['device_ms']:.3f}", f"{step[name]['host_ms']:.3f}", speed)
     console.print(table)
+    for name, (label, _) in STEP_VARIANTS.items():  # the fusion planner's route: a fallback shows here
+        if step.get(name) is not None and step[name].get("route"):
+            console.print(f"{label}: {step[name]['route']}", highlight=False)

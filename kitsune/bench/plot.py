@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from kitsune._paths import as_path, write_output
 from kitsune.bench.results import BenchResult, SetResult
 from kitsune.bench.table import SECTION_HEADS, sections
+from kitsune.bench.variants import BYTES_PER_PARAM
 
 _ROW = 22  # px per variant row
 _LABEL = 250  # px for the variant names
@@ -26,11 +27,17 @@ _GAP = 30  # px between sets (the set's title)
 
 
 def _rows(s: SetResult) -> list[tuple[str, float | None, str]]:
-    """(label, % of floor or None, text after the bar) per variant."""
+    """(label, % of the set's floor or None, text after the bar) per variant. Every bar is against the set's floor
+    (fp32 AdamW's bytes), so that a longer bar is a faster step: the low-precision state's rows, whose table column
+    holds the share of their own smaller floor, run past 100% of it (the bar stops at 100%, the text says how far)."""
     rows = []
     for v in s.variants:
         if v.status == "ok" and v.device_ms is not None and v.pct_of_floor is not None:
-            rows.append((v.label, min(v.pct_of_floor, 100.0), f"{v.device_ms.median:.3f} ms ({v.pct_of_floor:.0f}%)"))
+            pct = 100 * s.floor_ms / v.device_ms.median
+            text = f"{v.device_ms.median:.3f} ms ({pct:.0f}%"
+            if v.variant in BYTES_PER_PARAM:
+                text += f"; {v.pct_of_floor:.0f}% of its own floor, {BYTES_PER_PARAM[v.variant]:.4g} B/param"
+            rows.append((v.label, min(pct, 100.0), text + ")"))
         else:
             rows.append((v.label, None, v.status.replace("_", " ")))
     return rows
@@ -41,7 +48,7 @@ def bench_svg(result: BenchResult, title: str | None = None) -> str:
     sets = sections(result)
     env = result.environment
     title = title or f"AdamW step, {env.device_name or result.device}: % of the bandwidth floor (higher is faster)"
-    if result.cpu_smoke:  # kitsune is a pass-through on a CPU: its bars and torch's time the same step
+    if result.cpu_smoke:  # on a CPU kitsune's rows run torch's step (or Triton's interpreter): no comparison
         title += "; a CPU smoke run, not a comparison"
     if not result.complete:  # saved after a set, then stopped (Ctrl-C) or still running
         title += "; a partial run (complete: false)"

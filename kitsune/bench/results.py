@@ -10,30 +10,9 @@ from pydantic import BaseModel
 
 from kitsune._paths import as_path, write_output
 from kitsune.bench.e2e import E2EResult
+from kitsune.bench.info import KitsuneInfo
 from kitsune.bench.timing import Stats
 from kitsune.profiler.schema import Environment
-
-
-class KitsuneInfo(BaseModel):
-    """What the kitsune variant ran with, from ``opt.subsystem_status()`` after the timed steps."""
-
-    active_subsystems: list[str]
-    fusion_active: bool
-    fusion_reason: str | None
-    """Why fusion is inactive (None when active)."""
-    fused_params: int | None
-    """Params the fused Triton kernels update (the fusion report's ``params_fused``; None when it has none)."""
-    total_params: int
-    fused_all: bool | None
-    """True when the fusion plan sends every param to the fused kernels (nothing falls back to torch)."""
-    fallbacks: list[str]
-    """Each plan bucket that is not fused: ``"<tensors> tensors -> <route>: <reason>"``."""
-    launches_per_step: int | None
-    """Fused kernel launches in the last step, as the fusion report counts them."""
-    subsystems: list[dict[str, Any]]
-    """``opt.subsystem_status()`` verbatim (the fusion plan is in the fusion entry's report)."""
-    warnings: list[str]
-    """Warnings kitsune raised while building the optimizer and during warm-up."""
 
 
 class PeerInfo(BaseModel):

@@ -23,6 +23,7 @@ from kitsune._device import parse_device
 from kitsune._paths import as_path
 from kitsune.bench.e2e import check_compile_backend, run_e2e
 from kitsune.bench.guards import failure_reason, free_memory, memory_shortfall
+from kitsune.bench.info import KitsuneInfo, kitsune_info, step_mark
 from kitsune.bench.pairs import run_paired_ratio, run_profiler_cost
 from kitsune.bench.params import (
     PARAM_SETS,
@@ -46,7 +47,6 @@ from kitsune.bench.peers import (
 from kitsune.bench.peers import version as peer_version
 from kitsune.bench.results import (
     BenchResult,
-    KitsuneInfo,
     PeerInfo,
     PeerStatus,
     SetResult,
@@ -68,7 +68,6 @@ from kitsune.bench.variants import (
     FIXED_GRADS,
     FRESH_GRADS,
     VARIANTS,
-    kitsune_info,
     make_variant,
 )
 from kitsune.config import GraphConfig
@@ -305,14 +304,15 @@ def run_peer(
             if len(info.warnings) < 5:
                 info.warnings.append(message)
         result.state_bytes, info.state_paged = state_bytes(built.opt.state)
+        ours = isinstance(built.opt, KitsuneOptimizer)
+        mark = step_mark(built.opt) if ours else None
         check = MoveCheck(params, [n for n, _ in pset.shapes])
         doing[0] = f"in its timed steps ({info.short_steps or steps} a pass)"
         times = time_steps(built.step, info.short_steps or steps, device, between=between, check=check)
         check.verify()
         info.checked_steps = check.checked_steps
         # kitsune's own reference rows (its fused Lion): what they ran, as the variants' rows say it
-        ours = kitsune_info(built.opt, len(params)) if isinstance(built.opt, KitsuneOptimizer) else None
-        return times, ours
+        return times, kitsune_info(built.opt, len(params), since=mark) if ours else None
 
     def body_then_reset() -> tuple[StepTimes, KitsuneInfo | None]:
         try:
@@ -381,8 +381,8 @@ def run_phase(
             result.status, result.reason = "skipped", shortfall
         return [result for result, _, _ in sides]
 
-    def timed(make_opt: Any, clip: Any) -> Callable[[], tuple[StepTimes, None]]:
-        def body() -> tuple[StepTimes, None]:
+    def timed(make_opt: Any, clip: Any) -> _Body:
+        def body() -> tuple[StepTimes, KitsuneInfo | None]:
             params = make_params(pset, device, seed)
             opt = make_opt(params)
             scaler = torch.amp.GradScaler(device.type)
@@ -412,9 +412,11 @@ def run_phase(
             for _ in range(warmup):
                 refill()
                 phase()
+            ours = isinstance(opt, KitsuneOptimizer)
+            mark = step_mark(opt) if ours else None
             times = time_steps(phase, steps, device, between=refill)
             # what kitsune's sides ran with (a fallback shows in the table's notes, not as a "kitsune" time)
-            return times, kitsune_info(opt, len(params)) if isinstance(opt, KitsuneOptimizer) else None
+            return times, kitsune_info(opt, len(params), since=mark) if ours else None
 
         return body
 

@@ -6,7 +6,8 @@ from rich.console import Console
 from rich.table import Table
 
 from kitsune.bench.e2e import E2EResult
-from kitsune.bench.results import BenchResult, KitsuneInfo, PeerStatus, SetResult, VariantResult
+from kitsune.bench.info import route_line
+from kitsune.bench.results import BenchResult, PeerStatus, SetResult, VariantResult
 
 ADAMW_STATE_BYTES_PER_PARAM = 8
 """fp32 AdamW's state: exp_avg and exp_avg_sq, 4 bytes each (the step counts are a few bytes per tensor)."""
@@ -29,7 +30,7 @@ def _note(v: VariantResult) -> str | None:
         return v.reason
     if v.status != "ok":
         return f"{v.status}: {v.reason}"
-    route = _route(v.kitsune)
+    route = route_line(v.kitsune)
     if v.peer is not None:  # kitsune's own reference rows (its fused Lion) are run as peers: their route too
         p = v.peer
         paged = "; state paged" if p.state_paged else ""
@@ -44,19 +45,6 @@ def _note(v: VariantResult) -> str | None:
         )
         return note if route is None else f"{note}; {route}"
     return route
-
-
-def _route(k: KitsuneInfo | None) -> str | None:
-    """What a kitsune row ran: fused or not, in how many launches, what fell back, the active subsystems."""
-    if k is None:
-        return None
-    active = f"active subsystems: {', '.join(k.active_subsystems) or 'none'}"
-    if not k.fusion_active:
-        return f"fusion inactive: {k.fusion_reason}; {active}"
-    fused = "?" if k.fused_params is None else str(k.fused_params)
-    launches = "" if k.launches_per_step is None else f" in {k.launches_per_step} launch(es)/step"
-    fallbacks = "".join(f"; fallback: {f}" for f in k.fallbacks)
-    return f"fused {fused}/{k.total_params} params{launches}{fallbacks}; {active}"
 
 
 def _pct(value: float | None) -> str:
@@ -81,9 +69,10 @@ def sections(result: BenchResult) -> list[SetResult]:
 
 
 CPU_SMOKE = (
-    "a CPU run is a smoke test of the command, not a comparison: kitsune is a pass-through on a CPU (its fused "
-    "kernels and CUDA graphs need CUDA), so its rows run torch's own step and a ratio would only measure noise; the "
-    "tables leave the ratios out. Compare on a GPU."
+    "a CPU run is a smoke test of the command, not a comparison: on a CPU kitsune's rows run torch's own step (its "
+    "fused kernels and CUDA graphs need CUDA; with TRITON_INTERPRET=1 the kernels run in Triton's interpreter, a "
+    "test harness far slower than either), so a ratio would only measure noise or the interpreter; the tables leave "
+    "the ratios out. Compare on a GPU."
 )
 """The line a CPU run (``BenchResult.cpu_smoke``) ends with."""
 NOT_SHOWN = "-"
@@ -227,6 +216,10 @@ def print_e2e(e2e: E2EResult, console: Console, cpu_smoke: bool = False) -> None
             f"{side.last_loss:.4f}",
         )
     console.print(table)
+    for side in e2e.sides:  # what each kitsune side ran on the GPU: a fallback or an eager step shows here
+        route = None if cpu_smoke else route_line(side.kitsune)
+        if route is not None:
+            console.print(f"{side.label}: {route}", highlight=False)
     compared = min(10, len(e2e.sides[0].losses)) if e2e.sides else 10  # a short run has fewer than 10
     losses = (
         f"the clipped sides' losses over the first {compared} steps differ by at most {e2e.max_loss_diff_first_10:.2g}"

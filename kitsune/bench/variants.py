@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import warnings
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
-from kitsune.bench.results import KitsuneInfo
+from kitsune.bench.info import KitsuneInfo, kitsune_info, step_mark
 
 ADAMW = {"lr": 1e-3, "weight_decay": 0.01, "betas": (0.9, 0.999), "eps": 1e-8}
 """The AdamW hyperparameters every variant uses (betas and eps are torch's defaults)."""
@@ -169,9 +167,10 @@ class _KitsuneVariant(_TorchVariant):
             while profiler is not None and profiler.sampling:
                 super().warmup(1, between)
         self._keep(caught)
+        self.mark = step_mark(self.opt)
 
     def info(self) -> KitsuneInfo:
-        return kitsune_info(self.opt, len(self.params), self.warnings)
+        return kitsune_info(self.opt, len(self.params), self.warnings, since=self.mark)
 
     def close(self) -> None:
         if self.opt.profiler is not None:
@@ -200,30 +199,3 @@ def make_variant(name: str, params: list[torch.nn.Parameter]) -> _TorchVariant:
     if name in STATE_PRECISION:
         return _KitsuneVariant(params, state_precision=STATE_PRECISION[name])
     raise ValueError(f"unknown variant {name!r}: choose from {', '.join(VARIANTS)}")
-
-
-def kitsune_info(opt: Any, n_params: int, caught: list[str] | None = None) -> KitsuneInfo:
-    """What a `KitsuneOptimizer` over ``n_params`` params ran with (its subsystems, what it fused and what fell
-    back), from ``opt.subsystem_status()`` after the timed steps; ``caught``: the warnings its steps raised."""
-    status = json.loads(json.dumps(opt.subsystem_status(), default=str))  # reports must stay JSON-able
-    fusion = next((s for s in status if s["name"] == "fusion"), {"active": False, "reason": "no fusion subsystem"})
-    report = fusion.get("report") or {}
-    fused = report.get("params_fused") if fusion["active"] else 0
-    buckets = (report.get("plan") or {}).get("buckets") or []
-    fallbacks = [
-        f"{b.get('tensors')} tensors -> {b.get('route')}: {b.get('reason')}"
-        for b in buckets
-        if b.get("route") != "triton"
-    ]
-    return KitsuneInfo(
-        active_subsystems=[s["name"] for s in status if s["active"]],
-        fusion_active=fusion["active"],
-        fusion_reason=fusion.get("reason"),
-        fused_params=fused,
-        total_params=n_params,
-        fused_all=None if fused is None else fused == n_params,
-        fallbacks=fallbacks,
-        launches_per_step=report.get("fused_launches_per_step"),
-        subsystems=status,
-        warnings=list(caught or []),
-    )
