@@ -307,7 +307,7 @@ def test_module_entry_point(capsys):
 @pytest.mark.cuda
 def test_every_variant_times_on_gpu():
     result = run_bench(sets=["gpt2"], device=None, steps=5, warmup=4, console=quiet())  # the CLI's --device auto
-    assert result.timer == "cuda_events" and result.copy_bandwidth_gbs > 100
+    assert result.timer == "cuda_events" and math.isfinite(result.copy_bandwidth_gbs) and result.copy_bandwidth_gbs > 0
     entry = result.sets[0]
     assert entry.scale == 1.0 and entry.n_tensors == 148
     for v in entry.variants:

@@ -50,6 +50,10 @@ class _SignStep(torch.optim.Optimizer):
         if self.mode in ("hang", "hang_compiled") and self.calls > 1:  # as a library compiling for minutes
             until = time.perf_counter() + 20  # (bounded: a broken time limit fails the test, it does not hang it)
             try:
+                # the runner's timer is armed now; its signal comes here, at once, whatever the earlier calls took
+                # (a first optimizer in a process imports torch._dynamo, which outlasted a short real limit)
+                self.timer_armed = signal.getitimer(signal.ITIMER_REAL)[0] > 0
+                signal.raise_signal(signal.SIGALRM)
                 while time.perf_counter() < until:
                     time.sleep(0.01)
             except Exception:  # as torch.compile's backends wrap what they raise, with the whole graph in it
@@ -104,6 +108,7 @@ def test_a_slow_peer_times_fewer_steps(monkeypatch):
     assert runner.peer_steps(50, 1.0) == 10 and runner.peer_steps(50, 0.01) == 50
     assert runner.peer_steps(50, 60.0) == runner.PEER_MIN_STEPS and runner.peer_steps(3, 60.0) == 3
     built: list[_SignStep] = []
+    monkeypatch.setattr(runner, "PEER_PASS_SECONDS", 1e9)  # no step is too slow (whatever the host does)
     fast = run_peer(_fake("fast"), TINY, CPU, steps=7, warmup=2, floor_ms=1.0)
     assert fast.peer.short_steps is None and len(fast.device_ms_steps) == 7 and fast.peer.warm_step_ms > 0
     monkeypatch.setattr(runner, "PEER_PASS_SECONDS", 0.0)  # every step is too slow now
@@ -124,10 +129,12 @@ def test_a_peer_past_its_time_is_stopped_and_the_next_one_runs(monkeypatch):
     from kitsune.bench.table import _note
 
     handler = signal.getsignal(signal.SIGALRM)
-    monkeypatch.setattr(runner, "PEER_SECONDS", 0.5)
-    v = run_peer(_fake("hangs", mode="hang"), TINY, CPU, steps=3, warmup=3, floor_ms=1.0)
+    monkeypatch.setattr(runner, "PEER_SECONDS", 30.0)
+    built: list[_SignStep] = []
+    v = run_peer(_fake("hangs", mode="hang", built=built), TINY, CPU, steps=3, warmup=3, floor_ms=1.0)
+    assert built[0].timer_armed  # the step ran under the runner's timer, whose signal it raised
     assert v.status == "stopped" and v.device_ms is None and not v.device_ms_steps
-    assert v.reason == "ran past 0.5 s (PEER_SECONDS), in warm-up step 2 of 3", v.reason
+    assert v.reason == "ran past 30 s (PEER_SECONDS), in warm-up step 2 of 3", v.reason
     assert _note(v) == f"stopped: {v.reason}"
     assert signal.getsignal(signal.SIGALRM) is handler and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
     after = run_peer(_fake("fine"), TINY, CPU, steps=3, warmup=2, floor_ms=1.0)
@@ -140,10 +147,10 @@ def test_a_stop_raised_again_by_a_compiler_is_a_stop_with_a_short_reason(monkeyp
     graph in the message) still gets a `stopped` row naming the limit, not a failure with the graph in it."""
     from kitsune.bench import runner
 
-    monkeypatch.setattr(runner, "PEER_SECONDS", 0.5)
+    monkeypatch.setattr(runner, "PEER_SECONDS", 30.0)
     v = run_peer(_fake("compiles", mode="hang_compiled"), TINY, CPU, steps=3, warmup=3, floor_ms=1.0)
     assert v.status == "stopped", (v.status, v.reason[:200])
-    assert v.reason == "ran past 0.5 s (PEER_SECONDS), in warm-up step 2 of 3 (raised again as RuntimeError)"
+    assert v.reason == "ran past 30 s (PEER_SECONDS), in warm-up step 2 of 3 (raised again as RuntimeError)"
 
 
 def test_a_failure_reason_is_bounded():
@@ -372,7 +379,8 @@ def test_peers_on_gpu_where_installed():
     )
     for entry in [*result.sets, *result.lion]:
         for v in entry.variants:
-            assert v.status in ("ok", "failed"), f"{v.variant}: {v.reason}"
+            # a peer that compiles may pass PEER_SECONDS on a busy host (stopped), or break (failed): its row says so
+            assert v.status in ("ok", "failed", "stopped"), f"{v.variant}: {v.reason}"
             if v.peer is None or v.peer.reference:
                 assert v.status == "ok", f"{v.variant}: {v.reason}"
 

@@ -6,6 +6,7 @@ import time
 
 import pytest
 import torch
+from helpers import routes
 
 from kitsune import GraphConfig, KitsuneOptimizer
 
@@ -58,8 +59,9 @@ def test_gpt2_block_shapes_match_torch_fused(make, dtype):
 
 
 def test_host_time_2000_tensors():
-    """One AdamW step over 2000 tensors of 4096 elements: its host time stays far from a per-tensor loop's (about
-    0.5 ms measured on an H100 host, where torch's fused step takes about 5 ms)."""
+    """One AdamW step over 2000 tensors of 4096 elements does what keeps its host time far from a per-tensor loop's:
+    every param fused in one launch unit, checked by the native call, and each steady step one graph replay (its
+    time is printed; `kitsune bench`'s `many` set is where it is measured: 0.15-0.4 ms on H100 hosts)."""
     params = [torch.nn.Parameter(torch.randn(4096, device="cuda")) for _ in range(2000)]
     for p in params:
         p.grad = torch.randn_like(p)
@@ -74,7 +76,11 @@ def test_host_time_2000_tensors():
     host_ms = (time.perf_counter() - start) / n * 1e3
     torch.cuda.synchronize()
     print(f"kitsune AdamW 2000x4096 host ms/step: {host_ms:.3f}")
-    assert host_ms < 1.5  # a per-tensor Python loop would cost several ms; noise on a shared host ~0.2 ms
+    assert routes(opt) == {"triton"} and len(opt.plan.buckets) == 1, opt.plan
+    report = opt._subsystem("fusion").report()
+    assert report["params_fused"] == 2000 and report["fused_launches_per_step"] == 1, report
+    assert report["address_checks"] == "native (one C++ call per unit)", report["address_checks"]
+    assert opt._subsystem("graphs").report()["steady_replays"] >= n
 
 
 @pytest.mark.parametrize("capture_graph", [False, True], ids=["eager", "graph"])
@@ -247,5 +253,7 @@ def test_graph_host_time_per_step_gpt2_shapes(static):
     torch.cuda.synchronize()
     label = "static addresses" if static else "checked"
     print(f"kitsune AdamW GPT-2 shapes ({len(graphed)} tensors), graph replay, {label}, host ms/step: {host_ms:.4f}")
-    assert opt._subsystem("graphs").report()["steady_replays"] >= n
-    assert host_ms < 0.5
+    graphs, fusion = opt._subsystem("graphs").report(), opt._subsystem("fusion").report()
+    assert graphs["steady_replays"] >= n and graphs["captures"] == 1, graphs  # one launch a step, captured once
+    if not static:  # the checked step: one native call per unit reads the addresses
+        assert fusion["address_checks"] == "native (one C++ call per unit)", fusion["address_checks"]

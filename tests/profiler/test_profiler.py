@@ -177,11 +177,12 @@ def test_cuda_events_time_steps():
     text = _summary_text(opt)
     assert "CUDA events" in text
     records = opt.profiler.records
-    # the device runs the steps in order, each about when the host began it or later (the start event is
-    # recorded just before the host clock is read, so an idle GPU may run it a few us earlier)
+    # the device runs the steps in order, each after the last one ended (one stream's order; the slack covers the
+    # events' resolution, about half a microsecond a reading). The device and host clocks are not compared: how far
+    # apart they read depends on when the host thread runs (that arithmetic is checked on fake events in test_cost)
     for a, b in zip(records, records[1:], strict=False):
-        assert b.device_start_us >= a.device_start_us + a.step_ms * 1e3 - 1.0
-    assert all(r.device_start_us >= r.host_start_us - 20.0 for r in records), records
+        assert b.device_start_us >= a.device_start_us + a.step_ms * 1e3 - 5.0
+    assert all(math.isfinite(r.device_start_us) for r in records), records
 
 
 @pytest.mark.cuda
@@ -198,8 +199,8 @@ def test_cuda_events_time_one_step_in_n_past_the_windows():
     timed = [r for r in records if r.step_ms is not None]
     assert [r.step for r in timed] == [1, 4, 8, 12] and all(r.step_ms > 0 for r in timed)
     assert all(r.device_start_us is None for r in records if r.step_ms is None)
-    for a, b in zip(timed, timed[1:], strict=False):
-        assert b.device_start_us >= a.device_start_us + a.step_ms * 1e3 - 1.0
+    for a, b in zip(timed, timed[1:], strict=False):  # in order (the slack: the events' resolution)
+        assert b.device_start_us >= a.device_start_us + a.step_ms * 1e3 - 5.0
     metrics = opt.profiler.get_metrics()
     assert metrics.step_time.count == 4 and metrics.host_time.count == 13
 
@@ -260,7 +261,9 @@ def test_probe_and_live_comparison_on_gpu():
     assert probe.status == "measured" and probe.steps == 2
     assert probe.syncs_per_step == 0.5 and any("test_profiler.py" in s for s in probe.sync_sites), probe
     assert 1 <= probe.launches_per_step <= 4, probe  # the fused launch, plus at most a few small uploads
-    assert probe.copy_bandwidth_gbs > 100 and metrics.floor_ms > 0 and 0 < metrics.pct_of_floor
+    # measured, not asserted against a rate (another process's copies on a shared GPU would slow it)
+    assert math.isfinite(probe.copy_bandwidth_gbs) and probe.copy_bandwidth_gbs > 0
+    assert metrics.floor_ms > 0 and 0 < metrics.pct_of_floor
     assert metrics.bytes_per_step == 28 * sum(p.numel() for p in params)
     cmp = metrics.comparison
     assert cmp.status == "measured" and cmp.kitsune.count == 5 and cmp.baseline_time.count == 5
