@@ -80,6 +80,11 @@ class AlgoInfo:
         `scalar_keys`."""
         return ("step",) * self.step_in_state + self.scalar_keys
 
+    def one_dtype_for(self, spec: Any) -> bool:
+        """`one_dtype` for the variant ``spec`` (an `UpdateSpec`, or Muon's): centered RMSprop's own step lerps the
+        grad into ``grad_avg``, so it needs one dtype too, where plain RMSprop's carries on with state of another."""
+        return self.one_dtype or bool(getattr(spec, "centered", False))
+
 
 def _switches(cls: type) -> Callable[[dict[str, Any], str], bool]:
     """How ``cls``'s step reads a switch of a group: a key its constructor takes (so this torch puts it in every

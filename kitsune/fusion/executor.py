@@ -36,7 +36,7 @@ from kitsune.fusion.planner import Planner, group_switches
 from kitsune.fusion.torch_route import TorchShadow, without
 from kitsune.fusion.units import FusedUnit
 from kitsune.kernels.multi_tensor import DEFAULT_BLOCK
-from kitsune.kernels.spec import StateFormat
+from kitsune.kernels.spec import StateFormat, UpdateSpec
 from kitsune.memory import MemoryPool
 from kitsune.subsystem import StepState, Subsystem
 
@@ -125,8 +125,9 @@ class FusionSubsystem(Subsystem):
         self._base, self._plan_args = base, (remote, backward_bytes)
         planned = self._planner.plan(base, remote, backward_bytes)
         low_params = {p for u in planned.units if u.spec.state != StateFormat.PARAM for p in u.params}
-        if state_format.decode_others(base.state, low_params):  # the others' 8-bit state, or float state of another
-            planned = self._planner.plan(base, remote, backward_bytes)  # dtype, now as their steps read it: route that
+        # the others' 8-bit state, or float state of another dtype, now as their steps read it: route that
+        if state_format.decode_others(base.state, low_params, planned.own_step):
+            planned = self._planner.plan(base, remote, backward_bytes)
         counts = {p: c for u in self._units for p, c in u.private_steps()}
         for unit in planned.units:
             unit.carry_steps(counts)
@@ -358,13 +359,17 @@ class FusionSubsystem(Subsystem):
 
     def _refuse_mixed(self, units: tuple[FusedUnit, ...]) -> None:
         """Raise before anything changes for a grad of another dtype than its param (``p.grad_dtype``) that a unit
-        or a shadow leaves to a wrapped optimizer whose own step needs one dtype (`AlgoInfo.one_dtype`): torch's
+        or a shadow leaves to a wrapped optimizer whose own step needs one dtype (`AlgoInfo.one_dtype_for`): torch's
         would raise halfway."""
-        left = [(unit.info, unit.unhandled) for unit in units]
+        left = [(unit.info.one_dtype_for(unit.spec), unit.unhandled) for unit in units]
         if self._info is not None:
-            left += [(self._info, shadow.unhandled) for shadow in self._shadows]
-        for info, params in left:
-            if not info.one_dtype:
+            info = self._info
+            specs = [switch[0] for switch in self._switches]  # each group's spec (`group_switches`)
+            for shadow in self._shadows:
+                one = any(isinstance(specs[i], UpdateSpec) and info.one_dtype_for(specs[i]) for i in shadow.group_index)
+                left.append((one or info.one_dtype, shadow.unhandled))
+        for one_dtype, params in left:
+            if not one_dtype:
                 continue
             for p in params:
                 g = p.grad

@@ -9,8 +9,9 @@ hyperparameter buffer). A bucket takes the first route that can run it:
    (no Triton, float64, a non-contiguous param, a predicted speedup under ``min_fusion_benefit``);
 3. the wrapped optimizer's own step: for everything kitsune must not touch (unknown optimizer class, SparseAdam and
    LBFGS, ``differentiable=True``, complex or sparse grads, state of another dtype than its param for torch's fused
-   and foreach paths, fusion disabled) and for every CPU param unless ``TRITON_INTERPRET=1``, so that on a CPU-only
-   machine results stay bit-identical to the unwrapped optimizer.
+   and foreach paths, float state wider than its param where the optimizer's own step keeps it so, fusion
+   disabled) and for every CPU param unless ``TRITON_INTERPRET=1``, so that on a CPU-only machine results stay
+   bit-identical to the unwrapped optimizer.
 
 `Planner.plan` only decides and builds the executors' units; it changes no param, grad or state.
 """
@@ -37,6 +38,7 @@ from kitsune.fusion.units import FusedUnit
 from kitsune.kernels.codes import QUANT_BLOCK
 from kitsune.kernels.multi_tensor import DEFAULT_BLOCK
 from kitsune.kernels.spec import MuonSpec, StateFormat, UpdateSpec
+from kitsune.optim.base import widens
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TORCH_DTYPES = (*_KERNEL_DTYPES, torch.float64)
@@ -129,6 +131,9 @@ class Planned:
     units: list[FusedUnit] = field(default_factory=list)
     muon: list[muon_unit.MuonUnit] = field(default_factory=list)
     shadows: list[TorchShadow] = field(default_factory=list)
+    own_step: set[torch.Tensor] = field(default_factory=set)
+    """The params the wrapped optimizer's own step updates (route ``base_step``): their float state stays in the dtype
+    it was made in where their own dtype narrowed since (`state_format.decode_others`), as that step keeps it."""
 
 
 class Planner:
@@ -169,6 +174,8 @@ class Planner:
             bp = self._plan_bucket(base, info, specs, device, dtype, spec, route, reason, members)
             bp.notes = sorted(notes[key]) if bp.route.fused else []
             out.plan.buckets.append(bp)
+            if bp.route is Route.BASE_STEP:
+                out.own_step.update(p for _, p in members)
             self._build(out, base, info, bp, spec, members, backward_bytes)
         return out
 
@@ -222,6 +229,11 @@ class Planner:
                     pspec, note = self._state_format(info, spec, p)  # type: ignore[arg-type]
                     pspec, rounding = self._rounding(pspec, p)
                     note = "; ".join(filter(None, (note, rounding))) or None
+                    algo = unit_info(info, pspec)  # type: ignore[arg-type]
+                    if pspec.state == StateFormat.PARAM and algo is not None and not algo.one_dtype_for(pspec):
+                        narrowed = _narrowed_state(base.state, p)
+                        if narrowed is not None:  # Adam's family refuses such state in its step instead
+                            route, reason = Route.BASE_STEP, narrowed
                 elif route is None and isinstance(spec, MuonSpec) and self.config.param_rounding == "stochastic":
                     if p.dtype == torch.bfloat16:
                         pspec = replace(spec, stochastic=True)
@@ -506,6 +518,23 @@ def _shard_route(p: torch.Tensor, spec: Any, mesh: list[Any]) -> tuple[Route | N
     if not mesh:
         mesh.append(p.device_mesh)
     return None, "fused Triton multi-tensor kernel on the local FSDP2 shards"
+
+
+def _narrowed_state(state: Any, p: torch.Tensor) -> str | None:
+    """Why ``p`` goes to the wrapped optimizer's own step where its state holds a float tensor of a dtype its own does
+    not widen (``model.half()`` after the state was made, or state set so by hand), or None. SGD's, RMSprop's,
+    Adagrad's and LARS's own steps carry on with such state in its dtype; the fused kernel keeps state in the param's
+    dtype, so it would round it, and the trajectory would leave torch's."""
+    for t in (state.get(p) or {}).values():
+        if isinstance(t, torch.Tensor) and t.dim() and t.is_floating_point() and t.dtype != p.dtype:
+            if not widens(t.dtype, p.dtype):
+                held, own = (str(d).removeprefix("torch.") for d in (t.dtype, p.dtype))
+                return (
+                    f"{held} state of {own} params (their dtype changed after the state was made: model.half()?): "
+                    f"the wrapped optimizer's own step keeps the state in {held}, as torch does; the fused kernel "
+                    f"would round it to {own}"
+                )
+    return None
 
 
 def _foreign_state(members: Members, state: Any) -> str | None:

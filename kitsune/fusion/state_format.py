@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -37,6 +37,7 @@ from kitsune.distributed import fsdp
 from kitsune.kernels import codes as _tables
 from kitsune.kernels.codes import CODE_SIZE, CODES_ALIGN, MIN_SCALE, QUANT_BLOCK
 from kitsune.kernels.spec import StateFormat, UpdateSpec
+from kitsune.optim.base import widens
 
 PRECISIONS: dict[str, StateFormat] = {
     "param": StateFormat.PARAM,
@@ -381,13 +382,18 @@ def _convert(s: dict[str, Any], fmt: StateFormat, min_8bit_size: int) -> dict[st
     return s
 
 
-def decode_others(state: Mapping[Any, dict[str, Any]], keep: set[torch.Tensor]) -> bool:
+def decode_others(
+    state: Mapping[Any, dict[str, Any]], keep: set[torch.Tensor], own_step: Collection[torch.Tensor] = ()
+) -> bool:
     """Decode the 8-bit state of every param not in ``keep`` (the params low-precision units update) into torch's
     keys, in the param's dtype, and cast its float state of another dtype (kept through a load by `restore_low`) to
     the param's: the step that updates those params (torch's, or a fused unit in the param's format) reads that. A
     checkpoint saved with any ``state_precision`` so loads into any optimizer that holds the params, and a param
     whose dtype changed after its state was made (``model.double()``) has its state converted, as the fused units
-    convert theirs. Returns whether anything changed (the routes were chosen on the state as it was)."""
+    convert theirs. The params in ``own_step`` (the wrapped optimizer's own step updates them) keep float state
+    wider than their dtype as it is (``model.half()`` after SGD's momentum was made in float32): that step keeps it
+    so, and rounding it would change its results. Returns whether anything changed (the routes were chosen on the
+    state as it was)."""
     changed = False
     for p, s in state.items():
         if p in keep or not isinstance(p, torch.Tensor) or not isinstance(s, dict):
@@ -398,6 +404,8 @@ def decode_others(state: Mapping[Any, dict[str, Any]], keep: set[torch.Tensor]) 
         for key in SIGNED:
             t = s.get(key)
             if isinstance(t, torch.Tensor) and t.is_floating_point() and p.is_floating_point() and t.dtype != p.dtype:
+                if p in own_step and not widens(t.dtype, p.dtype):
+                    continue
                 s[key] = t.to(p.dtype)
                 changed = True
     return changed

@@ -684,11 +684,11 @@ class FusedUnit:
                     tables[slot].append(fsdp.local(held[0]).data_ptr())  # FSDP2: the local shard (of the codes)
                     absmax[slot].append(held[-1].data_ptr())
                 elif ready and key and slots is not None:  # the pool's view, with a loaded tensor copied in
-                    _conform(s, key, p, self.info.one_dtype)
+                    _conform(s, key, p, self.info.one_dtype_for(self.spec))
                     bound.append(slots.adopt(s, i, key))
                     tables[slot].append(bound[-1].data_ptr())
                 elif ready and key:
-                    bound.append(_conform(s, key, p, self.info.one_dtype))
+                    bound.append(_conform(s, key, p, self.info.one_dtype_for(self.spec)))
                     tables[slot].append(fsdp.local(bound[-1]).data_ptr())
                 else:
                     tables[slot].append(0)
@@ -774,7 +774,8 @@ def _conform(s: dict, key: str, p: torch.Tensor, one_dtype: bool = False) -> tor
     an 8-bit run) is decoded first. ``one_dtype`` (an algorithm whose plain step lerps the grad into state made like
     the param, `AlgoInfo.one_dtype`): state of a wider float dtype than its param's (``model.half()`` after the
     state was made) is refused (`kitsune.optim.base.refuse_narrowing`), as that step refuses it, rather than rounded;
-    SGD's, Adagrad's, RMSprop's and LARS's plain steps carry on with such state, so it is cast for them.
+    SGD's, Adagrad's, RMSprop's and LARS's plain steps carry on with such state, so the planner leaves those params
+    to the wrapped step (no unit casts it).
     """
     state_format.decode(s, key, p)
     t = s[key]

@@ -307,17 +307,91 @@ def test_params_cast_to_float64_mid_run_go_to_torchs_path_with_their_state_cast(
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("name", ["Adam", "AdamW", "NAdam", "SGD"])
+@pytest.mark.parametrize("name", ["SGD", "RMSprop", "Adagrad", "LARS"])
+def test_params_cast_narrower_mid_run_keep_their_state_as_torchs_step_does(name, dtype, device):
+    """``model.half()`` / ``model.bfloat16()`` after some fused steps, for the optimizers whose own step carries on
+    with its float32 state (SGD, RMSprop but centered, Adagrad; kitsune.optim's LARS): the params go to the wrapped
+    optimizer's own step, the plan says why, and the state stays float32, as torch keeps it (the fused kernel would
+    round it to the params' dtype). From the cast on, the steps are the plain optimizer's bit for bit: a twin given
+    kitsune's params and state at the cast follows them exactly."""
+    from kitsune.optim import LARS
+
+    make = {
+        "SGD": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, weight_decay=1e-3),
+        "RMSprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.5),
+        "Adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2, weight_decay=1e-3),
+        "LARS": lambda ps: LARS(ps, lr=1e-2, momentum=0.9, weight_decay=1e-3),
+    }[name]
+    params = make_params([7, (3, 5)], torch.float32, device)
+    opt = KitsuneOptimizer(make(params), enable_fusion=True)
+    for step in range(3):
+        for p, g in zip(params, random_grads(params, step), strict=True):
+            p.grad = g
+        opt.step()
+    assert {b.route.value for b in opt.plan.buckets} == {"triton"}
+    for p in params:
+        p.data = p.data.to(dtype)
+    twins = [p.detach().clone().requires_grad_() for p in params]
+    ref = make(twins)
+    ref.load_state_dict(opt.state_dict())  # kitsune's state at the cast; torch's load casts it to the twins' dtype
+    for t, p in zip(twins, params, strict=True):
+        ref.state[t] = {k: v.clone() for k, v in opt.state[p].items()}  # ... so set it as kitsune holds it
+    for step in range(3, 9):
+        for p, t, g in zip(params, twins, random_grads(params, step), strict=True):
+            p.grad, t.grad = g.to(dtype), g.to(dtype)
+        opt.step()
+        ref.step()
+        for p, t in zip(params, twins, strict=True):
+            assert torch.equal(p, t), step
+    (bucket,) = opt.plan.buckets
+    assert bucket.route.value == "base_step" and "keeps the state in float32" in bucket.reason, opt.plan
+    for p, t in zip(params, twins, strict=True):
+        for key, value in ref.state[t].items():
+            mine = opt.state[p][key]
+            assert mine.dtype == value.dtype and torch.equal(mine, value), key
+            assert value.dim() == 0 or value.dtype == torch.float32, key  # kept as it was made
+
+
+def test_state_the_wrapped_step_updates_keeps_its_dtype_when_the_params_narrow(device):
+    """Params kitsune leaves to the wrapped optimizer's own step (a group with ``differentiable=True``) beside fused
+    ones, after ``model.half()``: the re-plan the fused params' new storage brings leaves their float32 momentum as
+    the wrapped step keeps it (it was rounded to float16, so the steps left the bare optimizer's), and the fused
+    params join them there. The wrapped step's params equal the bare optimizer's bit for bit."""
+
+    def make(fused, own):
+        return torch.optim.SGD([{"params": fused}, {"params": own, "differentiable": True}], lr=1e-2, momentum=0.9)
+
+    params = make_params([7, (3, 5), 6, (2, 4)], torch.float32, device)
+    twins = [p.detach().clone().requires_grad_() for p in params]
+    opt = KitsuneOptimizer(make(params[:2], params[2:]), enable_fusion=True)
+    ref = make(twins[:2], twins[2:])
+    for step in range(6):
+        if step == 2:
+            assert {b.route.value for b in opt.plan.buckets} == {"triton", "base_step"}
+            for p in (*params, *twins):
+                p.data = p.data.half()
+        for p, t, g in zip(params, twins, random_grads(params, step), strict=True):
+            p.grad, t.grad = g.to(p.dtype), g.to(t.dtype)
+        opt.step()
+        ref.step()
+        for p, t in zip(params[2:], twins[2:], strict=True):
+            assert torch.equal(p, t), step
+    assert {b.route.value for b in opt.plan.buckets} == {"base_step"}
+    assert all(opt.state[p]["momentum_buffer"].dtype == torch.float32 for p in params)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", ["Adam", "AdamW", "NAdam", "RMSprop-centered"])
 def test_params_cast_narrower_mid_run(name, dtype, device):
-    """``model.half()`` / ``model.bfloat16()`` after some steps. Adam's family: torch's step raises (it lerps the grad
-    into float32 state), and rounding the state would lose it (float16 flushes small second moments to zero): the
-    step refuses before anything changes, naming the fix. SGD: torch's step carries on; kitsune casts the momentum
-    to the params' dtype (troubleshooting.md says so) and steps."""
+    """``model.half()`` / ``model.bfloat16()`` after some steps. Adam's family and centered RMSprop: torch's step
+    raises halfway (it lerps the grad into float32 state), and rounding the state would lose it (float16 flushes
+    small second moments to zero): the step refuses before anything changes, naming the fix. (SGD's family: the
+    test above.)"""
     make = {
         "Adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
         "AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
         "NAdam": lambda ps: torch.optim.NAdam(ps, lr=1e-2),
-        "SGD": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+        "RMSprop-centered": lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.5, centered=True),
     }[name]
     params = make_params([7, (3, 5)], torch.float32, device)
     opt = KitsuneOptimizer(make(params), enable_fusion=True)
@@ -332,11 +406,6 @@ def test_params_cast_narrower_mid_run(name, dtype, device):
         p.grad = g.to(dtype)
     before = [p.detach().clone() for p in params]
     state = {i: {k: v.clone() for k, v in opt.state[p].items()} for i, p in enumerate(params)}
-    if name == "SGD":
-        opt.step()
-        assert all(opt.state[p]["momentum_buffer"].dtype == dtype for p in params)
-        assert not any(torch.equal(p, b) for p, b in zip(params, before, strict=True))
-        return
     with pytest.raises(ValueError, match="param is torch.float32: the param's dtype changed.*enable_amp=True"):
         opt.step()
     for i, p in enumerate(params):
