@@ -82,8 +82,9 @@ class AlgoInfo:
 
     def one_dtype_for(self, spec: Any) -> bool:
         """`one_dtype` for the variant ``spec`` (an `UpdateSpec`, or Muon's): centered RMSprop's own step lerps the
-        grad into ``grad_avg``, so it needs one dtype too, where plain RMSprop's carries on with state of another."""
-        return self.one_dtype or bool(getattr(spec, "centered", False))
+        grad into ``grad_avg``, and Muon's its momentum, so they need one dtype too, where plain RMSprop's carries on
+        with state of another."""
+        return self.one_dtype or isinstance(spec, MuonSpec) or bool(getattr(spec, "centered", False))
 
 
 def _switches(cls: type) -> Callable[[dict[str, Any], str], bool]:

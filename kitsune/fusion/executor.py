@@ -79,6 +79,10 @@ class FusionSubsystem(Subsystem):
         self._idle: list[torch.Tensor] = []
         """The params of a plan that fuses none (`needs_replan` watches their storages), else empty."""
         self._idle_ptrs: list[int] = []
+        self._narrowed: list[torch.Tensor] = []
+        """Params on the wrapped step for their state's wider dtype (`Planned.narrowed`): a storage of theirs that
+        moves (cast back) plans again."""
+        self._narrowed_ptrs: list[int] = []
         self._muon: list[MuonUnit] = []
         self._handled: frozenset[torch.Tensor] = frozenset()
         self._contexts: dict[torch.device, DeviceContext] = {}
@@ -133,6 +137,7 @@ class FusionSubsystem(Subsystem):
             unit.carry_steps(counts)
         self._info, self._switches, self._switch_keys = planned.info, planned.switches, planned.switch_keys
         self._units, self._muon, self._shadows = planned.units, planned.muon, planned.shadows
+        self._narrowed, self._narrowed_ptrs = planned.narrowed, _storages(planned.narrowed)
         self._prepared = []  # the last step's units: the old plan's go with it (their slots hold the pool's arenas)
         # the params a step updates itself, a set made once a plan (a step's `prepare` takes out the unhandled ones)
         self._handled = frozenset().union(*(x.param_set for x in (*self._units, *self._muon, *self._shadows)))
@@ -513,7 +518,7 @@ class FusionSubsystem(Subsystem):
             return True
         if not self.active:  # nothing fused or bound: a switch (differentiable=False) or a storage moved to another
             return _storages(self._idle) != self._idle_ptrs  # device or dtype may change the routes
-        if self._state_moved():
+        if self._state_moved() or (self._narrowed and _storages(self._narrowed) != self._narrowed_ptrs):
             return True
         units = (*self._units, *self._muon)
         return any([unit.moved() for unit in units]) or any(unit.state_freed for unit in units)
@@ -538,7 +543,7 @@ class FusionSubsystem(Subsystem):
         them (uploads only); `OTHER` for anything else, which the full path sorts out. C++ checks (or, with static
         addresses, the units' watches) only."""
         self.forget_checks()  # what a full step's `needs_replan` found is for that step's `prepare` alone
-        if self._state_moved():
+        if self._state_moved() or (self._narrowed and _storages(self._narrowed) != self._narrowed_ptrs):
             return OTHER
         found = SAME
         for unit in (*self._units, *self._muon):

@@ -132,8 +132,13 @@ class Planned:
     muon: list[muon_unit.MuonUnit] = field(default_factory=list)
     shadows: list[TorchShadow] = field(default_factory=list)
     own_step: set[torch.Tensor] = field(default_factory=set)
-    """The params the wrapped optimizer's own step updates (route ``base_step``): their float state stays in the dtype
-    it was made in where their own dtype narrowed since (`state_format.decode_others`), as that step keeps it."""
+    """The params the wrapped optimizer's own step updates (route ``base_step``) where that step carries on with float
+    state of a wider dtype than the param's (all but `AlgoInfo.one_dtype_for`'s, and every unknown optimizer's): their
+    float state stays in the dtype it was made in where their own dtype narrowed since (`state_format.decode_others`),
+    as that step keeps it."""
+    narrowed: list[torch.Tensor] = field(default_factory=list)
+    """The params of `own_step` whose state is so now: the executor watches their storages, so that a cast back
+    (``model.float()``) plans again and brings them back to the fused kernel."""
 
 
 class Planner:
@@ -174,9 +179,14 @@ class Planner:
             bp = self._plan_bucket(base, info, specs, device, dtype, spec, route, reason, members)
             bp.notes = sorted(notes[key]) if bp.route.fused else []
             out.plan.buckets.append(bp)
-            if bp.route is Route.BASE_STEP:
-                out.own_step.update(p for _, p in members)
             self._build(out, base, info, bp, spec, members, backward_bytes)
+            if bp.route is Route.BASE_STEP:  # (`_build` may have sent it there)
+                for gi, p in members:
+                    algo = (unit_info(info, specs[gi]) or info) if info is not None else None
+                    if algo is None or not algo.one_dtype_for(specs[gi]):
+                        out.own_step.add(p)
+                        if _narrowed_state(base.state, p, algo.scalars if algo else ("step",)) is not None:
+                            out.narrowed.append(p)
         return out
 
     def wide_state(self, base: torch.optim.Optimizer) -> set[torch.Tensor]:
@@ -231,7 +241,7 @@ class Planner:
                     note = "; ".join(filter(None, (note, rounding))) or None
                     algo = unit_info(info, pspec)  # type: ignore[arg-type]
                     if pspec.state == StateFormat.PARAM and algo is not None and not algo.one_dtype_for(pspec):
-                        narrowed = _narrowed_state(base.state, p)
+                        narrowed = _narrowed_state(base.state, p, algo.scalars)
                         if narrowed is not None:  # Adam's family refuses such state in its step instead
                             route, reason = Route.BASE_STEP, narrowed
                 elif route is None and isinstance(spec, MuonSpec) and self.config.param_rounding == "stochastic":
@@ -520,13 +530,16 @@ def _shard_route(p: torch.Tensor, spec: Any, mesh: list[Any]) -> tuple[Route | N
     return None, "fused Triton multi-tensor kernel on the local FSDP2 shards"
 
 
-def _narrowed_state(state: Any, p: torch.Tensor) -> str | None:
+def _narrowed_state(state: Any, p: torch.Tensor, scalars: Collection[str]) -> str | None:
     """Why ``p`` goes to the wrapped optimizer's own step where its state holds a float tensor of a dtype its own does
-    not widen (``model.half()`` after the state was made, or state set so by hand), or None. SGD's, RMSprop's,
-    Adagrad's and LARS's own steps carry on with such state in its dtype; the fused kernel keeps state in the param's
-    dtype, so it would round it, and the trajectory would leave torch's."""
-    for t in (state.get(p) or {}).values():
-        if isinstance(t, torch.Tensor) and t.dim() and t.is_floating_point() and t.dtype != p.dtype:
+    not widen (``model.half()`` after the state was made, or state set so by hand), or None; ``scalars``: the keys of
+    counters kept in float32 whatever the param's dtype (``step``), a 0-d param's moments being 0-d too. SGD's,
+    RMSprop's, Adagrad's and LARS's own steps carry on with such state in its dtype; the fused kernel keeps state in
+    the param's dtype, so it would round it, and the trajectory would leave torch's."""
+    for key, t in (state.get(p) or {}).items():
+        if key in scalars:
+            continue
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != p.dtype:
             if not widens(t.dtype, p.dtype):
                 held, own = (str(d).removeprefix("torch.") for d in (t.dtype, p.dtype))
                 return (

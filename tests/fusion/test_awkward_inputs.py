@@ -380,6 +380,70 @@ def test_state_the_wrapped_step_updates_keeps_its_dtype_when_the_params_narrow(d
     assert all(opt.state[p]["momentum_buffer"].dtype == torch.float32 for p in params)
 
 
+def test_a_narrowed_scalar_param_keeps_its_state_and_a_cast_back_fuses_again(device):
+    """A 0-d param (a learned temperature) beside others, narrowed after SGD's state was made: its 0-d momentum is
+    seen as its state (not as a step counter) and kept float32 on the wrapped step; ``model.float()`` afterwards,
+    on part of the model only, plans again (the wrapped step's params are watched while they wait there) and every
+    param is fused once more, its state converted. The narrowed steps equal torch's bit for bit."""
+    params = [torch.nn.Parameter(torch.tensor(0.3, device=device))] + make_params([7, (3, 5), 6], torch.float32, device)
+    twins = [p.detach().clone().requires_grad_() for p in params]
+
+    def make(ps):
+        return torch.optim.SGD(ps, lr=1e-2, momentum=0.9)
+
+    opt, ref = KitsuneOptimizer(make(params), enable_fusion=True), make(twins)
+    routes = []
+    for step in range(9):
+        if step == 0:
+            ref.load_state_dict(opt.state_dict())
+        if step == 3:  # the first two and the scalar narrowed; the last one stays float32 and fused
+            for ps in (params, twins):
+                for p in ps[:3]:
+                    p.data = p.data.half()
+            for p, t in zip(params, twins, strict=True):  # the twin starts from kitsune's values and state here
+                t.data.copy_(p.data)
+                ref.state[t] = {k: v.clone() for k, v in opt.state[p].items()}
+        if step == 6:
+            for ps in (params, twins):
+                for p in ps[:3]:
+                    p.data = p.data.float()
+        for p, t, g in zip(params, twins, random_grads(params, step), strict=True):
+            p.grad, t.grad = g.to(p.dtype), g.to(t.dtype)
+        opt.step()
+        ref.step()
+        routes.append(sorted({(b.route.value, b.tensors) for b in opt.plan.buckets}))
+        if 3 <= step < 6:
+            for p, t in zip(params[:3], twins[:3], strict=True):
+                assert torch.equal(p, t), step
+            assert opt.state[params[0]]["momentum_buffer"].dtype == torch.float32
+    assert routes[3:6] == [[("base_step", 3), ("triton", 1)]] * 3, routes
+    assert routes[6:] == [[("triton", 4)]] * 3, routes
+    for p, t in zip(params, twins, strict=True):
+        assert opt.state[p]["momentum_buffer"].dtype == torch.float32
+        torch.testing.assert_close(p, t, rtol=1e-5, atol=1e-6)
+
+
+def test_adams_state_of_params_the_wrapped_step_updates_is_cast_as_before_when_they_narrow(device):
+    """Params of Adam's family the wrapped step updates (a ``differentiable=True`` group) keep no wider state
+    through a re-plan: torch's own step would raise halfway on it, so their state is cast to their dtype as before
+    (the fused params beside them are refused, nothing changed, as the tests below show)."""
+    params = make_params([7, (3, 5)], torch.float32, device)
+    opt = KitsuneOptimizer(
+        torch.optim.Adam([{"params": params[:1]}, {"params": params[1:], "differentiable": True}], lr=1e-2),
+        enable_fusion=True,
+    )
+    for step in range(3):
+        for p, g in zip(params, random_grads(params, step), strict=True):
+            p.grad = g
+        opt.step()
+    params[1].data = params[1].data.half()  # the wrapped step's param only
+    params[0].data = params[0].data.clone()  # a fused param's storage moves: the next step plans again
+    for p, g in zip(params, random_grads(params, 3), strict=True):
+        p.grad = g.to(p.dtype)
+    opt.step()
+    assert opt.state[params[1]]["exp_avg"].dtype == torch.float16 and torch.isfinite(params[1]).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("name", ["Adam", "AdamW", "NAdam", "RMSprop-centered"])
 def test_params_cast_narrower_mid_run(name, dtype, device):

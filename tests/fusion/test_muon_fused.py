@@ -507,3 +507,29 @@ def test_an_adjust_lr_fn_set_by_hand_that_muon_does_not_know_leaves_lr_as_torch(
     params, opt = trajectory(make, [(32, 32)], torch.float32, device, steps, fused=True, groups=groups)
     assert opt.plan.buckets[0].route is Route.TRITON_MATMUL
     torch.testing.assert_close(params[0], ref_params[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.cuda
+def test_muon_state_of_params_cast_narrower_is_refused_before_anything_changes():
+    """``model.half()`` after Muon's momentum was made: torch.optim.Muon's own step raises halfway (it lerps the
+    grad into the float32 buffer) and rounding the buffer would lose it, so the fused step refuses, naming the fix,
+    with the params and their state as they were (as Adam's family does)."""
+    device = torch.device("cuda")
+    params = make_params([(1024, 1024), (1024, 1024)], torch.float32, device)
+    opt = KitsuneOptimizer(torch.optim.Muon(params, lr=LR, weight_decay=0.1), enable_fusion=True)
+    for step in range(3):
+        for p, g in zip(params, random_grads(params, step), strict=True):
+            p.grad = g
+        opt.step()
+    assert opt.plan.buckets[0].route is Route.TRITON_MATMUL
+    for p, g in zip(params, random_grads(params, 3), strict=True):
+        p.data = p.data.half()
+        p.grad = g.half()
+    before = [p.detach().clone() for p in params]
+    state = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+    with pytest.raises(ValueError, match="'momentum_buffer' of a .* torch.float16 param is torch.float32.*Nothing"):
+        opt.step()
+    for p, b, s in zip(params, before, state, strict=True):
+        assert torch.equal(p, b)
+        for k, v in s.items():
+            assert opt.state[p][k].dtype == v.dtype and torch.equal(opt.state[p][k], v), k
