@@ -83,6 +83,10 @@ class FusionSubsystem(Subsystem):
         """Params on the wrapped step for their state's wider dtype (`Planned.narrowed`): a storage of theirs that
         moves (cast back) plans again."""
         self._narrowed_ptrs: list[int] = []
+        self._routed: list[torch.Tensor] = []
+        """The params of torch's fused and foreach routes (`TorchShadow`): a dtype of theirs that changes
+        (``model.float()`` after ``model.double()``) plans again, as their route and state may no longer hold."""
+        self._routed_dtypes: list[torch.dtype] = []
         self._muon: list[MuonUnit] = []
         self._handled: frozenset[torch.Tensor] = frozenset()
         self._contexts: dict[torch.device, DeviceContext] = {}
@@ -138,6 +142,8 @@ class FusionSubsystem(Subsystem):
         self._info, self._switches, self._switch_keys = planned.info, planned.switches, planned.switch_keys
         self._units, self._muon, self._shadows = planned.units, planned.muon, planned.shadows
         self._narrowed, self._narrowed_ptrs = planned.narrowed, _storages(planned.narrowed)
+        self._routed = [p for shadow in planned.shadows for p in shadow.params]
+        self._routed_dtypes = [p.dtype for p in self._routed]
         self._prepared = []  # the last step's units: the old plan's go with it (their slots hold the pool's arenas)
         # the params a step updates itself, a set made once a plan (a step's `prepare` takes out the unhandled ones)
         self._handled = frozenset().union(*(x.param_set for x in (*self._units, *self._muon, *self._shadows)))
@@ -308,8 +314,8 @@ class FusionSubsystem(Subsystem):
         unhandled = [p for unit in units for p in unit.unhandled]
         for shadow in self._shadows:
             unhandled += shadow.find_unhandled()
-        if unhandled:
-            self._refuse_mixed(units)
+        if unhandled or any(shadow.route is Route.TORCH_FOREACH for shadow in self._shadows):
+            self._refuse_mixed(units)  # (torch's foreach route steps every param itself: each grad is looked at)
         # the global norm (clipping) and the overflow check need every grad; trust ratios are per tensor, and the
         # wrapped optimizer's own step computes those of the params it takes. A user's GradScaler has checked every
         # grad already: the grads the wrapped step takes are unscaled for it (`GradPass.unscale_left`)
@@ -372,7 +378,9 @@ class FusionSubsystem(Subsystem):
             specs = [switch[0] for switch in self._switches]  # each group's spec (`group_switches`)
             for shadow in self._shadows:
                 one = any(isinstance(specs[i], UpdateSpec) and info.one_dtype_for(specs[i]) for i in shadow.group_index)
-                left.append((one or info.one_dtype, shadow.unhandled))
+                # the foreach route steps every param itself (its `unhandled` is empty): each one's grad counts
+                foreach = shadow.route is Route.TORCH_FOREACH
+                left.append((one or info.one_dtype, shadow.params if foreach else shadow.unhandled))
         for one_dtype, params in left:
             if not one_dtype:
                 continue
@@ -518,10 +526,17 @@ class FusionSubsystem(Subsystem):
             return True
         if not self.active:  # nothing fused or bound: a switch (differentiable=False) or a storage moved to another
             return _storages(self._idle) != self._idle_ptrs  # device or dtype may change the routes
-        if self._state_moved() or (self._narrowed and _storages(self._narrowed) != self._narrowed_ptrs):
+        if self._state_moved() or self._others_moved():
             return True
         units = (*self._units, *self._muon)
         return any([unit.moved() for unit in units]) or any(unit.state_freed for unit in units)
+
+    def _others_moved(self) -> bool:
+        """Whether a param outside the units moved so that the plan may no longer hold: a narrowed one's storage
+        (`_narrowed`) or a torch route's dtype (`_routed`). Nothing to compare in most plans."""
+        if self._narrowed and _storages(self._narrowed) != self._narrowed_ptrs:
+            return True
+        return bool(self._routed) and [p.dtype for p in self._routed] != self._routed_dtypes
 
     @property
     def watches(self) -> bool:
@@ -543,7 +558,7 @@ class FusionSubsystem(Subsystem):
         them (uploads only); `OTHER` for anything else, which the full path sorts out. C++ checks (or, with static
         addresses, the units' watches) only."""
         self.forget_checks()  # what a full step's `needs_replan` found is for that step's `prepare` alone
-        if self._state_moved() or (self._narrowed and _storages(self._narrowed) != self._narrowed_ptrs):
+        if self._state_moved() or self._others_moved():
             return OTHER
         found = SAME
         for unit in (*self._units, *self._muon):

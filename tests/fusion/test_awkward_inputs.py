@@ -444,6 +444,71 @@ def test_adams_state_of_params_the_wrapped_step_updates_is_cast_as_before_when_t
     assert opt.state[params[1]]["exp_avg"].dtype == torch.float16 and torch.isfinite(params[1]).all()
 
 
+@pytest.mark.parametrize(("name", "route"), [("SGD", "torch_fused"), ("NAdam", "torch_foreach")])
+def test_params_cast_back_from_float64_leave_torchs_route(name, route, device):
+    """``model.double()`` then ``model.float()``: the params went to torch's fused or foreach path with their state
+    cast up; the cast back plans again (a torch route's params are watched for a new dtype; before, every later step
+    raised in torch's kernels). SGD, whose own step carries on with wider state, goes to the wrapped step with its
+    float64 momentum as it is; NAdam, whose own step would raise halfway, refuses before anything changes."""
+    make = {
+        "SGD": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+        "NAdam": lambda ps: torch.optim.NAdam(ps, lr=1e-2),
+    }[name]
+    params = make_params([7, (3, 5)], torch.float32, device)
+    opt = KitsuneOptimizer(make(params), enable_fusion=True)
+    routes = []
+    for step in range(5):
+        if step in (2, 4):
+            for p in params:
+                p.data = p.data.double() if step == 2 else p.data.float()
+        for p, g in zip(params, random_grads(params, step), strict=True):
+            p.grad = g.to(p.dtype)
+        if step == 4 and name == "NAdam":
+            before = [p.detach().clone() for p in params]
+            state = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+            with pytest.raises(ValueError, match="is torch.float64: the param's dtype changed.*Nothing was updated"):
+                opt.step()
+            for p, b, st in zip(params, before, state, strict=True):
+                assert torch.equal(p, b) and all(torch.equal(opt.state[p][k], v) for k, v in st.items())
+            return
+        opt.step()
+        routes.append({b.route.value for b in opt.plan.buckets})
+    assert routes == [{"triton"}] * 2 + [{route}] * 2 + [{"base_step"}], routes
+    assert all(opt.state[p]["momentum_buffer"].dtype == torch.float64 for p in params)
+    assert "float64 state of float32 params" in opt.plan.buckets[0].reason
+
+
+def test_a_grad_of_another_dtype_on_torchs_foreach_route_is_refused_where_its_step_needs_one(device):
+    """Centered RMSprop on torch's foreach path (fusion declined by ``min_fusion_benefit``) with a bf16 param whose
+    grad is float32 (``p.grad_dtype``): torch's foreach step would lerp it into ``grad_avg`` and raise halfway, with
+    ``square_avg`` and ``step`` already changed; kitsune refuses first, nothing changed."""
+    from kitsune import FusionConfig
+
+    params = make_params([7, (3, 5)], torch.bfloat16, device)
+    opt = KitsuneOptimizer(
+        torch.optim.RMSprop(params, lr=1e-3, momentum=0.5, centered=True),
+        enable_fusion=True,
+        fusion_config=FusionConfig(min_fusion_benefit=1e9),
+    )
+    for step in range(2):
+        for p, g in zip(params, random_grads(params, step), strict=True):
+            p.grad = g.to(p.dtype)
+        opt.step()
+    assert {b.route.value for b in opt.plan.buckets} == {"torch_foreach"}, opt.plan
+    for p, g in zip(params, random_grads(params, 2), strict=True):
+        p.grad = g.to(p.dtype)
+    g = params[1].grad.float()
+    params[1].grad = None
+    params[1].grad_dtype = torch.float32
+    params[1].grad = g
+    before = [p.detach().clone() for p in params]
+    state = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+    with pytest.raises(ValueError, match="has a torch.float32 grad .*Nothing was updated"):
+        opt.step()
+    for p, b, st in zip(params, before, state, strict=True):
+        assert torch.equal(p, b) and all(torch.equal(opt.state[p][k], v) for k, v in st.items())
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("name", ["Adam", "AdamW", "NAdam", "RMSprop-centered"])
 def test_params_cast_narrower_mid_run(name, dtype, device):
