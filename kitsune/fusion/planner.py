@@ -543,7 +543,7 @@ def _narrowed_state(state: Any, p: torch.Tensor, scalars: Collection[str]) -> st
             if not widens(t.dtype, p.dtype):
                 held, own = (str(d).removeprefix("torch.") for d in (t.dtype, p.dtype))
                 return (
-                    f"{held} state of {own} params (their dtype changed after the state was made: model.half()?): "
+                    f"{held} state of {own} params (their dtype changed after the state was made): "
                     f"the wrapped optimizer's own step keeps the state in {held}, as torch does; the fused kernel "
                     f"would round it to {own}"
                 )

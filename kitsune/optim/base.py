@@ -37,8 +37,10 @@ def refuse_narrowing(key: str, held: torch.Tensor, p: torch.Tensor) -> None:
             f"optimizer state {key!r} of a {tuple(p.shape)} {p.dtype} param is {held.dtype}: the param's dtype "
             "changed after its state was made (model.half() or model.to(dtype) after the optimizer was built?). "
             "torch's step refuses that state, and rounding it to the param's dtype loses what it holds (float16 "
-            "flushes small second moments to zero). Convert the model before building the optimizer, or keep the "
-            "params in float32 and train in float16/bfloat16 with autocast (enable_amp=True). Nothing was updated"
+            "flushes small second moments to zero). Cast the params back, or, to round the state as torch's "
+            "load_state_dict does, reload it: optimizer.load_state_dict(optimizer.state_dict()). Better: convert the "
+            "model before building the optimizer, or keep the params in float32 and train in float16/bfloat16 with "
+            "autocast (enable_amp=True). Nothing was updated"
         )
 
 
@@ -152,8 +154,8 @@ class EagerOptimizer(torch.optim.Optimizer):
                             "(p.grad_dtype = None). Nothing was updated."
                         )
                     state = self.state.get(p, {})
-                    for key, t in state.items():
-                        if torch.is_tensor(t) and t.dim() and t.is_floating_point() and t.dtype != p.dtype:
+                    for key, t in state.items():  # (every key but the step counter: a 0-d param's moments are 0-d)
+                        if key != "step" and torch.is_tensor(t) and t.is_floating_point() and t.dtype != p.dtype:
                             refuse_narrowing(key, t, p)
                             widened.append((state, key, p))
         for state, key, p in widened:  # every check passed: the lossless casts

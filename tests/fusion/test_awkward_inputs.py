@@ -509,6 +509,34 @@ def test_a_grad_of_another_dtype_on_torchs_foreach_route_is_refused_where_its_st
         assert torch.equal(p, b) and all(torch.equal(opt.state[p][k], v) for k, v in st.items())
 
 
+@pytest.mark.parametrize("route", ["fused", "eager"])
+@pytest.mark.parametrize("name", ["Lion", "LAMB"])
+def test_a_narrowed_scalar_params_state_is_refused_before_anything_changes(name, route, device):
+    """Only a 0-d param (a learned temperature) cast to float16 after its state was made: its 0-d ``exp_avg`` is a
+    moment, not a step counter, so the step refuses before any param moves (the bare step refused only the
+    moments of more than 0 dims, and raised halfway in the lerp, the params before it updated)."""
+    from kitsune.optim import LAMB, Lion
+
+    def make(ps):
+        return Lion(ps, lr=1e-3, weight_decay=0.1) if name == "Lion" else LAMB(ps, lr=1e-2, weight_decay=0.1)
+
+    params = make_params([7], torch.float32, device) + [torch.nn.Parameter(torch.tensor(0.3, device=device))]
+    opt = KitsuneOptimizer(make(params), enable_fusion=True) if route == "fused" else make(params)
+    for step in range(3):
+        for p, g in zip(params, random_grads(params, step), strict=True):
+            p.grad = g
+        opt.step()
+    params[1].data = params[1].data.half()
+    for p, g in zip(params, random_grads(params, 3), strict=True):
+        p.grad = g.to(p.dtype)
+    before = [p.detach().clone() for p in params]
+    state = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+    with pytest.raises(ValueError, match="'exp_avg' of a \\(\\) torch.float16 param is torch.float32"):
+        opt.step()
+    for p, b, st in zip(params, before, state, strict=True):
+        assert torch.equal(p, b) and all(torch.equal(opt.state[p][k], v) for k, v in st.items())
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("name", ["Adam", "AdamW", "NAdam", "RMSprop-centered"])
 def test_params_cast_narrower_mid_run(name, dtype, device):
@@ -575,6 +603,11 @@ def test_kitsune_optim_state_follows_the_params_dtype_as_adams_does(name, route,
         assert torch.equal(p, before[i])
         for k, v in state[i].items():
             assert opt.state[p][k].dtype == v.dtype and torch.equal(opt.state[p][k], v), (i, k)
+    # the way out the message names: reloading the state rounds it to the params' dtype, as torch's load does
+    opt.load_state_dict(opt.state_dict())
+    opt.step()
+    assert all(opt.state[p]["exp_avg"].dtype == torch.float16 for p in params)
+    assert not any(torch.equal(p, b) for p, b in zip(params, before, strict=True))
 
     # made in float16, then the params widened: the state follows, on either route
     half = make_params([7, (3, 5)], torch.float16, device)
