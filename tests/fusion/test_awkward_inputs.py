@@ -306,6 +306,21 @@ def test_params_cast_to_float64_mid_run_go_to_torchs_path_with_their_state_cast(
         torch.testing.assert_close(p, t, rtol=1e-6, atol=1e-7)
 
 
+def _fused_then_cast(make, dtype: torch.dtype, device: torch.device) -> tuple[list[torch.nn.Parameter], Any]:
+    """Two float32 params under ``KitsuneOptimizer(make(params))``: three fused steps (their state made in float32),
+    then the params cast to ``dtype`` (``model.half()``, ``model.bfloat16()``)."""
+    params = make_params([7, (3, 5)], torch.float32, device)
+    opt = KitsuneOptimizer(make(params), enable_fusion=True)
+    for step in range(3):
+        for p, g in zip(params, random_grads(params, step), strict=True):
+            p.grad = g
+        opt.step()
+    assert {b.route.value for b in opt.plan.buckets} == {"triton"}
+    for p in params:
+        p.data = p.data.to(dtype)
+    return params, opt
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("name", ["SGD", "RMSprop", "Adagrad", "LARS"])
 def test_params_cast_narrower_mid_run_keep_their_state_as_torchs_step_does(name, dtype, device):
@@ -322,15 +337,7 @@ def test_params_cast_narrower_mid_run_keep_their_state_as_torchs_step_does(name,
         "Adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2, weight_decay=1e-3),
         "LARS": lambda ps: LARS(ps, lr=1e-2, momentum=0.9, weight_decay=1e-3),
     }[name]
-    params = make_params([7, (3, 5)], torch.float32, device)
-    opt = KitsuneOptimizer(make(params), enable_fusion=True)
-    for step in range(3):
-        for p, g in zip(params, random_grads(params, step), strict=True):
-            p.grad = g
-        opt.step()
-    assert {b.route.value for b in opt.plan.buckets} == {"triton"}
-    for p in params:
-        p.data = p.data.to(dtype)
+    params, opt = _fused_then_cast(make, dtype, device)
     twins = [p.detach().clone().requires_grad_() for p in params]
     ref = make(twins)
     ref.load_state_dict(opt.state_dict())  # kitsune's state at the cast; torch's load casts it to the twins' dtype
@@ -550,15 +557,7 @@ def test_params_cast_narrower_mid_run(name, dtype, device):
         "NAdam": lambda ps: torch.optim.NAdam(ps, lr=1e-2),
         "RMSprop-centered": lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.5, centered=True),
     }[name]
-    params = make_params([7, (3, 5)], torch.float32, device)
-    opt = KitsuneOptimizer(make(params), enable_fusion=True)
-    for step in range(3):
-        for p, g in zip(params, random_grads(params, step), strict=True):
-            p.grad = g
-        opt.step()
-    assert {b.route.value for b in opt.plan.buckets} == {"triton"}
-    for p in params:
-        p.data = p.data.to(dtype)
+    params, opt = _fused_then_cast(make, dtype, device)
     for p, g in zip(params, random_grads(params, 3), strict=True):
         p.grad = g.to(dtype)
     before = [p.detach().clone() for p in params]
