@@ -308,6 +308,14 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         plan = self._fusion.current_plan
         self._profiler.plan(params, describe_step(base), plan.bytes_per_step if plan is not None else None)
 
+    def _replan_in_step(self) -> None:
+        """`_replan` inside a step: the state as it was goes in the fused executor's journal first, so that a step
+        that raises leaves it as it found it, whatever the new plan converted (not with sharded state, whose plan
+        moves state between ranks)."""
+        if not self._shard.active:
+            self._fusion.journal()
+        self._replan()
+
     def _follow_fusion(self) -> None:
         """Plan what follows from the fused executor's plan: who updates the rest, and how the step runs."""
         fusion, groups = self._fusion, self.param_groups
@@ -370,8 +378,10 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             if not (steady and self._graphs.replay_steady(s, base.param_groups, base.state, self._planned)):
                 loss = self._pipeline(s, closure)
         except BaseException:
+            self._fusion.restore_journal()  # what a re-plan inside the step converted goes back
             self._profiler.abandon_step()
             raise
+        self._fusion.drop_journal()
         self._step_count = s.step
         try:  # the step is applied: its record is kept even where a post-hook raises (and a probe step's set-up undone)
             self._grads.finish(s)
@@ -387,7 +397,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         self._graphs.refuse_caller_capture()
         self._graphs.disarm()
         if not self._plan_fits():
-            self._replan()
+            self._replan_in_step()
         loss = None
         if closure is not None and (self._executes or self._grads.passes):
             with torch.enable_grad():  # the updates and the grads' passes need the grads before they run
@@ -397,7 +407,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         # the fused executor stands aside on the comparison's baseline steps (its step counts handed over to the host)
         s.structure_checked = self._precheck and not s.baseline
         if s.structure_checked and fusion.needs_replan():
-            self._replan()  # a switch changed or a storage moved: the new plan may route params differently
+            self._replan_in_step()  # a switch changed or a storage moved: the new plan may route params differently
         found_inf = self.__dict__.get("found_inf")  # a user's GradScaler hands these over (see torch.amp)
         handoff = None if found_inf is None else (self.__dict__.get("grad_scale"), found_inf)
         executes = fusion.executes and not s.baseline  # baseline: the wrapped optimizer's step updates everything

@@ -211,10 +211,21 @@ class NoFusion(PlaceholderSubsystem):
     def plan(self, base: torch.optim.Optimizer, remote: Any = (), backward_bytes: int | None = None) -> None:
         from kitsune.fusion.state_format import decode_others
 
-        decode_others(base.state, set())  # a checkpoint of 8-bit state: the optimizer's own step reads torch's keys
+        # a checkpoint of 8-bit state: the optimizer's own step reads torch's keys; float state stays as it is, as
+        # the optimizer without kitsune keeps it
+        decode_others(base.state, set(), cast=False)
 
     def owned_params(self) -> list[torch.Tensor]:
         return []
+
+    def journal(self) -> None:
+        """Nothing fused: a plan converts no state."""
+
+    def restore_journal(self) -> None:
+        """Nothing fused: nothing converted."""
+
+    def drop_journal(self) -> None:
+        """Nothing fused: nothing noted."""
 
     def settle_skips(self) -> None:
         """Nothing fused, no lazy state of a skipped step to remove."""

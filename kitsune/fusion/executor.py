@@ -87,6 +87,11 @@ class FusionSubsystem(Subsystem):
         """The params of torch's fused and foreach routes (`TorchShadow`): a dtype of theirs that changes
         (``model.float()`` after ``model.double()``) plans again, as their route and state may no longer hold."""
         self._routed_dtypes: list[torch.dtype] = []
+        self._journal: list[tuple[dict[str, Any], dict[str, Any]]] | None = None
+        """Each param's state entries as they were before a re-plan inside this step (`journal`), which converts
+        state (a cast to the params' new dtype, 8-bit decoded, the pool's views): a step that raises puts them
+        back (`restore_journal`), so a refused step leaves the state as it found it."""
+        self._replan_next = False
         self._muon: list[MuonUnit] = []
         self._handled: frozenset[torch.Tensor] = frozenset()
         self._contexts: dict[torch.device, DeviceContext] = {}
@@ -131,6 +136,7 @@ class FusionSubsystem(Subsystem):
         ``backward_bytes`` the units are cut for updates inside backward."""
         self._plan_version += 1
         self._base, self._plan_args = base, (remote, backward_bytes)
+        self._replan_next = False
         planned = self._planner.plan(base, remote, backward_bytes)
         low_params = {p for u in planned.units if u.spec.state != StateFormat.PARAM for p in u.params}
         # the others' 8-bit state, or float state of another dtype, now as their steps read it: route that
@@ -404,6 +410,7 @@ class FusionSubsystem(Subsystem):
     def _replan_within(self) -> None:
         """`_replan` inside a step's `prepare`: the old plan's units prepared so far stay for `undo`."""
         prepared = self._prepared
+        self.journal()
         self._replan()
         self._prepared = prepared
 
@@ -522,7 +529,7 @@ class FusionSubsystem(Subsystem):
         another route, which changes that). Every unit is asked, so that each one's `FusedUnit.prepare` skips
         the param check this step (and, where the unit's native call read the grads in the same passes, the grads'
         too)."""
-        if self._switches_changed(self._base.param_groups):
+        if self._replan_next or self._switches_changed(self._base.param_groups):
             return True
         if not self.active:  # nothing fused or bound: a switch (differentiable=False) or a storage moved to another
             return _storages(self._idle) != self._idle_ptrs  # device or dtype may change the routes
@@ -531,10 +538,33 @@ class FusionSubsystem(Subsystem):
         units = (*self._units, *self._muon)
         return any([unit.moved() for unit in units]) or any(unit.state_freed for unit in units)
 
+    def journal(self) -> None:
+        """Before a re-plan inside a step: note every param's state entries, once a step (a shallow copy of each
+        param's dict, the tensors themselves unchanged), for `restore_journal`."""
+        if self._journal is None and self._base is not None:
+            self._journal = [(s, dict(s)) for s in self._base.state.values() if isinstance(s, dict)]
+
+    def restore_journal(self) -> None:
+        """A step that raised: each param's state entries as `journal` noted them, where a re-plan inside the step
+        converted them, and a re-plan at the next step (the plan of the step that raised was made for the converted
+        state)."""
+        journal, self._journal = self._journal, None
+        if not journal:
+            return
+        for s, before in journal:
+            if s.keys() != before.keys() or any(s[k] is not v for k, v in before.items()):
+                s.clear()
+                s.update(before)
+                self._replan_next = True
+
+    def drop_journal(self) -> None:
+        """A step that held: its conversions stay."""
+        self._journal = None
+
     def _others_moved(self) -> bool:
         """Whether a param outside the units moved so that the plan may no longer hold: a narrowed one's storage
         (`_narrowed`) or a torch route's dtype (`_routed`). Nothing to compare in most plans."""
-        if self._narrowed and _storages(self._narrowed) != self._narrowed_ptrs:
+        if self._replan_next or (self._narrowed and _storages(self._narrowed) != self._narrowed_ptrs):
             return True
         return bool(self._routed) and [p.dtype for p in self._routed] != self._routed_dtypes
 

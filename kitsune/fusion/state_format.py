@@ -383,7 +383,10 @@ def _convert(s: dict[str, Any], fmt: StateFormat, min_8bit_size: int) -> dict[st
 
 
 def decode_others(
-    state: Mapping[Any, dict[str, Any]], keep: set[torch.Tensor], own_step: Collection[torch.Tensor] = ()
+    state: Mapping[Any, dict[str, Any]],
+    keep: set[torch.Tensor],
+    own_step: Collection[torch.Tensor] = (),
+    cast: bool = True,
 ) -> bool:
     """Decode the 8-bit state of every param not in ``keep`` (the params low-precision units update) into torch's
     keys, in the param's dtype, and cast its float state of another dtype (kept through a load by `restore_low`) to
@@ -392,8 +395,9 @@ def decode_others(
     whose dtype changed after its state was made (``model.double()``) has its state converted, as the fused units
     convert theirs. The params in ``own_step`` (the wrapped optimizer's own step updates them) keep float state
     wider than their dtype as it is (``model.half()`` after SGD's momentum was made in float32): that step keeps it
-    so, and rounding it would change its results. Returns whether anything changed (the routes were chosen on the
-    state as it was)."""
+    so, and rounding it would change its results. ``cast=False`` (fusion off: the optimizer's own step updates
+    every param) decodes 8-bit state alone. Returns whether anything changed (the routes were chosen on the state as
+    it was)."""
     changed = False
     for p, s in state.items():
         if p in keep or not isinstance(p, torch.Tensor) or not isinstance(s, dict):
@@ -401,7 +405,7 @@ def decode_others(
         for key in quantized_keys(s):
             changed |= s.get(key) is None  # (a float tensor set next to the codes wins: nothing to decode)
             decode(s, key, p)
-        for key in SIGNED:
+        for key in SIGNED if cast else ():
             t = s.get(key)
             if isinstance(t, torch.Tensor) and t.is_floating_point() and p.is_floating_point() and t.dtype != p.dtype:
                 if p in own_step and not widens(t.dtype, p.dtype):

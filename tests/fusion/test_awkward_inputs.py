@@ -485,6 +485,49 @@ def test_params_cast_back_from_float64_leave_torchs_route(name, route, device):
     assert "float64 state of float32 params" in opt.plan.buckets[0].reason
 
 
+@pytest.mark.parametrize("refusal", ["grad_dtype", "unscaled"])
+def test_a_step_refused_after_a_cast_leaves_the_state_as_it_found_it(refusal, device):
+    """``model.double()``, then a step that raises: a float32 grad on an Adam param (``p.grad_dtype``), or, under
+    float16 AMP, grads from a loss that was not scaled. The re-plan the cast brings converts the state to float64;
+    the step that raises puts it back (the same tensors, float32), so a refused step changes nothing. The next step,
+    its grads right, converts it again and steps on torch's path."""
+    amp = refusal == "unscaled"
+    params = make_params([7, (3, 5)], torch.float32, device)
+    opt = KitsuneOptimizer(torch.optim.Adam(params, lr=1e-2), enable_fusion=True, enable_amp=amp)
+    for step in range(3):
+        loss = sum((p * g).sum() for p, g in zip(params, random_grads(params, step), strict=True))
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+    for p in params:
+        p.data = p.data.double()
+    grads = random_grads(params, 3)
+    if amp:
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g.double()  # as loss.backward() leaves them: unscaled
+    else:
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g.double()
+        params[0].grad = None
+        params[0].grad_dtype = torch.float32
+        params[0].grad = grads[0].float()
+    before = [p.detach().clone() for p in params]
+    held = [dict(opt.state[p]) for p in params]
+    with pytest.raises((ValueError, RuntimeError)):
+        opt.step()
+    for p, b, h in zip(params, before, held, strict=True):
+        assert torch.equal(p, b)
+        assert opt.state[p].keys() == h.keys() and all(opt.state[p][k] is v for k, v in h.items())
+        assert opt.state[p]["exp_avg"].dtype == torch.float32
+    opt.zero_grad()
+    params[0].grad_dtype = None
+    opt.backward(sum((p * g.double()).sum() for p, g in zip(params, grads, strict=True)))
+    opt.step()
+    assert {b.route.value for b in opt.plan.buckets} == {"torch_fused"}
+    assert all(opt.state[p]["exp_avg"].dtype == torch.float64 for p in params)
+    assert not any(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+
+
 def test_a_grad_of_another_dtype_on_torchs_foreach_route_is_refused_where_its_step_needs_one(device):
     """Centered RMSprop on torch's foreach path (fusion declined by ``min_fusion_benefit``) with a bf16 param whose
     grad is float32 (``p.grad_dtype``): torch's foreach step would lerp it into ``grad_avg`` and raise halfway, with
