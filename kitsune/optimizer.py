@@ -408,6 +408,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         s.structure_checked = self._precheck and not s.baseline
         if s.structure_checked and fusion.needs_replan():
             self._replan_in_step()  # a switch changed or a storage moved: the new plan may route params differently
+        fusion.refuse_unmatched()  # narrowed state the wrapped step lerps grads of another dtype into
         found_inf = self.__dict__.get("found_inf")  # a user's GradScaler hands these over (see torch.amp)
         handoff = None if found_inf is None else (self.__dict__.get("grad_scale"), found_inf)
         executes = fusion.executes and not s.baseline  # baseline: the wrapped optimizer's step updates everything

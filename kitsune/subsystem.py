@@ -221,6 +221,9 @@ class NoFusion(PlaceholderSubsystem):
     def journal(self) -> None:
         """Nothing fused: a plan converts no state."""
 
+    def refuse_unmatched(self) -> None:
+        """Nothing fused: the optimizer's own step meets every grad, as without kitsune."""
+
     def restore_journal(self) -> None:
         """Nothing fused: nothing converted."""
 

@@ -87,6 +87,9 @@ class FusionSubsystem(Subsystem):
         """The params of torch's fused and foreach routes (`TorchShadow`): a dtype of theirs that changes
         (``model.float()`` after ``model.double()``) plans again, as their route and state may no longer hold."""
         self._routed_dtypes: list[torch.dtype] = []
+        self._strict: dict[torch.Tensor, tuple[str, ...]] = {}
+        """`Planned.strict`: narrowed params whose own step needs each grad in its state's dtype
+        (`refuse_unmatched`)."""
         self._journal: list[tuple[dict[str, Any], dict[str, Any]]] | None = None
         """Each param's state entries as they were before a re-plan inside this step (`journal`), which converts
         state (a cast to the params' new dtype, 8-bit decoded, the pool's views): a step that raises puts them
@@ -148,6 +151,7 @@ class FusionSubsystem(Subsystem):
         self._info, self._switches, self._switch_keys = planned.info, planned.switches, planned.switch_keys
         self._units, self._muon, self._shadows = planned.units, planned.muon, planned.shadows
         self._narrowed, self._narrowed_ptrs = planned.narrowed, _storages(planned.narrowed)
+        self._strict = planned.strict
         self._routed = [p for shadow in planned.shadows for p in shadow.params]
         self._routed_dtypes = [p.dtype for p in self._routed]
         self._prepared = []  # the last step's units: the old plan's go with it (their slots hold the pool's arenas)
@@ -401,6 +405,32 @@ class FusionSubsystem(Subsystem):
                         "(p.grad_dtype = None), or the params in the grads' dtype. Nothing was updated."
                     )
 
+    def refuse_unmatched(self) -> None:
+        """Raise before anything changes where a narrowed param the wrapped step updates (`Planned.strict`: Adam's
+        family after ``model.half()``) has a grad of another dtype than its state: that step lerps the grad into the
+        state and would raise halfway. With the grads in the state's dtype it steps as torch's does. Asked by every
+        step before its grads' passes, whoever updates the params (nothing to look at in most plans)."""
+        if not self._strict:
+            return
+        state = self._base.state
+        for p, scalars in self._strict.items():
+            g = p.grad
+            if g is None or g.layout != torch.strided:
+                continue
+            for key, t in (state.get(p) or {}).items():
+                if key in scalars or not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dtype == g.dtype:
+                    continue
+                self.undo()
+                raise ValueError(
+                    f"optimizer state {key!r} of a {tuple(p.shape)} {p.dtype} param is {t.dtype}: the param's dtype "
+                    f"changed after its state was made (model.half() or model.to(dtype) after the optimizer was "
+                    f"built?), and {type(self._base).__name__}'s step takes such state only with grads in its dtype "
+                    f"(the grad is {g.dtype}): it would raise halfway through the step. Give the params "
+                    f"{t.dtype} grads (p.grad_dtype = {t.dtype}), cast the params back, or, to round the state as "
+                    "torch's load_state_dict does, reload it: optimizer.load_state_dict(optimizer.state_dict()). "
+                    "Nothing was updated"
+                )
+
     def _prepare_units(self, units: list[FusedUnit], state: Any, groups: list[dict[str, Any]]) -> list[FusedUnit]:
         """Prepare ``units``; those with a live grad. Each is in `_prepared` before it changes anything, so a step
         that raises later, in another unit's prepare too, undoes its state and grads (`undo`)."""
@@ -588,8 +618,8 @@ class FusionSubsystem(Subsystem):
         them (uploads only); `OTHER` for anything else, which the full path sorts out. C++ checks (or, with static
         addresses, the units' watches) only."""
         self.forget_checks()  # what a full step's `needs_replan` found is for that step's `prepare` alone
-        if self._state_moved() or self._others_moved():
-            return OTHER
+        if self._state_moved() or self._others_moved() or self._strict:
+            return OTHER  # (narrowed params with strict grads: the full path checks them, `refuse_unmatched`)
         found = SAME
         for unit in (*self._units, *self._muon):
             now = unit.follow()

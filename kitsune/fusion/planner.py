@@ -132,13 +132,15 @@ class Planned:
     muon: list[muon_unit.MuonUnit] = field(default_factory=list)
     shadows: list[TorchShadow] = field(default_factory=list)
     own_step: set[torch.Tensor] = field(default_factory=set)
-    """The params the wrapped optimizer's own step updates (route ``base_step``) where that step carries on with float
-    state of a wider dtype than the param's (all but `AlgoInfo.one_dtype_for`'s, and every unknown optimizer's): their
-    float state stays in the dtype it was made in where their own dtype narrowed since (`state_format.decode_others`),
-    as that step keeps it."""
+    """The params the wrapped optimizer's own step updates (route ``base_step``): their float state stays in the dtype
+    it was made in where their own dtype narrowed since (`state_format.decode_others`), as that step keeps it."""
     narrowed: list[torch.Tensor] = field(default_factory=list)
     """The params of `own_step` whose state is so now: the executor watches their storages, so that a cast back
     (``model.float()``) plans again and brings them back to the fused kernel."""
+    strict: dict[torch.Tensor, tuple[str, ...]] = field(default_factory=dict)
+    """The params of `narrowed` whose optimizer's own step lerps the grad into the state (`AlgoInfo.one_dtype_for`:
+    Adam's family, centered RMSprop), with the keys of their step counters: that step runs where each grad is in its
+    state's dtype (``p.grad_dtype``) and raises halfway otherwise, so the executor checks that first."""
 
 
 class Planner:
@@ -183,10 +185,12 @@ class Planner:
             if bp.route is Route.BASE_STEP:  # (`_build` may have sent it there)
                 for gi, p in members:
                     algo = (unit_info(info, specs[gi]) or info) if info is not None else None
-                    if algo is None or not algo.one_dtype_for(specs[gi]):
-                        out.own_step.add(p)
-                        if _narrowed_state(base.state, p, algo.scalars if algo else ("step",)) is not None:
-                            out.narrowed.append(p)
+                    scalars = algo.scalars if algo else ("step",)
+                    out.own_step.add(p)
+                    if _narrowed_state(base.state, p, scalars) is not None:
+                        out.narrowed.append(p)
+                        if algo is not None and algo.one_dtype_for(specs[gi]):
+                            out.strict[p] = scalars
         return out
 
     def wide_state(self, base: torch.optim.Optimizer) -> set[torch.Tensor]:
@@ -240,9 +244,9 @@ class Planner:
                     pspec, rounding = self._rounding(pspec, p)
                     note = "; ".join(filter(None, (note, rounding))) or None
                     algo = unit_info(info, pspec)  # type: ignore[arg-type]
-                    if pspec.state == StateFormat.PARAM and algo is not None and not algo.one_dtype_for(pspec):
+                    if pspec.state == StateFormat.PARAM and algo is not None:
                         narrowed = _narrowed_state(base.state, p, algo.scalars)
-                        if narrowed is not None:  # Adam's family refuses such state in its step instead
+                        if narrowed is not None:  # (Adam's family: where the grads are in the state's dtype)
                             route, reason = Route.BASE_STEP, narrowed
                 elif route is None and isinstance(spec, MuonSpec) and self.config.param_rounding == "stochastic":
                     if p.dtype == torch.bfloat16:
@@ -534,8 +538,9 @@ def _narrowed_state(state: Any, p: torch.Tensor, scalars: Collection[str]) -> st
     """Why ``p`` goes to the wrapped optimizer's own step where its state holds a float tensor of a dtype its own does
     not widen (``model.half()`` after the state was made, or state set so by hand), or None; ``scalars``: the keys of
     counters kept in float32 whatever the param's dtype (``step``), a 0-d param's moments being 0-d too. SGD's,
-    RMSprop's, Adagrad's and LARS's own steps carry on with such state in its dtype; the fused kernel keeps state in
-    the param's dtype, so it would round it, and the trajectory would leave torch's."""
+    RMSprop's, Adagrad's and LARS's own steps carry on with such state in its dtype, Adam's where the grads are in
+    the state's dtype too (``p.grad_dtype``; `Planned.strict`); the fused kernel keeps state in the param's dtype, so
+    it would round it, and the trajectory would leave torch's."""
     for key, t in (state.get(p) or {}).items():
         if key in scalars:
             continue

@@ -430,10 +430,11 @@ def test_a_narrowed_scalar_param_keeps_its_state_and_a_cast_back_fuses_again(dev
         torch.testing.assert_close(p, t, rtol=1e-5, atol=1e-6)
 
 
-def test_adams_state_of_params_the_wrapped_step_updates_is_cast_as_before_when_they_narrow(device):
-    """Params of Adam's family the wrapped step updates (a ``differentiable=True`` group) keep no wider state
-    through a re-plan: torch's own step would raise halfway on it, so their state is cast to their dtype as before
-    (the fused params beside them are refused, nothing changed, as the tests below show)."""
+def test_adams_state_of_params_the_wrapped_step_updates_stays_as_torchs_step_keeps_it(device):
+    """Params of Adam's family the wrapped step updates for another reason (a ``differentiable=True`` group) keep
+    their float32 state through the re-plan a fused param's moved storage brings, after ``model.half()``: a step
+    with float16 grads is refused before anything changes (torch's would raise halfway), and one with float32 grads
+    runs (before, their state was cast to float16 at the re-plan, and their steps left torch's)."""
     params = make_params([7, (3, 5)], torch.float32, device)
     opt = KitsuneOptimizer(
         torch.optim.Adam([{"params": params[:1]}, {"params": params[1:], "differentiable": True}], lr=1e-2),
@@ -445,10 +446,21 @@ def test_adams_state_of_params_the_wrapped_step_updates_is_cast_as_before_when_t
         opt.step()
     params[1].data = params[1].data.half()  # the wrapped step's param only
     params[0].data = params[0].data.clone()  # a fused param's storage moves: the next step plans again
-    for p, g in zip(params, random_grads(params, 3), strict=True):
+    grads = random_grads(params, 3)
+    for p, g in zip(params, grads, strict=True):
+        p.grad = None
         p.grad = g.to(p.dtype)
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(ValueError, match="'exp_avg' of a \\(3, 5\\) torch.float16 param is torch.float32.*Nothing"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+    assert opt.state[params[1]]["exp_avg"].dtype == torch.float32
+    params[1].grad = None
+    params[1].grad_dtype = torch.float32
+    params[1].grad = grads[1].float()
     opt.step()
-    assert opt.state[params[1]]["exp_avg"].dtype == torch.float16 and torch.isfinite(params[1]).all()
+    assert opt.state[params[1]]["exp_avg"].dtype == torch.float32
+    assert not any(torch.equal(p, b) for p, b in zip(params, before, strict=True))
 
 
 @pytest.mark.parametrize(("name", "route"), [("SGD", "torch_fused"), ("NAdam", "torch_foreach")])
@@ -590,10 +602,12 @@ def test_a_narrowed_scalar_params_state_is_refused_before_anything_changes(name,
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("name", ["Adam", "AdamW", "NAdam", "RMSprop-centered"])
 def test_params_cast_narrower_mid_run(name, dtype, device):
-    """``model.half()`` / ``model.bfloat16()`` after some steps. Adam's family and centered RMSprop: torch's step
-    raises halfway (it lerps the grad into float32 state), and rounding the state would lose it (float16 flushes
-    small second moments to zero): the step refuses before anything changes, naming the fix. (SGD's family: the
-    test above.)"""
+    """``model.half()`` / ``model.bfloat16()`` after some steps. Adam's family and centered RMSprop lerp the grad
+    into their float32 state: torch's step takes the cast params only with float32 grads (``p.grad_dtype``) and
+    raises halfway with grads in the params' dtype; rounding the state would lose it (float16 flushes small second
+    moments to zero). So the params go to the wrapped step with their state as it is, a step with grads in their
+    dtype refuses before anything changes, naming the fix, and with float32 grads the steps are torch's, bit for
+    bit. (SGD's family: the test above.)"""
     make = {
         "Adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
         "AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
@@ -601,16 +615,34 @@ def test_params_cast_narrower_mid_run(name, dtype, device):
         "RMSprop-centered": lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.5, centered=True),
     }[name]
     params, opt = _fused_then_cast(make, dtype, device)
-    for p, g in zip(params, random_grads(params, 3), strict=True):
+    grads = random_grads(params, 3)
+    for p, g in zip(params, grads, strict=True):
         p.grad = g.to(dtype)
     before = [p.detach().clone() for p in params]
     state = {i: {k: v.clone() for k, v in opt.state[p].items()} for i, p in enumerate(params)}
-    with pytest.raises(ValueError, match="param is torch.float32: the param's dtype changed.*enable_amp=True"):
+    with pytest.raises(ValueError, match="param is torch.float32: the param's dtype changed.*p.grad_dtype.*Nothing"):
         opt.step()
     for i, p in enumerate(params):
         assert torch.equal(p, before[i])
         for k, v in state[i].items():
             assert opt.state[p][k].dtype == v.dtype and torch.equal(opt.state[p][k], v), (i, k)
+    twins = [p.detach().clone().requires_grad_() for p in params]
+    ref = make(twins)
+    ref.load_state_dict(opt.state_dict())
+    for t, p in zip(twins, params, strict=True):
+        ref.state[t] = {k: v.clone() for k, v in opt.state[p].items()}  # float32, as kitsune holds it
+    for step in range(3, 6):
+        for p, t, g in zip(params, twins, grads if step == 3 else random_grads(params, step), strict=True):
+            for x in (p, t):
+                x.grad = None
+                x.grad_dtype = torch.float32
+                x.grad = g.float()
+        opt.step()
+        ref.step()
+        for p, t in zip(params, twins, strict=True):
+            assert torch.equal(p, t), step
+    assert {b.route.value for b in opt.plan.buckets} == {"base_step"}
+    assert all(t.dtype == torch.float32 for p in params for t in opt.state[p].values())  # kept as they were made
 
 
 @pytest.mark.parametrize("route", ["fused", "eager"])
