@@ -308,6 +308,11 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         plan = self._fusion.current_plan
         self._profiler.plan(params, describe_step(base), plan.bytes_per_step if plan is not None else None)
 
+    def _leftover_now(self) -> bool:
+        """Whether the wrapped optimizer's own step has params to update under the fused executor's plan as it is."""
+        owned = {id(p) for p in (*self._fusion.owned_params(), *self._shard.remote)}
+        return any(id(p) not in owned for g in self.param_groups for p in g["params"])
+
     def _replan_in_step(self) -> None:
         """`_replan` inside a step: the state as it was goes in the fused executor's journal first, so that a step
         that raises leaves it as it found it, whatever the new plan converted (not with sharded state, whose plan
@@ -319,8 +324,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
     def _follow_fusion(self) -> None:
         """Plan what follows from the fused executor's plan: who updates the rest, and how the step runs."""
         fusion, groups = self._fusion, self.param_groups
-        owned = {id(p) for p in (*fusion.owned_params(), *self._shard.remote)}
-        self._leftover = any(id(p) not in owned for g in groups for p in g["params"])
+        self._leftover = self._leftover_now()
         self._executes = fusion.executes or self._shard.executes
         self._grads.plan(groups, fusable=fusion.active and fusion.grad_pass is None and not self._leftover)
         self._streams.plan(groups)
@@ -399,8 +403,8 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         if not self._plan_fits():
             self._replan_in_step()
         loss = None
-        if closure is not None and (self._executes or self._grads.passes):
-            with torch.enable_grad():  # the updates and the grads' passes need the grads before they run
+        if closure is not None and (self._executes or self._grads.passes or self._fusion.checks_grads):
+            with torch.enable_grad():  # the updates, the grads' passes and their checks need the grads first
                 loss = closure()
             closure = None
         fusion, groups = self._fusion, self.param_groups
@@ -420,11 +424,15 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             self._grads.apply(s, groups, handoff[0] if handoff and not s.fused_grads else None)
             if not self._grads.skip_on_host(s, self._device_side):
                 live = fusion.prepare(s) if executes else []
+                leftover = self._leftover
+                if fusion.plan_version != self._plan_version:  # re-planned in its prepare (updates inside backward)
+                    leftover = self._leftover_now()  # params the new plan leaves to the wrapped step: updated below
+                    fusion.refuse_unmatched()  # ... and those the new plan found narrowed
                 self._grads.unscale_left(s)  # a user's GradScaler: the grads the wrapped step takes, unscaled
                 # params met with grads the fused kernels cannot take (sparse, another dtype) go to the wrapped step,
                 # which cannot skip on the device: an overflow is read on the host for it, as GradScaler.step does
                 skip_wrapped = bool(s.unhandled) and self._device_side and self._grads.skip_on_host(s, False)
-                if (self._leftover or closure is not None or s.unhandled or s.baseline) and not skip_wrapped:
+                if (leftover or closure is not None or s.unhandled or s.baseline) and not skip_wrapped:
                     out = self._wrapped.run(s.handled, closure)  # the wrapped step's own checks raise here
                     loss = out if closure is not None else loss
                     if s.phases is not None:
@@ -436,6 +444,8 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             if executes:
                 fusion.undo()
             self._grads.abandon(s, groups)
+            if fusion.plan_version != self._plan_version:  # re-planned inside the step: what follows from it too
+                self._follow_fusion()
             raise
         self._finish(s)
         return loss

@@ -221,6 +221,8 @@ class NoFusion(PlaceholderSubsystem):
     def journal(self) -> None:
         """Nothing fused: a plan converts no state."""
 
+    checks_grads = False
+
     def refuse_unmatched(self) -> None:
         """Nothing fused: the optimizer's own step meets every grad, as without kitsune."""
 

@@ -300,7 +300,7 @@ class FusionSubsystem(Subsystem):
         groups, state = self._base.param_groups, self._base.state
         done = s.updated_in_backward  # units (of the plan as it stands) the stream scheduler updated inside backward
         updated = [p for i in done for p in self._units[i].params] if done else []
-        if not s.structure_checked and (self._switches_changed(groups) or self._state_moved()):
+        if not s.structure_checked and (self._replan_next or self._switches_changed(groups) or self._state_moved()):
             self._replan()  # a switch changed (e.g. momentum set to 0, amsgrad turned on), or the state dict did
             self.check(s)  # the new plan's units: amsgrad turned on over a state without max_exp_avg_sq raises
             live = self._prepare_all(state, groups, updated)
@@ -405,6 +405,11 @@ class FusionSubsystem(Subsystem):
                         "(p.grad_dtype = None), or the params in the grads' dtype. Nothing was updated."
                     )
 
+    @property
+    def checks_grads(self) -> bool:
+        """Whether `refuse_unmatched` has params to look at: a step then evaluates its closure first."""
+        return bool(self._strict)
+
     def refuse_unmatched(self) -> None:
         """Raise before anything changes where a narrowed param the wrapped step updates (`Planned.strict`: Adam's
         family after ``model.half()``) has a grad of another dtype than its state: that step lerps the grad into the
@@ -463,7 +468,7 @@ class FusionSubsystem(Subsystem):
         state dict is the plan's); then the hyperparameters' last change is uploaded. False: no update launches
         inside this backward, and step() re-plans and updates every param with the switches the groups hold now, as
         torch's step would."""
-        if self._switches_changed(self._base.param_groups) or self._state_moved():
+        if self._replan_next or self._switches_changed(self._base.param_groups) or self._state_moved():
             return False
         self.refresh_contexts()
         return True

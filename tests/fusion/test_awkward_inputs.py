@@ -540,6 +540,114 @@ def test_a_step_refused_after_a_cast_leaves_the_state_as_it_found_it(refusal, de
     assert not any(torch.equal(p, b) for p, b in zip(params, before, strict=True))
 
 
+def _in_backward(make, params):
+    from kitsune import FusionConfig, KitsuneConfig, StreamConfig
+
+    streams = StreamConfig(step_in_backward=True, bucket_bytes=700)  # a unit a param
+    return KitsuneOptimizer(make(params), config=KitsuneConfig(fusion=FusionConfig(enabled=True), streams=streams))
+
+
+def _backward_steps(opt, params, steps, dtype=None):
+    for step in steps:
+        grads = random_grads(params, step)
+        opt.backward(sum((p * g.to(dtype or p.dtype)).sum() for p, g in zip(params, grads, strict=True)))
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adam"])
+def test_updates_inside_backward_then_a_narrowing_cast_step_every_param(name, device):
+    """With updates inside backward the plan changes inside the step's prepare: ``model.half()`` after the state was
+    made sends the params to the wrapped step (SGD's with its state as it is; Adam's with float32 grads), and that
+    very step updates them (it updated nothing: the step still took the old plan's word that nothing was left to
+    the wrapped step). A twin given kitsune's params and state at the cast follows them, bit for bit."""
+    make = {"SGD": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9), "Adam": lambda ps: torch.optim.Adam(ps)}[name]
+    params = make_params([7, (3, 5)], torch.float32, device)
+    opt = _in_backward(make, params)
+    _backward_steps(opt, params, range(3))
+    for p in params:
+        p.data = p.data.half()
+    twins = [p.detach().clone().requires_grad_() for p in params]
+    ref = make(twins)
+    for t, p in zip(twins, params, strict=True):
+        ref.state[t] = {k: v.clone() for k, v in opt.state[p].items()}
+    grad_dtype = torch.float32 if name == "Adam" else torch.float16
+    for step in range(3, 6):
+        for p, t, g in zip(params, twins, random_grads(params, step), strict=True):
+            for x in (p, t):
+                x.grad = None
+                x.grad_dtype = grad_dtype
+                x.grad = g.to(grad_dtype)
+        before = [p.detach().clone() for p in params]
+        opt.step()
+        ref.step()
+        for p, t, b in zip(params, twins, before, strict=True):
+            assert torch.equal(p, t) and not torch.equal(p, b), step
+    assert {b.route.value for b in opt.plan.buckets} == {"base_step"}
+
+
+def test_updates_inside_backward_go_on_after_a_step_refused_in_a_replan(device):
+    """With updates inside backward, a step refused after the re-plan in its prepare (``model.double()``, then a
+    float32 grad on an Adam param) leaves the stream hooks on the new plan, so the next backward and step run (every
+    later backward raised an IndexError from the old plan's hooks); the trajectory follows torch's."""
+    params = make_params([7, (3, 5)], torch.float32, device)
+    twins = [p.detach().clone().requires_grad_() for p in params]
+    opt, ref = _in_backward(lambda ps: torch.optim.Adam(ps, lr=1e-2), params), torch.optim.Adam(twins, lr=1e-2)
+    _backward_steps(opt, params, range(3))
+    for step in range(3):
+        for t, g in zip(twins, random_grads(twins, step), strict=True):
+            t.grad = g
+        ref.step()
+    for x in (*params, *twins):
+        x.data = x.data.double()
+    for t in twins:
+        ref.state[t] = {k: (v.double() if k != "step" else v) for k, v in ref.state[t].items()}
+    grads = random_grads(params, 3)
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g.double()
+    params[0].grad = None
+    params[0].grad_dtype = torch.float32
+    params[0].grad = grads[0].float()
+    with pytest.raises(ValueError, match="Nothing was updated"):
+        opt.step()
+    opt.zero_grad()
+    params[0].grad_dtype = None
+    for step in range(3, 6):
+        _backward_steps(opt, params, [step])
+        for t, g in zip(twins, random_grads(twins, step), strict=True):
+            t.grad = g.double()
+        ref.step()
+    for p, t in zip(params, twins, strict=True):
+        torch.testing.assert_close(p, t, rtol=1e-7, atol=1e-8)
+
+
+def test_a_closure_is_evaluated_before_the_narrowed_grads_are_checked(device):
+    """Adam's params narrowed and on the wrapped step: ``step(closure)`` evaluates the closure before it checks the
+    grads against the state's dtype (it checked the grads from before, and torch's step raised halfway on the
+    closure's float16 grads, one param's step counted)."""
+    params, opt = _fused_then_cast(lambda ps: torch.optim.Adam(ps, lr=1e-2), torch.float16, device)
+    for p, g in zip(params, random_grads(params, 3), strict=True):
+        p.grad = None
+        p.grad_dtype = torch.float32
+        p.grad = g.float()
+    opt.step()  # float32 grads: the wrapped step takes them
+    opt.zero_grad()
+    for p in params:
+        p.grad_dtype = None
+    before = [p.detach().clone() for p in params]
+    state = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+
+    def closure():
+        for p, g in zip(params, random_grads(params, 4), strict=True):
+            p.grad = g.half()
+        return torch.tensor(0.0)
+
+    with pytest.raises(ValueError, match="the grad is torch.float16.*Nothing was updated"):
+        opt.step(closure)
+    for p, b, st in zip(params, before, state, strict=True):
+        assert torch.equal(p, b) and all(torch.equal(opt.state[p][k], v) for k, v in st.items())
+
+
 def test_a_grad_of_another_dtype_on_torchs_foreach_route_is_refused_where_its_step_needs_one(device):
     """Centered RMSprop on torch's foreach path (fusion declined by ``min_fusion_benefit``) with a bf16 param whose
     grad is float32 (``p.grad_dtype``): torch's foreach step would lerp it into ``grad_avg`` and raise halfway, with
