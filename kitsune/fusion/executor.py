@@ -36,8 +36,9 @@ from kitsune.fusion.planner import Planner, group_switches
 from kitsune.fusion.torch_route import TorchShadow, without
 from kitsune.fusion.units import FusedUnit
 from kitsune.kernels.multi_tensor import DEFAULT_BLOCK
-from kitsune.kernels.spec import StateFormat, UpdateSpec
+from kitsune.kernels.spec import StateFormat
 from kitsune.memory import MemoryPool
+from kitsune.optim.base import float_state
 from kitsune.subsystem import StepState, Subsystem
 
 logger = logging.getLogger("kitsune.fusion")
@@ -87,6 +88,10 @@ class FusionSubsystem(Subsystem):
         """The params of torch's fused and foreach routes (`TorchShadow`): a dtype of theirs that changes
         (``model.float()`` after ``model.double()``) plans again, as their route and state may no longer hold."""
         self._routed_dtypes: list[torch.dtype] = []
+        self._one_dtype_shadows: list[tuple[TorchShadow, bool]] = []
+        """Each shadow and whether its groups' own step needs each grad in its param's dtype (`_refuse_mixed`)."""
+        self._foreach_one_dtype = False
+        """Whether a shadow on torch's foreach route needs that: it steps every param itself, so each step looks."""
         self._strict: dict[torch.Tensor, tuple[str, ...]] = {}
         """`Planned.strict`: narrowed params whose own step needs each grad in its state's dtype
         (`refuse_unmatched`)."""
@@ -153,6 +158,14 @@ class FusionSubsystem(Subsystem):
         self._narrowed, self._narrowed_ptrs = planned.narrowed, _storages(planned.narrowed)
         self._strict = planned.strict
         self._routed = [p for shadow in planned.shadows for p in shadow.params]
+        info, specs = planned.info, planned.specs
+        self._one_dtype_shadows = [
+            (shadow, info is not None and any(info.one_dtype_for(specs[i]) for i in shadow.group_index))
+            for shadow in planned.shadows
+        ]
+        self._foreach_one_dtype = any(
+            one for shadow, one in self._one_dtype_shadows if shadow.route is Route.TORCH_FOREACH
+        )
         self._routed_dtypes = [p.dtype for p in self._routed]
         self._prepared = []  # the last step's units: the old plan's go with it (their slots hold the pool's arenas)
         # the params a step updates itself, a set made once a plan (a step's `prepare` takes out the unhandled ones)
@@ -324,7 +337,7 @@ class FusionSubsystem(Subsystem):
         unhandled = [p for unit in units for p in unit.unhandled]
         for shadow in self._shadows:
             unhandled += shadow.find_unhandled()
-        if unhandled or any(shadow.route is Route.TORCH_FOREACH for shadow in self._shadows):
+        if unhandled or self._foreach_one_dtype:
             self._refuse_mixed(units)  # (torch's foreach route steps every param itself: each grad is looked at)
         # the global norm (clipping) and the overflow check need every grad; trust ratios are per tensor, and the
         # wrapped optimizer's own step computes those of the params it takes. A user's GradScaler has checked every
@@ -383,14 +396,9 @@ class FusionSubsystem(Subsystem):
         or a shadow leaves to a wrapped optimizer whose own step needs one dtype (`AlgoInfo.one_dtype_for`): torch's
         would raise halfway."""
         left = [(unit.info.one_dtype_for(unit.spec), unit.unhandled) for unit in units]
-        if self._info is not None:
-            info = self._info
-            specs = [switch[0] for switch in self._switches]  # each group's spec (`group_switches`)
-            for shadow in self._shadows:
-                one = any(isinstance(specs[i], UpdateSpec) and info.one_dtype_for(specs[i]) for i in shadow.group_index)
-                # the foreach route steps every param itself (its `unhandled` is empty): each one's grad counts
-                foreach = shadow.route is Route.TORCH_FOREACH
-                left.append((one or info.one_dtype, shadow.params if foreach else shadow.unhandled))
+        for shadow, one in self._one_dtype_shadows:
+            # the foreach route steps every param itself (its `unhandled` is empty): each one's grad counts
+            left.append((one, shadow.params if shadow.route is Route.TORCH_FOREACH else shadow.unhandled))
         for one_dtype, params in left:
             if not one_dtype:
                 continue
@@ -422,8 +430,8 @@ class FusionSubsystem(Subsystem):
             g = p.grad
             if g is None or g.layout != torch.strided:
                 continue
-            for key, t in (state.get(p) or {}).items():
-                if key in scalars or not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dtype == g.dtype:
+            for key, t in float_state(state.get(p) or {}, scalars):
+                if t.dtype == g.dtype:
                     continue
                 self.undo()
                 raise ValueError(

@@ -38,7 +38,7 @@ from kitsune.fusion.units import FusedUnit
 from kitsune.kernels.codes import QUANT_BLOCK
 from kitsune.kernels.multi_tensor import DEFAULT_BLOCK
 from kitsune.kernels.spec import MuonSpec, StateFormat, UpdateSpec
-from kitsune.optim.base import widens
+from kitsune.optim.base import float_state, widens
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TORCH_DTYPES = (*_KERNEL_DTYPES, torch.float64)
@@ -541,17 +541,14 @@ def _narrowed_state(state: Any, p: torch.Tensor, scalars: Collection[str]) -> st
     RMSprop's, Adagrad's and LARS's own steps carry on with such state in its dtype, Adam's where the grads are in
     the state's dtype too (``p.grad_dtype``; `Planned.strict`); the fused kernel keeps state in the param's dtype, so
     it would round it, and the trajectory would leave torch's."""
-    for key, t in (state.get(p) or {}).items():
-        if key in scalars:
-            continue
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != p.dtype:
-            if not widens(t.dtype, p.dtype):
-                held, own = (str(d).removeprefix("torch.") for d in (t.dtype, p.dtype))
-                return (
-                    f"{held} state of {own} params (their dtype changed after the state was made): "
-                    f"the wrapped optimizer's own step keeps the state in {held}, as torch does; the fused kernel "
-                    f"would round it to {own}"
-                )
+    for _, t in float_state(state.get(p) or {}, scalars):
+        if t.dtype != p.dtype and not widens(t.dtype, p.dtype):
+            held, own = (str(d).removeprefix("torch.") for d in (t.dtype, p.dtype))
+            return (
+                f"{held} state of {own} params (their dtype changed after the state was made): "
+                f"the wrapped optimizer's own step keeps the state in {held}, as torch does; the fused kernel "
+                f"would round it to {own}"
+            )
     return None
 
 

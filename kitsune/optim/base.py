@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -42,6 +42,14 @@ def refuse_narrowing(key: str, held: torch.Tensor, p: torch.Tensor) -> None:
             "model before building the optimizer, or keep the params in float32 and train in float16/bfloat16 with "
             "autocast (enable_amp=True). Nothing was updated"
         )
+
+
+def float_state(s: Mapping[str, Any], counters: Collection[str] = ("step",)) -> Iterator[tuple[str, torch.Tensor]]:
+    """The float tensors of one param's state but its ``counters`` (``step``, kept in float32 whatever the param's
+    dtype; a 0-d param's moments are 0-d too, so the key tells them apart): what follows the param's dtype."""
+    for key, t in s.items():
+        if key not in counters and isinstance(t, torch.Tensor) and t.is_floating_point():
+            yield key, t
 
 
 def _check_number(key: str, value: Any, where: str) -> None:
@@ -154,8 +162,8 @@ class EagerOptimizer(torch.optim.Optimizer):
                             "(p.grad_dtype = None). Nothing was updated."
                         )
                     state = self.state.get(p, {})
-                    for key, t in state.items():  # (every key but the step counter: a 0-d param's moments are 0-d)
-                        if key != "step" and torch.is_tensor(t) and t.is_floating_point() and t.dtype != p.dtype:
+                    for key, t in float_state(state):
+                        if t.dtype != p.dtype:
                             refuse_narrowing(key, t, p)
                             widened.append((state, key, p))
         for state, key, p in widened:  # every check passed: the lossless casts
