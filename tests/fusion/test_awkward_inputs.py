@@ -306,6 +306,27 @@ def test_params_cast_to_float64_mid_run_go_to_torchs_path_with_their_state_cast(
         torch.testing.assert_close(p, t, rtol=1e-6, atol=1e-7)
 
 
+def _set_grad(p: torch.Tensor, g: torch.Tensor) -> None:
+    """``p.grad = g``, ``g`` of another dtype than ``p`` too (``p.grad_dtype``, which torch sets only without a
+    grad)."""
+    p.grad = None
+    p.grad_dtype = None if g.dtype == p.dtype else g.dtype
+    p.grad = g
+
+
+def _refused(opt: Any, params: list[torch.Tensor], match: str, *args: Any) -> None:
+    """``opt.step(*args)`` raises a ValueError matching ``match`` and changes nothing: every param, and every state
+    entry's keys, dtype and values, as they were."""
+    before = [p.detach().clone() for p in params]
+    state = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+    with pytest.raises(ValueError, match=match):
+        opt.step(*args)
+    for p, b, st in zip(params, before, state, strict=True):
+        assert torch.equal(p, b) and opt.state[p].keys() == st.keys()
+        for k, v in st.items():
+            assert opt.state[p][k].dtype == v.dtype and torch.equal(opt.state[p][k], v), k
+
+
 def _fused_then_cast(make, dtype: torch.dtype, device: torch.device) -> tuple[list[torch.nn.Parameter], Any]:
     """Two float32 params under ``KitsuneOptimizer(make(params))``: three fused steps (their state made in float32),
     then the params cast to ``dtype`` (``model.half()``, ``model.bfloat16()``)."""
@@ -455,9 +476,7 @@ def test_adams_state_of_params_the_wrapped_step_updates_stays_as_torchs_step_kee
         opt.step()
     assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
     assert opt.state[params[1]]["exp_avg"].dtype == torch.float32
-    params[1].grad = None
-    params[1].grad_dtype = torch.float32
-    params[1].grad = grads[1].float()
+    _set_grad(params[1], grads[1].float())
     opt.step()
     assert opt.state[params[1]]["exp_avg"].dtype == torch.float32
     assert not any(torch.equal(p, b) for p, b in zip(params, before, strict=True))
@@ -483,12 +502,7 @@ def test_params_cast_back_from_float64_leave_torchs_route(name, route, device):
         for p, g in zip(params, random_grads(params, step), strict=True):
             p.grad = g.to(p.dtype)
         if step == 4 and name == "NAdam":
-            before = [p.detach().clone() for p in params]
-            state = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
-            with pytest.raises(ValueError, match="is torch.float64: the param's dtype changed.*Nothing was updated"):
-                opt.step()
-            for p, b, st in zip(params, before, state, strict=True):
-                assert torch.equal(p, b) and all(torch.equal(opt.state[p][k], v) for k, v in st.items())
+            _refused(opt, params, "is torch.float64: the param's dtype changed.*Nothing was updated")
             return
         opt.step()
         routes.append({b.route.value for b in opt.plan.buckets})
@@ -520,9 +534,7 @@ def test_a_step_refused_after_a_cast_leaves_the_state_as_it_found_it(refusal, de
     else:
         for p, g in zip(params, grads, strict=True):
             p.grad = g.double()
-        params[0].grad = None
-        params[0].grad_dtype = torch.float32
-        params[0].grad = grads[0].float()
+        _set_grad(params[0], grads[0].float())
     before = [p.detach().clone() for p in params]
     held = [dict(opt.state[p]) for p in params]
     with pytest.raises((ValueError, RuntimeError)):
@@ -575,9 +587,7 @@ def test_updates_inside_backward_then_a_narrowing_cast_step_every_param(name, de
     for step in range(3, 6):
         for p, t, g in zip(params, twins, random_grads(params, step), strict=True):
             for x in (p, t):
-                x.grad = None
-                x.grad_dtype = grad_dtype
-                x.grad = g.to(grad_dtype)
+                _set_grad(x, g.to(grad_dtype))
         before = [p.detach().clone() for p in params]
         opt.step()
         ref.step()
@@ -605,11 +615,8 @@ def test_updates_inside_backward_go_on_after_a_step_refused_in_a_replan(device):
     grads = random_grads(params, 3)
     for p, g in zip(params, grads, strict=True):
         p.grad = g.double()
-    params[0].grad = None
-    params[0].grad_dtype = torch.float32
-    params[0].grad = grads[0].float()
-    with pytest.raises(ValueError, match="Nothing was updated"):
-        opt.step()
+    _set_grad(params[0], grads[0].float())
+    _refused(opt, params, "Nothing was updated")
     opt.zero_grad()
     params[0].grad_dtype = None
     for step in range(3, 6):
@@ -627,25 +634,18 @@ def test_a_closure_is_evaluated_before_the_narrowed_grads_are_checked(device):
     closure's float16 grads, one param's step counted)."""
     params, opt = _fused_then_cast(lambda ps: torch.optim.Adam(ps, lr=1e-2), torch.float16, device)
     for p, g in zip(params, random_grads(params, 3), strict=True):
-        p.grad = None
-        p.grad_dtype = torch.float32
-        p.grad = g.float()
+        _set_grad(p, g.float())
     opt.step()  # float32 grads: the wrapped step takes them
     opt.zero_grad()
     for p in params:
         p.grad_dtype = None
-    before = [p.detach().clone() for p in params]
-    state = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
 
     def closure():
         for p, g in zip(params, random_grads(params, 4), strict=True):
             p.grad = g.half()
         return torch.tensor(0.0)
 
-    with pytest.raises(ValueError, match="the grad is torch.float16.*Nothing was updated"):
-        opt.step(closure)
-    for p, b, st in zip(params, before, state, strict=True):
-        assert torch.equal(p, b) and all(torch.equal(opt.state[p][k], v) for k, v in st.items())
+    _refused(opt, params, "the grad is torch.float16.*Nothing was updated", closure)
 
 
 def test_a_grad_of_another_dtype_on_torchs_foreach_route_is_refused_where_its_step_needs_one(device):
@@ -667,16 +667,8 @@ def test_a_grad_of_another_dtype_on_torchs_foreach_route_is_refused_where_its_st
     assert {b.route.value for b in opt.plan.buckets} == {"torch_foreach"}, opt.plan
     for p, g in zip(params, random_grads(params, 2), strict=True):
         p.grad = g.to(p.dtype)
-    g = params[1].grad.float()
-    params[1].grad = None
-    params[1].grad_dtype = torch.float32
-    params[1].grad = g
-    before = [p.detach().clone() for p in params]
-    state = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
-    with pytest.raises(ValueError, match="has a torch.float32 grad .*Nothing was updated"):
-        opt.step()
-    for p, b, st in zip(params, before, state, strict=True):
-        assert torch.equal(p, b) and all(torch.equal(opt.state[p][k], v) for k, v in st.items())
+    _set_grad(params[1], params[1].grad.float())
+    _refused(opt, params, "has a torch.float32 grad .*Nothing was updated")
 
 
 @pytest.mark.parametrize("route", ["fused", "eager"])
@@ -699,12 +691,7 @@ def test_a_narrowed_scalar_params_state_is_refused_before_anything_changes(name,
     params[1].data = params[1].data.half()
     for p, g in zip(params, random_grads(params, 3), strict=True):
         p.grad = g.to(p.dtype)
-    before = [p.detach().clone() for p in params]
-    state = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
-    with pytest.raises(ValueError, match="'exp_avg' of a \\(\\) torch.float16 param is torch.float32"):
-        opt.step()
-    for p, b, st in zip(params, before, state, strict=True):
-        assert torch.equal(p, b) and all(torch.equal(opt.state[p][k], v) for k, v in st.items())
+    _refused(opt, params, "'exp_avg' of a \\(\\) torch.float16 param is torch.float32")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -726,14 +713,7 @@ def test_params_cast_narrower_mid_run(name, dtype, device):
     grads = random_grads(params, 3)
     for p, g in zip(params, grads, strict=True):
         p.grad = g.to(dtype)
-    before = [p.detach().clone() for p in params]
-    state = {i: {k: v.clone() for k, v in opt.state[p].items()} for i, p in enumerate(params)}
-    with pytest.raises(ValueError, match="param is torch.float32: the param's dtype changed.*p.grad_dtype.*Nothing"):
-        opt.step()
-    for i, p in enumerate(params):
-        assert torch.equal(p, before[i])
-        for k, v in state[i].items():
-            assert opt.state[p][k].dtype == v.dtype and torch.equal(opt.state[p][k], v), (i, k)
+    _refused(opt, params, "param is torch.float32: the param's dtype changed.*p.grad_dtype.*Nothing")
     twins = [p.detach().clone().requires_grad_() for p in params]
     ref = make(twins)
     ref.load_state_dict(opt.state_dict())
@@ -742,9 +722,7 @@ def test_params_cast_narrower_mid_run(name, dtype, device):
     for step in range(3, 6):
         for p, t, g in zip(params, twins, grads if step == 3 else random_grads(params, step), strict=True):
             for x in (p, t):
-                x.grad = None
-                x.grad_dtype = torch.float32
-                x.grad = g.float()
+                _set_grad(x, g.float())
         opt.step()
         ref.step()
         for p, t in zip(params, twins, strict=True):
