@@ -113,10 +113,11 @@ class StreamScheduler(Subsystem):
         self._ready: dict[int, Any] = {}
         """Per unit, the event the side stream waits on (recorded on backward's stream): made once, reused."""
         self._event_device: torch.device | None = None
-        """The device of the last timed launch: ``step()`` marks the end of backward on its current stream."""
+        """The device of the last timed launch: the end of backward is marked on its current stream."""
         self._events: list[tuple[Any, Any]] = []
         self._last_events: list[tuple[Any, Any]] = []
-        self._step_event: Any = None
+        self._backward_end: Any = None  # the end of this backward (an event on its stream), while updates are timed
+        self._last_end: Any = None  # the last step's
         self.in_backward = False
         """Whether updates run inside backward (the graph subsystem and the profiler's comparison step aside)."""
         self._steps = 0
@@ -341,13 +342,11 @@ class StreamScheduler(Subsystem):
                 "updates cannot wait for its overflow check. Use bfloat16 autocast, kitsune's own scaler with "
                 "step_in_backward=False, or turn step_in_backward off"
             )
+        if self._events and self._backward_end is None:  # backward's end went unmarked (it raised past the callback)
+            self._mark_backward_end()
+        self._join_side_streams()  # before a refusal too: what follows a refused step sees the updates done
         if self._launched:
             self._refuse_changes_since_backward()
-        if self._events:  # where the backward stream stands when step() begins: the end of backward
-            self._step_event = torch.cuda.Event(enable_timing=True)
-            self._step_event.record(torch.cuda.current_stream(self._event_device))
-        for device, side in self._streams.items():
-            torch.cuda.current_stream(device).wait_stream(side)
         s.updated_in_backward = frozenset(self._launched)
         units = self._fusion.units
         self._units_total += len(units)
@@ -360,6 +359,11 @@ class StreamScheduler(Subsystem):
         """At the end of the backward that launched updates: count the grads changed since their unit's update read
         them (a hook registered after kitsune's), then mark each launched unit's grads as backward left them, which a
         later change (before ``step()``) moves."""
+        if self._events:
+            self._mark_backward_end()
+        # what the caller runs after backward (a read of the params, a checkpoint, the next forward) sees the updates
+        # done, as it would with the updates on backward's own stream
+        self._join_side_streams()
         units = self._fusion.units
         for index, at_launch in self._launched.items():
             params = units[index].params
@@ -367,6 +371,17 @@ class StreamScheduler(Subsystem):
             # counter, which later params' grads move: those are compared by identity alone)
             self._late += marks_changed(at_launch, params, versions_of_views=False)
             self._launched[index] = grad_marks(params)
+
+    def _mark_backward_end(self) -> None:
+        """Where backward's stream stands when backward ends (before it waits for the side streams): what the
+        updates still ran after it is the part of their time backward did not hide."""
+        self._backward_end = torch.cuda.Event(enable_timing=True)
+        self._backward_end.record(torch.cuda.current_stream(self._event_device))
+
+    def _join_side_streams(self) -> None:
+        """The current stream of each device waits for the updates launched on its side stream (no host sync)."""
+        for device, side in self._streams.items():
+            torch.cuda.current_stream(device).wait_stream(side)
 
     def _refuse_changes_since_backward(self) -> None:
         """Raise, before this step changes anything, where the grads or hyperparameters that the updates inside
@@ -409,6 +424,7 @@ class StreamScheduler(Subsystem):
         self.discard_backward()
         if self._events:
             self._last_events, self._events = self._events, []
+            self._last_end, self._backward_end = self._backward_end, None
         if self.graph_reason is None and self._fusion.plan_version == self._version:
             self._capture()
 
@@ -416,13 +432,13 @@ class StreamScheduler(Subsystem):
     def overlap(self) -> dict[str, float] | None:
         """Of the last step's updates inside backward: their GPU time and how much of it finished before the
         step began (that is, hidden behind backward). Reads CUDA events: one sync, only when asked."""
-        events = self._last_events
-        if not events or self._step_event is None:
+        events, end = self._last_events, self._last_end
+        if not events or end is None:
             return None
-        self._step_event.synchronize()
+        end.synchronize()
         busy = sum(s.elapsed_time(e) for s, e in events)
         # an update that ends after backward ended delays the step by the difference
-        exposed = max(0.0, max(self._step_event.elapsed_time(e) for _, e in events))
+        exposed = max(0.0, max(end.elapsed_time(e) for _, e in events))
         return {"update_ms": busy, "exposed_ms": exposed, "overlapped": max(0.0, 1 - exposed / busy) if busy else 0.0}
 
     def report(self) -> dict[str, Any]:

@@ -283,6 +283,35 @@ def test_current_stream_updates_are_ordered_before_the_next_forward_on_a_busy_gp
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.cuda
+def test_params_read_right_after_backward_see_the_updates_it_launched_on_a_side_stream():
+    """When backward returns, the caller's stream is ordered after the updates backward launched on the side stream:
+    a read of the params there (an EMA, a checkpoint, whatever follows a refused step) sees them updated, as with
+    torch's own updates inside backward. The side stream is kept busy first, so a missing wait would show."""
+    device = torch.device("cuda")
+    net, twin = twins(device, 5)
+    opt = KitsuneOptimizer(torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9), config=in_backward())
+    ref = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
+    side = opt.scheduler._stream(net.a.weight.device)
+    big = torch.randn(2048, 2048, device=device)
+    gen = torch.Generator().manual_seed(11)
+    for _ in range(4):
+        x, y = torch.randn(8, 6, generator=gen).to(device), torch.randn(8, 3, generator=gen).to(device)
+        with torch.cuda.stream(side):  # the updates queue behind these on the side stream
+            busy = big
+            for _ in range(8):
+                busy = busy @ big / 2048**0.5
+        nn.functional.mse_loss(net(x, True), y).backward()
+        seen = [p.detach().clone() for p in net.parameters()]  # on the current stream, right after backward
+        nn.functional.mse_loss(twin(x, True), y).backward()
+        ref.step()
+        ref.zero_grad()
+        for a, b in zip(seen, twin.parameters(), strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+        opt.step()
+        opt.zero_grad()
+
+
 def test_a_dropped_optimizer_leaves_no_hook_behind(device):
     import gc
 
