@@ -27,6 +27,12 @@ ones, subnormals, infinities and NaN payloads among them).
 time). Nothing changes those objects once made. It goes in only where ``tl.tensor.__init__`` is, to the letter, the
 one it stands in for (`_TENSOR_INIT`): a Triton whose constructor differs keeps its own.
 
+`index_size_one_blocks` is not a shortcut but a fix for older Triton: a scalar loaded through a pointer is a
+one-element block in the interpreter, and Triton 3.6's ``__index__`` (``int(self.handle.data)``) fails on one under
+numpy 2, so a loop bounded by a loaded count (``range(0, n, RBLOCK)`` in the norm's reduction) raised where the
+compiled kernel runs. It answers as later Triton does (``int(self.handle.data.squeeze())``) and goes in only where
+Triton's own line is, to the letter, the old one.
+
 `install` puts them in, for the test session (tests/conftest.py) and for each rank process (tests/ranks.py).
 """
 
@@ -191,8 +197,38 @@ def share_tensor_shapes() -> None:
     _in_front(core.tensor, "__init__", "shares_shapes", stand_in_for)
 
 
+_OLD_INDEX = 'scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data))'
+"""Triton 3.6's ``__index__`` of an interpreted tensor, which `index_size_one_blocks` stands in for."""
+
+
+def index_size_one_blocks() -> None:
+    """Install later Triton's ``__index__`` after ``interpreter._patch_lang_tensor`` (once), where that function sets
+    `_OLD_INDEX`; nothing elsewhere."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:  # pragma: no cover - triton is a dependency
+        return
+
+    def stand_in_for(original: Any) -> Any:
+        try:
+            if _OLD_INDEX not in inspect.getsource(original):
+                return None
+        except (OSError, TypeError):
+            return None
+
+        def patch_lang_tensor(tensor: Any, scope: Any) -> None:
+            original(tensor, scope)
+            # the scope puts attributes back last set first, so Triton's own is restored after the launch
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+        return patch_lang_tensor
+
+    _in_front(interpreter, "_patch_lang_tensor", "indexes_blocks", stand_in_for)
+
+
 def install() -> None:
-    """The shortcuts (each once), with TRITON_INTERPRET=1 set."""
+    """The shortcuts and the fix (each once), with TRITON_INTERPRET=1 set."""
+    index_size_one_blocks()
     skip_repeated_patching()
     remember_numpy_dtypes()
     fast_bfloat16_casts()

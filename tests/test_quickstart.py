@@ -63,7 +63,8 @@ def test_quickstart_runs_on_cpu(tmp_path: Path):
     (tmp_path / "snippets.json").write_text(json.dumps(found))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # a user's environment, not the tests'
     # no GPU; one thread: torch's default of one per core crawls while other test processes share the cores
-    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    path = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)  # the checkout, then the user's own
+    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONPATH=path)
     cmd = [sys.executable, "-c", RUNNER, "snippets.json", str(QUICKSTART.relative_to(ROOT))]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"a quickstart snippet failed on CPU:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"

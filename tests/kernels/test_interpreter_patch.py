@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import triton
 import triton.language as tl
 from triton.runtime import interpreter
 
@@ -144,3 +145,23 @@ def test_tensors_of_one_shape_share_what_triton_would_make_for_each():
             assert ours.shape.type == theirs.shape.type
             assert first is None or ours.shape is first  # the second tensor of that shape shares the first's
             first = ours.shape
+
+
+
+def _count_loop(table, out):
+    t = tl.load(table)  # a loaded scalar: a one-element block in the interpreter
+    n = tl.load(table + t + 1) - tl.load(table + t)
+    acc = 0
+    for _ in range(0, n, 1):
+        acc += 1
+    tl.store(out, acc)
+
+
+def test_a_loop_bounded_by_a_loaded_count_runs():
+    """The norm's reduction loops to a count read from a table; Triton 3.6's interpreter raised on that under numpy 2
+    (`interpreter_patch.index_size_one_blocks`), later Triton's runs it."""
+    kernel = triton.jit(_count_loop)  # here, where TRITON_INTERPRET=1 is set (Triton 3.6 reads it at decoration)
+    table = torch.tensor([1, 4, 11], dtype=torch.int32)
+    out = torch.zeros(1, dtype=torch.int32)
+    kernel[(1,)](table, out)
+    assert out.item() == 7
