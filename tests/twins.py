@@ -6,6 +6,7 @@ import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import pytest
 import torch
 
 from kitsune import KitsuneOptimizer
@@ -256,3 +257,24 @@ def structural_change(change: str, pairs: list[tuple[list[torch.nn.Parameter], t
     else:
         return False
     return True
+
+
+def set_grad(p: torch.Tensor, g: torch.Tensor) -> None:
+    """``p.grad = g``, ``g`` of another dtype than ``p`` too (``p.grad_dtype``, which torch sets only without a
+    grad)."""
+    p.grad = None
+    p.grad_dtype = None if g.dtype == p.dtype else g.dtype
+    p.grad = g
+
+
+def assert_refused(opt: Any, params: list[torch.Tensor], match: str, *args: Any) -> None:
+    """``opt.step(*args)`` raises a ValueError matching ``match`` and changes nothing: every param, and every state
+    entry's keys, dtype and values, as they were."""
+    before = [p.detach().clone() for p in params]
+    state = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+    with pytest.raises(ValueError, match=match):
+        opt.step(*args)
+    for p, b, st in zip(params, before, state, strict=True):
+        assert torch.equal(p, b) and opt.state[p].keys() == st.keys()
+        for k, v in st.items():
+            assert opt.state[p][k].dtype == v.dtype and torch.equal(opt.state[p][k], v), k

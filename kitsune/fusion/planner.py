@@ -139,8 +139,8 @@ class Planned:
     (``model.float()``) plans again and brings them back to the fused kernel."""
     strict: dict[torch.Tensor, tuple[str, ...]] = field(default_factory=dict)
     """The params of `narrowed` whose optimizer's own step lerps the grad into the state (`AlgoInfo.one_dtype_for`:
-    Adam's family, centered RMSprop), with the keys of their step counters: that step runs where each grad is in its
-    state's dtype (``p.grad_dtype``) and raises halfway otherwise, so the executor checks that first."""
+    Adam's family, centered RMSprop, Muon), with the keys of their step counters: that step runs where each grad is
+    in its state's dtype (``p.grad_dtype``) and raises halfway otherwise, so the executor checks that first."""
 
 
 class Planner:
@@ -238,6 +238,10 @@ class Planner:
                     route, reason = _shard_route(p, spec, mesh)
                 if route is None and isinstance(spec, MuonSpec) and _native.layout_code(p):
                     route, reason = _NOT_DENSE  # Muon orthogonalises the row-major matrix
+                if route is None and isinstance(spec, MuonSpec) and info is not None:
+                    narrowed = _narrowed_state(base.state, p, info.scalars)
+                    if narrowed is not None:  # (its momentum: where the grads are in its dtype, `Planned.strict`)
+                        route, reason = Route.BASE_STEP, narrowed
                 pspec, note = spec, None
                 if route is None and isinstance(spec, UpdateSpec):
                     pspec, note = self._state_format(info, spec, p)  # type: ignore[arg-type]
@@ -538,9 +542,9 @@ def _narrowed_state(state: Any, p: torch.Tensor, scalars: Collection[str]) -> st
     """Why ``p`` goes to the wrapped optimizer's own step where its state holds a float tensor of a dtype its own does
     not widen (``model.half()`` after the state was made, or state set so by hand), or None; ``scalars``: the keys of
     counters kept in float32 whatever the param's dtype (``step``), a 0-d param's moments being 0-d too. SGD's,
-    RMSprop's, Adagrad's and LARS's own steps carry on with such state in its dtype, Adam's where the grads are in
-    the state's dtype too (``p.grad_dtype``; `Planned.strict`); the fused kernel keeps state in the param's dtype, so
-    it would round it, and the trajectory would leave torch's."""
+    RMSprop's, Adagrad's and LARS's own steps carry on with such state in its dtype, Adam's and Muon's where the grads
+    are in the state's dtype too (``p.grad_dtype``; `Planned.strict`); the fused kernel keeps state in the param's
+    dtype, so it would round it, and the trajectory would leave torch's."""
     for _, t in float_state(state.get(p) or {}, scalars):
         if t.dtype != p.dtype and not widens(t.dtype, p.dtype):
             held, own = (str(d).removeprefix("torch.") for d in (t.dtype, p.dtype))

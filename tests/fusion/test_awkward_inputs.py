@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 from helpers import routes
-from twins import make_params, random_grads
+from twins import assert_refused, make_params, random_grads, set_grad
 
 from kitsune import AMPConfig, FusionConfig, KitsuneOptimizer
 
@@ -306,27 +306,6 @@ def test_params_cast_to_float64_mid_run_go_to_torchs_path_with_their_state_cast(
         torch.testing.assert_close(p, t, rtol=1e-6, atol=1e-7)
 
 
-def _set_grad(p: torch.Tensor, g: torch.Tensor) -> None:
-    """``p.grad = g``, ``g`` of another dtype than ``p`` too (``p.grad_dtype``, which torch sets only without a
-    grad)."""
-    p.grad = None
-    p.grad_dtype = None if g.dtype == p.dtype else g.dtype
-    p.grad = g
-
-
-def _refused(opt: Any, params: list[torch.Tensor], match: str, *args: Any) -> None:
-    """``opt.step(*args)`` raises a ValueError matching ``match`` and changes nothing: every param, and every state
-    entry's keys, dtype and values, as they were."""
-    before = [p.detach().clone() for p in params]
-    state = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
-    with pytest.raises(ValueError, match=match):
-        opt.step(*args)
-    for p, b, st in zip(params, before, state, strict=True):
-        assert torch.equal(p, b) and opt.state[p].keys() == st.keys()
-        for k, v in st.items():
-            assert opt.state[p][k].dtype == v.dtype and torch.equal(opt.state[p][k], v), k
-
-
 def _fused_then_cast(make, dtype: torch.dtype, device: torch.device) -> tuple[list[torch.nn.Parameter], Any]:
     """Two float32 params under ``KitsuneOptimizer(make(params))``: three fused steps (their state made in float32),
     then the params cast to ``dtype`` (``model.half()``, ``model.bfloat16()``)."""
@@ -476,7 +455,7 @@ def test_adams_state_of_params_the_wrapped_step_updates_stays_as_torchs_step_kee
         opt.step()
     assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
     assert opt.state[params[1]]["exp_avg"].dtype == torch.float32
-    _set_grad(params[1], grads[1].float())
+    set_grad(params[1], grads[1].float())
     opt.step()
     assert opt.state[params[1]]["exp_avg"].dtype == torch.float32
     assert not any(torch.equal(p, b) for p, b in zip(params, before, strict=True))
@@ -502,7 +481,7 @@ def test_params_cast_back_from_float64_leave_torchs_route(name, route, device):
         for p, g in zip(params, random_grads(params, step), strict=True):
             p.grad = g.to(p.dtype)
         if step == 4 and name == "NAdam":
-            _refused(opt, params, "is torch.float64: the param's dtype changed.*Nothing was updated")
+            assert_refused(opt, params, "is torch.float64: the param's dtype changed.*Nothing was updated")
             return
         opt.step()
         routes.append({b.route.value for b in opt.plan.buckets})
@@ -534,7 +513,7 @@ def test_a_step_refused_after_a_cast_leaves_the_state_as_it_found_it(refusal, de
     else:
         for p, g in zip(params, grads, strict=True):
             p.grad = g.double()
-        _set_grad(params[0], grads[0].float())
+        set_grad(params[0], grads[0].float())
     before = [p.detach().clone() for p in params]
     held = [dict(opt.state[p]) for p in params]
     with pytest.raises((ValueError, RuntimeError)):
@@ -587,7 +566,7 @@ def test_updates_inside_backward_then_a_narrowing_cast_step_every_param(name, de
     for step in range(3, 6):
         for p, t, g in zip(params, twins, random_grads(params, step), strict=True):
             for x in (p, t):
-                _set_grad(x, g.to(grad_dtype))
+                set_grad(x, g.to(grad_dtype))
         before = [p.detach().clone() for p in params]
         opt.step()
         ref.step()
@@ -615,8 +594,8 @@ def test_updates_inside_backward_go_on_after_a_step_refused_in_a_replan(device):
     grads = random_grads(params, 3)
     for p, g in zip(params, grads, strict=True):
         p.grad = g.double()
-    _set_grad(params[0], grads[0].float())
-    _refused(opt, params, "Nothing was updated")
+    set_grad(params[0], grads[0].float())
+    assert_refused(opt, params, "Nothing was updated")
     opt.zero_grad()
     params[0].grad_dtype = None
     for step in range(3, 6):
@@ -634,7 +613,7 @@ def test_a_closure_is_evaluated_before_the_narrowed_grads_are_checked(device):
     closure's float16 grads, one param's step counted)."""
     params, opt = _fused_then_cast(lambda ps: torch.optim.Adam(ps, lr=1e-2), torch.float16, device)
     for p, g in zip(params, random_grads(params, 3), strict=True):
-        _set_grad(p, g.float())
+        set_grad(p, g.float())
     opt.step()  # float32 grads: the wrapped step takes them
     opt.zero_grad()
     for p in params:
@@ -645,7 +624,7 @@ def test_a_closure_is_evaluated_before_the_narrowed_grads_are_checked(device):
             p.grad = g.half()
         return torch.tensor(0.0)
 
-    _refused(opt, params, "the grad is torch.float16.*Nothing was updated", closure)
+    assert_refused(opt, params, "the grad is torch.float16.*Nothing was updated", closure)
 
 
 def test_a_grad_of_another_dtype_on_torchs_foreach_route_is_refused_where_its_step_needs_one(device):
@@ -667,8 +646,8 @@ def test_a_grad_of_another_dtype_on_torchs_foreach_route_is_refused_where_its_st
     assert {b.route.value for b in opt.plan.buckets} == {"torch_foreach"}, opt.plan
     for p, g in zip(params, random_grads(params, 2), strict=True):
         p.grad = g.to(p.dtype)
-    _set_grad(params[1], params[1].grad.float())
-    _refused(opt, params, "has a torch.float32 grad .*Nothing was updated")
+    set_grad(params[1], params[1].grad.float())
+    assert_refused(opt, params, "has a torch.float32 grad .*Nothing was updated")
 
 
 @pytest.mark.parametrize("route", ["fused", "eager"])
@@ -691,7 +670,7 @@ def test_a_narrowed_scalar_params_state_is_refused_before_anything_changes(name,
     params[1].data = params[1].data.half()
     for p, g in zip(params, random_grads(params, 3), strict=True):
         p.grad = g.to(p.dtype)
-    _refused(opt, params, "'exp_avg' of a \\(\\) torch.float16 param is torch.float32")
+    assert_refused(opt, params, "'exp_avg' of a \\(\\) torch.float16 param is torch.float32")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -713,7 +692,7 @@ def test_params_cast_narrower_mid_run(name, dtype, device):
     grads = random_grads(params, 3)
     for p, g in zip(params, grads, strict=True):
         p.grad = g.to(dtype)
-    _refused(opt, params, "param is torch.float32: the param's dtype changed.*p.grad_dtype.*Nothing")
+    assert_refused(opt, params, "param is torch.float32: the param's dtype changed.*p.grad_dtype.*Nothing")
     twins = [p.detach().clone().requires_grad_() for p in params]
     ref = make(twins)
     ref.load_state_dict(opt.state_dict())
@@ -722,7 +701,7 @@ def test_params_cast_narrower_mid_run(name, dtype, device):
     for step in range(3, 6):
         for p, t, g in zip(params, twins, grads if step == 3 else random_grads(params, step), strict=True):
             for x in (p, t):
-                _set_grad(x, g.float())
+                set_grad(x, g.float())
         opt.step()
         ref.step()
         for p, t in zip(params, twins, strict=True):

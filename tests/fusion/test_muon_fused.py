@@ -26,7 +26,7 @@ from io import StringIO
 import pytest
 import torch
 from rich.console import Console
-from twins import TOL, make_params, random_grads, trajectory
+from twins import TOL, assert_refused, make_params, random_grads, set_grad, trajectory
 
 from kitsune import FusionConfig, GradConfig, KitsuneOptimizer, StreamConfig
 from kitsune.fusion import Route, muon_unit
@@ -509,14 +509,21 @@ def test_an_adjust_lr_fn_set_by_hand_that_muon_does_not_know_leaves_lr_as_torch(
     torch.testing.assert_close(params[0], ref_params[0], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.cuda
-def test_muon_state_of_params_cast_narrower_is_refused_before_anything_changes():
-    """``model.half()`` after Muon's momentum was made: torch.optim.Muon's own step raises halfway (it lerps the
-    grad into the float32 buffer) and rounding the buffer would lose it, so the fused step refuses, naming the fix,
-    with the params and their state as they were (as Adam's family does)."""
-    device = torch.device("cuda")
-    params = make_params([(1024, 1024), (1024, 1024)], torch.float32, device)
-    opt = KitsuneOptimizer(torch.optim.Muon(params, lr=LR, weight_decay=0.1), enable_fusion=True)
+@pytest.mark.parametrize("muon", ["torch", "kitsune"])
+def test_muon_params_cast_narrower_step_on_the_wrapped_step_with_their_float32_momentum(muon, device):
+    """``model.half()`` after Muon's momentum was made: Muon's own step lerps the grad into its float32 buffer, so it
+    takes the cast params with float32 grads (``p.grad_dtype``) and raises halfway with grads in their dtype, and
+    rounding the buffer would lose it. The params go to the wrapped step with their momentum as it is: a step with
+    float16 grads is refused before anything changes, naming the fix; with float32 grads the steps are the wrapped
+    optimizer's, bit for bit; a cast back (``model.float()``) fuses them again (kitsune refused every such step)."""
+
+    def make(ps):
+        if muon == "torch":
+            return torch.optim.Muon(ps, lr=LR, weight_decay=0.1)
+        return Muon([{"params": ps, "use_muon": True}], lr=LR, weight_decay=0.1)
+
+    params = make_params([(24, 16), (16, 16)], torch.float32, device)
+    opt = KitsuneOptimizer(make(params), enable_fusion=True)
     for step in range(3):
         for p, g in zip(params, random_grads(params, step), strict=True):
             p.grad = g
@@ -525,11 +532,25 @@ def test_muon_state_of_params_cast_narrower_is_refused_before_anything_changes()
     for p, g in zip(params, random_grads(params, 3), strict=True):
         p.data = p.data.half()
         p.grad = g.half()
-    before = [p.detach().clone() for p in params]
-    state = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
-    with pytest.raises(ValueError, match="'momentum_buffer' of a .* torch.float16 param is torch.float32.*Nothing"):
+    assert_refused(opt, params, "'momentum_buffer' of a .* torch.float16 param is torch.float32.*p.grad_dtype.*Nothing")
+    twins = [p.detach().clone().requires_grad_() for p in params]
+    ref = make(twins)
+    for t, p in zip(twins, params, strict=True):
+        ref.state[t] = {k: v.clone() for k, v in opt.state[p].items()}  # float32, as kitsune holds it
+    for step in range(3, 6):
+        for p, t, g in zip(params, twins, random_grads(params, step), strict=True):
+            for x in (p, t):
+                set_grad(x, g.float())
         opt.step()
-    for p, b, s in zip(params, before, state, strict=True):
-        assert torch.equal(p, b)
-        for k, v in s.items():
-            assert opt.state[p][k].dtype == v.dtype and torch.equal(opt.state[p][k], v), k
+        ref.step()
+        for p, t in zip(params, twins, strict=True):
+            assert torch.equal(p, t), step
+    assert {b.route.value for b in opt.plan.buckets} == {"base_step"}
+    assert all(t.dtype == torch.float32 for p in params for t in opt.state[p].values())  # kept as it was made
+    for p, g in zip(params, random_grads(params, 6), strict=True):  # cast back: fused again, from that momentum
+        p.data = p.data.float()
+        set_grad(p, g.float())
+    before = [p.detach().clone() for p in params]
+    opt.step()
+    assert opt.plan.buckets[0].route is Route.TRITON_MATMUL
+    assert not any(torch.equal(p, b) for p, b in zip(params, before, strict=True))

@@ -147,7 +147,6 @@ def test_tensors_of_one_shape_share_what_triton_would_make_for_each():
             first = ours.shape
 
 
-
 def _count_loop(table, out):
     t = tl.load(table)  # a loaded scalar: a one-element block in the interpreter
     n = tl.load(table + t + 1) - tl.load(table + t)
