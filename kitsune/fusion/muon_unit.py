@@ -245,16 +245,18 @@ class MuonUnit(FusedUnit):
         main = torch.cuda.current_stream(self.device)
         for stream in streams:  # the updates stage 0 wrote are ready before any side stream reads them
             stream.wait_stream(main)
-        for b, s in order:
-            inp, out = calls[b]
-            stream = streams[s]
-            with torch.cuda.stream(stream):
-                newton_schulz(inp, self.steps, coefficients, spec.eps, out=out, graph=not graphed)
-            if not capturing:  # made on the main stream, used on this one: not reused before this one is done
-                inp.record_stream(stream)
-                out.record_stream(stream)
-        for stream in streams:  # stage 1 reads every output
-            main.wait_stream(stream)
+        try:
+            for b, s in order:
+                inp, out = calls[b]
+                stream = streams[s]
+                with torch.cuda.stream(stream):
+                    newton_schulz(inp, self.steps, coefficients, spec.eps, out=out, graph=not graphed)
+                if not capturing:  # made on the main stream, used on this one: not reused before this one is done
+                    inp.record_stream(stream)
+                    out.record_stream(stream)
+        finally:  # stage 1 reads every output; a call that raised: the ones queued before it are done first
+            for stream in streams:
+                main.wait_stream(stream)
 
 
 CUT_MIN_TILES = 132

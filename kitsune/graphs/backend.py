@@ -36,9 +36,11 @@ class CudaGraphBackend:
         current = torch.cuda.current_stream(device)
         side = torch.cuda.Stream(device)
         side.wait_stream(current)
-        with torch.cuda.stream(side):
-            fn()
-        current.wait_stream(side)
+        try:
+            with torch.cuda.stream(side):
+                fn()
+        finally:  # a launch that raised midway: what the side stream already runs is done before the caller goes on
+            current.wait_stream(side)
 
     def capture(self, fn: Callable[[], None], device: torch.device, collectives: bool = False) -> Any:
         """Capture ``fn``'s device work. With ``collectives`` (NCCL calls among it) the capture is strict for this

@@ -107,6 +107,8 @@ class StreamScheduler(Subsystem):
         self._accumulating = accumulation if accumulation is not None else Accumulation()
         """Set inside ``optimizer.accumulating()``: backward passes there launch no updates."""
         self._refreshed = False
+        self._ended_task: int | None = None
+        """The autograd graph task whose end `_backward_ended` waits for (queued by the first launch inside it)."""
         self._open = True
         """Whether this backward's updates may launch: False when the plan no longer holds (`begin_backward`)."""
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -248,10 +250,15 @@ class StreamScheduler(Subsystem):
         if not self._refreshed:  # once per backward: the plan still holds, and the hyperparameters' last change
             self._refreshed = True
             self._open = fusion.begin_backward()
-            ref = weakref.ref(self)
+        task = _graph_task()
+        if task != self._ended_task:
             # the grads as backward leaves them, when it ends: backward itself writes grads after a unit's launch
-            # (flat grads share one version counter, and later params' grads accumulate into the same arena)
-            torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_backward_ended, ref))
+            # (flat grads share one version counter, and later params' grads accumulate into the same arena); one
+            # callback for each graph task that launched (a reentrant checkpoint runs its segments' backward passes
+            # as tasks of their own, whose end comes before the outer one's)
+            self._ended_task = task
+            engine = torch.autograd.Variable._execution_engine
+            engine.queue_callback(functools.partial(_backward_ended, weakref.ref(self)))
         if not self._open:
             return  # a switch changed (maximize, amsgrad, ...) or the state dict did: step() re-plans, updates all
         if not fusion.prepare_unit(unit):
@@ -335,6 +342,9 @@ class StreamScheduler(Subsystem):
         inside backward and tell it which units those were (nothing while updates run in step())."""
         if not self.active:
             return
+        if self._events and self._backward_end is None:  # backward's end went unmarked (it raised past the callback)
+            self._mark_backward_end()
+        self._join_side_streams()  # before any refusal: what follows a refused step sees the updates done
         self._accumulating.refuse_step()
         if self._launched and s.grad_scale is not None:
             raise RuntimeError(
@@ -342,9 +352,6 @@ class StreamScheduler(Subsystem):
                 "updates cannot wait for its overflow check. Use bfloat16 autocast, kitsune's own scaler with "
                 "step_in_backward=False, or turn step_in_backward off"
             )
-        if self._events and self._backward_end is None:  # backward's end went unmarked (it raised past the callback)
-            self._mark_backward_end()
-        self._join_side_streams()  # before a refusal too: what follows a refused step sees the updates done
         if self._launched:
             self._refuse_changes_since_backward()
         s.updated_in_backward = frozenset(self._launched)
@@ -408,12 +415,16 @@ class StreamScheduler(Subsystem):
     def discard_backward(self) -> None:
         """``zero_grad()``: the grads of a backward that did not reach ``step()`` (one that raised midway, an OOM) are
         dropped, so its counts go too and the next backward counts afresh. A unit whose grads were all in by then has
-        already updated inside that backward: that update stays."""
+        already updated inside that backward: that update stays, and the caller's stream waits for it here (a
+        backward that raised ran no end callback), before the grads it read are freed."""
+        self._join_side_streams()
         for seen in self._seen:  # in place: the hooks hold these sets
             seen.clear()
         self._launched = {}
         self._late = 0
         self._refreshed = False
+        self._ended_task = None
+        self._events, self._backward_end = [], None  # a dropped backward's updates are not the next step's
 
     def finish(self) -> None:
         """After the step: count it, reset the units' grad counts and capture the units warmed up enough (the
@@ -421,10 +432,10 @@ class StreamScheduler(Subsystem):
         if not self.active:
             return
         self._steps += 1
-        self.discard_backward()
         if self._events:
             self._last_events, self._events = self._events, []
             self._last_end, self._backward_end = self._backward_end, None
+        self.discard_backward()
         if self.graph_reason is None and self._fusion.plan_version == self._version:
             self._capture()
 
@@ -436,6 +447,8 @@ class StreamScheduler(Subsystem):
         if not events or end is None:
             return None
         end.synchronize()
+        for _, e in events:  # (backward's end is marked before its stream waits for the side stream)
+            e.synchronize()
         busy = sum(s.elapsed_time(e) for s, e in events)
         # an update that ends after backward ended delays the step by the difference
         exposed = max(0.0, max(end.elapsed_time(e) for _, e in events))
@@ -469,6 +482,13 @@ def _backward_ended(ref: weakref.ref) -> None:
     scheduler = ref()
     if scheduler is not None:
         scheduler._backward_ended()
+
+
+def _graph_task() -> int:
+    """The id of the autograd graph task running (a backward pass; a reentrant checkpoint's segment runs one of its
+    own); 0 where torch does not say (one callback a backward, at the first task's end)."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current() if current is not None else 0
 
 
 _HOOKED = WeakIdKeyDictionary()

@@ -304,3 +304,24 @@ def test_muon_steps_are_captured_unless_the_grads_need_a_pass(device):
     opt._replan()
     reason = graphs.reason
     assert "grads' passes are not fused" in reason and "Muon's momentum kernel" in reason
+
+
+@pytest.mark.cuda
+def test_a_warm_up_step_that_raises_midway_leaves_the_caller_after_what_it_queued():
+    """The graph's eager warm-up steps run on a side stream: one whose launch raises midway (an out-of-memory error,
+    a kernel that fails to compile) had the caller's stream never wait for the launches queued before it, so the
+    next work on it (a read of the params) raced them. The side stream is kept busy, so a missing wait would show."""
+    from kitsune.graphs.backend import CudaGraphBackend
+
+    device = torch.device("cuda")
+    x = torch.zeros(1 << 20, device=device)
+    torch.cuda.synchronize()
+
+    def fails_midway() -> None:
+        torch.cuda._sleep(100_000_000)  # about 50 ms of GPU time on the side stream
+        x.fill_(1.0)
+        raise RuntimeError("a launch failed (simulated)")
+
+    with pytest.raises(RuntimeError, match="simulated"):
+        CudaGraphBackend().eager(fails_midway, device)
+    assert bool(x.clone().eq(1.0).all())  # queued on the caller's stream: after the side stream's fill

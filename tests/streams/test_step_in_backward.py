@@ -284,10 +284,129 @@ def test_current_stream_updates_are_ordered_before_the_next_forward_on_a_busy_gp
 
 
 @pytest.mark.cuda
-def test_params_read_right_after_backward_see_the_updates_it_launched_on_a_side_stream():
+def test_the_overlap_report_read_right_after_a_step_waits_for_its_updates(monkeypatch):
+    """``scheduler.report()`` (and the summary, the saved profile) read the last timed step's events: backward's end
+    is marked before the caller's stream waits for the side stream, so waiting on it alone left the updates' own
+    events unfinished, and torch refused their elapsed time when the report came right after a step. Every step timed,
+    the side stream kept busy, the report read with no sync before it."""
+    import kitsune.streams
+
+    monkeypatch.setattr(kitsune.streams, "TIMED_EVERY", 1)
+    device = torch.device("cuda")
+    net, _ = twins(device, 6)
+    opt = KitsuneOptimizer(torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9), config=in_backward())
+    side = opt.scheduler._stream(net.a.weight.device)
+    big = torch.randn(2048, 2048, device=device)
+    x, y = torch.randn(8, 6, device=device), torch.randn(8, 3, device=device)
+    for _ in range(3):
+        with torch.cuda.stream(side):
+            busy = big
+            for _ in range(8):
+                busy = busy @ big / 2048**0.5
+        nn.functional.mse_loss(net(x, True), y).backward()
+        opt.step()
+        opt.zero_grad()
+        overlap = opt.scheduler.report()["last_step_overlap"]
+        assert overlap["update_ms"] > 0 and 0.0 <= overlap["overlapped"] <= 1.0
+
+
+def _checkpointed(net: Net, x: torch.Tensor) -> torch.Tensor:
+    """``net(x, True)`` with each layer under reentrant activation checkpointing: each segment's backward runs as an
+    autograd graph task of its own, ending before the outer backward does."""
+    from torch.utils.checkpoint import checkpoint
+
+    x = x.detach().requires_grad_()  # (a reentrant segment's output needs an input that requires grad)
+    h = checkpoint(lambda t: torch.tanh(net.a(t)), x, use_reentrant=True)
+    h = checkpoint(lambda t: torch.tanh(net.b(t)), h, use_reentrant=True)
+    h = h + checkpoint(lambda t: torch.tanh(net.branch(t)), h, use_reentrant=True)
+    return checkpoint(net.c, h, use_reentrant=True)
+
+
+def _spy_joins(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record the scheduler's launches inside backward and its joins of the side streams, in order."""
+    from kitsune.streams import StreamScheduler
+
+    calls: list[str] = []
+    join, launch = StreamScheduler._join_side_streams, StreamScheduler._launch
+    monkeypatch.setattr(StreamScheduler, "_join_side_streams", lambda self: (calls.append("join"), join(self))[1])
+    monkeypatch.setattr(StreamScheduler, "_launch", lambda self, i: (calls.append("launch"), launch(self, i))[1])
+    return calls
+
+
+@pytest.mark.parametrize("flat", [False, True], ids=["grads", "flat-grads"])
+def test_reentrant_checkpointing_trains_as_torch_and_joins_after_the_last_launch(flat, device, monkeypatch):
+    """With reentrant activation checkpointing the first segment's backward ended before the outer one and took the
+    one end callback: updates launched in later segments were never joined to the caller's stream when backward
+    returned, and with flat grads their grads' marks were never retaken, so step() refused every step as if the grads
+    had changed. Each graph task that launches now gets its callback: the trajectory is torch's, and backward's last
+    join comes after its last launch."""
+    from kitsune.config import MemoryConfig
+
+    net, twin = twins(device)
+    config = in_backward(bucket_bytes=512, memory=MemoryConfig(flat_grads=True)) if flat else in_backward(512)
+    opt = KitsuneOptimizer(torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9), config=config)
+    ref = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
+    calls = _spy_joins(monkeypatch)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(4):
+        x, y = torch.randn(8, 6, generator=gen).to(device), torch.randn(8, 3, generator=gen).to(device)
+        calls.clear()
+        nn.functional.mse_loss(_checkpointed(net, x), y).backward()
+        assert calls.count("launch") > 1 and calls[-1] == "join", calls
+        opt.step()
+        opt.zero_grad()
+        nn.functional.mse_loss(twin(x, True), y).backward()
+        ref.step()
+        ref.zero_grad()
+        for a, b in zip(net.parameters(), twin.parameters(), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert opt.scheduler.report()["units_updated_in_backward"] > 0
+
+
+def test_a_backward_that_raised_after_a_launch_is_joined_before_zero_grad_frees_its_grads(device, monkeypatch):
+    """A backward that raises after a unit's update launched runs no end callback: zero_grad(), which the loop calls
+    to skip the batch, makes the caller's stream wait for that update before the grads it reads are freed (it was
+    left running, and the next forward could read the params mid-update). The update stays, as it would after a
+    step(), and the run goes on as torch's with the same update applied."""
+
+    class Fails(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("out of memory (simulated)")
+
+    net, twin = twins(device)
+    opt = KitsuneOptimizer(torch.optim.SGD(net.parameters(), lr=0.05), config=in_backward(bucket_bytes=200))
+    assert len(opt._subsystem("fusion").units[1].params) == 2  # the last layer's weight and bias: a unit alone
+    ref = torch.optim.SGD(twin.parameters(), lr=0.05)
+    calls = _spy_joins(monkeypatch)
+    x, y = torch.randn(4, 6, device=device), torch.randn(4, 3, device=device)
+    with pytest.raises(RuntimeError, match="simulated"):  # the last layer's unit launches, then the failure
+        nn.functional.mse_loss(net.c(Fails.apply(net.b(net.a(x)))), y).backward()
+    assert calls == ["launch"]
+    opt.zero_grad()
+    assert calls == ["launch", "join"]
+    # torch's twin: the last layer's update alone, from the same grads
+    nn.functional.mse_loss(twin.c(twin.b(twin.a(x)).detach()), y).backward()
+    for p in (*twin.a.parameters(), *twin.b.parameters(), *twin.branch.parameters()):
+        p.grad = None
+    ref.step()
+    ref.zero_grad()
+    for a, b in zip(net.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    side_by_side(net, twin, opt, ref, device, batch=4)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "reentrant-checkpoint"])
+def test_params_read_right_after_backward_see_the_updates_it_launched_on_a_side_stream(checkpointed):
     """When backward returns, the caller's stream is ordered after the updates backward launched on the side stream:
     a read of the params there (an EMA, a checkpoint, whatever follows a refused step) sees them updated, as with
-    torch's own updates inside backward. The side stream is kept busy first, so a missing wait would show."""
+    torch's own updates inside backward; with reentrant activation checkpointing too, whose segments' backward passes
+    end before the outer one. The side stream is kept busy first, so a missing wait would show."""
     device = torch.device("cuda")
     net, twin = twins(device, 5)
     opt = KitsuneOptimizer(torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9), config=in_backward())
@@ -301,7 +420,8 @@ def test_params_read_right_after_backward_see_the_updates_it_launched_on_a_side_
             busy = big
             for _ in range(8):
                 busy = busy @ big / 2048**0.5
-        nn.functional.mse_loss(net(x, True), y).backward()
+        out = _checkpointed(net, x) if checkpointed else net(x, True)
+        nn.functional.mse_loss(out, y).backward()
         seen = [p.detach().clone() for p in net.parameters()]  # on the current stream, right after backward
         nn.functional.mse_loss(twin(x, True), y).backward()
         ref.step()
