@@ -35,6 +35,9 @@ class GradReduction:
         self.device = torch.device("cpu")
         self.reduced = False
         """Reduced since the last step (by a backward, or by the step itself)."""
+        self.stale = False
+        """A bucket's param of another dtype than the bucket's was met (``model.half()`` after the layout was made):
+        its reduction did not start, and the layout is made again before the next step goes on."""
         self.in_backward = self.in_step = 0
         """Buckets reduced from backward and by the step since the last step (the report's counts)."""
         self._counts: torch.Tensor | None = None
@@ -47,7 +50,7 @@ class GradReduction:
     def bind(self, buckets: list[Bucket], group: Any, world: int, rank: int, device: torch.device) -> None:
         """A new layout's buckets, over ``world`` ranks of ``group``; nothing reduced yet."""
         self.buckets, self.group, self.world, self.rank, self.device = buckets, group, world, rank, device
-        self.reduced = False
+        self.reduced = self.stale = False
         self._counts = self._ones = None
 
     def reduce_all(self) -> None:
@@ -56,6 +59,14 @@ class GradReduction:
         for b in self.buckets:
             self.launch(b)
             self.in_step += 1
+        if self.stale:  # (where no backward met the cast param first: the step's own pass meets it)
+            for b in self.buckets:
+                self.drain(b)
+            raise RuntimeError(
+                "kitsune: a param's dtype changed after ZeRO laid its grads out in buckets (model.half() or "
+                "model.to(dtype) after the optimizer was built): this step changed nothing, and the next lays the "
+                "buckets out again for the new dtypes. Convert the model before building the optimizer to avoid this"
+            )
         self.count_grads()
         self.wait()
 
@@ -96,6 +107,9 @@ class GradReduction:
     def launch(self, b: Bucket) -> None:
         """Copy the bucket's grads into its flat buffer, divide by the world size and start the reduction."""
         world, stage1 = self.world, self.config.stage == 1
+        if any(p.dtype != b.dtype for p in b.params):
+            self.stale = True  # nothing started or changed: the step lays the buckets out again (`ShardSubsystem.fits`)
+            return
         if stage1:
             if b.pending:  # reduced once already and not waited for: the newer grads include the older ones
                 self.wait()
@@ -165,11 +179,14 @@ class GradReduction:
             if not b.pending:
                 continue
             b.pending = []
-            b.reduced = True
             if self.config.stage == 1:  # the grads a backward made here: views of the averaged bucket, as DDP's
+                changed = [p for k, p in enumerate(b.params) if b.present[k] and not _takes(p, b.dtype)]
+                if changed:  # before the bucket counts as reduced: the next reduction starts afresh, not onto it
+                    raise RuntimeError(_dtype_changed(changed[0], b.dtype))
                 for k, p in enumerate(b.params):
                     if b.present[k] and p.grad is not b.views[k]:
                         p.grad = b.views[k]
+            b.reduced = True
         if self._counts_work is not None:
             self._counts_work.wait()
             self._counts_work = None
@@ -196,13 +213,18 @@ class GradReduction:
         present = self.presence(every=True)
         at = 0
         for b in self.buckets:
+            if not b.reduced:  # (a bucket a cast param kept from starting: its params hold their own grads still)
+                at += len(b.params)
+                continue
             full = b.flat
             if self.config.stage == 2:
                 full = torch.empty(self.world * b.seg, dtype=b.dtype, device=b.device)
                 all_gather(full, b.shard, group=self.group)
             for k, p in enumerate(b.params):
                 if present[at + k]:
-                    p.grad = b.view(full, k)
+                    g = b.view(full, k)
+                    want = p.grad_dtype if hasattr(p, "grad_dtype") else p.dtype
+                    p.grad = g if want is None or want == g.dtype else g.to(want)  # (a param cast since: its dtype)
             at += len(b.params)
 
     def presence(self, every: bool = False) -> list[bool]:
@@ -220,3 +242,18 @@ class GradReduction:
             b.present = [False] * len(b.params)
         self.reduced = False
         self._counts = None
+
+
+def _takes(p: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether ``p`` takes a grad of ``dtype`` (its ``grad_dtype``, its own dtype unless set; None takes any)."""
+    want = p.grad_dtype if hasattr(p, "grad_dtype") else p.dtype
+    return want is None or want == dtype
+
+
+def _dtype_changed(p: torch.Tensor, dtype: torch.dtype) -> str:
+    return (
+        f"kitsune: a {tuple(p.shape)} param is {p.dtype} now, and ZeRO laid its grads out in {dtype} buckets when the "
+        "optimizer was built (model.half() or model.to(dtype) after that?): its averaged grad cannot be its grad. "
+        "Cast the model back (model.float()) and run the backward again, or convert the model before building the "
+        "optimizer. The grads of this backward are dropped; params and optimizer state are unchanged"
+    )

@@ -221,7 +221,9 @@ class ShardSubsystem(Subsystem):
         self._frozen = frozen
         self._norm_type = norm_type
         key = (self.world, self.rank, cfg.bucket_bytes, tuple(map(id, params)), tuple(signature), reasons)
-        if key != self._key:  # a re-plan that changed nothing keeps the buffers (and grads already reduced)
+        # a re-plan that changed nothing keeps the buffers (and grads already reduced), unless a bucket met a param
+        # cast since and left it unreduced (cast back before the step: the same key)
+        if key != self._key or self._reduction.stale:
             whole_of: dict[int, str] = {}
             for g, why in zip(groups, reasons, strict=True):
                 for p in g["params"]:
@@ -247,8 +249,10 @@ class ShardSubsystem(Subsystem):
     ) -> None:
         """Lay ``order`` out anew and move the state there: taken from the groups as torch keeps it on the first
         plan, gathered from every rank's pieces (a collective) when a layout existed already."""
+        # the old layout's reduced grads back in the params first: taken out of the groups, the state would be lost
+        # if that raised
+        self._reduction.restore_grads()
         full = self._state_by_index(base, params, gather=self._key is not None)
-        self._reduction.restore_grads()  # the old layout's reduced grads back in the params
         self._swap(base, self._model_of)  # the model params back in the groups, then the new shard params
         layouts = partition(order, self.world, self.config.bucket_bytes, [id(p) in whole_of for p in order])
         self.buckets = [Bucket([order[i] for i in L.indices], L, self.rank, self.world) for L in layouts]
@@ -372,8 +376,11 @@ class ShardSubsystem(Subsystem):
             )
 
     def fits(self) -> bool:
-        """Whether the partition still holds for what requires grad: False once a param frozen when it was made
-        requires grad again (every rank unfreezes it, and every rank then plans again at its step)."""
+        """Whether the partition still holds for what requires grad and the params' dtypes: False once a param frozen
+        when it was made requires grad again (every rank unfreezes it, and every rank then plans again at its step),
+        or a bucket's params are of another dtype (``model.half()``: its first param, or any a reduction met)."""
+        if self._reduction.stale or any(b.params[0].dtype != b.dtype for b in self.buckets):
+            return False
         return not any(p.requires_grad for p in self._frozen)
 
     # -- inside backward -------------------------------------------------------------------------------------------

@@ -302,9 +302,15 @@ class FusionSubsystem(Subsystem):
         """What can make this step raise, checked before anything changes: a param about to get its first update
         whose state misses a key the optimizer reads (torch raises ``KeyError`` there too)."""
         self._prepared = []
+        if not s.structure_checked and self._replan_pending():
+            return  # `prepare` re-plans first and checks the new plan's units (this plan's may ask for a switch gone)
         state = self._base.state
         for unit in (*self._units, *self._muon):
             unit.check_state(state)
+
+    def _replan_pending(self) -> bool:
+        """Whether `prepare` re-plans before it binds (where the step did not check the structure before)."""
+        return self._replan_next or self._switches_changed(self._base.param_groups) or self._state_moved()
 
     def prepare(self, s: StepState) -> list[FusedUnit]:
         """The host half of a step: re-plan if a switch or a param's storage changed (where the step did not check
@@ -313,7 +319,8 @@ class FusionSubsystem(Subsystem):
         groups, state = self._base.param_groups, self._base.state
         done = s.updated_in_backward  # units (of the plan as it stands) the stream scheduler updated inside backward
         updated = [p for i in done for p in self._units[i].params] if done else []
-        if not s.structure_checked and (self._replan_next or self._switches_changed(groups) or self._state_moved()):
+        if not s.structure_checked and self._replan_pending():
+            self.journal()  # the new plan converts state its units take: put back if the step raises
             self._replan()  # a switch changed (e.g. momentum set to 0, amsgrad turned on), or the state dict did
             self.check(s)  # the new plan's units: amsgrad turned on over a state without max_exp_avg_sq raises
             live = self._prepare_all(state, groups, updated)

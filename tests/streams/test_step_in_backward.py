@@ -682,3 +682,29 @@ def test_a_new_optimizer_over_the_same_params_takes_their_updates_inside_backwar
     side_by_side(net, twin, opt, ref, device)
     assert opt.scheduler.report()["units_updated_in_backward"] > 0
     assert len(keep) == 2
+
+
+def test_a_switch_turned_back_off_after_its_step_raised_steps_on_as_torch(device):
+    """``amsgrad`` turned on over state without ``max_exp_avg_sq``: torch's step raises KeyError, and turned off
+    again its next steps run. With updates inside backward the step checked the units of the plan made for amsgrad
+    before planning again, and raised on every later step."""
+    net, twin = twins(device)
+    opt = KitsuneOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-2), config=in_backward())
+    ref = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(8)
+    for step in range(6):
+        x, y = torch.randn(8, 6, generator=gen).to(device), torch.randn(8, 3, generator=gen).to(device)
+        errors = []
+        for model, o in ((net, opt), (twin, ref)):
+            o.param_groups[0]["amsgrad"] = step == 3
+            nn.functional.mse_loss(model(x, True), y).backward()
+            try:
+                o.step()
+                errors.append(None)
+            except KeyError as e:
+                errors.append(str(e))
+            o.zero_grad()
+        assert errors[0] == errors[1] and (errors[0] is not None) == (step == 3), (step, errors)
+        if step != 3:
+            for a, b in zip(net.parameters(), twin.parameters(), strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
