@@ -840,9 +840,11 @@ class _Graph:
         self.out = torch.empty(x.shape, dtype=dtype, device=x.device)
         side = torch.cuda.Stream(x.device)
         side.wait_stream(torch.cuda.current_stream(x.device))
-        with torch.cuda.stream(side):  # compile and cache the tile table outside the capture
-            newton_schulz_launch(self.x, self.out, plan, eps, dtype)
-        torch.cuda.current_stream(x.device).wait_stream(side)
+        try:
+            with torch.cuda.stream(side):  # compile and cache the tile table outside the capture
+                newton_schulz_launch(self.x, self.out, plan, eps, dtype)
+        finally:  # (a launch that raised: what it queued is done before these buffers can be freed)
+            torch.cuda.current_stream(x.device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             newton_schulz_launch(self.x, self.out, plan, eps, dtype)
