@@ -207,19 +207,22 @@ def test_accumulating_without_the_context_is_refused_at_the_second_backward(devi
     opt.step()
 
 
+class _Fails(torch.autograd.Function):
+    """Identity forward; its backward raises, as an out-of-memory error in an earlier layer's backward does."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("out of memory (simulated)")
+
+
 def test_a_backward_that_raised_midway_is_forgotten_at_zero_grad(device):
     """A backward that raises after some grads came in (an OOM in an earlier layer's backward), then zero_grad()
     and the next batch, as a loop that skips a failed batch does: the next backward counts afresh and the run goes
     on as torch's (no unit had all its grads, so nothing was updated inside the failed backward)."""
-
-    class Fails(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
-            return t.clone()
-
-        @staticmethod
-        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-            raise RuntimeError("out of memory (simulated)")
 
     net, twin = twins(device)
     opt = KitsuneOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-2), config=in_backward(bucket_bytes=1 << 20))
@@ -227,7 +230,7 @@ def test_a_backward_that_raised_midway_is_forgotten_at_zero_grad(device):
     assert opt.plan.fused_tensors == len(list(net.parameters())) and len(opt._subsystem("fusion").units) == 1
     x, y = torch.randn(4, 6, device=device), torch.randn(4, 3, device=device)
     with pytest.raises(RuntimeError, match="simulated"):  # the last layer's grads arrive, then the failure
-        nn.functional.mse_loss(net.c(net.b(Fails.apply(net.a(x)))), y).backward()
+        nn.functional.mse_loss(net.c(net.b(_Fails.apply(net.a(x)))), y).backward()
     opt.zero_grad()
     side_by_side(net, twin, opt, ref, device, batch=4)
 
@@ -369,15 +372,6 @@ def test_a_backward_that_raised_after_a_launch_is_joined_before_zero_grad_frees_
     left running, and the next forward could read the params mid-update). The update stays, as it would after a
     step(), and the run goes on as torch's with the same update applied."""
 
-    class Fails(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
-            return t.clone()
-
-        @staticmethod
-        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-            raise RuntimeError("out of memory (simulated)")
-
     net, twin = twins(device)
     opt = KitsuneOptimizer(torch.optim.SGD(net.parameters(), lr=0.05), config=in_backward(bucket_bytes=200))
     assert len(opt._subsystem("fusion").units[1].params) == 2  # the last layer's weight and bias: a unit alone
@@ -385,7 +379,7 @@ def test_a_backward_that_raised_after_a_launch_is_joined_before_zero_grad_frees_
     calls = _spy_joins(monkeypatch)
     x, y = torch.randn(4, 6, device=device), torch.randn(4, 3, device=device)
     with pytest.raises(RuntimeError, match="simulated"):  # the last layer's unit launches, then the failure
-        nn.functional.mse_loss(net.c(Fails.apply(net.b(net.a(x)))), y).backward()
+        nn.functional.mse_loss(net.c(_Fails.apply(net.b(net.a(x)))), y).backward()
     assert calls == ["launch"]
     opt.zero_grad()
     assert calls == ["launch", "join"]
