@@ -224,7 +224,9 @@ class StreamScheduler(Subsystem):
                     "inside backward already ran on the first backward's grads, so the grads added now would never be "
                     "used. For gradient accumulation, run the backward passes of the micro-steps that do not step "
                     "inside `with optimizer.accumulating():` (the grads just add up there; the last backward, outside "
-                    "it, updates), or turn step_in_backward off"
+                    "it, updates), or turn step_in_backward off. A param used in several segments of reentrant "
+                    "activation checkpointing (checkpoint(..., use_reentrant=True)) gets its grad in each segment's "
+                    "own backward, which looks the same: use use_reentrant=False there"
                 )
             seen.add(id(p))
             if len(seen) == need:

@@ -702,3 +702,25 @@ def test_a_switch_turned_back_off_after_its_step_raised_steps_on_as_torch(device
         if step != 3:
             for a, b in zip(net.parameters(), twin.parameters(), strict=True):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_param_in_two_reentrant_checkpoint_segments_is_refused_naming_the_setting(device):
+    """A param used in two segments of reentrant activation checkpointing gets its grad in each segment's own
+    backward: its update ran on the first segment's grad alone, as after a second backward, and the refusal says
+    what to use instead (``use_reentrant=False``, with which the same loop trains as torch's)."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    shared = nn.Linear(8, 8).to(device)
+    opt = KitsuneOptimizer(torch.optim.SGD(shared.parameters(), lr=0.1), config=in_backward())
+    x = torch.randn(4, 8, device=device, requires_grad=True)
+    for reentrant in (False, True):
+        h = checkpoint(shared, x, use_reentrant=reentrant)
+        h = checkpoint(shared, torch.tanh(h), use_reentrant=reentrant)
+        if reentrant:
+            with pytest.raises(RuntimeError, match="second backward.*use_reentrant=False"):
+                h.sum().backward()
+        else:
+            h.sum().backward()
+            opt.step()
+        opt.zero_grad()
