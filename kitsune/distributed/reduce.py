@@ -251,6 +251,13 @@ def _takes(p: torch.Tensor, dtype: torch.dtype) -> bool:
 
 
 def _dtype_changed(p: torch.Tensor, dtype: torch.dtype) -> str:
+    if p.dtype == dtype:  # the param's grad_dtype was set to another
+        return (
+            f"kitsune: a {tuple(p.shape)} {p.dtype} param takes {p.grad_dtype} grads (p.grad_dtype), and ZeRO "
+            f"reduces the grads in the params' dtype ({dtype} buckets): set p.grad_dtype = None under ZeRO, or keep "
+            "the params in the grads' dtype. The grads of this backward are dropped; params and optimizer state are "
+            "unchanged"
+        )
     return (
         f"kitsune: a {tuple(p.shape)} param is {p.dtype} now, and ZeRO laid its grads out in {dtype} buckets when the "
         "optimizer was built (model.half() or model.to(dtype) after that?): its averaged grad cannot be its grad. "
