@@ -637,11 +637,23 @@ class KitsuneOptimizer(torch.optim.Optimizer):
                 "kitsune.distributed.consolidated_state_dict(optimizer) (every rank calls it), and load it into a new "
                 "KitsuneOptimizer (or the plain torch optimizer) built over the model's params"
             )
+        if self._streams.updated_since_step:
+            raise TypeError(
+                "a KitsuneOptimizer cannot be copied or pickled between a backward that ran updates inside it "
+                "(StreamConfig(step_in_backward=True)) and its step(): the params and state already hold those "
+                "updates, and the copy's step() would apply them again. Copy it after step() (or before backward)"
+            )
         self._shard.wait_params()  # a copy holds the params as they are
         self._fusion.settle_skips()
         ours = checkpoint.own_state(self._subsystems, self._step_count)
         clock = self._profiler.clock() if self._profiler.active else 0
-        return {"optimizer": self._optimizer, "config": self.config, "kitsune": ours, "profiler_clock": clock}
+        return {
+            "optimizer": self._optimizer,
+            "config": self.config,
+            "kitsune": ours,
+            "profiler_clock": clock,
+            "amp_pending": self._amp.pending,  # a copy between optimizer.backward(loss) and step() steps on
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # on a live optimizer torch's __setstate__ updates its __dict__: the hooks registered on it stay; a state
@@ -654,6 +666,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             self._load_own_state(checkpoint.check_own_state(state["kitsune"], self._subsystems))
             if self._profiler.active:  # the copy's windows go on where the original's stood
                 self._profiler.continue_from(state.get("profiler_clock", 0))
+            self._amp.resume(state.get("amp_pending", (False, False)))
         except BaseException:
             built = self.__dict__.get("_profiler")
             self.__dict__.clear()

@@ -142,6 +142,16 @@ class AMPSubsystem(Subsystem):
             self.update_scale(found_inf)
         self._loss_scaled = self._unscaled = False
 
+    @property
+    def pending(self) -> tuple[bool, bool]:
+        """Where this step stands between ``optimizer.backward`` and ``step()`` (the loss scaled, the grads
+        unscaled by a step that raised after): a copy of the optimizer goes on from there."""
+        return self._loss_scaled, self._unscaled
+
+    def resume(self, pending: tuple[bool, bool]) -> None:
+        """A copy's: `pending` as the original stood."""
+        self._loss_scaled, self._unscaled = pending
+
     def take_scaled_loss(self) -> bool:
         """For a step that skips [`check_scaled`][kitsune.amp.AMPSubsystem.check_scaled] and
         [`finish`][kitsune.amp.AMPSubsystem.finish] (the steady replay, whose graph updates the scale): whether this

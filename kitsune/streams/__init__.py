@@ -177,6 +177,11 @@ class StreamScheduler(Subsystem):
         if why is None and not units:
             why = "no param takes the fused kernel, so every update runs in step()"
         if why is not None:
+            # the newest optimizer over a param owns its updates, inside backward or in its step: one still alive
+            # from before (kept by an LR scheduler) must not update it inside backward any more
+            for g in groups:
+                for p in g["params"]:
+                    self._take_over(p)
             self.deactivate(why)
             return
         self._version = fusion.plan_version
@@ -195,13 +200,22 @@ class StreamScheduler(Subsystem):
                     self._handle_of[id(p)] = handle
                     # the newest optimizer over a param updates it inside backward: one still alive from before
                     # (kept by an LR scheduler after a resume built a new one) would update it a second time
-                    old = _HOOKED.get(p)
-                    if old is not None and old() is not None and old() is not self:
-                        old()._disown(p)
-                    _HOOKED[p] = weakref.ref(self)
+                    self._take_over(p)
         weakref.finalize(self, _remove, list(self._handles))
         self.in_backward = True
         self.activate()
+
+    def _take_over(self, p: torch.Tensor) -> None:
+        """This optimizer is the newest over ``p``: an older one's hook on it (updates inside backward) goes."""
+        old = _HOOKED.get(p)
+        if old is not None and old() is not None and old() is not self:
+            old()._disown(p)
+        _HOOKED[p] = weakref.ref(self)
+
+    @property
+    def updated_since_step(self) -> bool:
+        """Whether updates ran inside the backward since the last step (``step()`` then updates only the rest)."""
+        return bool(self._launched)
 
     def _disown(self, p: torch.Tensor) -> None:
         """Another optimizer hooked ``p`` since: this one's hook on it goes, so its unit never has all its grads in

@@ -714,6 +714,61 @@ def test_a_copy_carries_the_loss_scaler_and_continues_bit_identically(copier, de
     assert twin["opt"].loss_scale == opt.loss_scale
 
 
+def test_a_copy_between_the_scaled_backward_and_the_step_steps_on(device):
+    """A deep copy taken after ``optimizer.backward(loss)`` and before ``step()`` carries the grads of plain tensor
+    params, as torch's does (``nn.Parameter``'s own deepcopy drops them, in torch too), and where the step stands:
+    it steps as the original (it refused, asking for ``optimizer.backward``)."""
+    gen = torch.Generator().manual_seed(2)
+    params = [torch.randn(4, 5, generator=gen).to(device).requires_grad_() for _ in range(2)]
+    opt = KitsuneOptimizer(
+        torch.optim.AdamW(params, lr=0.01),
+        enable_fusion=True,
+        enable_amp=True,
+        amp_config=AMPConfig(dtype=torch.float16, growth_interval=1000),
+    )
+    x = torch.randn(3, 5, generator=gen).to(device)
+    opt.backward((x @ params[0].T @ params[1]).square().sum())
+    twin = copy.deepcopy({"params": params, "opt": opt})
+    before = [p.detach().clone() for p in params]
+    opt.step()
+    twin["opt"].step()
+    for p, q, b in zip(params, twin["params"], before, strict=True):
+        assert torch.equal(p, q) and not torch.equal(p, b)
+    assert twin["opt"].loss_scale == opt.loss_scale and twin["opt"].step_count == opt.step_count
+
+
+@pytest.mark.parametrize(
+    "copier",
+    [copy.deepcopy, lambda o: pickle.loads(pickle.dumps(o)), _torch_save_round_trip],
+    ids=["deepcopy", "pickle", "torch_save"],
+)
+def test_a_copy_between_a_backward_that_updated_and_its_step_is_refused(copier, device):
+    """With updates inside backward the params and state already hold this step's updates when backward returns: a
+    copy's step() would apply them a second time (its params 1e-2 off the original's). Copying there is refused,
+    naming when to copy; the original steps on, and a copy after its step trains as it does."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)).to(device)
+    opt = KitsuneOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=0.01),
+        enable_fusion=True,
+        stream_config=StreamConfig(step_in_backward=True, bucket_bytes=64),
+    )
+    x = torch.randn(3, 5, device=device)
+    model(x).square().sum().backward()
+    assert opt.scheduler.updated_since_step
+    with pytest.raises(TypeError, match="between a backward that ran updates inside it.*after step"):
+        copier({"model": model, "opt": opt})
+    opt.step()
+    opt.zero_grad()
+    twin = copier({"model": model, "opt": opt})
+    for m, o in ((model, opt), (twin["model"], twin["opt"])):
+        m(x).square().sum().backward()
+        o.step()
+        o.zero_grad()
+    for p, q in zip(model.parameters(), twin["model"].parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
 # -- 6. a dropped optimizer is freed at once ------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "kw",
