@@ -236,12 +236,16 @@ class GradReduction:
         return [here or n > 0 for here, n in zip(local, self._counts.tolist(), strict=True)]
 
     def forget(self) -> None:
-        """After a step, or ``zero_grad()``: nothing reduced, no grad noted, for the next backward."""
+        """After a step, or ``zero_grad()``: nothing reduced, no grad noted, for the next backward. A backward that
+        raised midway (an out-of-memory error) never ran its end callback: its bucket order and counts go too, or the
+        next backward would start at the bucket after its last launch and queue no end callback."""
         for b in self.buckets:
             b.reduced = False
             b.present = [False] * len(b.params)
+            b.ready = 0
         self.reduced = False
         self._counts = None
+        self._next, self._queued = 0, False
 
 
 def _takes(p: torch.Tensor, dtype: torch.dtype) -> bool:
