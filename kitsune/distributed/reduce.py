@@ -110,6 +110,9 @@ class GradReduction:
         if any(p.dtype != b.dtype for p in b.params):
             self.stale = True  # nothing started or changed: the step lays the buckets out again (`ShardSubsystem.fits`)
             return
+        for k, p in enumerate(b.params):  # a grad_dtype set to another: the averaged grad cannot be its grad
+            if b.present[k] and not _takes(p, b.dtype):
+                raise RuntimeError(_dtype_changed(p, b.dtype))
         if stage1:
             if b.pending:  # reduced once already and not waited for: the newer grads include the older ones
                 self.wait()

@@ -233,12 +233,14 @@ def _amsgrad_on_and_off(model, opt, rank: int, world: int) -> list[str | None]:
     return errors
 
 
-def _grad_dtype(rank: int, world: int) -> str | None:
-    """bfloat16 params given float32 grads (``p.grad_dtype``) under ZeRO-1: the end of backward refuses, naming it."""
+def _grad_dtype(rank: int, world: int, stage: int) -> str | None:
+    """bfloat16 params given float32 grads (``p.grad_dtype``) under ZeRO: the bucket's reduction refuses, naming
+    it (stage 2 rounded the grads into the bucket and then raised torch's bare assignment error)."""
     from kitsune import KitsuneOptimizer, ShardConfig
 
     model = _model().bfloat16()
-    opt = KitsuneOptimizer(torch.optim.AdamW(model.parameters()), zero_stage=1, shard_config=ShardConfig(stage=1))
+    base = torch.optim.AdamW(model.parameters())
+    opt = KitsuneOptimizer(base, zero_stage=stage, shard_config=ShardConfig(stage=stage))
     for p in model.parameters():
         p.grad_dtype = torch.float32
     x, y = _batch(0)
@@ -304,7 +306,7 @@ def _cases(rank: int, world: int) -> dict:
         **{f"cast_{stage}": _cast(rank, world, stage) for stage in (1, 2)},
         **{f"state_cast_{stage}": _state_through_a_cast(rank, world, stage) for stage in (1, 2)},
         **{f"switch_{stage}": _switch_back(rank, world, stage) for stage in (1, 2)},
-        "grad_dtype": _grad_dtype(rank, world),
+        **{f"grad_dtype_{stage}": _grad_dtype(rank, world, stage) for stage in (1, 2)},
         **{f"failed_backward_{stage}": _failed_backward(rank, world, stage) for stage in (1, 2)},
     }
 
@@ -404,11 +406,14 @@ def test_a_switch_turned_back_off_after_its_step_raised_steps_on_as_torch(ranks,
             torch.testing.assert_close(a, b.detach(), atol=2e-6, rtol=2e-5)
 
 
-def test_grads_of_another_dtype_than_the_params_are_refused_naming_grad_dtype(ranks):
-    """ZeRO reduces the grads in buckets of the params' dtype: float32 grads of bfloat16 params cannot be the views
-    of the averaged bucket, and the refusal names ``p.grad_dtype`` (it used to say torch's bare assignment error)."""
+@pytest.mark.parametrize("stage", [1, 2])
+def test_grads_of_another_dtype_than_the_params_are_refused_naming_grad_dtype(ranks, stage):
+    """ZeRO reduces the grads in buckets of the params' dtype: float32 grads of bfloat16 params cannot be the grads
+    the averaged bucket gives back, and the refusal names ``p.grad_dtype`` (it used to be torch's bare assignment
+    error, and stage 2 rounded the grads into the bucket first)."""
     for rank in ranks:
-        assert rank["grad_dtype"] is not None and "p.grad_dtype = None under ZeRO" in rank["grad_dtype"], rank
+        got = rank[f"grad_dtype_{stage}"]
+        assert got is not None and "p.grad_dtype = None under ZeRO" in got, rank
 
 
 @pytest.mark.parametrize("stage", [1, 2])
