@@ -169,13 +169,17 @@ def _cast_for_a_backward(model, opt, rank: int, world: int) -> list[torch.Tensor
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _cast(rank: int, world: int, stage: int) -> list[torch.Tensor]:
+def _sharded_sgd(model: torch.nn.Module, stage: int):
+    """SGD with momentum over ``model``, fused and sharded at ZeRO ``stage``."""
     from kitsune import KitsuneOptimizer, ShardConfig
 
-    model = _model()
     base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    opt = KitsuneOptimizer(base, enable_fusion=True, zero_stage=stage, shard_config=ShardConfig(stage=stage))
-    return _cast_for_a_backward(model, opt, rank, world)
+    return KitsuneOptimizer(base, enable_fusion=True, zero_stage=stage, shard_config=ShardConfig(stage=stage))
+
+
+def _cast(rank: int, world: int, stage: int) -> list[torch.Tensor]:
+    model = _model()
+    return _cast_for_a_backward(model, _sharded_sgd(model, stage), rank, world)
 
 
 def _state_through_a_cast(rank: int, world: int, stage: int) -> dict:
@@ -286,12 +290,8 @@ def _skip_a_failed_backward(model, opt, rank: int, world: int) -> list[torch.Ten
 
 
 def _failed_backward(rank: int, world: int, stage: int) -> list[torch.Tensor]:
-    from kitsune import KitsuneOptimizer, ShardConfig
-
     model = _model()
-    base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    opt = KitsuneOptimizer(base, enable_fusion=True, zero_stage=stage, shard_config=ShardConfig(stage=stage))
-    return _skip_a_failed_backward(model, opt, rank, world)
+    return _skip_a_failed_backward(model, _sharded_sgd(model, stage), rank, world)
 
 
 def _cases(rank: int, world: int) -> dict:
