@@ -111,10 +111,12 @@ def _graphed(fn: Callable[[torch.Tensor], object], g: torch.Tensor) -> Callable[
     where no host launches the kernels one by one."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn(g)
-    torch.cuda.current_stream().wait_stream(side)
+    try:
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn(g)
+    finally:  # a call that raised: the next row's timing does not start under what it queued
+        torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn(g)

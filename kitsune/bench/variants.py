@@ -106,12 +106,14 @@ class _GraphVariant(_TorchVariant):
         eager = max(1, min(3, n))
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), warnings.catch_warnings():
-            # torch warns that capturable=True runs uncaptured: true, and intended, for these steps only
-            warnings.filterwarnings("ignore", message=".*capturable=True.*")
-            for _ in range(eager):
-                self.opt.step()
-        torch.cuda.current_stream().wait_stream(side)
+        try:
+            with torch.cuda.stream(side), warnings.catch_warnings():
+                # torch warns that capturable=True runs uncaptured: true, and intended, for these steps only
+                warnings.filterwarnings("ignore", message=".*capturable=True.*")
+                for _ in range(eager):
+                    self.opt.step()
+        finally:  # a step that raised: the next variant's timing does not start under what it queued
+            torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.opt.step()  # recorded, not run
