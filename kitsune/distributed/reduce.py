@@ -226,8 +226,7 @@ class GradReduction:
             for k, p in enumerate(b.params):
                 if present[at + k]:
                     g = b.view(full, k)
-                    want = p.grad_dtype if hasattr(p, "grad_dtype") else p.dtype
-                    p.grad = g if want is None or want == g.dtype else g.to(want)  # (a param cast since: its dtype)
+                    p.grad = g if _takes(p, g.dtype) else g.to(_grad_dtype(p))  # (a param cast since: its dtype)
             at += len(b.params)
 
     def presence(self, every: bool = False) -> list[bool]:
@@ -251,16 +250,21 @@ class GradReduction:
         self._next, self._queued = 0, False
 
 
+def _grad_dtype(p: torch.Tensor) -> torch.dtype | None:
+    """The dtype ``p`` takes grads in: its ``grad_dtype``, its own dtype unless set (None: any)."""
+    return p.grad_dtype if hasattr(p, "grad_dtype") else p.dtype
+
+
 def _takes(p: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether ``p`` takes a grad of ``dtype`` (its ``grad_dtype``, its own dtype unless set; None takes any)."""
-    want = p.grad_dtype if hasattr(p, "grad_dtype") else p.dtype
+    """Whether ``p`` takes a grad of ``dtype``."""
+    want = _grad_dtype(p)
     return want is None or want == dtype
 
 
 def _dtype_changed(p: torch.Tensor, dtype: torch.dtype) -> str:
     if p.dtype == dtype:  # the param's grad_dtype was set to another
         return (
-            f"kitsune: a {tuple(p.shape)} {p.dtype} param takes {p.grad_dtype} grads (p.grad_dtype), and ZeRO "
+            f"kitsune: a {tuple(p.shape)} {p.dtype} param takes {_grad_dtype(p)} grads (p.grad_dtype), and ZeRO "
             f"reduces the grads in the params' dtype ({dtype} buckets): set p.grad_dtype = None under ZeRO, or keep "
             "the params in the grads' dtype. The grads of this backward are dropped; params and optimizer state are "
             "unchanged"
