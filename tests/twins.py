@@ -278,3 +278,30 @@ def assert_refused(opt: Any, params: list[torch.Tensor], match: str, *args: Any)
         assert torch.equal(p, b) and opt.state[p].keys() == st.keys()
         for k, v in st.items():
             assert opt.state[p][k].dtype == v.dtype and torch.equal(opt.state[p][k], v), k
+
+
+def assert_steps_as_the_wrapped_step(
+    opt: Any,
+    params: list[torch.Tensor],
+    make: Callable[[list[torch.Tensor]], Any],
+    grads: Callable[[int], Any],
+    steps: range,
+) -> None:
+    """Narrowed params on the wrapped optimizer's own step: a twin built by ``make``, given ``opt``'s state as kitsune
+    holds it (float32), follows ``opt`` bit for bit over ``steps`` with float32 grads (``grads(step)``, one a param,
+    set through ``p.grad_dtype``); every param stays on that step with its state float32, as it was made."""
+    twins = [p.detach().clone().requires_grad_() for p in params]
+    ref = make(twins)
+    ref.load_state_dict(opt.state_dict())
+    for t, p in zip(twins, params, strict=True):
+        ref.state[t] = {k: v.clone() for k, v in opt.state[p].items()}  # float32, as kitsune holds it
+    for step in steps:
+        for p, t, g in zip(params, twins, grads(step), strict=True):
+            for x in (p, t):
+                set_grad(x, g.float())
+        opt.step()
+        ref.step()
+        for p, t in zip(params, twins, strict=True):
+            assert torch.equal(p, t), step
+    assert {b.route.value for b in opt.plan.buckets} == {"base_step"}
+    assert all(t.dtype == torch.float32 for p in params for t in opt.state[p].values())  # kept as they were made

@@ -177,6 +177,12 @@ def _sharded_sgd(model: torch.nn.Module, stage: int):
     return KitsuneOptimizer(base, enable_fusion=True, zero_stage=stage, shard_config=ShardConfig(stage=stage))
 
 
+def _one_process(run) -> list[torch.Tensor]:
+    """``run(model, optimizer, rank=0, world=1)`` with torch's SGD with momentum, as `_sharded_sgd` sets it."""
+    model = _model()
+    return run(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), 0, 1)
+
+
 def _cast(rank: int, world: int, stage: int) -> list[torch.Tensor]:
     model = _model()
     return _cast_for_a_backward(model, _sharded_sgd(model, stage), rank, world)
@@ -368,9 +374,7 @@ def test_a_model_cast_for_one_backward_and_back_trains_as_one_process(ranks, sta
     params. Stage 1's end of backward raised assigning the float32 averages to the float16 params and, asked again,
     added the grads twice; now a bucket that meets a cast param starts no reduction, and the step lays the buckets
     out again and reduces there: torch's SGD with momentum over the whole batch, step for step."""
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    want = _cast_for_a_backward(model, opt, 0, 1)
+    want = _one_process(_cast_for_a_backward)
     for rank in ranks:
         # (float16 grads of half a batch, averaged, round apart from the whole batch's: a grad added twice is off by
         # lr times the grad, some 1e-2)
@@ -422,9 +426,7 @@ def test_a_backward_that_raised_midway_is_skipped_as_one_process_skips_it(ranks,
     and the next batch: the failed backward's end callback never ran, and stage 1's next backward began at the bucket
     after its last launch and queued no end callback (its params ended 2e-2 off). The run goes on as one process's
     that never saw that batch."""
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    want = _skip_a_failed_backward(model, opt, 0, 1)
+    want = _one_process(_skip_a_failed_backward)
     for rank in ranks:
         for got, w in zip(rank[f"failed_backward_{stage}"], want, strict=True):
             torch.testing.assert_close(got, w, atol=2e-6, rtol=2e-5)

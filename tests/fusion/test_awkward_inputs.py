@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 from helpers import routes
-from twins import assert_refused, make_params, random_grads, set_grad
+from twins import assert_refused, assert_steps_as_the_wrapped_step, make_params, random_grads, set_grad
 
 from kitsune import AMPConfig, FusionConfig, KitsuneOptimizer
 
@@ -693,21 +693,9 @@ def test_params_cast_narrower_mid_run(name, dtype, device):
     for p, g in zip(params, grads, strict=True):
         p.grad = g.to(dtype)
     assert_refused(opt, params, "param is torch.float32: the param's dtype changed.*p.grad_dtype.*Nothing")
-    twins = [p.detach().clone().requires_grad_() for p in params]
-    ref = make(twins)
-    ref.load_state_dict(opt.state_dict())
-    for t, p in zip(twins, params, strict=True):
-        ref.state[t] = {k: v.clone() for k, v in opt.state[p].items()}  # float32, as kitsune holds it
-    for step in range(3, 6):
-        for p, t, g in zip(params, twins, grads if step == 3 else random_grads(params, step), strict=True):
-            for x in (p, t):
-                set_grad(x, g.float())
-        opt.step()
-        ref.step()
-        for p, t in zip(params, twins, strict=True):
-            assert torch.equal(p, t), step
-    assert {b.route.value for b in opt.plan.buckets} == {"base_step"}
-    assert all(t.dtype == torch.float32 for p in params for t in opt.state[p].values())  # kept as they were made
+    assert_steps_as_the_wrapped_step(
+        opt, params, make, lambda step: grads if step == 3 else random_grads(params, step), range(3, 6)
+    )
 
 
 @pytest.mark.parametrize("route", ["fused", "eager"])

@@ -26,7 +26,7 @@ from io import StringIO
 import pytest
 import torch
 from rich.console import Console
-from twins import TOL, assert_refused, make_params, random_grads, set_grad, trajectory
+from twins import TOL, assert_refused, assert_steps_as_the_wrapped_step, make_params, random_grads, set_grad, trajectory
 
 from kitsune import FusionConfig, GradConfig, KitsuneOptimizer, StreamConfig
 from kitsune.fusion import Route, muon_unit
@@ -533,20 +533,7 @@ def test_muon_params_cast_narrower_step_on_the_wrapped_step_with_their_float32_m
         p.data = p.data.half()
         p.grad = g.half()
     assert_refused(opt, params, "'momentum_buffer' of a .* torch.float16 param is torch.float32.*p.grad_dtype.*Nothing")
-    twins = [p.detach().clone().requires_grad_() for p in params]
-    ref = make(twins)
-    for t, p in zip(twins, params, strict=True):
-        ref.state[t] = {k: v.clone() for k, v in opt.state[p].items()}  # float32, as kitsune holds it
-    for step in range(3, 6):
-        for p, t, g in zip(params, twins, random_grads(params, step), strict=True):
-            for x in (p, t):
-                set_grad(x, g.float())
-        opt.step()
-        ref.step()
-        for p, t in zip(params, twins, strict=True):
-            assert torch.equal(p, t), step
-    assert {b.route.value for b in opt.plan.buckets} == {"base_step"}
-    assert all(t.dtype == torch.float32 for p in params for t in opt.state[p].values())  # kept as it was made
+    assert_steps_as_the_wrapped_step(opt, params, make, lambda step: random_grads(params, step), range(3, 6))
     for p, g in zip(params, random_grads(params, 6), strict=True):  # cast back: fused again, from that momentum
         p.data = p.data.float()
         set_grad(p, g.float())
