@@ -434,6 +434,10 @@ class StreamScheduler(Subsystem):
         already updated inside that backward: that update stays, and the caller's stream waits for it here (a
         backward that raised ran no end callback), before the grads it read are freed."""
         self._join_side_streams()
+        self._forget_backward()
+
+    def _forget_backward(self) -> None:
+        """The counts and marks of the last backward, for the next one to start afresh."""
         for seen in self._seen:  # in place: the hooks hold these sets
             seen.clear()
         self._launched = {}
@@ -451,7 +455,7 @@ class StreamScheduler(Subsystem):
         if self._events:
             self._last_events, self._events = self._events, []
             self._last_end, self._backward_end = self._backward_end, None
-        self.discard_backward()
+        self._forget_backward()  # (the step's `begin` made the caller's stream wait for the side streams already)
         if self.graph_reason is None and self._fusion.plan_version == self._version:
             self._capture()
 
@@ -500,11 +504,13 @@ def _backward_ended(ref: weakref.ref) -> None:
         scheduler._backward_ended()
 
 
+_CURRENT_TASK = getattr(torch._C, "_current_graph_task_id", None)
+
+
 def _graph_task() -> int:
     """The id of the autograd graph task running (a backward pass; a reentrant checkpoint's segment runs one of its
     own); 0 where torch does not say (one callback a backward, at the first task's end)."""
-    current = getattr(torch._C, "_current_graph_task_id", None)
-    return current() if current is not None else 0
+    return _CURRENT_TASK() if _CURRENT_TASK is not None else 0
 
 
 _HOOKED = WeakIdKeyDictionary()
