@@ -181,9 +181,12 @@ class GradPass:
             _unscale_handed_over(_unscaled_tensors(s.unhandled), s.grad_scale, s)
 
     def abandon(self, s: StepState, groups: list[dict[str, Any]]) -> None:
-        """The step raised: remember the clip for a retry on the same grads."""
+        """The step raised: the clip remembered for a retry on the same grads (the grads as the step pointed them:
+        a retry points them there again), then the grads the shard pointed at this rank's share back as they were."""
         norm = s.grad_norm
         self._clipped_before = None if norm is None or s.fused_grads else (self._grad_marks(groups), norm)
+        if self._shard.active:
+            self._shard.abandon()
 
     def finish(self, s: StepState) -> None:
         """After a step (full or steady): keep its norm and which grads the kernel zeroed."""

@@ -129,6 +129,8 @@ class ShardSubsystem(Subsystem):
         self._read_before_gather = False
         """A backward since the last ``zero_grad()`` gave a grad to a param whose all-gather was pending: its forward
         read the values from before the last update."""
+        self._swapped: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        """The grads the step's `begin` replaced, each with the one it found: put back when the step raises."""
         self.deactivate("zero_stage=0")
 
     @property
@@ -413,16 +415,28 @@ class ShardSubsystem(Subsystem):
             self._reduction.reduce_all()
         present = self._reduction.presence()
         at, stage1 = 0, self.config.stage == 1
+        swapped = self._swapped = []  # what a refused step gives back (`abandon`), each grad before it is set
         for b in self.buckets:
             for k, t in b.targets.items():
                 g = b.grads[k] if present[at + k] else None
                 if t.grad is not g:
+                    swapped.append((t, t.grad))
                     t.grad = g
             if stage1:  # elements other ranks update: their grads must not reach this rank's update
                 for k in b.others:
-                    b.params[k].grad = None
+                    p = b.params[k]
+                    if p.grad is not None:
+                        swapped.append((p, p.grad))
+                        p.grad = None
             at += len(b.params)
         s.reduce = self.reduce_norm
+
+    def abandon(self) -> None:
+        """The step raised: every grad `begin` pointed at this rank's share is the one it found again (the reduced
+        grads stay reduced: a retry does not reduce them twice)."""
+        swapped, self._swapped = self._swapped, []
+        for t, g in reversed(swapped):
+            t.grad = g
 
     def _check_groups(self) -> None:
         base = self._base
@@ -463,6 +477,7 @@ class ShardSubsystem(Subsystem):
         """All-gather the params: each rank's segment of every bucket holds its updated elements. With
         ``gather_in_forward`` the gathers are launched in the order the next forward needs them and left pending
         (`wait_params`, or a module's forward, completes them)."""
+        self._swapped = []
         if self.config.gather_in_forward:
             for b in reversed(self.buckets):  # buckets run in backward order: the forward needs the last one first
                 flat, work = self._launch_gather(b)

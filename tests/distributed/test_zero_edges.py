@@ -53,6 +53,20 @@ def _unfrozen(rank: int, world: int, stage: int) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
+def _train_full(model, opt, steps: int, clip: float | None = None) -> float | None:
+    """``steps`` steps of one process on the whole of each batch, its grads clipped to ``clip`` (a 2-norm); the
+    last step's norm before clipping."""
+    norm = None
+    for step in range(steps):
+        x, y = _batch(step)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        if clip is not None:
+            norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+        opt.step()
+        opt.zero_grad()
+    return norm
+
+
 def _mismatch(rank: int, kind: str) -> str | None:
     """Rank 0 alone clips (or scales the loss): the plan, at construction, refuses on every rank."""
     from kitsune import KitsuneOptimizer, ShardConfig
@@ -243,6 +257,47 @@ def _amsgrad_on_and_off(model, opt, rank: int, world: int) -> list[str | None]:
     return errors
 
 
+def _grads_through_a_refusal(rank: int, world: int, stage: int, clip: bool = False) -> dict:
+    """Two AdamW steps; at the third, ``amsgrad`` turned on over state without ``max_exp_avg_sq``: the step raises
+    (torch's KeyError) and leaves every param's grad as it found it (the same tensor, the same values, or None); with
+    ``amsgrad`` off again the step runs on those grads. The refused step used to point the grads at this rank's share:
+    stage 1 left the grads of what other ranks update None, stage 2 gave the params this rank updates its shard.
+    ``clip``: clipped to 0.05 in the step, whose wrapped (unfused) step raises after the clip, which stays (a pass of
+    the grads' own, as without ZeRO): the retry does not clip the clipped grads again."""
+    from kitsune import KitsuneOptimizer, ShardConfig
+
+    model = _model()
+    base = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = KitsuneOptimizer(
+        base,
+        enable_fusion=not clip,
+        max_grad_norm=0.05 if clip else None,
+        zero_stage=stage,
+        shard_config=ShardConfig(stage=stage),
+    )
+    out: dict = {}
+    for step in range(3):
+        x, y = _batch(step)
+        lo, hi = rank * ROWS // world, (rank + 1) * ROWS // world
+        torch.nn.functional.mse_loss(model(x[lo:hi]), y[lo:hi]).backward()
+        if step == 2:
+            opt.param_groups[0]["amsgrad"] = True
+            before = [(p.grad, None if p.grad is None else p.grad.clone()) for p in model.parameters()]
+            try:
+                opt.step()
+            except KeyError as e:
+                out["error"] = f"KeyError: {e}"
+            out["same"] = [p.grad is g for p, (g, _) in zip(model.parameters(), before, strict=True)]
+            out["values"] = [g is None or torch.equal(g, v) for g, v in before]
+            out["had_grads"] = [g is not None for g, _ in before]
+            opt.param_groups[0]["amsgrad"] = False
+        opt.step()
+        opt.zero_grad()
+    out["norm"] = None if opt.last_grad_norm is None else float(opt.last_grad_norm)
+    out["params"] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
 def _grad_dtype(rank: int, world: int, stage: int) -> str | None:
     """bfloat16 params given float32 grads (``p.grad_dtype``) under ZeRO: the bucket's reduction refuses, naming
     it (stage 2 rounded the grads into the bucket and then raised torch's bare assignment error)."""
@@ -313,6 +368,8 @@ def _cases(rank: int, world: int) -> dict:
         **{f"state_cast_{stage}": _state_through_a_cast(rank, world, stage) for stage in (1, 2)},
         **{f"switch_{stage}": _switch_back(rank, world, stage) for stage in (1, 2)},
         **{f"grad_dtype_{stage}": _grad_dtype(rank, world, stage) for stage in (1, 2)},
+        **{f"refused_{stage}": _grads_through_a_refusal(rank, world, stage) for stage in (1, 2)},
+        **{f"refused_clip_{stage}": _grads_through_a_refusal(rank, world, stage, clip=True) for stage in (1, 2)},
         **{f"failed_backward_{stage}": _failed_backward(rank, world, stage) for stage in (1, 2)},
     }
 
@@ -406,6 +463,27 @@ def test_a_switch_turned_back_off_after_its_step_raised_steps_on_as_torch(ranks,
     for rank in ranks:
         got = rank[f"switch_{stage}"]
         assert got["errors"] == errors
+        for a, b in zip(got["params"], model.parameters(), strict=True):
+            torch.testing.assert_close(a, b.detach(), atol=2e-6, rtol=2e-5)
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["fused", "clipped"])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_refused_step_leaves_every_grad_as_it_found_it(ranks, stage, clip):
+    """A step refused after the grads were reduced (a state missing a key the optimizer reads) points no grad
+    elsewhere: each param keeps the grad it had after backward (stage 1: the averaged view; stage 2: None, the bucket
+    holds it), and the same step then runs as one process's (clipped once, where the step clips)."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    norm = _train_full(model, opt, 3, clip=0.05 if clip else None)
+    for rank in ranks:
+        got = rank[f"refused_clip_{stage}" if clip else f"refused_{stage}"]
+        if clip:  # the norm of the grads as backward left them, not of the grads the refused step clipped
+            assert got["norm"] == pytest.approx(norm, rel=1e-5), (got["norm"], norm)
+        assert got["error"] is not None and "max_exp_avg_sq" in got["error"], got["error"]
+        assert all(got["same"]), got["same"]
+        assert all(got["values"]) != (clip and stage == 1), got["values"]  # stage 2's clipped grads are in no param
+        assert any(got["had_grads"]) == (stage == 1)
         for a, b in zip(got["params"], model.parameters(), strict=True):
             torch.testing.assert_close(a, b.detach(), atol=2e-6, rtol=2e-5)
 
