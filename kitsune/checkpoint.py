@@ -47,6 +47,13 @@ def check_own_state(ours: Any, subsystems: Sequence[Subsystem]) -> dict[str, Any
     saved = ours.get("subsystems", {})
     if not isinstance(saved, Mapping):
         raise ValueError(f"the state dict's {KEY!r} entry has subsystems of type {type(saved).__name__}: a dict")
+    names = {s.name for s in subsystems}
+    unknown = sorted(map(str, set(saved) - names))
+    if unknown:  # a typo or an edit: the state under it would be dropped without a word
+        raise ValueError(
+            f"the state dict's {KEY!r} entry has subsystems kitsune does not have ({', '.join(unknown)}); its "
+            f"subsystems are {', '.join(sorted(names))}. Drop the entry to load the optimizer's state alone."
+        )
     for s in subsystems:
         if s.name in saved:
             s.check_state_dict(saved[s.name])

@@ -235,7 +235,12 @@ class FusionSubsystem(Subsystem):
         return {"rounding_steps": steps}
 
     def check_state_dict(self, state: dict[str, Any]) -> None:
-        steps = state.get("rounding_steps", {}) if isinstance(state, dict) else None
+        if not isinstance(state, dict):
+            raise ValueError(
+                f"the state dict's kitsune entry has a fusion entry of type {type(state).__name__}: a dict (of "
+                "rounding_steps) is expected. Nothing was loaded"
+            )
+        steps = state.get("rounding_steps", {})
         total = sum(len(g["params"]) for g in self._base.param_groups) if self._base is not None else 0
         if not isinstance(steps, dict) or not all(
             type(i) is int and 0 <= i < total and isinstance(c, (int, float)) and c >= 0 for i, c in steps.items()

@@ -104,7 +104,7 @@ class FusedUnit:
         # SGD keeps no step in torch's state: count privately, only to spot each buffer's first step
         self._private_steps: torch.Tensor | None = None
         if spec.has_step and not info.step_in_state:
-            done = [float(_has_state(state, p, info, spec)) for p in params]
+            done = [float(_has_state(state, p, info, spec, extra=False)) for p in params]
             self._private_steps = torch.tensor(done, dtype=torch.float32).to(self.device)
         self.uninit = [i for i, p in enumerate(params) if not _has_state(state, p, info, spec)]
         self._every = list(range(len(params)))
@@ -642,8 +642,11 @@ class FusedUnit:
         # not take, or a warm start set by hand) is kept, as torch's step keeps it; a private step count then says
         # its buffer is not new (the kernel starts a count of 0 from the grad)
         made = [i for i in fresh if _has_state(state, self.params[i], self.info, self.spec)]
-        if made and self._private_steps is not None:
-            self._private_steps[made] = 1.0
+        if self._private_steps is not None:
+            # the optimizer's own state, made or loaded without what kitsune keeps beside it (its init adds that)
+            carried = [i for i in fresh if _has_state(state, self.params[i], self.info, self.spec, extra=False)]
+            if carried:
+                self._private_steps[carried] = 1.0
         fresh = [i for i in fresh if i not in made]
         self.created = [self.params[i] for i in fresh]
         for i in fresh:
@@ -752,16 +755,19 @@ class _Intact:
         self.ok = False
 
 
-def _has_state(state: Any, p: torch.Tensor, info: AlgoInfo, spec: UpdateSpec) -> bool:
-    extra = extra_keys(spec)
-    if not info.step_in_state and not any(info.state_keys(spec)) and not extra:
+def _has_state(state: Any, p: torch.Tensor, info: AlgoInfo, spec: UpdateSpec, extra: bool = True) -> bool:
+    """Whether ``p`` has all the state its step reads; ``extra=False``: the optimizer's own, whatever kitsune keeps
+    beyond it (`extra_keys`). A buffer of the optimizer's own is not new where only the extra state is missing (a
+    torch checkpoint has no Kahan compensation): SGD's private step count says so."""
+    keys = extra_keys(spec) if extra else ()
+    if not info.step_in_state and not any(info.state_keys(spec)) and not keys:
         return True  # nothing to keep (SGD without momentum: torch stores no state for it either)
     s = state.get(p)
     if not s:
         return False
     if info.step_in_state and "step" not in s:
         return False
-    if any(k not in s for k in extra):
+    if any(k not in s for k in keys):
         return False  # a checkpoint without the compensation: created (as zeros) with the step's lazy init
     return all(state_format.present(s, k) for k in (*info.state_keys(spec), *info.scalar_keys) if k)
 

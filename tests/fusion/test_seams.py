@@ -467,6 +467,11 @@ def _refused_load(opt: KitsuneOptimizer, sd: dict[str, Any], error: type[Excepti
         ({"subsystems": {"amp": {"scale": 1024.0, "growth_tracker": 7, "skipped_steps": "x"}}}, "skipped_steps"),
         ({"subsystems": {"amp": {"scale": 1024.0, "growth_tracker": 2**40}}}, "growth_tracker=1099511627776"),
         ({"subsystems": {"amp": {"scale": 1024.0, "growth_tracker": 3, "skipped_steps": -5}}}, "skipped_steps=-5"),
+        (
+            {"subsystems": {"ampp": {"scale": 1024.0, "growth_tracker": 3}}},
+            "subsystems kitsune does not have \\(ampp\\)",
+        ),
+        ({"subsystems": {"fusion": ["rounding_steps"]}}, "fusion entry of type list"),
     ],
     ids=[
         "list",
@@ -478,6 +483,8 @@ def _refused_load(opt: KitsuneOptimizer, sd: dict[str, Any], error: type[Excepti
         "text_skipped",
         "huge_tracker",
         "negative_skipped",
+        "unknown_subsystem",
+        "fusion_list",
     ],
 )
 def test_a_malformed_kitsune_entry_names_the_problem_and_loads_nothing(entry, match, device):
