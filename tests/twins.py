@@ -267,12 +267,14 @@ def set_grad(p: torch.Tensor, g: torch.Tensor) -> None:
     p.grad = g
 
 
-def assert_refused(opt: Any, params: list[torch.Tensor], match: str, *args: Any) -> None:
-    """``opt.step(*args)`` raises a ValueError matching ``match`` and changes nothing: every param, and every state
+def assert_refused(
+    opt: Any, params: list[torch.Tensor], match: str, *args: Any, error: type[Exception] = ValueError
+) -> None:
+    """``opt.step(*args)`` raises ``error`` matching ``match`` and changes nothing: every param, and every state
     entry's keys, dtype and values, as they were."""
     before = [p.detach().clone() for p in params]
     state = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(error, match=match):
         opt.step(*args)
     for p, b, st in zip(params, before, state, strict=True):
         assert torch.equal(p, b) and opt.state[p].keys() == st.keys()

@@ -73,6 +73,10 @@ class AlgoInfo:
     aux: AlgoInfo | None = None
     """The algorithm of the groups whose spec is an `UpdateSpec` in an optimizer that is mostly something
     else (kitsune.optim.Muon's ``use_muon=False`` groups run AdamW): their fused units use it."""
+    check: Callable[[dict[str, Any], str], None] | None = None
+    """``check(group, where)``: raise for a value torch's own step refuses, or computes otherwise than the kernel,
+    that `row` alone would pass on (``betas`` of three numbers, Adam's ``beta1=1``): run on the host before the values
+    are uploaded, when they changed (kitsune.optim's optimizers check with their own `_check_group`)."""
 
     @property
     def scalars(self) -> tuple[str, ...]:
@@ -119,6 +123,58 @@ def _adam_spec(cls: type, decoupled: bool) -> Callable[[dict[str, Any]], UpdateS
 
 def _adam_keys(s: UpdateSpec) -> tuple[str, ...]:
     return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if s.amsgrad else ("exp_avg", "exp_avg_sq")
+
+
+def _host_number(value: Any) -> float | None:
+    """``value`` as a float where the host holds it (a number, a CPU tensor's one element), else None: a device
+    tensor's value is not read (a sync), nor one that is no number (the upload refuses that, naming it)."""
+    if type(value) is float:
+        return value
+    if isinstance(value, torch.Tensor):
+        return float(value) if value.device.type == "cpu" and value.numel() == 1 else None
+    return float(value) if isinstance(value, numbers.Real) else None
+
+
+def _pair(g: dict[str, Any], key: str, where: str) -> tuple[Any, Any]:
+    """``g[key]`` as the two numbers torch's step unpacks (``beta1, beta2 = group["betas"]``)."""
+    value = g[key]
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise ValueError(
+            f"kitsune: {key}={value!r}{where}: the step reads two numbers there (torch's unpacks two), e.g. "
+            f"{key}=(0.9, 0.999). Nothing was changed."
+        )
+    return value[0], value[1]
+
+
+def _check_betas(g: dict[str, Any], where: str) -> None:
+    _pair(g, "betas", where)
+
+
+def _check_bias_corrected(g: dict[str, Any], where: str) -> None:
+    """Adam's, AdamW's and Adamax's ``betas``: a pair, and ``beta1`` below 1, where torch's step divides the lr by the
+    bias correction ``1 - beta1 ** step`` (a ZeroDivisionError at 1; the kernel's division would give every param
+    inf)."""
+    beta1, _ = _pair(g, "betas", where)
+    if _host_number(beta1) == 1.0:
+        raise ZeroDivisionError(
+            f"kitsune: betas[0]=1.0{where}: the bias correction 1 - beta1**step is 0 and the step divides by it "
+            "(torch's step raises ZeroDivisionError there). Take beta1 < 1 (a scheduler's max_momentum=1.0?). "
+            "Nothing was changed."
+        )
+
+
+def _check_rprop(g: dict[str, Any], where: str) -> None:
+    """Rprop's ``etas`` and ``step_sizes``: pairs, and ``0 < etaminus < 1 < etaplus`` (what torch's constructor
+    takes): torch's step writes the factors into the signs' tensor by value, so an eta of 0 or 1 collides with the
+    sign it stands for and its step takes other branches than the kernel's."""
+    _pair(g, "step_sizes", where)
+    etaminus, etaplus = (_host_number(v) for v in _pair(g, "etas", where))
+    if etaminus is not None and etaplus is not None and not 0.0 < etaminus < 1.0 < etaplus:
+        raise ValueError(
+            f"kitsune: etas={g['etas']!r}{where}: torch.optim.Rprop takes 0 < etaminus < 1 < etaplus (its "
+            "constructor refuses others, and its step, which sets the factors by value among signs of 0 and 1, takes "
+            "another path with them). Nothing was changed."
+        )
 
 
 def _adam_row(g: dict[str, Any]) -> Row:
@@ -179,6 +235,7 @@ ALGOS: dict[type, AlgoInfo] = {
         torch_fused_devices=_FUSED_DEVICES,
         low_precision=True,
         one_dtype=True,
+        check=_check_bias_corrected,
     ),
     torch.optim.AdamW: AlgoInfo(
         "AdamW",
@@ -191,6 +248,7 @@ ALGOS: dict[type, AlgoInfo] = {
         torch_fused_devices=_FUSED_DEVICES,
         low_precision=True,
         one_dtype=True,
+        check=_check_bias_corrected,
     ),
     torch.optim.SGD: AlgoInfo(
         "SGD",
@@ -238,6 +296,7 @@ ALGOS: dict[type, AlgoInfo] = {
         host_scalars=("step", "mu_product"),
         low_precision=True,
         one_dtype=True,
+        check=_check_betas,
     ),
     torch.optim.RAdam: AlgoInfo(
         "RAdam",
@@ -249,6 +308,7 @@ ALGOS: dict[type, AlgoInfo] = {
         10,  # step, lerp_, mul_, addcmul_, sqrt, add_, div_, reciprocal_, add_, addcmul_
         low_precision=True,
         one_dtype=True,
+        check=_check_betas,
     ),
     torch.optim.Adamax: AlgoInfo(
         "Adamax",
@@ -260,6 +320,7 @@ ALGOS: dict[type, AlgoInfo] = {
         7,  # step, lerp_, mul_, abs, add_, maximum_, addcdiv_
         low_precision=True,
         one_dtype=True,
+        check=_check_bias_corrected,
     ),
     torch.optim.Adadelta: AlgoInfo(
         "Adadelta",
@@ -280,6 +341,7 @@ ALGOS: dict[type, AlgoInfo] = {
         lambda s: 7,
         17,  # 6 foreach ops, then per tensor: three masked fills, clamp_, where, copy_, sign (a lower bound)
         fills=(("step_size", lambda g: g["lr"]),),
+        check=_check_rprop,
     ),
     torch.optim.ASGD: AlgoInfo(
         "ASGD",

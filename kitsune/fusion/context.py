@@ -24,9 +24,17 @@ from kitsune.kernels.spec import NUM_FIELDS
 class DeviceContext:
     """The ``(n_groups, NUM_FIELDS)`` float64 hyperparameter buffer on one device."""
 
-    def __init__(self, device: torch.device, row: Callable[[dict[str, Any]], tuple[Any, ...]]) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        row: Callable[[dict[str, Any]], tuple[Any, ...]],
+        check: Callable[[dict[str, Any], str], None] | None = None,
+    ) -> None:
         self.device = device
         self._row = row
+        self._check = check
+        """``check(group, " in param group i")``: raises for values the step must not take (`AlgoInfo.check`, or a
+        kitsune.optim optimizer's own ``_check_group``); run over every group before new values are uploaded."""
         self.buffer: torch.Tensor | None = None
         self._ring: UploadRing | None = None  # the buffer's uploads after its first (made with the buffer)
         self._cached: tuple | None = None
@@ -39,6 +47,7 @@ class DeviceContext:
         rows = self._rows(groups)
         changed = rows != self._cached
         if changed:
+            self._check_groups(groups)
             self._upload(rows)
         for i, j, value in self._device_values:
             self.buffer[i, j].copy_(value, non_blocking=True)  # type: ignore[index]
@@ -48,10 +57,19 @@ class DeviceContext:
         """Whether ``groups``' host values differ from those last uploaded (nothing is uploaded)."""
         return self._cached is not None and self._rows(groups) != self._cached
 
+    def _check_groups(self, groups: Sequence[dict[str, Any]]) -> None:
+        if self._check is not None:
+            for i, g in enumerate(groups):
+                self._check(g, f" in param group {i}")
+
     def _rows(self, groups: Sequence[dict[str, Any]]) -> tuple[tuple[Any, ...], ...]:
-        rows = tuple(self._row(g) for g in groups)
-        if any(type(v) not in _PLAIN and changes_in_place(v) for row in rows for v in row):
-            rows = tuple(tuple(_key(v) for v in row) for row in rows)
+        try:
+            rows = tuple(self._row(g) for g in groups)
+            if any(type(v) not in _PLAIN and changes_in_place(v) for row in rows for v in row):
+                rows = tuple(tuple(_key(v) for v in row) for row in rows)
+        except (TypeError, ValueError, IndexError, ArithmeticError) as exc:  # (a key deleted: torch's KeyError)
+            self._check_groups(groups)  # its message, where it knows the value
+            raise _unreadable(groups, self._row, exc) from exc
         return rows
 
     def _upload(self, rows: tuple[tuple[Any, ...], ...]) -> None:
@@ -77,6 +95,29 @@ class DeviceContext:
 
 
 _PAD = (0.0,) * NUM_FIELDS
+
+
+def _unreadable(groups: Sequence[dict[str, Any]], row: Callable[[dict[str, Any]], Any], exc: Exception) -> Exception:
+    """The error for a group whose values the step cannot read (``momentum_decay="4e-3"``, ``betas=(0.9,)``, a
+    two-element tensor lr): which group, what Python said, and the fix; nothing has changed."""
+    where = next((i for i, g in enumerate(groups) if not _reads(row, g)), None)
+    group = "a param group" if where is None else f"param group {where}"
+    kind = TypeError if isinstance(exc, TypeError) else ValueError
+    return kind(
+        f"kitsune: the step cannot read {group}'s hyperparameters ({type(exc).__name__}: {exc}): give each a number "
+        "or a one-element tensor, and betas (etas, step_sizes) a pair of them, as torch.optim takes them. Nothing "
+        "was changed."
+    )
+
+
+def _reads(row: Callable[[dict[str, Any]], Any], g: dict[str, Any]) -> bool:
+    try:
+        for v in row(g):
+            if type(v) not in _PLAIN and changes_in_place(v):
+                _key(v)
+    except (TypeError, ValueError, IndexError, ArithmeticError):
+        return False
+    return True
 
 
 def _convert(rows: tuple[tuple[Any, ...], ...]) -> tuple[array, list[tuple[int, int, torch.Tensor]]]:

@@ -18,7 +18,7 @@ The plan itself comes from `kitsune.fusion.planner.Planner`; state lives in the 
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -38,7 +38,7 @@ from kitsune.fusion.units import FusedUnit
 from kitsune.kernels.multi_tensor import DEFAULT_BLOCK
 from kitsune.kernels.spec import StateFormat
 from kitsune.memory import MemoryPool
-from kitsune.optim.base import float_state
+from kitsune.optim.base import EagerOptimizer, float_state
 from kitsune.subsystem import StepState, Subsystem
 
 logger = logging.getLogger("kitsune.fusion")
@@ -184,7 +184,8 @@ class FusionSubsystem(Subsystem):
             unit.static = self._static
             unit.native = self.config.native_checks
             unit.defaults = base.defaults
-            self._contexts.setdefault(unit.device, DeviceContext(unit.device, self._info.row))  # type: ignore[union-attr]
+            if unit.device not in self._contexts:
+                self._contexts[unit.device] = DeviceContext(unit.device, self._info.row, self._value_check(base))  # type: ignore[union-attr]
         self.executes = bool(self._units or self._shadows or self._muon)
         # nothing to run: the params' storages, for a move that may change their routes (model.cuda() after wrapping)
         self._idle = [] if self.executes else [p for g in base.param_groups for p in g["params"] if p not in remote]
@@ -288,6 +289,13 @@ class FusionSubsystem(Subsystem):
         taken before holds the very dicts), and the kernels would go on updating them."""
         state = self._base.state
         return state is not self._state_seen[0] or len(state) != self._state_seen[1]
+
+    def _value_check(self, base: torch.optim.Optimizer) -> Callable[[dict[str, Any], str], None] | None:
+        """What a group's values are checked with before they are uploaded: a kitsune.optim optimizer's own
+        ``_check_group`` (what its step refuses, its fused route refuses too), else the algorithm's `AlgoInfo.check`."""
+        if isinstance(base, EagerOptimizer):
+            return base._check_group
+        return self._info.check if self._info is not None else None
 
     def _replan(self) -> None:
         self.plan(self._base, *self._plan_args)

@@ -12,6 +12,10 @@ import torch
 def check_lr(lr: Any, where: str = "") -> None:
     """Refuse an lr that is not a number or a one-element tensor (a string ``"1e-3"``: TypeError, as torch.optim's
     comparison raises), or that is negative (ValueError). ``where``: " in <group>" for a message about one group."""
+    if type(lr) is float:  # as most are (checked on the fused route whenever a scheduler changes it)
+        if not 0.0 <= lr:
+            raise ValueError(f"Invalid learning rate{where}: {lr}")
+        return
     if isinstance(lr, torch.Tensor):
         if lr.numel() != 1:
             raise ValueError(f"Invalid learning rate{where}: a tensor lr must have one element")
@@ -54,6 +58,8 @@ def float_state(s: Mapping[str, Any], counters: Collection[str] = ("step",)) -> 
 
 def _check_number(key: str, value: Any, where: str) -> None:
     """A group option the math reads as a number: a real number or a one-element tensor (TypeError otherwise)."""
+    if type(value) is float or type(value) is int:  # most are (bool is not: its type is bool)
+        return
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return
     if isinstance(value, bool) or not isinstance(value, numbers.Real):

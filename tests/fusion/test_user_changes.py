@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 import torch
-from twins import make_params, ptrs_equal_stand_in, random_grads
+from twins import assert_refused, make_params, ptrs_equal_stand_in, random_grads
 
 from kitsune import KitsuneOptimizer
-from kitsune.optim import LAMB, Lion
+from kitsune.optim import LAMB, LARS, Lion
 
 # every structural change must be seen by either per-step address check (tests/conftest.py, check_path)
 pytestmark = pytest.mark.usefixtures("check_path")
@@ -693,3 +693,47 @@ def test_sgd_momentum_made_by_another_hand_is_kept(made_by, momentum, device):
         # torch keeps the float64 buffer its step made from a float64 grad; kitsune's kernel holds the param's dtype
         got, want = opt.state[q]["momentum_buffer"], ref_opt.state[p]["momentum_buffer"]
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, check_dtype=False)
+
+
+# a value set by hand between steps that the step must not take: (optimizer, key, value, error, message)
+BAD_VALUES: dict[str, tuple[Callable, str, Any, type[Exception], str]] = {
+    # torch's step divides the lr by 1 - beta1**step (ZeroDivisionError); the kernel's division gave every param inf
+    "adam_beta1_one": (lambda ps: torch.optim.Adam(ps, lr=1e-2), "betas", (1.0, 0.999), ZeroDivisionError, "=1.0"),
+    "adamw_beta1_one": (lambda ps: torch.optim.AdamW(ps, lr=1e-2), "betas", (1.0, 0.9), ZeroDivisionError, "=1.0"),
+    "adamax_beta1_one": (lambda ps: torch.optim.Adamax(ps, lr=1e-2), "betas", [1, 0.9], ZeroDivisionError, "=1.0"),
+    # torch's step sets the factors by value among signs of 0 and 1: it took other branches than the kernel's
+    "rprop_etaminus_one": (lambda ps: torch.optim.Rprop(ps, lr=1e-2), "etas", (1.0, 1.2), ValueError, "etaminus < 1"),
+    "rprop_etaminus_zero": (lambda ps: torch.optim.Rprop(ps, lr=1e-2), "etas", (0.0, 1.2), ValueError, "0 < etaminus"),
+    # Python's own errors (a string times a float, a tuple index, a tensor's float()) named the group and the fix
+    "nadam_text": (lambda ps: torch.optim.NAdam(ps, lr=1e-2), "momentum_decay", "4e-3", TypeError, "param group 0's"),
+    "adam_one_beta": (lambda ps: torch.optim.Adam(ps, lr=1e-2), "betas", (0.9,), ValueError, "two numbers"),
+    "adam_lr_pair": (lambda ps: torch.optim.Adam(ps, lr=1e-2), "lr", torch.tensor([0.01, 0.02]), ValueError, "group 0"),
+    # kitsune.optim's own step refuses these (its _check_group); the fused route ran them
+    "lion_negative_lr": (lambda ps: Lion(ps, lr=1e-3), "lr", -1e-3, ValueError, "Invalid learning rate"),
+    "lamb_bool_lr": (lambda ps: LAMB(ps, lr=1e-2), "lr", True, TypeError, "Invalid learning rate"),
+    "lamb_three_betas": (lambda ps: LAMB(ps, lr=1e-2), "betas", (0.8, 0.9, 0.5), ValueError, "Invalid betas"),
+    "lars_bool_momentum": (lambda ps: LARS(ps, lr=0.1), "momentum", True, TypeError, "Invalid momentum"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_VALUES))
+def test_a_value_the_step_must_not_take_is_refused_before_anything_changes(case, device):
+    """A hyperparameter set by hand between steps to a value the wrapped optimizer's own step refuses (or computes
+    otherwise than the kernel) is refused on the fused route with a message that names it, before anything changes;
+    set back, the run goes on as torch's twin, which never took the refused step."""
+    make, key, value, error, match = BAD_VALUES[case]
+    params, twins = make_params(SIZES, torch.float32, device), make_params(SIZES, torch.float32, device)
+    opt, ref = KitsuneOptimizer(make(params), enable_fusion=True), make(twins)
+    assert "triton" in str(opt.plan)
+    for step in range(5):
+        if step == 2:
+            was = opt.param_groups[0][key]
+            opt.param_groups[0][key] = value
+            _set_grads(params, twins, step)
+            assert_refused(opt, params, match, error=error)
+            opt.param_groups[0][key] = was
+        _set_grads(params, twins, step)
+        opt.step()
+        ref.step()
+        for p, t in zip(params, twins, strict=True):
+            torch.testing.assert_close(p, t)

@@ -371,6 +371,30 @@ def test_a_switch_changed_in_the_step_an_lr_scheduler_changes_the_lr_is_seen(dev
     assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"] != 0.05
 
 
+def test_a_value_refused_on_the_steady_replay_replays_nothing(device):
+    """``betas[0]=1.0`` (a scheduler's ``max_momentum=1.0``) set between steady replays: the replay's refresh refuses
+    it as torch's step does (ZeroDivisionError) with nothing replayed or changed; set back, the next step takes the
+    full path and the steady replays go on as torch's."""
+    make = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)  # noqa: E731
+    ref, ours, ref_opt, opt, backend = _twins(device, make)
+    for step in range(12):
+        if step == 8:
+            replays = _steady(opt)
+            assert replays > 0
+            opt.param_groups[0]["betas"] = (1.0, 0.999)
+            grads_in_place(ours, step)
+            before = [p.detach().clone() for p in ours]
+            with pytest.raises(ZeroDivisionError, match="beta1 < 1"):
+                opt.step()
+            assert _steady(opt) == replays and all(torch.equal(p, b) for p, b in zip(ours, before, strict=True))
+            opt.param_groups[0]["betas"] = (0.9, 0.999)
+        for params, o in ((ref, ref_opt), (ours, opt)):
+            grads_in_place(params, step)
+            o.step()
+        assert_close_params(ours, ref, torch.float32)
+    assert _steady(opt) > replays + 1 and backend.captured == 1
+
+
 @pytest.mark.parametrize("graphed", [True, False])
 def test_a_numpy_lr_changed_in_place_reaches_the_step(device, graphed):
     """An lr held in a 0-d NumPy array (torch's step takes one), changed in place between steps (``lr[...] = x``: the
