@@ -364,6 +364,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
     step.__signature__ = inspect.signature(torch.optim.Optimizer.step)  # type: ignore[attr-defined]
 
     def _step(self, *args: Any, **kwargs: Any) -> Any:
+        self._streams.note_step()  # (before the wrapped optimizer's pre-hooks: one guards its own step)
         self._fusion.settle_skips()  # a skipped step's lazy state goes before hooks or a plan see it
         profiler = self._profiler
         profiling = profiler.active
@@ -509,8 +510,10 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         """Reset the grads of every param as ``torch.optim.Optimizer.zero_grad`` does (see
         `kitsune.grads.GradPass.zero_grad` for ``GradConfig(zero_in_step=True)`` and flat grads); with updates inside
         backward, a backward that did not reach ``step()`` is forgotten (see `StreamScheduler.discard_backward`)."""
-        self._streams.discard_backward()
+        dropped = self._streams.discard_backward()
         self._grads.zero_grad(self._optimizer, set_to_none, self._zero_grad_profile_name)
+        if dropped is not None:
+            raise dropped
 
     @_untraced_on_the_wrapper
     @never_traced  # as torch.optim's: not traced by torch.compile

@@ -301,6 +301,11 @@ class FusionSubsystem(Subsystem):
         self.plan(self._base, *self._plan_args)
 
     @property
+    def base(self) -> torch.optim.Optimizer | None:
+        """The wrapped optimizer the plan was made for (None before the first plan)."""
+        return self._base
+
+    @property
     def param_groups(self) -> list[dict[str, Any]]:
         """The wrapped optimizer's param groups, which the plan was made over."""
         return self._base.param_groups
@@ -810,6 +815,11 @@ class FusionSubsystem(Subsystem):
     def units(self) -> list[FusedUnit]:
         """The fused launch units of the current plan."""
         return list(self._units)
+
+    @property
+    def orthogonalises(self) -> bool:
+        """Whether the plan has Muon's units (orthogonalised updates of whole matrices, in `step()` only)."""
+        return bool(self._muon)
 
     @property
     def plan_version(self) -> int:

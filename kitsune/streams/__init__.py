@@ -96,6 +96,13 @@ class StreamScheduler(Subsystem):
         self._handles: list[Any] = []
         self._handle_of: dict[int, Any] = {}
         """Each hooked param's hook handle, by id (`_disown`)."""
+        self._taken: dict[int, weakref.ref] = {}
+        """The params a newer optimizer took the hooks of (`_disown`), by id: that one's scheduler, whose updates
+        inside backward this optimizer's step must not apply a second time."""
+        self._step_called = False
+        """Whether ``step()`` was called since the last backward's updates (`note_step`)."""
+        self._ended = False
+        """Whether the backward that launched updates ended (its end callback ran) without raising."""
         self._seen: list[set[int]] = []
         """Per unit, the params whose grads this backward finished (a second backward before step() is refused)."""
         self._launched: dict[int, tuple[list[Any], list[int]]] = {}
@@ -175,7 +182,12 @@ class StreamScheduler(Subsystem):
         units = fusion.units if fusion is not None and fusion.active else []
         why = self.why_not(groups, trust=fusion is not None and fusion.trust)
         if why is None and not units:
-            why = "no param takes the fused kernel, so every update runs in step()"
+            why = (
+                "Muon's orthogonalised updates take whole matrices and run in step(), and no other param takes the "
+                "fused elementwise kernel"
+                if fusion is not None and fusion.active and fusion.orthogonalises
+                else "no param takes the fused kernel, so every update runs in step()"
+            )
         if why is not None:
             # the newest optimizer over a param owns its updates, inside backward or in its step: one still alive
             # from before (kept by an LR scheduler) must not update it inside backward any more
@@ -201,6 +213,9 @@ class StreamScheduler(Subsystem):
                     # the newest optimizer over a param updates it inside backward: one still alive from before
                     # (kept by an LR scheduler after a resume built a new one) would update it a second time
                     self._take_over(p)
+        base = fusion.base
+        if base is not None:  # the wrapped optimizer's own step() would apply the updates inside backward again
+            self._handles.append(base.register_step_pre_hook(_own_step_guard(weakref.ref(self))))
         weakref.finalize(self, _remove, list(self._handles))
         self.in_backward = True
         self.activate()
@@ -208,21 +223,55 @@ class StreamScheduler(Subsystem):
     def _take_over(self, p: torch.Tensor) -> None:
         """This optimizer is the newest over ``p``: an older one's hook on it (updates inside backward) goes."""
         old = _HOOKED.get(p)
+        me = weakref.ref(self)
         if old is not None and old() is not None and old() is not self:
-            old()._disown(p)
-        _HOOKED[p] = weakref.ref(self)
+            old()._disown(p, me)
+        _HOOKED[p] = me
+        self._taken.pop(id(p), None)  # planned again (load_state_dict, a re-plan): its updates are this one's again
 
     @property
     def updated_since_step(self) -> bool:
         """Whether updates ran inside the backward since the last step (``step()`` then updates only the rest)."""
         return bool(self._launched)
 
-    def _disown(self, p: torch.Tensor) -> None:
-        """Another optimizer hooked ``p`` since: this one's hook on it goes, so its unit never has all its grads in
-        inside backward (its own step(), if ever called, updates it there)."""
+    def _disown(self, p: torch.Tensor, newer: weakref.ref) -> None:
+        """Another optimizer (``newer``'s scheduler) hooked ``p`` since: this one's hook on it goes, so its unit never
+        has all its grads in inside backward (its own step(), if ever called, updates it there, unless the newer one
+        updated it inside this backward: `refuse_taken`)."""
         handle = self._handle_of.pop(id(p), None)
         if handle is not None:
             handle.remove()
+        self._taken[id(p)] = newer
+
+    def note_step(self) -> None:
+        """``step()`` was called (before anything it checks): a ``zero_grad()`` after it, or the wrapped optimizer's
+        pre-hooks that kitsune's step runs, are not a backward's updates left without a step."""
+        self._step_called = True
+
+    def refuse_taken(self) -> None:
+        """Raise, before this step changes anything, where a newer optimizer over some of these params updated them
+        inside the backward just run (this one's step would update them again): an older KitsuneOptimizer still alive,
+        or a second one over the same torch optimizer, stepped in place of the newest."""
+        taken = self._taken
+        if not taken:
+            return
+        for ref in {id(r): r for r in taken.values()}.values():  # (a dead weak reference cannot be hashed)
+            newer = ref()
+            if newer is None:  # gone (a copy that failed to load, say): its params are this one's alone again
+                self._taken = {k: r for k, r in self._taken.items() if r is not ref}
+                continue
+            if not newer._launched:
+                continue
+            units = newer._fusion.units
+            shared = sum(id(q) in taken for i in newer._launched for q in units[i].params)
+            if shared:
+                raise RuntimeError(
+                    f"kitsune: {shared} param(s) of this optimizer were updated inside backward by a newer "
+                    "KitsuneOptimizer built over them (StreamConfig(step_in_backward=True): the newest optimizer over "
+                    "a param owns its updates inside backward), so this optimizer's step would update them a second "
+                    "time. Step the newer optimizer, and drop this one (and what holds it: an LR scheduler, a second "
+                    "KitsuneOptimizer over the same torch optimizer, copy.copy). Nothing was changed."
+                )
 
     def _hook(self, index: int, need: int) -> Any:
         ref = weakref.ref(self)  # the params must not keep a dropped optimizer alive, nor let it update them
@@ -233,14 +282,18 @@ class StreamScheduler(Subsystem):
             if self is None or self._accumulating:
                 return
             if id(p) in seen:
+                self._ended = False  # this backward raises here: zero_grad() then drops it as one that failed
                 raise RuntimeError(
                     "a second backward before optimizer.step() with StreamConfig(step_in_backward=True): the updates "
                     "inside backward already ran on the first backward's grads, so the grads added now would never be "
                     "used. For gradient accumulation, run the backward passes of the micro-steps that do not step "
                     "inside `with optimizer.accumulating():` (the grads just add up there; the last backward, outside "
-                    "it, updates), or turn step_in_backward off. A param used in several segments of reentrant "
-                    "activation checkpointing (checkpoint(..., use_reentrant=True)) gets its grad in each segment's "
-                    "own backward, which looks the same: use use_reentrant=False there"
+                    "it, updates), or turn step_in_backward off. The first backward may also have been another "
+                    "loss's that reached these params (a GAN's generator loss through the discriminator, whose grads "
+                    "module.zero_grad() then dropped): these params were updated with its grads; run such a "
+                    "backward inside this optimizer's accumulating() or with these params frozen. A param used in "
+                    "several segments of reentrant activation checkpointing (checkpoint(..., use_reentrant=True)) gets "
+                    "its grad in each segment's own backward, which looks the same: use use_reentrant=False there"
                 )
             seen.add(id(p))
             if len(seen) == need:
@@ -356,6 +409,7 @@ class StreamScheduler(Subsystem):
     def begin(self, s: StepState) -> None:
         """In the step's checks (it raises before anything changes): make the step wait for the updates launched
         inside backward and tell it which units those were (nothing while updates run in step())."""
+        self.refuse_taken()
         if not self.active:
             return
         if self._events and self._backward_end is None:  # backward's end went unmarked (it raised past the callback)
@@ -387,6 +441,7 @@ class StreamScheduler(Subsystem):
         # what the caller runs after backward (a read of the params, a checkpoint, the next forward) sees the updates
         # done, as it would with the updates on backward's own stream
         self._join_side_streams()
+        self._ended = True
         units = self._fusion.units
         for index, at_launch in self._launched.items():
             params = units[index].params
@@ -428,13 +483,31 @@ class StreamScheduler(Subsystem):
                 "step_in_backward off. This step changed nothing more."
             )
 
-    def discard_backward(self) -> None:
+    def discard_backward(self) -> RuntimeError | None:
         """``zero_grad()``: the grads of a backward that did not reach ``step()`` (one that raised midway, an OOM) are
         dropped, so its counts go too and the next backward counts afresh. A unit whose grads were all in by then has
         already updated inside that backward: that update stays, and the caller's stream waits for it here (a
-        backward that raised ran no end callback), before the grads it read are freed."""
+        backward that raised ran no end callback), before the grads it read are freed.
+
+        Returns the error for the caller to raise once the grads are reset, where a backward that ended had updated
+        params inside it and no ``step()`` was called since: those updates took grads that torch's loop would drop
+        (another loss's backward through these params, a batch skipped after its backward)."""
         self._join_side_streams()
+        units = self._fusion.units if self._fusion is not None else []
+        dropped = 0
+        if self._ended and self._launched and not self._step_called:
+            dropped = sum(len(units[i].params) for i in self._launched)
         self._forget_backward()
+        if not dropped:
+            return None
+        return RuntimeError(
+            f"kitsune: zero_grad() after a backward that updated {dropped} param(s) inside it "
+            "(StreamConfig(step_in_backward=True)) with no optimizer.step() between: those updates used the grads "
+            "zero_grad() now drops, and they stay applied. A backward of another loss that reaches these params (a "
+            "GAN's generator loss through the discriminator) or a batch skipped after its backward must not update "
+            "them: run such a backward inside `with optimizer.accumulating():` or with these params frozen, or turn "
+            "step_in_backward off. The grads are reset."
+        )
 
     def _forget_backward(self) -> None:
         """The counts and marks of the last backward, for the next one to start afresh."""
@@ -442,6 +515,7 @@ class StreamScheduler(Subsystem):
             seen.clear()
         self._launched = {}
         self._late = 0
+        self._ended = self._step_called = False
         self._refreshed = False
         self._ended_task = None
         self._events, self._backward_end = [], None  # a dropped backward's updates are not the next step's
@@ -515,6 +589,25 @@ def _graph_task() -> int:
 
 _HOOKED = WeakIdKeyDictionary()
 """Each param's newest stream scheduler (the one whose hook updates it inside backward)."""
+
+
+def _own_step_guard(ref: weakref.ref) -> Callable[..., None]:
+    """A step pre-hook on the wrapped optimizer: its own ``step()``, called in place of the KitsuneOptimizer's after a
+    backward that updated params inside it, would update them a second time (kitsune's step runs the wrapped
+    optimizer's pre-hooks itself, after `note_step`)."""
+
+    def guard(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        scheduler = ref()
+        if scheduler is not None and scheduler.updated_since_step and not scheduler._step_called:
+            raise RuntimeError(
+                f"kitsune: {type(opt).__name__}.step() ran on the optimizer a KitsuneOptimizer wraps, after a "
+                "backward that updated its params inside it (StreamConfig(step_in_backward=True)): that step would "
+                "update them a second time. Call the step() of the newest KitsuneOptimizer over it (not the wrapped "
+                "optimizer's own, nor an older KitsuneOptimizer's or a copy.copy's over the same optimizer). Nothing "
+                "was changed."
+            )
+
+    return guard
 
 
 def _remove(handles: list[Any]) -> None:

@@ -728,3 +728,97 @@ def test_a_param_in_two_reentrant_checkpoint_segments_is_refused_naming_the_sett
             h.sum().backward()
             opt.step()
         opt.zero_grad()
+
+
+def _gan(device: torch.device) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 6)).to(device), nn.Linear(6, 1).to(device)
+
+
+def _gan_steps(g: nn.Module, d: nn.Module, opt_g: Any, opt_d: Any, device: torch.device, guard: bool) -> None:
+    """Four steps of a GAN's loop: D's step on real and generated batches, then G's step through D (whose grads of
+    G's loss ``opt_d.zero_grad()`` drops). ``guard``: G's backward runs inside ``opt_d.accumulating()``, so that it
+    launches no update of D's inside it."""
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(4):
+        real, noise = torch.randn(8, 6, generator=gen).to(device), torch.randn(8, 4, generator=gen).to(device)
+        opt_d.zero_grad()
+        (d(real).mean() - d(g(noise).detach()).mean()).backward()
+        opt_d.step()
+        opt_g.zero_grad()
+        loss = d(g(noise)).mean()
+        if guard:
+            with opt_d.accumulating():
+                loss.backward()
+        else:
+            loss.backward()
+        opt_g.step()
+
+
+def test_another_losss_backward_through_the_params_is_refused_at_zero_grad(device):
+    """A GAN: the generator's loss flows back through the discriminator, whose hooks updated it inside that backward
+    with the generator's grads; torch's loop drops those grads at the discriminator's ``zero_grad()``. That call now
+    raises (after resetting the grads), naming ``accumulating()``; with G's backward inside the discriminator's
+    ``accumulating()`` the loop trains as torch's."""
+    g, d = _gan(device)
+    opt_g = KitsuneOptimizer(torch.optim.Adam(g.parameters(), lr=1e-2), enable_fusion=True)
+    opt_d = KitsuneOptimizer(torch.optim.Adam(d.parameters(), lr=1e-2), config=in_backward())
+    assert opt_d._subsystem("streams").in_backward
+    with pytest.raises(RuntimeError, match="GAN's generator loss.*accumulating"):
+        _gan_steps(g, d, opt_g, opt_d, device, guard=False)
+    assert all(p.grad is None for p in d.parameters())  # the grads are reset all the same
+
+    g, d = _gan(device)
+    opt_g = KitsuneOptimizer(torch.optim.Adam(g.parameters(), lr=1e-2), enable_fusion=True)
+    opt_d = KitsuneOptimizer(torch.optim.Adam(d.parameters(), lr=1e-2), config=in_backward())
+    _gan_steps(g, d, opt_g, opt_d, device, guard=True)
+    ref_g, ref_d = _gan(device)
+    refs = torch.optim.Adam(ref_g.parameters(), lr=1e-2), torch.optim.Adam(ref_d.parameters(), lr=1e-2)
+    _gan_steps(ref_g, ref_d, *refs, device, guard=False)
+    for a, b in zip([*g.parameters(), *d.parameters()], [*ref_g.parameters(), *ref_d.parameters()], strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def _updated_in_backward(device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+    torch.manual_seed(0)
+    model = nn.Linear(6, 3).to(device)
+    base = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, base, KitsuneOptimizer(base, config=in_backward())
+
+
+def _backward(model: nn.Module, device: torch.device) -> None:
+    model(torch.randn(5, 6, device=device)).square().mean().backward()
+
+
+@pytest.mark.parametrize("who", ["base", "older_wrapper", "older_optimizer"])
+def test_a_step_of_another_than_the_newest_optimizer_after_updates_in_backward_is_refused(device, who):
+    """After a backward that updated the params inside it, a step by another hand would update them a second time:
+    the wrapped optimizer's own ``step()``, an older KitsuneOptimizer over the same torch optimizer (a second wrapper,
+    a ``copy.copy``), or an older optimizer over the same params (kept by an LR scheduler after a rebuild). Each is
+    refused, with nothing changed; the newest optimizer's step then runs as torch's."""
+    model, base, opt = _updated_in_backward(device)
+    stepper: Any = base
+    if who == "older_wrapper":
+        stepper, opt = opt, KitsuneOptimizer(base, config=in_backward())
+    elif who == "older_optimizer":
+        stepper = opt
+        opt = KitsuneOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), config=in_backward())
+    torch.manual_seed(1)
+    _backward(model, device)
+    updated = [p.detach().clone() for p in model.parameters()]
+    state = {k: v.clone() for k, v in opt.state[model.weight].items()}
+    with pytest.raises(RuntimeError, match="a second time"):
+        stepper.step()
+    assert all(torch.equal(p, u) for p, u in zip(model.parameters(), updated, strict=True))
+    assert all(torch.equal(opt.state[model.weight][k], v) for k, v in state.items())
+    opt.step()
+    opt.zero_grad()
+
+    torch.manual_seed(0)
+    ref_model = nn.Linear(6, 3).to(device)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
+    torch.manual_seed(1)
+    _backward(ref_model, device)
+    ref.step()
+    for a, b in zip(model.parameters(), ref_model.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
