@@ -148,7 +148,7 @@ class GradPass:
             _unscale_handed_over(self._dense_grads(groups), handoff_scale, s)
         if self._scaler is not None and not s.unscaled:
             grads = self._shard.owned_grads() if self._shard.active else self._dense_grads(groups)
-            s.found_inf = self._scaler.unscale(grads)
+            s.found_inf = self._scaler.unscale(grads, collective=s.reduce is not None)
         if s.reduce is not None and s.found_inf is not None:  # an overflow on any rank skips the step on all
             s.reduce(None, s.found_inf)
         if s.phases is not None:

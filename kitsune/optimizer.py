@@ -385,6 +385,10 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         except BaseException:
             self._fusion.restore_journal()  # what a re-plan inside the step converted goes back
             self._profiler.abandon_step()
+            # a GradScaler's hand-over: its step deletes these once this step returns, not when it raises, and a
+            # loop that drops the GradScaler after the refusal would find them still here
+            self.__dict__.pop("grad_scale", None)
+            self.__dict__.pop("found_inf", None)
             raise
         self._fusion.drop_journal()
         self._step_count = s.step

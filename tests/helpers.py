@@ -79,3 +79,29 @@ def twin_runs(
     m2 = small_model()
     ours = train(m2, KitsuneOptimizer(make_opt(m2), **kitsune_kwargs), data)
     return ref, ours
+
+
+def no_grad_step(device: torch.device, fusion: bool) -> None:
+    """A float16 AMP step after ``zero_grad()`` dropped the scaled grads, then a clean step, then a second step()."""
+    import pytest
+
+    from kitsune import AMPConfig, KitsuneOptimizer
+
+    model = small_model(device=device)
+    cfg = AMPConfig(dtype=torch.float16, init_scale=2.0**10, growth_interval=1)
+    opt = KitsuneOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2), enable_amp=True, amp_config=cfg, enable_fusion=fusion
+    )
+    assert ("triton" in str(opt.plan)) == fusion
+    x, y = batches(1, device=device)[0]
+    opt.backward(nn.functional.mse_loss(model(x), y))
+    opt.zero_grad()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    assert opt.loss_scale == 2.0**10 and opt.skipped_steps == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    opt.backward(nn.functional.mse_loss(model(x), y))
+    opt.step()
+    assert opt.loss_scale == 2.0**11  # a clean step with grads grows it, as GradScaler's would
+    with pytest.raises(RuntimeError, match="a second step\\(\\) without a new backward"):
+        opt.step()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import batches, small_model
+from helpers import batches, no_grad_step, small_model
 from torch import nn
 
 from kitsune import AMPConfig, KitsuneOptimizer
@@ -204,6 +204,23 @@ def test_a_grad_scaler_beside_kitsunes_float16_scaling_is_refused_naming_both():
             scaler.step(opt)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert opt.step_count == 0 and not opt.state
+    # the fix the refusal names: drop the GradScaler. Its hand-over (grad_scale, found_inf), which its step deletes
+    # only when the step returns, is gone with the refusal: the next steps do not take a GradScaler to be at work
+    opt.zero_grad()
+    assert "found_inf" not in opt.__dict__ and "grad_scale" not in opt.__dict__
+    for _ in range(2):
+        opt.backward(nn.functional.mse_loss(model(x), y))
+        opt.step()
+        opt.zero_grad()
+    assert opt.step_count == 2
+
+
+def test_a_step_with_no_grad_leaves_the_scale_and_names_a_second_step():
+    """``optimizer.backward(loss)``, then ``zero_grad()`` (a batch dropped) and ``step()``: no grad was checked, so
+    the scale neither grows nor counts a clean step (it doubled at growth_interval=1; GradScaler's step asserts
+    there). A second ``step()`` without a new backward is refused naming that, not only ``loss.backward()``. The
+    wrapped step's route here; the fused one: tests/fusion/test_amp_fused.py."""
+    no_grad_step(torch.device("cpu"), fusion=False)
 
 
 def test_a_retry_on_new_grads_clips_them_afresh():

@@ -113,7 +113,10 @@ class AMPSubsystem(Subsystem):
         if not self._loss_scaled:
             raise RuntimeError(
                 "kitsune AMP with float16 scales the loss: call optimizer.backward(loss) instead of loss.backward() "
-                "(or use AMPConfig(dtype=torch.bfloat16), which needs no scaling)"
+                "(or use AMPConfig(dtype=torch.bfloat16), which needs no scaling). No loss was scaled by this "
+                "optimizer since its last step: a loss.backward(), a second step() without a new backward, or a "
+                "loss scaled by another optimizer's backward (one torch.amp.GradScaler drives two optimizers over "
+                "one loss). Nothing was updated"
             )
 
     @property
@@ -122,11 +125,15 @@ class AMPSubsystem(Subsystem):
         assert self._scale is not None
         return self._scale
 
-    def unscale(self, grads: list[torch.Tensor]) -> torch.Tensor:
+    def unscale(self, grads: list[torch.Tensor], collective: bool = False) -> torch.Tensor | None:
         """Divide ``grads`` by the scale in place and return the device flag of inf/nan among them (as GradScaler's
-        ``unscale_``); a retry of a step that raised after this returns the same flag without dividing again."""
+        ``unscale_``); a retry of a step that raised after this returns the same flag without dividing again. None
+        where there is no grad to check (the scaled grads dropped by ``zero_grad()``): the step then leaves the scale
+        as it is, unless the flag takes part in a collective (``collective``, FSDP2's mesh), which every rank runs."""
         if self._unscaled:
             return self._found_inf
+        if not grads and not collective and not self._groups:
+            return None
         self._found_inf.zero_()
         if self._groups:  # FSDP2: check the local shards (torch's DTensor op would all-reduce per dtype), then reduce
             grads = [local(g) for g in grads]
@@ -161,8 +168,8 @@ class AMPSubsystem(Subsystem):
 
     def update_scale(self, found_inf: torch.Tensor | None) -> None:
         """Count a skipped step and update the scale, on the device (capturable in a CUDA graph)."""
-        if found_inf is None:  # no grad at all this step (the fused path launched nothing): a clean step
-            found_inf = self._found_inf.zero_()
+        if found_inf is None:  # no grad at all this step (the fused path launched nothing): nothing was checked, so
+            return  # the scale stays and the clean steps are not counted (GradScaler's step asserts there)
         self._skipped.add_(found_inf.to(torch.int64))
         torch._amp_update_scale_(
             self._scale,

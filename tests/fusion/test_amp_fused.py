@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import batches, small_model
+from helpers import batches, no_grad_step, small_model
 from torch import nn
 
 from kitsune import AMPConfig, KitsuneOptimizer
@@ -281,3 +281,9 @@ def test_dcp_state_dict_helpers_run_their_zero_lr_init_step_under_float16_amp(de
     m3, o3 = fresh()  # and on a fresh optimizer, get runs the same init step
     assert get_optimizer_state_dict(m3, o3)["param_groups"][0]["lr"] == 1e-2
     assert o3.param_groups[0]["lr"] == 1e-2
+
+
+def test_a_fused_step_with_no_grad_leaves_the_scale_and_names_a_second_step(device):
+    """As tests/test_amp.py's on the fused route, where the kernels launched nothing (no grad) and the scale grew as
+    after a clean step."""
+    no_grad_step(device, fusion=True)
