@@ -243,6 +243,14 @@ class StreamScheduler(Subsystem):
             handle.remove()
         self._taken[id(p)] = newer
 
+    def _whose(self) -> str:
+        """Which optimizer this is, for a message where several may be at work: ``wrapping AdamW over 4 params``."""
+        base = self._fusion.base if self._fusion is not None else None
+        if base is None:
+            return "with updates inside backward"
+        count = sum(len(g["params"]) for g in base.param_groups)
+        return f"wrapping {type(base).__name__} over {count} param(s)"
+
     def note_step(self) -> None:
         """``step()`` was called (before anything it checks): a ``zero_grad()`` after it, or the wrapped optimizer's
         pre-hooks that kitsune's step runs, are not a backward's updates left without a step."""
@@ -284,7 +292,8 @@ class StreamScheduler(Subsystem):
             if id(p) in seen:
                 self._ended = False  # this backward raises here: zero_grad() then drops it as one that failed
                 raise RuntimeError(
-                    "a second backward before optimizer.step() with StreamConfig(step_in_backward=True): the updates "
+                    f"a second backward before optimizer.step() with StreamConfig(step_in_backward=True) (the "
+                    f"KitsuneOptimizer {self._whose()}): the updates "
                     "inside backward already ran on the first backward's grads, so the grads added now would never be "
                     "used. For gradient accumulation, run the backward passes of the micro-steps that do not step "
                     "inside `with optimizer.accumulating():` (the grads just add up there; the last backward, outside "
@@ -501,7 +510,8 @@ class StreamScheduler(Subsystem):
         if not dropped:
             return None
         return RuntimeError(
-            f"kitsune: zero_grad() after a backward that updated {dropped} param(s) inside it "
+            f"kitsune: zero_grad() of the KitsuneOptimizer {self._whose()} after a backward that updated {dropped} "
+            "param(s) inside it "
             "(StreamConfig(step_in_backward=True)) with no optimizer.step() between: those updates used the grads "
             "zero_grad() now drops, and they stay applied. A backward of another loss that reaches these params (a "
             "GAN's generator loss through the discriminator) or a batch skipped after its backward must not update "
