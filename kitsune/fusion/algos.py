@@ -154,6 +154,9 @@ def _check_bias_corrected(g: dict[str, Any], where: str) -> None:
     """Adam's, AdamW's and Adamax's ``betas``: a pair, and ``beta1`` below 1, where torch's step divides the lr by the
     bias correction ``1 - beta1 ** step`` (a ZeroDivisionError at 1; the kernel's division would give every param
     inf)."""
+    betas = g["betas"]
+    if type(betas) is tuple and len(betas) == 2 and type(betas[0]) is float and betas[0] != 1.0:
+        return  # as most are (an LR scheduler has this checked every step)
     beta1, _ = _pair(g, "betas", where)
     if _host_number(beta1) == 1.0:
         raise ZeroDivisionError(

@@ -33,6 +33,7 @@ class DeviceContext:
         self.device = device
         self._row = row
         self._check = check
+        self._where: list[str] = []
         """``check(group, " in param group i")``: raises for values the step must not take (`AlgoInfo.check`, or a
         kitsune.optim optimizer's own ``_check_group``); run over every group before new values are uploaded."""
         self.buffer: torch.Tensor | None = None
@@ -58,9 +59,12 @@ class DeviceContext:
         return self._cached is not None and self._rows(groups) != self._cached
 
     def _check_groups(self, groups: Sequence[dict[str, Any]]) -> None:
-        if self._check is not None:
-            for i, g in enumerate(groups):
-                self._check(g, f" in param group {i}")
+        check = self._check
+        if check is not None:
+            if len(self._where) != len(groups):  # what a message says where (made once: an LR scheduler checks often)
+                self._where = [f" in param group {i}" for i in range(len(groups))]
+            for g, where in zip(groups, self._where, strict=True):
+                check(g, where)
 
     def _rows(self, groups: Sequence[dict[str, Any]]) -> tuple[tuple[Any, ...], ...]:
         try:
