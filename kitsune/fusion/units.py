@@ -788,7 +788,12 @@ def _conform(s: dict, key: str, p: torch.Tensor, one_dtype: bool = False) -> tor
     if fsdp.is_dtensor(p):  # FSDP2: the state is a DTensor sharded as its param, as torch's optimizers keep it
         t = s[key] = fsdp.like_param(t, p)
     if t.shape != p.shape:
-        raise ValueError(f"optimizer state {key!r} has shape {tuple(t.shape)}, its param {tuple(p.shape)}")
+        raise ValueError(
+            f"optimizer state {key!r} has shape {tuple(t.shape)}, its param {tuple(p.shape)}: the param was resized "
+            "after its state was made (p.data = a tensor of another shape?), or state of another param was set for "
+            "it. Give the param back its shape, or drop its state (del optimizer.state[p]) to start it afresh. "
+            "Nothing was updated"
+        )
     if one_dtype:
         refuse_narrowing(key, t, p)
     t = s[key] = state_format.dense(t, p, fsdp.local(p).device, p.dtype)
