@@ -30,8 +30,12 @@ def _stat(path: Path, out: Path) -> os.stat_result | None:
 
 
 def as_path(path: str | os.PathLike[str]) -> Path:
-    """``path`` as a Path with ``~`` expanded; a ValueError for ``""`` (which Path reads as ".")."""
-    text = os.fspath(path)
+    """``path`` as a Path with ``~`` expanded; a ValueError for ``""`` (which Path reads as "."), a TypeError naming
+    what a path is for anything else (None, a number)."""
+    try:
+        text = os.fspath(path)
+    except TypeError:
+        raise TypeError(f"expected a file path (a str or a pathlib.Path), got {type(path).__name__}") from None
     if text == "":
         raise ValueError("'': the path is empty: name a file")
     try:
@@ -51,7 +55,7 @@ def _refuse(path: str | os.PathLike[str]) -> Path:
         if stat.S_ISDIR(found.st_mode):
             raise ValueError(f"{out}: is a directory, not a file: name a file in it")
         if not os.access(out, os.W_OK):
-            raise ValueError(f"{out}: is not writable (permission denied)")
+            raise ValueError(f"{out}: is not writable (permission denied): name a path this user can write")
         return out
     parent = out.parent
     while (found := _stat(parent, out)) is None:
@@ -62,7 +66,10 @@ def _refuse(path: str | os.PathLike[str]) -> Path:
         raise ValueError(f"{out}: {parent} is a file, not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
         missing = "it" if parent == out.parent else "its directories"
-        raise ValueError(f"{out}: cannot create {missing} in {parent} (permission denied)")
+        raise ValueError(
+            f"{out}: cannot create {missing} in {parent} (permission denied): name a path in a folder this user can "
+            "write"
+        )
     return out
 
 

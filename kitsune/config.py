@@ -486,7 +486,9 @@ def resolve_config(
         if extra:
             raise ValueError(
                 f"config= was given together with {', '.join(extra)}: put those settings inside the KitsuneConfig "
-                "(e.g. KitsuneConfig(amp=AMPConfig(...))) or drop config="
+                "(its sections: amp=AMPConfig, fusion=FusionConfig, grads=GradConfig, graphs=GraphConfig, "
+                "memory=MemoryConfig, profiler=ProfilerConfig, shard=ShardConfig, streams=StreamConfig; e.g. "
+                "profile=True is KitsuneConfig(profiler=ProfilerConfig(enabled=True))) or drop config="
             )
         return config
 

@@ -301,12 +301,21 @@ BAD_OUTPUTS = {
     "directory": ("adir", None, "{p}: is a directory, not a file: name a file in it"),
     "under-a-file": ("afile/out.json", None, "{p}: {d}/afile is a file, not a directory"),
     "deep-under-a-file": ("afile/sub/out.json", None, "{p}: {d}/afile is a file, not a directory"),
-    "file-not-writable": ("afile", "afile", "{p}: is not writable (permission denied)"),
-    "parent-not-writable": ("adir/out.json", "adir", "{p}: cannot create it in {d}/adir (permission denied)"),
+    "file-not-writable": (
+        "afile",
+        "afile",
+        "{p}: is not writable (permission denied): name a path this user can write",
+    ),
+    "parent-not-writable": (
+        "adir/out.json",
+        "adir",
+        "{p}: cannot create it in {d}/adir (permission denied): name a path in a folder this user can write",
+    ),
     "parents-not-writable": (
         "adir/new/out.json",
         "adir",
-        "{p}: cannot create its directories in {d}/adir (permission denied)",
+        "{p}: cannot create its directories in {d}/adir (permission denied): name a path in a folder this user "
+        "can write",
     ),
 }
 """kind -> (the output path, the path made read-only or None, the problem), paths under the work directory."""

@@ -502,6 +502,7 @@ class Profiler(Subsystem):
         runs the same steps the same way (a comparison's baseline steps round differently), not the windows again.
         Its records start empty: the original's stay with the original."""
         self._index = clock
+        self._run_t0 = self._run_t1 = _clock()  # the copy's run starts now (the original's stays with it)
         self._update_sampling()
 
     def _finished(self) -> int:

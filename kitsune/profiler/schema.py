@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
 import torch
 from pydantic import BaseModel, Field, ValidationError
 
-from kitsune._paths import write_output
+from kitsune._paths import as_path, write_output
 from kitsune.profiler.core import ProfilerMetrics, StepRecord
 from kitsune.profiler.nvml import NvmlReport
 
@@ -216,7 +216,7 @@ def load_profile(path: str | Path) -> Profile:
             problem (``kitsune report`` prints it). A pydantic ``ValidationError``, when there is one, is its
             ``__cause__``.
     """
-    path = Path(path).expanduser()
+    path = as_path(path)  # (a ValueError for "", which Path reads as the current folder)
     what = "a profile JSON written by save_profile()"
     if path.is_dir():
         raise ValueError(f"{path} is a directory, not {what}")

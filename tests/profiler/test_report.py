@@ -577,3 +577,37 @@ def test_report_refuses_an_output_that_names_a_folder(opt, tmp_path, monkeypatch
         f"kitsune report: {flag} reports/: ends with '/', so it names a folder: name a file in it\n"
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]
+
+
+def test_a_comparison_said_measured_without_its_figures_is_reported_as_prose(opt, tmp_path, capsys):
+    """A profile edited to say the comparison was measured, with no statistics: the schema takes it; the report and
+    the HTML page print its reason instead of raising an AssertionError (exit 1, a traceback)."""
+    data = json.loads(build_profile(opt).model_dump_json())
+    data["metrics"]["comparison"] = {"status": "measured", "reason": "edited by hand"}
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    assert kitsune_main(["report", str(path), "--html", str(tmp_path / "p.html")]) == 0
+    assert "edited by hand" in capsys.readouterr().out
+    assert (tmp_path / "p.html").exists()
+
+
+def test_paths_that_are_no_paths_name_what_a_path_is(opt, tmp_path):
+    with pytest.raises(ValueError, match="the path is empty"):
+        load_profile("")
+    with pytest.raises(TypeError, match="expected a file path .* got NoneType"):
+        opt.save_profile(None)  # type: ignore[arg-type]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_copy_made_mid_run_reports_its_own_run_time():
+    """A deepcopy of a profiled optimizer after 5 steps goes on with the original's windows; its run time counts from
+    the copy (it stayed None: the run's start was taken at the first step only)."""
+    import copy
+
+    m = small_model()
+    opt = KitsuneOptimizer(torch.optim.AdamW(m.parameters()), profile=True)
+    train(m, opt, batches(5))
+    twin = copy.deepcopy(opt)
+    train(m, twin, batches(12))
+    metrics = build_profile(twin).metrics
+    assert metrics is not None and metrics.run_ms is not None and metrics.run_ms > 0
