@@ -84,6 +84,18 @@ def _use_triton(device: torch.device) -> bool:
     return device.type == "cpu" and _ns.INTERPRETED and os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _refuse_shapes(group: dict[str, Any], where: str) -> None:
+    """Every param of a ``use_muon`` group (``where``: "param group i") is a 2-D matrix or a 4-D conv weight."""
+    names = group.get("param_names")
+    for i, p in enumerate(group["params"]):
+        if p.ndim not in (2, 4):
+            name = f"'{names[i]}'" if names else f"{i}"
+            raise ValueError(
+                f"Muon takes 2-D matrices and 4-D conv weights, but parameter {name} of {where} has shape "
+                f"{tuple(p.shape)}: put it in a group with use_muon=False (AdamW)"
+            )
+
+
 class Muon(EagerOptimizer):
     """MomentUm Orthogonalized by Newton-Schulz for matrix params, AdamW for the rest.
 
@@ -170,14 +182,7 @@ class Muon(EagerOptimizer):
         try:
             self._check(group, where)
             if group["use_muon"]:
-                names = group.get("param_names")
-                for i, p in enumerate(group["params"]):
-                    if p.ndim not in (2, 4):
-                        name = f"'{names[i]}'" if names else f"{i}"
-                        raise ValueError(
-                            f"Muon takes 2-D matrices and 4-D conv weights, but parameter {name} of {where} has "
-                            f"shape {tuple(p.shape)}: put it in a group with use_muon=False (AdamW)"
-                        )
+                _refuse_shapes(group, where)
         except BaseException:  # a group refused is not kept (it would step, and its params could not be added again)
             self.param_groups.pop()
             raise
@@ -192,8 +197,16 @@ class Muon(EagerOptimizer):
         # when set by hand later, as torch.optim.Muon's (an adjust_lr_fn it does not know then leaves lr as it is)
         super()._check_group(group, where)
         if group["use_muon"]:
-            for key in ("nesterov", "ns_coefficients", "adjust_lr_fn"):
+            for key in ("nesterov", "adjust_lr_fn"):
                 group[key]  # noqa: B018  (a KeyError now, not halfway through the groups)
+            steps = group["ns_steps"]
+            if isinstance(steps, bool) or not isinstance(steps, int):  # (range(2.5) would raise mid-step)
+                raise TypeError(f"Invalid ns_steps{where}: {steps!r} (a whole number of Newton-Schulz steps)")
+            try:  # the schedule the math reads (an edit to two numbers, or text, raised after earlier groups moved)
+                schedule(group["ns_coefficients"], max(steps, 1))
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"Invalid ns_coefficients{where}: {err}") from None
+            _refuse_shapes(group, where.removeprefix(" in "))  # a group flipped to use_muon, a param appended
 
     def _takes_complex(self, group: dict[str, Any]) -> bool:
         return not group["use_muon"]  # torch's AdamW takes complex params as real pairs; Newton-Schulz does not
@@ -220,7 +233,10 @@ class Muon(EagerOptimizer):
             except ValueError as err:
                 raise ValueError(f"Invalid ns_coefficients in {where}: {err}") from None
         else:
-            beta1, beta2 = group["betas"]
+            betas = group["betas"]
+            if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+                raise ValueError(f"Invalid betas in {where}: {betas!r} (two numbers, e.g. (0.9, 0.999))")
+            beta1, beta2 = betas
             if not 0.0 <= beta1 < 1.0 or not 0.0 <= beta2 < 1.0:
                 raise ValueError(f"Invalid betas in {where}: {group['betas']} (each in [0, 1))")
 

@@ -541,3 +541,41 @@ def test_muon_params_cast_narrower_step_on_the_wrapped_step_with_their_float32_m
     opt.step()
     assert opt.plan.buckets[0].route is Route.TRITON_MATMUL
     assert not any(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        (lambda g, b: g.update(use_muon=True), ValueError, r"parameter 0 of param group 1 has shape \(16,\)"),
+        (lambda g, b: g["params"].append(b), ValueError, r"parameter 1 of param group 0 has shape \(2, 4, 4\)"),
+        (lambda g, b: g.update(ns_coefficients=(1.0, 2.0)), ValueError, "Invalid ns_coefficients in param group"),
+        (lambda g, b: g.update(ns_coefficients="abc"), ValueError, "Invalid ns_coefficients in param group"),
+        (lambda g, b: g.update(ns_steps=2.5), TypeError, "Invalid ns_steps in param group"),
+    ],
+    ids=["flipped_to_muon_over_a_bias", "a_3d_param_appended", "two_coefficients", "text", "fractional_steps"],
+)
+def test_a_group_changed_by_hand_to_what_muon_cannot_read_is_refused_before_any_update(change, error, match, device):
+    """A group edited between steps (flipped to ``use_muon=True`` over a bias, a 3-D param appended, coefficients
+    or a step count the schedule cannot read) raises at the next step before any group moves, on the eager route and
+    on the fused one: Muon ran on the (16,) bias as a (16, 1) matrix, flattened the 3-D param, or raised after the
+    groups before the changed one had updated."""
+    for fused in (False, True):
+        weight, bias = torch.nn.Parameter(torch.randn(16, 8)), torch.nn.Parameter(torch.randn(16))
+        weight, bias = torch.nn.Parameter(weight.detach().to(device)), torch.nn.Parameter(bias.detach().to(device))
+        base = Muon([{"params": [weight]}, {"params": [bias], "use_muon": False}], lr=0.02)
+        opt = KitsuneOptimizer(base, enable_fusion=True) if fused else base
+        assert not fused or "triton_matmul" in str(opt.plan)
+        extra = torch.nn.Parameter(torch.randn(2, 4, 4, device=device))
+        for step in range(3):
+            for p in (weight, bias, extra):
+                p.grad = torch.randn_like(p)
+            if step == 2:
+                change(opt.param_groups[1] if "group 1" in match else opt.param_groups[0], extra)
+                before = [p.detach().clone() for p in (weight, bias)]
+                state = {k: v.clone() for k, v in opt.state[weight].items()}
+                with pytest.raises(error, match=match):
+                    opt.step()
+                assert all(torch.equal(p, b) for p, b in zip((weight, bias), before, strict=True))
+                assert all(torch.equal(opt.state[weight][k], v) for k, v in state.items())
+            else:
+                opt.step()

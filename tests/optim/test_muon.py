@@ -237,6 +237,9 @@ def test_validation_names_the_parameter():
             Muon(p, **kwargs)
     with pytest.raises(ValueError, match="betas"):
         Muon([{"params": [bias], "use_muon": False, "betas": (1.0, 0.9)}])
+    for betas in [(0.9,), None, 0.9]:  # read as a pair before the ranges: not Python's unpacking error
+        with pytest.raises(ValueError, match=r"Invalid betas in param group 0: .* \(two numbers"):
+            Muon([{"params": [bias], "use_muon": False, "betas": betas}])
 
 
 # ---- GPU ----
