@@ -292,9 +292,10 @@ class FusionSubsystem(Subsystem):
 
     def _value_check(self, base: torch.optim.Optimizer) -> Callable[[dict[str, Any], str], None] | None:
         """What a group's values are checked with before they are uploaded: a kitsune.optim optimizer's own
-        ``_check_group`` (what its step refuses, its fused route refuses too), else the algorithm's `AlgoInfo.check`."""
+        ``_check_values`` (the numbers its step refuses, its fused route refuses too), else the algorithm's
+        `AlgoInfo.check`."""
         if isinstance(base, EagerOptimizer):
-            return base._check_group
+            return base._check_values
         return self._info.check if self._info is not None else None
 
     def _replan(self) -> None:

@@ -99,11 +99,12 @@ def plan_bucket(bp: BucketPlan, members: Members, spec: MuonSpec, config: Fusion
     """Route a Muon bucket whose params the fused kernels can take: ``triton_matmul`` when the cost model predicts at
     least ``min_fusion_benefit`` over the optimizer's own per-matrix loop, else that loop (``base_step``)."""
     params = [p for _, p in members]
-    flat = [p for p in params if p.dim() < 2 or spec.matrices_only and p.dim() != 2]
+    # torch.optim.Muon takes matrices, kitsune.optim.Muon also 4-D conv weights (as their (out, in*kh*kw) matrix)
+    flat = [p for p in params if p.dim() != 2 and (spec.matrices_only or p.dim() != 4)]
     if flat:
         bp.reason = (
-            f"a {flat[0].dim()}-D param in a Muon group: Muon orthogonalises matrices, so the optimizer's own step "
-            "runs (and rejects it)"
+            f"a {flat[0].dim()}-D param in a Muon group: Muon orthogonalises matrices (kitsune.optim.Muon also 4-D "
+            "conv weights), so the optimizer's own step runs (and rejects it)"
         )
         return
     steps = len(spec.ns_plan or ())

@@ -104,6 +104,12 @@ class EagerOptimizer(torch.optim.Optimizer):
             for v in value:
                 _check_number(key, v, where)
 
+    def _check_values(self, group: dict[str, Any], where: str) -> None:
+        """What the fused route checks in ``group`` whenever its values change (an LR scheduler: every step): the
+        numbers and pairs the math reads, as `_check_group` does, without what a subclass checks beyond them for its
+        own step alone (Muon's shapes and schedule, which the fused route reads through its own plan)."""
+        EagerOptimizer._check_group(self, group, where)
+
     def _takes_complex(self, group: dict[str, Any]) -> bool:
         """Whether ``group``'s math is defined on complex params (torch.optim's own optimizers treat one as a real
         pair); False: a complex param with a grad is refused before anything changes."""
