@@ -294,7 +294,8 @@ class KitsuneOptimizer(torch.optim.Optimizer):
     # -- planning -----------------------------------------------------------------------------------------------
     def _plan_fits(self) -> bool:
         """Whether the plan still fits the groups (see `kitsune.subsystem.PlannedGroups`)."""
-        return self._planned.fits(self._optimizer.param_groups, self._optimizer.state) and self._shard.fits()
+        groups, state = self._optimizer.param_groups, self._optimizer.state
+        return self._planned.fits(groups, state) and self._shard.fits() and self._streams.fits()
 
     def _replan(self) -> None:
         base, groups = self._optimizer, self.param_groups

@@ -220,6 +220,12 @@ class StreamScheduler(Subsystem):
         self.in_backward = True
         self.activate()
 
+    def fits(self) -> bool:
+        """Whether the plan still holds: False where updates run inside backward and a process group of several ranks
+        was started since (an optimizer built before ``init_process_group``): the optimizer plans again, and the
+        updates move to ``step()``, as under DDP from the start."""
+        return not (self.in_backward and _world_size() > 1)
+
     def _take_over(self, p: torch.Tensor) -> None:
         """This optimizer is the newest over ``p``: an older one's hook on it (updates inside backward) goes."""
         old = _HOOKED.get(p)
@@ -327,7 +333,9 @@ class StreamScheduler(Subsystem):
         unit = fusion.units[index]
         if not self._refreshed:  # once per backward: the plan still holds, and the hyperparameters' last change
             self._refreshed = True
-            self._open = fusion.begin_backward()
+            # (a process group started since the plan: DDP averages the grads after these hooks, so step() updates
+            # every param, on the averaged grads, and plans again without updates inside backward: `fits`)
+            self._open = fusion.begin_backward() and _world_size() == 1
         task = _graph_task()
         if task != self._ended_task:
             # the grads as backward leaves them, when it ends: backward itself writes grads after a unit's launch

@@ -8,6 +8,8 @@ inside the ranks (TRITON_INTERPRET=1), so the fused path is what is checked, not
 from __future__ import annotations
 
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -107,6 +109,61 @@ def test_ddp_turns_updates_inside_backward_off_with_the_reason(trained):
     for r in trained:
         active, reason = r["fused_step_in_backward"]["streams"]
         assert not active and "torch.distributed runs 2 ranks" in reason
+
+
+def _built_before_the_group(rank: int, world: int) -> dict:
+    """Updates inside backward asked for by an optimizer built before ``init_process_group`` (one rank then, so the
+    plan took them), then DDP over 2 ranks: each rank updated inside backward from its own grads, before DDP averaged
+    them (the ranks 9e-2 apart after 5 steps with grads zeroed in place, no error). The group re-initialised here
+    through a file store (the harness started it first)."""
+    import os
+
+    import torch.distributed as dist
+
+    port = os.environ["MASTER_PORT"]
+    dist.destroy_process_group()
+    model = _model()
+    opt = _optimizer(model.parameters(), {"enable_fusion": True, "step_in_backward": True})
+    planned = opt._subsystem("streams").in_backward
+    dist.init_process_group("gloo", init_method=f"file://{tempfile.gettempdir()}/kitsune-ddp-{port}", rank=rank,
+                            world_size=world)  # fmt: skip
+    ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
+    for x, y in _batches():
+        lo, hi = rank * len(x) // world, (rank + 1) * len(x) // world
+        torch.nn.functional.mse_loss(ddp(x[lo:hi]), y[lo:hi]).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    status = {s["name"]: s for s in opt.subsystem_status()}
+    return {
+        "planned": planned,
+        "streams": (status["streams"]["active"], status["streams"]["reason"]),
+        "params": [p.detach().clone() for p in model.parameters()],
+    }
+
+
+def test_updates_inside_backward_planned_before_the_process_group_move_to_the_step(monkeypatch):
+    """The first backward after the group started launches no update inside it and the step plans again without
+    them (the reason names the ranks): every step updates on DDP's averaged grads, as one process over whole
+    batches."""
+    try:
+        ranks = run_ranks(_built_before_the_group, world=2, timeout_s=120)
+    finally:
+        for store in Path(tempfile.gettempdir()).glob("kitsune-ddp-*"):
+            store.unlink(missing_ok=True)
+    for r in ranks:
+        assert r["planned"]
+        active, reason = r["streams"]
+        assert not active and "torch.distributed runs 2 ranks" in reason
+    for a, b in zip(ranks[0]["params"], ranks[1]["params"], strict=True):
+        assert torch.equal(a, b)
+    model = _model()
+    ref = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for x, y in _batches():
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        ref.step()
+        ref.zero_grad(set_to_none=False)
+    for got, want in zip(ranks[0]["params"], model.parameters(), strict=True):
+        torch.testing.assert_close(got, want.detach(), atol=2e-5, rtol=2e-5)
 
 
 class _Branchy(torch.nn.Module):
