@@ -13,6 +13,7 @@ import contextlib
 import functools
 import inspect
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -219,6 +220,9 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         )  # fmt: skip
         self._graphs = GraphSubsystem(cfg.graphs, fusion=fusion, scaler=scaler)
         self._wrapped = WrappedStep(base)
+        self._own_step_guard: Any = None
+        """The wrapped optimizer's step pre-hook that refuses its own ``step()`` where it would go wrong
+        (`_guard_own_step`)."""
         self._subsystems: list[Subsystem] = [
             self._profiler, self._shard, amp, pool, fusion, self._streams, self._graphs,
         ]  # fmt: skip
@@ -340,6 +344,38 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         # updated there must not be updated again. Those re-plan the fused executor alone inside its prepare.
         self._precheck = fusion.watches and not in_backward and not sharded
         self._device_side = not self._leftover and not sharded and fusion.consumes_found_inf
+        self._guard_own_step()
+
+    def _guard_own_step(self) -> None:
+        """Hook the wrapped optimizer's own ``step()`` while the plan makes it go wrong when called in place of this
+        one's (`_own_step_refusal`), and only then: the hook costs a call on every step."""
+        needed = self._streams.in_backward or self._fusion.low_precision is not None
+        guard = self._own_step_guard
+        if needed and guard is None:
+            guard = self._own_step_guard = self._optimizer.register_step_pre_hook(_own_step_guard(weakref.ref(self)))
+            weakref.finalize(self, guard.remove)
+        elif not needed and guard is not None:
+            guard.remove()
+            self._own_step_guard = None
+
+    def _own_step_refusal(self, name: str) -> str | None:
+        """Why the wrapped optimizer's own ``step()`` (``name``), called in place of this optimizer's, must not run, or
+        None where it may."""
+        if self._streams.updated_since_step:
+            return (
+                f"kitsune: {name}.step() ran on the optimizer a KitsuneOptimizer wraps, after a backward that updated "
+                "its params inside it (StreamConfig(step_in_backward=True)): that step would update them a second "
+                "time. Call the step() of the newest KitsuneOptimizer over it (not the wrapped optimizer's own, nor "
+                "an older KitsuneOptimizer's or a copy.copy's over the same optimizer). Nothing was changed."
+            )
+        low = self._fusion.low_precision
+        if low is not None:
+            return (
+                f"kitsune: {name}.step() ran on the optimizer a KitsuneOptimizer wraps, which holds {low} (it would "
+                "count the step and then raise). Call the KitsuneOptimizer's step(); docs/low-precision.md says how "
+                "to move the state to a plain optimizer. Nothing was changed."
+            )
+        return None
 
     def _warn_requested_but_inactive(self) -> None:
         """Warn at the line that built the optimizer (past this method, __init__ and the wrapper noting settings)."""
@@ -357,9 +393,13 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         then the global post-hooks. Hooks get the arguments as the caller passed them (a closure by keyword stays a
         keyword) and may return new ones, as with torch's optimizers."""
         pre, post = self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks
-        if not (pre or post or _global_pre or _global_post or torch.autograd._profiler_enabled()):
-            return self._step(*args, **kwargs)  # torch's hook runner costs a profiler label (about 50 us of host time)
-        return run_hooked(self, self._step, (self, *args), kwargs, pre, post)
+        _STEPPING[0] += 1  # (the wrapped optimizer's pre-hooks run from this step: its guard lets them be)
+        try:
+            if not (pre or post or _global_pre or _global_post or torch.autograd._profiler_enabled()):
+                return self._step(*args, **kwargs)  # torch's hook runner costs a profiler label (~50 us of host time)
+            return run_hooked(self, self._step, (self, *args), kwargs, pre, post)
+        finally:
+            _STEPPING[0] -= 1
 
     step.hooked = True  # type: ignore[attr-defined]  # torch's hook runner leaves it alone: it runs them itself
     step.__signature__ = inspect.signature(torch.optim.Optimizer.step)  # type: ignore[attr-defined]
@@ -712,3 +752,23 @@ class KitsuneOptimizer(torch.optim.Optimizer):
     def export_chrome_trace(self, filepath: str | Path = "trace.json") -> Path:
         """Write the timed steps (and NVML samples) as a Chrome trace that Perfetto and chrome://tracing open."""
         return export_chrome_trace(self, filepath)
+
+
+_STEPPING = [0]
+"""KitsuneOptimizer steps running (a step runs the wrapped optimizer's pre-hooks itself: `_own_step_guard` lets
+them be; a second KitsuneOptimizer over the same torch optimizer is refused by its streams' check instead)."""
+
+
+def _own_step_guard(ref: weakref.ref) -> Callable[..., None]:
+    """A step pre-hook on the wrapped optimizer: its own ``step()``, called by other code than a KitsuneOptimizer's
+    step, raises where `_own_step_refusal` says it must not run. Holds the optimizer weakly."""
+
+    def guard(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        owner = ref()
+        if owner is None or _STEPPING[0]:
+            return
+        why = owner._own_step_refusal(type(opt).__name__)
+        if why is not None:
+            raise RuntimeError(why)
+
+    return guard

@@ -213,9 +213,6 @@ class StreamScheduler(Subsystem):
                     # the newest optimizer over a param updates it inside backward: one still alive from before
                     # (kept by an LR scheduler after a resume built a new one) would update it a second time
                     self._take_over(p)
-        base = fusion.base
-        if base is not None:  # the wrapped optimizer's own step() would apply the updates inside backward again
-            self._handles.append(base.register_step_pre_hook(_own_step_guard(weakref.ref(self))))
         weakref.finalize(self, _remove, list(self._handles))
         self.in_backward = True
         self.activate()
@@ -258,8 +255,8 @@ class StreamScheduler(Subsystem):
         return f"wrapping {type(base).__name__} over {count} param(s)"
 
     def note_step(self) -> None:
-        """``step()`` was called (before anything it checks): a ``zero_grad()`` after it, or the wrapped optimizer's
-        pre-hooks that kitsune's step runs, are not a backward's updates left without a step."""
+        """``step()`` was called (before anything it checks): a ``zero_grad()`` after it is not a backward's updates
+        left without a step."""
         self._step_called = True
 
     def refuse_taken(self) -> None:
@@ -607,25 +604,6 @@ def _graph_task() -> int:
 
 _HOOKED = WeakIdKeyDictionary()
 """Each param's newest stream scheduler (the one whose hook updates it inside backward)."""
-
-
-def _own_step_guard(ref: weakref.ref) -> Callable[..., None]:
-    """A step pre-hook on the wrapped optimizer: its own ``step()``, called in place of the KitsuneOptimizer's after a
-    backward that updated params inside it, would update them a second time (kitsune's step runs the wrapped
-    optimizer's pre-hooks itself, after `note_step`)."""
-
-    def guard(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        scheduler = ref()
-        if scheduler is not None and scheduler.updated_since_step and not scheduler._step_called:
-            raise RuntimeError(
-                f"kitsune: {type(opt).__name__}.step() ran on the optimizer a KitsuneOptimizer wraps, after a "
-                "backward that updated its params inside it (StreamConfig(step_in_backward=True)): that step would "
-                "update them a second time. Call the step() of the newest KitsuneOptimizer over it (not the wrapped "
-                "optimizer's own, nor an older KitsuneOptimizer's or a copy.copy's over the same optimizer). Nothing "
-                "was changed."
-            )
-
-    return guard
 
 
 def _remove(handles: list[Any]) -> None:

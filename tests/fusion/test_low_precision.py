@@ -918,3 +918,34 @@ def test_float_state_vectors_step_the_same_bits(name, precision, clip, device, m
     assert params[0].grad.data_ptr() % 16
     opt.step()
     assert seen and not any(seen), seen
+
+
+@pytest.mark.parametrize("precision", ["bf16", "8bit"])
+def test_the_wrapped_optimizers_own_step_over_low_precision_state_is_refused(precision, device):
+    """The wrapped optimizer's own ``step()`` called in place of the KitsuneOptimizer's cannot read kitsune's
+    low-precision state (torch's AdamW counted the step, then raised on the dtype or the missing key): refused before
+    anything changes, naming the fix; the KitsuneOptimizer steps on, and a plain optimizer's step is never hooked."""
+    params = [torch.nn.Parameter(torch.randn(300, device=device)), torch.nn.Parameter(torch.randn(7, 5, device=device))]
+    base = torch.optim.AdamW(params, lr=1e-2)
+    config = FusionConfig(state_precision=precision, min_8bit_size=0)
+    opt = KitsuneOptimizer(base, enable_fusion=True, fusion_config=config)
+    assert "triton" in str(opt.plan)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(device)
+        opt.step()
+    before = [p.detach().clone() for p in params]
+    state = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+    with pytest.raises(
+        RuntimeError, match=r"AdamW.step\(\) ran on the optimizer a KitsuneOptimizer wraps, which holds"
+    ):
+        base.step()
+    for p, b, st in zip(params, before, state, strict=True):
+        assert torch.equal(p, b) and all(torch.equal(opt.state[p][k], v) for k, v in st.items())
+    opt.step()
+    assert not all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+
+    plain = torch.optim.AdamW([torch.nn.Parameter(torch.randn(3, device=device))])
+    KitsuneOptimizer(plain, enable_fusion=True)  # fp32 state: torch's own step reads it
+    assert not plain._optimizer_step_pre_hooks
