@@ -405,7 +405,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
     step.__signature__ = inspect.signature(torch.optim.Optimizer.step)  # type: ignore[attr-defined]
 
     def _step(self, *args: Any, **kwargs: Any) -> Any:
-        self._streams.note_step()  # (before the wrapped optimizer's pre-hooks: one guards its own step)
+        self._streams.note_step()  # (a zero_grad() after a refused step is no backward left without a step)
         self._fusion.settle_skips()  # a skipped step's lazy state goes before hooks or a plan see it
         profiler = self._profiler
         profiling = profiler.active

@@ -20,6 +20,7 @@ from kitsune.distributed import fsdp
 from kitsune.fusion import state_format
 from kitsune.kernels.coefficients import schedule
 from kitsune.kernels.spec import Algo, MuonSpec, StateFormat, Trust, UpdateSpec
+from kitsune.optim.base import check_pair
 from kitsune.optim.lamb import LAMB
 from kitsune.optim.lars import LARS
 from kitsune.optim.lion import Lion
@@ -135,19 +136,8 @@ def _host_number(value: Any) -> float | None:
     return float(value) if isinstance(value, numbers.Real) else None
 
 
-def _pair(g: dict[str, Any], key: str, where: str) -> tuple[Any, Any]:
-    """``g[key]`` as the two numbers torch's step unpacks (``beta1, beta2 = group["betas"]``)."""
-    value = g[key]
-    if not isinstance(value, (tuple, list)) or len(value) != 2:
-        raise ValueError(
-            f"kitsune: {key}={value!r}{where}: the step reads two numbers there (torch's unpacks two), e.g. "
-            f"{key}=(0.9, 0.999). Nothing was changed."
-        )
-    return value[0], value[1]
-
-
 def _check_betas(g: dict[str, Any], where: str) -> None:
-    _pair(g, "betas", where)
+    check_pair("betas", g["betas"], where)
 
 
 def _check_bias_corrected(g: dict[str, Any], where: str) -> None:
@@ -157,7 +147,7 @@ def _check_bias_corrected(g: dict[str, Any], where: str) -> None:
     betas = g["betas"]
     if type(betas) is tuple and len(betas) == 2 and type(betas[0]) is float and betas[0] != 1.0:
         return  # as most are (an LR scheduler has this checked every step)
-    beta1, _ = _pair(g, "betas", where)
+    beta1, _ = check_pair("betas", g["betas"], where)
     if _host_number(beta1) == 1.0:
         raise ZeroDivisionError(
             f"kitsune: betas[0]=1.0{where}: the bias correction 1 - beta1**step is 0 and the step divides by it "
@@ -170,8 +160,8 @@ def _check_rprop(g: dict[str, Any], where: str) -> None:
     """Rprop's ``etas`` and ``step_sizes``: pairs, and ``0 < etaminus < 1 < etaplus`` (what torch's constructor
     takes): torch's step writes the factors into the signs' tensor by value, so an eta of 0 or 1 collides with the
     sign it stands for and its step takes other branches than the kernel's."""
-    _pair(g, "step_sizes", where)
-    etaminus, etaplus = (_host_number(v) for v in _pair(g, "etas", where))
+    check_pair("step_sizes", g["step_sizes"], where)
+    etaminus, etaplus = (_host_number(v) for v in check_pair("etas", g["etas"], where))
     if etaminus is not None and etaplus is not None and not 0.0 < etaminus < 1.0 < etaplus:
         raise ValueError(
             f"kitsune: etas={g['etas']!r}{where}: torch.optim.Rprop takes 0 < etaminus < 1 < etaplus (its "

@@ -33,9 +33,10 @@ class DeviceContext:
         self.device = device
         self._row = row
         self._check = check
-        self._where: list[str] = []
         """``check(group, " in param group i")``: raises for values the step must not take (`AlgoInfo.check`, or a
-        kitsune.optim optimizer's own ``_check_group``); run over every group before new values are uploaded."""
+        kitsune.optim optimizer's own ``_check_values``); run over every group before new values are uploaded."""
+        self._where: list[str] = []
+        """The groups' ``where`` for ``check``, made once for their number."""
         self.buffer: torch.Tensor | None = None
         self._ring: UploadRing | None = None  # the buffer's uploads after its first (made with the buffer)
         self._cached: tuple | None = None

@@ -56,6 +56,14 @@ def float_state(s: Mapping[str, Any], counters: Collection[str] = ("step",)) -> 
             yield key, t
 
 
+def check_pair(key: str, value: Any, where: str) -> tuple[Any, Any]:
+    """``value`` (group option ``key``) as the two numbers a step unpacks (``beta1, beta2 = group["betas"]``), or a
+    ValueError naming it. ``where``: " in <group>"."""
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise ValueError(f"Invalid {key}{where}: {value!r} (two numbers, e.g. (0.9, 0.999)). Nothing was changed")
+    return value[0], value[1]
+
+
 def _check_number(key: str, value: Any, where: str) -> None:
     """A group option the math reads as a number: a real number or a one-element tensor (TypeError otherwise)."""
     if type(value) is float or type(value) is int:  # most are (bool is not: its type is bool)
@@ -98,10 +106,7 @@ class EagerOptimizer(torch.optim.Optimizer):
         for key in numbers:
             _check_number(key, group[key], where)
         for key in pairs:
-            value = group[key]
-            if not isinstance(value, (tuple, list)) or len(value) != 2:
-                raise ValueError(f"Invalid {key}{where}: {value!r} (two numbers, e.g. (0.9, 0.999))")
-            for v in value:
+            for v in check_pair(key, group[key], where):
                 _check_number(key, v, where)
 
     def _check_values(self, group: dict[str, Any], where: str) -> None:

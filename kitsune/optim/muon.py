@@ -34,7 +34,7 @@ from torch.optim.optimizer import ParamsT
 
 from kitsune.distributed import fsdp
 from kitsune.kernels.coefficients import MUON_COEFFICIENTS, Coefficients, schedule
-from kitsune.optim.base import EagerOptimizer, check_lr
+from kitsune.optim.base import EagerOptimizer, check_lr, check_pair
 
 try:  # Triton is optional: without it every step takes the torch path
     from kitsune.kernels import newton_schulz as _ns
@@ -94,6 +94,15 @@ def _refuse_shapes(group: dict[str, Any], where: str) -> None:
                 f"Muon takes 2-D matrices and 4-D conv weights, but parameter {name} of {where} has shape "
                 f"{tuple(p.shape)}: put it in a group with use_muon=False (AdamW)"
             )
+
+
+def _check_schedule(group: dict[str, Any], where: str) -> None:
+    """The Newton-Schulz coefficients of a ``use_muon`` group read as the math reads them (`schedule`), or a ValueError
+    naming them. ``where``: " in <group>"."""
+    try:
+        schedule(group["ns_coefficients"], max(group["ns_steps"], 1))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"Invalid ns_coefficients{where}: {err}") from None
 
 
 class Muon(EagerOptimizer):
@@ -202,10 +211,7 @@ class Muon(EagerOptimizer):
             steps = group["ns_steps"]
             if isinstance(steps, bool) or not isinstance(steps, int):  # (range(2.5) would raise mid-step)
                 raise TypeError(f"Invalid ns_steps{where}: {steps!r} (a whole number of Newton-Schulz steps)")
-            try:  # the schedule the math reads (an edit to two numbers, or text, raised after earlier groups moved)
-                schedule(group["ns_coefficients"], max(steps, 1))
-            except (TypeError, ValueError) as err:
-                raise ValueError(f"Invalid ns_coefficients{where}: {err}") from None
+            _check_schedule(group, where)  # (an edit to two numbers, or text, raised after earlier groups moved)
             _refuse_shapes(group, where.removeprefix(" in "))  # a group flipped to use_muon, a param appended
 
     def _takes_complex(self, group: dict[str, Any]) -> bool:
@@ -228,15 +234,9 @@ class Muon(EagerOptimizer):
             steps = group["ns_steps"]
             if not isinstance(steps, int) or not 0 <= steps < 100:
                 raise ValueError(f"Invalid ns_steps in {where}: {steps!r} (an int in [0, 100))")
-            try:
-                schedule(group["ns_coefficients"], 1)
-            except ValueError as err:
-                raise ValueError(f"Invalid ns_coefficients in {where}: {err}") from None
+            _check_schedule(group, f" in {where}")
         else:
-            betas = group["betas"]
-            if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-                raise ValueError(f"Invalid betas in {where}: {betas!r} (two numbers, e.g. (0.9, 0.999))")
-            beta1, beta2 = betas
+            beta1, beta2 = check_pair("betas", group["betas"], f" in {where}")
             if not 0.0 <= beta1 < 1.0 or not 0.0 <= beta2 < 1.0:
                 raise ValueError(f"Invalid betas in {where}: {group['betas']} (each in [0, 1))")
 

@@ -118,6 +118,14 @@ class Comparison(BaseModel):
     host_speedup: float | None = None
     """The same ratio of the medians of host time inside ``step()``."""
 
+    @property
+    def figures(self) -> bool:
+        """Whether the figures a report lays out are here: measured, with both sides' times (a file edited by hand
+        may say measured and hold none)."""
+        return self.status == "measured" and all(
+            (self.kitsune, self.baseline_time, self.kitsune_host, self.baseline_host)
+        )
+
 
 class WindowShare(BaseModel):
     """How much of the run a sampled window took: its steps, and the host time it spanned."""

@@ -245,14 +245,8 @@ def _comparison_section(profile: Profile, explained: Explained) -> list[str]:
         return []
     out = ['<h2 id="comparison">Live comparison and probe</h2>']
     cmp = metrics.comparison
-    if (
-        cmp is not None
-        and cmp.status == "measured"
-        and cmp.kitsune
-        and cmp.baseline_time
-        and cmp.kitsune_host
-        and cmp.baseline_host
-    ):
+    if cmp is not None and cmp.figures:
+        assert cmp.kitsune and cmp.baseline_time and cmp.kitsune_host and cmp.baseline_host  # (what `figures` checked)
         out.append(
             f'<p class="sub">Against {escape(cmp.baseline or "?")}: kitsune\'s step {times(cmp.speedup)} as fast '
             f"(spread {times(cmp.speedup_low)}-{times(cmp.speedup_high)}; host time {times(cmp.host_speedup)}), "
