@@ -57,6 +57,13 @@ def _refuse(path: str | os.PathLike[str]) -> Path:
         if not os.access(out, os.W_OK):
             raise ValueError(f"{out}: is not writable (permission denied): name a path this user can write")
         return out
+    if out.is_symlink():  # a link to no file yet: the file is made where it leads, in a folder that must exist
+        target = Path(os.path.realpath(out))
+        if _stat(target.parent, out) is None:
+            raise ValueError(
+                f"{out}: is a link to {target}, whose folder does not exist: create {target.parent}, or name another "
+                "path"
+            )
     parent = out.parent
     while (found := _stat(parent, out)) is None:
         if parent == parent.parent:  # "." or "/" gone: a deleted working directory

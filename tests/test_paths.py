@@ -100,6 +100,21 @@ def test_a_write_replaces_the_file_and_keeps_its_mode_and_links(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "out.json"]
 
 
+def test_a_link_to_no_file_yet_is_written_where_it_leads_or_names_the_missing_folder(tmp_path):
+    """A dangling link: the file is made where it leads, as open(path, "w") makes it; where the folder it leads to
+    does not exist, the message names that folder (not the link's own, which this user can write)."""
+    link, target = tmp_path / "link.json", tmp_path / "made.json"
+    link.symlink_to(target)
+    write_output(link, "through the link")
+    assert link.is_symlink() and target.read_text() == "through the link"
+    lost = tmp_path / "lost.json"
+    lost.symlink_to(tmp_path / "gone" / "x.json")
+    for call in (check_output_path, lambda p: write_output(p, "text")):
+        with pytest.raises(ValueError, match=r"is a link to .*x.json, whose folder does not exist: create .*gone"):
+            call(lost)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "lost.json", "made.json"]
+
+
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes are POSIX")
 def test_a_pipe_or_device_is_written_in_place_not_replaced(tmp_path):
     """``save_profile("/dev/null")``, a named pipe, ``/dev/stdout`` piped to another program: the atomic write put a

@@ -237,7 +237,7 @@ class Planner:
                 if route is None and fsdp.is_dtensor(p):
                     route, reason = _shard_route(p, spec, mesh)
                 if route is None and isinstance(spec, MuonSpec) and _native.layout_code(p):
-                    route, reason = _NOT_DENSE  # Muon orthogonalises the row-major matrix
+                    route, reason = _NOT_ROW_MAJOR
                 if route is None and isinstance(spec, MuonSpec) and info is not None:
                     narrowed = _narrowed_state(base.state, p, info.scalars)
                     if narrowed is not None:  # (its momentum: where the grads are in its dtype, `Planned.strict`)
@@ -518,6 +518,13 @@ _NOT_DENSE = (
     "takes it: torch's fused kernels need each grad laid out as its param)",
 )
 """Where a param's elements lie in no order the fused kernel walks them in (`kitsune._native.MEMORY_FORMATS`)."""
+
+_NOT_ROW_MAJOR = (
+    Route.BASE_STEP,
+    "channels_last param: Muon's fused kernels orthogonalise the row-major "
+    "matrix; the wrapped optimizer's own step updates it",
+)
+"""A Muon param whose elements lie in another order than the row-major matrix Newton-Schulz reads."""
 
 
 def _shard_route(p: torch.Tensor, spec: Any, mesh: list[Any]) -> tuple[Route | None, str]:

@@ -267,6 +267,28 @@ def test_kitsune_muon_matches_its_eager_step(device):
         assert opt.state[params[2]][key].shape == (16, 4, 2, 2)
 
 
+def test_a_channels_last_conv_weight_takes_muons_own_step_and_says_why(device):
+    """kitsune.optim.Muon flattens a conv weight's row-major matrix; a channels_last one lies in another order, so it
+    goes to the optimizer's own step (the same numbers), with a reason that says so, while the matrix stays fused."""
+    steps = 4
+    params = make_params([(16, 4, 2, 2), (16, 32)], torch.float32, device)
+    with torch.no_grad():
+        params[0].data = params[0].data.to(memory_format=torch.channels_last)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = KitsuneOptimizer(Muon(params, lr=LR, ns_steps=2), enable_fusion=True)
+    ref = Muon(twins, lr=LR, ns_steps=2)
+    for step in range(steps):
+        for p, t, g in zip(params, twins, random_grads(params, step), strict=True):
+            p.grad, t.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+    routes = {b.route: b.reason for b in opt.plan.buckets}
+    assert set(routes) == {Route.BASE_STEP, Route.TRITON_MATMUL}
+    assert routes[Route.BASE_STEP].startswith("channels_last param: Muon's fused kernels orthogonalise the row-major")
+    torch.testing.assert_close(params[0], twins[0], atol=0, rtol=0)  # its own step: torch's ops, bit for bit
+    torch.testing.assert_close(params[1], twins[1], atol=1e-3, rtol=0)  # the fused bf16 Newton-Schulz
+
+
 def test_enable_matmul_false_falls_back_with_its_reason(device, recwarn):
     fusion_config = {"fusion_config": FusionConfig(enable_matmul=False)}
     opt = KitsuneOptimizer(_torch_muon(make_params([(16, 32)], torch.float32, device)), enable_fusion=True,
