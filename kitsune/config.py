@@ -320,10 +320,10 @@ class ProfilerConfig(_Config):
     """CUDA: past the sampled windows, time one step in this many on the device (a pair of CUDA events); the others
     record their host time only (``step_ms`` None in their records), and the step-time statistics come from the
     steps timed (a run of 1000 steps: about 30 past the windows). Recording and reading a step's events costs the
-    host about 10 us, most of what the profiler adds to a step timed: on an H200's host (2026-12-04, 2000 params)
-    the profiler's own work was 11.5-12.6 us a step with every step timed, 1.8-1.9 with one in 32, and 3.3 with one
-    in 8 (measured before each step's record was kept when it ends); 1 times every step. The warm-up and the sampled
-    windows (probe, comparison) time every step."""
+    host about 10 us, most of what the profiler adds to a step timed: on an H200's host (2026-12-04,
+    ``benchmarks/profiler-cost.py``, empty steps, 148 and 2000 params) the profiler's own work was 15.6-22.8 us a
+    step with every step timed, 3.6-4.2 with one in 8 and 2.4-3.1 with one in 32; 1 times every step. The warm-up
+    and the sampled windows (probe, comparison) time every step."""
     compare_steps: StrictInt = Field(0, ge=0)
     """Length of the live comparison: this many steps of kitsune, then this many of the wrapped optimizer's own
     step on the same params, timed alike; the summary reports the speedup measured. Off (0) by default: the
