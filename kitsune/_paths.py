@@ -66,6 +66,11 @@ def _refuse(path: str | os.PathLike[str]) -> Path:
             )
     parent = out.parent
     while (found := _stat(parent, out)) is None:
+        if parent.is_symlink():  # a folder on the way is a link to nothing: it cannot be made where the link is
+            raise ValueError(
+                f"{out}: {parent} is a link to {os.path.realpath(parent)}, which does not exist: create it, or name "
+                "another path"
+            )
         if parent == parent.parent:  # "." or "/" gone: a deleted working directory
             raise ValueError(f"{out}: cannot check it ({parent} does not exist)")
         parent = parent.parent

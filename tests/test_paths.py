@@ -100,9 +100,10 @@ def test_a_write_replaces_the_file_and_keeps_its_mode_and_links(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "out.json"]
 
 
-def test_a_link_to_no_file_yet_is_written_where_it_leads_or_names_the_missing_folder(tmp_path):
+def test_a_link_to_nothing_yet_is_written_where_it_leads_or_names_what_is_missing(tmp_path):
     """A dangling link: the file is made where it leads, as open(path, "w") makes it; where the folder it leads to
-    does not exist, the message names that folder (not the link's own, which this user can write)."""
+    does not exist, or a folder on the way is a link to nothing, the message names what is missing (not a folder
+    this user can write)."""
     link, target = tmp_path / "link.json", tmp_path / "made.json"
     link.symlink_to(target)
     write_output(link, "through the link")
@@ -112,7 +113,12 @@ def test_a_link_to_no_file_yet_is_written_where_it_leads_or_names_the_missing_fo
     for call in (check_output_path, lambda p: write_output(p, "text")):
         with pytest.raises(ValueError, match=r"is a link to .*x.json, whose folder does not exist: create .*gone"):
             call(lost)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "lost.json", "made.json"]
+    folder = tmp_path / "folder"
+    folder.symlink_to(tmp_path / "moved")
+    for call in (check_output_path, lambda p: write_output(p, "text")):
+        with pytest.raises(ValueError, match=r"folder is a link to .*moved, which does not exist: create it"):
+            call(folder / "sub" / "x.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder", "link.json", "lost.json", "made.json"]
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes are POSIX")
