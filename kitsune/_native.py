@@ -270,6 +270,104 @@ bool unchanged_local(py::list params, py::list locals, const at::Tensor& table, 
   return true;
 }
 
+// Changes to the optimizer's state without visiting every entry: the state dict and the dicts of the params that
+// `positions` (sorted, int64 on the CPU) names by their place in it. From Python 3.12, a dict watcher counts every
+// event on the dicts watched (an entry set, replaced or removed, a dict cleared or freed), so a step compares one
+// number and nothing is held; on 3.11, the version tag Python sets anew on every change of a dict, of the state
+// dict, then (while it is unchanged, so each param's dict is the one it held) of each dict named, read in place.
+// mark_state watches (3.12+) or notes (3.11: versions, 1 + positions' length int64) them and answers the count to
+// compare with (0 on 3.11), or -1 where it cannot (not dicts, a position past the end, no watcher free);
+// state_unchanged answers whether none changed since. A change may leave every value as it was (a value set to
+// itself): the caller then compares the values.
+#if PY_VERSION_HEX >= 0x030C0000
+static int dict_watcher = -1;
+static int64_t dict_events = 0;
+static int count_dict_event(PyDict_WatchEvent, PyObject*, PyObject*, PyObject*) {
+  ++dict_events;
+  return 0;
+}
+#else
+static inline int64_t version_of(PyObject* d) {
+  return static_cast<int64_t>(reinterpret_cast<PyDictObject*>(d)->ma_version_tag);
+}
+#endif
+
+// Walks the state's entries in order and calls visit(j, value) for the j-th position named; false where a position
+// is past the end or its value is not a dict.
+template <typename Visit>
+static bool walk(PyObject* state, const at::Tensor& positions, Visit visit) {
+  const int64_t m = positions.numel();
+  const int64_t* at = positions.const_data_ptr<int64_t>();
+  Py_ssize_t pos = 0;
+  int64_t index = 0;
+  PyObject* key;
+  PyObject* value;
+  for (int64_t j = 0; j < m; ++j) {
+    do {
+      if (!PyDict_Next(state, &pos, &key, &value)) return false;
+    } while (index++ < at[j]);
+    if (!PyDict_Check(value)) return false;
+    visit(j, value);
+  }
+  return true;
+}
+
+int64_t mark_state(py::object state, const at::Tensor& positions, at::Tensor versions) {
+  PyObject* d = state.ptr();
+  const int64_t m = positions.numel();
+  if (!PyDict_Check(d) || !int64_cpu(positions, m) || !int64_cpu(versions, 1 + m)) return -1;
+#if PY_VERSION_HEX >= 0x030C0000
+  if (dict_watcher < 0 && (dict_watcher = PyDict_AddWatcher(count_dict_event)) < 0) {
+    PyErr_Clear();
+    return -1;
+  }
+  bool ok = PyDict_Watch(dict_watcher, d) == 0;
+  ok = ok && walk(d, positions, [&ok](int64_t, PyObject* value) { ok = ok && PyDict_Watch(dict_watcher, value) == 0; });
+  if (!ok) {
+    PyErr_Clear();
+    return -1;
+  }
+  return dict_events;
+#else
+  int64_t* out = versions.mutable_data_ptr<int64_t>();
+  out[0] = version_of(d);
+  return walk(d, positions, [out](int64_t j, PyObject* value) { out[1 + j] = version_of(value); }) ? 0 : -1;
+#endif
+}
+
+bool state_unchanged(py::object state, const at::Tensor& positions, const at::Tensor& versions, int64_t mark) {
+#if PY_VERSION_HEX >= 0x030C0000
+  return mark >= 0 && dict_events == mark;
+#else
+  PyObject* d = state.ptr();
+  const int64_t m = positions.numel();
+  if (mark < 0 || !PyDict_Check(d) || !int64_cpu(positions, m) || !int64_cpu(versions, 1 + m)) return false;
+  const int64_t* seen = versions.const_data_ptr<int64_t>();
+  if (version_of(d) != seen[0]) return false;  // a param's dict replaced, added, removed: the rest is not read
+  std::vector<PyObject*> dicts(m);
+  if (!walk(d, positions, [&dicts](int64_t j, PyObject* value) {
+        dicts[j] = value;
+        __builtin_prefetch(value);  // their headers, read below: many misses at once
+      })) {
+    return false;
+  }
+  for (int64_t j = 0; j < m; ++j) {
+    if (version_of(dicts[j]) != seen[1 + j]) return false;
+  }
+  return true;
+#endif
+}
+
+// The dicts are watched no more (3.12+; nothing to do on 3.11): their changes count no more.
+void unmark_dicts(py::list dicts) {
+#if PY_VERSION_HEX >= 0x030C0000
+  PyObject* list = dicts.ptr();
+  for (Py_ssize_t i = 0; dict_watcher >= 0 && i < PyList_GET_SIZE(list); ++i) {
+    if (PyDict_Unwatch(dict_watcher, PyList_GET_ITEM(list, i)) < 0) PyErr_Clear();
+  }
+#endif
+}
+
 // a[i] is b[i] for every i, and the lengths match
 bool same(py::list a, py::list b) {
   PyObject* x = a.ptr();
@@ -337,7 +435,8 @@ def moved_low_bits(found: int) -> int | None:
 
 
 CHECKS: Any = None
-"""The compiled module once it is ready (``unchanged``, ``follow``, ``unchanged_local`` and ``same``), else
+"""The compiled module once it is ready (``unchanged``, ``follow``, ``unchanged_local``, ``same``, and ``mark_state``,
+``state_unchanged`` and ``unmark_dicts`` for `kitsune.fusion.state_watch`), else
 None: read on every step, so a plain module attribute."""
 
 _lock = threading.Lock()
@@ -428,9 +527,26 @@ def _compile() -> Any:
     wrong = wrong or module.follow(probe, table, GRADS, out, f32) != SAME or not module.unchanged(probe, table, 1, f32)
     wrong = wrong or module.follow(probe, reshaped, GRADS, out, f32) != OTHER  # another shape
     wrong = wrong or module.follow(probe, table, GRADS, out, torch.float16) != OTHER  # another dtype
+    wrong = wrong or not _dicts_answer(module)
     if wrong or module.same(probe, probe[:1]) or not module.unchanged(probe, table, PARAMS, f32):
         raise RuntimeError("the compiled check gave a wrong answer on its self-test")
     return module
+
+
+def _dicts_answer(module: Any) -> bool:
+    """Whether ``mark_state`` and ``state_unchanged`` see a param's dict changed, or the state dict, and only then
+    (the self-test)."""
+    state = {"a": {"x": 1}, "b": {"y": 2}, "c": {"z": 3}}
+    positions = torch.tensor([0, 2], dtype=torch.int64)
+    versions = torch.zeros(3, dtype=torch.int64)
+    for change in (lambda: state["c"].update(z=4), lambda: state.update(d={})):
+        mark = module.mark_state(state, positions, versions)
+        if mark < 0 or not module.state_unchanged(state, positions, versions, mark):
+            return False
+        change()
+        if module.state_unchanged(state, positions, versions, mark):
+            return False
+    return module.mark_state(state, torch.tensor([5], dtype=torch.int64), versions[:2]) == -1  # past the end
 
 
 def _load(lib: Path) -> Any:
@@ -461,7 +577,15 @@ def _build_into(lib: Path) -> Any:
         module = load_inline(
             name(),
             cpp_sources=[SOURCE],
-            functions=["unchanged", "follow", "unchanged_local", "same"],
+            functions=[
+                "unchanged",
+                "follow",
+                "unchanged_local",
+                "same",
+                "mark_state",
+                "state_unchanged",
+                "unmark_dicts",
+            ],
             extra_cflags=["-O3"],
             build_directory=work,
             verbose=False,

@@ -382,7 +382,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         cfg = self.config
         asked = {"amp": cfg.amp.enabled, "fusion": cfg.fusion.enabled, "shard": cfg.shard.stage}
         for s in self._subsystems:
-            if asked.get(s.name) and not s.active:
+            if asked.get(s.name) and not s.active and not (s is self._fusion and self._fusion.waits):
                 warnings.warn(f"kitsune: {s.name} was asked for but is inactive: {s.reason}", UserWarning, stacklevel=4)
 
     # -- the step -----------------------------------------------------------------------------------------------
@@ -453,6 +453,8 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():  # the updates, the grads' passes and their checks need the grads first
                 loss = closure()
             closure = None
+            if not self._plan_fits():  # the closure changed the groups: torch's step reads them after it
+                self._replan_in_step()
         fusion, groups = self._fusion, self.param_groups
         # the fused executor stands aside on the comparison's baseline steps (its step counts handed over to the host)
         s.structure_checked = self._precheck and not s.baseline
@@ -710,7 +712,9 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         try:
             # KitsuneOptimizer's own __init__, not a subclass's (whose signature may differ), as torch's
             # __setstate__ restores an optimizer without calling its class's __init__
-            KitsuneOptimizer.__init__(self, state["optimizer"], config=state["config"])
+            with warnings.catch_warnings():  # the original warned when it was built; its copies do not again
+                warnings.filterwarnings("ignore", message=r"kitsune: \w+ was asked for but is inactive")
+                KitsuneOptimizer.__init__(self, state["optimizer"], config=state["config"])
             self._load_own_state(checkpoint.check_own_state(state["kitsune"], self._subsystems))
             if self._profiler.active:  # the copy's windows go on where the original's stood
                 self._profiler.continue_from(state.get("profiler_clock", 0))

@@ -370,6 +370,20 @@ def test_pickle_and_deepcopy():
         assert clone.config == opt.config
 
 
+def test_copies_do_not_repeat_the_warning_their_original_gave():
+    """torch's copies warn nothing; the original's warning at construction (fusion inactive on the CPU) is enough."""
+    import warnings
+
+    m = small_model()
+    with pytest.warns(UserWarning, match="fusion was asked for but is inactive"):
+        opt = KitsuneOptimizer(torch.optim.Adam(m.parameters()), enable_fusion=True)
+    train(m, opt, batches(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        copies = [pickle.loads(pickle.dumps(opt)), copy.deepcopy(opt), copy.copy(opt)]
+    assert all(c.step_count == 1 for c in copies)
+
+
 def test_load_state_dict_replans_and_keeps_sharing():
     m = small_model()
     base = torch.optim.Adam(m.parameters())

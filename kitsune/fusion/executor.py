@@ -33,6 +33,7 @@ from kitsune.fusion.context import DeviceContext
 from kitsune.fusion.muon_unit import MuonUnit
 from kitsune.fusion.plan import CostModel, Plan, Route
 from kitsune.fusion.planner import Planner, group_switches
+from kitsune.fusion.state_watch import StateWatch
 from kitsune.fusion.torch_route import TorchShadow, without
 from kitsune.fusion.units import FusedUnit
 from kitsune.kernels.multi_tensor import DEFAULT_BLOCK
@@ -110,6 +111,10 @@ class FusionSubsystem(Subsystem):
         self._steps = 0
         self._state_seen: tuple[Any, int] = (None, 0)
         """The wrapped optimizer's state dict and its size after the last plan or step (`_state_moved`)."""
+        self._lazy: list[torch.Tensor] = []
+        """Uninitialized params (lazy modules before their first forward), left out of the plan until they are made."""
+        self._state_watch = StateWatch()
+        """The bound params' state dicts and tensors: one replaced while other code holds the old (`_state_moved`)."""
         self._launches_last_step = 0
         self._launches_total = 0
         self._launches_last_norm = 0
@@ -145,6 +150,11 @@ class FusionSubsystem(Subsystem):
         self._plan_version += 1
         self._base, self._plan_args = base, (remote, backward_bytes)
         self._replan_next = False
+        # a lazy module's params before its first forward: nothing to plan for them yet (they hold no memory and
+        # take no grad), and the step after the forward that makes them plans again (`_others_moved`)
+        self._lazy = [p for g in base.param_groups for p in g["params"] if torch.nn.parameter.is_lazy(p)]
+        if self._lazy:
+            remote = frozenset(remote) | frozenset(self._lazy)
         planned = self._planner.plan(base, remote, backward_bytes)
         low_params = {p for u in planned.units if u.spec.state != StateFormat.PARAM for p in u.params}
         # the others' 8-bit state, or float state of another dtype, now as their steps read it: route that
@@ -218,7 +228,12 @@ class FusionSubsystem(Subsystem):
             self.activate()
         else:
             reasons = "; ".join(sorted({b.reason for b in plan.buckets})) or "no params"
-            self.deactivate(f"nothing to fuse: {reasons}")
+            if self._lazy:
+                reasons = (
+                    f"{len(self._lazy)} uninitialized param(s) of lazy modules, planned at the step after the forward "
+                    "that makes them" + (f"; {reasons}" if plan.buckets else "")
+                )
+            self.deactivate(f"nothing to fuse yet: {reasons}" if self._lazy else f"nothing to fuse: {reasons}")
 
     # -- checkpoints ----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -278,17 +293,23 @@ class FusionSubsystem(Subsystem):
                 unit.bind(self._base.state)
 
     def _see_state(self) -> None:
-        """Note the wrapped optimizer's state dict and its size as a plan or a step left them (`_state_moved`)."""
+        """Note the wrapped optimizer's state dict and its size as a plan or a step left them, and watch the dicts
+        the units bound (`_state_moved`)."""
         state = self._base.state
         self._state_seen = (state, len(state))
+        self._state_watch.native = self.config.native_checks
+        self._state_watch.follow(state, (*self._units, *self._muon))
 
     def _state_moved(self) -> bool:
         """Whether the wrapped optimizer's state dict was replaced, or lost or gained params, since the last plan or
-        step (``state.clear()``, ``del state[p]``, ``optimizer.state = ...``). The units' weak references see a
-        bound tensor freed; these leave the old tensors alive wherever something else holds them (a state_dict()
-        taken before holds the very dicts), and the kernels would go on updating them."""
+        step (``state.clear()``, ``del state[p]``, ``optimizer.state = ...``), or a bound param's dict or a tensor
+        in it was replaced (`kitsune.fusion.state_watch`). The units' weak references see a bound tensor freed;
+        these see what leaves the old tensors alive wherever something else holds them (a state_dict() taken
+        before holds the very dicts), where the kernels would go on updating them."""
         state = self._base.state
-        return state is not self._state_seen[0] or len(state) != self._state_seen[1]
+        if state is not self._state_seen[0] or len(state) != self._state_seen[1]:
+            return True
+        return self._state_watch.changed()
 
     def _value_check(self, base: torch.optim.Optimizer) -> Callable[[dict[str, Any], str], None] | None:
         """What a group's values are checked with before they are uploaded: a kitsune.optim optimizer's own
@@ -515,8 +536,10 @@ class FusionSubsystem(Subsystem):
 
     def prepare_unit(self, unit: FusedUnit) -> bool:
         """One unit's host work for an update inside backward: False when it has no grad, a param moved or the state
-        dict changed (the step re-plans)."""
-        if self._state_moved():
+        dict was replaced or lost or gained params (the step re-plans). The state's entries were compared once for the
+        whole backward (`begin_backward`), not again for each unit."""
+        state = self._base.state
+        if state is not self._state_seen[0] or len(state) != self._state_seen[1]:
             return False
         ready = unit.prepare(self._base.state, self._base.param_groups) and not unit.stale
         unit.keep()  # an update inside backward is not undone: the grads it moved into the arena stay
@@ -601,7 +624,7 @@ class FusionSubsystem(Subsystem):
         if self._replan_next or self._switches_changed(self._base.param_groups):
             return True
         if not self.active:  # nothing fused or bound: a switch (differentiable=False) or a storage moved to another
-            return _storages(self._idle) != self._idle_ptrs  # device or dtype may change the routes
+            return self._lazy_made() or _storages(self._idle) != self._idle_ptrs  # device or dtype may change routes
         if self._state_moved() or self._others_moved():
             return True
         units = (*self._units, *self._muon)
@@ -635,7 +658,19 @@ class FusionSubsystem(Subsystem):
         (`_narrowed`) or a torch route's dtype (`_routed`). Nothing to compare in most plans."""
         if self._replan_next or (self._narrowed and _storages(self._narrowed) != self._narrowed_ptrs):
             return True
+        if self._lazy_made():
+            return True
         return bool(self._routed) and [p.dtype for p in self._routed] != self._routed_dtypes
+
+    @property
+    def waits(self) -> bool:
+        """Whether nothing is fused only because every param the plan could take is a lazy module's, not made yet
+        (the step after its first forward plans again): no reason to warn at construction."""
+        return bool(self._lazy) and not self.active and not (self.current_plan and self.current_plan.buckets)
+
+    def _lazy_made(self) -> bool:
+        """Whether a lazy module's forward made params the plan left out while they were uninitialized."""
+        return bool(self._lazy) and not all(map(torch.nn.parameter.is_lazy, self._lazy))
 
     @property
     def watches(self) -> bool:
@@ -968,6 +1003,7 @@ class FusionSubsystem(Subsystem):
             "steps": self._steps,
             "static_addresses": self._static_report(),
             "address_checks": self._checks_report(),
+            "state_compares": self._state_watch.compared,
         }
 
     def _checks_report(self) -> str | None:

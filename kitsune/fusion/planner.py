@@ -72,30 +72,57 @@ _SHARED = (
     "both at once, a race, so the optimizer's own step updates them as without kitsune (one after the other "
     "with foreach=False; torch's foreach and fused kernels race on a GPU as well)",
 )
+_SHARED_STATE = (
+    Route.BASE_STEP,
+    "optimizer state whose memory is shared with another param's state or a param (one tensor in two params' "
+    "state, set by hand or loaded so): the fused kernels keep each param's state apart, so the optimizer's own "
+    "step updates it as without kitsune; give each param state of its own to fuse it",
+)
 
 
-def _sharing_memory(params: list[torch.Tensor]) -> set[int]:
-    """The ids of the params whose memory overlaps another param's (different objects over one storage: views, or
-    two Parameters made from one tensor). Plain tensors only; a plan-time sweep over their address spans."""
+def _span(t: torch.Tensor) -> tuple[str, int, int] | None:
+    """The device and the address span of ``t``'s elements, or None where it has none to read (empty, a lazy or
+    tensor-subclass param, a DTensor, another device type)."""
+    try:
+        if fsdp.is_dtensor(t) or t.numel() == 0 or t.device.type not in ("cuda", "cpu"):
+            return None
+        extent = 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True))
+        start = t.data_ptr()
+    except (RuntimeError, ValueError, NotImplementedError):
+        return None
+    return str(t.device), start, start + extent * t.element_size()
+
+
+def _overlapping(items: list[tuple[torch.Tensor, int, bool]]) -> tuple[set[int], set[int]]:
+    """For ``(tensor, owner id, is state)`` items, the owners whose memory overlaps another item's: those where
+    only params overlap, and those where a state tensor is one of the two. A plan-time sweep over address spans."""
     spans = []
-    for p in params:
-        try:
-            if fsdp.is_dtensor(p) or p.numel() == 0 or p.device.type not in ("cuda", "cpu"):
-                continue
-            extent = 1 + sum((size - 1) * abs(stride) for size, stride in zip(p.shape, p.stride(), strict=True))
-            start = p.data_ptr()
-        except (RuntimeError, ValueError, NotImplementedError):  # no memory to read (a lazy or tensor-subclass param)
-            continue
-        spans.append((str(p.device), start, start + extent * p.element_size(), id(p)))
-    spans.sort()
-    shared: set[int] = set()
-    reach: tuple[str, int, int] | None = None  # the device, furthest end so far and its param's id
-    for device, start, end, pid in spans:
+    for t, owner, is_state in items:
+        span = _span(t)
+        if span is not None:
+            spans.append((*span, owner, is_state))
+    spans.sort(key=lambda x: x[:3])
+    params: set[int] = set()
+    state: set[int] = set()
+    reach: tuple[str, int, int, bool] | None = None  # the device, furthest end so far, its owner, whether state
+    for device, start, end, owner, is_state in spans:
         if reach is not None and reach[0] == device and start < reach[1]:
-            shared.update((pid, reach[2]))
+            (state if is_state or reach[3] else params).update((owner, reach[2]))
         if reach is None or reach[0] != device or end > reach[1]:
-            reach = (device, end, pid)
-    return shared
+            reach = (device, end, owner, is_state)
+    return params, state
+
+
+def _sharing_memory(params: list[torch.Tensor], state: Any) -> tuple[set[int], set[int]]:
+    """The ids of the params whose memory overlaps another param's (different objects over one storage: views, or
+    two Parameters made from one tensor), and of those whose optimizer state shares memory with another param's
+    state, its own other state or a param (one ``step`` tensor for every param, ``state[q] = state[p]``)."""
+    items = [(p, id(p), False) for p in params]
+    for p in params:
+        s = state.get(p)
+        if isinstance(s, dict):
+            items += [(t, id(p), True) for t in s.values() if isinstance(t, torch.Tensor)]
+    return _overlapping(items)
 
 
 Members = list[tuple[int, torch.Tensor]]  # (group index, param)
@@ -217,7 +244,9 @@ class Planner:
         whole = self._optimizer_reason(base, info)
         mesh: list[Any] = []  # the one device mesh of the FSDP2 params the fused kernel takes
         listed = Counter(id(p) for g in groups for p in g["params"])
-        shared = _sharing_memory([p for g in groups for p in g["params"] if listed[id(p)] == 1])
+        shared, shared_state = _sharing_memory(
+            [p for g in groups for p in g["params"] if listed[id(p)] == 1], base.state
+        )
         for gi, g in enumerate(groups):
             spec = specs[gi] if info else None
             group_reason = whole or _group_reason(g)
@@ -232,6 +261,8 @@ class Planner:
                     route, reason = _REPEATED
                 elif id(p) in shared:
                     route, reason = _SHARED
+                elif id(p) in shared_state:
+                    route, reason = _SHARED_STATE
                 else:
                     route, reason = _param_reason(p)
                 if route is None and fsdp.is_dtensor(p):

@@ -3,6 +3,7 @@ are `kitsune.fusion.torch_route`)."""
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Sequence
 from operator import attrgetter
@@ -134,6 +135,11 @@ class FusedUnit:
         """Steps that checked every address again because a watched grad or storage had been freed."""
         self._state_intact = _Intact()
         self._state_refs: list[weakref.ref] = []
+        self.held: list[tuple[torch.Tensor, int, list[tuple[str, int]]]] = []
+        """Each bound param, its state dict's length and the ids of its tensors by key, as the last `bind` left them:
+        what `kitsune.fusion.state_watch.StateWatch` compares where a dict changed."""
+        self.binding = 0
+        """The number of the last `bind` (new with each)."""
         self.params_checked = False
         """Set by `moved` when it found every param where planned: this step's `prepare` skips that
         check (the fusion subsystem clears it after each step's prepare, `forget_checks`)."""
@@ -673,10 +679,13 @@ class FusedUnit:
         absmax: list[list[int]] = [[] for _ in keys]  # 8-bit state: each slot's absmax blocks
         scalar_tables: list[list[int]] = [[] for _ in scalars]  # step, then scalar1, scalar2
         bound: list[torch.Tensor] = []
+        ready_dicts: list[tuple[torch.Tensor, dict]] = []
         slots = self.slots
         for i, p in enumerate(self.params):
             s = state.get(p)
             ready = s is not None and _has_state(state, p, self.info, self.spec)
+            if ready:
+                ready_dicts.append((p, s))
             for slot, key in enumerate(keys):
                 if ready and key and low:  # converted in place from whatever format it was loaded in
                     held = state_format.conform(s, key, p, fmt)
@@ -726,6 +735,12 @@ class FusedUnit:
         self._state_refs = [weakref.ref(t, intact) for t in bound]
         self._state_refs += [weakref.ref(fsdp.local(t).untyped_storage(), intact) for t in bound]
         self._state_intact = intact
+        # and what the dicts hold, for a tensor or a dict replaced while other code keeps the old one alive: ids, as
+        # nothing here may keep a tensor alive (a bound one lives while its weak reference does, so its id is its own)
+        self.held = [
+            (p, len(s), [(k, id(v)) for k, v in s.items() if isinstance(v, torch.Tensor)]) for p, s in ready_dicts
+        ]
+        self.binding = next(_BINDINGS)
         for slot, addrs in enumerate(tables, 1):
             self.tables.set_role(f"state{slot}", addrs)
         if fmt == StateFormat.Q8:
@@ -738,6 +753,9 @@ class FusedUnit:
             base = self._private_steps.data_ptr()
             self.tables.set_role("step", [base + 4 * i for i in range(len(self.params))])
 
+
+_BINDINGS = itertools.count(1)
+"""Numbers each `FusedUnit.bind`, for `kitsune.fusion.state_watch.StateWatch` to see a new one."""
 
 _QUICK_BREAKS = 3
 """A static unit whose watch breaks before its first use this many times in a row stops watching."""

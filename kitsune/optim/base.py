@@ -59,6 +59,8 @@ def float_state(s: Mapping[str, Any], counters: Collection[str] = ("step",)) -> 
 def check_pair(key: str, value: Any, where: str) -> tuple[Any, Any]:
     """``value`` (group option ``key``) as the two numbers a step unpacks (``beta1, beta2 = group["betas"]``), or a
     ValueError naming it. ``where``: " in <group>"."""
+    if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == 2:
+        return value[0], value[1]  # torch's steps unpack a tensor of two into two 0-d tensors
     if not isinstance(value, (tuple, list)) or len(value) != 2:
         raise ValueError(f"Invalid {key}{where}: {value!r} (two numbers, e.g. (0.9, 0.999)). Nothing was changed")
     return value[0], value[1]

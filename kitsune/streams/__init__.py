@@ -43,7 +43,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from kitsune._untraced import never_traced
 from kitsune.config import GraphConfig, StreamConfig
@@ -94,8 +93,14 @@ class StreamScheduler(Subsystem):
         self.graph_reason: str | None = None
         """Why the units' updates are not replayed from CUDA graphs, or None when they are (or will be)."""
         self._handles: list[Any] = []
+        self._finalizer: weakref.finalize | None = None
+        """Removes this plan's hooks when the scheduler is collected (the params outlive it)."""
         self._handle_of: dict[int, Any] = {}
         """Each hooked param's hook handle, by id (`_disown`)."""
+        self._owned: set[int] = set()
+        """The ids of the params this scheduler is the newest over (in `_HOOKED`), forgotten there when it goes."""
+        self._me = weakref.ref(self, functools.partial(_forget, self._owned))
+        """This scheduler, weakly, as `_HOOKED` names it."""
         self._taken: dict[int, weakref.ref] = {}
         """The params a newer optimizer took the hooks of (`_disown`), by id: that one's scheduler, whose updates
         inside backward this optimizer's step must not apply a second time."""
@@ -176,6 +181,9 @@ class StreamScheduler(Subsystem):
         for h in self._handles:
             h.remove()
         self._handles = []
+        if self._finalizer is not None:  # the last plan's: its hooks are gone (one a plan would pile up)
+            self._finalizer.detach()
+            self._finalizer = None
         self._handle_of = {}
         self.in_backward = False
         fusion = self._fusion
@@ -213,7 +221,7 @@ class StreamScheduler(Subsystem):
                     # the newest optimizer over a param updates it inside backward: one still alive from before
                     # (kept by an LR scheduler after a resume built a new one) would update it a second time
                     self._take_over(p)
-        weakref.finalize(self, _remove, list(self._handles))
+        self._finalizer = weakref.finalize(self, _remove, list(self._handles))
         self.in_backward = True
         self.activate()
 
@@ -225,11 +233,12 @@ class StreamScheduler(Subsystem):
 
     def _take_over(self, p: torch.Tensor) -> None:
         """This optimizer is the newest over ``p``: an older one's hook on it (updates inside backward) goes."""
-        old = _HOOKED.get(p)
-        me = weakref.ref(self)
+        old = _HOOKED.get(id(p))
+        me = self._me
         if old is not None and old() is not None and old() is not self:
             old()._disown(p, me)
-        _HOOKED[p] = me
+        _HOOKED[id(p)] = me
+        self._owned.add(id(p))
         self._taken.pop(id(p), None)  # planned again (load_state_dict, a re-plan): its updates are this one's again
 
     @property
@@ -602,8 +611,18 @@ def _graph_task() -> int:
     return _CURRENT_TASK() if _CURRENT_TASK is not None else 0
 
 
-_HOOKED = WeakIdKeyDictionary()
-"""Each param's newest stream scheduler (the one whose hook updates it inside backward)."""
+_HOOKED: dict[int, weakref.ref] = {}
+"""Each param's newest stream scheduler (the one whose hook updates it inside backward), by the param's id, while
+that scheduler lives (it holds the param's optimizer, so the id is the param's): a weak key would put a weak
+reference on every param, and ``torch.utils.swap_tensors`` (``Module.to`` under
+``torch.__future__.set_swap_module_params_on_conversion(True)``, which DTensor params take) refuses such tensors."""
+
+
+def _forget(owned: set[int], me: weakref.ref) -> None:
+    """A scheduler was collected: the params it was the newest over are nobody's (where no newer one took them)."""
+    for pid in owned:
+        if _HOOKED.get(pid) is me:
+            del _HOOKED[pid]
 
 
 def _remove(handles: list[Any]) -> None:

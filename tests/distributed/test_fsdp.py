@@ -104,6 +104,9 @@ class _Counting:
         self.real, self.hits = real, hits
         self.unchanged, self.same, self.follow = real.unchanged, real.same, real.follow
 
+    def __getattr__(self, name: str):  # the rest of the module (the state watch's calls) as it is
+        return getattr(self.real, name)
+
     def unchanged_local(self, params, shards, table, grads: bool, dtype: torch.dtype) -> bool:
         same = self.real.unchanged_local(params, shards, table, grads, dtype)
         if same and grads:

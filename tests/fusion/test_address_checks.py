@@ -33,6 +33,9 @@ class _Counting:
     def __init__(self, real, hits: list[int]) -> None:
         self.real, self.hits, self.same = real, hits, real.same
 
+    def __getattr__(self, name: str):  # the rest of the module (the state watch's calls) as it is
+        return getattr(self.real, name)
+
     def unchanged(self, params, table, grads: bool, dtype: torch.dtype) -> bool:
         same = self.real.unchanged(params, table, grads, dtype)
         if same and grads:
@@ -135,6 +138,7 @@ def test_an_eager_step_reads_each_address_once_natively(device, monkeypatch):
 
     class Recording:
         same, unchanged_local = checks.same, checks.unchanged_local
+        mark_state, state_unchanged, unmark_dicts = checks.mark_state, checks.state_unchanged, checks.unmark_dicts
 
         def unchanged(self, params, table, what, dtype):
             calls.append(int(what))
@@ -397,6 +401,7 @@ def test_grads_that_alternate_between_two_places_follow_torch_through_the_native
 
         class Reading:
             same, unchanged, unchanged_local = real.same, real.unchanged, real.unchanged_local
+            mark_state, state_unchanged, unmark_dicts = real.mark_state, real.state_unchanged, real.unmark_dicts
 
             def follow(self, params, table, what, out, dtype):
                 reads.append(real.follow(params, table, what, out, dtype))

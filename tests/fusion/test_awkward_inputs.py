@@ -908,3 +908,34 @@ def test_trust_ratio_optimizers_leave_unreadable_grads_to_their_own_step(name, d
     ref.step()
     for p, t in zip(params, twins, strict=True):
         torch.testing.assert_close(p, t, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("all_lazy", [True, False], ids=["all-lazy", "one-lazy"])
+def test_lazy_modules_are_planned_after_their_first_forward_and_train_as_torch(all_lazy, device):
+    """A lazy module's params are uninitialized until its first forward (torch's optimizer takes them so): the plan
+    leaves them out, with no warning where nothing else is there to fuse, and the step after the forward plans them
+    in, matching torch from there."""
+
+    def build() -> torch.nn.Module:
+        last = torch.nn.LazyLinear(2) if all_lazy else torch.nn.Linear(4, 2)
+        return torch.nn.Sequential(torch.nn.LazyLinear(4), torch.nn.Tanh(), last).to(device)
+
+    model, twin = build(), build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = KitsuneOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), enable_fusion=True)
+    ref = torch.optim.AdamW(twin.parameters(), lr=0.01)
+    assert opt.plan.fused_tensors == (0 if all_lazy else 2)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 5, generator=gen).to(device)
+    model(x), twin(x)
+    twin.load_state_dict(model.state_dict())
+    for _ in range(4):
+        x = torch.randn(3, 5, generator=gen).to(device)
+        for m, o in ((model, opt), (twin, ref)):
+            m(x).square().sum().backward()
+            o.step()
+            o.zero_grad()
+        for p, t in zip(model.parameters(), twin.parameters(), strict=True):
+            torch.testing.assert_close(p, t, rtol=1e-5, atol=1e-6)
+    assert opt.plan.fused_tensors == 4

@@ -187,6 +187,31 @@ def test_tensor_lr(device):
     assert_close_params(params, ref_params, torch.float32)
 
 
+def test_betas_as_a_tensor_of_two_set_and_changed_in_place_step_as_torch(device):
+    """torch's Adam unpacks ``betas`` given as a tensor of two (``beta1, beta2 = group["betas"]``): set mid-run, then
+    changed in place, the fused step reads the values torch's reads (its for-loop step and its fused one take them;
+    its foreach step without capturable refuses them)."""
+    from twins import random_grads
+
+    make = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=False)  # noqa: E731
+    params, opt = trajectory(make, SIZES, torch.float32, device, steps=2, fused=True)
+    ref_params, ref = trajectory(make, SIZES, torch.float32, device, steps=2)
+    for step in range(2, 8):
+        for o in (opt, ref):
+            if step == 2:
+                o.param_groups[0]["betas"] = torch.tensor([0.8, 0.95])
+            elif step == 5:
+                o.param_groups[0]["betas"][0] = 0.5
+        for ps in (params, ref_params):
+            for p, g in zip(ps, random_grads(ps, step), strict=True):
+                p.grad = g
+        opt.step()
+        ref.step()
+        assert_close_params(params, ref_params, torch.float32)
+    assert {b.route for b in opt.plan.buckets} == {Route.TRITON}
+    assert_same_state(ref, opt, torch.float32)
+
+
 def test_adamw_set_to_coupled_decay_mid_run_decays_as_torchs_step(device):
     """torch's AdamW reads its group's ``decoupled_weight_decay`` (an Adam with the flag on): set to False, the
     weight decay goes into the grad, as Adam's. The fused step follows it (a re-plan), not the class's default."""

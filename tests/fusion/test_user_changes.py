@@ -12,7 +12,7 @@ import pytest
 import torch
 from twins import assert_refused, make_params, ptrs_equal_stand_in, random_grads
 
-from kitsune import KitsuneOptimizer
+from kitsune import FusionConfig, KitsuneConfig, KitsuneOptimizer, MemoryConfig, _native
 from kitsune.optim import LAMB, LARS, Lion
 
 # every structural change must be seen by either per-step address check (tests/conftest.py, check_path)
@@ -185,6 +185,74 @@ def test_state_dropped_while_a_state_dict_taken_before_holds_it(opt_case, change
     for i, st in ref_held["state"].items():
         for key, v in st.items():
             torch.testing.assert_close(held["state"][i][key], v, rtol=1e-5, atol=1e-6, check_device=False)
+
+
+def _replace_param_dict(opt: Any, params: list) -> None:
+    """A param's whole dict, new tensors of other values (the old dict kept by whoever held it)."""
+    opt.state[params[1]] = {k: _fill(v, 8) if k != "step" else v.clone() for k, v in opt.state[params[1]].items()}
+
+
+def _set_to_itself(opt: Any, params: list) -> None:
+    """Every entry set to the tensor it holds: the dicts change, the state does not (the plan holds)."""
+    for st in opt.state.values():
+        for key in list(st):
+            st[key] = st[key]
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+@pytest.mark.parametrize("pool", [None, 0], ids=["pool", "no-pool"])
+@pytest.mark.parametrize(
+    ("opt_case", "change"),
+    [
+        (ADAMW, _replace_moment),
+        (ADAMW, _replace_step),
+        (ADAMW, _replace_param_dict),
+        (SGD, _momentum_replaced),
+        (ADAMW, _set_to_itself),
+        (SGD, _set_to_itself),
+    ],
+    ids=lambda c: getattr(c, "__name__", None) or c[1],
+)
+def test_state_replaced_while_other_code_holds_the_old_is_read_as_torch_reads_it(
+    opt_case, change, pool, native, device
+):
+    """A tensor, or a param's whole dict, replaced while a state_dict() taken before (and a list, as a logger keeps)
+    holds the old ones: no weak reference dies and the state dict keeps its size, so only the dicts show it (the
+    native watch, or the Python comparison). The step must use the new tensors, as torch does; the held ones keep
+    their values. A value set to itself leaves the plan as it was."""
+    make, _ = opt_case
+    params = make_params(SIZES, torch.float32, device)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    memory = MemoryConfig() if pool is None else MemoryConfig(pool_size=pool)
+    config = KitsuneConfig(fusion=FusionConfig(native_checks=native), memory=memory)
+    opt = KitsuneOptimizer(make(params), config=config)
+    ref = make(twins)
+    fusion = next(s for s in opt.subsystems if s.name == "fusion")
+    for step in range(7):
+        _set_grads(params, twins, step)
+        if step == 3:
+            held, ref_held = opt.state_dict(), ref.state_dict()
+            kept = [t for st in opt.state.values() for t in st.values()]
+            version, compares = fusion.plan_version, fusion.report()["state_compares"]
+            change(opt, params)
+            change(ref, twins)
+        opt.step()
+        ref.step()
+        _assert_same(params, twins, opt, ref, step)
+    assert opt.plan.fused_tensors == len(params)
+    assert fusion.plan_version == version + (change is not _set_to_itself)
+    if (
+        native and _native.CHECKS is not None
+    ):  # a step compares the entries only where a dict changed: the step after the change (a value set to
+        # itself may not count as a change at all, as CPython's dicts see it)
+        now = fusion.report()["state_compares"]
+        assert now == compares + 1 if change is not _set_to_itself else now <= compares + 1
+    else:
+        assert fusion.report()["state_compares"] >= 7  # every step
+    for i, st in ref_held["state"].items():
+        for key, v in st.items():
+            torch.testing.assert_close(held["state"][i][key], v, rtol=1e-5, atol=1e-6, check_device=False)
+    assert all(isinstance(t, torch.Tensor) for t in kept)
 
 
 def _swap(opt: Any, params: list, spare: torch.nn.Parameter) -> None:
@@ -737,3 +805,171 @@ def test_a_value_the_step_must_not_take_is_refused_before_anything_changes(case,
         ref.step()
         for p, t in zip(params, twins, strict=True):
             torch.testing.assert_close(p, t)
+
+
+CLOSURE_CHANGES = {
+    "appended": lambda opt, ps: opt.param_groups[0]["params"].append(ps[2]),
+    "replaced": lambda opt, ps: opt.param_groups[1]["params"].__setitem__(0, ps[2]),
+    "removed": lambda opt, ps: opt.param_groups[1]["params"].pop(),
+    "groups-reversed": lambda opt, ps: opt.param_groups.reverse(),
+    "new-list": lambda opt, ps: opt.param_groups[0].__setitem__("params", [ps[0], ps[2]]),
+}
+
+
+@pytest.mark.parametrize("change", CLOSURE_CHANGES.values(), ids=CLOSURE_CHANGES.keys())
+def test_groups_changed_inside_the_closure_are_read_as_torch_reads_them(change, device):
+    """torch's step reads param_groups after it calls the closure: a param the closure adds, moves or takes out is
+    updated (or not) in that very step, as torch updates it."""
+    params = make_params([(6, 5), (9,), (7,)], torch.float32, device)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+
+    def make(ps: list) -> torch.optim.SGD:
+        return torch.optim.SGD([{"params": ps[:1]}, {"params": ps[1:2], "lr": 0.004}], lr=0.05, momentum=0.9)
+
+    opt, ref = KitsuneOptimizer(make(params), enable_fusion=True), make(twins)
+    for step in range(4):
+        grads = random_grads(params, step)
+        for o, ps in ((opt, params), (ref, twins)):
+
+            def closure(o=o, ps=ps, step=step, grads=grads) -> torch.Tensor:
+                if step == 2:
+                    change(o, ps)
+                for p, g in zip(ps, grads, strict=True):
+                    p.grad = g.clone()
+                return torch.tensor(1.0)
+
+            assert o.step(closure).item() == 1.0
+        for p, t in zip(params, twins, strict=True):
+            torch.testing.assert_close(p, t, rtol=1e-5, atol=1e-6, msg=lambda m, step=step: f"step {step}: {m}")
+    assert "triton" in str(opt.plan)
+
+
+def _one_step_for_all(opt: Any, params: list) -> None:
+    shared = opt.state[params[0]]["step"]
+    for p in params:
+        opt.state[p]["step"] = shared
+
+
+def _one_dict_for_two(opt: Any, params: list) -> None:
+    opt.state[params[1]] = opt.state[params[0]]
+
+
+def _one_moment_for_two(opt: Any, params: list) -> None:
+    opt.state[params[1]]["exp_avg"] = opt.state[params[0]]["exp_avg"]
+
+
+def _a_checkpoint_with_one_step(opt: Any, params: list) -> None:
+    saved = opt.state_dict()
+    shared = torch.tensor(float(saved["state"][0]["step"]))
+    for st in saved["state"].values():
+        st["step"] = shared
+    opt.load_state_dict(saved)
+
+
+@pytest.mark.parametrize("pool", [None, 0], ids=["pool", "no-pool"])
+@pytest.mark.parametrize(
+    "change", [_one_step_for_all, _one_dict_for_two, _one_moment_for_two, _a_checkpoint_with_one_step]
+)
+def test_state_shared_between_params_steps_as_torch(change, pool, device):
+    """One state tensor (or dict) for two params: torch's step updates it once for each; the fused kernels keep each
+    param's state apart (and the pool copies it into slots of its own), so those params go to the wrapped step,
+    with the reason, and the rest stay fused."""
+    params = make_params([(6, 5), (6, 5), (9,)], torch.float32, device)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    memory = MemoryConfig() if pool is None else MemoryConfig(pool_size=pool)
+    # torch's for-loop step: its foreach and fused kernels take a shared tensor twice in one launch (on a GPU, a race)
+    opt = KitsuneOptimizer(
+        torch.optim.AdamW(params, lr=0.01, foreach=False), config=KitsuneConfig(fusion=FusionConfig(), memory=memory)
+    )
+    ref = torch.optim.AdamW(twins, lr=0.01, foreach=False)
+    for step in range(6):
+        for p, t, g in zip(params, twins, random_grads(params, step), strict=True):
+            p.grad, t.grad = g.clone(), g.clone()
+        if step == 2:
+            change(opt, params)
+            change(ref, twins)
+        opt.step()
+        ref.step()
+        for p, t in zip(params, twins, strict=True):
+            torch.testing.assert_close(p, t, rtol=1e-5, atol=1e-6, msg=lambda m, step=step: f"step {step}: {m}")
+    assert [float(opt.state[p]["step"]) for p in params] == [float(ref.state[t]["step"]) for t in twins]
+    shared = [b for b in opt.plan.buckets if b.reason.startswith("optimizer state whose memory is shared")]
+    assert shared and all(b.route.value == "base_step" for b in shared)
+    assert sum(b.tensors for b in shared) == (3 if change in (_one_step_for_all, _a_checkpoint_with_one_step) else 2)
+
+
+@pytest.mark.parametrize("in_backward", [False, True], ids=["step", "in-backward"])
+def test_params_swapped_on_conversion_train_as_torch(in_backward, device, monkeypatch):
+    """Under torch.__future__.set_swap_module_params_on_conversion(True) (DTensor params take that path too),
+    load_state_dict (and Module.to) swap each param's contents with torch.utils.swap_tensors, which refuses a tensor
+    that has a weak reference: kitsune puts none on the params, and the step sees the params' new contents."""
+    from kitsune.config import StreamConfig
+
+    monkeypatch.setattr(torch.__future__, "_swap_module_params_on_conversion", True)
+    torch.manual_seed(3)
+    model, twin = torch.nn.Linear(5, 4).to(device), torch.nn.Linear(5, 4).to(device)
+    twin.load_state_dict(model.state_dict())
+    streams = StreamConfig(step_in_backward=in_backward, bucket_bytes=64)
+    opt = KitsuneOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=0.01), config=KitsuneConfig(fusion=FusionConfig(), streams=streams)
+    )
+    ref = torch.optim.AdamW(twin.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(4)
+    for step in range(5):
+        if step == 2:
+            for m in (model, twin):
+                m.load_state_dict({k: v * 0.5 for k, v in m.state_dict().items()})
+        x = torch.randn(3, 5, generator=gen).to(device)
+        for m, o in ((model, opt), (twin, ref)):
+            m(x).square().sum().backward()
+            o.step()
+            o.zero_grad()
+        for p, t in zip(model.parameters(), twin.parameters(), strict=True):
+            torch.testing.assert_close(p, t, rtol=1e-5, atol=1e-6)
+    assert "triton" in str(opt.plan)
+
+
+def _put_back_last(opt: Any, params: list) -> None:
+    """A param's dict taken out and put back: the same dict, now the state's last entry."""
+    d = opt.state[params[0]]
+    del opt.state[params[0]]
+    opt.state[params[0]] = d
+
+
+def _ordered_moved(opt: Any, params: list) -> None:
+    """An OrderedDict state whose own order (move_to_end) is not the order of its entries underneath."""
+    from collections import OrderedDict
+
+    opt.state = OrderedDict(opt.state)
+    opt.state.move_to_end(params[0])
+
+
+@pytest.mark.parametrize(("reorder", "victim"), [(_put_back_last, 0), (_ordered_moved, 2)], ids=["put-back", "ordered"])
+def test_a_tensor_replaced_after_the_states_entries_moved_is_read_as_torch_reads_it(reorder, victim, device):
+    """The state holds an entry the fused kernels do not bind (a complex param's, on the wrapped step); the entries
+    move (nothing replaced: the plan holds), then a bound tensor is replaced while the old one is kept. The watch must
+    read each bound param's dict where it now is, not where it was."""
+    params = make_params([(6, 5), (9,), (7,)], torch.float32, device)
+    params.append(torch.nn.Parameter(torch.randn(4, dtype=torch.complex64, generator=torch.Generator().manual_seed(9))))
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+
+    def make(ps: list) -> torch.optim.AdamW:
+        return torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1)
+
+    opt, ref = KitsuneOptimizer(make(params), enable_fusion=True), make(twins)
+    kept = []
+    for step in range(8):
+        for p, t, g in zip(params, twins, random_grads(params, step), strict=True):
+            p.grad, t.grad = g.to(p.dtype), g.to(p.dtype)
+        for o, ps in ((opt, params), (ref, twins)):
+            if step == 3:
+                reorder(o, ps)
+            elif step == 5:
+                s = o.state[ps[victim]]
+                kept.append(s["exp_avg"])
+                s["exp_avg"] = torch.full_like(s["exp_avg"], 0.5)
+        opt.step()
+        ref.step()
+        for p, t in zip(params, twins, strict=True):
+            torch.testing.assert_close(p, t, rtol=1e-5, atol=1e-6, msg=lambda m, step=step: f"step {step}: {m}")
+    assert opt.plan.fused_tensors == 3

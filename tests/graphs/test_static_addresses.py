@@ -47,6 +47,9 @@ def checks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     class Native:
         same = _native.CHECKS.same if _native.CHECKS is not None else None
+        mark_state = getattr(_native.CHECKS, "mark_state", None)
+        state_unchanged = getattr(_native.CHECKS, "state_unchanged", None)
+        unmark_dicts = getattr(_native.CHECKS, "unmark_dicts", None)
 
         @staticmethod
         def unchanged(params, table, grads, dtype):

@@ -439,6 +439,23 @@ def test_a_dropped_optimizer_leaves_no_hook_behind(device):
     assert got == pytest.approx(ref, rel=1e-5, abs=1e-6)
 
 
+def test_plans_again_and_again_keep_one_finalizer(device):
+    """Each plan hooks the params and registers what removes the hooks when the optimizer goes: a load (or any
+    re-plan) must replace the last plan's, not add one more for the optimizer's lifetime."""
+    import weakref
+
+    net, _ = twins(device, 5)
+    opt = KitsuneOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-2), config=in_backward())
+    run(net, opt, steps=2)
+    saved = opt.state_dict()
+    opt.load_state_dict(saved)
+    before = len(weakref.finalize._registry)  # type: ignore[attr-defined]
+    for _ in range(10):
+        opt.load_state_dict(saved)
+    assert len(weakref.finalize._registry) == before  # type: ignore[attr-defined]
+    assert run(net, opt, steps=2)  # and it still trains with its hooks
+
+
 @pytest.mark.parametrize("graphed", [True, False], ids=["graphs", "eager"])
 def test_units_replay_captured_updates_after_warmup(graphed, device):
     """After GraphConfig.warmup_steps eager launches each unit's update is captured once and replayed from then on;
