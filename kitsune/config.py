@@ -13,6 +13,7 @@ keyword arguments of [`kitsune.KitsuneOptimizer`][kitsune.KitsuneOptimizer] are 
 from __future__ import annotations
 
 import contextlib
+import difflib
 import math
 from collections.abc import Collection
 from typing import Annotated, Any, Literal, NamedTuple
@@ -70,6 +71,25 @@ class _Config(BaseModel):
     model_config = ConfigDict(
         frozen=True, extra="forbid", validate_default=True, arbitrary_types_allowed=True, use_attribute_docstrings=True
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_settings(cls, data: Any) -> Any:
+        """A misspelt setting names the one meant (``FusionConfig(enable=True)``: ``enabled``), not only pydantic's
+        "extra inputs are not permitted"; a subsystem given as True or False names the config to write."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        for key, value in data.items():
+            if key not in fields:
+                near = difflib.get_close_matches(key, list(fields), n=1)
+                hint = f"did you mean {near[0]}=...?" if near else f"its settings are {', '.join(fields)}"
+                raise ValueError(f"{cls.__name__} has no setting {key!r}: {hint}")
+            kind = fields[key].annotation
+            if isinstance(value, bool) and isinstance(kind, type) and issubclass(kind, _Config):
+                on = f"enabled={value}" if "enabled" in kind.model_fields else ("..." if value else "")
+                raise ValueError(f"{key}={value}: write {key}={kind.__name__}({on}), a config")
+        return data
 
 
 class AMPConfig(_Config):

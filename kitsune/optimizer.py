@@ -10,6 +10,7 @@ before everything that can fail has been checked, and hooks run where torch runs
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
 import inspect
 import warnings
@@ -115,11 +116,27 @@ def _noting_settings_given(init: Callable[..., None]) -> Callable[..., None]:
     def noting(self: Any, *args: Any, **kwargs: Any) -> None:
         try:
             self._settings_given = frozenset(signature.bind(self, *args, **kwargs).arguments)
-        except TypeError:  # missing or unknown arguments: __init__ raises Python's own error
-            pass
+        except TypeError:  # missing or unknown arguments: the one line that names the fix, else Python's own error
+            _refuse_arguments(signature, args, kwargs)
         init(self, *args, **kwargs)
 
     return noting
+
+
+def _refuse_arguments(signature: inspect.Signature, args: tuple, kwargs: dict[str, Any]) -> None:
+    """A TypeError naming the fix for settings passed by position (``KitsuneOptimizer(opt, True)``) or misspelt
+    (``enable_fusions=True``); returns where neither is the trouble (Python's own error follows)."""
+    if len(args) > 1:
+        raise TypeError(
+            f"KitsuneOptimizer takes the optimizer as its only positional argument, got {len(args)}: name each "
+            "setting, e.g. KitsuneOptimizer(optimizer, enable_fusion=True)"
+        )
+    names = [n for n in signature.parameters if n not in ("self", "optimizer")]
+    for key in kwargs:
+        if key not in signature.parameters:
+            near = difflib.get_close_matches(key, names, n=1)
+            hint = f"did you mean {near[0]}=...?" if near else f"the settings are {', '.join(names)}"
+            raise TypeError(f"KitsuneOptimizer got an unknown setting {key!r}: {hint}")
 
 
 class KitsuneOptimizer(torch.optim.Optimizer):
@@ -154,6 +171,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
+        *,
         enable_amp: bool = False,
         enable_fusion: bool = False,
         num_streams: int = 4,
@@ -163,7 +181,6 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         stream_config: StreamConfig | None = None,
         memory_pool_size: int = 512 * 1024 * 1024,
         capture_graph: bool = True,
-        *,
         max_grad_norm: float | None = None,
         grad_config: GradConfig | None = None,
         zero_stage: int = 0,
@@ -749,8 +766,17 @@ class KitsuneOptimizer(torch.optim.Optimizer):
 
     @_on_the_wrapper
     def save_profile(self, filepath: str | Path = "profile.json") -> Path:
-        """Write the profile (environment, config, subsystems, per-step timings, statistics) as JSON."""
-        return save_profile(self, filepath)
+        """Write the profile (environment, config, subsystems, per-step timings, statistics) as JSON. With profiling
+        off it holds no step timings (and a warning says so): ``kitsune report --html`` and ``--trace`` need them."""
+        path = save_profile(self, filepath)
+        if not self._profiler.active:
+            warnings.warn(
+                f"kitsune: {path} holds the environment, config and plan but no step timings: profiling is off "
+                "(pass profile=True to record them)",
+                UserWarning,
+                stacklevel=3,
+            )
+        return path
 
     @_on_the_wrapper
     def export_chrome_trace(self, filepath: str | Path = "trace.json") -> Path:

@@ -36,7 +36,13 @@ INVALID = [
     (lambda: AMPConfig(dtype="int8"), "dtype", "torch.float16 or torch.bfloat16"),
     (lambda: FusionConfig(max_fusion_size=0), "max_fusion_size", "greater than or equal to 1"),
     (lambda: FusionConfig(min_fusion_benefit=-1), "min_fusion_benefit", "greater than or equal to 0"),
-    (lambda: FusionConfig(enable_everything=True), "enable_everything", "Extra inputs are not permitted"),
+    (lambda: FusionConfig(enable_everything=True), "enable_everything", "FusionConfig has no setting"),
+    (lambda: MemoryConfig(zzz=1), "zzz", "MemoryConfig has no setting 'zzz': its settings are pool_size, flat_grads"),
+    (lambda: FusionConfig(enable=True), "enable", "FusionConfig has no setting 'enable': did you mean enabled=...?"),
+    (lambda: GraphConfig(static_address=True), "static_address", "did you mean static_addresses=...?"),
+    (lambda: KitsuneConfig(fusion=True), "fusion", "fusion=True: write fusion=FusionConfig(enabled=True), a config"),
+    (lambda: KitsuneConfig(amp=False), "amp", "amp=False: write amp=AMPConfig(enabled=False), a config"),
+    (lambda: KitsuneConfig(shard=True), "shard", "shard=True: write shard=ShardConfig(...), a config"),
     (lambda: StreamConfig(num_streams=0), "num_streams", "greater than or equal to 1"),
     (lambda: StreamConfig(num_streams=100), "num_streams", "less than or equal to 64"),
     (lambda: StreamConfig(num_streams=2, priority_streams=[2]), "priority_streams", "below num_streams=2"),
@@ -372,7 +378,13 @@ def test_a_profiler_section_in_a_kitsune_config_profiles_as_the_other_sections_d
         assert off.profiler is None
 
 
-def test_a_setting_passed_by_position_beside_config_is_refused():
-    with pytest.raises(ValueError, match="config= was given together with enable_amp"):
-        KitsuneOptimizer(_opt(), False, config=KitsuneConfig())
+def test_settings_are_named_not_positional_and_a_misspelt_one_names_the_setting_meant():
+    """``KitsuneOptimizer(opt, True)`` turned AMP on where fusion was meant: every setting is keyword-only, and the
+    refusal says so; a misspelt keyword names the one meant."""
+    with pytest.raises(TypeError, match=r"the optimizer as its only positional argument, got 2: name each setting"):
+        KitsuneOptimizer(_opt(), True)
+    with pytest.raises(TypeError, match=r"unknown setting 'enable_fusions': did you mean enable_fusion=\.\.\.\?"):
+        KitsuneOptimizer(_opt(), enable_fusions=True)
+    with pytest.raises(TypeError, match=r"unknown setting 'bogus': the settings are enable_amp, enable_fusion"):
+        KitsuneOptimizer(_opt(), bogus=True)
     assert KitsuneOptimizer(_opt(), config=KitsuneConfig()).config == KitsuneConfig()  # config= alone
