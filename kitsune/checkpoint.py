@@ -42,7 +42,7 @@ def check_own_state(ours: Any, subsystems: Sequence[Subsystem]) -> dict[str, Any
     if ours.get("version", 0) > VERSION:
         raise ValueError(
             f"this checkpoint's kitsune state has version {ours['version']}, newer than this kitsune "
-            f"understands ({VERSION}): upgrade kitsune-optim"
+            f"understands ({VERSION}): install a newer kitsune to load it (git pull in your clone, then pip install .)"
         )
     saved = ours.get("subsystems", {})
     if not isinstance(saved, Mapping):

@@ -93,14 +93,20 @@ def _demo(args: argparse.Namespace) -> int:
     from kitsune._paths import check_output_path
 
     try:  # before the run: a bad path would otherwise fail only at its end, when the profile is saved
-        check_output_path(args.profile_out)
+        path = check_output_path(args.profile_out)
     except ValueError as exc:
         print(f"kitsune demo: --profile-out {exc}", file=sys.stderr)
         return 2
+    older = path.exists()
 
     from kitsune.demo import run_demo
 
-    run_demo(steps=args.steps, device=args.device, profile_path=args.profile_out, seed=args.seed)
+    try:
+        run_demo(steps=args.steps, device=args.device, profile_path=args.profile_out, seed=args.seed)
+    except KeyboardInterrupt:  # the profile is saved last, whole or not at all: an older one is as it was
+        kept = f"the profile already at {path} is as it was" if older else f"{path} was not written"
+        print(f"kitsune demo: interrupted ({kept})", file=sys.stderr)
+        return 130
     return 0
 
 

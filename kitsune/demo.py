@@ -10,6 +10,10 @@ the demo says so and shows no ratio, since any difference would be noise.
 
 from __future__ import annotations
 
+import os
+import shlex
+import shutil
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -293,7 +297,22 @@ def run_demo(
     profiled.opt.print_summary(console=console)
     path = profiled.opt.save_profile(profile_path)
     console.print(f"profile written to [bold]{escape(str(path))}[/]", soft_wrap=True)
+    report = f"{_command()} report {shlex.quote(str(path))} --html kitsune-report.html"
+    console.print(f"read it again, or as an HTML report: [bold]{escape(report)}[/]", soft_wrap=True)
     return result
+
+
+def _command() -> str:
+    """How to call the ``kitsune`` command from here: ``kitsune`` where it is on PATH, else its path in this
+    Python's environment (``.venv/bin/kitsune`` after ``make demo``), else ``python -m kitsune``."""
+    here = Path(sys.executable).parent / "kitsune"
+    found = shutil.which("kitsune")
+    if found is not None and Path(found).resolve() == here.resolve():
+        return "kitsune"
+    if here.exists():
+        near = os.path.relpath(here)
+        return near if not near.startswith("..") else str(here)
+    return f"{shlex.quote(sys.executable)} -m kitsune"
 
 
 def _print_comparison(result: DemoResult, console: Console) -> None:

@@ -304,6 +304,21 @@ def test_module_entry_point(capsys):
     assert "torch fused" in out and "skipped" in out and "CUDA only" in out
 
 
+def test_a_cpu_run_leaves_the_pass_through_to_its_footer(capsys):
+    """Each kitsune side on the CPU would warn that fusion is inactive there, with its source line: the run's footer
+    says it once, and the warnings filter is as it was afterwards."""
+    import warnings
+
+    before = list(warnings.filters)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert main(["--sets", "many", "--variants", "fused,kitsune", "--steps", "1", "--device", "cpu"]) == 0
+        assert not [w for w in seen if "was asked for but is inactive" in str(w.message)]
+        assert warnings.filters[0][0] == "always"  # the run's filter went with it
+    assert warnings.filters == before
+    assert "smoke test" in " ".join(capsys.readouterr().out.split())
+
+
 @pytest.mark.cuda
 def test_every_variant_times_on_gpu():
     result = run_bench(sets=["gpt2"], device=None, steps=5, warmup=4, console=quiet())  # the CLI's --device auto

@@ -213,6 +213,11 @@ def _write_bytes(path, data: bytes):
         (lambda d: d / "missing.json", "missing.json: no such file"),
         (lambda d: _write_bytes(d / "p.json", b'{"schema_version": "\xff"}'), "is not UTF-8 text"),
         (lambda d: _write_bytes(d / "p.json", b"schema_version: 1.0\n"), "is not JSON (expected value"),
+        (
+            lambda d: _write_bytes(d / "p.json", b'{"schema_version": "1.1", "steps": [{"st'),
+            "is not JSON (EOF while parsing a string at line 1 column 40): the file ends too soon, as a copy or a "
+            "download cut short leaves it",
+        ),
         (lambda d: _write_bytes(d / "p.json", b"[1, 2]"), "its top level is not an object"),
         (
             lambda d: _write_bytes(d / "p.json", b'{"schema_version": "0.9", "environment": {"kitsune": "0.0.1"}}'),
@@ -222,7 +227,7 @@ def _write_bytes(path, data: bytes):
         (
             lambda d: _write_bytes(d / "p.json", b'{"schema_version": "2.0", "environment": {"kitsune": "9.0.0"}}'),
             "schema_version '2.0' is not one this kitsune reads (1.0, 1.1): a newer kitsune wrote it (9.0.0): "
-            "upgrade kitsune-optim",
+            "install that kitsune or a newer one to read it (git pull in your clone, then pip install .)",
         ),
         (lambda d: _write_bytes(d / "p.json", b'{"schema_version": 1.1}'), "schema_version is 1.1 (float): a string"),
         (lambda d: _write_bytes(d / "p.json", b'{"schema_version": "1.0"}'), "is not a kitsune profile: created:"),
@@ -236,6 +241,7 @@ def _write_bytes(path, data: bytes):
         "missing",
         "not-utf8",
         "not-json",
+        "cut-short",
         "not-an-object",
         "old-schema",
         "newer-schema",
@@ -434,6 +440,31 @@ def test_demo_of_one_step_counts_it_as_one(tmp_path, capsys, monkeypatch):
     assert "1 steps" not in text and "on cpu, 1 step, AdamW" in text and "(1 step each)" in text
     assert "29 params, 1 step\n" in text and "step time (1 step timed, host clock)" in text
     assert f"profile written to {tmp_path / 'p.json'}" in text and (tmp_path / "p.json").is_file()
+    shown = text.split("read it again, or as an HTML report: ")[1].split()  # a command that reads it back
+    assert shown[-4:] == ["report", str(tmp_path / "p.json"), "--html", "kitsune-report.html"]
+    again = [*shown[shown.index("report") : -1], str(tmp_path / "r.html")]  # not into the working folder
+    assert main(again) == 0 and (tmp_path / "r.html").is_file()
+
+
+def test_an_interrupted_demo_says_so_in_one_line(tmp_path, capsys, monkeypatch):
+    """Ctrl-C during the demo: one line and exit code 130, as kitsune bench; the profile, saved last and whole, is
+    not there."""
+    import kitsune.demo
+
+    def interrupted(**kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(kitsune.demo, "run_demo", interrupted)
+    assert main(["demo", "--profile-out", str(tmp_path / "p.json")]) == 130
+    assert capsys.readouterr().err == f"kitsune demo: interrupted ({tmp_path / 'p.json'} was not written)\n"
+    assert not (tmp_path / "p.json").exists()
+    (tmp_path / "p.json").write_text("older")
+    assert main(["demo", "--profile-out", str(tmp_path / "p.json")]) == 130
+    assert (
+        capsys.readouterr().err
+        == f"kitsune demo: interrupted (the profile already at {tmp_path / 'p.json'} is as it was)\n"
+    )
+    assert (tmp_path / "p.json").read_text() == "older"
 
 
 def test_doctor_says_why_nvml_is_missing_once(capsys, monkeypatch):

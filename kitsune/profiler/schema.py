@@ -236,7 +236,8 @@ def load_profile(path: str | Path) -> Profile:
         first = errors[0]
         if first["type"] == "json_invalid":
             reason = first.get("ctx", {}).get("error", first["msg"])
-            raise ValueError(f"{path} is not JSON ({reason}), so not {what}") from exc
+            cut = ": the file ends too soon, as a copy or a download cut short leaves it" if "EOF" in reason else ""
+            raise ValueError(f"{path} is not JSON ({reason}){cut}, so not {what}") from exc
         if first["type"] == "model_type" and first["loc"] == ():  # a nested record's is named below, as any field's
             raise ValueError(f"{path} is JSON but its top level is not an object, so not {what}") from exc
         raw = json.loads(text)
@@ -272,7 +273,7 @@ def load_profile(path: str | Path) -> Profile:
                 raise ValueError(
                     f"{problem}: a newer kitsune wrote it"
                     + (f" ({writer})" if isinstance(writer, str) else "")
-                    + ": upgrade kitsune-optim (pip install -U kitsune-optim) to read it"
+                    + ": install that kitsune or a newer one to read it (git pull in your clone, then pip install .)"
                 ) from exc
             by = f"; written by kitsune {writer}" if isinstance(writer, str) else ""
             raise ValueError(

@@ -136,8 +136,12 @@ def test_save_profile_json_contents(tmp_path):
     assert isinstance(again, Profile) and again.step_count == 7
 
 
-def test_profile_without_profiling_has_no_timings(tmp_path):
-    data = json.loads(_trained(3).save_profile(tmp_path / "p.json").read_text())
+def test_profile_without_profiling_has_no_timings_and_says_so_where_it_is_saved(tmp_path):
+    opt = _trained(3)
+    with pytest.warns(UserWarning, match=r"p\.json holds the environment, config and plan but no step timings") as w:
+        path = opt.save_profile(tmp_path / "p.json")
+    assert [Path(x.filename).name for x in w] == [Path(__file__).name]  # the caller's line
+    data = json.loads(path.read_text())
     assert data["metrics"] is None and data["steps"] == []
     prof = next(s for s in data["subsystems"] if s["name"] == "profiler")
     assert prof["active"] is False and prof["reason"] == "profile=False"
