@@ -302,9 +302,17 @@ class StreamScheduler(Subsystem):
             if self is None or self._accumulating:
                 return
             if id(p) in seen:
+                failed = bool(self._launched) and not self._ended  # the last backward raised after its updates
                 self._ended = False  # this backward raises here: zero_grad() then drops it as one that failed
                 raise RuntimeError(
-                    f"a second backward before optimizer.step() with StreamConfig(step_in_backward=True) (the "
+                    (
+                        "the last backward raised after it had run updates inside it, and no optimizer.zero_grad() "
+                        "followed (module.zero_grad() does not tell the optimizer): call optimizer.zero_grad() after "
+                        "a backward that raised, which forgets it. "
+                        if failed
+                        else ""
+                    )
+                    + f"a second backward before optimizer.step() with StreamConfig(step_in_backward=True) (the "
                     f"KitsuneOptimizer {self._whose()}): the updates "
                     "inside backward already ran on the first backward's grads, so the grads added now would never be "
                     "used. For gradient accumulation, run the backward passes of the micro-steps that do not step "
@@ -495,8 +503,10 @@ class StreamScheduler(Subsystem):
                 "(StreamConfig(step_in_backward=True)): torch.nn.utils.clip_grad_norm_, p.grad.mul_(...), "
                 "p.grad = ..., or a grad hook registered after the optimizer was built. Those updates used the grads "
                 "as backward left them, so the change is not applied. Clip with GradConfig(max_norm=...) (the "
-                "updates then run in step()), change the grads in a hook registered before the optimizer, or turn "
-                "step_in_backward off. This step changed nothing more."
+                "updates then run in step()), change a param's grad in a hook on that param registered before the "
+                "optimizer (a hook that changes other params' grads runs after their updates), or turn "
+                "step_in_backward off. Writes through .data (p.grad.data.clamp_(...)) move no version counter and "
+                "are not seen at all. This step changed nothing more."
             )
         if self._fusion.hyper_changed():
             raise RuntimeError(

@@ -235,6 +235,23 @@ def test_a_backward_that_raised_midway_is_forgotten_at_zero_grad(device):
     side_by_side(net, twin, opt, ref, device, batch=4)
 
 
+def test_a_backward_that_raised_after_updates_and_a_module_zero_grad_names_optimizer_zero_grad(device):
+    """A failed backward that had run updates inside it, then module.zero_grad() (which does not tell the optimizer)
+    and the next backward: refused, and the message says first what happened and the fix (optimizer.zero_grad())."""
+    net, _ = twins(device)
+    opt = KitsuneOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-2), config=in_backward(bucket_bytes=64))
+    x, y = torch.randn(4, 6, device=device), torch.randn(4, 3, device=device)
+    with pytest.raises(RuntimeError, match="simulated"):  # the last layers' units update, then the failure
+        nn.functional.mse_loss(net.c(net.b(_Fails.apply(net.a(x)))), y).backward()
+    net.zero_grad()
+    with pytest.raises(RuntimeError, match=r"^the last backward raised after it had run updates inside it.*call "
+                       r"optimizer.zero_grad\(\) after a backward that raised"):  # fmt: skip
+        nn.functional.mse_loss(net(x, use_branch=False), y).backward()
+    opt.zero_grad()  # forgets both
+    nn.functional.mse_loss(net(x, use_branch=False), y).backward()
+    opt.step()
+
+
 def test_step_inside_accumulating_is_an_error(device):
     net, _ = twins(device)
     opt = KitsuneOptimizer(torch.optim.AdamW(net.parameters()), config=in_backward())
