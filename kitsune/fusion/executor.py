@@ -200,13 +200,21 @@ class FusionSubsystem(Subsystem):
         # nothing to run: the params' storages, for a move that may change their routes (model.cuda() after wrapping)
         self._idle = [] if self.executes else [p for g in base.param_groups for p in g["params"] if p not in remote]
         self._idle_ptrs = _storages(self._idle)
-        low = [u for u in self._units if u.spec.state != StateFormat.PARAM]
+        # 8-bit state, and float state of another dtype than the params where the wrapped step lerps the grads into
+        # it (Adam's family, centered RMSprop): SGD's, Adagrad's and RMSprop's steps carry on with such state
+        low = [
+            u
+            for u in self._units
+            if u.spec.state == StateFormat.Q8
+            or (
+                state_format.dtype_of(u.spec.state, u.dtype) != u.dtype
+                and self._info is not None
+                and self._info.one_dtype_for(u.spec)
+            )
+        ]
         names = ", ".join(sorted({state_format.NAMES[u.spec.state] for u in low}))
         self.low_precision = (
-            f"low-precision optimizer state ({names}; FusionConfig.state_precision): the wrapped optimizer's own step "
-            "cannot read it"
-            if low
-            else None
+            f"optimizer state its own step cannot read ({names} state: FusionConfig.state_precision)" if low else None
         )
         if self.config.native_checks and any(u.checks_natively for u in (*self._units, *self._muon)):
             _native.start()  # in the background, once per process; the Python checks run until it is ready

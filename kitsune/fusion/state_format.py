@@ -308,11 +308,42 @@ def check_loaded(state: Mapping[Any, Any]) -> None:
     for p, s in state.items():
         if not isinstance(p, torch.Tensor) or not isinstance(s, Mapping):
             continue
-        for key in quantized_keys(s):
-            try:
+        try:
+            check_pairs(s)
+            for key in quantized_keys(s):
                 check_codes(s, key, p)
-            except ValueError as exc:
-                raise ValueError(f"{exc}. Nothing was loaded: the optimizer keeps its state") from None
+                check_scales(s, key)
+        except ValueError as exc:
+            raise ValueError(f"{exc}. Nothing was loaded: the optimizer keeps its state") from None
+
+
+def check_pairs(s: Mapping[Any, Any]) -> None:
+    """Raise ``ValueError`` where ``s`` holds one half of 8-bit state (codes without their block scales, or scales
+    without codes): it decodes to nothing, and a step would miss the key."""
+    for name in s:
+        if not isinstance(name, str):
+            continue
+        for mine, other in ((CODES, ABSMAX), (ABSMAX, CODES)):
+            if name.endswith(mine) and name.removesuffix(mine) + other not in s:
+                key = name.removesuffix(mine)
+                raise ValueError(
+                    f"optimizer state {name!r} without {key + other!r}: 8-bit state is a pair of codes and block "
+                    f"scales; restore both, or drop both (and give {key!r} as a float tensor, or no {key!r} to start "
+                    "it afresh)"
+                )
+
+
+def check_scales(s: Mapping[str, Any], key: str) -> None:
+    """Raise ``ValueError`` where 8-bit state ``key`` has a block scale below zero or infinite: the kernels write
+    none (each is a block's largest magnitude, or nan for a block that held inf or nan), and a step would decode
+    them into non-finite state. Reads the scales on the host: a load's check, not a step's."""
+    absmax = s[key + ABSMAX]
+    local = fsdp.local(absmax)
+    if local.numel() and bool(((local < 0) | (local == math.inf)).any()):
+        raise ValueError(
+            f"optimizer state {key + ABSMAX!r} holds a negative or infinite block scale: each is a block's largest "
+            "magnitude (nan where the block held inf or nan); the checkpoint was changed after it was saved"
+        )
 
 
 def check_blocks(s: Mapping[str, Any], key: str, numel: int) -> None:
@@ -363,6 +394,7 @@ def convert_state_dict(
 
 
 def _convert(s: dict[str, Any], fmt: StateFormat, min_8bit_size: int) -> dict[str, Any]:
+    check_pairs(s)
     for key in quantized_keys(s):
         codes, absmax = s.pop(key + CODES), s.pop(key + ABSMAX)
         dtype = torch.bfloat16 if fmt == StateFormat.BF16 else torch.float32

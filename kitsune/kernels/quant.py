@@ -221,15 +221,19 @@ def _rne_bits(x):
 @triton.jit
 def _stochastic_round_bf16(x, seed, stream, counter):
     """fp32 ``x`` -> bf16, rounded away from zero with probability (dropped 16 bits) / 2**16, else toward zero, so
-    ``E[result] = x``. The random bits: Philox keyed by ``seed`` (int, >= 0) at counter ``(counter, stream)``;
-    ``counter`` is an int64 block like ``x`` (the element's position in its stream), ``stream`` a scalar in
-    ``[0, 2**32)`` (the step)."""
+    ``E[result] = x`` (but at the top of bf16's range: where rounding away would give inf, the nearest bf16). The
+    random bits: Philox keyed by ``seed`` (int, >= 0) at counter ``(counter, stream)``; ``counter`` is an int64 block
+    like ``x`` (the element's position in its stream), ``stream`` a scalar in ``[0, 2**32)`` (the step)."""
     counter = counter.to(tl.int64)
     lo = counter.to(tl.uint32)
     zero = lo * 0
     words = (counter * 0 + stream).to(tl.uint32)  # the scalar as a block (tl.to_tensor is the interpreter's only)
     r, _, _, _ = tl.philox(seed, lo, (counter >> 32).to(tl.uint32), words, zero)
     bits = x.to(tl.uint32, bitcast=True) + (r >> 16)  # a carry out of the low half bumps the magnitude by one ulp
+    # a carry past bf16's largest finite value: the nearest bf16 instead (that value, or inf where x is beyond half
+    # an ulp above it, as rounding to nearest gives), never an inf out of a value nearest rounding keeps finite
+    over = ((bits & 0x7F800000) == 0x7F800000) & (tl.abs(x) < float("inf"))
+    bits = tl.where(over, _rne_bits(x), bits)
     return _bf16_from_bits(tl.where(x != x, 0x7FC00000, bits))
 
 

@@ -401,7 +401,11 @@ def _bad_8bit_state_dicts(sd: dict) -> list[tuple[str, dict]]:
 
     def case(match, key, change):
         bad = copy.deepcopy(sd)
-        bad["state"][0][key] = change(bad["state"][0][key])
+        changed = change(bad["state"][0][key])
+        if changed is None:  # the entry dropped
+            del bad["state"][0][key]
+        else:
+            bad["state"][0][key] = changed
         cases.append((match, bad))
 
     case("exp_avg_codes' has shape", "exp_avg_codes", lambda t: t.reshape(-1)[:10])
@@ -410,6 +414,10 @@ def _bad_8bit_state_dicts(sd: dict) -> list[tuple[str, dict]]:
     case("no 8-bit codes", "exp_avg_codes", lambda t: t.long() + 300)  # would wrap around as uint8
     case("no 8-bit codes", "exp_avg_codes", lambda t: t.float() + 0.5)
     case("dense tensor", "exp_avg_codes", lambda t: t.tolist())
+    case("'exp_avg_codes' without 'exp_avg_absmax': 8-bit state is a pair", "exp_avg_absmax", lambda t: None)
+    case("'exp_avg_sq_absmax' without 'exp_avg_sq_codes'", "exp_avg_sq_codes", lambda t: None)
+    case("'exp_avg_sq_absmax' holds a negative or infinite block scale", "exp_avg_sq_absmax", lambda t: -t)
+    case("'exp_avg_absmax' holds a negative or infinite block scale", "exp_avg_absmax", lambda t: t + math.inf)
     return cases
 
 
@@ -500,6 +508,10 @@ def test_convert_state_dict_both_ways_and_its_errors():
         kitsune.convert_state_dict(sd, "int4")
     with pytest.raises(TypeError, match="optimizer state dict"):
         kitsune.convert_state_dict({"exp_avg": 1}, "fp32")
+    orphan = copy.deepcopy(q)
+    del orphan["state"][0]["exp_avg_absmax"]  # codes alone decode to nothing: not passed on as "fp32" state
+    with pytest.raises(ValueError, match="'exp_avg_codes' without 'exp_avg_absmax'"):
+        kitsune.convert_state_dict(orphan, "fp32")
 
 
 def test_the_plan_and_report_say_where_low_precision_does_not_apply(device):
@@ -949,3 +961,37 @@ def test_the_wrapped_optimizers_own_step_over_low_precision_state_is_refused(pre
     plain = torch.optim.AdamW([torch.nn.Parameter(torch.randn(3, device=device))])
     KitsuneOptimizer(plain, enable_fusion=True)  # fp32 state: torch's own step reads it
     assert not plain._optimizer_step_pre_hooks
+
+
+@pytest.mark.parametrize(
+    ("make", "param_dtype", "precision", "readable"),
+    [
+        (lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9), torch.bfloat16, "fp32", True),
+        (lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9), torch.float32, "bf16", True),
+        (lambda ps: torch.optim.Adagrad(ps, lr=1e-2), torch.bfloat16, "fp32", True),
+        (lambda ps: torch.optim.AdamW(ps, lr=1e-2), torch.bfloat16, "fp32", False),
+        (lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9), torch.float32, "8bit", False),
+    ],
+    ids=["sgd-fp32-state", "sgd-bf16-state", "adagrad-fp32-state", "adamw-fp32-state", "sgd-8bit"],
+)
+def test_the_wrapped_step_runs_over_float_state_of_another_dtype_where_torchs_step_reads_it(
+    make, param_dtype, precision, readable, device
+):
+    """SGD's, Adagrad's and RMSprop's own steps carry on with float state of another dtype than their params (torch
+    casts in place), so calling the wrapped optimizer's step over it is not refused; Adam's family and 8-bit state
+    it cannot read are, with a message that does not call fp32 state low-precision."""
+    params = [torch.nn.Parameter(torch.randn(300, device=device).to(param_dtype))]
+    base = make(params)
+    config = FusionConfig(state_precision=precision, min_8bit_size=0)
+    opt = KitsuneOptimizer(base, enable_fusion=True, fusion_config=config)
+    params[0].grad = torch.randn(300, device=device).to(param_dtype)
+    opt.step()
+    assert "triton" in str(opt.plan)
+    before = params[0].detach().clone()
+    if readable:
+        base.step()  # torch's own step, over kitsune's state as it holds it
+        assert not torch.equal(params[0], before)
+        return
+    with pytest.raises(RuntimeError, match=r"which holds optimizer state its own step cannot read \((fp32|8bit) state"):
+        base.step()
+    assert torch.equal(params[0], before)

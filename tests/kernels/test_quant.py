@@ -426,7 +426,11 @@ def test_stochastic_round_follows_the_carry_rule(device):
     bits = _bits(x)
     low, down = bits & 0xFFFF, bits & 0xFFFF0000
     carry = (low + _random16(x.numel(), seed, offset, device)) >> 16
-    assert torch.equal(got, down + (carry << 16))
+    expected = down + (carry << 16)
+    # a carry into inf from a value nearest rounding keeps finite: the nearest bf16 instead (the top of the range)
+    over = ((expected & 0x7F800000) == 0x7F800000) & torch.isfinite(x.cpu())
+    expected = torch.where(over, _bits(x.bfloat16()), expected)
+    assert torch.equal(got, expected)
     assert bool((got[low == 0] == bits[low == 0]).all())
     assert got[6] == 0x7F800000 or got[6] == 0x7F7F0000  # the bf16 max or +inf
     ups = carry.sum().item()
@@ -441,6 +445,22 @@ def test_stochastic_round_special_values(device):
         assert bool(y[0].isnan()) and bool(y[5].isnan())
         assert y[1:5].tolist() == [INF, -INF, 0.0, 0.0]
         assert torch.equal(y[3:5].signbit(), torch.tensor([False, True]))
+
+
+def test_stochastic_round_at_the_top_of_bf16s_range_rounds_as_nearest(device):
+    """Where rounding away from zero would carry past bf16's largest finite value into inf, the nearest bf16 is the
+    result: that value below half an ulp above it (a finite param stays finite), inf beyond (as nearest gives)."""
+    top = torch.finfo(torch.bfloat16).max
+    ulp = 2.0 ** (127 - 7)
+    below_half = torch.full((4096,), top + 0.45 * ulp, device=device)
+    for x in (below_half, -below_half):
+        y = quant.stochastic_round_bf16(x, seed=3).float()
+        assert torch.equal(y, x.bfloat16().float()), (x[0].item(), y.unique().tolist())  # never inf
+    beyond_half = torch.full((4096,), top + 0.55 * ulp, device=device)  # nearest is inf: away from zero stays so
+    assert set(quant.stochastic_round_bf16(beyond_half, seed=3).float().unique().tolist()) == {top, math.inf}
+    inside = torch.full((4096,), top - 0.25 * ulp, device=device)  # both neighbours finite: unbiased as anywhere
+    y = quant.stochastic_round_bf16(inside, seed=3).float()
+    assert set(y.unique().tolist()) == {top - ulp, top}
 
 
 # x = a + p * (b - a) between bf16 neighbours a, b (here a = 1, b = 1 + 2**-7, or their negatives and others)
