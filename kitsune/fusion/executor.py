@@ -28,7 +28,7 @@ from kitsune._native import MOVED, OTHER, SAME
 from kitsune.config import FusionConfig, GradConfig, StreamConfig
 from kitsune.distributed import fsdp
 from kitsune.fusion import state_format
-from kitsune.fusion.algos import AlgoInfo
+from kitsune.fusion.algos import KAHAN_COMP, AlgoInfo
 from kitsune.fusion.context import DeviceContext
 from kitsune.fusion.muon_unit import MuonUnit
 from kitsune.fusion.plan import CostModel, Plan, Route
@@ -97,6 +97,8 @@ class FusionSubsystem(Subsystem):
         """`Planned.strict`: narrowed params whose own step needs each grad in its state's dtype
         (`refuse_unmatched`)."""
         self._journal: list[tuple[dict[str, Any], dict[str, Any]]] | None = None
+        self._folded: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """Params that took their Kahan compensation in during this step's re-plan, each with its value before."""
         """Each param's state entries as they were before a re-plan inside this step (`journal`), which converts
         state (a cast to the params' new dtype, 8-bit decoded, the pool's views): a step that raises puts them
         back (`restore_journal`), so a refused step leaves the state as it found it."""
@@ -156,6 +158,7 @@ class FusionSubsystem(Subsystem):
         if self._lazy:
             remote = frozenset(remote) | frozenset(self._lazy)
         planned = self._planner.plan(base, remote, backward_bytes)
+        self._fold_compensation(base)
         low_params = {p for u in planned.units if u.spec.state != StateFormat.PARAM for p in u.params}
         # the others' 8-bit state, or float state of another dtype, now as their steps read it: route that
         if state_format.decode_others(base.state, low_params, planned.own_step):
@@ -644,11 +647,36 @@ class FusionSubsystem(Subsystem):
         if self._journal is None and self._base is not None:
             self._journal = [(s, dict(s)) for s in self._base.state.values() if isinstance(s, dict)]
 
+    def _fold_compensation(self, base: torch.optim.Optimizer) -> None:
+        """``param_rounding='kahan'``, planned again inside a step because a 16-bit param became wider
+        (``model.float()`` mid-run): the param takes its compensation into its value, and its state drops it, so
+        the param holds ``p + comp``, the trajectory the compensation kept (left in the state, it would be added
+        back after roundings it never saw, were the param made 16-bit again). A step that raises puts the param
+        back (`restore_journal`, which restores the compensation too)."""
+        if self.config.param_rounding != "kahan" or self._journal is None:
+            return
+        for g in base.param_groups:
+            for p in g["params"]:
+                s = base.state.get(p)
+                comp = s.get(KAHAN_COMP) if isinstance(s, dict) else None
+                if not isinstance(comp, torch.Tensor) or p.dtype in (torch.bfloat16, torch.float16):
+                    continue
+                if not p.is_floating_point() or comp.shape != p.shape or fsdp.is_dtensor(p):
+                    continue
+                self._folded.append((p, p.detach().clone()))
+                with torch.no_grad():
+                    p.add_(comp.to(device=p.device, dtype=p.dtype))
+                del s[KAHAN_COMP]
+
     def restore_journal(self) -> None:
         """A step that raised: each param's state entries as `journal` noted them, where a re-plan inside the step
         converted them, and a re-plan at the next step (the plan of the step that raised was made for the converted
-        state)."""
+        state); a param that took its compensation in (`_fold_compensation`) as it was."""
         journal, self._journal = self._journal, None
+        folded, self._folded = self._folded, []
+        with torch.no_grad():
+            for p, before in folded:
+                p.copy_(before)
         if not journal:
             return
         for s, before in journal:
@@ -660,6 +688,7 @@ class FusionSubsystem(Subsystem):
     def drop_journal(self) -> None:
         """A step that held: its conversions stay."""
         self._journal = None
+        self._folded = []
 
     def _others_moved(self) -> bool:
         """Whether a param outside the units moved so that the plan may no longer hold: a narrowed one's storage

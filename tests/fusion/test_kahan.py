@@ -209,3 +209,42 @@ def test_checkpoints_through_plain_torch_and_back(device):
         pair[1].step()
     for p, q in zip(ps, resumed_ps, strict=True):
         assert torch.equal(p, q) and torch.equal(opt.state[p][KAHAN_COMP], resumed.state[q][KAHAN_COMP])
+
+
+@pytest.mark.parametrize("name", list(MAKERS))
+def test_a_param_made_float32_mid_run_takes_its_compensation_in(name, device):
+    """``model.float()`` mid-run: the compensation kept the part of the trajectory the bf16 param could not hold,
+    so the float32 param continues from param + compensation (as an fp32 master would), and the state drops it;
+    from there the run is torch's fp32 step. A step that raises after that re-plan puts param and state back."""
+    params = _params(torch.bfloat16, device)
+    opt = _kitsune(params, MAKERS[name], "kahan")
+    for step in range(4):
+        for p, g in zip(params, _grads(step, device), strict=True):
+            p.grad = g.to(torch.bfloat16)
+        opt.step()
+    held = [(p.detach().float() + opt.state[p][KAHAN_COMP].float()) for p in params]
+    for p in params:
+        p.data = p.data.float()
+    # a step refused after the re-plan (an lr no step can read, checked when the values are uploaded): nothing moves
+    good = opt.param_groups[0]["lr"]
+    opt.param_groups[0]["lr"] = "fast"
+    for p, g in zip(params, _grads(4, device), strict=True):
+        p.grad = g
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(TypeError):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+    assert all(KAHAN_COMP in opt.state[p] for p in params)
+    opt.param_groups[0]["lr"] = good
+    twins = [torch.nn.Parameter(h.clone()) for h in held]
+    ref = MAKERS[name](twins)
+    ref.load_state_dict(opt.state_dict())  # the moments as the fused run holds them (fp32 state)
+    for step in range(4, 8):
+        for p, t, g in zip(params, twins, _grads(step, device), strict=True):
+            p.grad, t.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+    assert {b.route for b in opt.plan.buckets} == {Route.TRITON}
+    for p, t in zip(params, twins, strict=True):
+        assert p.dtype == torch.float32 and KAHAN_COMP not in opt.state[p]
+        torch.testing.assert_close(p, t, rtol=1e-5, atol=1e-6)
