@@ -77,10 +77,13 @@ class _Config(BaseModel):
     def _known_settings(cls, data: Any) -> Any:
         """A misspelt setting names the one meant (``FusionConfig(enable=True)``: ``enabled``), not only pydantic's
         "extra inputs are not permitted"; a subsystem given as True or False names the config to write."""
-        if not isinstance(data, dict):
-            return data
+        if not isinstance(data, dict) or cls.model_config.get("extra") != "forbid":
+            return data  # (a subclass that allows extra settings takes them)
         fields = cls.model_fields
+        aliases = {a for f in fields.values() for a in (f.alias, f.validation_alias) if isinstance(a, str)}
         for key, value in data.items():
+            if not isinstance(key, str) or key in aliases:
+                continue  # pydantic's own error for what is no name
             if key not in fields:
                 near = difflib.get_close_matches(key, list(fields), n=1)
                 hint = f"did you mean {near[0]}=...?" if near else f"its settings are {', '.join(fields)}"

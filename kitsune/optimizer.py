@@ -107,7 +107,7 @@ def _untraced_on_the_wrapper(method: F) -> F:
 
 
 def _noting_settings_given(init: Callable[..., None]) -> Callable[..., None]:
-    """``KitsuneOptimizer.__init__``, noting which settings the caller passed (by name or position), so that a
+    """``KitsuneOptimizer.__init__``, noting which settings the caller passed by name, so that a
     setting passed beside ``config=`` is refused where its value is its default too (``profile=False`` against a
     config that profiles)."""
     signature = inspect.signature(init)
@@ -231,9 +231,11 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         self._fusion = fusion = make_fusion(cfg, pool)
         kernels = cfg.fusion.enabled and cfg.fusion.enable_reduction
         self._grads = GradPass(cfg.grads, self._shard, pool, scaler, kernels)
+        fits = weakref.WeakMethod(self._plan_fits)  # weakly: the optimizer goes without the cycle collector
         self._streams = StreamScheduler(
             cfg.streams, cfg.graphs, fusion=fusion, clip=cfg.grads.max_norm is not None,
             scaling=scaler is not None, step_state=self._grads.backward_state, accumulation=accumulation,
+            plan_fits=lambda: (check := fits()) is None or check(),
         )  # fmt: skip
         self._graphs = GraphSubsystem(cfg.graphs, fusion=fusion, scaler=scaler)
         self._wrapped = WrappedStep(base)
@@ -334,6 +336,22 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         """Whether the wrapped optimizer's own step has params to update under the fused executor's plan as it is."""
         owned = {id(p) for p in (*self._fusion.owned_params(), *self._shard.remote)}
         return any(id(p) not in owned for g in self.param_groups for p in g["params"])
+
+    def _fit_plan(self) -> None:
+        """Plan again inside the step where the groups no longer fit the plan; refused where updates already ran
+        inside backward (their plan is the one that knows which params they updated: a new one would update them a
+        second time, or miss a param added since)."""
+        if self._plan_fits():
+            return
+        if self._streams.updated_since_step:
+            raise RuntimeError(
+                "kitsune: the param groups changed after updates ran inside backward (StreamConfig("
+                "step_in_backward=True)): a param added, removed or moved between backward() and step(), or in the "
+                "closure after its backward. Those updates used the groups as they were, so this step would update "
+                "some params a second time or miss others. Change the groups before the forward pass (or after "
+                "step()), or turn step_in_backward off. This step changed nothing more."
+            )
+        self._replan_in_step()
 
     def _replan_in_step(self) -> None:
         """`_replan` inside a step: the state as it was goes in the fused executor's journal first, so that a step
@@ -463,15 +481,13 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         state tensor changes (a pass of the grads' own may have run: see kitsune.grads)."""
         self._graphs.refuse_caller_capture()
         self._graphs.disarm()
-        if not self._plan_fits():
-            self._replan_in_step()
+        self._fit_plan()
         loss = None
         if closure is not None and (self._executes or self._grads.passes or self._fusion.checks_grads):
             with torch.enable_grad():  # the updates, the grads' passes and their checks need the grads first
                 loss = closure()
             closure = None
-            if not self._plan_fits():  # the closure changed the groups: torch's step reads them after it
-                self._replan_in_step()
+            self._fit_plan()  # the closure may have changed the groups: torch's step reads them after it
         fusion, groups = self._fusion, self.param_groups
         # the fused executor stands aside on the comparison's baseline steps (its step counts handed over to the host)
         s.structure_checked = self._precheck and not s.baseline

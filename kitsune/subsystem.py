@@ -199,6 +199,7 @@ class NoFusion(PlaceholderSubsystem):
     consumes_found_inf = True
     plan_version = 0
     current_plan = None
+    waits = False
     units: tuple = ()
     launch_units: tuple = ()
 

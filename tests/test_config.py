@@ -388,3 +388,22 @@ def test_settings_are_named_not_positional_and_a_misspelt_one_names_the_setting_
     with pytest.raises(TypeError, match=r"unknown setting 'bogus': the settings are enable_amp, enable_fusion"):
         KitsuneOptimizer(_opt(), bogus=True)
     assert KitsuneOptimizer(_opt(), config=KitsuneConfig()).config == KitsuneConfig()  # config= alone
+
+
+def test_the_misspelt_setting_check_leaves_subclasses_aliases_and_odd_keys_to_pydantic():
+    """The check that names the setting meant applies to kitsune's own configs: a subclass that allows extra
+    settings takes them, a field's alias is a name, and a key that is no string gets pydantic's own error."""
+    from pydantic import ConfigDict, Field
+
+    class Extra(FusionConfig):
+        model_config = ConfigDict(extra="allow")
+
+    class Aliased(FusionConfig):
+        note: str = Field("", alias="Note")
+
+    assert Extra(anything=1).anything == 1  # type: ignore[attr-defined]
+    assert Aliased(Note="x").note == "x"
+    with pytest.raises(ValidationError):
+        FusionConfig.model_validate({1: 2})
+    with pytest.raises(ValidationError, match="did you mean enabled"):
+        Aliased(enable=True)

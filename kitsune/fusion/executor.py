@@ -97,11 +97,11 @@ class FusionSubsystem(Subsystem):
         """`Planned.strict`: narrowed params whose own step needs each grad in its state's dtype
         (`refuse_unmatched`)."""
         self._journal: list[tuple[dict[str, Any], dict[str, Any]]] | None = None
-        self._folded: list[tuple[torch.Tensor, torch.Tensor]] = []
-        """Params that took their Kahan compensation in during this step's re-plan, each with its value before."""
         """Each param's state entries as they were before a re-plan inside this step (`journal`), which converts
         state (a cast to the params' new dtype, 8-bit decoded, the pool's views): a step that raises puts them
         back (`restore_journal`), so a refused step leaves the state as it found it."""
+        self._folded: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """Params that took their Kahan compensation in during this step's re-plan, each with its value before."""
         self._replan_next = False
         self._muon: list[MuonUnit] = []
         self._handled: frozenset[torch.Tensor] = frozenset()
@@ -360,8 +360,14 @@ class FusionSubsystem(Subsystem):
             unit.check_state(state)
 
     def _replan_pending(self) -> bool:
-        """Whether `prepare` re-plans before it binds (where the step did not check the structure before)."""
-        return self._replan_next or self._switches_changed(self._base.param_groups) or self._state_moved()
+        """Whether `prepare` re-plans before it binds (where the step did not check the structure before, as with
+        updates inside backward or sharded state): a switch, the state, or a lazy module's params made since."""
+        return (
+            self._replan_next
+            or self._switches_changed(self._base.param_groups)
+            or self._state_moved()
+            or self._lazy_made()
+        )
 
     def prepare(self, s: StepState) -> list[FusedUnit]:
         """The host half of a step: re-plan if a switch or a param's storage changed (where the step did not check
@@ -534,7 +540,7 @@ class FusionSubsystem(Subsystem):
         state dict is the plan's); then the hyperparameters' last change is uploaded. False: no update launches
         inside this backward, and step() re-plans and updates every param with the switches the groups hold now, as
         torch's step would."""
-        if self._replan_next or self._switches_changed(self._base.param_groups) or self._state_moved():
+        if self._replan_pending():
             return False
         self.refresh_contexts()
         return True
@@ -552,9 +558,11 @@ class FusionSubsystem(Subsystem):
         state = self._base.state
         if state is not self._state_seen[0] or len(state) != self._state_seen[1]:
             return False
+        binding = unit.binding
         ready = unit.prepare(self._base.state, self._base.param_groups) and not unit.stale
         unit.keep()  # an update inside backward is not undone: the grads it moved into the arena stay
-        self._see_state()  # the state this unit's lazy init made
+        if unit.binding != binding:
+            self._see_state()  # the state this unit's lazy init made (not a pass over every unit for each unit)
         return ready
 
     def undo(self) -> None:

@@ -319,13 +319,14 @@ def check_loaded(state: Mapping[Any, Any]) -> None:
 
 def check_pairs(s: Mapping[Any, Any]) -> None:
     """Raise ``ValueError`` where ``s`` holds one half of 8-bit state (codes without their block scales, or scales
-    without codes): it decodes to nothing, and a step would miss the key."""
+    without codes) of a key 8-bit state covers (`SIGNED`): it decodes to nothing, and a step would miss the key."""
     for name in s:
         if not isinstance(name, str):
             continue
         for mine, other in ((CODES, ABSMAX), (ABSMAX, CODES)):
-            if name.endswith(mine) and name.removesuffix(mine) + other not in s:
-                key = name.removesuffix(mine)
+            key = name.removesuffix(mine)
+            # only the keys 8-bit state covers: another optimizer's own "..._codes" entry is its business
+            if name.endswith(mine) and key in SIGNED and key + other not in s:
                 raise ValueError(
                     f"optimizer state {name!r} without {key + other!r}: 8-bit state is a pair of codes and block "
                     f"scales; restore both, or drop both (and give {key!r} as a float tensor, or no {key!r} to start "

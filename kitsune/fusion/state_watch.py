@@ -28,10 +28,10 @@ from kitsune import _native
 class StateWatch:
     """The fused units' state as their last bindings left it (`follow`), and whether it changed since (`changed`).
 
-    Nothing is held but the state dict (which the executor holds anyway) and the ids of the values bound: a bound
-    tensor lives while its unit's weak reference to it does (`kitsune.fusion.units.FusedUnit.state_freed` sees it
-    freed), so while it lives an equal id is the same tensor, and an old dict or tensor replaced is freed as it would
-    be without kitsune."""
+    It holds the state dict and the bound params (which the executor holds anyway) and only the ids of the values
+    bound, never a state tensor or a param's dict: a bound tensor lives while its unit's weak reference to it does
+    (`kitsune.fusion.units.FusedUnit.state_freed` sees it freed), so while it lives an equal id is the same tensor,
+    and an old dict or tensor replaced is freed as it would be without kitsune."""
 
     def __init__(self, native: bool = True) -> None:
         self.native = native

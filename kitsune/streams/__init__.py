@@ -76,6 +76,7 @@ class StreamScheduler(Subsystem):
         scaling: bool = False,
         step_state: Callable[[], StepState] = lambda: StepState(0, fused_grads=True),
         accumulation: Accumulation | None = None,
+        plan_fits: Callable[[], bool] = lambda: True,
     ) -> None:
         super().__init__()
         self.config = config
@@ -92,6 +93,9 @@ class StreamScheduler(Subsystem):
         self.replays = 0
         self.graph_reason: str | None = None
         """Why the units' updates are not replayed from CUDA graphs, or None when they are (or will be)."""
+        self._plan_fits = plan_fits
+        """Whether the optimizer's plan still fits its param groups (a param added, removed or moved since): a
+        backward launches no update where it does not, and step() plans again and updates every param."""
         self._handles: list[Any] = []
         self._finalizer: weakref.finalize | None = None
         """Removes this plan's hooks when the scheduler is collected (the params outlive it)."""
@@ -184,6 +188,9 @@ class StreamScheduler(Subsystem):
         if self._finalizer is not None:  # the last plan's: its hooks are gone (one a plan would pile up)
             self._finalizer.detach()
             self._finalizer = None
+        _forget(self._owned, self._me)  # the params of the last plan: this one takes over those it still holds
+        self._owned.clear()
+        self._taken.clear()  # (it takes its params back from a newer optimizer as it hooks them: `_take_over`)
         self._handle_of = {}
         self.in_backward = False
         fusion = self._fusion
@@ -283,7 +290,9 @@ class StreamScheduler(Subsystem):
             if not newer._launched:
                 continue
             units = newer._fusion.units
-            shared = sum(id(q) in taken for i in newer._launched for q in units[i].params)
+            base = self._fusion.base if self._fusion is not None else None
+            mine = {id(q) for g in base.param_groups for q in g["params"]} if base is not None else set(taken)
+            shared = sum(id(q) in taken and id(q) in mine for i in newer._launched for q in units[i].params)
             if shared:
                 raise RuntimeError(
                     f"kitsune: {shared} param(s) of this optimizer were updated inside backward by a newer "
@@ -349,7 +358,7 @@ class StreamScheduler(Subsystem):
             self._refreshed = True
             # (a process group started since the plan: DDP averages the grads after these hooks, so step() updates
             # every param, on the averaged grads, and plans again without updates inside backward: `fits`)
-            self._open = fusion.begin_backward() and _world_size() == 1
+            self._open = fusion.begin_backward() and _world_size() == 1 and self._plan_fits()
         task = _graph_task()
         if task != self._ended_task:
             # the grads as backward leaves them, when it ends: backward itself writes grads after a unit's launch
@@ -622,10 +631,11 @@ def _graph_task() -> int:
 
 
 _HOOKED: dict[int, weakref.ref] = {}
-"""Each param's newest stream scheduler (the one whose hook updates it inside backward), by the param's id, while
-that scheduler lives (it holds the param's optimizer, so the id is the param's): a weak key would put a weak
-reference on every param, and ``torch.utils.swap_tensors`` (``Module.to`` under
-``torch.__future__.set_swap_module_params_on_conversion(True)``, which DTensor params take) refuses such tensors."""
+"""Each param's newest stream scheduler (the one whose hook updates it inside backward), by the param's id: a weak
+key would put a weak reference on every param, and ``torch.utils.swap_tensors`` (``Module.to`` under
+``torch.__future__.set_swap_module_params_on_conversion(True)``, which DTensor params take) refuses such tensors. An
+entry lasts while its scheduler's plan holds the param (each plan forgets the last one's, and a collected
+scheduler its own: `_forget`), so the id is that param's, never a later one's at the same address."""
 
 
 def _forget(owned: set[int], me: weakref.ref) -> None:

@@ -12,7 +12,7 @@ import torch
 from helpers import routes
 from twins import assert_refused, assert_steps_as_the_wrapped_step, make_params, random_grads, set_grad
 
-from kitsune import AMPConfig, FusionConfig, KitsuneOptimizer
+from kitsune import AMPConfig, FusionConfig, KitsuneOptimizer, StreamConfig
 
 FP16 = {"enable_amp": True, "amp_config": AMPConfig(dtype=torch.float16, init_scale=2.0**10)}
 
@@ -910,8 +910,9 @@ def test_trust_ratio_optimizers_leave_unreadable_grads_to_their_own_step(name, d
         torch.testing.assert_close(p, t, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("in_backward", [False, True], ids=["step", "in-backward"])
 @pytest.mark.parametrize("all_lazy", [True, False], ids=["all-lazy", "one-lazy"])
-def test_lazy_modules_are_planned_after_their_first_forward_and_train_as_torch(all_lazy, device):
+def test_lazy_modules_are_planned_after_their_first_forward_and_train_as_torch(all_lazy, in_backward, device):
     """A lazy module's params are uninitialized until its first forward (torch's optimizer takes them so): the plan
     leaves them out, with no warning where nothing else is there to fuse, and the step after the forward plans them
     in, matching torch from there."""
@@ -923,7 +924,10 @@ def test_lazy_modules_are_planned_after_their_first_forward_and_train_as_torch(a
     model, twin = build(), build()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        opt = KitsuneOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), enable_fusion=True)
+        streams = StreamConfig(step_in_backward=in_backward, bucket_bytes=64)
+        opt = KitsuneOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=0.01), enable_fusion=True, stream_config=streams
+        )
     ref = torch.optim.AdamW(twin.parameters(), lr=0.01)
     assert opt.plan.fused_tensors == (0 if all_lazy else 2)
     gen = torch.Generator().manual_seed(5)

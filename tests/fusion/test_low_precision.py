@@ -512,6 +512,11 @@ def test_convert_state_dict_both_ways_and_its_errors():
     del orphan["state"][0]["exp_avg_absmax"]  # codes alone decode to nothing: not passed on as "fp32" state
     with pytest.raises(ValueError, match="'exp_avg_codes' without 'exp_avg_absmax'"):
         kitsune.convert_state_dict(orphan, "fp32")
+    own = copy.deepcopy(sd)
+    own["state"][0]["grad_absmax"] = torch.ones(3)  # another optimizer's own key: not 8-bit state of kitsune's
+    assert torch.equal(kitsune.convert_state_dict(own, "fp32")["state"][0]["grad_absmax"], torch.ones(3))
+    opt.load_state_dict(own)
+    assert torch.equal(opt.state[params[0]]["grad_absmax"], torch.ones(3))
 
 
 def test_the_plan_and_report_say_where_low_precision_does_not_apply(device):

@@ -252,6 +252,66 @@ def test_a_backward_that_raised_after_updates_and_a_module_zero_grad_names_optim
     opt.step()
 
 
+@pytest.mark.parametrize("where", ["before-step", "in-closure"])
+def test_groups_changed_after_updates_inside_backward_are_refused_not_updated_twice(where, device):
+    """A param added to the groups between backward and step (or in the closure, after its backward): the updates
+    inside backward ran on the groups as they were; planning again would forget them and update those params a
+    second time (0.15 off torch). Refused, changing nothing more; after zero_grad() the loop goes on with the new
+    groups, every param updated once a step."""
+    net, _ = twins(device)
+    extra = nn.Parameter(torch.randn(5, device=device))
+    opt = KitsuneOptimizer(torch.optim.SGD(net.parameters(), lr=0.05), config=in_backward(bucket_bytes=64))
+    x, y = torch.randn(4, 6, device=device), torch.randn(4, 3, device=device)
+
+    def loss() -> torch.Tensor:
+        return nn.functional.mse_loss(net(x, use_branch=True), y) + extra.square().sum()
+
+    def closure() -> torch.Tensor:
+        out = loss()
+        out.backward()
+        opt.param_groups[0]["params"].append(extra)
+        return out
+
+    if where == "before-step":
+        loss().backward()
+        opt.param_groups[0]["params"].append(extra)
+    after_backward = [p.detach().clone() for p in (*net.parameters(), extra)]
+    with pytest.raises(RuntimeError, match="the param groups changed after updates ran inside backward"):
+        opt.step() if where == "before-step" else opt.step(closure)
+    if where == "in-closure":
+        after_backward = [p.detach().clone() for p in (*net.parameters(), extra)]  # the closure's updates ran
+    assert all(torch.equal(p, b) for p, b in zip((*net.parameters(), extra), after_backward, strict=True))
+    opt.zero_grad()
+    for _ in range(2):
+        before = extra.detach().clone()
+        loss().backward()
+        opt.step()
+        opt.zero_grad()
+        torch.testing.assert_close(extra.detach(), before - 0.05 * 2 * before, rtol=1e-5, atol=1e-6)
+
+
+def test_a_param_an_optimizer_let_go_of_is_not_counted_as_taken_from_it(device):
+    """The registry of each param's newest optimizer is keyed by id (a weak key would block torch.utils.swap_tensors):
+    a plan forgets the last plan's params, and an optimizer whose entry outlived its param (a later param at the same
+    address, made newer by another optimizer) does not refuse its own step over what it no longer holds."""
+    from kitsune.streams import _HOOKED
+
+    a0, a1 = nn.Parameter(torch.randn(4, device=device)), nn.Parameter(torch.randn(4, device=device))
+    older = KitsuneOptimizer(torch.optim.SGD([a0, a1], lr=0.1), enable_fusion=True)
+    older.param_groups[0]["params"].pop()
+    a0.grad = torch.ones(4, device=device)
+    older.step()  # planned again without a1
+    assert _HOOKED.get(id(a1)) is None and _HOOKED[id(a0)]() is older.scheduler
+    q = nn.Parameter(torch.randn(4, device=device))
+    _HOOKED[id(q)] = older.scheduler._me  # as if q sat where a param the older one held before
+    newer = KitsuneOptimizer(torch.optim.SGD([q], lr=0.1), config=in_backward(bucket_bytes=64))
+    (q * 2).sum().backward()  # the newer optimizer updates q inside backward
+    a0.grad = torch.ones(4, device=device)
+    older.step()  # not refused: q was never the older optimizer's
+    newer.step()
+    assert _HOOKED[id(q)]() is newer.scheduler
+
+
 def test_step_inside_accumulating_is_an_error(device):
     net, _ = twins(device)
     opt = KitsuneOptimizer(torch.optim.AdamW(net.parameters()), config=in_backward())
