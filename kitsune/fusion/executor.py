@@ -203,18 +203,9 @@ class FusionSubsystem(Subsystem):
         # nothing to run: the params' storages, for a move that may change their routes (model.cuda() after wrapping)
         self._idle = [] if self.executes else [p for g in base.param_groups for p in g["params"] if p not in remote]
         self._idle_ptrs = _storages(self._idle)
-        # 8-bit state, and float state of another dtype than the params where the wrapped step lerps the grads into
-        # it (Adam's family, centered RMSprop): SGD's, Adagrad's and RMSprop's steps carry on with such state
-        low = [
-            u
-            for u in self._units
-            if u.spec.state == StateFormat.Q8
-            or (
-                state_format.dtype_of(u.spec.state, u.dtype) != u.dtype
-                and self._info is not None
-                and self._info.one_dtype_for(u.spec)
-            )
-        ]
+        # 8-bit state, and float state of another dtype than the params: torch's foreach and fused steps (CUDA's
+        # default) take each state tensor in its param's dtype, and Adam's family lerps the grads into it
+        low = [u for u in self._units if state_format.dtype_of(u.spec.state, u.dtype) != u.dtype]
         names = ", ".join(sorted({state_format.NAMES[u.spec.state] for u in low}))
         self.low_precision = (
             f"optimizer state its own step cannot read ({names} state: FusionConfig.state_precision)" if low else None
