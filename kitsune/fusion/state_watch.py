@@ -77,11 +77,6 @@ class StateWatch:
         self._watch()  # every entry as bound: a value set to itself, or a change elsewhere in the state
         return False
 
-    def close(self) -> None:
-        """Watch nothing (the plan is gone)."""
-        self._unwatch([p for p, _, _ in self._held])
-        self._state, self._bindings, self._held, self._mark = None, (), [], -1
-
     def _unwatch(self, params: list[torch.Tensor]) -> None:
         """Watch the dicts of ``params`` no more (3.12+), where the state still holds them: a param the wrapped
         optimizer's own step updates now (SGD's sets its momentum buffer in its dict each step) would otherwise send
