@@ -300,7 +300,8 @@ class Planner:
         algo = unit_info(info, spec)
         if algo is None or not algo.low_precision:
             name = algo.name if algo else "this optimizer"
-            return spec, f"state_precision={precision!r} does not apply to {name}: state in the param's dtype"
+            why = _FULL_PRECISION.get(name, "")
+            return spec, f"state_precision={precision!r} does not apply to {name}{why}: state in the param's dtype"
         if spec.centered:
             return spec, (
                 f"state_precision={precision!r} does not apply to centered RMSprop: square_avg - grad_avg**2 would "
@@ -542,6 +543,12 @@ def _param_reason(p: torch.Tensor) -> tuple[Route | None, str]:
         return _NOT_DENSE
     return None, "fused Triton multi-tensor kernel"
 
+
+_FULL_PRECISION = {
+    "Rprop": " (its step sizes grow and shrink by factors, which rounding would compound)",
+    "ASGD": " (its average is a copy of the params, which rounding would move off them)",
+}
+"""Why an optimizer's state stays in the param's dtype under ``state_precision``, where the plan's note says so."""
 
 _NOT_DENSE = (
     Route.TORCH_FOREACH,

@@ -524,7 +524,9 @@ def test_the_plan_and_report_say_where_low_precision_does_not_apply(device):
     config = FusionConfig(state_precision="8bit", min_8bit_size=0)
     opt = KitsuneOptimizer(torch.optim.Rprop(params), enable_fusion=True, fusion_config=config)
     (bucket,) = opt.plan.buckets
-    assert bucket.state == "float32" and any("does not apply to Rprop" in n for n in bucket.notes)
+    assert bucket.state == "float32" and any(
+        "does not apply to Rprop (its step sizes grow and shrink by factors" in n for n in bucket.notes
+    )
     sgd = KitsuneOptimizer(torch.optim.SGD(params, lr=0.1), enable_fusion=True, fusion_config=config)
     assert sgd.plan.buckets[0].state == "-" and not sgd.plan.buckets[0].notes  # no state to keep
     kitsune.KitsuneConfig(fusion=config, shard={"stage": 1})  # sharded low-precision state: tests/distributed
