@@ -67,6 +67,13 @@ _FP32_MAX = float(torch.finfo(torch.float32).max)
 """The loss scale is held in fp32 on the device."""
 
 
+def setting_hint(key: str, names: Collection[str], listing: str) -> str:
+    """For an unknown setting ``key``: the one of ``names`` it is nearest (``did you mean enabled=...?``), else
+    ``listing`` and every name (``its settings are a, b``)."""
+    near = difflib.get_close_matches(key, list(names), n=1)
+    return f"did you mean {near[0]}=...?" if near else f"{listing} are {', '.join(names)}"
+
+
 class _Config(BaseModel):
     model_config = ConfigDict(
         frozen=True, extra="forbid", validate_default=True, arbitrary_types_allowed=True, use_attribute_docstrings=True
@@ -85,9 +92,7 @@ class _Config(BaseModel):
             if not isinstance(key, str) or key in aliases:
                 continue  # pydantic's own error for what is no name
             if key not in fields:
-                near = difflib.get_close_matches(key, list(fields), n=1)
-                hint = f"did you mean {near[0]}=...?" if near else f"its settings are {', '.join(fields)}"
-                raise ValueError(f"{cls.__name__} has no setting {key!r}: {hint}")
+                raise ValueError(f"{cls.__name__} has no setting {key!r}: {setting_hint(key, fields, 'its settings')}")
             kind = fields[key].annotation
             if isinstance(value, bool) and isinstance(kind, type) and issubclass(kind, _Config):
                 on = f"enabled={value}" if "enabled" in kind.model_fields else ("..." if value else "")

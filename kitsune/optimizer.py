@@ -10,7 +10,6 @@ before everything that can fail has been checked, and hooks run where torch runs
 from __future__ import annotations
 
 import contextlib
-import difflib
 import functools
 import inspect
 import warnings
@@ -27,7 +26,16 @@ from torch.optim.optimizer import _global_optimizer_pre_hooks as _global_pre
 from kitsune import checkpoint
 from kitsune._untraced import never_traced
 from kitsune.amp import AMPSubsystem
-from kitsune.config import AMPConfig, FusionConfig, GradConfig, KitsuneConfig, ShardConfig, StreamConfig, resolve_config
+from kitsune.config import (
+    AMPConfig,
+    FusionConfig,
+    GradConfig,
+    KitsuneConfig,
+    ShardConfig,
+    StreamConfig,
+    resolve_config,
+    setting_hint,
+)
 from kitsune.distributed.zero import ShardSubsystem
 from kitsune.fusion import algos, state_format
 from kitsune.fusion.algos import trust_ratios
@@ -134,8 +142,7 @@ def _refuse_arguments(signature: inspect.Signature, args: tuple, kwargs: dict[st
     names = [n for n in signature.parameters if n not in ("self", "optimizer")]
     for key in kwargs:
         if key not in signature.parameters:
-            near = difflib.get_close_matches(key, names, n=1)
-            hint = f"did you mean {near[0]}=...?" if near else f"the settings are {', '.join(names)}"
+            hint = setting_hint(key, names, "the settings")
             raise TypeError(f"KitsuneOptimizer got an unknown setting {key!r}: {hint}")
 
 

@@ -203,9 +203,10 @@ class FusionSubsystem(Subsystem):
         # nothing to run: the params' storages, for a move that may change their routes (model.cuda() after wrapping)
         self._idle = [] if self.executes else [p for g in base.param_groups for p in g["params"] if p not in remote]
         self._idle_ptrs = _storages(self._idle)
-        # 8-bit state, and float state of another dtype than the params: torch's foreach and fused steps (CUDA's
-        # default) take each state tensor in its param's dtype, and Adam's family lerps the grads into it
-        low = [u for u in self._units if state_format.dtype_of(u.spec.state, u.dtype) != u.dtype]
+        # 8-bit state, and float state of another dtype than the params (the planner leaves fp32 state of fp32
+        # params in PARAM): torch's foreach and fused steps (CUDA's default) take each state tensor in its param's
+        # dtype, and Adam's family lerps the grads into it
+        low = [u for u in self._units if u.spec.state != StateFormat.PARAM]
         names = ", ".join(sorted({state_format.NAMES[u.spec.state] for u in low}))
         self.low_precision = (
             f"optimizer state its own step cannot read ({names} state: FusionConfig.state_precision)" if low else None
@@ -229,13 +230,15 @@ class FusionSubsystem(Subsystem):
         if self.executes:
             self.activate()
         else:
-            reasons = "; ".join(sorted({b.reason for b in plan.buckets})) or "no params"
+            reasons = sorted({b.reason for b in plan.buckets})
             if self._lazy:
-                reasons = (
+                waiting = (
                     f"{len(self._lazy)} uninitialized param(s) of lazy modules, planned at the step after the forward "
-                    "that makes them" + (f"; {reasons}" if plan.buckets else "")
+                    "that makes them"
                 )
-            self.deactivate(f"nothing to fuse yet: {reasons}" if self._lazy else f"nothing to fuse: {reasons}")
+                self.deactivate("nothing to fuse yet: " + "; ".join([waiting, *reasons]))
+            else:
+                self.deactivate(f"nothing to fuse: {'; '.join(reasons) or 'no params'}")
 
     # -- checkpoints ----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -308,10 +311,13 @@ class FusionSubsystem(Subsystem):
         in it was replaced (`kitsune.fusion.state_watch`). The units' weak references see a bound tensor freed;
         these see what leaves the old tensors alive wherever something else holds them (a state_dict() taken
         before holds the very dicts), where the kernels would go on updating them."""
+        return self._state_replaced() or self._state_watch.changed()
+
+    def _state_replaced(self) -> bool:
+        """Whether the state dict is another object, or holds another number of params, than the last plan or step
+        left (no visit per param)."""
         state = self._base.state
-        if state is not self._state_seen[0] or len(state) != self._state_seen[1]:
-            return True
-        return self._state_watch.changed()
+        return state is not self._state_seen[0] or len(state) != self._state_seen[1]
 
     def _value_check(self, base: torch.optim.Optimizer) -> Callable[[dict[str, Any], str], None] | None:
         """What a group's values are checked with before they are uploaded: a kitsune.optim optimizer's own
@@ -546,8 +552,7 @@ class FusionSubsystem(Subsystem):
         """One unit's host work for an update inside backward: False when it has no grad, a param moved or the state
         dict was replaced or lost or gained params (the step re-plans). The state's entries were compared once for the
         whole backward (`begin_backward`), not again for each unit."""
-        state = self._base.state
-        if state is not self._state_seen[0] or len(state) != self._state_seen[1]:
+        if self._state_replaced():
             return False
         binding = unit.binding
         ready = unit.prepare(self._base.state, self._base.param_groups) and not unit.stale

@@ -559,8 +559,8 @@ _NOT_DENSE = (
 
 _NOT_ROW_MAJOR = (
     Route.BASE_STEP,
-    "channels_last param: Muon's fused kernels orthogonalise the row-major "
-    "matrix; the wrapped optimizer's own step updates it",
+    "channels_last param: Muon's fused kernels orthogonalise the row-major matrix; the wrapped optimizer's own "
+    "step updates it",
 )
 """A Muon param whose elements lie in another order than the row-major matrix Newton-Schulz reads."""
 

@@ -634,12 +634,14 @@ _HOOKED: dict[int, weakref.ref] = {}
 """Each param's newest stream scheduler (the one whose hook updates it inside backward), by the param's id: a weak
 key would put a weak reference on every param, and ``torch.utils.swap_tensors`` (``Module.to`` under
 ``torch.__future__.set_swap_module_params_on_conversion(True)``, which DTensor params take) refuses such tensors. An
-entry lasts while its scheduler's plan holds the param (each plan forgets the last one's, and a collected
-scheduler its own: `_forget`), so the id is that param's, never a later one's at the same address."""
+entry lasts while its scheduler's plan stands (each plan forgets the last one's, and a collected scheduler its own:
+`_forget`); a param taken out of the groups before the next plan may go and its id come back with another param,
+so `refuse_taken` counts only the params the optimizer holds."""
 
 
 def _forget(owned: set[int], me: weakref.ref) -> None:
-    """A scheduler was collected: the params it was the newest over are nobody's (where no newer one took them)."""
+    """A scheduler was collected, or plans again: the params its last plan was the newest over are nobody's (where no
+    newer one took them) until a plan takes them."""
     for pid in owned:
         if _HOOKED.get(pid) is me:
             del _HOOKED[pid]
