@@ -82,6 +82,17 @@ def trajectory(
     return params, opt
 
 
+def step_twins(model: torch.nn.Module, twin: torch.nn.Module, opt: Any, ref: Any, x: torch.Tensor) -> None:
+    """One step of the same loss (the sum of the outputs' squares on ``x``) on ``model`` with ``opt`` and on its twin
+    with ``ref``; their params then agree to a rounding."""
+    for m, o in ((model, opt), (twin, ref)):
+        m(x).square().sum().backward()
+        o.step()
+        o.zero_grad()
+    for p, t in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p, t, rtol=1e-5, atol=1e-6)
+
+
 def assert_close_params(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], dtype: torch.dtype) -> None:
     atol, rtol = TOL[dtype]
     for i, (x, y) in enumerate(zip(a, b, strict=True)):

@@ -10,7 +10,14 @@ from typing import Any
 import pytest
 import torch
 from helpers import routes
-from twins import assert_refused, assert_steps_as_the_wrapped_step, make_params, random_grads, set_grad
+from twins import (
+    assert_refused,
+    assert_steps_as_the_wrapped_step,
+    make_params,
+    random_grads,
+    set_grad,
+    step_twins,
+)
 
 from kitsune import AMPConfig, FusionConfig, KitsuneOptimizer, StreamConfig
 
@@ -935,11 +942,5 @@ def test_lazy_modules_are_planned_after_their_first_forward_and_train_as_torch(a
     model(x), twin(x)
     twin.load_state_dict(model.state_dict())
     for _ in range(4):
-        x = torch.randn(3, 5, generator=gen).to(device)
-        for m, o in ((model, opt), (twin, ref)):
-            m(x).square().sum().backward()
-            o.step()
-            o.zero_grad()
-        for p, t in zip(model.parameters(), twin.parameters(), strict=True):
-            torch.testing.assert_close(p, t, rtol=1e-5, atol=1e-6)
+        step_twins(model, twin, opt, ref, torch.randn(3, 5, generator=gen).to(device))
     assert opt.plan.fused_tensors == 4

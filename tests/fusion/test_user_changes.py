@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from twins import assert_refused, make_params, ptrs_equal_stand_in, random_grads
+from twins import assert_refused, make_params, ptrs_equal_stand_in, random_grads, step_twins
 
 from kitsune import FusionConfig, KitsuneConfig, KitsuneOptimizer, MemoryConfig, _native
 from kitsune.optim import LAMB, LARS, Lion
@@ -84,11 +84,12 @@ CASES = [
 ]
 
 
-def _twins(make: Callable, pool: int | None, device: torch.device) -> tuple[list, list, Any, Any]:
+def _twins(make: Callable, pool: int | None, device: torch.device, native: bool = True) -> tuple[list, list, Any, Any]:
     params = make_params(SIZES, torch.float32, device)
     twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
     kw = {} if pool is None else {"memory_pool_size": pool}
-    return params, twins, KitsuneOptimizer(make(params), enable_fusion=True, **kw), make(twins)
+    fusion = FusionConfig(native_checks=native)
+    return params, twins, KitsuneOptimizer(make(params), enable_fusion=True, fusion_config=fusion, **kw), make(twins)
 
 
 def _set_grads(params: list, twins: list, step: int) -> None:
@@ -117,19 +118,37 @@ def test_state_changed_by_hand_is_read_as_torch_reads_it(opt_case, change, pool,
     _changed_after_step_3(opt_case[0], change, pool, device)
 
 
-def _changed_after_step_3(make: Callable, change: Callable, pool: int | None, device: torch.device) -> None:
-    """Kitsune and torch side by side over 7 steps, ``change`` made to both after step 3; the same params and
-    state_dict after every step, and the fused path throughout, before and after the change."""
-    params, twins, opt, ref = _twins(make, pool, device)
+def _changed_after_step_3(
+    make: Callable,
+    change: Callable,
+    pool: int | None,
+    device: torch.device,
+    native: bool = True,
+    before: Callable[[Any, Any], None] | None = None,
+) -> Any:
+    """Kitsune and torch side by side over 7 steps, ``change`` made to both after step 3 (``before(opt, ref)`` just
+    ahead of it); the same params and state_dict after every step, and the fused path throughout, before and after
+    the change. Returns the KitsuneOptimizer."""
+    params, twins, opt, ref = _twins(make, pool, device, native)
     for step in range(7):
         _set_grads(params, twins, step)
         if step == 3:
+            if before is not None:
+                before(opt, ref)
             change(opt, params)
             change(ref, twins)
         opt.step()
         ref.step()
         _assert_same(params, twins, opt, ref, step)
     assert opt.plan.fused_tensors == len(params)
+    return opt
+
+
+def _assert_held_as_torchs(held: dict, ref_held: dict) -> None:
+    """A state_dict() taken before the change keeps the values torch's taken then keeps."""
+    for i, st in ref_held["state"].items():
+        for key, v in st.items():
+            torch.testing.assert_close(held["state"][i][key], v, rtol=1e-5, atol=1e-6, check_device=False)
 
 
 def _moment_storage_swapped(opt: Any, params: list) -> None:
@@ -169,22 +188,13 @@ def test_state_dropped_while_a_state_dict_taken_before_holds_it(opt_case, change
     """A state_dict() taken before the change holds the very per-param dicts torch's state held, so the dropped
     tensors stay alive (no weak reference dies): the step must still start that state afresh, as torch's does, and
     leave the held checkpoint as torch's is (the dropped params' entries as they were)."""
-    make, _ = opt_case
-    params, twins, opt, ref = _twins(make, pool, device)
-    held = ref_held = None
-    for step in range(7):
-        _set_grads(params, twins, step)
-        if step == 3:
-            held, ref_held = opt.state_dict(), ref.state_dict()
-            change(opt, params)
-            change(ref, twins)
-        opt.step()
-        ref.step()
-        _assert_same(params, twins, opt, ref, step)
-    assert opt.plan.fused_tensors == len(params)
-    for i, st in ref_held["state"].items():
-        for key, v in st.items():
-            torch.testing.assert_close(held["state"][i][key], v, rtol=1e-5, atol=1e-6, check_device=False)
+    held: dict[str, Any] = {}
+
+    def hold(opt: Any, ref: Any) -> None:
+        held.update(ours=opt.state_dict(), torchs=ref.state_dict())
+
+    _changed_after_step_3(opt_case[0], change, pool, device, before=hold)
+    _assert_held_as_torchs(held["ours"], held["torchs"])
 
 
 def _replace_param_dict(opt: Any, params: list) -> None:
@@ -220,27 +230,18 @@ def test_state_replaced_while_other_code_holds_the_old_is_read_as_torch_reads_it
     holds the old ones: no weak reference dies and the state dict keeps its size, so only the dicts show it (the
     native watch, or the Python comparison). The step must use the new tensors, as torch does; the held ones keep
     their values. A value set to itself leaves the plan as it was."""
-    make, _ = opt_case
-    params = make_params(SIZES, torch.float32, device)
-    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    memory = MemoryConfig() if pool is None else MemoryConfig(pool_size=pool)
-    config = KitsuneConfig(fusion=FusionConfig(native_checks=native), memory=memory)
-    opt = KitsuneOptimizer(make(params), config=config)
-    ref = make(twins)
+    noted: dict[str, Any] = {}
+
+    def hold(opt: Any, ref: Any) -> None:
+        fusion = next(s for s in opt.subsystems if s.name == "fusion")
+        noted.update(ours=opt.state_dict(), torchs=ref.state_dict(), version=fusion.plan_version)
+        noted.update(kept=[t for st in opt.state.values() for t in st.values()])
+        noted.update(compares=fusion.report()["state_compares"])
+
+    opt = _changed_after_step_3(opt_case[0], change, pool, device, native=native, before=hold)
     fusion = next(s for s in opt.subsystems if s.name == "fusion")
-    for step in range(7):
-        _set_grads(params, twins, step)
-        if step == 3:
-            held, ref_held = opt.state_dict(), ref.state_dict()
-            kept = [t for st in opt.state.values() for t in st.values()]
-            version, compares = fusion.plan_version, fusion.report()["state_compares"]
-            change(opt, params)
-            change(ref, twins)
-        opt.step()
-        ref.step()
-        _assert_same(params, twins, opt, ref, step)
-    assert opt.plan.fused_tensors == len(params)
-    assert fusion.plan_version == version + (change is not _set_to_itself)
+    held, ref_held, kept, compares = noted["ours"], noted["torchs"], noted["kept"], noted["compares"]
+    assert fusion.plan_version == noted["version"] + (change is not _set_to_itself)
     if (
         native and _native.CHECKS is not None
     ):  # a step compares the entries only where a dict changed: the step after the change (a value set to
@@ -249,9 +250,7 @@ def test_state_replaced_while_other_code_holds_the_old_is_read_as_torch_reads_it
         assert now == compares + 1 if change is not _set_to_itself else now <= compares + 1
     else:
         assert fusion.report()["state_compares"] >= 7  # every step
-    for i, st in ref_held["state"].items():
-        for key, v in st.items():
-            torch.testing.assert_close(held["state"][i][key], v, rtol=1e-5, atol=1e-6, check_device=False)
+    _assert_held_as_torchs(held, ref_held)
     assert all(isinstance(t, torch.Tensor) for t in kept)
 
 
@@ -919,13 +918,7 @@ def test_params_swapped_on_conversion_train_as_torch(in_backward, device, monkey
         if step == 2:
             for m in (model, twin):
                 m.load_state_dict({k: v * 0.5 for k, v in m.state_dict().items()})
-        x = torch.randn(3, 5, generator=gen).to(device)
-        for m, o in ((model, opt), (twin, ref)):
-            m(x).square().sum().backward()
-            o.step()
-            o.zero_grad()
-        for p, t in zip(model.parameters(), twin.parameters(), strict=True):
-            torch.testing.assert_close(p, t, rtol=1e-5, atol=1e-6)
+        step_twins(model, twin, opt, ref, torch.randn(3, 5, generator=gen).to(device))
     assert "triton" in str(opt.plan)
 
 
