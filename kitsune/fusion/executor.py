@@ -126,6 +126,10 @@ class FusionSubsystem(Subsystem):
         self._prepared: list[FusedUnit] = []
         """The units this step's `prepare` went through (whose lazy state `undo` removes); emptied when the step
         finishes, so a later step that raises before its own `prepare` takes back nothing."""
+        self._launched: dict[int, FusedUnit] = {}
+        """The units (by id) whose update was queued since the last step finished (in the step, or inside
+        backward): what they wrote stands, so a step that raises after that keeps their state as their kernels left
+        it (`undo`, `restore_journal`)."""
         self._pending_skips: list[tuple[list[torch.Tensor], torch.Tensor, Any]] = []
         """Steps that created lazy state and may have been skipped by AMP on the device: the params, a pinned copy
         of the overflow flag, the event after which it holds (`settle_skips`)."""
@@ -564,13 +568,21 @@ class FusionSubsystem(Subsystem):
     def undo(self) -> None:
         """A step that raised after `prepare`: remove the state it created (a failed step creates none), give the
         grads it moved into the pool's flat arena back to their params, and check the params' storages again on the
-        retry. A step that raised before its `prepare` (a refusal of the grads' checks) finds nothing to undo:
-        `finish` emptied the last step's list."""
+        retry (the units whose state went bind afresh: a plan at the next step). A unit whose update was queued
+        before the step raised (an error after the launch: a CUDA error surfacing, an interrupt) keeps what its
+        kernel wrote with. A step that raised before its `prepare` (a refusal of the grads' checks) finds nothing to
+        undo: `finish` emptied the last step's list."""
         state = self._base.state
+        launched = self._launched
         for unit in self._prepared:
+            if id(unit) in launched:  # its kernel ran on this state and these grads: they stand
+                unit.keep()
+                continue
             unit.return_grads()
             for p in unit.created:
                 state.pop(p, None)
+            if unit.created:  # its tables may point at the state just removed: the next step binds it afresh
+                self._replan_next = True
         self._prepared = []
         self.forget_checks()
 
@@ -676,6 +688,9 @@ class FusionSubsystem(Subsystem):
         """A step that raised: each param's state entries as `journal` noted them, where a re-plan inside the step
         converted them, and a re-plan at the next step (the plan of the step that raised was made for the converted
         state); a param that took its compensation in (`_fold_compensation`) as it was."""
+        if self._launched:  # the kernels updated the converted state (and any folded param): it stands
+            self.drop_journal()
+            return
         journal, self._journal = self._journal, None
         folded, self._folded = self._folded, []
         with torch.no_grad():
@@ -690,9 +705,10 @@ class FusionSubsystem(Subsystem):
                 self._replan_next = True
 
     def drop_journal(self) -> None:
-        """A step that held: its conversions stay."""
+        """A step that held, or raised after its kernels ran: its conversions stay."""
         self._journal = None
         self._folded = []
+        self._launched = {}
 
     def _others_moved(self) -> bool:
         """Whether a param outside the units moved so that the plan may no longer hold: a narrowed one's storage
@@ -859,10 +875,12 @@ class FusionSubsystem(Subsystem):
                 n_norm=n_norm,
                 seed=self.config.rounding_seed,
             )
+            self._launched[id(unit)] = unit  # queued: what it writes from here on stands
         muon = [unit for unit in self._muon if unit in units]
         for unit in muon:  # momentum, Newton-Schulz by shape, update
             hyper = self._contexts[unit.device].buffer
             unit.launch(hyper, _on(found_inf, unit.device), s.grad_write == 2, graphed=s.graphed)
+            self._launched[id(unit)] = unit
         if s.phases is not None:
             s.phases.mark("update")
         muon_launches = sum(unit.launches for unit in muon)

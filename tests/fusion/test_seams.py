@@ -296,6 +296,84 @@ def test_a_refusal_in_one_unit_undoes_what_the_others_prepared(bad, flat_grads, 
             p.grad, t.grad = g.clone(), g.clone()
 
 
+def _follow_torch(params: list, twins: list, opt: Any, ref: Any, steps: range) -> None:
+    """Fresh grads for both, a step of each, and the params compared, for each of ``steps``."""
+    for step in steps:
+        for p, t, g in zip(params, twins, random_grads(params, step), strict=True):
+            p.grad, t.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+        for p, t in zip(params, twins, strict=True):
+            torch.testing.assert_close(p, t, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("flat_grads", [False, True], ids=["grads", "flat_grads"])
+def test_a_first_step_that_raises_while_binding_new_state_binds_afresh_on_the_retry(flat_grads, device, monkeypatch):
+    """The first step makes the state and binds the kernels' tables to it; an error there (the page-locked table's
+    allocation out of memory) removes the new state. The retry makes the state again and binds it (it launched on
+    tables that never pointed at any state: a crash, or writes through stale addresses)."""
+    from kitsune.fusion.units import FusedUnit
+
+    params = make_params([(4, 5), 7, (3, 6)], torch.float32, device)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = KitsuneOptimizer(torch.optim.AdamW(params, lr=0.1, weight_decay=0.1), config=_fused(flat_grads))
+    ref = torch.optim.AdamW(twins, lr=0.1, weight_decay=0.1, foreach=False)
+    assert [b.route for b in opt.plan.buckets] == [Route.TRITON]
+    bind = FusedUnit.bind
+
+    def failing_bind(unit: FusedUnit, state: Any) -> None:
+        monkeypatch.setattr(FusedUnit, "bind", bind)  # once
+        raise torch.OutOfMemoryError("out of memory (page-locked)")
+
+    monkeypatch.setattr(FusedUnit, "bind", failing_bind)
+    for p, g in zip(params, random_grads(params, 0), strict=True):
+        p.grad = g.clone()
+    before = _snapshot(opt)
+    with pytest.raises(torch.OutOfMemoryError):
+        opt.step()
+    _assert_unchanged(before, opt)
+    assert not opt.state
+    _follow_torch(params, twins, opt, ref, range(5))
+    assert [b.route for b in opt.plan.buckets] == [Route.TRITON]
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+@pytest.mark.parametrize("warm", [0, 2], ids=["first_step", "third_step"])
+def test_a_step_that_raises_after_its_launch_keeps_what_the_kernels_wrote(warm, graphs, device, monkeypatch):
+    """An error after the update was queued (a CUDA error surfacing in the step's bookkeeping, an interrupt): the
+    params and state the kernels wrote stand, the first step's new state included (it was removed while the params
+    kept the update made with it, and the next steps left torch's trajectory), and the steps after it follow
+    torch's, which took that step in full."""
+    from kitsune.fusion.executor import FusionSubsystem
+
+    params = make_params([(4, 5), 7, (3, 6)], torch.float32, device)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = KitsuneOptimizer(torch.optim.AdamW(params, lr=0.1, weight_decay=0.1), config=_fused())
+    ref = torch.optim.AdamW(twins, lr=0.1, weight_decay=0.1, foreach=False)
+    if graphs:
+        _graphs_on(opt, device)
+    assert [b.route for b in opt.plan.buckets] == [Route.TRITON]
+    _follow_torch(params, twins, opt, ref, range(warm))
+    finish = FusionSubsystem.finish
+
+    def failing_finish(self: FusionSubsystem, *args: Any, **kwargs: Any) -> None:
+        monkeypatch.setattr(FusionSubsystem, "finish", finish)
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(FusionSubsystem, "finish", failing_finish)
+    for p, t, g in zip(params, twins, random_grads(params, warm), strict=True):
+        p.grad, t.grad = g.clone(), g.clone()
+    with pytest.raises(RuntimeError, match="CUDA error"):
+        opt.step()
+    ref.step()
+    for p, t in zip(params, twins, strict=True):
+        torch.testing.assert_close(p, t, rtol=1e-6, atol=1e-6)
+        assert opt.state[p].keys() == ref.state[t].keys()
+        for key, value in ref.state[t].items():
+            torch.testing.assert_close(opt.state[p][key], value, rtol=1e-6, atol=1e-6)
+    _follow_torch(params, twins, opt, ref, range(warm + 1, warm + 5))
+
+
 @pytest.mark.parametrize("value", ["abc", "0.01", None, [0.1]], ids=["text", "numeric_text", "none", "list"])
 def test_a_hyperparameter_that_is_no_number_is_refused_naming_the_group(value, device):
     """lr set by hand to something the step cannot read as a number: the error names the group and the value (it
