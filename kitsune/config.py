@@ -338,6 +338,9 @@ class ProfilerConfig(_Config):
     """Per-step timings kept for the profile; older ones are dropped (summary counts still cover all steps)."""
     nvml_interval_s: StrictFloat = Field(0.5, ge=0.0, allow_inf_nan=False)
     """Seconds between NVML samples of the GPU while profiling CUDA params; 0 turns the sampler off."""
+    nvml_max_samples: StrictInt = Field(100_000, ge=1)
+    """NVML samples kept for the profile (48 bytes each; 100,000 are about 14 hours at the default interval);
+    older ones are dropped, and the profile says how many."""
     sample_after: StrictInt = Field(10, ge=0)
     """Steps before the sampled windows (probe, then comparison) begin: Triton compiles, state is created and
     clocks settle in them."""

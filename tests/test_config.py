@@ -51,6 +51,7 @@ INVALID = [
     (lambda: GraphConfig(warmup_steps=0), "warmup_steps", "greater than or equal to 1"),
     (lambda: MemoryConfig(pool_size=-1), "pool_size", "greater than or equal to 0"),
     (lambda: ProfilerConfig(max_step_records=0), "max_step_records", "greater than or equal to 1"),
+    (lambda: ProfilerConfig(nvml_max_samples=0), "nvml_max_samples", "greater than or equal to 1"),
     (lambda: KitsuneConfig(amp={"growth_interval": -5}), "growth_interval", "greater than or equal to 1"),
     (lambda: AMPConfig(init_scale=float("inf")), "init_scale", "finite number"),
     (lambda: AMPConfig(init_scale=1e39), "init_scale", "less than or equal to 34028234"),
@@ -279,8 +280,9 @@ STRICT_FIELDS = {
     GraphConfig: {"enabled": "bool", "warmup_steps": "int", "steady_replay": "bool", "static_addresses": "bool"},
     MemoryConfig: {"pool_size": "int", "flat_grads": "bool"},
     ShardConfig: {"stage": "int", "bucket_bytes": "int", "overlap": "bool", "gather_in_forward": "bool"},
-    ProfilerConfig: {"enabled": "bool", "max_step_records": "int", "nvml_interval_s": "float", "sample_after": "int",
-                     "device_time_every": "int", "probe_steps": "int", "compare_steps": "int"},
+    ProfilerConfig: {"enabled": "bool", "max_step_records": "int", "nvml_interval_s": "float",
+                     "nvml_max_samples": "int", "sample_after": "int", "device_time_every": "int", "probe_steps": "int",
+                     "compare_steps": "int"},
 }  # fmt: skip
 LENIENT = {
     AMPConfig: {"dtype"},  # also "float16"/"bfloat16" and the other names in _DTYPE_NAMES

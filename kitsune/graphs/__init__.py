@@ -27,6 +27,7 @@ sends the step through the full path, which checks everything again.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -73,8 +74,9 @@ class GraphSubsystem(Subsystem):
         self.steady_replays = 0
         """Replays that skipped the step's full host path (nothing had changed since the last replay)."""
         self.eager_steps = 0
-        self.recaptures: list[str] = []
-        """Why each graph after the first was captured again (the structural change that re-planned)."""
+        self.recaptures: deque[str] = deque(maxlen=10)
+        """Why each of the last 10 graphs dropped was captured again (the structural change that re-planned): a run
+        that reloads its checkpoint every few steps for days keeps no more."""
         self.last_eager_reason: str | None = None
         self._capture_ms = 0.0
         self.deactivate("not planned yet")
@@ -306,7 +308,7 @@ class GraphSubsystem(Subsystem):
             "steady_replays": self.steady_replays,
             "eager_steps": self.eager_steps,
             "warmup_steps": self.config.warmup_steps,
-            "recaptures": list(self.recaptures[-10:]),
+            "recaptures": list(self.recaptures),
             "last_eager_reason": self.last_eager_reason,
             "capture_ms": round(self._capture_ms, 3),
         }

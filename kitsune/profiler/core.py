@@ -316,7 +316,9 @@ class Profiler(Subsystem):
         if self._sampler is not None and self._sampler.device_index == device_index:
             return
         self.close()
-        self._sampler = NvmlSampler(device_index, interval_s=interval, origin_ns=self._origin_ns)
+        self._sampler = NvmlSampler(
+            device_index, interval_s=interval, max_samples=self.config.nvml_max_samples, origin_ns=self._origin_ns
+        )
         self._sampler.start()  # when NVML is unavailable this only records why
 
     def close(self) -> None:

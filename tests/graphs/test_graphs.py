@@ -163,7 +163,7 @@ def test_grads_reallocated_or_none_need_no_recapture(device):
         _both(ref, ours, ref_opt, opt, step, skip={1} if step % 3 == 0 else ())
     assert backend.captured == 1
     _close(ref, ours)
-    assert opt._subsystem("graphs").recaptures == []
+    assert not opt._subsystem("graphs").recaptures
 
 
 @pytest.mark.parametrize("clip", [None, 0.5], ids=["update", "update_and_norm_pass"])
@@ -197,6 +197,24 @@ def test_grads_moved_off_16_byte_multiples_are_captured_again(device, clip, chec
         opt.step()
     assert backend.captured == 3
     assert any("alignment" in reason for reason in opt._subsystem("graphs").recaptures)
+    _close(ref, ours)
+
+
+def test_a_run_that_reloads_often_keeps_the_last_ten_recapture_reasons(device):
+    """A load_state_dict every few steps drops the graph each time: the reasons kept are the last 10 (the list grew
+    by one a load for as long as the run went on), and the steps follow torch's throughout."""
+    ref, ours, ref_opt, opt = _twins(device)
+    backend = record_graphs(opt)
+    graphs = opt._subsystem("graphs")
+    step = 0
+    for _ in range(14):
+        for _ in range(6):  # warm-up, capture, replays
+            _both(ref, ours, ref_opt, opt, step)
+            step += 1
+        opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    _both(ref, ours, ref_opt, opt, step)
+    assert backend.captured >= 14
+    assert len(graphs.recaptures) == 10 and graphs.report()["recaptures"] == list(graphs.recaptures)
     _close(ref, ours)
 
 

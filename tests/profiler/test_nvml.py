@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import math
 import sys
 import threading
 import time
@@ -113,6 +114,31 @@ def test_samples_are_bounded_and_clear(fake_nvml):
     assert len(sampler.samples) == 3
     sampler.clear()
     assert sampler.samples == [] and sampler.stats() == {}
+
+
+def test_the_kept_samples_are_the_newest_in_order_with_unread_fields_left_out():
+    """The buffer past its size: the newest samples, oldest first, each field as read (a NaN, a field the GPU did
+    not report, comes back as None), and the count of those dropped."""
+    buffer = nvml_mod._Buffer(10)
+    for k in range(25):
+        buffer.add((10.0 * k, k % 7, 1024.0 + k, math.nan, 40.0 + k % 3, 1980.0))
+    samples, dropped = buffer.snapshot()
+    assert dropped == 15 and [s.t_us for s in samples] == [10.0 * k for k in range(15, 25)]
+    assert [s.util_pct for s in samples] == [k % 7 for k in range(15, 25)]
+    assert all(s.power_w is None and s.sm_clock_mhz == 1980.0 for s in samples)
+    assert [s.mem_used_mib for s in samples] == [1024.0 + k for k in range(15, 25)]
+    buffer.add((999.0, 1, 2, 3, 4, 5))
+    assert buffer.snapshot()[0][-1].t_us == 999.0 and buffer.snapshot()[0][0].t_us == 160.0
+
+
+def test_the_profiler_keeps_nvml_max_samples(fake_nvml):
+    prof = Profiler(ProfilerConfig(enabled=True, nvml_interval_s=0.001, nvml_max_samples=4))
+    prof._plan_nvml(0)
+    _wait_for(lambda: prof.nvml.dropped >= 4)
+    prof.close()
+    report = prof.nvml
+    assert len(report.samples) == 4 and report.dropped >= 4
+    assert [s.t_us for s in report.samples] == sorted(s.t_us for s in report.samples)
 
 
 def test_sampler_thread_stops_when_the_sampler_is_collected(fake_nvml):
