@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import threading
 import warnings
 import weakref
 from collections import OrderedDict
@@ -435,13 +436,15 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         then the global post-hooks. Hooks get the arguments as the caller passed them (a closure by keyword stays a
         keyword) and may return new ones, as with torch's optimizers."""
         pre, post = self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks
-        _STEPPING[0] += 1  # (the wrapped optimizer's pre-hooks run from this step: its guard lets them be)
+        stepping = _STEPPING.bases
+        # the wrapped optimizer's pre-hooks run from this step (in this thread): its guard lets them be
+        stepping.append(id(self._optimizer))
         try:
             if not (pre or post or _global_pre or _global_post or torch.autograd._profiler_enabled()):
                 return self._step(*args, **kwargs)  # torch's hook runner costs a profiler label (~50 us of host time)
             return run_hooked(self, self._step, (self, *args), kwargs, pre, post)
         finally:
-            _STEPPING[0] -= 1
+            stepping.pop()
 
     step.hooked = True  # type: ignore[attr-defined]  # torch's hook runner leaves it alone: it runs them itself
     step.__signature__ = inspect.signature(torch.optim.Optimizer.step)  # type: ignore[attr-defined]
@@ -807,9 +810,17 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         return export_chrome_trace(self, filepath)
 
 
-_STEPPING = [0]
-"""KitsuneOptimizer steps running (a step runs the wrapped optimizer's pre-hooks itself: `_own_step_guard` lets
-them be; a second KitsuneOptimizer over the same torch optimizer is refused by its streams' check instead)."""
+class _Stepping(threading.local):
+    """The torch optimizers (ids) a KitsuneOptimizer's step is running over in this thread: a step runs the wrapped
+    optimizer's pre-hooks itself, and `_own_step_guard` lets them be (a second KitsuneOptimizer over the same torch
+    optimizer is refused by its streams' check instead). Another optimizer's step, or a step in another thread, lets
+    no direct call of the wrapped step through."""
+
+    def __init__(self) -> None:
+        self.bases: list[int] = []
+
+
+_STEPPING = _Stepping()
 
 
 def _own_step_guard(ref: weakref.ref) -> Callable[..., None]:
@@ -818,7 +829,7 @@ def _own_step_guard(ref: weakref.ref) -> Callable[..., None]:
 
     def guard(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         owner = ref()
-        if owner is None or _STEPPING[0]:
+        if owner is None or id(opt) in _STEPPING.bases:
             return
         why = owner._own_step_refusal(type(opt).__name__)
         if why is not None:

@@ -69,7 +69,13 @@ class UploadRing:
     the device holds until its next upload."""
 
     BUDGET = 1 << 20
-    """Bytes of host memory a ring takes at most, where its shape allows eight slots (a ring always has eight)."""
+    """Bytes of host memory a ring on a GPU takes at most, where its shape allows eight slots (it has eight at
+    least)."""
+    MAX_SLOTS = 32
+    """Slots a ring on a GPU has at most: the host waits only when it runs 28 uploads (steps) ahead of the device.
+    Each slot is a tensor and a memoryview on the host (a few hundred bytes of objects whatever its size): 256 took
+    0.2 MB a ring, 0.8 MB an optimizer, which an optimizer per param (torch's optimizer-in-backward recipe) made
+    hundreds of megabytes. On a CPU a ring has two: the record of what the device holds and the next."""
 
     def __init__(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> None:
         self.shape = tuple(shape)
@@ -77,15 +83,15 @@ class UploadRing:
         self.device = device
         self._count = math.prod(self.shape)
         self._nbytes = self._count * dtype.itemsize
-        slots = 256
+        self._cuda = device.type == "cuda"
+        slots = self.MAX_SLOTS if self._cuda else 2  # on a CPU each copy is done when `send` returns
         while slots > 8 and slots * self._nbytes > self.BUDGET:
             slots //= 2
         self.slots = slots
-        self._fence = slots // 8  # slots a stretch
+        self._fence = max(1, slots // 8)  # slots a stretch
         self._slots: list[torch.Tensor] = []  # made at the first use, as tensors (the copies' sources) ...
         self._bytes: list[memoryview] = []  # ... and as the host's bytes (an array's values' destination)
         self._next = 0
-        self._cuda = device.type == "cuda"
         self._fences: list[list[torch.cuda.Event]] = [[] for _ in range(8)]
         self._queued: set[int] = set()  # the streams this stretch's copies were queued on (raw handles)
         self._streams: dict[int, torch.cuda.Stream] = {}  # every stream seen, by raw handle: an event is recorded on it
@@ -101,7 +107,7 @@ class UploadRing:
                 flat = memoryview(whole).cast("B")  # keeps nothing alive: the slots' tensors keep the block
                 self._bytes = [flat[k * self._nbytes : (k + 1) * self._nbytes] for k in range(self.slots)]
         k = self._next
-        if k % self._fence == 0:  # a stretch's last lap: its copies must be done (asked again, nothing is left)
+        if self._cuda and k % self._fence == 0:  # a stretch's last lap: its copies must be done (asked again, none)
             stretch = self._fences[k // self._fence]
             for event in stretch:
                 event.synchronize()

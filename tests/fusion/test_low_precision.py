@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import math
+import threading
 
 import pytest
 import torch
@@ -968,6 +969,52 @@ def test_the_wrapped_optimizers_own_step_over_low_precision_state_is_refused(pre
     plain = torch.optim.AdamW([torch.nn.Parameter(torch.randn(3, device=device))])
     KitsuneOptimizer(plain, enable_fusion=True)  # fp32 state: torch's own step reads it
     assert not plain._optimizer_step_pre_hooks
+
+
+@pytest.mark.parametrize("where", ["this_thread", "another_thread"])
+def test_the_wrapped_optimizers_own_step_is_refused_while_another_optimizer_steps(where, device):
+    """The wrapped optimizer's own step called while another KitsuneOptimizer's step runs, from that step's pre-hook
+    or in another thread: refused all the same (any KitsuneOptimizer's step, anywhere, let it through and it then
+    raised halfway on the bf16 state). A KitsuneOptimizer's step over it goes on."""
+    params = [torch.nn.Parameter(torch.randn(30, device=device)), torch.nn.Parameter(torch.randn(7, 5, device=device))]
+    base = torch.optim.AdamW(params, lr=1e-2)
+    opt = KitsuneOptimizer(base, enable_fusion=True, fusion_config=FusionConfig(state_precision="bf16"))
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    q = torch.nn.Parameter(torch.randn(4, device=device))
+    other = KitsuneOptimizer(torch.optim.SGD([q], lr=0.1))
+    q.grad = torch.randn_like(q)
+    before = [p.detach().clone() for p in params]
+    refusals: list[str] = []
+
+    def direct_step() -> None:
+        try:
+            base.step()
+        except RuntimeError as exc:
+            refusals.append(str(exc))
+
+    if where == "this_thread":
+        other.register_step_pre_hook(lambda *_: direct_step())
+        other.step()
+    else:
+        inside, done = threading.Event(), threading.Event()
+
+        def wait(*_: object) -> None:
+            inside.set()
+            assert done.wait(10)
+
+        other.register_step_pre_hook(wait)
+        thread = threading.Thread(target=other.step)
+        thread.start()
+        assert inside.wait(10)
+        direct_step()
+        done.set()
+        thread.join(10)
+    assert len(refusals) == 1 and "ran on the optimizer a KitsuneOptimizer wraps, which holds" in refusals[0]
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+    opt.step()
+    assert not any(torch.equal(p, b) for p, b in zip(params, before, strict=True))
 
 
 @pytest.mark.parametrize(

@@ -286,9 +286,11 @@ def test_one_tensor_over_2_31_elements():
     assert (p[2**31 - 8 : 2**31] == 0.5).all()  # the last 3 elements had other grads
 
 
-def test_an_upload_ring_keeps_to_its_memory_budget_with_eight_slots_at_least():
-    cpu = torch.device("cpu")
-    assert UploadRing((2, NUM_FIELDS), torch.float64, cpu).slots == 256  # 128 bytes a slot
-    many = UploadRing((2000,), torch.int64, cpu)  # a grad table of 2000 tensors: 16 KB a slot
-    assert many.slots == 64 and many.slots * 2000 * 8 <= UploadRing.BUDGET
-    assert UploadRing((10**6,), torch.int64, cpu).slots == 8  # over the budget: eight all the same
+def test_an_upload_ring_keeps_to_its_memory_budget_with_eight_slots_at_least_on_a_gpu():
+    gpu = torch.device("cuda")  # (a ring makes its slots at its first upload: sized here without a GPU)
+    assert UploadRing((2, NUM_FIELDS), torch.float64, gpu).slots == UploadRing.MAX_SLOTS == 32  # 128 bytes a slot
+    many = UploadRing((5000,), torch.int64, gpu)  # a grad table of 5000 tensors: 40 KB a slot
+    assert many.slots == 16 and many.slots * 5000 * 8 <= UploadRing.BUDGET
+    assert UploadRing((10**6,), torch.int64, gpu).slots == 8  # over the budget: eight all the same
+    # on a CPU each copy is done when it returns: the record of the last upload and the next slot
+    assert UploadRing((2, NUM_FIELDS), torch.float64, torch.device("cpu")).slots == 2
