@@ -654,14 +654,25 @@ class FusedUnit:
             if carried:
                 self._private_steps[carried] = 1.0
         fresh = [i for i in fresh if i not in made]
-        self.created = [self.params[i] for i in fresh]
-        for i in fresh:
-            p = self.params[i]
-            alloc = self.slots.alloc(i) if self.slots is not None else None
-            group = groups[self.group_index[i]]
-            init_state(self.info, self.spec, group, p, state.setdefault(p, {}), alloc, self.defaults)
+        self.created = created = [self.params[i] for i in fresh]
+        before = {id(p): dict(state[p]) for p in created if p in state}  # entries of its own a dict may hold
+        try:
+            for i in fresh:
+                p = self.params[i]
+                alloc = self.slots.alloc(i) if self.slots is not None else None
+                group = groups[self.group_index[i]]
+                init_state(self.info, self.spec, group, p, state.setdefault(p, {}), alloc, self.defaults)
+            self.bind(state)
+        except BaseException:  # (out of memory): the state goes as it came, and the params stay to be made
+            for p in created:
+                if id(p) in before:
+                    state[p].clear()
+                    state[p].update(before[id(p)])
+                else:
+                    state.pop(p, None)
+            self.created = []
+            raise
         self.uninit = [i for i in self.uninit if ptrs[i] == DEAD]
-        self.bind(state)
 
     # -- binding to torch's state tensors ------------------------------------------------------------------------
     def bind(self, state: Any) -> None:

@@ -443,6 +443,33 @@ def test_reentrant_checkpointing_trains_as_torch_and_joins_after_the_last_launch
     assert opt.scheduler.report()["units_updated_in_backward"] > 0
 
 
+def test_a_backward_whose_first_update_failed_to_bind_its_new_state_makes_it_again(device, monkeypatch):
+    """The first update inside backward makes its unit's state and binds the kernels' tables to it; an error there
+    (the page-locked table out of memory) fails the backward: the new state goes again and nothing was updated, and
+    the next backward makes and binds it afresh (it launched on tables pointing at no state: a crash, or stray
+    writes). After zero_grad() the run goes on as torch's from the start."""
+    from kitsune.fusion.units import FusedUnit
+
+    net, twin = twins(device)
+    opt = KitsuneOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1), config=in_backward())
+    ref = torch.optim.AdamW(twin.parameters(), lr=1e-2, weight_decay=0.1)
+    bind = FusedUnit.bind
+
+    def failing_bind(unit: FusedUnit, state: Any) -> None:
+        monkeypatch.setattr(FusedUnit, "bind", bind)  # once
+        raise torch.OutOfMemoryError("out of memory (page-locked)")
+
+    monkeypatch.setattr(FusedUnit, "bind", failing_bind)
+    before = [p.detach().clone() for p in net.parameters()]
+    x, y = torch.randn(8, 6, device=device), torch.randn(8, 3, device=device)
+    with pytest.raises(torch.OutOfMemoryError):
+        nn.functional.mse_loss(net(x, True), y).backward()
+    assert not opt.state and all(torch.equal(p, b) for p, b in zip(net.parameters(), before, strict=True))
+    opt.zero_grad()
+    side_by_side(net, twin, opt, ref, device)
+    assert opt.scheduler.report()["units_updated_in_backward"] > 0
+
+
 def test_a_backward_that_raised_after_a_launch_is_joined_before_zero_grad_frees_its_grads(device, monkeypatch):
     """A backward that raises after a unit's update launched runs no end callback: zero_grad(), which the loop calls
     to skip the batch, makes the caller's stream wait for that update before the grads it reads are freed (it was
