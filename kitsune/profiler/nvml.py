@@ -189,13 +189,11 @@ class _Buffer:
         width = self.WIDTH
         kept = len(values) // width
         first = taken % self._max if taken > self._max else 0  # the oldest row kept
-        names, columns = [], []
-        for name, j in zip(("t_us", *FIELDS), range(width), strict=True):  # each field's values, oldest first
+        columns = []
+        for j in range(width):  # each field's values, oldest first, None where not read (NaN)
             column = values[j::width].tolist()
-            column = column[first:] + column[:first]
-            if any(v == v for v in column):  # a field never read (NaN throughout) is left out, as None
-                names.append(name)
-                columns.append([v if v == v else None for v in column])
+            columns.append([v if v == v else None for v in column[first:] + column[:first]])
+        names = ("t_us", *FIELDS)
         samples = _SAMPLES.validate_python([dict(zip(names, row, strict=True)) for row in zip(*columns, strict=True)])
         return samples, taken - kept
 

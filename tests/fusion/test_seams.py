@@ -299,10 +299,7 @@ def test_a_refusal_in_one_unit_undoes_what_the_others_prepared(bad, flat_grads, 
 def _follow_torch(params: list, twins: list, opt: Any, ref: Any, steps: range) -> None:
     """Fresh grads for both, a step of each, and the params compared, for each of ``steps``."""
     for step in steps:
-        for p, t, g in zip(params, twins, random_grads(params, step), strict=True):
-            p.grad, t.grad = g.clone(), g.clone()
-        opt.step()
-        ref.step()
+        _step([(params, opt), (twins, ref)], step)
         for p, t in zip(params, twins, strict=True):
             torch.testing.assert_close(p, t, rtol=1e-6, atol=1e-6)
 
