@@ -41,6 +41,8 @@ CACHE_SIZE = 8
 """Tables kept for this many distinct (device, norm_type, grad sizes and dtypes) combinations."""
 _cache: OrderedDict[tuple, MultiTensorNorm] = OrderedDict()
 _logged: set[str] = set()
+_refused: OrderedDict[tuple, str] = OrderedDict()
+"""Combinations (cache keys) whose kernels failed to compile on their device: torch's function clips them."""
 
 
 @cache
@@ -122,6 +124,8 @@ def clip_grad_norm_(
     grads = [p.grad for p in parameters if p.grad is not None]
     norm_type = float(norm_type)
     key, reason = _route(grads, norm_type)
+    if key is not None and key in _refused:
+        key, reason = None, _refused[key]
     if key is None:
         if reason and reason not in _logged:
             _logged.add(reason)
@@ -136,7 +140,17 @@ def clip_grad_norm_(
             _cache.popitem(last=False)
     else:
         _cache.move_to_end(key)
-    total = norm(grads, checked=True).total
+    norm.bind(grads, checked=True)
+    out_dtype = reduce(torch.promote_types, set(key[3]))
+    try:
+        norm.compile_clip(out_dtype)  # before any grad changes
+    except _norms_module().CompileError as exc:
+        _refused[key] = why = f"its kernels failed to compile on {key[0]} ({exc})"
+        if len(_refused) > CACHE_SIZE:
+            _refused.popitem(last=False)
+        logger.warning("kitsune clip_grad_norm_: torch's implementation: %s", why)
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
+    total = norm.launch().total
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"The total norm of order {norm_type} for gradients from "
@@ -144,7 +158,7 @@ def clip_grad_norm_(
             "this error and scale the gradients by the non-finite norm anyway, "
             "set `error_if_nonfinite=False`"
         )
-    out = torch.empty((), dtype=reduce(torch.promote_types, set(key[3])), device=key[0])
+    out = torch.empty((), dtype=out_dtype, device=key[0])
     norm.clip_(max_norm, out)
     torch.autograd.graph.increment_version(grads)  # written in place, as torch's mul_ marks them
     return out

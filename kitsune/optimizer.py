@@ -40,6 +40,7 @@ from kitsune.config import (
 from kitsune.distributed.zero import ShardSubsystem
 from kitsune.fusion import algos, state_format
 from kitsune.fusion.algos import trust_ratios
+from kitsune.fusion.executor import Rerouted
 from kitsune.grads import GradPass
 from kitsune.graphs import GraphSubsystem
 from kitsune.memory import MemoryPool
@@ -79,6 +80,11 @@ class _SharedState(_Shared):
         if obj is not None and "_fusion" in obj.__dict__:
             obj._fusion.settle_skips()
         return super().__get__(obj, owner)
+
+
+def _evaluated(loss: Any) -> _Closure:
+    """A closure returning ``loss``: the user's, which this step evaluated (`KitsuneOptimizer._rerouting`)."""
+    return lambda: loss
 
 
 def _proxied(self: Any) -> KitsuneOptimizer | None:
@@ -467,7 +473,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             loss = None
             base = self._optimizer
             if not (steady and self._graphs.replay_steady(s, base.param_groups, base.state, self._planned)):
-                loss = self._pipeline(s, closure)
+                loss, s = self._rerouting(s, closure)
         except BaseException:
             self._fusion.restore_journal()  # what a re-plan inside the step converted goes back
             self._profiler.abandon_step()
@@ -485,6 +491,19 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             if profiling:
                 profiler.stop(s)
         return loss
+
+    def _rerouting(self, s: StepState, closure: _Closure | None) -> tuple[Any, StepState]:
+        """`_pipeline`, again on a new plan where a fused kernel failed to compile (`Rerouted`: raised before anything
+        changed, its params now routed to torch's step); the closure runs once (the first try evaluated it).
+        Returns the loss and the step's state as the try that ran left it."""
+        while True:
+            try:
+                return self._pipeline(s, closure), s
+            except Rerouted as exc:
+                self._fusion.restore_journal()  # what a re-plan inside the failed try converted
+                if closure is not None:
+                    closure = _evaluated(exc.loss)
+                s = StepState(s.step, s.baseline, s.phases)
 
     def _pipeline(self, s: StepState, closure: _Closure | None) -> Any:
         """plan current? -> prepare and check -> grad pass -> execute -> finish. Raises before the first param or
@@ -531,9 +550,11 @@ class KitsuneOptimizer(torch.optim.Optimizer):
                 if executes:
                     fusion.run_fallbacks(s)
                     (self._graphs if self._graphs.active else fusion).execute(s, live)
-        except BaseException:
+        except BaseException as exc:
             if executes:
                 fusion.undo()
+            if isinstance(exc, Rerouted):
+                exc.loss = loss  # the closure's, for the try on the new plan
             self._grads.abandon(s, groups)
             if fusion.plan_version != self._plan_version:  # re-planned inside the step: what follows from it too
                 self._follow_fusion()

@@ -41,8 +41,17 @@ from kitsune.kernels.spec import StateFormat
 from kitsune.memory import MemoryPool
 from kitsune.optim.base import EagerOptimizer, float_state
 from kitsune.subsystem import StepState, Subsystem
+from kitsune.wrapped import grads_hidden
 
 logger = logging.getLogger("kitsune.fusion")
+
+
+class Rerouted(Exception):
+    """Raised by `FusionSubsystem.prepare` before anything changed: a fused kernel failed to compile on this device,
+    the planner now routes its params to torch's step, and the step runs again on the new plan
+    (``KitsuneOptimizer`` catches it). ``loss``: the closure's, where the step evaluated it before."""
+
+    loss: Any = None
 
 
 class FusionSubsystem(Subsystem):
@@ -130,6 +139,11 @@ class FusionSubsystem(Subsystem):
         """The units (by id) whose update was queued since the last step finished (in the step, or inside
         backward): what they wrote stands, so a step that raises after that keeps their state as their kernels left
         it (`undo`, `restore_journal`)."""
+        self._compiled: set[tuple[Any, ...]] = set()
+        """The launch variants (`prepare`'s key) whose kernels `_compile_ahead` compiled for this plan."""
+        self._updated: list[torch.Tensor] = []
+        """This step's params updated inside backward by the units of the plan before (`prepare`)."""
+        self._kernels: Any = None  # kitsune.kernels.update, imported at the first plan with units
         self._pending_skips: list[tuple[list[torch.Tensor], torch.Tensor, Any]] = []
         """Steps that created lazy state and may have been skipped by AMP on the device: the params, a pinned copy
         of the overflow flag, the event after which it holds (`settle_skips`)."""
@@ -185,6 +199,11 @@ class FusionSubsystem(Subsystem):
         )
         self._routed_dtypes = [p.dtype for p in self._routed]
         self._prepared = []  # the last step's units: the old plan's go with it (their slots hold the pool's arenas)
+        self._compiled = set()
+        if self._units and self._kernels is None:
+            from kitsune.kernels import update
+
+            self._kernels = update
         # the params a step updates itself, a set made once a plan (a step's `prepare` takes out the unhandled ones)
         self._handled = frozenset().union(*(x.param_set for x in (*self._units, *self._muon, *self._shadows)))
         self.current_plan = plan = planned.plan
@@ -426,6 +445,9 @@ class FusionSubsystem(Subsystem):
                 "Nothing was updated."
             )
         s.handled = self._handled  # a param whose grad is None is skipped by every route anyway
+        self._updated = updated
+        if updated:  # updated inside backward by the old plan's units: no route of a new plan takes them again
+            s.handled = s.handled.union(updated)
         if unhandled:  # sparse grads met at step time: the wrapped optimizer's own step must take them
             s.handled = self._handled.difference(unhandled)
             s.unhandled = unhandled
@@ -435,9 +457,74 @@ class FusionSubsystem(Subsystem):
             )
         if live:
             self.refresh_contexts()
-            if self.needs_norm(s):
+            norm = self.needs_norm(s)
+            if norm:
                 self._bind_norm()
+            variant = (s.found_inf is not None, s.grad_scale is not None, s.max_norm is not None, s.check_inf,
+                       s.fused_grads, s.grad_write, *self.grad_layout(self._units, norm))  # fmt: skip
+            if variant not in self._compiled:
+                self._compile_ahead(s, norm)
+                self._compiled.add(variant)
         return live
+
+    def _compile_ahead(self, s: StepState, norm: bool) -> None:
+        """Compile the kernels `launch` runs this step, before anything changes (the wrapped optimizer's step, torch's
+        routes, the first unit's update): where a kernel fails to compile on this device, every param is as it was,
+        its params go to torch's route (`_compile`) and the step runs again on that plan (`Rerouted`). Once a plan and
+        launch variant (`prepare` keys it); under Triton's interpreter a no-op. Muon's kernels compile at their
+        launch."""
+        why = self._compile(s, norm, self._units)
+        if why is not None:
+            self.undo()
+            raise Rerouted(why)
+
+    def compile_unit(self, s: StepState, unit: FusedUnit) -> bool:
+        """An update inside backward: compile ``unit``'s launch before it runs (once a unit and launch variant). False
+        where it failed: the unit does not update inside backward, and the step plans again (its params on torch's
+        route) and updates them."""
+        norm = self.needs_norm(s) and self._norm is not None
+        variant = (id(unit), s.found_inf is not None, s.grad_scale is not None, s.max_norm is not None, s.grad_write,
+                   *self.grad_layout([unit], norm))  # fmt: skip
+        if variant in self._compiled:
+            return True
+        if self._compile(s, norm, [unit]) is not None:
+            return False
+        self._compiled.add(variant)
+        return True
+
+    def _compile(self, s: StepState, norm: bool, units: list[FusedUnit]) -> str | None:
+        """Compile the launches of step ``s`` over ``units`` (and the norm pass's, with ``norm``) without running
+        them; where one fails, the planner routes its params (every fused param, where the norm pass failed) to
+        torch's step from the next plan on, a warning says so, and the error is returned."""
+        from kitsune.kernels.common import CompileError
+
+        result = self._norm
+        found_inf = s.found_inf
+        if found_inf is None and norm and s.fused_grads and s.check_inf:
+            found_inf = result.found_inf  # the norm pass's flag (what `_norm_pass` hands the update)
+        total, norms = (result.total, result.per_tensor) if norm else (None, None)
+        failed: list[FusedUnit] = []
+        try:
+            if norm:
+                failed = self._units
+                self._launch_norm(s, result.total, compile_only=True)
+            for unit, offset in zip(self._units, self._offsets, strict=True):
+                if unit in units:
+                    failed = [unit]
+                    self._update(s, unit, offset, found_inf, total, norms, compile_only=True)
+        except CompileError as exc:
+            for unit in failed:
+                self._planner.refuse(unit.device, unit.dtype, unit.spec, str(exc))
+            logger.warning(
+                "kitsune fusion: a fused kernel failed to compile on %s (%s); %d param(s) take torch's route from "
+                "this step on (see optimizer.plan)",
+                failed[0].device,
+                exc,
+                sum(len(u.params) for u in failed),
+            )
+            self._replan_next = True
+            return str(exc)
+        return None
 
     def _refuse_overlapping(self) -> None:
         """Raise before anything changes for a grad whose elements share memory (``.expand()``) on a step that
@@ -632,8 +719,9 @@ class FusionSubsystem(Subsystem):
         if not self._shadows:
             return
         groups = self._base.param_groups
-        for shadow in self._shadows:
-            shadow.step(groups, s.found_inf)
+        with grads_hidden(self._updated):  # (`prepare`: a new plan's torch route may hold params updated in backward)
+            for shadow in self._shadows:
+                shadow.step(groups, s.found_inf)
         if s.phases is not None:
             s.phases.mark("fallback")
 
@@ -835,9 +923,12 @@ class FusionSubsystem(Subsystem):
         per unit in ``units``, then, with ``norm`` (`needs_norm`), the norm pass's). A captured launch keeps the
         variants it was captured with, so a graph of it is keyed on this: grads that move to addresses a vector read
         cannot take are then captured again, not replayed into a misaligned read."""
-        from kitsune.kernels.update import grad_vector
-
-        layout = tuple(grad_vector(unit.tables, unit.spec) for unit in self._units if unit in units)
+        mine = self._units
+        if not mine:
+            layout: tuple[bool, ...] = ()
+        else:
+            vector = self._kernels.grad_vector
+            layout = tuple([vector(u.tables, u.spec) for u in mine if units is mine or u in units])
         if norm and self._norm is not None:
             layout += (self._norm.vector(),)
         return layout
@@ -848,33 +939,16 @@ class FusionSubsystem(Subsystem):
         are all None this step does nothing, as its grad table says)."""
         if not units:
             return
-        from kitsune.kernels.update import multi_tensor_update
-
         total = norms = None
         if self.needs_norm(s):
             total, norms = self._norm_pass(s)
             if s.phases is not None:
                 s.phases.mark("norm")
         found_inf = s.found_inf  # AMP's overflow flag: the kernel skips on the device
-        n_norm = len(self._norm_dtypes) // 2 if self._trust else None
         for unit, offset in zip(self._units, self._offsets, strict=True):
             if unit not in units:
                 continue
-            multi_tensor_update(
-                unit.tables,
-                self._contexts[unit.device].buffer,
-                unit.spec,
-                unit.dtype,
-                _on(found_inf, unit.device),
-                grad_scale=s.grad_scale,
-                total_norm=total if s.max_norm is not None else None,
-                max_norm=s.max_norm,
-                grad_write=s.grad_write,
-                tensor_norms=norms if unit.spec.trust else None,
-                norm_offset=offset,
-                n_norm=n_norm,
-                seed=self.config.rounding_seed,
-            )
+            self._update(s, unit, offset, found_inf, total, norms)
             self._launched[id(unit)] = unit  # queued: what it writes from here on stands
         muon = [unit for unit in self._muon if unit in units]
         for unit in muon:  # momentum, Newton-Schulz by shape, update
@@ -886,6 +960,35 @@ class FusionSubsystem(Subsystem):
         muon_launches = sum(unit.launches for unit in muon)
         self._launches_last_launch = len(units) - len(muon) + muon_launches + self._launches_last_norm
         self._launches_last_norm = 0
+
+    def _update(
+        self,
+        s: StepState,
+        unit: FusedUnit,
+        offset: int,
+        found_inf: torch.Tensor | None,
+        total: torch.Tensor | None,
+        norms: torch.Tensor | None,
+        compile_only: bool = False,
+    ) -> None:
+        """One unit's update launch in step ``s`` (``compile_only``: its kernel compiled, nothing run), after the norm
+        pass's ``total`` and per-tensor ``norms`` where the step has one."""
+        self._kernels.multi_tensor_update(
+            unit.tables,
+            self._contexts[unit.device].buffer,
+            unit.spec,
+            unit.dtype,
+            _on(found_inf, unit.device),
+            grad_scale=s.grad_scale,
+            total_norm=total if s.max_norm is not None else None,
+            max_norm=s.max_norm,
+            grad_write=s.grad_write,
+            tensor_norms=norms if unit.spec.trust else None,
+            norm_offset=offset,
+            n_norm=len(self._norm_dtypes) // 2 if self._trust else None,
+            seed=self.config.rounding_seed,
+            compile_only=compile_only,
+        )
 
     def finish(self, s: StepState, live: list[FusedUnit], launches: int | None = None) -> None:
         """After the launches: write back grads that stood in as contiguous copies and book the step (which grads
@@ -953,14 +1056,13 @@ class FusionSubsystem(Subsystem):
         inf/nan flag ``s.found_inf`` for AMP."""
         norm = self._norm  # bound to this step's addresses by prepare()
         fused = s.fused_grads
-        n_grads = len(self._norm_dtypes) // 2 if self._trust else len(self._norm_dtypes)
         if s.graphed:  # a CUDA graph writes the norm into the same buffer every replay
             if self._norm_out is None:
                 self._norm_out = torch.zeros((), dtype=torch.float32, device=norm.device)
             out = self._norm_out
         else:
             out = torch.empty((), dtype=torch.float32, device=norm.device)
-        result = norm.launch(s.grad_scale if fused else None, invert_scale=True, num_global=n_grads, out=out)
+        result = self._launch_norm(s, out)
         find_inf = fused and s.check_inf and s.found_inf is None
         if fused and self._norm_groups:  # FSDP2: this rank's shards only; reduce over the mesh, on the device
             fsdp.all_reduce_norm_(out, result.found_inf if find_inf else None, norm.norm_type, self._norm_groups)
@@ -972,6 +1074,12 @@ class FusionSubsystem(Subsystem):
             s.grad_norm = out
         self._launches_last_norm = 1
         return out, result.per_tensor
+
+    def _launch_norm(self, s: StepState, out: torch.Tensor, compile_only: bool = False) -> Any:
+        """The norm pass's launch into ``out`` (``compile_only``: its kernel compiled, nothing run)."""
+        n_grads = len(self._norm_dtypes) // 2 if self._trust else len(self._norm_dtypes)
+        scale = s.grad_scale if s.fused_grads else None
+        return self._norm.launch(scale, invert_scale=True, num_global=n_grads, out=out, compile_only=compile_only)
 
     def _note_once(self, message: str, key: str | None = None) -> None:
         if (key or message) not in self._logged:

@@ -186,6 +186,9 @@ class Planner:
         self.streams = streams
         self.cost_model = cost_model or CostModel()
         self.block = block
+        self.refused: dict[tuple[str, torch.dtype, UpdateSpec], str] = {}
+        """Buckets (device, dtype, spec) whose fused kernel failed to compile here, with why: later plans route them
+        to torch's step (`refuse`)."""
 
     def plan(
         self, base: torch.optim.Optimizer, remote: Collection[torch.Tensor], backward_bytes: int | None
@@ -358,6 +361,11 @@ class Planner:
             )
         return None
 
+    def refuse(self, device: torch.device, dtype: torch.dtype, spec: UpdateSpec, why: str) -> None:
+        """The fused kernel for ``dtype`` params of ``spec`` failed to compile on ``device``: from the next plan on,
+        those params take torch's route (fused or foreach where torch has one, else the optimizer's own step)."""
+        self.refused[(str(device), dtype, spec)] = f"the fused kernel failed to compile on {device} ({why})"
+
     def _plan_bucket(
         self,
         base: torch.optim.Optimizer,
@@ -385,7 +393,10 @@ class Planner:
             launches=0,
             groups=sorted({gi for gi, _ in members}),
         )
-        low = isinstance(spec, UpdateSpec) and spec.state != StateFormat.PARAM
+        refused = self.refused.get((device, dtype, spec)) if route is None and isinstance(spec, UpdateSpec) else None
+        # 8-bit or 16-bit state only kitsune's kernels read (with those kernels refused, torch's state, as its step
+        # keeps it)
+        low = isinstance(spec, UpdateSpec) and spec.state != StateFormat.PARAM and refused is None
         if low:  # the format, and the bytes at the state's size
             bp.state = state_format.describe(spec.state, dtype)  # type: ignore[union-attr]
             per = state_format.update_bytes(spec, aux.bytes_per_element(spec), dtype)  # type: ignore[arg-type,union-attr]
@@ -412,7 +423,9 @@ class Planner:
         if route is None and isinstance(spec, MuonSpec):
             muon_unit.plan_bucket(bp, members, spec, self.config, self.cost_model)
             return bp
-        if route is None:  # fusable: does it pay? (FSDP2: weighed on an even share, so every rank decides alike)
+        if refused is not None:
+            bp.reason = refused
+        elif route is None:  # fusable: does it pay? (FSDP2: weighed on an even share, so every rank decides alike)
             nbytes = sum(fsdp.even_share(p) for _, p in members) * dtype.itemsize * info.bytes_per_element(spec)
             fused, other = weigh(self.cost_model, info, fallback, tensors, nbytes, launches)
             bp.predicted_speedup = round(other / fused, 3)

@@ -3,6 +3,7 @@ rounding to a storage dtype and a fixed-order reduction."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,6 +23,29 @@ instead of two, fewer instructions. Passed explicitly so that a Triton whose def
 3.10 turns it off) changes neither kitsune's results nor its speed; ``TRITON_FORCE_DISABLE_FP_FUSION=1`` still turns
 it off. Where the compiler contracts depends on the code around the arithmetic, so two layouts of the same update may
 differ in the last bit with it on; the tests that compare layouts bit for bit on a GPU turn it off."""
+
+
+class CompileError(RuntimeError):
+    """A kernel Triton could not compile for a launch (`compile_launch`), raised before anything ran; Triton's own
+    error is its ``__cause__``."""
+
+
+def launcher(kernel: Any, grid: tuple[int, ...], compile_only: bool = False) -> Any:
+    """``kernel[grid]``, or with ``compile_only`` a callable taking the same arguments that compiles that launch and
+    runs nothing (`compile_launch`)."""
+    return functools.partial(compile_launch, kernel, grid) if compile_only else kernel[grid]
+
+
+def compile_launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+    """Compile ``kernel`` for the launch ``kernel[grid](*args, **kwargs)`` would make (the same arguments: the same
+    specialization, cached for that launch) without running it. A failure raises `CompileError`. Under Triton's
+    interpreter nothing compiles, and nothing happens."""
+    try:
+        kernel.warmup(*args, grid=grid, **kwargs)
+    except Exception as exc:
+        name = getattr(kernel, "__name__", type(kernel).__name__)
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise CompileError(f"{name}: {type(exc).__name__}{': ' + first if first else ''}") from exc
 
 
 def cdiv(a: int, b: int) -> int:

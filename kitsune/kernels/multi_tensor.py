@@ -24,6 +24,7 @@ import ctypes
 import math
 from array import array
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -185,6 +186,9 @@ class TensorTables:
         self._hosts: dict[str, torch.Tensor] = {}  # each role's addresses as last set, a CPU int64 tensor
         self._low: dict[str, int | None] = {}  # each role's low bits as last given to `set_role`
         self._aligned: dict[tuple[str, int], bool] = {}  # `aligned`'s answers per role until the role moves
+        self.layout: tuple[Any, ...] | None = None
+        """A launcher's last answer about its layout over these addresses (what it asked, ..., the answer), its to
+        read and write; None again whenever a role moves (`kitsune.kernels.update.grad_vector`)."""
         self._scratch: dict[str, torch.Tensor] = {}
         self._rings: dict[str, UploadRing] = {}  # each role's host slots: its `staging` tensor, its uploads' sources
         self.uploads = 0
@@ -231,6 +235,7 @@ class TensorTables:
             self._cached[role] = addresses
         self._hosts[role] = host
         self._aligned = {key: ok for key, ok in self._aligned.items() if key[0] != role}
+        self.layout = None
         self._low[role] = low_bits
         self.uploads += 1
         return True

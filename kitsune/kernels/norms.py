@@ -29,9 +29,10 @@ import triton.language as tl
 
 from kitsune._native import NOT_DENSE, layout_code
 from kitsune.kernels import common as _common
-from kitsune.kernels.common import (
+from kitsune.kernels.common import (  # noqa: F401  (CompileError: kitsune.clip catches it from here)
     TL_DTYPES,
     VECTOR_ELEMS,
+    CompileError,
     _cast,
     _max_keep_nan,
     _program_block,
@@ -315,6 +316,7 @@ class MultiTensorNorm:
         self.found_inf = torch.zeros(1, **f32)
         self.sync = torch.zeros(2, dtype=torch.int32, device=self.device)
         self._dtypes: list[torch.dtype] | None = None  # of the last call, when it took the fast path
+        self._compiled: set[tuple[bool, torch.dtype]] = set()  # the clip variants `compile_clip` compiled
 
     def __call__(
         self,
@@ -334,8 +336,19 @@ class MultiTensorNorm:
         supported dtypes and of this instance's sizes ([`kitsune.clip_grad_norm_`][kitsune.clip_grad_norm_] does, for
         its cache key).
         """
-        self._bind(tensors, checked)
+        self.bind(tensors, checked)
         return self.launch(scale, invert_scale=invert_scale, out=out)
+
+    def compile_clip(self, out_dtype: torch.dtype) -> None:
+        """Compile the two launches of a clip over the tensors bound now (`launch` with no scale, then `clip_` into
+        an ``out_dtype`` total) without running them, once a variant: a kernel that cannot compile on this device
+        raises `kitsune.kernels.common.CompileError` before any tensor changed."""
+        variant = (self.vector(), out_dtype)
+        if variant in self._compiled or self.tables.num_blocks == 0:
+            return
+        self.launch(compile_only=True)
+        self.clip_(0.0, torch.empty((), dtype=out_dtype, device=self.device), compile_only=True)
+        self._compiled.add(variant)
 
     def bind_addresses(
         self,
@@ -360,10 +373,12 @@ class MultiTensorNorm:
         invert_scale: bool = False,
         num_global: int | None = None,
         out: torch.Tensor | None = None,
+        compile_only: bool = False,
     ) -> Norms:
         """Launch over the tensors last bound (see `__call__`); ``num_global``: only the first this many
         tensors are scaled and make the global norm and the inf/nan flag (the others, e.g. params, get their
-        per-tensor norms only)."""
+        per-tensor norms only). ``compile_only``: compile what the launch runs, and run nothing
+        (`kitsune.kernels.common.compile_launch`)."""
         if scale is not None and (scale.dtype != torch.float32 or scale.numel() != 1 or scale.device != self.device):
             raise ValueError(f"scale must be one fp32 value on {self.device}, got {scale.dtype} {tuple(scale.shape)}")
         if out is not None and (out.dtype != torch.float32 or out.numel() != 1 or out.device != self.device):
@@ -374,8 +389,9 @@ class MultiTensorNorm:
         if not 0 <= n_global <= tables.num_tensors:
             raise ValueError(f"num_global={num_global} is outside 0..{tables.num_tensors}")
         if tables.num_blocks:
+            grid = (tables.num_blocks,)
             with _device_guard(self.device):
-                _norm_kernel[(tables.num_blocks,)](
+                _common.launcher(_norm_kernel, grid, compile_only)(
                     tables.block_tensor,
                     tables.block_start,
                     tables.numel,
@@ -402,11 +418,11 @@ class MultiTensorNorm:
                     num_warps=self.num_warps,
                     enable_fp_fusion=_common.FP_FUSION,
                 )
-        elif out is not None:
+        elif out is not None and not compile_only:
             out.zero_()  # no tensors: the norm of nothing
         return Norms(self.per_tensor, total, self.found_inf)
 
-    def _bind(self, tensors: Sequence[torch.Tensor | None], checked: bool) -> None:
+    def bind(self, tensors: Sequence[torch.Tensor | None], checked: bool = False) -> None:
         """Check ``tensors`` against this instance and point the address and dtype tables at them.
 
         The common case (no None, all contiguous, nothing wrong) costs a few C-level ``map`` passes and list
@@ -452,11 +468,18 @@ class MultiTensorNorm:
         """Whether the launches over the tensors bound now read them in vectors (the kernels' VEC): every numel a
         multiple of `VECTOR_ELEMS` and every address of `VECTOR_ALIGN` (the answer is kept until an address
         moves). A captured launch keeps the answer it was captured with, so a graph of it is keyed on this."""
-        return NORM_VECTOR and self.tables.block % VECTOR_ELEMS == 0 and vectors_fit(self.tables, ["x"])
+        tables = self.tables
+        kept = tables.layout
+        if kept is not None and kept[0] is NORM_VECTOR:
+            return kept[1]
+        ok = NORM_VECTOR and tables.block % VECTOR_ELEMS == 0 and vectors_fit(tables, ["x"])
+        tables.layout = (NORM_VECTOR, ok)
+        return ok
 
-    def clip_(self, max_norm: float, out: torch.Tensor) -> None:
+    def clip_(self, max_norm: float, out: torch.Tensor, compile_only: bool = False) -> None:
         """Multiply the tensors of the last call in place by ``min(max_norm / (total + 1e-6), 1)``, with ``total``
-        read on the device (no host sync), and store ``total`` rounded to ``out``'s dtype in the () tensor ``out``.
+        read on the device (no host sync), and store ``total`` rounded to ``out``'s dtype in the () tensor ``out``
+        (``compile_only``: compile that launch, run nothing).
 
         The coefficient is computed in fp32 as torch computes it for fp32 grads; each value is multiplied in fp32
         and rounded once to its tensor's dtype.
@@ -467,10 +490,12 @@ class MultiTensorNorm:
         if not tables.has_role("x"):
             raise RuntimeError("clip_ scales the tensors of the last call: call the MultiTensorNorm first")
         if tables.num_blocks == 0:  # no tensors: the total is 0
-            out.copy_(self.total)
+            if not compile_only:
+                out.copy_(self.total)
             return
+        grid = (tables.num_blocks,)
         with _device_guard(self.device):
-            _clip_kernel[(tables.num_blocks,)](
+            _common.launcher(_clip_kernel, grid, compile_only)(
                 tables.block_tensor,
                 tables.block_start,
                 tables.numel,

@@ -695,8 +695,13 @@ def grad_vector(tables: TensorTables, spec: UpdateSpec) -> bool:
     """The one variant an update launch picks from its grads' addresses, which move between steps without a
     re-plan: whether a float-state launch reads and writes in vectors (`FLOAT_VECTOR`). A captured launch keeps
     the variant it was captured with, so a graph is keyed on this (a vector read of a misaligned grad is a CUDA
-    error)."""
-    return spec.state != StateFormat.Q8 and _float_vector(tables, spec)
+    error). Kept with the tables until a role moves: a launch, and a step's compile ahead, ask every step."""
+    kept = tables.layout
+    if kept is not None and kept[0] is spec and kept[1] is FLOAT_VECTOR:
+        return kept[2]
+    ok = spec.state != StateFormat.Q8 and _float_vector(tables, spec)
+    tables.layout = (spec, FLOAT_VECTOR, ok)
+    return ok
 
 
 _STATE_DTYPES = {StateFormat.FP32: tl.float32, StateFormat.BF16: tl.bfloat16}
@@ -718,8 +723,10 @@ def multi_tensor_update(
     norm_offset: int = 0,
     n_norm: int | None = None,
     seed: int = 0,
+    compile_only: bool = False,
 ) -> None:
-    """Launch one update over every tensor of ``tables``.
+    """Launch one update over every tensor of ``tables`` (with ``compile_only``, compile what that launch runs and
+    run nothing: `kitsune.kernels.common.compile_launch`).
 
     ``tables`` needs the roles ``param`` and ``grad`` (``-1`` marks a tensor to skip this step), ``state1`` ..
     ``state{spec.state_slots}`` (in ``spec.state``'s format; with 8-bit state, ``absmax1`` .. as well: each
@@ -793,7 +800,7 @@ def multi_tensor_update(
     for stage in stages:
         _launch(tables, hyper, spec, dtype, num_warps, param, roles, step, scalars, found_inf, grad_scale, total_norm,
                 max_norm, grad_write if stage != 3 else 0, tensor_norms, norm_offset, n_norm, partials, update_norm,
-                stage, seed, comp)  # fmt: skip
+                stage, seed, comp, compile_only)  # fmt: skip
 
 
 def _launch(
@@ -819,6 +826,7 @@ def _launch(
     stage: int,
     seed: int,
     comp: torch.Tensor,
+    compile_only: bool,
 ) -> None:
     tile = FLOAT_TILE if not spec.trust and tables.block % FLOAT_TILE == 0 else tables.block
     q8, prefetch, warps, maxnreg = 0, False, num_warps or 4, None
@@ -830,7 +838,8 @@ def _launch(
             q8, tile, warps = 2, QUANT_BLOCK * vector_warps, vector_warps
             if spec.state_slots >= Q8_CAPPED_SLOTS:
                 maxnreg, prefetch = Q8_MAXNREG, Q8_VECTOR_PREFETCH and several
-    _update_kernel[(tables.num_blocks,)](
+    grid = (tables.num_blocks,)
+    _common.launcher(_update_kernel, grid, compile_only)(
         tables.block_tensor,
         tables.block_start,
         tables.numel,

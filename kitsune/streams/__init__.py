@@ -373,6 +373,8 @@ class StreamScheduler(Subsystem):
         if not fusion.prepare_unit(unit):
             return  # no grad after all, or a param's storage moved: step() re-plans and updates it
         ctx = self._step_state()
+        if not fusion.compile_unit(ctx, unit):
+            return  # its kernel failed to compile here: step() plans again, with its params on torch's route
         graph = self._graphs.get(index)
         if unit.device.type == "cuda":
             timed = self._steps % TIMED_EVERY == 0

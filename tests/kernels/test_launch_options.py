@@ -12,11 +12,16 @@ KERNELS = Path(kitsune.kernels.__file__).parent
 
 
 def _launches() -> list[tuple[str, int, ast.Call]]:
-    """Each ``kernel[grid](...)`` call in kitsune's kernel modules."""
+    """Each ``kernel[grid](...)`` and ``_common.launcher(kernel, grid, compile_only)(...)`` call in kitsune's kernel
+    modules."""
     found = []
     for path in sorted(KERNELS.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            launcher = isinstance(func, ast.Call) and ast.unparse(func.func) == "_common.launcher"
+            if isinstance(func, ast.Subscript) or launcher:
                 found.append((path.name, node.lineno, node))
     return found
 

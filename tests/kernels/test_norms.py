@@ -324,6 +324,77 @@ def test_clip_caches_tables(device, monkeypatch):
     assert len(clip._cache) == 2 and all(n is not norm for n in clip._cache.values())  # least recently used
 
 
+class _Uncompilable:
+    """Stands in for a kernel Triton cannot compile on this device: its compile and its launch raise."""
+
+    def __init__(self, real: object) -> None:
+        self.__name__ = real.__name__
+
+    def warmup(self, *args: object, grid: object, **kwargs: object) -> None:
+        raise RuntimeError("out of resource: shared memory")
+
+    def __getitem__(self, grid: object) -> object:
+        return self.warmup
+
+
+@pytest.mark.parametrize("kernel", ["_norm_kernel", "_clip_kernel"])
+def test_clip_takes_torchs_function_where_its_kernels_fail_to_compile(kernel, device, monkeypatch, caplog):
+    """Checked before any grad changes: every grad clipped once, as torch's function clips it, and one warning."""
+    import logging
+
+    from kitsune import clip
+
+    monkeypatch.setattr(clip, "_cache", type(clip._cache)())
+    monkeypatch.setattr(clip, "_refused", type(clip._refused)())
+    monkeypatch.setattr(norms, kernel, _Uncompilable(getattr(norms, kernel)))
+    gen = torch.Generator().manual_seed(4)
+    params = [torch.nn.Parameter(torch.randn(n, generator=gen).to(device)) for n in (40, 7, 130)]
+    copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    with caplog.at_level(logging.WARNING, logger="kitsune.clip"):
+        for _ in range(3):
+            for p, q in zip(params, copies, strict=True):
+                p.grad = torch.randn(p.shape, generator=gen).to(device) * 3
+                q.grad = p.grad.clone()
+            total = kitsune.clip_grad_norm_(params, 0.5)
+            want = torch.nn.utils.clip_grad_norm_(copies, 0.5)
+            torch.testing.assert_close(total, want, rtol=0, atol=0)
+            for p, q in zip(params, copies, strict=True):
+                torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+    warned = [r.getMessage() for r in caplog.records if "failed to compile" in r.getMessage()]
+    assert len(warned) == 1 and kernel in warned[0]
+    assert len(clip._refused) == 1
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtypes", [(torch.float32,), (torch.bfloat16, torch.float32)], ids=["fp32", "mixed"])
+def test_clip_compiles_ahead_exactly_what_it_launches(dtypes, monkeypatch):
+    """`MultiTensorNorm.compile_clip` compiles the variants the clip's launches then find cached (a compile at the
+    launch could fail after the norm ran)."""
+    from kitsune import clip
+
+    monkeypatch.setattr(clip, "_cache", type(clip._cache)())
+
+    def cached() -> int:
+        return sum(len(c[0]) for k in (norms._norm_kernel, norms._clip_kernel) for c in k.device_caches.values())
+
+    seen: list[int] = []
+    ahead = MultiTensorNorm.compile_clip
+
+    def spy(self: MultiTensorNorm, out_dtype: torch.dtype) -> None:
+        ahead(self, out_dtype)
+        seen.append(cached())
+
+    monkeypatch.setattr(MultiTensorNorm, "compile_clip", spy)
+    params = [torch.nn.Parameter(torch.randn(n, device="cuda", dtype=dtypes[i % len(dtypes)])) for i, n in
+              enumerate((4096, 77, 100_000))]  # fmt: skip
+    for norm_type in (2.0, INF):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        kitsune.clip_grad_norm_(params, 0.5, norm_type=norm_type)
+        assert seen and cached() == seen[-1]
+
+
 # ---- GPU ----
 
 

@@ -11,6 +11,7 @@ from twins import RecordingBackend
 
 from kitsune import KitsuneOptimizer
 from kitsune.config import FusionConfig, KitsuneConfig, StreamConfig
+from kitsune.optim import Lion
 
 
 class Net(nn.Module):
@@ -945,3 +946,42 @@ def test_a_step_of_another_than_the_newest_optimizer_after_updates_in_backward_i
     ref.step()
     for a, b in zip(model.parameters(), ref_model.parameters(), strict=True):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("make", [torch.optim.AdamW, Lion], ids=["adamw", "lion"])
+def test_a_unit_whose_kernel_fails_to_compile_inside_backward_goes_to_torch_and_trains_as_torch(
+    make, device, monkeypatch
+):
+    """The second unit's update cannot compile: it does not run inside that backward (the others do), and the step
+    plans again with the bucket on torch's route (AdamW's fused or foreach step; Lion's own step, torch having none),
+    skipping the params updated in backward."""
+    from kitsune.fusion import Route
+    from kitsune.kernels import update
+
+    net, twin = twins(device, seed=5)
+    opt = KitsuneOptimizer(make(net.parameters(), lr=1e-2, weight_decay=0.1), config=in_backward())
+    units = opt._subsystem("fusion").units
+    assert len(units) > 2
+    broken, real = units[-2].tables.block_tensor, update._update_kernel  # the second unit backward reaches
+
+    class Broken:
+        __name__ = "_update_kernel"
+
+        def warmup(self, *args: Any, **kwargs: Any) -> Any:
+            if args[0] is broken:
+                raise RuntimeError("out of resource: shared memory")
+            return real.warmup(*args, **kwargs)
+
+        def __getitem__(self, grid: Any) -> Any:
+            return lambda *args, **kwargs: (self.warmup(*args, grid=grid, **kwargs), real[grid](*args, **kwargs))
+
+    monkeypatch.setattr(update, "_update_kernel", Broken())
+    got = run(net, opt, steps=STEPS)
+    ref = run(twin, make(twin.parameters(), lr=1e-2, weight_decay=0.1), steps=STEPS)
+    assert got == pytest.approx(ref, rel=1e-5, abs=1e-6)
+    for a, b in zip(net.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    (bucket,) = opt.plan.buckets
+    torch_routes = (Route.TORCH_FUSED, Route.TORCH_FOREACH) if make is torch.optim.AdamW else (Route.BASE_STEP,)
+    assert bucket.route in torch_routes and "failed to compile" in bucket.reason
+    assert opt.step_count == STEPS and len(opt.state) == len(list(net.parameters()))

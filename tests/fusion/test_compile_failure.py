@@ -1,0 +1,203 @@
+"""A fused kernel that fails to compile on the user's GPU: the step compiles every kernel it launches before anything
+changes, routes the failing bucket to torch's step (a warning, the reason in the plan) and runs on; no param is left
+updated by one route and not another. The failure is injected (Triton's interpreter compiles nothing); on a GPU the
+compile ahead is checked to compile exactly what the launch then runs."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+import triton.language as tl
+from twins import make_params, random_grads
+
+from kitsune import AMPConfig, GradConfig, KitsuneOptimizer
+from kitsune.fusion import Route
+from kitsune.fusion.algos import ALGOS
+from kitsune.fusion.planner import torch_route
+from kitsune.kernels import update
+
+STEPS = 8
+
+
+class _Broken:
+    """Stands in for a kernel (``update._update_kernel``): a launch or compile whose ``DTYPE`` is ``dtype`` (None:
+    any) fails as a kernel Triton cannot compile for this GPU does (at the compile ahead, and at a launch that
+    compiles); the others run."""
+
+    def __init__(self, real: Any, dtype: Any) -> None:
+        self.real, self.dtype = real, dtype
+        self.__name__ = real.__name__
+
+    def _fail(self, kwargs: dict[str, Any]) -> None:
+        if self.dtype is None or kwargs["DTYPE"] == self.dtype:
+            raise RuntimeError("out of resource: shared memory, Required: 262144, Hardware limit: 232448")
+
+    def warmup(self, *args: Any, grid: Any, **kwargs: Any) -> Any:
+        self._fail(kwargs)
+        return self.real.warmup(*args, grid=grid, **kwargs)
+
+    def __getitem__(self, grid: Any) -> Any:
+        def launch(*args: Any, **kwargs: Any) -> Any:
+            self._fail(kwargs)
+            return self.real[grid](*args, **kwargs)
+
+        return launch
+
+
+def _params(device: torch.device) -> list[torch.nn.Parameter]:
+    """fp32 and bf16 params (two fused units) and a complex one (the wrapped optimizer's own step)."""
+    params = make_params([(16, 24), 40], torch.float32, device, seed=3)
+    params += make_params([(8, 32), 24], torch.bfloat16, device, seed=4)
+    gen = torch.Generator().manual_seed(5)
+    params.append(torch.nn.Parameter(torch.randn(12, generator=gen, dtype=torch.complex64).to(device)))
+    return params
+
+
+def _grads(params: list[torch.Tensor], step: int) -> list[torch.Tensor]:
+    grads = random_grads(params[:-1], step)
+    gen = torch.Generator().manual_seed(1000 + step)
+    return [*grads, torch.randn(12, generator=gen, dtype=torch.complex64).to(params[-1].device)]
+
+
+def _routes(opt: KitsuneOptimizer) -> dict[str, str]:
+    return {b.dtype: b.route for b in opt.plan.buckets}
+
+
+def _assert_matches(ours: list[torch.Tensor], theirs: list[torch.Tensor]) -> None:
+    for a, b in zip(ours, theirs, strict=True):
+        tol = 1e-2 if a.dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("clip", [None, 0.5], ids=["plain", "clipped"])
+def test_a_kernel_that_fails_to_compile_goes_to_torch_and_the_run_matches_torch(monkeypatch, caplog, device, clip):
+    broken = _Broken(update._update_kernel, tl.bfloat16)
+    monkeypatch.setattr(update, "_update_kernel", broken)
+    params = _params(device)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    kwargs: dict[str, Any] = {} if clip is None else {"max_grad_norm": clip}
+    opt = KitsuneOptimizer(torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1), enable_fusion=True, **kwargs)
+    # torch's route for the bf16 params, as the planner picks it (fused and foreach round bf16 differently)
+    route = torch_route(ALGOS[torch.optim.AdamW], device, torch.bfloat16)
+    flag = {"fused": True} if route is Route.TORCH_FUSED else {"foreach": True}
+    refs = [
+        torch.optim.AdamW([*twins[:2], twins[4]], lr=1e-2, weight_decay=0.1),
+        torch.optim.AdamW(twins[2:4], lr=1e-2, weight_decay=0.1, **flag),
+    ]
+    assert _routes(opt) == {"float32": Route.TRITON, "bfloat16": Route.TRITON, "complex64": Route.BASE_STEP}
+    with caplog.at_level(logging.WARNING, logger="kitsune.fusion"):
+        for step in range(STEPS):
+            for ps in (params, twins):
+                for p, g in zip(ps, _grads(ps, step), strict=True):
+                    p.grad = g
+            opt.step()
+            if clip is not None:  # kitsune clips every grad (the bf16 ones now on torch's route too)
+                torch.nn.utils.clip_grad_norm_(twins, clip)
+            for ref in refs:
+                ref.step()
+            _assert_matches(params, twins)  # each step: the fp32 params updated once, none left behind
+    routes = _routes(opt)
+    assert routes["float32"] is Route.TRITON and routes["complex64"] is Route.BASE_STEP
+    assert routes["bfloat16"] is route
+    (bf16,) = [b for b in opt.plan.buckets if b.dtype == "bfloat16"]
+    assert "failed to compile" in bf16.reason and "out of resource" in bf16.reason
+    warnings = [r for r in caplog.records if "failed to compile" in r.getMessage()]
+    assert len(warnings) == 1 and "2 param(s)" in warnings[0].getMessage()
+    assert opt.step_count == STEPS
+    for p, q in zip(params, twins, strict=True):
+        st, ts = opt.state[p], next(r.state[q] for r in refs if q in r.state)
+        assert st.keys() == ts.keys()
+        assert float(st["step"]) == float(ts["step"]) == STEPS
+
+
+def test_a_norm_kernel_that_fails_to_compile_sends_every_fused_bucket_to_torch(monkeypatch, device):
+    """The norm pass (clipping inside the fused kernels) cannot run: every bucket goes to torch's route, and the
+    grads' own pass clips."""
+    from kitsune.kernels import norms
+
+    monkeypatch.setattr(norms, "_norm_kernel", _Broken(norms._norm_kernel, None))
+    params = make_params([(16, 24), 40, (4, 4, 3)], torch.float32, device, seed=9)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = KitsuneOptimizer(torch.optim.Adam(params, lr=1e-2), enable_fusion=True, max_grad_norm=0.3)
+    route = torch_route(ALGOS[torch.optim.Adam], device, torch.float32)
+    ref = torch.optim.Adam(twins, lr=1e-2, **({"fused": True} if route is Route.TORCH_FUSED else {"foreach": True}))
+    assert {b.route for b in opt.plan.buckets} == {Route.TRITON}
+    for step in range(STEPS):
+        for ps in (params, twins):
+            for p, g in zip(ps, random_grads(ps, step), strict=True):
+                p.grad = g
+        opt.step()
+        norm = torch.nn.utils.clip_grad_norm_(twins, 0.3)
+        ref.step()
+        _assert_matches(params, twins)
+        assert float(opt.last_grad_norm) == pytest.approx(float(norm), rel=1e-6)
+    assert {b.route for b in opt.plan.buckets} == {route}
+    assert all("_norm_kernel" in b.reason for b in opt.plan.buckets)
+
+
+def test_the_closure_runs_once_in_a_step_that_moves_a_bucket_to_torch(monkeypatch, device):
+    monkeypatch.setattr(update, "_update_kernel", _Broken(update._update_kernel, tl.float32))
+    params = make_params([(6, 10), 30], torch.float32, device, seed=7)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = KitsuneOptimizer(torch.optim.Adam(params, lr=1e-2), enable_fusion=True)
+    ref = torch.optim.Adam(twins, lr=1e-2)
+    calls = []
+
+    def closure(ps: list[torch.Tensor], step: int) -> Any:
+        calls.append(step)
+        for p, g in zip(ps, random_grads(ps, step), strict=True):
+            p.grad = g
+        return torch.tensor(float(step))
+
+    for step in range(3):
+        loss = opt.step(lambda step=step: closure(params, step))
+        assert float(loss) == step
+        ref.step(lambda step=step: closure(twins, step))
+        assert len(calls) == 2 * (step + 1)
+    assert {b.route for b in opt.plan.buckets} <= {Route.TORCH_FUSED, Route.TORCH_FOREACH}
+    _assert_matches(params, twins)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", ["plain", "clip", "amp", "zero_in_step"])
+def test_the_compile_ahead_compiles_what_the_launch_runs(monkeypatch, case):
+    """The kernels compiled before the wrapped step are those the launch finds in Triton's cache: the launch compiles
+    nothing more (a compile there could fail after other params were updated)."""
+    from kitsune.fusion.executor import FusionSubsystem
+    from kitsune.kernels import norms
+
+    kernels = (update._update_kernel, norms._norm_kernel)
+
+    def cached() -> int:
+        return sum(len(cache[0]) for k in kernels for cache in k.device_caches.values())
+
+    seen: list[int] = []
+    ahead = FusionSubsystem._compile_ahead
+
+    def spy(self: Any, *args: Any) -> None:
+        ahead(self, *args)
+        seen.append(cached())
+
+    monkeypatch.setattr(FusionSubsystem, "_compile_ahead", spy)
+    device = torch.device("cuda")
+    params = make_params([(64, 48), 1000, 7], torch.float32, device, seed=11)
+    params += make_params([(32, 40), 96], torch.bfloat16, device, seed=12)
+    kwargs: dict[str, Any] = {
+        "plain": {},
+        "clip": {"max_grad_norm": 1.0},
+        "amp": {"enable_amp": True, "amp_config": AMPConfig(dtype=torch.float16)},
+        "zero_in_step": {"grad_config": GradConfig(max_norm=1.0, zero_in_step=True)},
+    }[case]
+    opt = KitsuneOptimizer(torch.optim.AdamW(params, lr=1e-3), enable_fusion=True, **kwargs)
+    for step in range(3):
+        grads = random_grads(params, step)
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g if case != "amp" else g * opt.loss_scale
+        opt.step()
+        assert seen, "the step compiled nothing ahead"
+        assert cached() == seen[-1], f"step {step}: the launch compiled a kernel the compile ahead did not"
+    assert {b.route for b in opt.plan.buckets} == {Route.TRITON}
