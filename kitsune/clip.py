@@ -124,7 +124,7 @@ def clip_grad_norm_(
     grads = [p.grad for p in parameters if p.grad is not None]
     norm_type = float(norm_type)
     key, reason = _route(grads, norm_type)
-    if key is not None and key in _refused:
+    if _refused and key is not None and key in _refused:  # (a key of many sizes costs its hash: asked only then)
         key, reason = None, _refused[key]
     if key is None:
         if reason and reason not in _logged:
