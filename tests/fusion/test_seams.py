@@ -366,8 +366,8 @@ def test_a_step_that_raises_after_its_launch_keeps_what_the_kernels_wrote(warm, 
     for p, t in zip(params, twins, strict=True):
         torch.testing.assert_close(p, t, rtol=1e-6, atol=1e-6)
         assert opt.state[p].keys() == ref.state[t].keys()
-        for key, value in ref.state[t].items():
-            torch.testing.assert_close(opt.state[p][key], value, rtol=1e-6, atol=1e-6)
+        for key, value in ref.state[t].items():  # (the step count on the device, as torch's fused step keeps it)
+            torch.testing.assert_close(opt.state[p][key], value, rtol=1e-6, atol=1e-6, check_device=False)
     _follow_torch(params, twins, opt, ref, range(warm + 1, warm + 5))
 
 
