@@ -471,9 +471,8 @@ class FusionSubsystem(Subsystem):
         """Compile the kernels `launch` runs this step, before anything changes (the wrapped optimizer's step, torch's
         routes, the first unit's update): where a kernel fails to compile on this device, every param is as it was,
         its params go to torch's route (`_compile`) and the step runs again on that plan (`Rerouted`). Once a plan and
-        launch variant (`prepare` keys it); under Triton's interpreter a no-op. Muon's kernels compile at their
-        launch."""
-        why = self._compile(s, norm, self._units)
+        launch variant (`prepare` keys it); under Triton's interpreter a no-op (but Muon's, `MuonUnit.compile`)."""
+        why = self._compile(s, norm, self._units, self._muon)
         if why is not None:
             self.undo()
             raise Rerouted(why)
@@ -492,10 +491,10 @@ class FusionSubsystem(Subsystem):
         self._compiled.add(variant)
         return True
 
-    def _compile(self, s: StepState, norm: bool, units: list[FusedUnit]) -> str | None:
-        """Compile the launches of step ``s`` over ``units`` (and the norm pass's, with ``norm``) without running
-        them; where one fails, the planner routes its params (every fused param, where the norm pass failed) to
-        torch's step from the next plan on, a warning says so, and the error is returned."""
+    def _compile(self, s: StepState, norm: bool, units: list[FusedUnit], muon: Collection[MuonUnit] = ()) -> str | None:
+        """Compile the launches of step ``s`` over ``units`` and ``muon`` (and the norm pass's, with ``norm``) without
+        running them (`MuonUnit.compile`); where one fails, the planner routes its params (every fused param, where
+        the norm pass failed) to torch's step from the next plan on, a warning says so, and the error is returned."""
         from kitsune.kernels.common import CompileError
 
         result = self._norm
@@ -503,7 +502,7 @@ class FusionSubsystem(Subsystem):
         if found_inf is None and norm and s.fused_grads and s.check_inf:
             found_inf = result.found_inf  # the norm pass's flag (what `_norm_pass` hands the update)
         total, norms = (result.total, result.per_tensor) if norm else (None, None)
-        failed: list[FusedUnit] = []
+        failed: list[Any] = []
         try:
             if norm:
                 failed = self._units
@@ -512,6 +511,9 @@ class FusionSubsystem(Subsystem):
                 if unit in units:
                     failed = [unit]
                     self._update(s, unit, offset, found_inf, total, norms, compile_only=True)
+            for m in muon:
+                failed = [m]
+                m.compile(self._contexts[m.device].buffer, _on(found_inf, m.device), s.grad_write == 2)
         except CompileError as exc:
             for unit in failed:
                 self._planner.refuse(unit.device, unit.dtype, unit.spec, str(exc))

@@ -221,6 +221,31 @@ class MuonUnit(FusedUnit):
             self.tables, hyper, self.spec, self.dtype, 1, self.ratio, found_inf, seed=self.seed, count=self._count
         )  # type: ignore[arg-type]
 
+    def compile(self, hyper: torch.Tensor, found_inf: torch.Tensor | None = None, zero_grad: bool = False) -> None:
+        """Compile what `launch` runs, changing no param or state: the momentum and update kernels compiled (not run),
+        the Newton-Schulz calls of both call lists run on the unit's own buffers (their kernels compile at a launch,
+        shape by shape; the buffers are scratch between steps). Raises `kitsune.kernels.common.CompileError`. On a
+        CPU (Triton's interpreter compiles nothing) the Newton-Schulz calls run only with `NS_AHEAD_ON_CPU`."""
+        from kitsune.kernels.common import CompileError
+        from kitsune.kernels.muon_update import muon_update
+        from kitsune.kernels.newton_schulz import newton_schulz
+
+        tables, spec, dtype = self.tables, self.spec, self.dtype
+        muon_update(tables, hyper, spec, dtype, 0, self.ratio, found_inf, zero_grad, compile_only=True)  # type: ignore[arg-type]
+        muon_update(
+            tables, hyper, spec, dtype, 1, self.ratio, found_inf, seed=self.seed, count=self._count, compile_only=True
+        )  # type: ignore[arg-type]
+        if self.device.type != "cuda" and not NS_AHEAD_ON_CPU:
+            return
+        coefficients = list(spec.ns_plan or ()) or [MUON_COEFFICIENTS]  # type: ignore[union-attr]
+        calls = {id(inp): (inp, out) for inp, out in (*self.batches, *self.graph_calls)}  # (uncut: the same tensors)
+        for inp, out in calls.values():
+            try:
+                newton_schulz(inp, self.steps, coefficients, spec.eps, out=out, graph=False)  # type: ignore[union-attr]
+            except Exception as exc:
+                first = (str(exc).strip().splitlines() or [""])[0]
+                raise CompileError(f"newton_schulz {tuple(inp.shape)}: {type(exc).__name__}: {first}") from exc
+
     def _orthogonalise(self, graphed: bool) -> None:
         from kitsune.kernels.newton_schulz import newton_schulz
 
@@ -259,6 +284,10 @@ class MuonUnit(FusedUnit):
             for stream in streams:
                 main.wait_stream(stream)
 
+
+NS_AHEAD_ON_CPU = False
+"""Whether `MuonUnit.compile` runs the Newton-Schulz calls on a CPU too: Triton's interpreter compiles nothing, and
+the calls would only cost time (a test sets it to follow a failing call)."""
 
 CUT_MIN_TILES = 132
 """A batch of same-shape matrices is cut in two for a CUDA graph's steps when each half still has at least this many

@@ -186,7 +186,7 @@ class Planner:
         self.streams = streams
         self.cost_model = cost_model or CostModel()
         self.block = block
-        self.refused: dict[tuple[str, torch.dtype, UpdateSpec], str] = {}
+        self.refused: dict[tuple[str, torch.dtype, UpdateSpec | MuonSpec], str] = {}
         """Buckets (device, dtype, spec) whose fused kernel failed to compile here, with why: later plans route them
         to torch's step (`refuse`)."""
 
@@ -361,7 +361,7 @@ class Planner:
             )
         return None
 
-    def refuse(self, device: torch.device, dtype: torch.dtype, spec: UpdateSpec, why: str) -> None:
+    def refuse(self, device: torch.device, dtype: torch.dtype, spec: UpdateSpec | MuonSpec, why: str) -> None:
         """The fused kernel for ``dtype`` params of ``spec`` failed to compile on ``device``: from the next plan on,
         those params take torch's route (fused or foreach where torch has one, else the optimizer's own step)."""
         self.refused[(str(device), dtype, spec)] = f"the fused kernel failed to compile on {device} ({why})"
@@ -393,7 +393,8 @@ class Planner:
             launches=0,
             groups=sorted({gi for gi, _ in members}),
         )
-        refused = self.refused.get((device, dtype, spec)) if route is None and isinstance(spec, UpdateSpec) else None
+        fusable = route is None and isinstance(spec, (UpdateSpec, MuonSpec))
+        refused = self.refused.get((device, dtype, spec)) if fusable else None
         # 8-bit or 16-bit state only kitsune's kernels read (with those kernels refused, torch's state, as its step
         # keeps it)
         low = isinstance(spec, UpdateSpec) and spec.state != StateFormat.PARAM and refused is None
@@ -420,7 +421,7 @@ class Planner:
             fallback = Route.TORCH_FOREACH  # a non-contiguous param: torch's fused path misreads other grad layouts
         if fallback is Route.TORCH_FUSED and any(fsdp.is_dtensor(p) for _, p in members):
             fallback = Route.TORCH_FOREACH  # FSDP2: torch's fused SGD and Adagrad ops have no DTensor strategy
-        if route is None and isinstance(spec, MuonSpec):
+        if route is None and isinstance(spec, MuonSpec) and refused is None:
             muon_unit.plan_bucket(bp, members, spec, self.config, self.cost_model)
             return bp
         if refused is not None:

@@ -122,6 +122,7 @@ def muon_update(
     *,
     seed: int = 0,
     count: torch.Tensor | None = None,
+    compile_only: bool = False,
 ) -> None:
     """Launch one stage (0: momentum into the Newton-Schulz input, 1: decay and apply its output) over every
     tensor of ``tables``.
@@ -131,6 +132,7 @@ def muon_update(
     tensor's size). ``hyper`` is the float64 ``(n_groups, NUM_FIELDS)`` buffer; ``ratio`` a float64 ``(T,)``
     tensor of the adjust_lr factors. ``found_inf`` (a float32 scalar) skips the whole update when nonzero, decided
     on the device; ``zero_grad`` makes stage 0 store zeros into the grads it read (on a skipped step too).
+    ``compile_only``: compile what the launch runs, and run nothing (`kitsune.kernels.common.compile_launch`).
     With ``spec.stochastic`` (bf16 params) stage 1 stores the params with stochastic rounding: Philox bits keyed by
     ``seed``, the int64 scalar ``count`` (the unit's step count, which the caller advances) as the stream.
     """
@@ -153,7 +155,7 @@ def muon_update(
         raise ValueError("stochastic rounding writes bf16 params and reads the step count: bf16 and an int64 count")
     if tables.num_blocks == 0:
         return
-    _muon_kernel[(tables.num_blocks,)](
+    _common.launcher(_muon_kernel, (tables.num_blocks,), compile_only)(
         tables.block_tensor,
         tables.block_start,
         tables.numel,

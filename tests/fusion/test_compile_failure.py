@@ -163,14 +163,15 @@ def test_the_closure_runs_once_in_a_step_that_moves_a_bucket_to_torch(monkeypatc
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("case", ["plain", "clip", "amp", "zero_in_step"])
+@pytest.mark.parametrize("case", ["plain", "clip", "amp", "zero_in_step", "muon"])
 def test_the_compile_ahead_compiles_what_the_launch_runs(monkeypatch, case):
     """The kernels compiled before the wrapped step are those the launch finds in Triton's cache: the launch compiles
-    nothing more (a compile there could fail after other params were updated)."""
+    nothing more (a compile there could fail after other params were updated). Muon: its momentum and update kernels
+    (its Newton-Schulz calls run ahead, and compile at that launch)."""
     from kitsune.fusion.executor import FusionSubsystem
-    from kitsune.kernels import norms
+    from kitsune.kernels import muon_update, norms
 
-    kernels = (update._update_kernel, norms._norm_kernel)
+    kernels = (update._update_kernel, norms._norm_kernel, muon_update._muon_kernel)
 
     def cached() -> int:
         return sum(len(cache[0]) for k in kernels for cache in k.device_caches.values())
@@ -191,8 +192,14 @@ def test_the_compile_ahead_compiles_what_the_launch_runs(monkeypatch, case):
         "clip": {"max_grad_norm": 1.0},
         "amp": {"enable_amp": True, "amp_config": AMPConfig(dtype=torch.float16)},
         "zero_in_step": {"grad_config": GradConfig(max_norm=1.0, zero_in_step=True)},
+        "muon": {"max_grad_norm": 1.0},
     }[case]
-    opt = KitsuneOptimizer(torch.optim.AdamW(params, lr=1e-3), enable_fusion=True, **kwargs)
+    if case == "muon":
+        params = make_params([(64, 48), (64, 48), (32, 96)], torch.float32, device, seed=13)
+        base: torch.optim.Optimizer = torch.optim.Muon(params, lr=1e-3)
+    else:
+        base = torch.optim.AdamW(params, lr=1e-3)
+    opt = KitsuneOptimizer(base, enable_fusion=True, **kwargs)
     for step in range(3):
         grads = random_grads(params, step)
         opt.backward(sum((p * g).sum() for p, g in zip(params, grads, strict=True)))  # (scaled with float16 AMP)
@@ -200,4 +207,4 @@ def test_the_compile_ahead_compiles_what_the_launch_runs(monkeypatch, case):
         opt.zero_grad()
         assert seen, "the step compiled nothing ahead"
         assert cached() == seen[-1], f"step {step}: the launch compiled a kernel the compile ahead did not"
-    assert {b.route for b in opt.plan.buckets} == {Route.TRITON}
+    assert {b.route for b in opt.plan.buckets} == {Route.TRITON_MATMUL if case == "muon" else Route.TRITON}

@@ -125,6 +125,39 @@ def test_torch_muon_trajectory(device):
     assert opt.plan.fused_tensors == len(SHAPES) + 1
 
 
+def test_a_newton_schulz_kernel_that_fails_to_compile_leaves_muon_to_its_own_step(device, monkeypatch, caplog):
+    """The Newton-Schulz calls run ahead on the units' own buffers before anything changes: a kernel that fails
+    there sends every Muon bucket to torch.optim.Muon's own step (torch has no fused or foreach Muon), which then
+    takes every step, bit for bit as without kitsune."""
+    import logging
+
+    class Broken:
+        __name__ = "_poly_kernel"
+
+        def warmup(self, *args, **kwargs):
+            raise RuntimeError("out of resource: shared memory, Required: 262144, Hardware limit: 232448")
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: self.warmup()
+
+    monkeypatch.setattr(muon_unit, "NS_AHEAD_ON_CPU", True)
+    monkeypatch.setattr(ns, "_poly_kernel", Broken())
+    steps = 6
+    ref_params, ref = trajectory(_torch_muon, SHAPES, torch.float32, device, steps, groups=_torch_groups,
+                                 has_grad=_has_grad)  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="kitsune.fusion"):
+        params, opt = trajectory(_torch_muon, SHAPES, torch.float32, device, steps, fused=True, groups=_torch_groups,
+                                 has_grad=_has_grad)  # fmt: skip
+    buckets = opt.plan.buckets
+    assert len(buckets) == len(GROUPS)
+    for b in buckets:
+        assert b.route is Route.BASE_STEP and "failed to compile" in b.reason and "newton_schulz" in b.reason
+    assert len([r for r in caplog.records if "failed to compile" in r.getMessage()]) == len(buckets)
+    for p, q in zip(params, ref_params, strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    _assert_buffers_close(opt, ref, rtol=0, atol=0)
+
+
 def test_torch_muon_state_dict_round_trip(device):
     """kitsune -> plain torch.optim.Muon -> kitsune, mid-run, against one uninterrupted torch run."""
     shapes, steps = [(16, 32), (32, 16)], 6
