@@ -144,8 +144,9 @@ class GradPass:
             if s.phases is not None:
                 s.phases.mark("unscale")
             return
-        if handoff_scale is not None:  # a user's GradScaler: its found_inf holds the check already
+        if handoff_scale is not None and not s.handoff_unscaled:  # a user's GradScaler: its found_inf has checked
             _unscale_handed_over(self._dense_grads(groups), handoff_scale, s)
+            s.handoff_unscaled = True
         if self._scaler is not None and not s.unscaled:
             grads = self._shard.owned_grads() if self._shard.active else self._dense_grads(groups)
             s.found_inf = self._scaler.unscale(grads, collective=s.reduce is not None)

@@ -82,6 +82,11 @@ class _SharedState(_Shared):
         return super().__get__(obj, owner)
 
 
+_TRIES = 4
+"""Tries of a step whose fused kernels fail to compile (each sends every bucket whose kernel failed to torch's route,
+so a second is rare) before the last one's error reaches the caller."""
+
+
 def _evaluated(loss: Any) -> _Closure:
     """A closure returning ``loss``: the user's, which this step evaluated (`KitsuneOptimizer._rerouting`)."""
     return lambda: loss
@@ -496,14 +501,22 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         """`_pipeline`, again on a new plan where a fused kernel failed to compile (`Rerouted`: raised before anything
         changed, its params now routed to torch's step); the closure runs once (the first try evaluated it).
         Returns the loss and the step's state as the try that ran left it."""
-        while True:
+        for attempt in range(_TRIES):
             try:
                 return self._pipeline(s, closure), s
             except Rerouted as exc:
                 self._fusion.restore_journal()  # what a re-plan inside the failed try converted
+                if attempt == _TRIES - 1:
+                    raise RuntimeError(
+                        f"kitsune: fused kernels failed to compile on {_TRIES} plans in a row ({exc}). Nothing was "
+                        "updated; enable_fusion=False runs the optimizer's own step"
+                    ) from exc
                 if closure is not None:
                     closure = _evaluated(exc.loss)
-                s = StepState(s.step, s.baseline, s.phases)
+                # (a user's GradScaler's unscale that ran stays run: `handoff_unscaled`)
+                s = StepState(s.step, s.baseline, s.phases, updated_before=tuple(self._fusion.updated),
+                              handoff_unscaled=s.handoff_unscaled)  # fmt: skip
+        raise AssertionError("unreachable")
 
     def _pipeline(self, s: StepState, closure: _Closure | None) -> Any:
         """plan current? -> prepare and check -> grad pass -> execute -> finish. Raises before the first param or

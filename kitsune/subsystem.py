@@ -70,6 +70,9 @@ class StepState:
     """The fused executor's switches and param storages were checked before the grad pass (no re-plan inside)."""
     updated_in_backward: frozenset[int] = frozenset()
     """Fused units the stream scheduler already updated inside backward."""
+    updated_before: Sequence[torch.Tensor] = ()
+    """Params updated inside backward, as an earlier try of this step found them (a kernel that failed to compile
+    ended it, and its plan, which the indices above refer to, may be gone)."""
     handled: Collection[torch.Tensor] = frozenset()
     """Params an executor updates this step; the wrapped optimizer's step skips them."""
     unhandled: Sequence[torch.Tensor] = ()
@@ -82,6 +85,9 @@ class StepState:
     """Params whose grads the fused update zeroed (``zero_in_step``)."""
     external_scaler: bool = False
     """A user's ``torch.amp.GradScaler`` handed this step its ``grad_scale`` and ``found_inf``."""
+    handoff_unscaled: bool = False
+    """The grad pass divided the grads by that scale in place (passes of their own): a retry of the step after a
+    kernel failed to compile (`updated_before`) does not divide them again."""
     unscaled: bool = False
     """float16 AMP, a step whose loss was not scaled while every group's lr is 0, as the step with zero grads that
     torch.distributed.checkpoint's state-dict helpers run to make an empty optimizer's state: it runs without the

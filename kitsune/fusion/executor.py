@@ -395,7 +395,8 @@ class FusionSubsystem(Subsystem):
         Fills ``s.handled`` and ``s.unhandled``; returns the units with a live grad."""
         groups, state = self._base.param_groups, self._base.state
         done = s.updated_in_backward  # units (of the plan as it stands) the stream scheduler updated inside backward
-        updated = [p for i in done for p in self._units[i].params] if done else []
+        # (a try of this step that a kernel failing to compile ended may have planned again since: its list)
+        updated = [p for i in done for p in self._units[i].params] if done else list(s.updated_before)
         if not s.structure_checked and self._replan_pending():
             self.journal()  # the new plan converts state its units take: put back if the step raises
             self._replan()  # a switch changed (e.g. momentum set to 0, amsgrad turned on), or the state dict did
@@ -449,7 +450,7 @@ class FusionSubsystem(Subsystem):
         if updated:  # updated inside backward by the old plan's units: no route of a new plan takes them again
             s.handled = s.handled.union(updated)
         if unhandled:  # sparse grads met at step time: the wrapped optimizer's own step must take them
-            s.handled = self._handled.difference(unhandled)
+            s.handled = s.handled.difference(unhandled)
             s.unhandled = unhandled
             self._note_once(
                 f"{len(unhandled)} param(s) got sparse grads, or grads of another dtype than the param's: left to "
@@ -467,6 +468,11 @@ class FusionSubsystem(Subsystem):
                 self._compiled.add(variant)
         return live
 
+    @property
+    def updated(self) -> list[torch.Tensor]:
+        """The params the last step's `prepare` found updated inside backward (a retry of the step carries them)."""
+        return self._updated
+
     def _compile_ahead(self, s: StepState, norm: bool) -> None:
         """Compile the kernels `launch` runs this step, before anything changes (the wrapped optimizer's step, torch's
         routes, the first unit's update): where a kernel fails to compile on this device, every param is as it was,
@@ -483,7 +489,7 @@ class FusionSubsystem(Subsystem):
         route) and updates them."""
         norm = self.needs_norm(s) and self._norm is not None
         variant = (id(unit), s.found_inf is not None, s.grad_scale is not None, s.max_norm is not None, s.grad_write,
-                   *self.grad_layout([unit], norm))  # fmt: skip
+                   self._kernels.grad_vector(unit.tables, unit.spec), norm and self._norm.vector())  # fmt: skip
         if variant in self._compiled:
             return True
         if self._compile(s, norm, [unit]) is not None:
@@ -493,8 +499,9 @@ class FusionSubsystem(Subsystem):
 
     def _compile(self, s: StepState, norm: bool, units: list[FusedUnit], muon: Collection[MuonUnit] = ()) -> str | None:
         """Compile the launches of step ``s`` over ``units`` and ``muon`` (and the norm pass's, with ``norm``) without
-        running them (`MuonUnit.compile`); where one fails, the planner routes its params (every fused param, where
-        the norm pass failed) to torch's step from the next plan on, a warning says so, and the error is returned."""
+        running them (`MuonUnit.compile`). Every unit is tried; each that fails (every fused unit, where the norm pass
+        failed) has its params routed to torch's step by the planner from the next plan on, a warning says so, and
+        the errors are returned."""
         from kitsune.kernels.common import CompileError
 
         result = self._norm
@@ -502,31 +509,38 @@ class FusionSubsystem(Subsystem):
         if found_inf is None and norm and s.fused_grads and s.check_inf:
             found_inf = result.found_inf  # the norm pass's flag (what `_norm_pass` hands the update)
         total, norms = (result.total, result.per_tensor) if norm else (None, None)
-        failed: list[Any] = []
-        try:
-            if norm:
-                failed = self._units
+        failed: list[tuple[list[Any], CompileError]] = []
+        if norm:
+            try:
                 self._launch_norm(s, result.total, compile_only=True)
+            except CompileError as exc:
+                failed.append(([*self._units, *self._muon], exc))
+        if not failed:
             for unit, offset in zip(self._units, self._offsets, strict=True):
                 if unit in units:
-                    failed = [unit]
-                    self._update(s, unit, offset, found_inf, total, norms, compile_only=True)
+                    try:
+                        self._update(s, unit, offset, found_inf, total, norms, compile_only=True)
+                    except CompileError as exc:
+                        failed.append(([unit], exc))
             for m in muon:
-                failed = [m]
-                m.compile(self._contexts[m.device].buffer, _on(found_inf, m.device), s.grad_write == 2)
-        except CompileError as exc:
-            for unit in failed:
+                try:
+                    m.compile(self._contexts[m.device].buffer, _on(found_inf, m.device), s.grad_write == 2)
+                except CompileError as exc:
+                    failed.append(([m], exc))
+        for bad, exc in failed:
+            for unit in bad:
                 self._planner.refuse(unit.device, unit.dtype, unit.spec, str(exc))
             logger.warning(
                 "kitsune fusion: a fused kernel failed to compile on %s (%s); %d param(s) take torch's route from "
                 "this step on (see optimizer.plan)",
-                failed[0].device,
+                bad[0].device,
                 exc,
-                sum(len(u.params) for u in failed),
+                sum(len(u.params) for u in bad),
             )
-            self._replan_next = True
-            return str(exc)
-        return None
+        if not failed:
+            return None
+        self._replan_next = True
+        return "; ".join(str(exc) for _, exc in failed)
 
     def _refuse_overlapping(self) -> None:
         """Raise before anything changes for a grad whose elements share memory (``.expand()``) on a step that

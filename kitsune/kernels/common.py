@@ -25,6 +25,12 @@ it off. Where the compiler contracts depends on the code around the arithmetic, 
 differ in the last bit with it on; the tests that compare layouts bit for bit on a GPU turn it off."""
 
 
+DEVICE_ERRORS: tuple[type[BaseException], ...] = tuple(
+    t for t in (getattr(torch, "AcceleratorError", None),) if isinstance(t, type)
+)
+"""torch's error for a fault the device reported (torch >= 2.9): a fault, not a kernel that cannot compile."""
+
+
 class CompileError(RuntimeError):
     """A kernel Triton could not compile for a launch (`compile_launch`), raised before anything ran; Triton's own
     error is its ``__cause__``."""
@@ -38,10 +44,20 @@ def launcher(kernel: Any, grid: tuple[int, ...], compile_only: bool = False) -> 
 
 def compile_launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
     """Compile ``kernel`` for the launch ``kernel[grid](*args, **kwargs)`` would make (the same arguments: the same
-    specialization, cached for that launch) without running it. A failure raises `CompileError`. Under Triton's
-    interpreter nothing compiles, and nothing happens."""
+    specialization, cached for that launch) and load it on the device, without running it: Triton checks the shared
+    memory and threads a program needs, and loads the binary, when a kernel is first launched, not when it compiles.
+    A failure raises `CompileError` (running out of device memory is no such failure: raised as it is). Under
+    Triton's interpreter nothing compiles, and nothing happens."""
     try:
-        kernel.warmup(*args, grid=grid, **kwargs)
+        compiled = kernel.warmup(*args, grid=grid, **kwargs)
+        result = getattr(compiled, "result", None)  # Triton's asynchronous compile mode hands a future
+        if callable(result):
+            compiled = result()
+        load = getattr(compiled, "_init_handles", None)  # what the first launch runs: the resource checks, the load
+        if load is not None:
+            load()
+    except (torch.OutOfMemoryError, *DEVICE_ERRORS):
+        raise
     except Exception as exc:
         name = getattr(kernel, "__name__", type(kernel).__name__)
         first = (str(exc).strip().splitlines() or [""])[0]

@@ -208,3 +208,25 @@ def test_the_compile_ahead_compiles_what_the_launch_runs(monkeypatch, case):
         assert seen, "the step compiled nothing ahead"
         assert cached() == seen[-1], f"step {step}: the launch compiled a kernel the compile ahead did not"
     assert {b.route for b in opt.plan.buckets} == {Route.TRITON_MATMUL if case == "muon" else Route.TRITON}
+
+
+def test_a_retry_on_a_new_plan_does_not_unscale_a_user_grad_scalers_grads_twice(monkeypatch, device):
+    """A plan with a route of torch's own unscales a user's GradScaler's grads in place before any update; the try on
+    the new plan after a kernel failed to compile takes them as they are."""
+    monkeypatch.setattr(update, "_update_kernel", _Broken(update._update_kernel, tl.float32))
+    gen = torch.Generator().manual_seed(21)
+    params = make_params([(8, 12), 30], torch.float32, device, seed=22)
+    params.append(torch.nn.Parameter(torch.randn(6, generator=gen, dtype=torch.float64).to(device)))  # torch's
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = KitsuneOptimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9), enable_fusion=True)
+    ref = torch.optim.SGD(twins, lr=0.1, momentum=0.9)
+    scalers = [torch.amp.GradScaler(device.type, init_scale=1024.0) for _ in range(2)]
+    for step in range(4):
+        grads = [*random_grads(params[:2], step), torch.randn(6, generator=gen, dtype=torch.float64).to(device)]
+        for ps, o, scaler in ((params, opt, scalers[0]), (twins, ref, scalers[1])):
+            scaler.scale(sum((p * g).sum() for p, g in zip(ps, grads, strict=True))).backward()
+            scaler.step(o)
+            scaler.update()
+            o.zero_grad()
+        _assert_matches(params, twins)
+    assert [b.route for b in opt.plan.buckets if b.dtype == "float32"] != [Route.TRITON]

@@ -985,3 +985,45 @@ def test_a_unit_whose_kernel_fails_to_compile_inside_backward_goes_to_torch_and_
     torch_routes = (Route.TORCH_FUSED, Route.TORCH_FOREACH) if make is torch.optim.AdamW else (Route.BASE_STEP,)
     assert bucket.route in torch_routes and "failed to compile" in bucket.reason
     assert opt.step_count == STEPS and len(opt.state) == len(list(net.parameters()))
+
+
+def test_a_second_kernel_failing_in_the_step_leaves_the_params_updated_inside_backward_alone(device, monkeypatch):
+    """One unit's kernel fails inside backward; the step's new plan meets another failing kernel (the bf16 param's)
+    and runs a third time: the params updated inside backward are still skipped, each param updated once."""
+    import triton.language as tl
+
+    from kitsune.kernels import update
+
+    net, twin = twins(device, seed=5)
+    gen = torch.Generator().manual_seed(1)
+    extra = nn.Parameter(torch.randn(4096, generator=gen).to(device, torch.bfloat16))
+    extra_twin = nn.Parameter(extra.detach().clone())
+    make = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)  # noqa: E731
+    opt = KitsuneOptimizer(make([*net.parameters(), extra]), config=in_backward())
+    ref = make([*twin.parameters(), extra_twin])
+    units = opt._subsystem("fusion").units
+    broken, real = units[-2].tables.block_tensor, update._update_kernel
+
+    class Broken:
+        __name__ = "_update_kernel"
+
+        def warmup(self, *args: Any, **kwargs: Any) -> Any:
+            if args[0] is broken or kwargs["DTYPE"] == tl.bfloat16:
+                raise RuntimeError("out of resource: shared memory")
+            return real.warmup(*args, **kwargs)
+
+        def __getitem__(self, grid: Any) -> Any:
+            return lambda *args, **kwargs: (self.warmup(*args, grid=grid, **kwargs), real[grid](*args, **kwargs))
+
+    monkeypatch.setattr(update, "_update_kernel", Broken())
+    g = torch.Generator().manual_seed(7)
+    x, y = torch.randn(8, 6, generator=g).to(device), torch.randn(8, 3, generator=g).to(device)
+    grad = torch.randn(4096, generator=g).to(device, torch.bfloat16)
+    for model, o, e in ((net, opt, extra), (twin, ref, extra_twin)):
+        nn.functional.mse_loss(model(x, True), y).backward()
+        e.grad = grad.clone()
+        o.step()
+    for a, b in zip(net.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+        assert float(opt.state[a]["step"]) == 1.0
+    torch.testing.assert_close(extra, extra_twin, atol=2e-2, rtol=2e-2)
