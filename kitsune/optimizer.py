@@ -508,8 +508,9 @@ class KitsuneOptimizer(torch.optim.Optimizer):
                 self._fusion.restore_journal()  # what a re-plan inside the failed try converted
                 if attempt == _TRIES - 1:
                     raise RuntimeError(
-                        f"kitsune: fused kernels failed to compile on {_TRIES} plans in a row ({exc}). Nothing was "
-                        "updated; enable_fusion=False runs the optimizer's own step"
+                        f"kitsune: fused kernels failed to compile on {_TRIES} plans in a row ({exc}). This step "
+                        "updated nothing (updates inside backward stand); enable_fusion=False runs the optimizer's "
+                        "own step"
                     ) from exc
                 if closure is not None:
                     closure = _evaluated(exc.loss)

@@ -478,10 +478,18 @@ class FusionSubsystem(Subsystem):
         routes, the first unit's update): where a kernel fails to compile on this device, every param is as it was,
         its params go to torch's route (`_compile`) and the step runs again on that plan (`Rerouted`). Once a plan and
         launch variant (`prepare` keys it); under Triton's interpreter a no-op (but Muon's, `MuonUnit.compile`)."""
-        why = self._compile(s, norm, self._units, self._muon)
-        if why is not None:
-            self.undo()
-            raise Rerouted(why)
+        sharded = bool(self._plan_args[0]) or bool(self._norm_groups)  # ZeRO's remote params, FSDP2's mesh
+        why = self._compile(s, norm, self._units, self._muon, refuse=not sharded)
+        if why is None:
+            return
+        self.undo()
+        if sharded:  # a rank alone on another route would run other collectives than its peers: they would wait
+            raise RuntimeError(
+                f"kitsune: a fused kernel failed to compile on this rank ({why}). With sharded state (zero_stage, "
+                "FSDP2) every rank must take the same route, and this rank cannot move to torch's alone: nothing was "
+                "updated. Build the optimizer with enable_fusion=False to run torch's step on every rank"
+            )
+        raise Rerouted(why)
 
     def compile_unit(self, s: StepState, unit: FusedUnit) -> bool:
         """An update inside backward: compile ``unit``'s launch before it runs (once a unit and launch variant). False
@@ -497,11 +505,13 @@ class FusionSubsystem(Subsystem):
         self._compiled.add(variant)
         return True
 
-    def _compile(self, s: StepState, norm: bool, units: list[FusedUnit], muon: Collection[MuonUnit] = ()) -> str | None:
+    def _compile(
+        self, s: StepState, norm: bool, units: list[FusedUnit], muon: Collection[MuonUnit] = (), refuse: bool = True
+    ) -> str | None:
         """Compile the launches of step ``s`` over ``units`` and ``muon`` (and the norm pass's, with ``norm``) without
-        running them (`MuonUnit.compile`). Every unit is tried; each that fails (every fused unit, where the norm pass
-        failed) has its params routed to torch's step by the planner from the next plan on, a warning says so, and
-        the errors are returned."""
+        running them (`MuonUnit.compile`). Every unit is tried; with ``refuse``, each that fails (every fused unit,
+        where the norm pass failed) has its params routed to torch's step by the planner from the next plan on, and a
+        warning says so. Returns the errors."""
         from kitsune.kernels.common import CompileError
 
         result = self._norm
@@ -527,6 +537,8 @@ class FusionSubsystem(Subsystem):
                     m.compile(self._contexts[m.device].buffer, _on(found_inf, m.device), s.grad_write == 2)
                 except CompileError as exc:
                     failed.append(([m], exc))
+        if not refuse:
+            return "; ".join(str(exc) for _, exc in failed) or None
         for bad, exc in failed:
             for unit in bad:
                 self._planner.refuse(unit.device, unit.dtype, unit.spec, str(exc))

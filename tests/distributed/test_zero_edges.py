@@ -355,6 +355,42 @@ def _failed_backward(rank: int, world: int, stage: int) -> list[torch.Tensor]:
     return _skip_a_failed_backward(model, _sharded_sgd(model, stage), rank, world)
 
 
+def _uncompilable(rank: int, world: int, stage: int) -> dict:
+    """A fused kernel that fails to compile: a rank cannot move its params to torch's route alone (its peers would
+    wait in collectives it no longer runs), so the step raises, with nothing changed, on every rank that met it."""
+    from kitsune.kernels import update
+
+    real = update._update_kernel
+
+    class Broken:
+        __name__ = "_update_kernel"
+
+        def warmup(self, *args, **kwargs):
+            raise RuntimeError("out of resource: shared memory")
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: self.warmup()
+
+    update._update_kernel = Broken()
+    try:
+        model = _model()
+        opt = _sharded_sgd(model, stage)
+        before = [p.detach().clone() for p in model.parameters()]
+        x, y = _batch(0)
+        lo, hi = rank * ROWS // world, (rank + 1) * ROWS // world
+        torch.nn.functional.mse_loss(model(x[lo:hi]), y[lo:hi]).backward()
+        errors = []
+        for _ in range(2):  # and again: no rank records a refusal of its own
+            try:
+                opt.step()
+            except RuntimeError as exc:
+                errors.append(str(exc))
+        unchanged = all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+        return {"errors": errors, "unchanged": unchanged, "routes": sorted({b.route.value for b in opt.plan.buckets})}
+    finally:
+        update._update_kernel = real
+
+
 def _cases(rank: int, world: int) -> dict:
     return {
         "refusals": _refusals(rank, world),
@@ -371,6 +407,7 @@ def _cases(rank: int, world: int) -> dict:
         **{f"refused_{stage}": _grads_through_a_refusal(rank, world, stage) for stage in (1, 2)},
         **{f"refused_clip_{stage}": _grads_through_a_refusal(rank, world, stage, clip=True) for stage in (1, 2)},
         **{f"failed_backward_{stage}": _failed_backward(rank, world, stage) for stage in (1, 2)},
+        **{f"uncompilable_{stage}": _uncompilable(rank, world, stage) for stage in (1, 2)},
     }
 
 
@@ -397,6 +434,16 @@ def test_ranks_that_differ_in_a_setting_that_adds_a_collective_are_refused(ranks
         error = ranks[rank][kind]
         assert error is not None and f"rank {other}'s ShardConfig or optimizer differs" in error, error
         assert setting in error
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_kernel_that_fails_to_compile_under_sharding_raises_on_each_rank_with_nothing_changed(ranks, stage):
+    for rank in ranks:
+        got = rank[f"uncompilable_{stage}"]
+        assert len(got["errors"]) == 2 and got["unchanged"], got
+        for error in got["errors"]:
+            assert "failed to compile on this rank" in error and "enable_fusion=False" in error
+        assert got["routes"] == ["triton"]  # no rank moved to torch's route alone
 
 
 @pytest.mark.parametrize("stage", [1, 2])
