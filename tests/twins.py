@@ -318,3 +318,32 @@ def assert_steps_as_the_wrapped_step(
             assert torch.equal(p, t), step
     assert {b.route.value for b in opt.plan.buckets} == {"base_step"}
     assert all(t.dtype == torch.float32 for p in params for t in opt.state[p].values())  # kept as they were made
+
+
+UNCOMPILABLE = "out of resource: shared memory, Required: 262144, Hardware limit: 232448"
+"""What Triton raises for a kernel whose tiles need more shared memory than the GPU has (when it is loaded)."""
+
+
+class Uncompilable:
+    """Stands in for a Triton kernel (``kitsune.kernels.update._update_kernel``, ...) that Triton cannot compile or
+    load on this GPU for the launches ``fails(args, kwargs)`` picks (every one by default): their compile ahead
+    (``warmup``) and their launch raise as Triton does; the others run the real kernel."""
+
+    def __init__(self, real: Any, fails: Callable[[tuple, dict], bool] | None = None) -> None:
+        self.real, self.fails = real, fails or (lambda args, kwargs: True)
+        self.__name__ = real.__name__
+
+    def _check(self, args: tuple, kwargs: dict) -> None:
+        if self.fails(args, kwargs):
+            raise RuntimeError(UNCOMPILABLE)
+
+    def warmup(self, *args: Any, grid: Any, **kwargs: Any) -> Any:
+        self._check(args, kwargs)
+        return self.real.warmup(*args, grid=grid, **kwargs)
+
+    def __getitem__(self, grid: Any) -> Any:
+        def launch(*args: Any, **kwargs: Any) -> Any:
+            self._check(args, kwargs)
+            return self.real[grid](*args, **kwargs)
+
+        return launch

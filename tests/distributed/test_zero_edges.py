@@ -358,20 +358,13 @@ def _failed_backward(rank: int, world: int, stage: int) -> list[torch.Tensor]:
 def _uncompilable(rank: int, world: int, stage: int) -> dict:
     """A fused kernel that fails to compile: a rank cannot move its params to torch's route alone (its peers would
     wait in collectives it no longer runs), so the step raises, with nothing changed, on every rank that met it."""
+    from twins import Uncompilable
+
     from kitsune.kernels import update
 
     real = update._update_kernel
 
-    class Broken:
-        __name__ = "_update_kernel"
-
-        def warmup(self, *args, **kwargs):
-            raise RuntimeError("out of resource: shared memory")
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: self.warmup()
-
-    update._update_kernel = Broken()
+    update._update_kernel = Uncompilable(real)
     try:
         model = _model()
         opt = _sharded_sgd(model, stage)

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 import triton.language as tl
-from twins import make_params, random_grads
+from twins import Uncompilable, make_params, random_grads
 
 from kitsune import AMPConfig, GradConfig, KitsuneOptimizer
 from kitsune.fusion import Route
@@ -22,29 +22,10 @@ from kitsune.kernels import update
 STEPS = 8
 
 
-class _Broken:
-    """Stands in for a kernel (``update._update_kernel``): a launch or compile whose ``DTYPE`` is ``dtype`` (None:
-    any) fails as a kernel Triton cannot compile for this GPU does (at the compile ahead, and at a launch that
-    compiles); the others run."""
-
-    def __init__(self, real: Any, dtype: Any) -> None:
-        self.real, self.dtype = real, dtype
-        self.__name__ = real.__name__
-
-    def _fail(self, kwargs: dict[str, Any]) -> None:
-        if self.dtype is None or kwargs["DTYPE"] == self.dtype:
-            raise RuntimeError("out of resource: shared memory, Required: 262144, Hardware limit: 232448")
-
-    def warmup(self, *args: Any, grid: Any, **kwargs: Any) -> Any:
-        self._fail(kwargs)
-        return self.real.warmup(*args, grid=grid, **kwargs)
-
-    def __getitem__(self, grid: Any) -> Any:
-        def launch(*args: Any, **kwargs: Any) -> Any:
-            self._fail(kwargs)
-            return self.real[grid](*args, **kwargs)
-
-        return launch
+def _broken(real: Any, dtype: Any) -> Uncompilable:
+    """``real``'s launches whose ``DTYPE`` is ``dtype`` (None: every one) fail as a kernel Triton cannot compile or
+    load on this GPU (at the compile ahead, and at a launch); the others run."""
+    return Uncompilable(real, lambda args, kwargs: dtype is None or kwargs["DTYPE"] == dtype)
 
 
 def _params(device: torch.device) -> list[torch.nn.Parameter]:
@@ -74,7 +55,7 @@ def _assert_matches(ours: list[torch.Tensor], theirs: list[torch.Tensor]) -> Non
 
 @pytest.mark.parametrize("clip", [None, 0.5], ids=["plain", "clipped"])
 def test_a_kernel_that_fails_to_compile_goes_to_torch_and_the_run_matches_torch(monkeypatch, caplog, device, clip):
-    broken = _Broken(update._update_kernel, tl.bfloat16)
+    broken = _broken(update._update_kernel, tl.bfloat16)
     monkeypatch.setattr(update, "_update_kernel", broken)
     params = _params(device)
     twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
@@ -118,7 +99,7 @@ def test_a_norm_kernel_that_fails_to_compile_sends_every_fused_bucket_to_torch(m
     grads' own pass clips."""
     from kitsune.kernels import norms
 
-    monkeypatch.setattr(norms, "_norm_kernel", _Broken(norms._norm_kernel, None))
+    monkeypatch.setattr(norms, "_norm_kernel", _broken(norms._norm_kernel, None))
     params = make_params([(16, 24), 40, (4, 4, 3)], torch.float32, device, seed=9)
     twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
     opt = KitsuneOptimizer(torch.optim.Adam(params, lr=1e-2), enable_fusion=True, max_grad_norm=0.3)
@@ -139,7 +120,7 @@ def test_a_norm_kernel_that_fails_to_compile_sends_every_fused_bucket_to_torch(m
 
 
 def test_the_closure_runs_once_in_a_step_that_moves_a_bucket_to_torch(monkeypatch, device):
-    monkeypatch.setattr(update, "_update_kernel", _Broken(update._update_kernel, tl.float32))
+    monkeypatch.setattr(update, "_update_kernel", _broken(update._update_kernel, tl.float32))
     params = make_params([(6, 10), 30], torch.float32, device, seed=7)
     twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
     opt = KitsuneOptimizer(torch.optim.Adam(params, lr=1e-2), enable_fusion=True)
@@ -213,7 +194,7 @@ def test_the_compile_ahead_compiles_what_the_launch_runs(monkeypatch, case):
 def test_a_retry_on_a_new_plan_does_not_unscale_a_user_grad_scalers_grads_twice(monkeypatch, device):
     """A plan with a route of torch's own unscales a user's GradScaler's grads in place before any update; the try on
     the new plan after a kernel failed to compile takes them as they are."""
-    monkeypatch.setattr(update, "_update_kernel", _Broken(update._update_kernel, tl.float32))
+    monkeypatch.setattr(update, "_update_kernel", _broken(update._update_kernel, tl.float32))
     gen = torch.Generator().manual_seed(21)
     params = make_params([(8, 12), 30], torch.float32, device, seed=22)
     params.append(torch.nn.Parameter(torch.randn(6, generator=gen, dtype=torch.float64).to(device)))  # torch's

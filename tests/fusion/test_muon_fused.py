@@ -26,7 +26,16 @@ from io import StringIO
 import pytest
 import torch
 from rich.console import Console
-from twins import TOL, assert_refused, assert_steps_as_the_wrapped_step, make_params, random_grads, set_grad, trajectory
+from twins import (
+    TOL,
+    Uncompilable,
+    assert_refused,
+    assert_steps_as_the_wrapped_step,
+    make_params,
+    random_grads,
+    set_grad,
+    trajectory,
+)
 
 from kitsune import FusionConfig, GradConfig, KitsuneOptimizer, StreamConfig
 from kitsune.fusion import Route, muon_unit
@@ -131,17 +140,8 @@ def test_a_newton_schulz_kernel_that_fails_to_compile_leaves_muon_to_its_own_ste
     takes every step, bit for bit as without kitsune."""
     import logging
 
-    class Broken:
-        __name__ = "_poly_kernel"
-
-        def warmup(self, *args, **kwargs):
-            raise RuntimeError("out of resource: shared memory, Required: 262144, Hardware limit: 232448")
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: self.warmup()
-
     monkeypatch.setattr(muon_unit, "NS_AHEAD_ON_CPU", True)
-    monkeypatch.setattr(ns, "_poly_kernel", Broken())
+    monkeypatch.setattr(ns, "_poly_kernel", Uncompilable(ns._poly_kernel))
     steps = 6
     ref_params, ref = trajectory(_torch_muon, SHAPES, torch.float32, device, steps, groups=_torch_groups,
                                  has_grad=_has_grad)  # fmt: skip

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from twins import Uncompilable
 
 import kitsune
 from kitsune.kernels import norms
@@ -324,19 +325,6 @@ def test_clip_caches_tables(device, monkeypatch):
     assert len(clip._cache) == 2 and all(n is not norm for n in clip._cache.values())  # least recently used
 
 
-class _Uncompilable:
-    """Stands in for a kernel Triton cannot compile on this device: its compile and its launch raise."""
-
-    def __init__(self, real: object) -> None:
-        self.__name__ = real.__name__
-
-    def warmup(self, *args: object, grid: object, **kwargs: object) -> None:
-        raise RuntimeError("out of resource: shared memory")
-
-    def __getitem__(self, grid: object) -> object:
-        return self.warmup
-
-
 @pytest.mark.parametrize("kernel", ["_norm_kernel", "_clip_kernel"])
 def test_clip_takes_torchs_function_where_its_kernels_fail_to_compile(kernel, device, monkeypatch, caplog):
     """Checked before any grad changes: every grad clipped once, as torch's function clips it, and one warning."""
@@ -346,7 +334,7 @@ def test_clip_takes_torchs_function_where_its_kernels_fail_to_compile(kernel, de
 
     monkeypatch.setattr(clip, "_cache", type(clip._cache)())
     monkeypatch.setattr(clip, "_refused", type(clip._refused)())
-    monkeypatch.setattr(norms, kernel, _Uncompilable(getattr(norms, kernel)))
+    monkeypatch.setattr(norms, kernel, Uncompilable(getattr(norms, kernel)))
     gen = torch.Generator().manual_seed(4)
     params = [torch.nn.Parameter(torch.randn(n, generator=gen).to(device)) for n in (40, 7, 130)]
     copies = [torch.nn.Parameter(p.detach().clone()) for p in params]

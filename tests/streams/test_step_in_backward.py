@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from twins import RecordingBackend
+from twins import RecordingBackend, Uncompilable
 
 from kitsune import KitsuneOptimizer
 from kitsune.config import FusionConfig, KitsuneConfig, StreamConfig
@@ -964,18 +964,8 @@ def test_a_unit_whose_kernel_fails_to_compile_inside_backward_goes_to_torch_and_
     assert len(units) > 2
     broken, real = units[-2].tables.block_tensor, update._update_kernel  # the second unit backward reaches
 
-    class Broken:
-        __name__ = "_update_kernel"
-
-        def warmup(self, *args: Any, **kwargs: Any) -> Any:
-            if args[0] is broken:
-                raise RuntimeError("out of resource: shared memory")
-            return real.warmup(*args, **kwargs)
-
-        def __getitem__(self, grid: Any) -> Any:
-            return lambda *args, **kwargs: (self.warmup(*args, grid=grid, **kwargs), real[grid](*args, **kwargs))
-
-    monkeypatch.setattr(update, "_update_kernel", Broken())
+    fails = lambda args, kwargs: args[0] is broken  # noqa: E731
+    monkeypatch.setattr(update, "_update_kernel", Uncompilable(real, fails))
     got = run(net, opt, steps=STEPS)
     ref = run(twin, make(twin.parameters(), lr=1e-2, weight_decay=0.1), steps=STEPS)
     assert got == pytest.approx(ref, rel=1e-5, abs=1e-6)
@@ -1004,18 +994,8 @@ def test_a_second_kernel_failing_in_the_step_leaves_the_params_updated_inside_ba
     units = opt._subsystem("fusion").units
     broken, real = units[-2].tables.block_tensor, update._update_kernel
 
-    class Broken:
-        __name__ = "_update_kernel"
-
-        def warmup(self, *args: Any, **kwargs: Any) -> Any:
-            if args[0] is broken or kwargs["DTYPE"] == tl.bfloat16:
-                raise RuntimeError("out of resource: shared memory")
-            return real.warmup(*args, **kwargs)
-
-        def __getitem__(self, grid: Any) -> Any:
-            return lambda *args, **kwargs: (self.warmup(*args, grid=grid, **kwargs), real[grid](*args, **kwargs))
-
-    monkeypatch.setattr(update, "_update_kernel", Broken())
+    fails = lambda args, kwargs: args[0] is broken or kwargs["DTYPE"] == tl.bfloat16  # noqa: E731
+    monkeypatch.setattr(update, "_update_kernel", Uncompilable(real, fails))
     g = torch.Generator().manual_seed(7)
     x, y = torch.randn(8, 6, generator=g).to(device), torch.randn(8, 3, generator=g).to(device)
     grad = torch.randn(4096, generator=g).to(device, torch.bfloat16)
