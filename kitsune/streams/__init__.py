@@ -143,6 +143,8 @@ class StreamScheduler(Subsystem):
         self._units_total = 0
         self._bytes_in_backward = 0
         self._bytes_total = 0
+        self._counted = -1  # the step whose units the report counted (once a step: a try again after a refusal or a
+        # kernel that failed to compile counts nothing more)
         self.deactivate("not planned yet")
 
     @property
@@ -467,6 +469,9 @@ class StreamScheduler(Subsystem):
         if self._launched:
             self._refuse_changes_since_backward()
         s.updated_in_backward = frozenset(self._launched)
+        if s.step == self._counted:
+            return
+        self._counted = s.step
         units = self._fusion.units
         self._units_total += len(units)
         self._units_in_backward += len(self._launched)

@@ -1007,3 +1007,18 @@ def test_a_second_kernel_failing_in_the_step_leaves_the_params_updated_inside_ba
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
         assert float(opt.state[a]["step"]) == 1.0
     torch.testing.assert_close(extra, extra_twin, atol=2e-2, rtol=2e-2)
+
+
+def test_a_step_tried_again_is_counted_once_in_the_report(device):
+    """A step that runs its checks again (the try on a new plan after a kernel failed to compile) counts its units
+    once: the report's units add up to the units of the steps taken."""
+    from kitsune.subsystem import StepState
+
+    net, _ = twins(device)
+    opt = KitsuneOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-2), config=in_backward())
+    streams = opt.scheduler
+    for _ in range(2):
+        streams.begin(StepState(opt.step_count + 1))
+    report = streams.report()
+    assert report["units_updated_in_step"] == len(opt._subsystem("fusion").units)
+    assert report["units_updated_in_backward"] == 0
