@@ -461,8 +461,7 @@ class FusionSubsystem(Subsystem):
             norm = self.needs_norm(s)
             if norm:
                 self._bind_norm()
-            variant = (s.found_inf is not None, s.grad_scale is not None, s.max_norm is not None, s.check_inf,
-                       s.fused_grads, s.grad_write, *self.grad_layout(self._units, norm))  # fmt: skip
+            variant = _variant(s, *self.grad_layout(self._units, norm))
             if variant not in self._compiled:
                 self._compile_ahead(s, norm)
                 self._compiled.add(variant)
@@ -496,8 +495,8 @@ class FusionSubsystem(Subsystem):
         where it failed: the unit does not update inside backward, and the step plans again (its params on torch's
         route) and updates them."""
         norm = self.needs_norm(s) and self._norm is not None
-        variant = (id(unit), s.found_inf is not None, s.grad_scale is not None, s.max_norm is not None, s.grad_write,
-                   self._kernels.grad_vector(unit.tables, unit.spec), norm and self._norm.vector())  # fmt: skip
+        vector = self._kernels.grad_vector(unit.tables, unit.spec)
+        variant = (id(unit), *_variant(s, vector, norm and self._norm.vector()))
         if variant in self._compiled:
             return True
         if self._compile(s, norm, [unit]) is not None:
@@ -537,8 +536,11 @@ class FusionSubsystem(Subsystem):
                     m.compile(self._contexts[m.device].buffer, _on(found_inf, m.device), s.grad_write == 2)
                 except CompileError as exc:
                     failed.append(([m], exc))
+        if not failed:
+            return None
+        why = "; ".join(str(exc) for _, exc in failed)
         if not refuse:
-            return "; ".join(str(exc) for _, exc in failed) or None
+            return why
         for bad, exc in failed:
             for unit in bad:
                 self._planner.refuse(unit.device, unit.dtype, unit.spec, str(exc))
@@ -549,10 +551,8 @@ class FusionSubsystem(Subsystem):
                 exc,
                 sum(len(u.params) for u in bad),
             )
-        if not failed:
-            return None
         self._replan_next = True
-        return "; ".join(str(exc) for _, exc in failed)
+        return why
 
     def _refuse_overlapping(self) -> None:
         """Raise before anything changes for a grad whose elements share memory (``.expand()``) on a step that
@@ -1226,6 +1226,13 @@ class FusionSubsystem(Subsystem):
             "rechecks": sum(u.rechecks for u in units),
             "stopped": off,
         }
+
+
+def _variant(s: StepState, *layout: bool) -> tuple[bool | int, ...]:
+    """What of step ``s`` picks the kernel variants a launch compiles (the update's flags, the norm pass's inputs),
+    then the grads' ``layout`` (`FusionSubsystem.grad_layout`): the key of a compile ahead."""
+    return (s.found_inf is not None, s.grad_scale is not None, s.max_norm is not None, s.check_inf, s.fused_grads,
+            s.grad_write, *layout)  # fmt: skip
 
 
 def _on(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:

@@ -226,7 +226,7 @@ class MuonUnit(FusedUnit):
         the Newton-Schulz calls of both call lists run on the unit's own buffers (their kernels compile at a launch,
         shape by shape; the buffers are scratch between steps). Raises `kitsune.kernels.common.CompileError`. On a
         CPU (Triton's interpreter compiles nothing) the Newton-Schulz calls run only with `NS_AHEAD_ON_CPU`."""
-        from kitsune.kernels.common import DEVICE_ERRORS, CompileError
+        from kitsune.kernels.common import compiling
         from kitsune.kernels.muon_update import muon_update
         from kitsune.kernels.newton_schulz import newton_schulz
 
@@ -240,13 +240,8 @@ class MuonUnit(FusedUnit):
         coefficients = list(spec.ns_plan or ()) or [MUON_COEFFICIENTS]  # type: ignore[union-attr]
         calls = {id(inp): (inp, out) for inp, out in (*self.batches, *self.graph_calls)}  # (uncut: the same tensors)
         for inp, out in calls.values():
-            try:
+            with compiling(f"newton_schulz {tuple(inp.shape)}"):
                 newton_schulz(inp, self.steps, coefficients, spec.eps, out=out, graph=False)  # type: ignore[union-attr]
-            except (torch.OutOfMemoryError, CompileError, *DEVICE_ERRORS):
-                raise
-            except Exception as exc:
-                first = (str(exc).strip().splitlines() or [""])[0]
-                raise CompileError(f"newton_schulz {tuple(inp.shape)}: {type(exc).__name__}: {first}") from exc
 
     def _orthogonalise(self, graphed: bool) -> None:
         from kitsune.kernels.newton_schulz import newton_schulz

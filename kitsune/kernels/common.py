@@ -3,8 +3,9 @@ rounding to a storage dtype and a fixed-order reduction."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -42,13 +43,26 @@ def launcher(kernel: Any, grid: tuple[int, ...], compile_only: bool = False) -> 
     return functools.partial(compile_launch, kernel, grid) if compile_only else kernel[grid]
 
 
+@contextlib.contextmanager
+def compiling(what: str) -> Iterator[None]:
+    """Around work that compiles kernels (``what`` names it in the error): what it raises becomes a `CompileError`,
+    but for running out of device memory and device faults (`DEVICE_ERRORS`), raised as they are."""
+    try:
+        yield
+    except (torch.OutOfMemoryError, CompileError, *DEVICE_ERRORS):
+        raise
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise CompileError(f"{what}: {type(exc).__name__}{': ' + first if first else ''}") from exc
+
+
 def compile_launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
     """Compile ``kernel`` for the launch ``kernel[grid](*args, **kwargs)`` would make (the same arguments: the same
     specialization, cached for that launch) and load it on the device, without running it: Triton checks the shared
     memory and threads a program needs, and loads the binary, when a kernel is first launched, not when it compiles.
-    A failure raises `CompileError` (running out of device memory is no such failure: raised as it is). Under
-    Triton's interpreter nothing compiles, and nothing happens."""
-    try:
+    A failure raises `CompileError` (`compiling`). Under Triton's interpreter nothing compiles, and nothing
+    happens."""
+    with compiling(getattr(kernel, "__name__", type(kernel).__name__)):
         compiled = kernel.warmup(*args, grid=grid, **kwargs)
         result = getattr(compiled, "result", None)  # Triton's asynchronous compile mode hands a future
         if callable(result):
@@ -56,12 +70,6 @@ def compile_launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any
         load = getattr(compiled, "_init_handles", None)  # what the first launch runs: the resource checks, the load
         if load is not None:
             load()
-    except (torch.OutOfMemoryError, *DEVICE_ERRORS):
-        raise
-    except Exception as exc:
-        name = getattr(kernel, "__name__", type(kernel).__name__)
-        first = (str(exc).strip().splitlines() or [""])[0]
-        raise CompileError(f"{name}: {type(exc).__name__}{': ' + first if first else ''}") from exc
 
 
 def cdiv(a: int, b: int) -> int:

@@ -29,10 +29,9 @@ import triton.language as tl
 
 from kitsune._native import NOT_DENSE, layout_code
 from kitsune.kernels import common as _common
-from kitsune.kernels.common import (  # noqa: F401  (CompileError: kitsune.clip catches it from here)
+from kitsune.kernels.common import (
     TL_DTYPES,
     VECTOR_ELEMS,
-    CompileError,
     _cast,
     _max_keep_nan,
     _program_block,
