@@ -514,6 +514,8 @@ class KitsuneOptimizer(torch.optim.Optimizer):
                     ) from exc
                 if closure is not None:
                     closure = _evaluated(exc.loss)
+                if s.phases is not None:  # a probe step: the failed try (and the compile that failed) is one phase
+                    s.phases.restart("rerouted")
                 # (a user's GradScaler's unscale that ran stays run: `handoff_unscaled`)
                 s = StepState(s.step, s.baseline, s.phases, updated_before=tuple(self._fusion.updated),
                               handoff_unscaled=s.handoff_unscaled)  # fmt: skip

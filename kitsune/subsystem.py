@@ -32,6 +32,10 @@ class PhaseMarks(Protocol):
 
     def mark(self, name: str) -> None: ...
 
+    def restart(self, name: str) -> None:
+        """The step's phases marked so far belong to a try that did not stand (a kernel failed to compile, and the
+        step runs again on a new plan): their time becomes one phase, ``name``, which this call ends."""
+
 
 @dataclass(eq=False, slots=True)
 class StepState:

@@ -47,11 +47,12 @@ class ProbeReport(BaseModel):
     copy_bandwidth_gbs: float | None = None
     """Measured device-to-device copy rate in GB/s, bytes read plus bytes written."""
     phases_ms: dict[str, float] | None = None
-    """Median device time of each phase of the step over the probe steps, in step order (CUDA events at the
-    phase boundaries): ``unscale`` (AMP's own unscaling pass), ``clip`` (clipping as its own pass), ``norm`` (the
-    fused norm pass), ``update`` (the fused updates, zeroing included), ``fallback`` (torch's fused/foreach path
-    and the wrapped optimizer's own step), ``scale_update`` (the loss-scale update). A phase a step does not have
-    takes about 0 ms. Probe steps run eagerly even when the phase is replayed from a CUDA graph."""
+    """Median device time of each phase of the step over the probe steps, in step order (CUDA events at the phase
+    boundaries): ``unscale`` (AMP's own unscaling pass), ``clip`` (clipping as its own pass), ``norm`` (the fused norm
+    pass), ``update`` (the fused updates, zeroing included), ``fallback`` (torch's fused/foreach path and the wrapped
+    optimizer's own step), ``scale_update`` (the loss-scale update); ``rerouted`` first where a probe step ran again on
+    a new plan (a fused kernel failed to compile): the failed try. A phase a step does not have takes about 0 ms. Probe
+    steps run eagerly even when the phase is replayed from a CUDA graph."""
 
 
 def _from_probe(w: warnings.WarningMessage) -> bool:
@@ -142,6 +143,12 @@ class PhaseTimer:
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         self._marks.append((name, event))
+
+    def restart(self, name: str) -> None:
+        """The phases marked so far were a try that did not stand: from the start to now is one phase, ``name``
+        (the next try's phases are then timed once each, not added to the failed try's)."""
+        del self._marks[1:]
+        self.mark(name)
 
     def durations(self) -> dict[str, float]:
         """Milliseconds per phase (a name marked twice adds up), waiting for the last event."""

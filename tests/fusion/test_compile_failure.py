@@ -211,3 +211,30 @@ def test_a_retry_on_a_new_plan_does_not_unscale_a_user_grad_scalers_grads_twice(
             o.zero_grad()
         _assert_matches(params, twins)
     assert [b.route for b in opt.plan.buckets if b.dtype == "float32"] != [Route.TRITON]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_probe_step_that_runs_again_on_a_new_plan_times_the_failed_try_as_one_phase(monkeypatch):
+    """The profiler's probe step is the step that meets the failure: its phases are the failed try (``rerouted``)
+    and then the new plan's, each once (not the failed try's time added to the phases the retry marks again)."""
+    from kitsune import FusionConfig, KitsuneConfig, ProfilerConfig
+
+    monkeypatch.setattr(update, "_update_kernel", _broken(update._update_kernel, None))
+    device = torch.device("cuda")
+    params = make_params([(64, 48), 1000, 7], torch.float32, device, seed=21)
+    config = KitsuneConfig(
+        fusion=FusionConfig(enabled=True),
+        grads=GradConfig(max_norm=0.5),
+        profiler=ProfilerConfig(enabled=True, nvml_interval_s=0, sample_after=0, probe_steps=1, compare_steps=0),
+    )
+    opt = KitsuneOptimizer(torch.optim.AdamW(params, lr=1e-3), config=config)
+    for step in range(3):
+        for p, g in zip(params, random_grads(params, step), strict=True):
+            p.grad = g
+        opt.step()
+    assert {b.route for b in opt.plan.buckets} <= {Route.TORCH_FUSED, Route.TORCH_FOREACH}
+    probe = opt.profiler.get_metrics().probe
+    assert probe.status == "measured" and probe.phases_ms is not None
+    # the retry clips as a pass of its own (no fused norm pass on the new plan), then torch's step
+    assert list(probe.phases_ms) == ["rerouted", "clip", "fallback"], probe.phases_ms
