@@ -421,6 +421,9 @@ class Planner:
             fallback = Route.TORCH_FOREACH  # a non-contiguous param: torch's fused path misreads other grad layouts
         if fallback is Route.TORCH_FUSED and any(fsdp.is_dtensor(p) for _, p in members):
             fallback = Route.TORCH_FOREACH  # FSDP2: torch's fused SGD and Adagrad ops have no DTensor strategy
+        loop = fallback is Route.TORCH_FOREACH and _foreach_off(base, members)
+        if loop:  # the user's own per-param loop, which takes what torch's foreach path refuses (a tensor beta)
+            fallback = Route.BASE_STEP
         if route is None and isinstance(spec, MuonSpec) and refused is None:
             muon_unit.plan_bucket(bp, members, spec, self.config, self.cost_model)
             return bp
@@ -439,6 +442,12 @@ class Planner:
                 f"{self.config.min_fusion_benefit:g}"
             )
         bp.route = fallback
+        if loop:
+            bp.reason += (
+                "; foreach=False in its param group: the optimizer's own step runs (torch's per-param loop, as asked, "
+                "not its foreach path)"
+            )
+            return bp
         if fallback is Route.BASE_STEP:
             bp.reason += f"; {bp.optimizer} has no torch fused/foreach path on {device}"
             return bp
@@ -615,6 +624,13 @@ def _narrowed_state(state: Any, p: torch.Tensor, scalars: Collection[str]) -> st
     return None
 
 
+def _foreach_off(base: torch.optim.Optimizer, members: Members) -> bool:
+    """Whether a param group of ``members`` says ``foreach=False``: where the fused kernel does not take them, they
+    go to the optimizer's own step, torch's per-param loop the user chose, not to torch's foreach path (which
+    refuses what the loop takes, Adam's tensor betas without ``capturable``, and rounds otherwise)."""
+    return any(base.param_groups[gi].get("foreach") is False for gi in {gi for gi, _ in members})
+
+
 def _foreign_state(members: Members, state: Any) -> str | None:
     """The first state tensor of ``members`` not in its param's dtype and device, described, or None."""
     for _, p in members:
@@ -653,12 +669,15 @@ def torch_route(info: AlgoInfo, device: torch.device, dtype: torch.dtype) -> Rou
 
 def group_switches(info: AlgoInfo | None, groups: list[dict[str, Any]]) -> tuple[Any, ...]:
     """What in each group's options decides its params' kernel variant or route: the algorithm's switches
-    (`AlgoInfo.spec`) and whether a group reason sends it to the optimizer's own step (``differentiable=True``).
-    The fused executor compares them with the plan's every step."""
+    (`AlgoInfo.spec`), whether a group reason sends it to the optimizer's own step (``differentiable=True``), and
+    whether ``foreach=False`` keeps what the fused kernel does not take off torch's foreach path. The fused executor
+    compares them with the plan's every step."""
     if info is None:
         return ()
     specs = group_specs(info, groups)
-    return tuple((spec, _group_reason(g) is not None) for spec, g in zip(specs, groups, strict=True))
+    return tuple(
+        (spec, _group_reason(g) is not None, g.get("foreach") is False) for spec, g in zip(specs, groups, strict=True)
+    )
 
 
 def switch_keys(info: AlgoInfo | None, groups: list[dict[str, Any]]) -> frozenset[str] | None:

@@ -200,6 +200,41 @@ def test_non_contiguous_param_with_a_contiguous_grad_matches_torch(make, device)
             torch.testing.assert_close(p, t, rtol=1e-6, atol=1e-6, msg=f"step {step}")
 
 
+@pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW])
+def test_foreach_false_keeps_what_the_kernel_does_not_take_on_the_optimizers_own_loop(cls, device):
+    """A group that says foreach=False: a param the fused kernel does not take (non-contiguous) goes to the
+    optimizer's own step, torch's per-param loop, not to torch's foreach path, which refuses tensor betas without
+    capturable (the loop takes them) and rounds otherwise. The other group (foreach left to torch) keeps the foreach
+    path; setting foreach=False there later re-plans."""
+
+    def make(ps):
+        betas = (torch.tensor(0.9), torch.tensor(0.99))
+        groups = [{"params": ps[:2], "foreach": False, "betas": betas}, {"params": ps[2:], "amsgrad": True}]
+        return cls(groups, lr=1e-2, weight_decay=0.1)
+
+    ps = [torch.nn.Parameter(torch.randn(3, 5, device=device).t()), *make_params([7], torch.float32, device, seed=2)]
+    ps += [torch.nn.Parameter(torch.randn(4, 2, device=device).t()), *make_params([6], torch.float32, device, seed=3)]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    opt, ref = KitsuneOptimizer(make(ps), enable_fusion=True), make(twins)
+
+    def routes():
+        return sorted((b.groups[0], b.route.value) for b in opt.plan.buckets)
+
+    assert routes() == [(0, "base_step"), (0, "triton"), (1, "torch_foreach"), (1, "triton")]
+    (loop,) = [b for b in opt.plan.buckets if b.route is Route.BASE_STEP]
+    assert "foreach=False" in loop.reason and "non-contiguous" in loop.reason
+    for step in range(12):
+        if step == 6:  # the second group's non-contiguous param leaves torch's foreach path too
+            for o in (opt, ref):
+                o.param_groups[1]["foreach"] = False
+        for p, t, g in zip(ps, twins, random_grads(ps, step), strict=True):
+            p.grad, t.grad = g, g.clone()
+        opt.step()
+        ref.step()
+        assert_close_params(ps, twins, torch.float32)
+    assert routes() == [(0, "base_step"), (0, "triton"), (1, "base_step"), (1, "triton")]
+
+
 def test_sparse_grads_at_plan_time(device):
     emb = torch.nn.Embedding(6, 3, sparse=True).to(device)
     emb(torch.tensor([1, 2], device=device)).sum().backward()
@@ -440,9 +475,9 @@ def test_switch_keys_are_the_keys_the_switches_are_read_from():
     adamw = torch.optim.AdamW(params, lr=1e-3)
     sgd = torch.optim.SGD([{"params": params}, {"params": [], "nesterov": True}], lr=0.1, momentum=0.9)
     muon = Muon(params, lr=0.02)
-    adamw_keys = {"amsgrad", "maximize", "differentiable", "decoupled_weight_decay"}
+    adamw_keys = {"amsgrad", "maximize", "differentiable", "foreach", "decoupled_weight_decay"}
     assert switch_keys(ALGOS[torch.optim.AdamW], adamw.param_groups) == adamw_keys
-    sgd_keys = {"momentum", "nesterov", "maximize", "differentiable"}
+    sgd_keys = {"momentum", "nesterov", "maximize", "differentiable", "foreach"}
     assert switch_keys(ALGOS[torch.optim.SGD], sgd.param_groups) == sgd_keys
     muon_keys = switch_keys(ALGOS[Muon], muon.param_groups)
     assert {"ns_coefficients", "ns_steps", "nesterov"} <= muon_keys and "lr" not in muon_keys
