@@ -371,13 +371,16 @@ class FusionSubsystem(Subsystem):
     # -- the step --------------------------------------------------------------------------------------------------
     def check(self, s: StepState) -> None:
         """What can make this step raise, checked before anything changes: a param about to get its first update
-        whose state misses a key the optimizer reads (torch raises ``KeyError`` there too)."""
+        (or, on torch's routes, any update) whose state misses a key the optimizer reads (torch raises ``KeyError``
+        there too)."""
         self._prepared = []
         if not s.structure_checked and self._replan_pending():
             return  # `prepare` re-plans first and checks the new plan's units (this plan's may ask for a switch gone)
         state = self._base.state
         for unit in (*self._units, *self._muon):
             unit.check_state(state)
+        for shadow in self._shadows:  # torch's routes run after the wrapped optimizer's own step
+            shadow.check_state(state)
 
     def _replan_pending(self) -> bool:
         """Whether `prepare` re-plans before it binds (where the step did not check the structure before, as with

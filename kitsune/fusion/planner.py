@@ -31,7 +31,7 @@ from kitsune import _native
 from kitsune.config import FusionConfig, GradConfig, StreamConfig
 from kitsune.distributed import fsdp
 from kitsune.fusion import muon_unit, state_format
-from kitsune.fusion.algos import ALGOS, OWN_STEP, AlgoInfo, group_specs, unit_info
+from kitsune.fusion.algos import ALGOS, OWN_STEP, AlgoInfo, group_specs, read_keys, unit_info
 from kitsune.fusion.plan import BucketPlan, CostModel, Plan, Route
 from kitsune.fusion.torch_route import TorchShadow
 from kitsune.fusion.units import FusedUnit
@@ -488,7 +488,10 @@ class Planner:
             for gi, p in members:
                 by_group[gi].append(p)
             try:
-                out.shadows.append(TorchShadow(base, bp.route, dict(by_group)))
+                algo = unit_info(info, spec)
+                whole = algo is None or algo.per_key_init or not isinstance(spec, UpdateSpec)  # nothing can be missing
+                keys = () if whole else read_keys(algo, spec)  # type: ignore[arg-type]
+                out.shadows.append(TorchShadow(base, bp.route, dict(by_group), keys))
             except Exception as exc:  # torch refused the flags: the optimizer's own step still works
                 bp.reason += f"; torch {bp.route.value} unavailable ({exc})"
                 bp.route = Route.BASE_STEP

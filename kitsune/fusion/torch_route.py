@@ -23,7 +23,11 @@ class TorchShadow:
     _SKIP = frozenset({"params", "fused", "foreach"})
 
     def __init__(
-        self, base: torch.optim.Optimizer, route: Route, params_by_group: dict[int, list[torch.Tensor]]
+        self,
+        base: torch.optim.Optimizer,
+        route: Route,
+        params_by_group: dict[int, list[torch.Tensor]],
+        reads: Sequence[str] = (),
     ) -> None:
         flags = {"fused": True, "foreach": False} if route is Route.TORCH_FUSED else {"fused": None, "foreach": True}
         groups = []
@@ -35,6 +39,10 @@ class TorchShadow:
         self.params = [p for ps in params_by_group.values() for p in ps]
         self.param_set = set(self.params)
         self.route = route
+        self._reads = tuple(reads)
+        """The keys torch's step reads from a param's state that it does not create on its own (`check_state`)."""
+        self._unchecked = list(self.params) if self._reads else []
+        """The params `check_state` has not yet found with their state whole."""
         self.unhandled: list[torch.Tensor] = []
         """Params whose grad this step torch's fused step cannot take (sparse, or of another dtype than the param):
         `find_unhandled` leaves them to the wrapped optimizer's own step, as a fused unit does."""
@@ -66,6 +74,25 @@ class TorchShadow:
                 ):
                     s[key] = torch.empty_like(p, dtype=t.dtype).copy_(t)
         self._strides = [p.stride() for p in self.params]
+
+    def check_state(self, state: Any) -> None:
+        """Raise ``KeyError`` as torch's step would, before anything changes, where a param with a grad has a state
+        that is not empty but misses a key the step reads (amsgrad switched on mid-run, a checkpoint without
+        ``exp_avg``): torch's route runs after the wrapped optimizer's own step, which would have updated its params
+        by then. Each param until its state is found whole, once a plan (a switch changed, a load and the state
+        dict replaced each plan again)."""
+        if not self._unchecked:
+            return
+        left = []
+        for p in self._unchecked:
+            s = state.get(p)
+            if not s or p.grad is None:  # torch's lazy init makes it whole; or no update this step
+                left.append(p)
+                continue
+            key = next((k for k in self._reads if k not in s), None)
+            if key is not None:
+                raise KeyError(key)
+        self._unchecked = left
 
     def find_unhandled(self) -> list[torch.Tensor]:
         """Before anything changes: the params whose grads torch's ``fused=True`` step cannot take this step (it

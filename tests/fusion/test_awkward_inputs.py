@@ -240,6 +240,27 @@ def test_amsgrad_switched_on_mid_run_raises_as_torch_then_follows_a_maximum_adde
                 torch.testing.assert_close(opt.state[p]["max_exp_avg_sq"], ref.state[t]["max_exp_avg_sq"])
 
 
+def test_amsgrad_switched_on_mid_run_over_torchs_route_raises_before_the_wrapped_step_updates_anything(device):
+    """The same KeyError where a param of the group is on torch's foreach route (non-contiguous), which runs after the
+    wrapped optimizer's own step (here a param listed twice): checked before that step, so nothing changes."""
+    q = torch.nn.Parameter(torch.randn(4, 3, device=device).t())  # torch's foreach route
+    p, f = make_params([3, (2, 5)], torch.float32, device, seed=7)  # listed twice: the own step; fused
+    base = torch.optim.Adam([{"params": [q]}, {"params": [p, p]}, {"params": [f]}], lr=0.1)
+    opt = KitsuneOptimizer(base, enable_fusion=True)
+    assert sorted(b.route.value for b in opt.plan.buckets) == ["base_step", "torch_foreach", "triton"]
+    params = [q, p, f]
+    for step in range(3):
+        for t, g in zip(params, random_grads(params, step), strict=True):
+            t.grad = g
+        opt.step()
+    opt.param_groups[0]["amsgrad"] = True
+    assert_refused(opt, params, "max_exp_avg_sq", error=KeyError)
+    assert opt.step_count == 3
+    opt.param_groups[0]["amsgrad"] = False  # the run goes on as it was
+    opt.step()
+    assert opt.step_count == 4 and all(float(opt.state[t]["step"]) == 4 for t in (q, f))
+
+
 @pytest.mark.parametrize("amp", [False, True], ids=["plain", "float16"])
 def test_sparse_grads_on_torchs_fused_route_go_to_the_optimizers_own_step(amp, device):
     """A bucket the planner leaves to torch's ``fused=True`` step (float64 params; or a min_fusion_benefit above the
