@@ -31,6 +31,7 @@ ready, or where it cannot be built, the units run the same checks in Python and 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import importlib.util
@@ -461,6 +462,22 @@ def start() -> None:
         _reason = "building (the Python checks run meanwhile)"
         _thread = threading.Thread(target=_build, name="kitsune-native-build", daemon=True)
         _thread.start()
+        atexit.register(_finish_at_exit)
+
+
+def _finish_at_exit() -> None:
+    """At interpreter exit, wait for the build thread. A daemon thread that is inside torch's C++ code with the GIL
+    released (the build's probe calls, loading the module) when Python finalizes is stopped by a forced unwind that
+    C++ frames cannot take: the process aborts ("terminate called without an active exception", exit code 134)
+    after a short script's last line. A build still compiling (the first run on a machine) finishes, and the next
+    run loads it instead of starting again."""
+    thread = _thread
+    if thread is None or not thread.is_alive():
+        return
+    thread.join(2.0)
+    if thread.is_alive():
+        print("kitsune: finishing the native check's build before exit (once per machine)", file=sys.stderr)
+        thread.join()
 
 
 def wait(timeout: float | None = None) -> Any:

@@ -189,10 +189,15 @@ class GradPass:
         if self._shard.active:
             self._shard.abandon()
 
-    def finish(self, s: StepState) -> None:
+    def finish(self, s: StepState, groups: list[dict[str, Any]]) -> None:
         """After a step (full or steady): keep its norm and which grads the kernel zeroed."""
         self._clipped_before = None
-        self._last_norm = s.grad_norm
+        norm = s.grad_norm
+        if norm is None and self.config.max_norm is not None:  # no pass ran: no param had a grad
+            params = self._params(groups)
+            if params and all(p.grad is None for p in params):  # torch's clip_grad_norm_ of no grads: 0
+                norm = torch.zeros((), dtype=torch.float32, device=params[0].device)
+        self._last_norm = norm
         self._norm_is_static = s.graphed and s.grad_norm is not None
         if s.zeroed:
             grads = list(map(_GRAD, s.zeroed))

@@ -308,8 +308,9 @@ class KitsuneOptimizer(torch.optim.Optimizer):
     @property
     def last_grad_norm(self) -> torch.Tensor | None:
         """The global norm of the (unscaled) grads that the last step clipped, a float32 device tensor (reading
-        its value syncs); ``None`` without ``max_grad_norm`` or before the first step. Inf or nan on a step that
-        AMP skipped for inf/nan grads."""
+        its value syncs); ``None`` without ``max_grad_norm`` or before the first step; 0 after a step in which no param
+        had a grad (as torch's ``clip_grad_norm_`` of no grads). Inf or nan on a step that AMP skipped for inf/nan
+        grads."""
         return self._grads.last_norm
 
     @property
@@ -490,7 +491,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         self._fusion.drop_journal()
         self._step_count = s.step
         try:  # the step is applied: its record is kept even where a post-hook raises (and a probe step's set-up undone)
-            self._grads.finish(s)
+            self._grads.finish(s, self.param_groups)
             self._wrapped.post_hooks(args, kwargs)
         finally:
             if profiling:

@@ -10,6 +10,8 @@ grad or a param must leave the fast path and give torch's numbers.
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from collections.abc import Collection
 from functools import partial
 from pathlib import Path
@@ -538,6 +540,31 @@ def test_a_build_killed_midway_blocks_no_later_one(tmp_path, monkeypatch):
 
     monkeypatch.setattr(cpp_extension, "load_inline", no_compiler)
     assert _native._compile().same([lib], [lib])
+
+
+def test_a_script_that_ends_while_the_build_runs_exits_cleanly(tmp_path):
+    """A short script ends while the build thread is inside torch's C++ code with the GIL released: Python's exit
+    waits for it, where a daemon thread stopped there aborted the process ("terminate called without an active
+    exception", exit code 134). The build's work stands in here: matrix products for 2 s, then a failed build."""
+    done = tmp_path / "done"
+    script = tmp_path / "short.py"
+    script.write_text(
+        "import sys, time\n"
+        "import torch\n"
+        "from kitsune import _native\n"
+        "def build():\n"
+        "    t0, a = time.time(), torch.randn(400, 400)\n"
+        "    while time.time() - t0 < 2:\n"
+        "        a = (a @ a).tanh_()\n"
+        f"    open({str(done)!r}, 'w').write('built')\n"
+        "    raise RuntimeError('no build here')\n"
+        "_native._compile = build\n"
+        "_native.start()\n"
+        "time.sleep(0.3)\n"
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert done.read_text() == "built"  # the build ran to its end before the process exited
 
 
 @pytest.mark.cuda

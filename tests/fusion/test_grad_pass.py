@@ -11,7 +11,7 @@ from helpers import batches, small_model
 from torch import nn
 from twins import make_params, random_grads
 
-from kitsune import AMPConfig, GradConfig, KitsuneOptimizer
+from kitsune import AMPConfig, FusionConfig, GradConfig, KitsuneOptimizer
 
 SIZES = [(7, 5), 33, 1, (4, 4097 // 4), 0]
 
@@ -62,6 +62,28 @@ def test_clip_in_step_equals_torch_clip_then_step(device, make_opt, norm_type):
         torch.testing.assert_close(q.detach(), p.detach(), atol=1e-5, rtol=1e-5)
     status = {s["name"]: s for s in opt.subsystem_status()}
     assert status["fusion"]["report"]["fused_launches_per_step"] == 2  # norm pass + update
+
+
+@pytest.mark.parametrize("fallback", [False, True], ids=["fused", "torch_route"])
+def test_a_step_with_no_grads_reports_a_norm_of_zero_as_torchs_clip(device, fallback):
+    """A step in which no param has a grad (every layer frozen for a step): ``last_grad_norm`` is 0 on the params'
+    device, as torch's ``clip_grad_norm_`` returns for no grads, not None (a loop logging ``.item()`` would fail),
+    and the next step with grads reports their norm again."""
+    params = make_params([(6, 4), 9], torch.float32, device, seed=4)
+    fusion = {"fusion_config": FusionConfig(min_fusion_benefit=1e9)} if fallback else {}
+    opt = KitsuneOptimizer(torch.optim.AdamW(params, lr=1e-2), enable_fusion=True, max_grad_norm=1.0, **fusion)
+    assert opt.plan.fused_tensors == (0 if fallback else 2)
+    for step in range(4):
+        grads = random_grads(params, step) if step != 2 else [None] * len(params)
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+        live = [g.flatten() for g in grads if g is not None]
+        want = torch.linalg.vector_norm(torch.cat(live)) if live else torch.nn.utils.clip_grad_norm_([], 1.0)
+        opt.step()
+        norm = opt.last_grad_norm
+        assert norm is not None and norm.device == params[0].device and norm.dtype == torch.float32
+        torch.testing.assert_close(norm, want.to(norm.device), atol=1e-6, rtol=1e-6)
+        assert (norm.item() == 0) == (step == 2)
 
 
 def test_zero_in_step_zeroes_grads_and_zero_grad_keeps_them(device):
