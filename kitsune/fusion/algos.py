@@ -522,16 +522,11 @@ def scalar_dtype() -> torch.dtype:
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
-def read_keys(info: AlgoInfo, spec: UpdateSpec) -> tuple[str, ...]:
-    """The keys the optimizer's step reads from a param's (non-empty) state, in about torch's reading order (the state
-    tensors, the other scalars, then ``step``)."""
-    keys = [k for k in info.state_keys(spec) if k] + list(info.scalar_keys) + (["step"] if info.step_in_state else [])
-    return tuple(keys)
-
-
 def missing_key(info: AlgoInfo, spec: UpdateSpec, state: dict) -> str | None:
-    """The first of `read_keys` a param's (non-empty) ``state`` lacks (in any format), or None."""
-    return next((k for k in read_keys(info, spec) if not state_format.present(state, k)), None)
+    """The first key the optimizer's step reads that a param's (non-empty) ``state`` lacks (in any format), in about
+    torch's reading order (the state tensors, the other scalars, then ``step``), or None."""
+    keys = [k for k in info.state_keys(spec) if k] + list(info.scalar_keys) + (["step"] if info.step_in_state else [])
+    return next((k for k in keys if not state_format.present(state, k)), None)
 
 
 def init_state(

@@ -23,6 +23,7 @@ import os
 from collections import Counter, defaultdict
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -31,7 +32,7 @@ from kitsune import _native
 from kitsune.config import FusionConfig, GradConfig, StreamConfig
 from kitsune.distributed import fsdp
 from kitsune.fusion import muon_unit, state_format
-from kitsune.fusion.algos import ALGOS, OWN_STEP, AlgoInfo, group_specs, read_keys, unit_info
+from kitsune.fusion.algos import ALGOS, OWN_STEP, AlgoInfo, group_specs, missing_key, unit_info
 from kitsune.fusion.plan import BucketPlan, CostModel, Plan, Route
 from kitsune.fusion.torch_route import TorchShadow
 from kitsune.fusion.units import FusedUnit
@@ -490,8 +491,8 @@ class Planner:
             try:
                 algo = unit_info(info, spec)
                 whole = algo is None or algo.per_key_init or not isinstance(spec, UpdateSpec)  # nothing can be missing
-                keys = () if whole else read_keys(algo, spec)  # type: ignore[arg-type]
-                out.shadows.append(TorchShadow(base, bp.route, dict(by_group), keys))
+                missing = None if whole else partial(missing_key, algo, spec)
+                out.shadows.append(TorchShadow(base, bp.route, dict(by_group), missing))
             except Exception as exc:  # torch refused the flags: the optimizer's own step still works
                 bp.reason += f"; torch {bp.route.value} unavailable ({exc})"
                 bp.route = Route.BASE_STEP
@@ -631,7 +632,12 @@ def _foreach_off(base: torch.optim.Optimizer, members: Members) -> bool:
     """Whether a param group of ``members`` says ``foreach=False``: where the fused kernel does not take them, they
     go to the optimizer's own step, torch's per-param loop the user chose, not to torch's foreach path (which
     refuses what the loop takes, Adam's tensor betas without ``capturable``, and rounds otherwise)."""
-    return any(base.param_groups[gi].get("foreach") is False for gi in {gi for gi, _ in members})
+    return any(_asks_loop(base.param_groups[gi]) for gi in {gi for gi, _ in members})
+
+
+def _asks_loop(g: dict[str, Any]) -> bool:
+    """Whether param group ``g`` says ``foreach=False`` (None leaves the choice to torch)."""
+    return g.get("foreach") is False
 
 
 def _foreign_state(members: Members, state: Any) -> str | None:
@@ -678,9 +684,7 @@ def group_switches(info: AlgoInfo | None, groups: list[dict[str, Any]]) -> tuple
     if info is None:
         return ()
     specs = group_specs(info, groups)
-    return tuple(
-        (spec, _group_reason(g) is not None, g.get("foreach") is False) for spec, g in zip(specs, groups, strict=True)
-    )
+    return tuple((spec, _group_reason(g) is not None, _asks_loop(g)) for spec, g in zip(specs, groups, strict=True))
 
 
 def switch_keys(info: AlgoInfo | None, groups: list[dict[str, Any]]) -> frozenset[str] | None:

@@ -3,7 +3,7 @@ optimizer's class over those params, sharing its state, kept to the semantics of
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -27,7 +27,7 @@ class TorchShadow:
         base: torch.optim.Optimizer,
         route: Route,
         params_by_group: dict[int, list[torch.Tensor]],
-        reads: Sequence[str] = (),
+        missing: Callable[[dict[str, Any]], str | None] | None = None,
     ) -> None:
         flags = {"fused": True, "foreach": False} if route is Route.TORCH_FUSED else {"fused": None, "foreach": True}
         groups = []
@@ -39,9 +39,10 @@ class TorchShadow:
         self.params = [p for ps in params_by_group.values() for p in ps]
         self.param_set = set(self.params)
         self.route = route
-        self._reads = tuple(reads)
-        """The keys torch's step reads from a param's state that it does not create on its own (`check_state`)."""
-        self._unchecked = list(self.params) if self._reads else []
+        self._missing = missing
+        """A param's state -> the first key torch's step reads that it lacks (`kitsune.fusion.algos.missing_key`), or
+        None where the optimizer makes each missing key itself (`check_state`)."""
+        self._unchecked = list(self.params) if missing is not None else []
         """The params `check_state` has not yet found with their state whole."""
         self.unhandled: list[torch.Tensor] = []
         """Params whose grad this step torch's fused step cannot take (sparse, or of another dtype than the param):
@@ -89,7 +90,7 @@ class TorchShadow:
             if not s or p.grad is None:  # torch's lazy init makes it whole; or no update this step
                 left.append(p)
                 continue
-            key = next((k for k in self._reads if k not in s), None)
+            key = self._missing(s)  # type: ignore[misc]
             if key is not None:
                 raise KeyError(key)
         self._unchecked = left
