@@ -68,21 +68,53 @@ class TinyGPT(nn.Module):
         return self.head(self.ln(x))
 
 
-def synthetic_batches(
-    steps: int, batch: int, block: int, vocab: int, device: torch.device, seed: int
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Token streams from a fixed sparse Markov chain, so there is something to learn."""
-    gen = torch.Generator().manual_seed(seed)
-    logits = torch.randn(vocab, vocab, generator=gen) * 4.0
-    probs = torch.softmax(logits, dim=-1)
-    out = []
-    for _ in range(steps):
-        seq = torch.empty(batch, block + 1, dtype=torch.long)
-        seq[:, 0] = torch.randint(vocab, (batch,), generator=gen)
-        for t in range(block):
-            seq[:, t + 1] = torch.multinomial(probs[seq[:, t]], 1, generator=gen).squeeze(1)
-        out.append((seq[:, :-1].to(device), seq[:, 1:].to(device)))
-    return out
+class SyntheticBatches:
+    """Token streams from a fixed sparse Markov chain, so there is something to learn: ``batches[i]`` is step ``i``'s
+    ``(inputs, targets)`` on ``device``, the same on every read.
+
+    Made a chunk of steps at a time when first read (each chunk from its own seeded generator, the chain's 64
+    transitions drawn for all of the chunk's sequences at once) and kept for the sides that read it next, so a long
+    run starts at once and holds a few chunks, not every batch of the run."""
+
+    CHUNK = 50
+    """Steps made together."""
+    KEEP = 4
+    """Chunks kept: the timed sides read at most two blocks apart, the profiled run reads from the start again."""
+
+    def __init__(self, steps: int, batch: int, block: int, vocab: int, device: torch.device, seed: int) -> None:
+        self.steps, self.batch, self.block, self.device, self.seed = steps, batch, block, device, seed
+        gen = torch.Generator().manual_seed(seed)
+        probs = torch.softmax(torch.randn(vocab, vocab, generator=gen) * 4.0, dim=-1)
+        self.cdf = probs.double().cumsum(dim=-1)
+        """Row ``a``: the chance that the token after ``a`` is at most each token (a draw is a search in it)."""
+        self._chunks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= i < self.steps:
+            raise IndexError(f"step {i} of {self.steps}")
+        c, j = divmod(i, self.CHUNK)
+        if c not in self._chunks:
+            if len(self._chunks) >= self.KEEP:
+                del self._chunks[next(iter(self._chunks))]  # the oldest made
+            self._chunks[c] = self._make(c)
+        x, y = self._chunks[c]
+        return x[j], y[j]
+
+    def _make(self, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n = min(self.CHUNK, self.steps - c * self.CHUNK)
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + c)
+        seq = torch.empty(n * self.batch, self.block + 1, dtype=torch.long)
+        vocab = self.cdf.shape[0]
+        seq[:, 0] = torch.randint(vocab, (n * self.batch,), generator=gen)
+        draws = torch.rand(n * self.batch, self.block, 1, dtype=torch.float64, generator=gen)
+        for t in range(self.block):
+            nxt = torch.searchsorted(self.cdf[seq[:, t]], draws[:, t] * self.cdf[seq[:, t], -1:])
+            seq[:, t + 1] = nxt.squeeze(1).clamp_(max=vocab - 1)
+        seq = seq.view(n, self.batch, self.block + 1).to(self.device)
+        return seq[:, :, :-1], seq[:, :, 1:]
 
 
 @dataclass
@@ -176,11 +208,10 @@ class _Side:
     task: TaskID
     done: int = 0
 
-    def train(
-        self, batches: list[tuple[torch.Tensor, torch.Tensor]], n: int, device: torch.device, progress: Progress
-    ) -> None:
+    def train(self, batches: SyntheticBatches, n: int, device: torch.device, progress: Progress) -> None:
         timed = _timer(device)
-        for x, y in batches[self.done : self.done + n]:
+        for i in range(self.done, min(self.done + n, len(batches))):
+            x, y = batches[i]
             t0 = time.perf_counter()
             logits = self.model(x)
             loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
@@ -245,7 +276,7 @@ def run_demo(
     size = {"dim": 256, "layers": 4, "heads": 8} if dev.type == "cuda" else {"dim": 96, "layers": 2, "heads": 4}
     batch = 16 if dev.type == "cuda" else 8
     block = 64
-    batches = synthetic_batches(steps, batch, block, 256, dev, seed)
+    batches = SyntheticBatches(steps, batch, block, 256, dev, seed)
 
     def fresh() -> tuple[nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(seed)

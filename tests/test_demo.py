@@ -102,3 +102,26 @@ def test_verdict_says_only_what_the_spread_supports():
     assert "whole iteration: no difference this run can tell apart (1.04x" in text
     assert "torch's step is 10% of its iteration" in text
     assert "kitsune slower (0.80x)" in _verdict(timing(Spread(0.8, 0.7, 0.9), Spread(1.0, 0.9, 1.1)))
+
+
+def test_batches_are_made_as_read_and_the_same_on_every_read():
+    """A long demo starts at once: batches are made a chunk at a time as the sides read them, a few chunks kept, and
+    a batch read again after its chunk was dropped (the profiled run starts over) is the one read first."""
+    steps = demo.SyntheticBatches.CHUNK * (demo.SyntheticBatches.KEEP + 2) + 7  # a short last chunk
+    batches = demo.SyntheticBatches(steps, 4, 16, 32, torch.device("cpu"), seed=3)
+    assert len(batches) == steps and not batches._chunks  # nothing made before the first read
+    first = [tuple(t.clone() for t in batches[i]) for i in range(steps)]
+    assert len(batches._chunks) == demo.SyntheticBatches.KEEP  # the oldest dropped
+    again = demo.SyntheticBatches(steps, 4, 16, 32, torch.device("cpu"), seed=3)
+    for i in (0, 1, steps // 2, steps - 1):  # chunk 0 dropped and made again
+        x, y = batches[i]
+        assert torch.equal(x, first[i][0]) and torch.equal(y, first[i][1])
+        assert torch.equal(again[i][0], x)
+        assert x.shape == (4, 16) and torch.equal(x[:, 1:], y[:, :-1])  # targets: the inputs one token on
+    assert not torch.equal(first[0][0], first[demo.SyntheticBatches.CHUNK][0])  # each chunk its own draws
+    other = demo.SyntheticBatches(steps, 4, 16, 32, torch.device("cpu"), seed=4)
+    assert not torch.equal(other[0][0], first[0][0])
+    tokens = torch.cat([x.flatten() for x, _ in first])
+    assert 0 <= tokens.min() and tokens.max() < 32 and tokens.unique().numel() > 16
+    with pytest.raises(IndexError):
+        batches[steps]
