@@ -989,7 +989,8 @@ class FusionSubsystem(Subsystem):
         if s.phases is not None:
             s.phases.mark("update")
         muon_launches = sum(unit.launches for unit in muon)
-        self._launches_last_launch = len(units) - len(muon) + muon_launches + self._launches_last_norm
+        updates = sum(unit.spec.launches for unit in units if unit not in muon)
+        self._launches_last_launch = updates + muon_launches + self._launches_last_norm
         self._launches_last_norm = 0
 
     def _update(

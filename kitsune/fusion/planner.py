@@ -413,6 +413,8 @@ class Planner:
         if route is Route.BASE_STEP:
             return bp
         launches = math.ceil(tensors / self.config.max_fusion_size) if self.config.max_fusion_size else 1
+        if isinstance(spec, UpdateSpec):
+            launches *= spec.launches  # LAMB's two stages
         if low:  # only kitsune's kernels read this state: no route to weigh against
             bp.route, bp.launches = Route.TRITON, launches
             return bp

@@ -85,6 +85,11 @@ class UpdateSpec:
         return self.algo not in (Algo.SGD, Algo.LION) or (self.algo == Algo.SGD and self.momentum) or self.stochastic
 
     @property
+    def launches(self) -> int:
+        """Kernel launches of one update over a unit's tensors: LAMB's two stages (`Trust.LAMB`), else one."""
+        return 2 if self.trust == Trust.LAMB else 1
+
+    @property
     def scalar_slots(self) -> int:
         """How many per-tensor float32 scalars besides ``step`` (roles ``scalar1``, ``scalar2``) the launch reads and
         its tensors' last blocks write: NAdam's ``mu_product``, ASGD's ``eta`` and ``mu``."""

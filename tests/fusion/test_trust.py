@@ -88,3 +88,14 @@ def test_with_amp_and_clip_equals_eager_on_unscaled_clipped_grads(make, device):
     assert opt.skipped_steps == 1
     for a, b in zip(ours, ref, strict=True):
         torch.testing.assert_close(a.detach(), b.detach(), atol=TOL32[0], rtol=TOL32[1])
+
+
+@pytest.mark.parametrize("name, updates", [("lamb", 2), ("lars", 1)])
+def test_the_plan_and_the_report_count_lambs_two_stages(name, updates, device):
+    """LAMB's update runs in two launches (stage 1 reduces its direction's norm, stage 2 applies it), LARS's in one;
+    both after the norm pass. The plan counts a bucket's update launches, the report every launch of the step."""
+    params, opt = trajectory(CASES[name], SIZES, torch.float32, device, steps=3, fused=True, capture_graph=False)
+    assert [b.route for b in opt.plan.buckets] == [Route.TRITON]
+    assert opt.plan.buckets[0].launches == opt.plan.launches == updates
+    fusion = next(s for s in opt.subsystems if s.name == "fusion").report()
+    assert fusion["fused_launches_per_step"] == updates + 1 and fusion["fused_launches_total"] == 3 * (updates + 1)
