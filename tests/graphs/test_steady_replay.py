@@ -553,3 +553,36 @@ def test_a_switch_nested_in_lists_changed_in_place_leaves_the_steady_replay(devi
     assert _steady(opt) > 0
     for p, q in zip(eager, graphed, strict=True):
         torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-6)
+
+
+def test_two_optimizers_stepped_in_turn_each_keep_their_plan_and_graph(device):
+    """A GAN's loop: two one-line wrappers (generator, discriminator) stepped in turn with fresh grads each step.
+    Neither re-plans, compares its state entries again or captures again because of the other: each keeps its first
+    plan and graph and replays it steady, and each follows its torch twin. On CUDA through real graphs and the
+    native dict watch; on the CPU through the recording stand-in."""
+    sizes = {"g": [(7, 3), 16, (4, 5)], "d": [9, (3, 3)]}
+    makes = {"g": lambda ps: torch.optim.AdamW(ps, lr=1e-2), "d": lambda ps: torch.optim.Adam(ps, lr=2e-2)}
+    twins = {}
+    for name in ("g", "d"):
+        ref, ours = make_params(sizes[name], torch.float32, device), make_params(sizes[name], torch.float32, device)
+        opt = KitsuneOptimizer(makes[name](ours), enable_fusion=True)
+        if device.type == "cpu":
+            record_graphs(opt)
+        twins[name] = (ref, ours, makes[name](ref), opt)
+    plans, compares = {}, {}
+    for step in range(30):
+        for name, (ref, ours, ref_opt, opt) in twins.items():
+            for a, b, g in zip(ref, ours, random_grads(ref, 100 * step + len(name)), strict=True):
+                a.grad, b.grad = g.clone(), g.clone()  # new grads every step, as backward makes them
+            ref_opt.step()
+            opt.step()
+            if step == 5:  # past the warm-up and the first capture
+                plans[name], compares[name] = opt.plan, opt._subsystem("fusion").report()["state_compares"]
+    for name, (ref, ours, _, opt) in twins.items():
+        assert_close_params(ours, ref, torch.float32)
+        assert opt.plan is plans[name], name
+        graphs = opt._subsystem("graphs").report()
+        assert graphs["captures"] == 1 and not graphs["recaptures"], (name, graphs)
+        assert graphs["replays"] >= 24 and graphs["eager_steps"] == graphs["warmup_steps"], (name, graphs)
+        assert opt._subsystem("fusion").report()["state_compares"] == compares[name], name
+        assert _steady(opt) >= 23, name
