@@ -16,7 +16,7 @@ export PYTHONUNBUFFERED=1
 export COLUMNS="${COLUMNS:-160}"  # rich tables in the logs: wide enough for every column
 BENCH_DEVICE="${BENCH_DEVICE:-cuda}"
 # STAGES picks what runs (a lent GPU allows 10 minutes a call: run "tests", "suites", "fusion" and "bench,demo"
-# as calls of their own on a fresh machine)
+# as calls of their own on a fresh machine; "all" runs the whole suite with workers, below)
 STAGES=",${STAGES:-tests,suites,fusion,bench,muon,demo},"
 stage() { [[ "$STAGES" == *",$1,"* ]]; }
 
@@ -74,7 +74,7 @@ suite() {  # suite NAME LOG PATHS...: pytest on PATHS into $OUT/LOG, its exit co
     local name=$1 log=$2 rc=0
     shift 2
     if stage "$name" && python3 -c "import pytest" 2>/dev/null; then
-        timeout 420 python3 -m pytest -q "$@" 2>&1 | tee "$OUT/$log" || rc=$?
+        timeout "${SUITE_TIMEOUT:-420}" python3 -m pytest -q "$@" 2>&1 | tee "$OUT/$log" || rc=$?
         echo "$name suite exit code: $rc"
         [ "$gpu_suites_rc" -ne 0 ] || gpu_suites_rc=$rc
     fi
@@ -82,6 +82,14 @@ suite() {  # suite NAME LOG PATHS...: pytest on PATHS into $OUT/LOG, its exit co
 gpu_suites_rc=0
 suite suites gpu-suites.log tests/kernels tests/graphs tests/memory tests/streams tests/optim
 suite fusion gpu-fusion.log tests/fusion --ignore tests/fusion/test_live_compare.py
+# STAGES=all: the whole suite at once, the CUDA tests and the slow ones included, a test file per worker
+# (pytest-xdist's wheel in .whl/; GPU_WORKERS workers, 6 by default: Triton compiles on the host's cores, so a fresh
+# machine's compiles spread over them), for a call that must check everything in one go
+if stage all && python3 -c "import xdist" 2>/dev/null; then
+    suite all gpu-all.log -n "${GPU_WORKERS:-6}" --dist loadfile -rfE tests
+elif stage all; then
+    suite all gpu-all.log -rfE tests
+fi
 
 bench_rc=0
 stage bench && {
