@@ -413,6 +413,18 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             guard.remove()
             self._own_step_guard = None
 
+    def _refuse_after_updates_in_backward(self, what: str) -> None:
+        """Raise before ``what`` (a call that plans again) changes anything where updates ran inside the last
+        backward and its step() has not run yet: a new plan would forget which params they updated, so step() would
+        update them a second time (and a loaded state would not be the one they started from)."""
+        if self._streams.updated_since_step:
+            raise RuntimeError(
+                f"kitsune: {what} was called between a backward that ran updates inside it (StreamConfig("
+                "step_in_backward=True)) and step(): the params and state already hold those updates, which a new "
+                f"plan would apply a second time. Call {what} after step() (or before the forward pass), or turn "
+                "step_in_backward off. Nothing was changed."
+            )
+
     def _own_step_refusal(self, name: str) -> str | None:
         """Why the wrapped optimizer's own ``step()`` (``name``), called in place of this optimizer's, must not run, or
         None where it may."""
@@ -650,6 +662,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
         cannot take (a switch of the wrong type, ``momentum="0.9"``) is removed again before the error is raised."""
         if not hasattr(self, "_optimizer"):  # called by torch internals before __init__ finished
             raise RuntimeError("KitsuneOptimizer is not initialised yet")
+        self._refuse_after_updates_in_backward("add_param_group()")
         groups = self._optimizer.param_groups
         count = len(groups)
         if self._shard.active and isinstance(param_group, dict):  # the groups hold shards: torch's check misses those
@@ -715,6 +728,7 @@ class KitsuneOptimizer(torch.optim.Optimizer):
             raise KeyError(
                 f"load_state_dict takes an optimizer's state dict, which has 'param_groups' (keys here: {keys}): {fix}"
             )
+        self._refuse_after_updates_in_backward("load_state_dict()")
         self._fusion.settle_skips()  # before the state is replaced: a later settle would drop loaded state
         sd = self._shard.filter_load(dict(state_dict))  # a sharded run keeps its own share
         for hook in self._optimizer_load_state_dict_pre_hooks.values():

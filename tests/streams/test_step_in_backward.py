@@ -291,6 +291,39 @@ def test_groups_changed_after_updates_inside_backward_are_refused_not_updated_tw
         torch.testing.assert_close(extra.detach(), before - 0.05 * 2 * before, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("call", ["load_state_dict", "add_param_group"])
+def test_a_new_plan_between_backward_and_step_is_refused_and_changes_nothing(call, device):
+    """load_state_dict() or add_param_group() after a backward that updated params inside it, before its step():
+    a new plan would forget those updates and step() would apply them again (torch applies one update, from the
+    loaded state). Refused before anything changes; after step() both work as in torch."""
+    net, twin = twins(device)
+    opt = KitsuneOptimizer(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9), config=in_backward())
+    ref = torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9)
+    x, y = torch.randn(4, 6, device=device), torch.randn(4, 3, device=device)
+    for model, o in ((net, opt), (twin, ref)):
+        nn.functional.mse_loss(model(x, True), y).backward()
+        o.step()
+        o.zero_grad()
+    saved = opt.state_dict()
+    nn.functional.mse_loss(net(x, True), y).backward()
+    assert opt.scheduler.report()["units_updated_in_backward"] > 0  # the updates ran inside this backward
+    params = [p.detach().clone() for p in net.parameters()]
+    bufs = [opt.state[p]["momentum_buffer"].clone() for p in net.parameters()]
+    extra = {"params": [nn.Parameter(torch.randn(3, device=device))]}
+    with pytest.raises(RuntimeError, match=rf"{call}\(\) was called between a backward that ran updates"):
+        opt.load_state_dict(saved) if call == "load_state_dict" else opt.add_param_group(extra)
+    assert all(torch.equal(p, q) for p, q in zip(net.parameters(), params, strict=True))
+    assert all(torch.equal(opt.state[p]["momentum_buffer"], b) for p, b in zip(net.parameters(), bufs, strict=True))
+    assert len(opt.param_groups) == 1
+    opt.step()  # the step of that backward, as if nothing had been asked
+    nn.functional.mse_loss(twin(x, True), y).backward()
+    ref.step()
+    for p, q in zip(net.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
+    opt.zero_grad()
+    opt.load_state_dict(opt.state_dict()) if call == "load_state_dict" else opt.add_param_group(extra)  # after step()
+
+
 def test_a_param_an_optimizer_let_go_of_is_not_counted_as_taken_from_it(device):
     """The registry of each param's newest optimizer is keyed by id (a weak key would block torch.utils.swap_tensors):
     a plan forgets the last plan's params, and an optimizer whose entry outlived its param (a later param at the same
