@@ -668,6 +668,8 @@ def check_loaded(base: torch.optim.Optimizer) -> None:
                 t = s.get(key) if key else None
                 if t is None:  # absent, or 8-bit (state_format.check_loaded checks that)
                     continue
+                if isinstance(t, torch.Tensor) and t.is_sparse and t.shape == p.shape:
+                    continue  # torch's own from sparse grads (SGD's momentum): the planner leaves it to that step
                 if not _strided(t):
                     raise ValueError(
                         f"this state dict's {key!r} for a param of shape {tuple(p.shape)} is {_what(t)}: "

@@ -269,6 +269,8 @@ class Planner:
                     route, reason = _SHARED_STATE
                 else:
                     route, reason = _param_reason(p)
+                if route is None and _sparse_state(base.state.get(p)):
+                    route, reason = _SPARSE_STATE
                 if route is None and fsdp.is_dtensor(p):
                     route, reason = _shard_route(p, spec, mesh)
                 if route is None and isinstance(spec, MuonSpec) and _native.layout_code(p):
@@ -545,6 +547,18 @@ class Planner:
         if trust and self.grads.max_norm is not None and self.grads.norm_type != 2.0:
             return "inf-norm clipping with trust ratios (2-norms): the clip runs as its own pass"
         return None
+
+
+_SPARSE_STATE = (
+    Route.BASE_STEP,
+    "sparse state (made by the optimizer's own step from sparse grads): only the optimizer's own step handles it",
+)
+
+
+def _sparse_state(s: Any) -> bool:
+    """Whether a param's state holds a sparse tensor: SGD's momentum buffer cloned from a sparse grad (torch's own
+    step keeps it sparse), which the fused kernels, reading dense memory, cannot take."""
+    return isinstance(s, dict) and any(isinstance(v, torch.Tensor) and v.is_sparse for v in s.values())
 
 
 def _param_reason(p: torch.Tensor) -> tuple[Route | None, str]:

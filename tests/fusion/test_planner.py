@@ -269,6 +269,37 @@ def test_sparse_grad_at_step_time_end_to_end(device):
     assert not torch.equal(before, emb.weight)
 
 
+def test_sparse_momentum_from_a_late_sparse_grad_stays_with_torchs_step_through_copies_and_loads(device):
+    """A param planned dense whose grad turns out sparse: SGD's own step makes its momentum buffer sparse, as torch's
+    does. From then on the param is torch's (the kernels read dense memory), and a re-plan, a copy, a load of the
+    optimizer's own state dict or a group added go on with it where they raised; 12 steps follow torch's."""
+    import copy
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 2)).to(device)
+    twin = copy.deepcopy(model)
+    opt = KitsuneOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), enable_fusion=True)
+    ref = torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9)
+    assert opt.plan.fused_tensors == 3  # no grads yet: nothing says sparse
+    for step in range(12):
+        x = torch.randint(0, 10, (8,), device=device)
+        for m, o in ((model, opt), (twin, ref)):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+        if step == 3:
+            assert opt.state[model[0].weight]["momentum_buffer"].is_sparse  # torch's own, as the plain SGD's
+            copied = copy.deepcopy(opt)
+            assert copied.state[copied.param_groups[0]["params"][0]]["momentum_buffer"].is_sparse
+            opt.load_state_dict(opt.state_dict())
+            opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(3, device=device))]})
+            ref.add_param_group({"params": [torch.nn.Parameter(torch.randn(3, device=device))]})
+    assert_close_params(list(model.parameters()), list(twin.parameters()), torch.float32)
+    sparse = [b for b in opt.plan.buckets if b.route is Route.BASE_STEP]
+    assert len(sparse) == 1 and sparse[0].tensors == 1 and sparse[0].reason.startswith("sparse state")
+    assert opt.plan.fused_tensors == 3  # the Linear's two and the group added
+
+
 def test_flags_are_noted_not_refused(device):
     make = (
         lambda ps: torch.optim.Adam(  # noqa: E731
