@@ -338,6 +338,8 @@ class StreamScheduler(Subsystem):
             seen.add(id(p))
             if len(seen) == need:
                 self._launch(index)
+            elif self._launched:  # a later backward (another loss) writing grads after updates ran: mark at its end
+                self._queue_end()
 
         # autograd calls it, from the thread that runs backward: inside a function torch.compile traces, that is the
         # traced function's own (a CPU param's grad), and the hook and its launch run as they are, not traced
@@ -361,15 +363,7 @@ class StreamScheduler(Subsystem):
             # (a process group started since the plan: DDP averages the grads after these hooks, so step() updates
             # every param, on the averaged grads, and plans again without updates inside backward: `fits`)
             self._open = fusion.begin_backward() and _world_size() == 1 and self._plan_fits()
-        task = _graph_task()
-        if task != self._ended_task:
-            # the grads as backward leaves them, when it ends: backward itself writes grads after a unit's launch
-            # (flat grads share one version counter, and later params' grads accumulate into the same arena); one
-            # callback for each graph task that launched (a reentrant checkpoint runs its segments' backward passes
-            # as tasks of their own, whose end comes before the outer one's)
-            self._ended_task = task
-            engine = torch.autograd.Variable._execution_engine
-            engine.queue_callback(functools.partial(_backward_ended, weakref.ref(self)))
+        self._queue_end()
         if not self._open:
             return  # a switch changed (maximize, amsgrad, ...) or the state dict did: step() re-plans, updates all
         if not fusion.prepare_unit(unit):
@@ -478,6 +472,19 @@ class StreamScheduler(Subsystem):
         sizes = [sum(p.numel() * p.element_size() for p in u.params) for u in units]
         self._bytes_total += sum(sizes)
         self._bytes_in_backward += sum(sizes[i] for i in self._launched)
+
+    def _queue_end(self) -> None:
+        """Have `_backward_ended` run when the backward running now ends: the grads as backward leaves them.
+        Backward itself writes grads after a unit's launch (flat grads share one version counter, and later params'
+        grads accumulate into the same arena), and so does a later backward before ``step()`` that updates nothing
+        (another loss over other params of this optimizer). One callback for each graph task that launched or wrote
+        grads after a launch (a reentrant checkpoint runs its segments' backward passes as tasks of their own, whose
+        end comes before the outer one's)."""
+        task = _graph_task()
+        if task != self._ended_task:
+            self._ended_task = task
+            engine = torch.autograd.Variable._execution_engine
+            engine.queue_callback(functools.partial(_backward_ended, weakref.ref(self)))
 
     def _backward_ended(self) -> None:
         """At the end of the backward that launched updates: count the grads changed since their unit's update read

@@ -324,6 +324,38 @@ def test_a_new_plan_between_backward_and_step_is_refused_and_changes_nothing(cal
     opt.load_state_dict(opt.state_dict()) if call == "load_state_dict" else opt.add_param_group(extra)  # after step()
 
 
+@pytest.mark.parametrize("flat", [False, True], ids=["grads", "flat-grads"])
+def test_a_later_backward_over_other_params_before_step_is_not_taken_for_a_change(flat, device):
+    """An actor's loss, then a critic's over other params of the same optimizer, then step(): the first backward
+    updates the actor inside it, the second writes the critic's grads (into the same flat buffer, whose one version
+    counter the actor's grads share) and completes no unit, step() updates the critic. Nothing changed the actor's
+    grads, so no step raises (each did with flat grads), and 5 steps follow torch's."""
+    from kitsune import MemoryConfig
+
+    torch.manual_seed(0)
+    actor, critic = nn.Linear(4, 4).to(device), nn.Linear(4, 1).to(device)
+    critic.bias.requires_grad_(False)  # frozen, no grad: the critic's unit never has all its grads in
+    twins = [nn.Linear(4, 4).to(device), nn.Linear(4, 1).to(device)]
+    for a, b in zip((actor, critic), twins, strict=True):
+        b.load_state_dict(a.state_dict())
+    twins[1].bias.requires_grad_(False)
+    opt = KitsuneOptimizer(
+        torch.optim.Adam([*actor.parameters(), *critic.parameters()], lr=1e-2),
+        config=in_backward(bucket_bytes=20, memory=MemoryConfig(flat_grads=flat)),
+    )
+    ref = torch.optim.Adam([*twins[0].parameters(), *twins[1].parameters()], lr=1e-2)
+    for _ in range(5):
+        x = torch.randn(8, 4, device=device)
+        for (a, c), o in (((actor, critic), opt), (twins, ref)):
+            a(x).square().mean().backward()
+            c(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    assert opt.scheduler.report()["units_updated_in_backward"] > 0
+    for p, q in zip((*actor.parameters(), critic.weight), (*twins[0].parameters(), twins[1].weight), strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
+
+
 def test_a_param_an_optimizer_let_go_of_is_not_counted_as_taken_from_it(device):
     """The registry of each param's newest optimizer is keyed by id (a weak key would block torch.utils.swap_tensors):
     a plan forgets the last plan's params, and an optimizer whose entry outlived its param (a later param at the same
