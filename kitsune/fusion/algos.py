@@ -668,8 +668,8 @@ def check_loaded(base: torch.optim.Optimizer) -> None:
                 t = s.get(key) if key else None
                 if t is None:  # absent, or 8-bit (state_format.check_loaded checks that)
                     continue
-                if isinstance(t, torch.Tensor) and t.is_sparse and t.shape == p.shape:
-                    continue  # torch's own from sparse grads (SGD's momentum): the planner leaves it to that step
+                if info.name == "SGD" and key == "momentum_buffer" and _sparse_of(t, p):
+                    continue  # torch's SGD's own from sparse grads: the planner leaves the param to that step
                 if not _strided(t):
                     raise ValueError(
                         f"this state dict's {key!r} for a param of shape {tuple(p.shape)} is {_what(t)}: "
@@ -682,6 +682,11 @@ def check_loaded(base: torch.optim.Optimizer) -> None:
                         f"{tuple(t.shape)}: it was saved for another model or another param order. Nothing was "
                         "loaded: the optimizer keeps its state"
                     )
+
+
+def _sparse_of(v: Any, p: torch.Tensor) -> bool:
+    """A sparse tensor of ``p``'s shape (what torch's SGD makes its momentum buffer from a sparse grad)."""
+    return isinstance(v, torch.Tensor) and v.is_sparse and v.shape == p.shape
 
 
 def _strided(v: Any) -> bool:
