@@ -338,8 +338,8 @@ class StreamScheduler(Subsystem):
             seen.add(id(p))
             if len(seen) == need:
                 self._launch(index)
-            elif self._launched:  # a later backward (another loss) writing grads after updates ran: mark at its end
-                self._queue_end()
+            elif self._launched and self._ended:  # a later backward (another loss) writing grads before step():
+                self._queue_end()  # mark the grads at its end too (one C call a grad, only in such a backward)
 
         # autograd calls it, from the thread that runs backward: inside a function torch.compile traces, that is the
         # traced function's own (a CPU param's grad), and the hook and its launch run as they are, not traced
